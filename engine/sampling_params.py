@@ -1,0 +1,75 @@
+"""Per-request sampling options, validated when made so bad input fails before it is queued."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"invalid sampling parameter: {msg}")
+
+        if not isinstance(self.n, int) or self.n != 1:
+            # Parallel sampling arrives with the request-options issue; refuse rather than ignore.
+            raise bad(f"n must be 1 (got {self.n!r})")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
+                                            or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
+            raise bad(f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad(f"min_tokens must be an integer >= 0 (got {self.min_tokens!r})")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise bad(f"{name} must be a finite number (got {value!r})")
+        if self.temperature < 0:
+            raise bad(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1] (got {self.top_p})")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1] (got {self.min_p})")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise bad(f"top_k must be -1, 0 (off) or a positive integer (got {self.top_k!r})")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad(f"seed must be an integer (got {self.seed!r})")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad(f"stop strings must be non-empty strings (got {s!r})")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise bad(f"stop_token_ids must be non-negative integers (got {t!r})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,1 @@
+"""KServe predictor for the kserve-paged engine."""

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test command: sets up a fresh machine (scripts/setup.sh), lints, and runs the whole suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+VENV="${KSERVE_PAGED_VENV:-.venv}"
+"$VENV/bin/ruff" check .
+set +e
+"$VENV/bin/python" -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests: that is a failure" >&2
+  exit 1
+fi
+exit "$rc"
