@@ -23,8 +23,9 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128 (got {self.block_size})")
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two from 1 to 256 (got {bs})")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1 (got {self.num_kv_blocks})")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

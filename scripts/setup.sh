@@ -23,3 +23,23 @@ fi
 if "$PY" -c "import engine.default_model" 2>/dev/null; then
   "$PY" -m engine prepare
 fi
+# --- kubectl (issue 6) -------------------------------------------------------------------------
+# tests/manifests builds the kustomize overlays with `kubectl kustomize` (offline). Install
+# Debian's kubernetes-client only when no kubectl is on PATH. Never fails the setup: without apt
+# (or root / passwordless sudo) the kustomize test skips and says why.
+if ! command -v kubectl >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then SUDO="sudo -n"; fi
+    export DEBIAN_FRONTEND=noninteractive
+    if ! { $SUDO apt-get install -y -q kubernetes-client >/dev/null 2>&1 \
+           || { $SUDO apt-get update -q >/dev/null 2>&1 \
+                && $SUDO apt-get install -y -q kubernetes-client >/dev/null 2>&1; }; }; then
+      echo "setup: could not install kubectl (apt-get install kubernetes-client failed);" \
+           "the kustomize test will skip" >&2
+    fi
+  else
+    echo "setup: no kubectl and no apt-get; the kustomize test will skip" >&2
+  fi
+fi
+# --- end kubectl -------------------------------------------------------------------------------

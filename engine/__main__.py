@@ -1,0 +1,39 @@
+"""`python -m engine prepare` converts the default model; `generate "text"` runs it offline."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("prepare", help="install and convert the default model once; print its path")
+    gen = sub.add_parser("generate", help="complete a prompt with the offline engine")
+    gen.add_argument("prompt", nargs="*", default=["The capital of France is"])
+    gen.add_argument("--model", default=None, help="local HF folder or .gguf (default model)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="apply the chat template")
+    args = ap.parse_args(argv)
+    if args.cmd == "prepare":
+        from engine.default_model import main as prepare
+        return prepare()
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=args.model)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed)
+    prompt = " ".join(args.prompt)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
+    else:
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

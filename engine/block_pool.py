@@ -1,0 +1,170 @@
+"""Physical KV blocks: ref counts, the eviction-ordered free queue, and the prefix-cache index.
+
+A free block may still hold a cached prefix: it stays findable by its hash until allocation pops
+it from the head of the free queue, which evicts it. Freed blocks join the tail, so the block
+freed longest ago is evicted first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        # Links of the free queue; both None when the block is not in it.
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) pop, append and removal from the middle.
+
+    A prefix hit on a freed cached block takes it out of the middle of the queue, which a deque
+    cannot do in O(1).
+    """
+
+    def __init__(self, blocks: Sequence[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        block.prev_free, block.next_free = last, self._tail
+        last.next_free = block
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        prev.next_free, nxt.prev_free = nxt, prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def popleft(self) -> KVBlock:
+        first = self._head.next_free
+        if first is None or first is self._tail:
+            raise RuntimeError("no free block")
+        self.remove(first)
+        return first
+
+    def __iter__(self):
+        node = self._head.next_free
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next_free
+
+    def __len__(self) -> int:
+        return self.num_free
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes | None = None) -> bytes:
+    """Chained SHA-256 key of one full block: (parent key, this block's tokens, extra keys)."""
+    h = hashlib.sha256()
+    h.update(parent if parent is not None else b"\x00" * 32)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if extra:
+        h.update(b"\x01")
+        h.update(extra)
+    return h.digest()
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1 (got {num_blocks})")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.free_queue.num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Pop n blocks from the head of the free queue, evicting any cached prefix they hold."""
+        if n > self.free_queue.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.free_queue.num_free} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._uncache(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on prefix-hit blocks, pulling freed ones back out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference each; blocks reaching zero join the free queue in the given order."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+        """Make a full block findable by its hash; a hash already cached keeps its first block."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def _uncache(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+    def uncache(self, block: KVBlock) -> None:
+        self._uncache(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any block is in use."""
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True

@@ -1,0 +1,161 @@
+"""Building blocks of Llama-family decoders: RMSNorm, rotary embedding, SwiGLU MLP.
+
+They work on flat token batches (`[num_tokens, ...]`, all sequences concatenated), the shape the
+paged engine schedules, rather than transformers' padded `[batch, seq, ...]`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, optionally fused with the residual add that precedes it.
+
+    The variance is taken in float32 and the normalised value cast back before the weight
+    multiply, as transformers does, so float32 and bfloat16 results match it bit for bit.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)`."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The RoPE settings of a config as one dict with `rope_type` and `rope_theta`.
+
+    transformers 5.x keeps them in `config.rope_parameters`; older configs have `rope_theta`
+    plus an optional `rope_scaling` dict (whose type key may be `type` or `rope_type`).
+    """
+    params: dict[str, Any] = {}
+    new = getattr(config, "rope_parameters", None)
+    old = getattr(config, "rope_scaling", None)
+    if isinstance(new, Mapping) and new:
+        params.update(new)
+    elif isinstance(old, Mapping) and old:
+        params.update(old)
+    if any(isinstance(v, Mapping) for v in params.values()):
+        raise ValueError("per-layer-type RoPE parameters are not supported by this engine")
+    params.setdefault("rope_type", params.pop("type", "default"))
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    if params["rope_type"] == "llama3":
+        params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    return params
+
+
+def _inv_freq(head_dim: int, params: Mapping[str, Any]) -> torch.Tensor:
+    """Per-pair inverse frequencies (float32, `[head_dim // 2]`) after the rope type's scaling."""
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported by this engine")
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (base ** exponents)
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "llama3":
+        # Llama 3.1: stretch low frequencies by `factor`, keep high ones, blend in between.
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half layout) from a cos/sin table built once.
+
+    The table holds `[max_positions, head_dim // 2]` angles' cos and sin, computed in float32
+    and stored in the module's dtype (as transformers casts them), so a step only gathers rows.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, params: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.params = dict(params)
+        _inv_freq(head_dim, self.params)  # validate early, even when built on the meta device
+        cos, sin = self._table(torch.get_default_device())
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device.type == "meta":
+            shape = (self.max_positions, self.head_dim // 2)
+            return torch.empty(shape, device=device), torch.empty(shape, device=device)
+        inv_freq = _inv_freq(self.head_dim, self.params)
+        pos = torch.arange(self.max_positions, dtype=torch.int64).float()
+        angles = torch.outer(pos, inv_freq)
+        return angles.cos().to(device), angles.sin().to(device)
+
+    def rebuild(self) -> None:
+        """Recompute the table in place (after `to_empty()` left it uninitialised)."""
+        cos, sin = self._table(self.cos.device)
+        self.cos = cos.to(self.cos.dtype)
+        self.sin = sin.to(self.sin.dtype)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q `[T, Hq, D]` and k `[T, Hk, D]` by their tokens' positions `[T]`."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Equals x*cat(cos,cos) + rotate_half(x)*cat(sin,sin) elementwise, without the doubled table.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class SwiGLUMLP(nn.Module):
+    """`down(silu(gate(x)) * up(x))` with gate and up fused into one `[2*I, H]` matmul.
+
+    One larger GEMM instead of two keeps the CPU's cores busier on small batches and reads x once.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,277 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over the paged KV cache.
+
+Written for the engine's step shape: one flat batch of new tokens from many sequences, their
+positions, and `AttentionMetadata` saying where each sequence's context lives in the cache. q/k/v
+and gate/up are fused into single matmuls; weights are loaded from transformers' names and
+fused at load time (`load_weights`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention import Attention, AttentionMetadata
+from engine.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rope_parameters
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+# Checkpoint entries that carry no weights we need (old checkpoints saved RoPE buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+# transformers' unfused projection -> (our fused module, shard name).
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def architecture_of(config: Any) -> str:
+    """The config's supported architecture name, or ValueError naming the supported ones."""
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs:
+        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                   "qwen2": "Qwen2ForCausalLM"}
+        model_type = getattr(config, "model_type", None)
+        archs = [by_type[model_type]] if model_type in by_type else []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise ValueError(f"unsupported model architecture {archs or getattr(config, 'model_type', None)}"
+                     f"; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def sliding_window_of(config: Any) -> int | None:
+    """The attention window if any layer uses one (Mistral v0.1, Qwen2 with use_sliding_window)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(config, "model_type", None) == "qwen2" and not getattr(
+            config, "use_sliding_window", False):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+class LlamaAttention(nn.Module):
+    """Fused qkv projection, RoPE, paged attention, output projection."""
+
+    def __init__(self, config: Any, head_dim: int, rotary: RotaryEmbedding, qkv_bias: bool,
+                 o_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.rotary = [rotary]  # shared, kept out of the module tree so it is built once
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary[0](positions, q, k)
+        out = self.attn(q, k, v.contiguous(), kv_cache, meta)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual add is fused into the next norm."""
+
+    def __init__(self, config: Any, head_dim: int, rotary: RotaryEmbedding, qkv_bias: bool,
+                 o_bias: bool, mlp_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, head_dim, rotary, qkv_bias, o_bias)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, bias=mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (transformers' `model.*` names)."""
+
+    def __init__(self, config: Any, head_dim: int, rotary: RotaryEmbedding, qkv_bias: bool,
+                 o_bias: bool, mlp_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, head_dim, rotary, qkv_bias, o_bias, mlp_bias)
+            for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Paged-cache Llama-family causal LM.
+
+    `forward` maps a flat batch of new tokens to final hidden states; `compute_logits` projects
+    only the rows the runner needs (one per sequence) to float32 logits.
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.architecture = architecture_of(config)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu'")
+        if getattr(config, "pretraining_tp", 1) not in (None, 1):
+            raise ValueError("pretraining_tp > 1 is not supported")
+        self.num_layers: int = config.num_hidden_layers
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = config.num_key_value_heads
+        self.head_dim: int = (getattr(config, "head_dim", None)
+                              or config.hidden_size // config.num_attention_heads)
+        self.hidden_size: int = config.hidden_size
+        self.vocab_size: int = config.vocab_size
+        self.max_position_embeddings: int = config.max_position_embeddings
+        self.sliding_window: int | None = sliding_window_of(config)
+        self.tie_word_embeddings: bool = bool(getattr(config, "tie_word_embeddings", False))
+
+        if self.architecture == "Qwen2ForCausalLM":
+            qkv_bias, o_bias, mlp_bias = True, False, False
+        elif self.architecture == "MistralForCausalLM":
+            qkv_bias = o_bias = mlp_bias = False
+        else:
+            qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
+            mlp_bias = bool(getattr(config, "mlp_bias", False))
+
+        self.rotary_emb = RotaryEmbedding(self.head_dim, self.max_position_embeddings,
+                                          rope_parameters(config))
+        self.model = LlamaModel(config, self.head_dim, self.rotary_emb, qkv_bias, o_bias,
+                                mlp_bias)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """Raise if `max_model_len` needs something this model code does not do.
+
+        We have no sliding-window attention: a sliding-window model is served with full
+        attention, which is exact only while no sequence is longer than the window.
+        """
+        if max_model_len > self.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {self.max_position_embeddings}")
+        if self.sliding_window is not None and max_model_len > self.sliding_window:
+            raise ValueError(
+                f"this model uses sliding-window attention (window {self.sliding_window}), which "
+                f"the engine does not implement; set max_model_len <= {self.sliding_window} "
+                f"(got {max_model_len}) so full attention is exact")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids/positions `[T]` (all sequences' new tokens) -> hidden `[T, hidden_size]`."""
+        x = self.model.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden `[N, hidden_size]` -> float32 logits `[N, vocab_size]`."""
+        return self.lm_head(hidden).float()
+
+    def expected_weights(self) -> set[str]:
+        """transformers' parameter names this model needs from a checkpoint."""
+        names: set[str] = set()
+        for name, _ in self.named_parameters():
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, module = module_path.rpartition(".")
+            if module == "qkv_proj":
+                names.update(f"{parent}.{p}.{leaf}" for p in ("q_proj", "k_proj", "v_proj"))
+            elif module == "gate_up_proj":
+                names.update(f"{parent}.{p}.{leaf}" for p in ("gate_proj", "up_proj"))
+            else:
+                names.add(name)
+        return names
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy transformers-named tensors in, fusing q/k/v and gate/up into their shards.
+
+        Raises ValueError for a tensor we have no place for, a shape mismatch, or any needed
+        tensor the checkpoint lacks.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        expected = self.expected_weights()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied: transformers ignores a saved copy too
+            if hf_name not in expected:
+                unexpected.append(hf_name)
+                continue
+            module_path, _, leaf = hf_name.rpartition(".")
+            parent, _, module = module_path.rpartition(".")
+            if module in _FUSED:
+                fused, shard = _FUSED[module]
+                target = self._shard(params[f"{parent}.{fused}.{leaf}"], fused, shard)
+            else:
+                target = params[hf_name]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)} != "
+                                 f"model shape {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(hf_name)
+        if unexpected:
+            raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) this "
+                             f"{self.architecture} has no place for, e.g. {sorted(unexpected)[:5]}")
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. "
+                             f"{sorted(missing)[:5]}")
+
+    def _shard(self, param: torch.Tensor, fused: str, shard: str) -> torch.Tensor:
+        """The rows of a fused weight/bias that one unfused projection fills."""
+        if fused == "qkv_proj":
+            q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+        else:
+            inter = param.shape[0] // 2
+            start, size = (0, inter) if shard == "gate" else (inter, inter)
+        return param.narrow(0, start, size)
+
+    def tie_weights(self) -> None:
+        """Share the LM head with the input embedding when the config says so."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def materialize(self, device: torch.device) -> None:
+        """Allocate a model built on the meta device: storage on `device`, ties, RoPE table.
+
+        `to_empty()` gives each module its own fresh tensor, which unties shared weights, and
+        leaves buffers uninitialised, so both are redone here. Weights come next (`load_weights`).
+        """
+        self.to_empty(device=device)
+        self.tie_weights()
+        self.rotary_emb.rebuild()

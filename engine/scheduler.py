@@ -1,0 +1,296 @@
+"""One token-budget scheduler for prefill chunks, decodes, prefix hits and preemption.
+
+Each step hands out `{request_id: num_new_tokens}`: a running request asks for whatever it has
+not computed yet (one token when decoding, the rest of its prompt when prefilling), a waiting
+request asks for its prompt minus its prefix hit. Long asks are cut to the budget, which is
+chunked prefill; a request whose blocks cannot be allocated evicts a worse one, which is
+preemption by recompute. So the features compose instead of living in separate code paths.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Requests in execution order with their token counts.
+    num_scheduled_tokens: dict[str, int]
+    scheduled: list[Request]
+    total_num_scheduled_tokens: int
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """FCFS: arrival order, preempted requests back at the front. Priority: (priority, arrival)."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def push(self, request: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            key = (request.priority, request.arrival_time, next(self._counter), request)
+            heapq.heappush(self._heap, key)
+        elif front:
+            self._fifo.appendleft(request)
+        else:
+            self._fifo.append(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[3] is not request]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+    def __iter__(self):
+        if self.policy == "priority":
+            return (e[3] for e in sorted(self._heap))
+        return iter(self._fifo)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.policy = config.scheduling_policy
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(self.policy)
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ admission
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or refuse it at once if it could never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        n = request.num_prompt_tokens
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but the maximum context length is "
+                f"{self.max_model_len} tokens (prompt plus at least one generated token)")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self.waiting.push(request)
+
+    def _policy_key(self, request: Request) -> tuple[int, float]:
+        prio = request.priority if self.policy == "priority" else 0
+        return (prio, request.arrival_time)
+
+    # ------------------------------------------------------------ scheduling
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        order: list[Request] = []
+        preempted: list[str] = []
+        now = time.monotonic()
+
+        def victim_for(candidate: Request) -> Request | None:
+            """The worst running request not yet scheduled this step, if worse than candidate.
+
+            Requests scheduled in this step are never victims: their new blocks are already
+            registered in the prefix cache, and others may have hit them in this step.
+            """
+            pool = [r for r in self.running if r.request_id not in scheduled]
+            if not pool:
+                return None
+            worst = max(pool, key=self._policy_key)
+            if candidate.status is RequestStatus.RUNNING:
+                return worst  # may be the candidate itself
+            return worst if self._policy_key(worst) > self._policy_key(candidate) else None
+
+        def preempt(victim: Request) -> None:
+            self.running.remove(victim)
+            self.kv.free(victim)  # before resetting computed tokens, see KVCacheManager.free
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.PREEMPTED
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.push(victim, front=True)
+            preempted.append(victim.request_id)
+
+        # Running requests first (in order), each asking for what it has not computed yet.
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if self.policy == "priority" and len(self.waiting):
+                # A better waiting request goes before this (worse) running one.
+                budget = self._admit_waiting(budget, scheduled, order, now, victim_for, preempt,
+                                             better_than=self._policy_key(request))
+                if request.status is not RequestStatus.RUNNING or budget == 0:
+                    continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = victim_for(request)
+                assert victim is not None
+                preempt(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            scheduled[request.request_id] = num_new
+            order.append(request)
+            budget -= num_new
+
+        # Then waiting requests by policy, while budget, sequence slots and blocks last.
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled, order, now, victim_for, preempt)
+
+        total = sum(scheduled.values())
+        return SchedulerOutput(scheduled, order, total, preempted)
+
+    def _admit_waiting(self, budget: int, scheduled: dict[str, int], order: list[Request],
+                       now: float, victim_for: Callable[[Request], Request | None],
+                       preempt: Callable[[Request], None],
+                       better_than: tuple[int, float] | None = None) -> int:
+        """Admit waiting requests in policy order; returns the budget left."""
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            if better_than is not None and self._policy_key(request) >= better_than:
+                break
+            # Waiting requests hold no blocks and have computed nothing (preemption resets).
+            hit = self.kv.find_prefix(request)
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            admitted = True
+            while not self.kv.allocate_slots(request, num_new, hit):
+                victim = victim_for(request)
+                if victim is None:
+                    admitted = False
+                    break
+                preempt(victim)
+                # Preemption may have evicted blocks the hit counted on: look again.
+                hit = self.kv.find_prefix(request)
+                num_new = min(request.num_tokens - hit.num_tokens, budget)
+            if not admitted:
+                break
+            self.waiting.pop()
+            self.kv.record_lookup(request, hit)
+            request.num_computed_tokens += hit.num_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = hit.num_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = num_new
+            order.append(request)
+            budget -= num_new
+        return budget
+
+    # ------------------------------------------------------------ after the model ran
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish what must finish.
+
+        `sampled` holds a token for each request whose scheduled tokens reached its end (a
+        prefill chunk that stops short samples nothing). Returns the requests finished here.
+        """
+        finished: list[Request] = []
+        for request in output.scheduled:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += output.num_scheduled_tokens[request.request_id]
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        n_out = request.num_output_tokens
+        if n_out >= params.min_tokens:
+            if (not params.ignore_eos and request.eos_token_id is not None
+                    and token == request.eos_token_id):
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        del self.requests[request.request_id]
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
+        """Finish (stop string, abort, error) requests by id; unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        done = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            self._finish(request, status)
+            done.append(request)
+        return done
+
+    def abort(self, request_id: str) -> bool:
+        return bool(self.finish_requests([request_id], RequestStatus.FINISHED_ABORTED))
+
+    # ------------------------------------------------------------ state
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, int | float]:
+        s = self.kv.stats()
+        bs = self.kv.block_size
+        slack = 0
+        for request in self.running:
+            cap = self.kv.num_blocks_of(request.request_id) * bs
+            slack += cap - min(request.num_tokens, cap)
+        s["kv_slots_used"] = s["kv_slots_allocated"] - slack
+        s["num_running"] = len(self.running)
+        s["num_waiting"] = len(self.waiting)
+        s["num_preemptions"] = self.num_preemptions
+        return s

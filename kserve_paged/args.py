@@ -1,0 +1,150 @@
+"""Command-line flags of the kserve-paged server (architecture.md, "Server").
+
+KServe's own flags (``--http_port``, ``--grpc_port``, ``--model_name``, ``--workers``, ...) come
+from ``kserve.model_server.parser``; this module adds the model directory and the engine flags.
+Defaults of the engine flags are those of :class:`engine.config.EngineConfig`, and the parsed
+values are validated by constructing one, so the flags and the engine cannot drift apart.
+
+Note: importing ``kserve.model_server`` runs ``parser.parse_known_args()`` on ``sys.argv`` once, to
+compute the defaults of ``kserve.ModelServer``'s constructor. It ignores unknown flags, so it never
+fails on ours, but the server should pass the values parsed here to ``ModelServer`` explicitly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from kserve.model_server import parser as kserve_parser
+
+from engine.config import SCHEDULING_POLICIES, EngineConfig
+
+DEFAULT_MODEL_DIR = "/mnt/models"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# Flags that map one to one onto EngineConfig fields of the same name.
+ENGINE_FLAGS = (
+    "dtype",
+    "block_size",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "num_kv_blocks",
+    "kv_cache_memory",
+    "enable_prefix_caching",
+    "scheduling_policy",
+)
+
+_TRUE = frozenset({"1", "true", "yes", "y", "on", "t"})
+_FALSE = frozenset({"0", "false", "no", "n", "off", "f"})
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_MEMORY_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]i?)?[bB]?\s*$")
+
+
+def _defaults() -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def parse_memory(text: str) -> float | int:
+    """``--kv_cache_memory``: a fraction of free device memory (``0 < x <= 1``) or bytes (``> 1``,
+    optionally with a unit: ``8e9``, ``16GiB``, ``512Mi``). Fractions stay floats, bytes are ints."""
+    match = _MEMORY_RE.match(str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"expected a fraction in (0, 1] or a byte count such as 8e9 or 16GiB, got {text!r}")
+    number = float(match.group(1))
+    unit = (match.group(2) or "").lower()
+    if unit:
+        return int(number * _UNITS[unit])
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"--kv_cache_memory must be > 0, got {text!r}")
+    return number if number <= 1 else int(number)
+
+
+class _BoolFlag(argparse.Action):
+    """``--flag`` sets True, ``--no_flag`` sets False, and (KServe style) ``--flag=false`` works."""
+
+    def __init__(self, option_strings, dest, default=None, help=None, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", default=default, help=help,
+                         metavar="BOOL", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        negated = option_string is not None and option_string.startswith("--no_")
+        if values is None or str(values).lower() in _TRUE:
+            value = True
+        elif str(values).lower() in _FALSE:
+            value = False
+        else:
+            parser.error(f"{option_string}: expected a boolean, got {values!r}")
+        setattr(namespace, self.dest, (not value) if negated else value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """KServe's model-server parser plus ``--model_dir`` and the engine flags."""
+    d = _defaults()
+    parser = argparse.ArgumentParser(
+        prog="python -m kserve_paged",
+        description="Serve an LLM on KServe with the kserve-paged engine.",
+        parents=[kserve_parser],
+        allow_abbrev=False,  # a misspelt flag in a manifest must fail, not match a longer one
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--model_dir", default=DEFAULT_MODEL_DIR,
+        help="Hugging Face model folder (KServe's storage initializer downloads storageUri here). "
+             "When it does not exist, the default model is served.")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default=d["dtype"], choices=DTYPES,
+                        help="Weights and activations dtype; auto: float32 on CPU, bfloat16 on CUDA.")
+    engine.add_argument("--block_size", type=_positive_int, default=d["block_size"],
+                        help="Tokens per KV-cache block.")
+    engine.add_argument("--max_model_len", type=_positive_int, default=d["max_model_len"],
+                        help="Longest sequence (prompt + output); default: the model's limit.")
+    engine.add_argument("--max_num_seqs", type=_positive_int, default=d["max_num_seqs"],
+                        help="Most sequences running in one engine step.")
+    engine.add_argument("--max_num_batched_tokens", type=_positive_int,
+                        default=d["max_num_batched_tokens"],
+                        help="Token budget of one engine step (chunked prefill above it).")
+    kv = engine.add_mutually_exclusive_group()
+    kv.add_argument("--num_kv_blocks", type=_positive_int, default=d["num_kv_blocks"],
+                    help="KV-cache size in blocks.")
+    kv.add_argument("--kv_cache_memory", type=parse_memory, default=d["kv_cache_memory"],
+                    help="KV-cache size: bytes if > 1 (units allowed: 16GiB), else a fraction of "
+                         "free device memory.")
+    engine.add_argument("--enable_prefix_caching", "--no_enable_prefix_caching",
+                        action=_BoolFlag, default=d["enable_prefix_caching"],
+                        help="Reuse KV blocks of shared prompt prefixes.")
+    engine.add_argument("--scheduling_policy", default=d["scheduling_policy"],
+                        choices=SCHEDULING_POLICIES, help="Order of admission of waiting requests.")
+    return parser
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig / LLM keyword options carried by parsed flags."""
+    return {name: getattr(args, name) for name in ENGINE_FLAGS}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv`` (default ``sys.argv[1:]``) strictly: unknown flags are errors, and engine
+    options that :class:`EngineConfig` rejects exit with a usage error too."""
+    parser = build_parser()
+    args = parser.parse_args(None if argv is None else list(argv))
+    try:
+        EngineConfig(**engine_kwargs(args))
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    return args

@@ -1,0 +1,215 @@
+"""Prometheus metrics of the kserve-paged server, under the names vLLM uses (architecture.md).
+
+Dashboards, KEDA queries and the Gateway API Inference Extension read these exact names, so they
+are a contract: ``vllm:num_requests_running``, ``vllm:prefix_cache_hits_total``, ... each with the
+label ``model_name``. They live in prometheus_client's default registry, which KServe serves on
+``/metrics``; pass ``registry=`` to use another one (tests do).
+
+prometheus_client details that matter here:
+- A Counter's family name drops a ``_total`` suffix and its samples add it back, so
+  ``Counter("vllm:prompt_tokens_total")`` exposes ``vllm:prompt_tokens_total`` (and
+  ``vllm:prompt_tokens_created``). Histograms expose ``_bucket``, ``_sum``, ``_count`` and
+  ``_created``. :func:`exposed_sample_names` lists every name a scrape can contain.
+- Its OpenMetrics encoder (0.2x, client_python issue #1177) turns ``:`` into ``_`` in sample lines
+  unless the scraper asked for ``escaping=allow-utf-8``; Prometheus 2.x asks for OpenMetrics
+  without it. :func:`render` negotiates the format without that defect.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import exposition as _exposition
+
+LABELS = ("model_name",)
+
+# Bucket bounds follow vLLM's, so its dashboards' quantiles read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# Engine stats keys (LLM.stats()) -> gauge attribute / counter attribute.
+GAUGE_STATS = {"num_running": "num_requests_running", "num_waiting": "num_requests_waiting",
+               "kv_usage": "kv_cache_usage_perc"}
+COUNTER_STATS = {"prefix_cache_queries": "prefix_cache_queries",
+                 "prefix_cache_hits": "prefix_cache_hits",
+                 "num_preemptions": "num_preemptions", "prompt_tokens": "prompt_tokens",
+                 "generation_tokens": "generation_tokens"}
+
+_SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",), "info": ("_info",),
+             "histogram": ("_bucket", "_sum", "_count", "_created"),
+             "summary": ("", "_sum", "_count", "_created")}
+
+
+class _Families:
+    """The metric families, created once per registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def gauge(name: str, doc: str, labels: Iterable[str] = LABELS) -> Gauge:
+            return Gauge(name, doc, list(labels), registry=registry)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, list(LABELS), registry=registry)
+
+        def histogram(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
+            return Histogram(name, doc, list(LABELS), buckets=list(buckets), registry=registry)
+
+        self.num_requests_running = gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage_perc = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_preemptions = counter(
+            "vllm:num_preemptions_total", "Cumulative number of preemptions from the engine.")
+        self.prompt_tokens = counter(
+            "vllm:prompt_tokens_total", "Number of prefill tokens processed.")
+        self.generation_tokens = counter(
+            "vllm:generation_tokens_total", "Number of generation tokens processed.")
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.", REQUEST_BUCKETS)
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in the waiting queue in seconds.", REQUEST_BUCKETS)
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine step.",
+            ITERATION_TOKEN_BUCKETS)
+        self.cache_config_info = gauge(
+            "vllm:cache_config_info", "Information of the KV-cache config (value 1).",
+            (*LABELS, "block_size", "num_gpu_blocks"))
+
+    def collectors(self) -> list[Any]:
+        return list(vars(self).values())
+
+
+_families_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = (
+    weakref.WeakKeyDictionary())
+_families_lock = threading.Lock()
+
+
+def _families(registry: CollectorRegistry | None) -> _Families:
+    registry = REGISTRY if registry is None else registry
+    with _families_lock:
+        families = _families_by_registry.get(registry)
+        if families is None:
+            families = _families_by_registry[registry] = _Families(registry)
+        return families
+
+
+class EngineMetrics:
+    """The metrics of one served model (label ``model_name``).
+
+    Instantiating it twice, for the same or another model, reuses the registry's families."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self._f = _families(registry)
+        self._last: dict[str, float] = {}
+        self._cache_config: tuple[str, str] | None = None
+        self._lock = threading.Lock()
+        f = self._f
+        # Create every labelled child now, so a scrape shows all series before the first request.
+        self._gauges = {key: getattr(f, attr).labels(model_name) for key, attr in GAUGE_STATS.items()}
+        self._counters = {key: getattr(f, attr).labels(model_name)
+                          for key, attr in COUNTER_STATS.items()}
+        self._ttft = f.time_to_first_token.labels(model_name)
+        self._itl = f.inter_token_latency.labels(model_name)
+        self._e2e = f.e2e_request_latency.labels(model_name)
+        self._queue = f.request_queue_time.labels(model_name)
+        self._iteration_tokens = f.iteration_tokens.labels(model_name)
+
+    def update(self, stats: Mapping[str, Any]) -> None:
+        """Apply an engine stats dict (``LLM.stats()``): gauges are set; counters take the
+        increase of the cumulative counts since the last call (a count that went down means the
+        engine restarted, and counts from zero again). Keys absent from ``stats`` are left alone."""
+        with self._lock:
+            for key, child in self._gauges.items():
+                if stats.get(key) is not None:
+                    child.set(float(stats[key]))
+            for key, child in self._counters.items():
+                if stats.get(key) is None:
+                    continue
+                value = float(stats[key])
+                last = self._last.get(key, 0.0)
+                increase = value - last if value >= last else value
+                if increase > 0:
+                    child.inc(increase)
+                self._last[key] = value
+
+    def set_cache_config(self, block_size: int, num_gpu_blocks: int) -> None:
+        """``vllm:cache_config_info{block_size, num_gpu_blocks}`` = 1 (one series per model)."""
+        labels = (str(block_size), str(num_gpu_blocks))
+        with self._lock:
+            info = self._f.cache_config_info
+            if self._cache_config is not None and self._cache_config != labels:
+                info.remove(self.model_name, *self._cache_config)
+            info.labels(self.model_name, *labels).set(1)
+            self._cache_config = labels
+
+    def observe_time_to_first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_inter_token_latency(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def observe_e2e_request_latency(self, seconds: float) -> None:
+        self._e2e.observe(seconds)
+
+    def observe_request_queue_time(self, seconds: float) -> None:
+        self._queue.observe(seconds)
+
+    def observe_iteration_tokens(self, num_tokens: int) -> None:
+        self._iteration_tokens.observe(num_tokens)
+
+
+def _described(registry: CollectorRegistry | None) -> list[tuple[str, str]]:
+    families = _families(CollectorRegistry() if registry is None else registry)
+    return [(m.name, m.type) for c in families.collectors() for m in c.describe()]
+
+
+def metric_names(registry: CollectorRegistry | None = None) -> frozenset[str]:
+    """The names as documented (and as vLLM documents them): gauges and histograms by their
+    name, counters with ``_total``. Derived from the collectors this module registers."""
+    return frozenset(name + "_total" if kind == "counter" else name
+                     for name, kind in _described(registry))
+
+
+def exposed_sample_names(registry: CollectorRegistry | None = None) -> frozenset[str]:
+    """Every sample name a scrape of these metrics can contain (``_bucket``, ``_created``, ...),
+    derived from the collectors this module registers. PromQL may use exactly these."""
+    return frozenset(name + suffix for name, kind in _described(registry)
+                     for suffix in _SUFFIXES[kind])
+
+
+def render(accept_header: str | None = None,
+           registry: CollectorRegistry | None = None) -> tuple[bytes, str]:
+    """The body and content type for a ``/metrics`` request with this ``Accept`` header.
+
+    prometheus_client's negotiation, except that OpenMetrics with ``underscores`` escaping (what
+    Prometheus 2.x asks for) is answered in the classic text format instead, which keeps the
+    ``vllm:`` names intact (see the module docstring)."""
+    registry = REGISTRY if registry is None else registry
+    encoder, content_type = _exposition.choose_encoder(accept_header or "")
+    if content_type.startswith("application/openmetrics-text") and "allow-utf-8" not in content_type:
+        return _exposition.generate_latest(registry), _exposition.CONTENT_TYPE_PLAIN_0_0_4
+    return encoder(registry), content_type

@@ -1,0 +1,50 @@
+"""The block pool: free-queue order, O(1) removal, ref counts, eviction of cached blocks."""
+
+import pytest
+
+from engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block
+
+
+def test_free_queue_pops_in_order_and_removes_from_the_middle():
+    blocks = [KVBlock(i) for i in range(5)]
+    q = FreeBlockQueue(blocks)
+    q.remove(blocks[2])
+    assert [b.block_id for b in q] == [0, 1, 3, 4]
+    assert q.popleft().block_id == 0
+    q.append(blocks[2])
+    assert [b.block_id for b in q] == [1, 3, 4, 2]
+    assert len(q) == 4
+    with pytest.raises(RuntimeError):
+        q.remove(KVBlock(99))
+
+
+def test_allocate_evicts_cached_block_and_counts_refs():
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    h = hash_block(None, [1, 2, 3])
+    pool.cache(a, h)
+    assert pool.lookup(h) is a
+    pool.free([a, b])
+    assert pool.num_free_blocks == 3
+    # Block 2 was never used, so it comes first; then a (freed first), which loses its key.
+    assert pool.allocate(1)[0].block_id == 2
+    assert pool.lookup(h) is a
+    assert pool.allocate(1)[0] is a
+    assert pool.lookup(h) is None and a.block_hash is None
+
+
+def test_double_free_is_an_error():
+    pool = BlockPool(2)
+    (a,) = pool.allocate(1)
+    pool.free([a])
+    with pytest.raises(RuntimeError):
+        pool.free([a])
+
+
+def test_hash_chains_parent_tokens_and_extra():
+    h1 = hash_block(None, [1, 2])
+    assert h1 == hash_block(None, [1, 2])
+    assert h1 != hash_block(None, [1, 3])
+    assert h1 != hash_block(None, [1, 2], b"salt")
+    assert hash_block(h1, [5]) != hash_block(hash_block(None, [1, 3]), [5])
+    assert len(h1) == 32

@@ -1,0 +1,124 @@
+"""Random add / step / abort / finish sequences against a small pool, checked after every step.
+
+A simulated KV store records which token each slot holds, so a prefix hit or a block shared
+between requests that pointed at the wrong content would be caught, not only bookkeeping slips.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.request import RequestStatus
+from tests.core_helpers import make_request, make_scheduler
+
+BS = 4
+NUM_BLOCKS = 24
+BUDGET = 48
+MAX_SEQS = 6
+OPS_PER_EXAMPLE = 200
+EXAMPLES = 60  # 12,000 operations per run
+
+PREFIXES = [[], list(range(500, 512)), list(range(600, 609)), list(range(500, 508))]
+
+op_strategy = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, len(PREFIXES) - 1), st.integers(1, 30),
+              st.integers(1, 25), st.sampled_from([None, "t1"]), st.integers(0, 3)),
+    st.tuples(st.just("step"), st.integers(0, 2**31)),
+    st.tuples(st.just("step"), st.integers(0, 2**31)),
+    st.tuples(st.just("abort"), st.integers(0, 100)),
+    st.tuples(st.just("finish"), st.integers(0, 100)),
+)
+
+
+def check_invariants(sched) -> None:
+    kv = sched.kv
+    pool = kv.pool
+    free_ids = {b.block_id for b in pool.free_queue}
+    assert len(free_ids) == pool.num_free_blocks
+    holders = {i: 0 for i in range(pool.num_blocks)}
+    for blocks in kv.req_blocks.values():
+        for b in blocks:
+            holders[b.block_id] += 1
+    for b in pool.blocks:
+        assert b.ref_cnt >= 0
+        assert b.ref_cnt == holders[b.block_id], (b, holders[b.block_id])
+        assert (b.block_id in free_ids) == (b.ref_cnt == 0)
+    for h, b in pool.cached.items():
+        assert b.block_hash == h
+    for req in sched.running:
+        assert kv.num_blocks_of(req.request_id) * BS >= req.num_computed_tokens
+    for req in sched.waiting:
+        assert kv.num_blocks_of(req.request_id) == 0 and req.num_computed_tokens == 0
+    assert len(sched.running) <= MAX_SEQS
+
+
+def run_step(sched, kv_store: dict[int, tuple[int, int]], seed: int) -> None:
+    out = sched.schedule()
+    assert out.total_num_scheduled_tokens <= BUDGET
+    assert len(out.scheduled) <= MAX_SEQS
+    for req in out.scheduled:
+        n = out.num_scheduled_tokens[req.request_id]
+        assert n >= 1
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        assert end <= req.num_tokens
+        ids = sched.kv.block_ids(req.request_id)
+        assert len(ids) * BS >= end
+        for pos in range(start, end):  # store_kv of the new tokens
+            kv_store[ids[pos // BS] * BS + pos % BS] = (req.token_at(pos), pos)
+    for req in out.scheduled:  # attention reads every position up to the new ones
+        n = out.num_scheduled_tokens[req.request_id]
+        ids = sched.kv.block_ids(req.request_id)
+        for pos in range(req.num_computed_tokens + n):
+            assert kv_store.get(ids[pos // BS] * BS + pos % BS) == (req.token_at(pos), pos), \
+                f"{req.request_id} reads wrong KV at position {pos}"
+    sampled = {}
+    for i, req in enumerate(out.scheduled):
+        n = out.num_scheduled_tokens[req.request_id]
+        if req.num_computed_tokens + n == req.num_tokens:
+            sampled[req.request_id] = (seed >> (i % 24)) % 40 + 1  # token 2 is EOS
+    sched.update_from_output(out, sampled)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(op_strategy, min_size=OPS_PER_EXAMPLE, max_size=OPS_PER_EXAMPLE),
+       st.sampled_from(["fcfs", "priority"]), st.booleans())
+def test_random_operations_keep_the_pool_consistent(ops, policy, caching):
+    sched = make_scheduler(num_blocks=NUM_BLOCKS, block_size=BS, budget=BUDGET,
+                           max_num_seqs=MAX_SEQS, caching=caching, policy=policy)
+    kv_store: dict[int, tuple[int, int]] = {}
+    counter = itertools.count()
+    for op in ops:
+        kind = op[0]
+        if kind == "add":
+            _, p, length, max_tokens, salt, prio = op
+            rid = f"r{next(counter)}"
+            tokens = PREFIXES[p] + [1000 + (i * 7 + int(rid[1:])) % 50 for i in range(length)]
+            req = make_request(rid, tokens, max_tokens=max_tokens, salt=salt, priority=prio,
+                               ignore_eos=bool(prio % 2))
+            try:
+                sched.add_request(req)
+            except ValueError:
+                assert len(tokens) >= sched.max_model_len
+        elif kind == "step":
+            run_step(sched, kv_store, op[1])
+        elif kind == "abort":
+            ids = list(sched.requests)
+            if ids:
+                sched.abort(ids[op[1] % len(ids)])
+            sched.abort("no-such-request")
+        elif kind == "finish":
+            running = [r.request_id for r in sched.running]
+            if running:
+                sched.finish_requests([running[op[1] % len(running)]],
+                                      RequestStatus.FINISHED_STOPPED)
+        check_invariants(sched)
+    for rid in list(sched.requests):
+        sched.abort(rid)
+    check_invariants(sched)
+    assert sched.kv.num_free_blocks == NUM_BLOCKS
+    assert all(b.ref_cnt == 0 for b in sched.kv.pool.blocks)
+    assert not sched.requests and not sched.running and not len(sched.waiting)

@@ -1,0 +1,154 @@
+"""The token-budget scheduler: chunked prefill, policies, preemption, admission errors."""
+
+import pytest
+
+from engine.request import RequestStatus
+from tests.core_helpers import fake_step, make_request, make_scheduler, run_to_completion
+
+
+def step(sched):
+    out = sched.schedule()
+    sched.update_from_output(out, fake_step(sched, out))
+    return out
+
+
+def test_chunked_prefill_splits_three_long_prompts_over_the_budget():
+    sched = make_scheduler(num_blocks=256, budget=1024)
+    reqs = {rid: make_request(rid, 1000, max_tokens=4) for rid in "abc"}
+    for req in reqs.values():
+        sched.add_request(req)
+    splits = [step(sched).num_scheduled_tokens for _ in range(4)]
+    assert splits[0] == {"a": 1000, "b": 24}
+    assert splits[1] == {"a": 1, "b": 976, "c": 47}
+    assert splits[2] == {"a": 1, "b": 1, "c": 953}
+    assert splits[3] == {"a": 1, "b": 1, "c": 1}
+    assert all(sum(s.values()) <= 1024 for s in splits)
+    # A chunk that stops short of the prompt's end samples nothing.
+    assert [reqs[r].num_output_tokens for r in "abc"] == [4, 3, 2]
+
+
+def test_prefix_hit_counts_as_computed_and_shrinks_the_chunk():
+    sched = make_scheduler(num_blocks=256, budget=4096)
+    shared = list(range(1000, 1400))
+    sched.add_request(make_request("a", shared + [1] * 20))
+    sched.add_request(make_request("b", shared + [2] * 20))
+    out = sched.schedule()
+    # b is admitted in the same step and already hits a's 25 full blocks (400 tokens).
+    assert out.num_scheduled_tokens == {"a": 420, "b": 20}
+    assert sched.requests["b"].num_cached_tokens == 400
+
+
+def test_max_num_seqs_caps_running_requests():
+    sched = make_scheduler(num_blocks=256, max_num_seqs=3)
+    for i in range(5):
+        sched.add_request(make_request(f"r{i}", 20))
+    out = step(sched)
+    assert len(out.scheduled) == 3 and sched.num_waiting == 2
+    run_to_completion(sched)
+
+
+def test_preemption_picks_the_latest_arrival_and_recomputes_it():
+    # 6 blocks of 16; three requests of 30 tokens take 2 blocks each; decoding needs more.
+    sched = make_scheduler(num_blocks=6, budget=512)
+    for i, rid in enumerate("abc"):
+        sched.add_request(make_request(rid, 30, max_tokens=10, arrival=float(i)))
+    for _ in range(3):  # prefill (30 tokens, one sampled), then decodes up to 32 tokens
+        assert not step(sched).preempted
+    assert sched.kv.num_free_blocks == 0
+    out = step(sched)
+    # a needs a third block for its 33rd token: c (latest) is preempted to make room.
+    assert out.preempted == ["c"]
+    c = sched.requests["c"]
+    assert c.status is RequestStatus.PREEMPTED and c.num_computed_tokens == 0
+    assert c.num_output_tokens == 3  # its sampled tokens are kept and recomputed later  # its sampled token is kept and recomputed later
+    assert sched.num_preemptions == 1
+    outs = run_to_completion(sched)
+    assert sched.kv.num_free_blocks == 6
+    assert all(o.total_num_scheduled_tokens <= 512 for o in outs)
+
+
+def test_priority_arrival_preempts_the_lowest_priority_running_request():
+    sched = make_scheduler(num_blocks=8, budget=512, policy="priority")
+    sched.add_request(make_request("low", 60, max_tokens=50, priority=5, arrival=0.0))
+    sched.add_request(make_request("mid", 60, max_tokens=50, priority=1, arrival=1.0))
+    step(sched)
+    assert sched.kv.num_free_blocks == 0
+    sched.add_request(make_request("high", 40, max_tokens=5, priority=0, arrival=2.0))
+    out = step(sched)
+    assert out.preempted == ["low"]
+    assert "high" in out.num_scheduled_tokens and "mid" in out.num_scheduled_tokens
+    assert sched.requests["low"].status is RequestStatus.PREEMPTED
+    run_to_completion(sched)
+    assert sched.kv.num_free_blocks == 8
+
+
+def test_priority_policy_orders_waiting_by_priority_then_arrival():
+    sched = make_scheduler(num_blocks=256, max_num_seqs=1, policy="priority")
+    sched.add_request(make_request("late-important", 10, priority=-1, arrival=5.0))
+    sched.add_request(make_request("early", 10, priority=0, arrival=1.0))
+    sched.add_request(make_request("early-important", 10, priority=-1, arrival=2.0))
+    firsts = []
+    while sched.has_unfinished():
+        out = step(sched)
+        for r in out.scheduled:
+            if r.request_id not in firsts:
+                firsts.append(r.request_id)
+    assert firsts == ["early-important", "late-important", "early"]
+
+
+def test_fcfs_never_starves_the_head_of_the_queue():
+    # A big request at the head waits for blocks while small ones keep arriving behind it.
+    sched = make_scheduler(num_blocks=10, budget=256, max_num_seqs=8)
+    sched.add_request(make_request("first", 60, max_tokens=20))
+    step(sched)
+    sched.add_request(make_request("big", 140, max_tokens=2))
+    steps_until_big = None
+    for i in range(200):
+        if i % 3 == 0:
+            sched.add_request(make_request(f"s{i}", 10, max_tokens=3))
+        out = step(sched)
+        if "big" in out.num_scheduled_tokens:
+            steps_until_big = i
+            break
+        # nothing queued behind the head jumps ahead of it
+        assert all(not r.request_id.startswith("s") for r in out.scheduled)
+    assert steps_until_big is not None
+    run_to_completion(sched)
+
+
+def test_requests_that_can_never_fit_are_refused_when_added():
+    sched = make_scheduler(num_blocks=4, block_size=16)  # pool = 64 tokens = max_model_len
+    with pytest.raises(ValueError, match="maximum context length"):
+        sched.add_request(make_request("long", 64))
+    with pytest.raises(ValueError, match="empty"):
+        make_request("empty", [])
+    sched.add_request(make_request("ok", 10))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(make_request("ok", 10))
+    assert sched.abort("unknown") is False
+    assert sched.kv.num_free_blocks == 4
+
+
+def test_request_stops_at_max_model_len_with_length():
+    sched = make_scheduler(num_blocks=4, block_size=16)
+    req = make_request("r", 60, max_tokens=100)
+    sched.add_request(req)
+    run_to_completion(sched)
+    assert req.num_tokens == 64 and req.finish_reason == "length"
+
+
+def test_eos_stop_token_and_min_tokens():
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+    sched = make_scheduler()
+    eos = Request("eos", [5, 6, 7], SamplingParams(max_tokens=10), eos_token_id=7)
+    stop = Request("stop", [5, 6], SamplingParams(max_tokens=10, stop_token_ids=[7]))
+    ign = Request("ign", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True), eos_token_id=7)
+    mint = Request("min", [5], SamplingParams(max_tokens=10, min_tokens=2), eos_token_id=7)
+    for r in (eos, stop, ign, mint):
+        sched.add_request(r)
+    run_to_completion(sched)  # every step samples token 7
+    assert eos.output_token_ids == [7] and eos.finish_reason == "stop"
+    assert stop.output_token_ids == [7] and stop.stop_reason == 7
+    assert ign.output_token_ids == [7, 7, 7] and ign.finish_reason == "length"
+    assert mint.output_token_ids == [7, 7] and mint.finish_reason == "stop"
