@@ -23,6 +23,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        # The same tables as plain ids, grown alongside: the runner reads them every step.
+        self.req_block_ids: dict[str, list[int]] = {}
         # How many of a request's leading blocks are registered in the prefix cache.
         self._num_registered: dict[str, int] = {}
         # Prefix-cache accounting, in tokens (what vLLM's metrics count).
@@ -83,13 +85,18 @@ class KVCacheManager:
             return False
         if held is None:
             held = self.req_blocks[request.request_id] = []
+            self.req_block_ids[request.request_id] = []
             self._num_registered[request.request_id] = 0
+        ids = self.req_block_ids[request.request_id]
         if hit.blocks:
             self.pool.touch(hit.blocks)
             held.extend(hit.blocks)
+            ids.extend(b.block_id for b in hit.blocks)
             self._num_registered[request.request_id] = len(held)
         if need > 0:
-            held.extend(self.pool.allocate(need))
+            new = self.pool.allocate(need)
+            held.extend(new)
+            ids.extend(b.block_id for b in new)
         self._register_full_blocks(request, min(total, request.num_tokens))
         return True
 
@@ -118,6 +125,7 @@ class KVCacheManager:
         """
         rid = request.request_id
         blocks = self.req_blocks.pop(rid, None)
+        self.req_block_ids.pop(rid, None)
         self._num_registered.pop(rid, None)
         if not blocks:
             return
@@ -128,7 +136,8 @@ class KVCacheManager:
         self.pool.free(reversed(blocks))
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The request's block table (the live list: read it, don't change it)."""
+        return self.req_block_ids.get(request_id, [])
 
     def num_blocks_of(self, request_id: str) -> int:
         return len(self.req_blocks.get(request_id, ()))

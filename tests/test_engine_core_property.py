@@ -39,7 +39,9 @@ def check_invariants(sched) -> None:
     free_ids = {b.block_id for b in pool.free_queue}
     assert len(free_ids) == pool.num_free_blocks
     holders = {i: 0 for i in range(pool.num_blocks)}
-    for blocks in kv.req_blocks.values():
+    assert kv.req_block_ids.keys() == kv.req_blocks.keys()
+    for rid, blocks in kv.req_blocks.items():
+        assert kv.req_block_ids[rid] == [b.block_id for b in blocks]
         for b in blocks:
             holders[b.block_id] += 1
     for b in pool.blocks:

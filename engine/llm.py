@@ -1,0 +1,103 @@
+"""The offline API: `LLM(...).generate(prompts, params)` runs requests to completion."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **options))
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.model_path
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, *, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in prompt order."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = self.engine.next_request_id()
+                self.engine.add_request(rid, prompt, p,
+                                        priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)  # all or nothing: bad input leaves nothing queued
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        text = tok.apply_chat_template(conversation, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt)
+        return list(tok.encode(text, add_special_tokens=False))
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if pending and not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"requests vanished without output: {sorted(pending)}")
+        except BaseException:
+            self.engine.abort_request(list(pending))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [final[i] for i in ids]
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.kv.reset_prefix_cache()

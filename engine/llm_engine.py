@@ -1,0 +1,315 @@
+"""The synchronous engine: requests in, one scheduler step + model forward per `step()`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_loader import load_model, load_tokenizer
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler, make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger("engine")
+
+# Without an explicit size, the KV cache on CPU takes this share of available RAM, capped.
+CPU_KV_FRACTION = 0.25
+CPU_KV_CAP_BYTES = 4 << 30
+CUDA_KV_FRACTION = 0.85
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)} (got {name!r})")
+    return _DTYPES[name]
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def size_kv_cache(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
+    """Number of KV blocks: given outright, from a byte budget or fraction, or a default share."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    mem = config.kv_cache_memory
+    if mem is not None:
+        budget = int(mem * available_memory(device)) if mem <= 1 else int(mem)
+    elif device.type == "cuda":
+        budget = int(CUDA_KV_FRACTION * available_memory(device))
+    else:
+        budget = min(int(CPU_KV_FRACTION * available_memory(device)), CPU_KV_CAP_BYTES)
+    blocks = budget // bytes_per_block
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory of {budget} bytes holds no KV block "
+                         f"({bytes_per_block} bytes each)")
+    return blocks
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """Engine-side state of a live request beyond what the scheduler keeps."""
+
+    request: Request
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    sent_tokens: int = 0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        config = config or EngineConfig(**kwargs)
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.model is None:
+            from engine.default_model import ensure_default_model
+
+            self.model_path = str(ensure_default_model(progress=logger.info))
+        else:
+            self.model_path = str(config.model)
+        t0 = time.monotonic()
+        logger.info("loading %s (%s on %s)", self.model_path, self.dtype, self.device)
+        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device)
+        self.tokenizer = load_tokenizer(self.model_path)
+        logger.info("weights loaded in %.1f s", time.monotonic() - t0)
+
+        bs = config.block_size
+        per_block = ModelRunner.kv_bytes_per_block(self.model, bs, self.dtype)
+        self.num_kv_blocks = size_kv_cache(config, per_block, self.device)
+        max_len = config.max_model_len or self.model.max_position_embeddings
+        if max_len > self.num_kv_blocks * bs:
+            logger.warning("max_model_len %d exceeds the KV cache (%d tokens): capping it",
+                           max_len, self.num_kv_blocks * bs)
+            max_len = self.num_kv_blocks * bs
+        self.model.check_max_model_len(max_len)
+        self.max_model_len = max_len
+        logger.info("KV cache: %d blocks of %d tokens, %.1f MiB; %d concurrent sequences of "
+                    "max_model_len %d", self.num_kv_blocks, bs,
+                    self.num_kv_blocks * per_block / 2**20,
+                    self.num_kv_blocks * bs // max_len, max_len)
+
+        self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, max_len)
+        self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,
+                                  self.device)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_id, self._extra_eos = self._eos_ids()
+        self._live: dict[str, _Tracked] = {}
+        self._counter = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        # Test-only fault injection: called with the step's request ids before the forward.
+        self.fault_hook: Callable[[list[str]], None] | None = None
+
+    def _eos_ids(self) -> tuple[int | None, list[int]]:
+        ids: list[int] = []
+        gen_eos = None
+        gen_cfg = getattr(self.model, "generation_config", None)
+        try:
+            from transformers import GenerationConfig
+
+            gen_cfg = GenerationConfig.from_pretrained(self.model_path, local_files_only=True)
+            gen_eos = gen_cfg.eos_token_id
+        except Exception:  # noqa: BLE001 - a folder without generation_config.json is fine
+            gen_eos = None
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            ids.append(int(tok_eos))
+        for e in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
+            if e is not None and int(e) not in ids:
+                ids.append(int(e))
+        if not ids:
+            return None, []
+        return ids[0], ids[1:]
+
+    # ------------------------------------------------------------ requests
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt))
+
+    def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any],
+                    params: SamplingParams | None = None, *, priority: int = 0,
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request; raises ValueError (nothing allocated) if it can never run."""
+        params = params or SamplingParams()
+        text: str | None = None
+        if isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt", cache_salt)
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            text = prompt
+            token_ids = self.tokenize(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+            vocab = self.model.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is out of range for vocabulary size {vocab}")
+        if not token_ids:
+            raise ValueError("the prompt is empty: at least one token is required")
+        if self._extra_eos and not params.ignore_eos:
+            params = _with_stop_ids(params, self._extra_eos)
+        request = Request(request_id, token_ids, params, eos_token_id=self.eos_token_id,
+                          priority=priority, cache_salt=cache_salt)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.scheduler.add_request(request)  # raises on duplicates and over-long prompts
+        self._live[request_id] = _Tracked(
+            request, text, IncrementalDetokenizer(self.tokenizer, token_ids, params),
+            make_generator(params.seed), metrics=RequestMetrics(request.arrival_time))
+
+    def next_request_id(self) -> str:
+        self._counter += 1
+        return f"req-{self._counter}"
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for rid in request_ids:
+            self._live.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step and one forward; outputs of requests that progressed or ended."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.monotonic()
+        for req in out.scheduled:
+            tracked = self._live[req.request_id]
+            if tracked.metrics.first_scheduled_time is None:
+                tracked.metrics.first_scheduled_time = now
+                self.prompt_tokens += req.num_prompt_tokens
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook([r.request_id for r in out.scheduled])
+            logits, sampling = self.runner.execute(out)
+            if sampling:
+                tracks = [self._live[r.request_id] for r in sampling]
+                tokens = self.sampler.sample(
+                    logits, [r.sampling_params for r in sampling],
+                    [t.generator for t in tracks], [r.num_output_tokens for r in sampling],
+                    [r.eos_token_id for r in sampling]).tolist()
+            else:
+                tokens = []
+        except Exception as exc:  # noqa: BLE001 - contain the fault to this step's requests
+            logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
+            return self._fail(out.scheduled, f"{type(exc).__name__}: {exc}")
+        sampled = {r.request_id: t for r, t in zip(sampling, tokens)}
+        self.generation_tokens += len(sampled)
+        self.scheduler.update_from_output(out, sampled)
+        now = time.monotonic()
+        outputs = []
+        for req in sampling:
+            tracked = self._live[req.request_id]
+            m = tracked.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            stop_terminated = (req.status is RequestStatus.FINISHED_STOPPED)
+            tracked.detok.update([req.output_token_ids[-1]], stop_terminated=stop_terminated)
+            if tracked.detok.stopped and not req.is_finished:
+                req.stop_reason = tracked.detok.stop_reason
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            outputs.append(self._make_output(tracked, now))
+        return outputs
+
+    def _make_output(self, tracked: _Tracked, now: float) -> RequestOutput:
+        req = tracked.request
+        finished = req.is_finished
+        delta_ids = req.output_token_ids[tracked.sent_tokens:]
+        tracked.sent_tokens = req.num_output_tokens
+        if finished:
+            tracked.metrics.finished_time = now
+            del self._live[req.request_id]
+        completion = CompletionOutput(
+            index=0, text=tracked.detok.output_text,
+            token_ids=list(req.output_token_ids) if finished else req.output_token_ids,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            delta_text=tracked.detok.get_delta(finished), delta_token_ids=delta_ids)
+        return RequestOutput(req.request_id, tracked.prompt, req.prompt_token_ids, [completion],
+                             finished, max(req.num_cached_tokens, 0), tracked.metrics)
+
+    def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
+        ids = [r.request_id for r in requests if not r.is_finished]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        now = time.monotonic()
+        outputs = []
+        for rid in ids:
+            tracked = self._live.get(rid)
+            if tracked is None:
+                continue
+            out = self._make_output(tracked, now)
+            out.error = message
+            outputs.append(out)
+        return outputs
+
+    # ------------------------------------------------------------ state
+    def warmup(self) -> None:
+        """Run one tiny request end to end so the first user request pays no first-call costs."""
+        rid = "__warmup__"
+        self.add_request(rid, [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
+        while self.has_unfinished_requests():
+            self.step()
+        self.kv.reset_prefix_cache()
+        self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
+        self.prompt_tokens = self.generation_tokens = 0
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats()
+        s.update(prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+                 block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks)
+        return s
+
+
+def _with_stop_ids(params: SamplingParams, extra: list[int]) -> SamplingParams:
+    import copy
+
+    params = copy.copy(params)
+    params.stop_token_ids = list(params.stop_token_ids) + [t for t in extra
+                                                           if t not in params.stop_token_ids]
+    return params

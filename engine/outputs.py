@@ -1,0 +1,42 @@
+"""What the engine hands back: per-request outputs, shaped like vLLM's so users feel at home."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str  # cumulative
+    token_ids: list[int]  # cumulative
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # What this step added, for streaming.
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # set when finish_reason is "error"

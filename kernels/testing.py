@@ -1,0 +1,83 @@
+"""Random paged-attention inputs shared by the tests, the CPU benchmark and bench/gpu_check.py.
+
+Blocks are handed out from a shuffled pool so sequences never own contiguous memory, unused
+block-table entries are 0 and the whole cache starts as noise, so reading past `seq_lens` or
+from the wrong block shows up as a wrong answer rather than as a lucky zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PagedCase", "make_case", "tolerance"]
+
+
+@dataclass
+class PagedCase:
+    query: torch.Tensor
+    kv_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    scale: float
+    max_seq_len: int
+    max_query_len: int
+
+    def args(self) -> tuple:
+        return (self.query, self.kv_cache, self.block_tables, self.seq_lens,
+                self.query_start_loc, self.scale)
+
+
+def make_case(seq_lens: list[int], q_lens: list[int], *, num_heads: int, num_kv_heads: int,
+              head_dim: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu", seed: int = 0, spare_blocks: int = 3,
+              wide_table: bool = False, identity_blocks: bool = False) -> PagedCase:
+    """Build one varlen batch. `wide_table` hands out a non-contiguous block-table view;
+    `identity_blocks` lays every sequence out contiguously (for the paged-overhead benchmark)."""
+    assert len(seq_lens) == len(q_lens)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    need = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(need) + spare_blocks
+    max_blocks = max(need, default=1) + 1
+    if identity_blocks:
+        pool = torch.arange(num_blocks)
+    else:
+        pool = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max_blocks * (2 if wide_table else 1), dtype=torch.int32)
+    pos = 0
+    for i, n in enumerate(need):
+        cols = torch.arange(n) * (2 if wide_table else 1)
+        table[i, cols] = pool[pos:pos + n].int()
+        pos += n
+    if wide_table:  # even columns hold the blocks: a strided, non-contiguous view
+        table_view = table.to(device)[:, ::2]
+    else:
+        table_view = table.to(device)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    total = sum(q_lens)
+    query = torch.randn(total, num_heads, head_dim, generator=gen)
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    return PagedCase(
+        query=query.to(device=device, dtype=dtype),
+        kv_cache=kv_cache.to(device=device, dtype=dtype),
+        block_tables=table_view,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        scale=head_dim ** -0.5,
+        max_seq_len=max(seq_lens, default=0),
+        max_query_len=max(q_lens, default=0),
+    )
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol) against the fp32 reference. Inputs are ~N(0, 1) so outputs are O(1):
+    fp32 differs only by summation order; fp16/bf16 by rounding of inputs to P and the output."""
+    return {
+        torch.float32: (2e-5, 1e-4),
+        torch.float16: (4e-3, 4e-3),
+        torch.bfloat16: (3e-2, 2e-2),
+    }[dtype]

@@ -1,0 +1,138 @@
+"""The efficient torch backend against the reference: decode, prefill, chunked prefill, mixes."""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+import torch
+
+from kernels import paged_attention, store_kv
+from kernels.reference import paged_attention_ref, store_kv_ref
+from kernels.testing import make_case, tolerance
+from kernels.torch_backend import paged_attention_torch, store_kv_torch
+
+HEAD_RATIOS = [(4, 4), (8, 2), (9, 3), (8, 1)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _batch(rng: random.Random, kind: str, n: int) -> tuple[list[int], list[int]]:
+    """seq_lens and q_lens for one batch of `kind`."""
+    seq_lens = [rng.randint(1, 300) for _ in range(n)]
+    if kind == "decode":
+        q_lens = [1] * n
+    elif kind == "prefill":
+        q_lens = list(seq_lens)
+    elif kind == "chunked":
+        q_lens = [rng.randint(1, s) for s in seq_lens]
+    else:  # mixed, with an idle sequence (q_len 0) thrown in
+        q_lens = [rng.choice([1, s, rng.randint(1, s)]) for s in seq_lens]
+        q_lens[0] = 0
+    return seq_lens, q_lens
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = tolerance(dtype)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "chunked", "mixed"])
+@pytest.mark.parametrize("heads", HEAD_RATIOS, ids=lambda h: f"{h[0]}x{h[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_reference(kind: str, heads: tuple[int, int], dtype: torch.dtype) -> None:
+    rng = random.Random(zlib.crc32(f"{kind}{heads}{dtype}".encode()))
+    block_size = rng.choice([16, 32, 64])
+    seq_lens, q_lens = _batch(rng, kind, rng.randint(1, 7))
+    case = make_case(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1], head_dim=64,
+                     block_size=block_size, dtype=dtype, seed=rng.randint(0, 999),
+                     wide_table=rng.random() < 0.5)
+    ref = paged_attention_ref(*case.args())
+    # A tiny decode budget forces many chunks; the default one mostly a single chunk.
+    for budget in (block_size, None):
+        _check(paged_attention_torch(*case.args(), decode_token_budget=budget), ref, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_head_dims(head_dim: int) -> None:
+    case = make_case([1, 17, 300, 64], [1, 17, 5, 1], num_heads=4, num_kv_heads=2,
+                     head_dim=head_dim, block_size=16, seed=head_dim)
+    _check(paged_attention(*case.args(), backend="torch"),
+           paged_attention_ref(*case.args()), torch.float32)
+
+
+def test_padding_tokens_are_zero_and_hints_accepted() -> None:
+    case = make_case([40, 3], [1, 3], num_heads=9, num_kv_heads=3, head_dim=64)
+    query = torch.cat([case.query, torch.randn(2, 9, 64)])  # 2 trailing padding tokens
+    args = (query, *case.args()[1:])
+    out = paged_attention(*args, backend="torch", max_seq_len=40, max_query_len=3)
+    _check(out, paged_attention_ref(*args), torch.float32)
+    assert out[-2:].abs().max() == 0
+
+
+def test_plan_cache_sees_changed_metadata() -> None:
+    """Layers reuse the plan; the next step mutates the metadata in place and must not."""
+    case = make_case([50, 70, 90], [1, 1, 1], num_heads=4, num_kv_heads=2, head_dim=64)
+    first = paged_attention_torch(*case.args())
+    _check(first, paged_attention_ref(*case.args()), torch.float32)
+    case.seq_lens[1] = 33  # in place, same tensor object
+    _check(paged_attention_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
+    case.block_tables[0, 0] = case.block_tables[2, 0]
+    _check(paged_attention_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
+
+
+def test_large_decode_batch_realistic_shape() -> None:
+    rng = random.Random(7)
+    seq_lens = [rng.randint(64, 800) for _ in range(32)] + [700]
+    q_lens = [1] * 32 + [200]
+    case = make_case(seq_lens, q_lens, num_heads=9, num_kv_heads=3, head_dim=64, seed=3)
+    _check(paged_attention_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_store_kv_matches_reference_and_skips_negative(dtype: torch.dtype,
+                                                       contiguous: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, block_size, kvh, d = 6, 16, 3, 64
+    base = torch.randn(2, num_blocks, block_size, kvh, d, generator=gen).to(dtype)
+    slots = torch.tensor([5, -1, 17, 95, -7, 0, 40], dtype=torch.int64)
+    key = torch.randn(len(slots), kvh, d, generator=gen).to(dtype)
+    value = torch.randn(len(slots), kvh, d, generator=gen).to(dtype)
+    expected = base.clone()
+    store_kv_ref(key, value, expected, slots)
+    cache = base.clone()
+    if not contiguous:  # a strided view of a bigger allocation
+        big = torch.zeros(2, num_blocks, block_size, kvh, 2 * d, dtype=dtype)
+        big[..., :d] = base
+        cache = big[..., :d]
+    store_kv_torch(key, value, cache, slots.int())
+    assert torch.equal(cache, expected)
+    cache2 = base.clone()
+    store_kv(key, value, cache2, slots, backend="torch")
+    assert torch.equal(cache2, expected)
+    # The negative slots' rows really were dropped: nothing else changed.
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    flat_new, flat_old = cache2.view(2, -1, kvh, d), base.view(2, -1, kvh, d)
+    assert torch.equal(flat_new[:, untouched], flat_old[:, untouched])
+
+
+def test_store_then_attend_roundtrip() -> None:
+    """store_kv then paged_attention equals plain causal attention on the unpaged tensors."""
+    gen = torch.Generator().manual_seed(0)
+    seq, heads, kvh, d, bs = 37, 6, 2, 64, 16
+    k = torch.randn(seq, kvh, d, generator=gen)
+    v = torch.randn(seq, kvh, d, generator=gen)
+    q = torch.randn(seq, heads, d, generator=gen)
+    cache = torch.zeros(2, 5, bs, kvh, d)
+    blocks = torch.tensor([3, 0, 4], dtype=torch.int32)
+    slots = blocks.long().repeat_interleave(bs)[:seq] * bs + torch.arange(seq) % bs
+    store_kv(k, v, cache, slots, backend="torch")
+    out = paged_attention(q, cache, blocks.view(1, -1), torch.tensor([seq], dtype=torch.int32),
+                          torch.tensor([0, seq], dtype=torch.int32), d ** -0.5, backend="torch")
+    expect = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1),
+        v.repeat_interleave(3, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
+    torch.testing.assert_close(out, expect, atol=2e-5, rtol=1e-4)

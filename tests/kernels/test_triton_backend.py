@@ -1,0 +1,146 @@
+"""Triton kernels against the reference.
+
+Without CUDA the kernels run in Triton's interpreter. TRITON_INTERPRET must be set before the
+`@triton.jit` functions are defined, i.e. before `kernels.triton_backend` is imported, so this
+module sets it at import (collection) time; if the backend module was already imported
+compiled, it is reloaded. Note: that leaves TRITON_INTERPRET=1 in this pytest process.
+The interpreted grid is deliberately small (slow interpreter); the `gpu_grid` test is the big
+one, run on CUDA by bench/gpu_check.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+try:
+    import triton  # noqa: F401
+
+    import kernels.triton_backend as tb
+
+    if not HAS_CUDA and type(tb._paged_attn_kernel).__name__ != "InterpretedFunction":
+        tb = importlib.reload(tb)
+    SKIP_REASON = None
+except Exception as exc:  # triton missing or broken on this host
+    SKIP_REASON = f"Triton cannot run here: {type(exc).__name__}: {exc}"
+
+from kernels import paged_attention, store_kv  # noqa: E402
+from kernels.reference import paged_attention_ref, store_kv_ref  # noqa: E402
+from kernels.testing import make_case, tolerance  # noqa: E402
+
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# (name, seq_lens, q_lens, heads, kv_heads, head_dim, block_size, num_splits)
+CASES = [
+    ("decode", [1, 17, 300, 64, 16], [1] * 5, 9, 3, 64, 16, None),
+    ("prefill", [5, 33, 120], [5, 33, 120], 8, 2, 64, 32, None),
+    ("chunked_prefix", [300, 70, 2], [45, 70, 1], 4, 4, 64, 64, None),
+    ("mixed_idle", [40, 9, 200, 31], [1, 0, 13, 31], 9, 3, 64, 16, None),
+    ("split_decode", [300, 250, 1, 40], [1] * 4, 8, 2, 64, 16, 4),
+    ("split_chunked", [200, 20], [24, 20], 4, 4, 64, 32, 3),
+]
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=atol, rtol=rtol)
+
+
+def _run_case(seq_lens: list[int], q_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+              block_size: int, num_splits: int | None, dtype: torch.dtype, seed: int) -> None:
+    case = make_case(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=head_dim, block_size=block_size, dtype=dtype, device=DEVICE,
+                     seed=seed, wide_table=seed % 2 == 1)
+    out = tb.paged_attention_triton(*case.args(), num_splits=num_splits,
+                                    max_seq_len=case.max_seq_len,
+                                    max_query_len=case.max_query_len)
+    _check(out, paged_attention_ref(*case.args()), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_attention_matches_reference(case: tuple, dtype: torch.dtype) -> None:
+    _run_case(*case[1:], dtype=dtype, seed=len(case[0]))
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 128, 256])
+def test_head_dims(head_dim: int) -> None:
+    _run_case([70, 3], [1, 3], 4, 2, head_dim, 16, None, torch.float16, seed=head_dim)
+
+
+def test_dispatch_and_padding_tokens() -> None:
+    case = make_case([50, 20], [1, 20], num_heads=8, num_kv_heads=2, head_dim=64,
+                     device=DEVICE, seed=5)
+    query = torch.cat([case.query, torch.randn(3, 8, 64, device=DEVICE)])  # padding tokens
+    args = (query, *case.args()[1:])
+    out = paged_attention(*args, backend="triton")  # no hints: must work too
+    _check(out, paged_attention_ref(*args), torch.float32)
+    assert out[-3:].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_kv_matches_reference_and_skips_negative(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(2, 5, 16, 3, 64, generator=gen).to(dtype)
+    slots = torch.tensor([3, -1, 40, 79, -5, 16], dtype=torch.int64)
+    # Non-contiguous key/value: slices of a fused qkv-like buffer.
+    fused = torch.randn(len(slots), 2, 3, 64, generator=gen).to(dtype)
+    key, value = fused[:, 0], fused[:, 1]
+    expected = base.clone()
+    store_kv_ref(key, value, expected, slots)
+    cache = base.to(DEVICE)
+    store_kv(key.to(DEVICE), value.to(DEVICE), cache, slots.to(DEVICE), backend="triton")
+    assert torch.equal(cache.cpu(), expected)
+
+
+def test_split_rule() -> None:
+    rule = tb.choose_num_splits
+    assert rule(num_programs=1000, max_seq_len=16384, num_sms=132) == 1  # grid already full
+    assert rule(num_programs=8, max_seq_len=300, num_sms=132) == 1  # context too short
+    assert rule(num_programs=8, max_seq_len=16384, num_sms=132) == 32  # 1 seq x 8 kv heads
+    assert rule(num_programs=8 * 16, max_seq_len=4096, num_sms=132) == 3
+    assert rule(num_programs=8, max_seq_len=1024, num_sms=132) == 4  # capped by length
+
+
+@pytest.mark.gpu_grid
+@pytest.mark.skipif(not HAS_CUDA, reason="the large grid needs CUDA (run by bench/gpu_check.py)")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (9, 3), (32, 8), (16, 1)],
+                         ids=lambda h: f"{h[0]}x{h[1]}")
+def test_gpu_grid(dtype: torch.dtype, block_size: int, heads: tuple[int, int]) -> None:
+    """45 configurations x (auto, forced 4-way) splits; head_dim and batch kind rotate so every
+    head_dim meets every batch kind without a full product (compile time)."""
+    key = DTYPES.index(dtype) * 100 + block_size + heads[0] * 7 + heads[1]
+    rng = random.Random(key)
+    head_dim = [64, 80, 96, 128, 256][key % 5]
+    n = rng.randint(1, 12)
+    seq_lens = [rng.randint(1, 2000) for _ in range(n)]
+    kind = ["decode", "prefill", "chunked", "mixed"][key % 4]
+    q_lens = {"decode": [1] * n, "prefill": seq_lens,
+              "chunked": [rng.randint(1, s) for s in seq_lens],
+              "mixed": [rng.choice([0, 1, s, rng.randint(1, s)]) for s in seq_lens]}[kind]
+    for splits in (None, 4):
+        _run_case(seq_lens, q_lens, heads[0], heads[1], head_dim, block_size, splits, dtype,
+                  seed=key)
+    # The torch backend on CUDA, same inputs.
+    case = make_case(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                     head_dim=head_dim, block_size=block_size, dtype=dtype, device=DEVICE,
+                     seed=key)
+    _check(paged_attention(*case.args(), backend="torch"), paged_attention_ref(*case.args()),
+           dtype)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))

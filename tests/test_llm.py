@@ -1,0 +1,167 @@
+"""The offline LLM on the real default model, token for token against transformers (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.default_model import ensure_default_model
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4,",
+    "def fibonacci(n):",
+    "In a shocking finding, scientists discovered a herd of unicorns living in a remote, "
+    "previously unexplored valley in the Andes Mountains. Even more surprising to the "
+    "researchers was the fact that the unicorns spoke perfect English.",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "Once upon a time",
+    "The quick brown fox jumps over the lazy dog. " * 6 + "Summarize:",
+]
+NEW_TOKENS = 32
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(ensure_default_model(progress=lambda _: None))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (batch of one: no padding effects)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
+                                                 dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # truly ignore EOS, as our ignore_eos does
+    refs = []
+    with torch.inference_mode():
+        for p in PROMPTS:
+            ids = torch.tensor([tok.encode(p)])
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 do_sample=False, pad_token_id=0)
+            refs.append(out[0, ids.shape[1]:].tolist())
+    return refs
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return LLM(model=model_dir, num_kv_blocks=256, max_model_len=1024)
+
+
+def assert_same(outs, reference) -> None:
+    for i, (out, ref) in enumerate(zip(outs, reference)):
+        assert out.outputs[0].token_ids == ref, f"prompt {i} differs from transformers"
+
+
+def test_greedy_equals_transformers_mixed_batch(llm, reference):
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_same(outs, reference)
+    assert [len(o.prompt_token_ids) for o in outs] == [len(llm.get_tokenizer().encode(p))
+                                                        for p in PROMPTS]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    text = outs[0].outputs[0].text
+    assert text == llm.get_tokenizer().decode(reference[0], skip_special_tokens=True)
+    stats = llm.stats()
+    assert stats["num_running"] == 0 and stats["kv_blocks_in_use"] == 0
+
+
+def test_prefix_cache_hits_give_identical_outputs(llm, reference):
+    # The same prompts again: every full block of each prompt now hits the cache.
+    hits_before = llm.stats()["prefix_cache_hits"]
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_same(outs, reference)
+    assert llm.stats()["prefix_cache_hits"] > hits_before
+    assert outs[7].num_cached_tokens > 0
+
+
+def test_prefix_caching_off_chunked_prefill_and_preemption(model_dir, reference):
+    # Tiny token budget (chunked prefill), no prefix caching, and a pool too small for all
+    # eight at once (preemption by recompute): still identical to transformers.
+    llm = LLM(model=model_dir, num_kv_blocks=20, block_size=16, max_num_batched_tokens=24,
+              enable_prefix_caching=False, max_model_len=320)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_same(outs, reference)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["prefix_cache_hits"] == 0
+    assert stats["kv_blocks_free"] == 20
+
+
+def test_stop_strings_truncate_and_stop_tokens_finish(llm, reference):
+    tok = llm.get_tokenizer()
+    full = tok.decode(reference[0], skip_special_tokens=True)
+    stop = full[5:9]
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
+                                                  stop=[stop]), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == full[:full.index(stop)]
+    stop_id = reference[0][3]
+    first = reference[0].index(stop_id)
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
+                                                  stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference[0][:first + 1]
+    assert out.outputs[0].stop_reason == stop_id
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_seed_reproduces_across_batch_compositions(llm):
+    p = SamplingParams(max_tokens=16, temperature=1.5, top_p=0.95, seed=1234)
+    alone = llm.generate(PROMPTS[6], p, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=20, temperature=0.8) for _ in PROMPTS]
+    mixed = llm.generate(PROMPTS[:6] + [PROMPTS[6]] + PROMPTS[7:],
+                         others[:6] + [p] + others[7:], use_tqdm=False)
+    assert mixed[6].outputs[0].token_ids == alone
+    different = [llm.generate(PROMPTS[6], SamplingParams(max_tokens=16, temperature=1.5,
+                                                         top_p=0.95, seed=s),
+                              use_tqdm=False)[0].outputs[0].token_ids for s in (7, 99)]
+    assert any(d != alone for d in different)
+
+
+def test_chat_uses_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    tok = llm.get_tokenizer()
+    assert tok.decode(out.prompt_token_ids).startswith("<|im_start|>")
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ("", SamplingParams(), "empty"),
+    ([], SamplingParams(), "empty"),
+    ("hello " * 1100, SamplingParams(), "maximum context length"),
+    ([10**9], SamplingParams(), "out of range"),
+])
+def test_bad_input_raises_and_leaves_nothing_allocated(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["fine prompt", prompt], params, use_tqdm=False)
+    s = llm.stats()
+    assert s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_k": -3}, "top_k"),
+])
+def test_bad_sampling_params_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_architecture_is_a_clear_error(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        LLM(model=str(tmp_path))
