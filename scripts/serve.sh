@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The serve command: sets up (scripts/setup.sh), then runs the default model on a prompt.
+# The serve command: sets up (scripts/setup.sh), then starts the KServe server on the default
+# model (or on /mnt/models when it exists). Extra arguments go to the server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV="${KSERVE_PAGED_VENV:-.venv}"
-exec "$VENV/bin/python" -m engine generate "$@"
+exec "$VENV/bin/python" -m kserve_paged --model_name "${MODEL_NAME:-smol}" \
+  --http_port "${PORT:-8080}" "$@"

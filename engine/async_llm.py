@@ -1,0 +1,469 @@
+"""AsyncLLM: the engine behind an asyncio server.
+
+Why a dedicated thread: a model forward takes milliseconds to seconds; on the event loop it would
+stall every HTTP connection. torch releases the GIL inside its kernels, so a thread running the
+step loop leaves the loop responsive without the cost of a second process.
+
+Hand-off rules (the only cross-thread traffic):
+- event loop -> engine thread: commands (add / abort) appended to a deque under a Condition; the
+  engine thread drains them between steps, so ``LLMEngine`` is only ever touched by its thread.
+- engine thread -> event loop: each request has an ``asyncio.Queue`` fed with
+  ``loop.call_soon_threadsafe``. ``add`` goes through a ``concurrent.futures.Future`` the engine
+  thread resolves, so validation errors from ``add_request`` reach the caller as ``ValueError``.
+- An idle engine thread sleeps on the Condition (no busy spin); a command wakes it.
+
+If the step loop raises, every in-flight request fails with :class:`EngineDeadError` and the
+engine reports ``is_healthy() == False`` for good: a serving process should be restarted, not
+limp on with a half-updated scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (it crashed or was shut down); no request can be served."""
+
+
+class EngineLike(Protocol):
+    """What AsyncLLM needs of ``engine.llm_engine.LLMEngine`` (tests pass a fake)."""
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    priority: int = 0, cache_salt: str | None = None) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort_request(self, request_id: str | list[str]) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+@dataclasses.dataclass(slots=True)
+class StepInfo:
+    """Passed to the step callback after every engine-thread iteration that did something.
+
+    ``num_tokens`` is the number of tokens the step computed (prompt + generated, from the
+    cumulative counters), ``aborted`` the ids freed by aborts in this iteration."""
+
+    stats: dict[str, Any]
+    outputs: list[RequestOutput]
+    aborted: list[str]
+    num_tokens: int
+    stepped: bool
+    time: float
+
+
+StepCallback = Callable[[StepInfo], None]
+
+_END = object()  # stream sentinel: the request was aborted, end iteration
+
+
+class _Stream:
+    """One request's output channel, owned by the event loop that called generate()."""
+
+    __slots__ = ("request_id", "loop", "queue", "finished")
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False  # set on the event loop once the final item was consumed
+
+    def put(self, item: Any) -> None:
+        """Engine thread -> event loop; a closed loop means nobody listens any more."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclasses.dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    stream: _Stream
+    future: concurrent.futures.Future[None]
+
+
+@dataclasses.dataclass(slots=True)
+class _Abort:
+    request_ids: list[str]
+
+
+class RequestStream:
+    """The outputs of one accepted request, as an async iterator.
+
+    Stopping early aborts the request: on cancellation inside ``__anext__``, on ``close()`` /
+    ``aclose()``, and as a last resort when the object is garbage-collected unfinished."""
+
+    def __init__(self, llm: AsyncLLM, stream: _Stream) -> None:
+        self._llm = llm
+        self._stream = stream
+
+    @property
+    def request_id(self) -> str:
+        return self._stream.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self._stream.finished
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        stream = self._stream
+        if stream.finished:
+            raise StopAsyncIteration
+        try:
+            item = await stream.queue.get()
+        except BaseException:
+            self.close()
+            raise
+        if item is _END:
+            stream.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            stream.finished = True
+            raise item
+        if item.finished:
+            stream.finished = True
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it already finished (idempotent, never blocks)."""
+        if not self._stream.finished:
+            self._stream.finished = True
+            self._llm._abort_nowait([self._stream.request_id])
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class AsyncLLM:
+    """Serve an :class:`LLMEngine` to asyncio code.
+
+    ``AsyncLLM(config)`` builds the engine on its own thread when :meth:`start` is called (model
+    load and warm-up happen there, off the event loop); pass ``engine=`` to wrap one that exists.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, engine: EngineLike | None = None,
+                 engine_factory: Callable[[], EngineLike] | None = None, warmup: bool = True,
+                 step_callback: StepCallback | None = None) -> None:
+        if engine is not None and engine_factory is not None:
+            raise ValueError("pass engine or engine_factory, not both")
+        self.config = config if config is not None else EngineConfig()
+        self._engine: EngineLike | None = engine
+        self._factory = engine_factory
+        self._warmup = warmup
+        self._callbacks: list[StepCallback] = [step_callback] if step_callback else []
+        self._cond = threading.Condition()
+        self._commands: collections.deque[_Add | _Abort] = collections.deque()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._ready = threading.Event()
+        self._ready_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._stats: dict[str, Any] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLM:
+        return cls(config, **kwargs)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (which loads the model first when none was given)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="kserve-paged-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread; requests still in flight end with EngineDeadError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    async def __aenter__(self) -> AsyncLLM:
+        self.start()
+        await self.wait_ready()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    @property
+    def is_ready(self) -> bool:
+        """Loaded, warmed up and alive: what a readiness probe should report."""
+        return self._ready.is_set() and self._dead is None and not self._stopping
+
+    def is_healthy(self) -> bool:
+        """False once the engine thread died (or was shut down); it never recovers."""
+        return self._dead is None and not self._stopping
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine is dead, if it is."""
+        return self._dead
+
+    @property
+    def engine(self) -> EngineLike:
+        """The wrapped engine (only for reading static attributes such as the tokenizer)."""
+        if self._engine is None:
+            raise RuntimeError("the engine is not loaded yet")
+        return self._engine
+
+    async def wait_ready(self) -> None:
+        """Return once the engine can serve; raise EngineDeadError if loading failed."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        with self._cond:
+            if self._dead is None and not self._ready.is_set():
+                self._ready_waiters.append((loop, fut))
+            else:
+                fut.set_result(None)
+        await fut
+        if self._dead is not None:
+            raise EngineDeadError(f"engine failed: {self._dead!r}") from self._dead
+
+    def add_step_callback(self, callback: StepCallback) -> None:
+        """Called on the engine thread after each iteration (keep it cheap, never raise)."""
+        self._callbacks.append(callback)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats as of the last iteration (a snapshot; safe from any thread)."""
+        return dict(self._stats)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    async def add(self, prompt: str | list[int], params: SamplingParams,
+                  request_id: str | None = None, *, priority: int = 0,
+                  cache_salt: str | None = None) -> RequestStream:
+        """Queue a request and return its output stream once the engine accepted it.
+
+        Raises ValueError (the engine's message) for a request it refuses, so a server can
+        answer 400 before it commits to a streaming response."""
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        stream = _Stream(request_id, asyncio.get_running_loop())
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._submit(_Add(request_id, prompt, params, priority, cache_salt, stream, future))
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self._abort_nowait([request_id])  # the add may still land: undo it
+            raise
+        return RequestStream(self, stream)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None, *, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs, one per engine step that produced a token, the last
+        one with ``finished=True``. Raises ValueError for a request the engine refuses. If the
+        caller stops iterating (client disconnect, cancellation), the request is aborted."""
+        stream = await self.add(prompt, params, request_id, priority=priority,
+                                cache_salt=cache_salt)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Free everything the request(s) hold; their generate() streams end. Unknown ids are
+        ignored."""
+        self._abort_nowait([request_id] if isinstance(request_id, str) else list(request_id))
+
+    def _abort_nowait(self, request_ids: list[str]) -> None:
+        with self._cond:
+            if self._dead is not None or self._stopping:
+                return
+            self._commands.append(_Abort(request_ids))
+            self._cond.notify()
+
+    def _submit(self, command: _Add) -> None:
+        with self._cond:
+            if self._dead is not None or self._stopping:
+                reason = self._dead
+                command.future.set_exception(EngineDeadError(
+                    "the engine is shut down" if reason is None else f"the engine died: {reason!r}"))
+                return
+            self._commands.append(command)
+            self._cond.notify()
+
+    # -- engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            if self._engine is None:
+                started = time.monotonic()
+                logger.info("loading the engine (model %s)", self.config.model or "<default>")
+                self._engine = (self._factory() if self._factory is not None
+                                else _build_engine(self.config))
+                logger.info("engine loaded in %.1fs", time.monotonic() - started)
+            if self._warmup and hasattr(self._engine, "warmup"):
+                started = time.monotonic()
+                self._engine.warmup()  # type: ignore[attr-defined]
+                logger.info("engine warm-up done in %.1fs", time.monotonic() - started)
+            self._stats = dict(self._engine.stats())
+            self._set_ready()
+            self._loop(self._engine)
+        except BaseException as exc:  # noqa: BLE001 - anything kills the engine, report it all
+            logger.exception("the engine thread failed")
+            self._die(exc)
+            return
+        self._die(None)
+
+    def _set_ready(self) -> None:
+        with self._cond:
+            self._ready.set()
+            waiters, self._ready_waiters = self._ready_waiters, []
+        for loop, fut in waiters:
+            _resolve(loop, fut)
+
+    def _loop(self, engine: EngineLike) -> None:
+        last_tokens = _token_count(self._stats)
+        while True:
+            with self._cond:
+                while (not self._commands and not self._stopping
+                       and not engine.has_unfinished_requests()):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                commands = list(self._commands)
+                self._commands.clear()
+            aborted = self._apply(engine, commands)
+            outputs: list[RequestOutput] = []
+            stepped = False
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+                stepped = True
+                self._dispatch(outputs)
+            if not stepped and not aborted:
+                continue  # only adds, or refused adds: nothing changed worth reporting
+            stats = dict(engine.stats())
+            self._stats = stats
+            tokens = _token_count(stats)
+            if stepped and not outputs and tokens == last_tokens:
+                # Nothing could be scheduled (e.g. waiting on KV space that an abort will free):
+                # back off briefly instead of spinning on the CPU.
+                with self._cond:
+                    if not self._commands and not self._stopping:
+                        self._cond.wait(0.005)
+            info = StepInfo(stats, outputs, aborted, max(tokens - last_tokens, 0), stepped,
+                            time.monotonic())
+            last_tokens = tokens
+            for callback in self._callbacks:
+                try:
+                    callback(info)
+                except Exception:  # a metrics bug must not take serving down
+                    logger.exception("step callback failed")
+
+    def _apply(self, engine: EngineLike, commands: list[_Add | _Abort]) -> list[str]:
+        aborted: list[str] = []
+        for cmd in commands:
+            if isinstance(cmd, _Abort):
+                ids = [rid for rid in cmd.request_ids if rid in self._streams]
+                if ids:
+                    engine.abort_request(ids)
+                    for rid in ids:
+                        self._streams.pop(rid).put(_END)
+                    aborted.extend(ids)
+                continue
+            if cmd.future.cancelled():
+                continue
+            if cmd.request_id in self._streams:
+                cmd.future.set_exception(
+                    ValueError(f"request id {cmd.request_id!r} is already in use"))
+                continue
+            try:
+                engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
+                                   priority=cmd.priority, cache_salt=cmd.cache_salt)
+            except Exception as exc:  # validation: the caller gets it, the engine goes on
+                cmd.future.set_exception(exc)
+                continue
+            self._streams[cmd.request_id] = cmd.stream
+            cmd.future.set_result(None)
+        return aborted
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put(out)
+
+    def _die(self, exc: BaseException | None) -> None:
+        """Fail everything in flight or queued, and refuse what comes later."""
+        with self._cond:
+            if exc is not None:
+                self._dead = exc
+            else:
+                self._stopping = True
+            commands = list(self._commands)
+            self._commands.clear()
+            waiters, self._ready_waiters = self._ready_waiters, []
+        message = ("the engine was shut down" if exc is None
+                   else f"the engine failed: {type(exc).__name__}: {exc}")
+        in_flight = list(self._streams)
+        for stream in self._streams.values():
+            stream.put(EngineDeadError(message))
+        self._streams.clear()
+        for cmd in commands:
+            if isinstance(cmd, _Add) and not cmd.future.done():
+                cmd.future.set_exception(EngineDeadError(message))
+        for loop, fut in waiters:
+            _resolve(loop, fut)
+        if in_flight and self._engine is not None:
+            with contextlib.suppress(Exception):  # free what dead requests hold, best effort
+                self._engine.abort_request(in_flight)
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
+    def done() -> None:
+        if not fut.done():
+            fut.set_result(None)
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(done)
+
+
+def _token_count(stats: dict[str, Any]) -> int:
+    return int(stats.get("prompt_tokens", 0) or 0) + int(stats.get("generation_tokens", 0) or 0)
+
+
+def _build_engine(config: EngineConfig) -> EngineLike:
+    from engine.llm_engine import LLMEngine  # imported here: heavy (torch, transformers)
+
+    return LLMEngine(config)

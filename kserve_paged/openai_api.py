@@ -1,0 +1,583 @@
+"""OpenAI-compatible routes (``/openai/v1/...``) on KServe's FastAPI app.
+
+KServe 0.21's own OpenAI routes need vLLM installed (kserve.md), so these are ours: request
+bodies are validated here (pydantic), responses are built from the ``openai`` package's types
+where they fit, errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+
+Options that would change results but that the engine cannot honour (n > 1, logprobs, echo,
+penalties, tools, JSON mode, ...) are refused with a 400 naming the option, never ignored.
+A client that disconnects gets its requests aborted: streaming through generator cancellation,
+non-streaming by polling ``request.is_disconnected()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from kserve.errors import InferenceError, ModelNotReady
+from openai.types import Completion, CompletionChoice, CompletionUsage
+from openai.types import Model as OpenAIModel
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+from openai.types.chat.chat_completion import Choice as ChatChoice
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.async_llm import EngineDeadError, RequestStream
+from engine.outputs import RequestOutput
+from kserve_paged.model import PagedLLMModel
+from kserve_paged.sampling import OptionError
+
+logger = logging.getLogger("kserve.paged.openai")
+
+PREFIX = "/openai/v1"
+DISCONNECT_POLL_S = 0.25
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /completions
+_FINISH_REASONS = {"stop", "length"}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 type_: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+        self.code = code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content=error_body(
+            self.message, self.type, self.param, self.code))
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# -- request bodies ---------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingBody(BaseModel):
+    """Fields common to both endpoints. Unknown fields are accepted and ignored (clients send
+    vendor extras); the known ones that would change results are checked in ``unsupported``."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+
+    def sampling_options(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in (
+            "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
+            "min_tokens", "stop_token_ids")}
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        found = []
+        if self.n != 1:
+            found.append(("n", f"n={self.n} is not supported (only n=1)"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                found.append((name, f"{name} is not supported"))
+        if self.repetition_penalty not in (None, 1, 1.0):
+            found.append(("repetition_penalty", "repetition_penalty is not supported"))
+        if self.logit_bias:
+            found.append(("logit_bias", "logit_bias is not supported"))
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            found.append(("response_format",
+                          f"response_format {self.response_format.get('type')!r} is not "
+                          "supported (only 'text')"))
+        if self.stream_options is not None and not self.stream:
+            found.append(("stream_options", "stream_options is only allowed with stream=true"))
+        return found
+
+
+class CompletionBody(_SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        found = super().unsupported()
+        if self.best_of is not None and self.best_of != self.n:
+            found.append(("best_of", f"best_of={self.best_of} is not supported (only best_of=n)"))
+        if self.echo:
+            found.append(("echo", "echo is not supported"))
+        if self.logprobs is not None:
+            found.append(("logprobs", "logprobs is not supported"))
+        if self.suffix:
+            found.append(("suffix", "suffix is not supported"))
+        return found
+
+
+class ChatBody(_SamplingBody):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        found = super().unsupported()
+        if self.logprobs:
+            found.append(("logprobs", "logprobs is not supported"))
+        if self.top_logprobs:
+            found.append(("top_logprobs", "top_logprobs is not supported"))
+        if self.tools:
+            found.append(("tools", "tools are not supported"))
+        if self.tool_choice not in (None, "none"):
+            found.append(("tool_choice", "tool_choice is not supported"))
+        if self.functions:
+            found.append(("functions", "functions are not supported"))
+        if self.function_call not in (None, "none"):
+            found.append(("function_call", "function_call is not supported"))
+        return found
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+async def _parse(request: Request, cls: type[BaseModel]) -> Any:
+    try:
+        raw = await request.body()
+        data = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        body = cls.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, int)) or None
+        if param and "[" in param:
+            param = param.split("[")[0]
+        raise APIError(400, f"invalid request: {param}: {err.get('msg')}" if param
+                       else f"invalid request: {err.get('msg')}", param=param) from None
+    for param, message in body.unsupported():
+        raise APIError(400, message, param=param, code="unsupported_parameter")
+    return body
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _chat_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with plain-text content, as chat templates expect."""
+    conversation = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise APIError(400, f"messages[{i}].role must be a string", param="messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise APIError(400, f"messages[{i}]: content part {kind!r} is not supported "
+                                   "(text only)", param="messages")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text "
+                           "parts", param="messages")
+        conversation.append({**message, "content": content})
+    return conversation
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> CompletionUsage:
+    return CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                           total_tokens=prompt_tokens + completion_tokens,
+                           prompt_tokens_details={"cached_tokens": cached})
+
+
+def _check_output(out: RequestOutput) -> None:
+    if out.error is not None or (out.outputs and out.outputs[0].finish_reason == "error"):
+        raise APIError(500, f"generation failed: {out.error}")
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    reason = out.outputs[0].finish_reason if out.outputs else None
+    return reason if reason in _FINISH_REASONS else (None if reason is None else "stop")
+
+
+def _sse(data: BaseModel | dict[str, Any]) -> str:
+    payload = (data.model_dump_json(exclude_unset=True) if isinstance(data, BaseModel)
+               else json.dumps(data, separators=(",", ":")))
+    return f"data: {payload}\n\n"
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes the body iterator and the request streams however the response ends, so a
+    vanished client's requests are aborted at once (Starlette cancels the body only on ASGI <
+    2.4 servers, and an unstarted generator's finally never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._streams = streams
+
+    async def stream_response(self, send: Any) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            for stream in self._streams:
+                stream.close()
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+
+
+async def _until_disconnect(request: Request, work: asyncio.Future[Any]) -> Any:
+    """Await ``work``; cancel it (which aborts its requests) if the client goes away."""
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return work.result()
+        if await request.is_disconnected():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work
+            logger.info("client disconnected; request aborted")
+            return None
+
+
+# -- the routes -------------------------------------------------------------------------------
+
+class OpenAIRoutes:
+    """The handlers, bound to the served models (by name)."""
+
+    def __init__(self, models: dict[str, PagedLLMModel]) -> None:
+        self.models = models
+
+    def _model(self, name: str | None) -> PagedLLMModel:
+        if name is None:
+            if len(self.models) == 1:
+                return next(iter(self.models.values()))
+            raise APIError(400, "model is required", param="model")
+        model = self.models.get(name)
+        if model is None:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model",
+                           type_="invalid_request_error", code="model_not_found")
+        if not model.llm.is_ready:
+            detail = "failed" if not model.llm.is_healthy() else "is still loading"
+            raise APIError(503, f"The model `{name}` is not ready: it {detail}.",
+                           type_="service_unavailable_error", code="model_not_ready")
+        return model
+
+    async def list_models(self) -> dict[str, Any]:
+        data = []
+        for name, model in self.models.items():
+            entry = OpenAIModel(id=name, created=int(model.created), object="model",
+                                owned_by="kserve-paged")
+            data.append({**entry.model_dump(exclude_unset=True), "root": model.model_path,
+                         "max_model_len": model.max_model_len, "ready": model.llm.is_ready})
+        return {"object": "list", "data": data}
+
+    async def _prepare(self, model: PagedLLMModel, prompt_ids: list[list[int]],
+                       body: _SamplingBody, max_tokens: int | None, default_max: int | None,
+                       cache_salt: str | None, kind: str) -> list[RequestStream]:
+        options = {**body.sampling_options(), "max_tokens": max_tokens}
+        try:
+            params = [model.sampling_params(options, ids, default_max) for ids in prompt_ids]
+        except OptionError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        streams: list[RequestStream] = []
+        try:
+            for ids, p in zip(prompt_ids, params):
+                streams.append(await model.submit(ids, p, kind=kind, priority=body.priority,
+                                                  cache_salt=cache_salt))
+        except BaseException as exc:
+            for s in streams:
+                s.close()
+            if isinstance(exc, ValueError):
+                raise APIError(400, str(exc)) from None
+            raise
+        return streams
+
+    async def completions(self, request: Request) -> Response:
+        body: CompletionBody = await _parse(request, CompletionBody)
+        model = self._model(body.model)
+        name = body.model or model.name
+        try:
+            prompt_ids = [model.encode(p) for p in _prompts(body.prompt)]
+        except OptionError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        salt = body.cache_salt or request.headers.get("x-cache-salt")
+        streams = await self._prepare(model, prompt_ids, body, body.max_tokens,
+                                      COMPLETIONS_DEFAULT_MAX_TOKENS, salt, "cmpl")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _ClosingStreamingResponse(
+                self._stream_completion(streams, rid, created, name, include_usage), streams)
+        finals = await _until_disconnect(request, asyncio.ensure_future(_finals(streams)))
+        if finals is None:
+            return Response(status_code=499)
+        for out in finals:
+            _check_output(out)
+        choices = [CompletionChoice(index=i, text=out.outputs[0].text, logprobs=None,
+                                    finish_reason=_finish_reason(out) or "stop")
+                   for i, out in enumerate(finals)]
+        result = Completion(id=rid, object="text_completion", created=created, model=name,
+                            choices=choices, usage=_total_usage(finals))
+        return JSONResponse(result.model_dump(mode="json", exclude_unset=True))
+
+    async def _stream_completion(self, streams: list[RequestStream], rid: str, created: int,
+                                 model: str, include_usage: bool) -> AsyncIterator[str]:
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in _merge(streams):
+                _check_output(out)
+                text = out.outputs[0].delta_text if out.outputs else ""
+                reason = _finish_reason(out) if out.finished else None
+                if out.finished:
+                    finals[i] = out
+                if not text and reason is None:
+                    continue
+                chunk = {"id": rid, "object": "text_completion", "created": created,
+                         "model": model, "choices": [{"index": i, "text": text, "logprobs": None,
+                                                      "finish_reason": reason}]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield _sse(chunk)
+            if include_usage:
+                usage = _total_usage([finals[i] for i in sorted(finals)])
+                yield _sse({"id": rid, "object": "text_completion", "created": created,
+                            "model": model, "choices": [],
+                            "usage": usage.model_dump(exclude_unset=True)})
+        except APIError as exc:
+            yield _sse(error_body(exc.message, exc.type, exc.param, exc.code))
+        except EngineDeadError as exc:
+            yield _sse(error_body(str(exc), "server_error"))
+        yield "data: [DONE]\n\n"
+
+    async def chat_completions(self, request: Request) -> Response:
+        body: ChatBody = await _parse(request, ChatBody)
+        model = self._model(body.model)
+        name = body.model or model.name
+        conversation = _chat_text(body.messages)
+        tok = model.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /completions",
+                           param="messages")
+        if body.continue_final_message and body.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both "
+                           "be true", param="continue_final_message")
+        try:
+            text = tok.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message)
+        except Exception as exc:  # template errors are the request's fault (bad roles, ...)
+            raise APIError(400, f"the chat template rejected the messages: {exc}",
+                           param="messages") from None
+        prompt_ids = list(tok.encode(text, add_special_tokens=False))
+        if not prompt_ids:
+            raise APIError(400, "the messages render to an empty prompt", param="messages")
+        max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
+                      else body.max_tokens)
+        salt = body.cache_salt or request.headers.get("x-cache-salt")
+        streams = await self._prepare(model, [prompt_ids], body, max_tokens, None, salt,
+                                      "chatcmpl")
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _ClosingStreamingResponse(
+                self._stream_chat(streams[0], rid, created, name, include_usage), streams)
+        finals = await _until_disconnect(request, asyncio.ensure_future(_finals(streams)))
+        if finals is None:
+            return Response(status_code=499)
+        out = finals[0]
+        _check_output(out)
+        result = ChatCompletion(
+            id=rid, object="chat.completion", created=created, model=name,
+            choices=[ChatChoice(index=0, finish_reason=_finish_reason(out) or "stop",
+                                logprobs=None,
+                                message=ChatCompletionMessage(role="assistant",
+                                                              content=out.outputs[0].text))],
+            usage=_total_usage(finals))
+        return JSONResponse(result.model_dump(mode="json", exclude_unset=True))
+
+    async def _stream_chat(self, stream: RequestStream, rid: str, created: int, model: str,
+                           include_usage: bool) -> AsyncIterator[str]:
+        def chunk(delta: ChoiceDelta | None, reason: str | None = None) -> ChatCompletionChunk:
+            choices = [] if delta is None else [
+                ChunkChoice(index=0, delta=delta, finish_reason=reason, logprobs=None)]
+            return ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=created,
+                                       model=model, choices=choices)
+
+        final: RequestOutput | None = None
+        try:
+            yield _sse(chunk(ChoiceDelta(role="assistant", content="")))
+            async for out in stream:
+                _check_output(out)
+                text = out.outputs[0].delta_text if out.outputs else ""
+                reason = _finish_reason(out) if out.finished else None
+                if out.finished:
+                    final = out
+                if not text and reason is None:
+                    continue
+                yield _sse(chunk(ChoiceDelta(content=text), reason))
+            if include_usage and final is not None:
+                last = chunk(None)
+                last.usage = _total_usage([final])
+                yield _sse(last)
+        except APIError as exc:
+            yield _sse(error_body(exc.message, exc.type, exc.param, exc.code))
+        except EngineDeadError as exc:
+            yield _sse(error_body(str(exc), "server_error"))
+        finally:
+            stream.close()
+        yield "data: [DONE]\n\n"
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _total_usage(finals: list[RequestOutput]) -> CompletionUsage:
+    return _usage(sum(len(o.prompt_token_ids) for o in finals),
+                  sum(len(o.outputs[0].token_ids) for o in finals),
+                  sum(o.num_cached_tokens for o in finals))
+
+
+async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
+    """Run the streams to their final outputs; abort all of them if cancelled."""
+    async def last(stream: RequestStream) -> RequestOutput:
+        final = None
+        async for out in stream:
+            final = out
+        if final is None:
+            raise APIError(500, "the request was aborted")
+        return final
+
+    try:
+        return list(await asyncio.gather(*(last(s) for s in streams)))
+    finally:
+        for s in streams:
+            s.close()
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (index, output), in arrival order."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+            await queue.put((i, None))
+        except Exception as exc:
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+def _wrap(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+    """Map every failure to OpenAI's error shape (KServe's handlers would answer its own)."""
+    async def route(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            return exc.response()
+        except (ModelNotReady, EngineDeadError) as exc:
+            return APIError(503, str(exc), type_="service_unavailable_error").response()
+        except InferenceError as exc:
+            return APIError(500, str(exc)).response()
+        except Exception as exc:
+            logger.exception("OpenAI route failed")
+            return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+    route.__name__ = getattr(handler, "__name__", "route")
+    return route
+
+
+def register_openai_routes(app: FastAPI, models: dict[str, PagedLLMModel],
+                           prefixes: tuple[str, ...] = (PREFIX,)) -> OpenAIRoutes:
+    """Add ``models``, ``completions`` and ``chat/completions`` under each prefix."""
+    routes = OpenAIRoutes(models)
+    for prefix in prefixes:
+        router = APIRouter(prefix=prefix, tags=["OpenAI"])
+        router.add_api_route("/models", routes.list_models, methods=["GET"])
+        router.add_api_route("/completions", _wrap(routes.completions), methods=["POST"],
+                             response_model=None)
+        router.add_api_route("/chat/completions", _wrap(routes.chat_completions),
+                             methods=["POST"], response_model=None)
+        app.include_router(router)
+    return routes
+
+
+__all__ = ["APIError", "OpenAIRoutes", "register_openai_routes", "PREFIX"]

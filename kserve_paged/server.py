@@ -1,0 +1,178 @@
+"""Assemble the server: KServe's ModelServer + our model, OpenAI routes, /metrics, middleware.
+
+Everything here is added to ``kserve.model_server.app`` before ``ModelServer.start`` registers
+KServe's own routes. Starlette matches routes in order, so our ``/metrics`` comes first and
+shadows KServe's (whose OpenMetrics answer would mangle the ``vllm:`` names, see metrics.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from kserve.errors import InvalidInput, ModelNotFound, ModelNotReady
+
+from engine.config import EngineConfig
+from kserve_paged.args import DEFAULT_MODEL_DIR, engine_kwargs
+from kserve_paged.metrics import render
+from kserve_paged.model import PagedLLMModel
+from kserve_paged.openai_api import register_openai_routes
+
+logger = logging.getLogger("kserve.paged")
+
+INFERENCE_HEADER = b"inference-header-content-length"
+FORM = b"application/x-www-form-urlencoded"
+
+
+class V2ContentTypeMiddleware:
+    """tritonclient.http posts v2 requests without Content-Type, which FastAPI >= 0.132 refuses
+    (kserve.md). Supply it when absent: binary requests announce their JSON part with
+    ``Inference-Header-Content-Length``, everything else is JSON. Pure ASGI, so streaming
+    responses pass through untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            headers = list(scope.get("headers") or [])
+            types = [value for name, value in headers if name.lower() == b"content-type"]
+            # curl -d sends form encoding, which no v2 body ever is: treat it as missing.
+            form = (bool(types) and types[0].startswith(FORM)
+                    and scope.get("path", "").endswith("/infer"))
+            if not types or form:
+                names = {name.lower() for name, _ in headers}
+                kind = (b"application/octet-stream" if INFERENCE_HEADER in names
+                        else b"application/json")
+                headers = [(n, v) for n, v in headers if n.lower() != b"content-type"]
+                scope = {**scope, "headers": [*headers, (b"content-type", kind)]}
+        await self.app(scope, receive, send)
+
+
+async def metrics_route(request: Request) -> Response:
+    body, content_type = render(request.headers.get("accept"))
+    return Response(content=body, headers={"content-type": content_type})
+
+
+async def validation_error_route(request: Request, exc: RequestValidationError) -> Response:
+    """A malformed v1/v2 body: 400 with v2's error shape instead of FastAPI's 422 detail list."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    message = f"invalid request body: {first.get('msg', 'malformed')}"
+    return JSONResponse(status_code=400,
+                        content={"error": f"{message} at {where}" if where else message})
+
+
+class _QuietClientErrors(logging.Filter):
+    """KServe logs a full traceback for every 4xx/503 it answers; readiness probes during a
+    model load would flood the log. Keep the one-line message, drop the traceback."""
+
+    QUIET = (ModelNotReady, ModelNotFound, InvalidInput)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, self.QUIET):
+            record.msg = f"{type(exc).__name__}: {exc}"
+            record.args = ()
+            record.exc_info = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def resolve_model_dir(model_dir: str, explicit: bool) -> str | None:
+    """The folder to load, or None for the default model.
+
+    ``/mnt/models`` is where KServe's storage initializer puts the model; when it is absent and
+    no ``--model_dir`` was given, the default model is served (local runs). A folder given
+    explicitly must exist. A folder holding exactly one model folder (no config.json at its
+    top, as some storage layouts do) resolves to that subfolder."""
+    path = Path(model_dir)
+    if not path.exists():
+        if explicit or model_dir != DEFAULT_MODEL_DIR:
+            raise FileNotFoundError(f"--model_dir {model_dir} does not exist")
+        return None
+    if path.is_dir() and not (path / "config.json").exists() and not list(path.glob("*.gguf")):
+        subdirs = [p for p in path.iterdir() if p.is_dir() and (p / "config.json").exists()]
+        if len(subdirs) == 1:
+            return str(subdirs[0])
+        if not any(path.iterdir()):
+            raise FileNotFoundError(f"--model_dir {model_dir} is empty")
+    return str(path)
+
+
+def model_dir_given(argv: list[str]) -> bool:
+    return any(a == "--model_dir" or a.startswith("--model_dir=") for a in argv)
+
+
+def build_model(args: argparse.Namespace, argv: list[str]) -> PagedLLMModel:
+    model_path = resolve_model_dir(args.model_dir, model_dir_given(argv))
+    config = EngineConfig(model=model_path, **engine_kwargs(args))
+    return PagedLLMModel(args.model_name, config)
+
+
+def install(app: FastAPI, model: PagedLLMModel) -> None:
+    """Our routes and middleware on KServe's app (before ModelServer.start adds its own)."""
+    app.add_middleware(V2ContentTypeMiddleware)
+    app.add_exception_handler(RequestValidationError, validation_error_route)
+    logging.getLogger("kserve").addFilter(_QuietClientErrors())
+    app.add_api_route("/metrics", metrics_route, methods=["GET"], include_in_schema=False)
+    register_openai_routes(app, {model.name: model})
+
+
+def serve(args: argparse.Namespace, argv: list[str]) -> None:
+    """Run until signalled. Loading happens after the HTTP server is up (readiness says when)."""
+    from kserve import ModelServer
+    from kserve.model_server import app
+
+    if args.workers != 1:
+        raise SystemExit("--workers must be 1: each worker would load its own copy of the model "
+                         "and KV cache (scale with replicas instead)")
+    model = build_model(args, argv)
+    install(app, model)
+    server = ModelServer(
+        http_port=args.http_port, grpc_port=args.grpc_port, workers=1,
+        max_threads=args.max_threads, max_asyncio_workers=args.max_asyncio_workers,
+        enable_grpc=args.enable_grpc, enable_docs_url=args.enable_docs_url,
+        enable_latency_logging=args.enable_latency_logging,
+        access_log_format=args.access_log_format, event_loop=args.event_loop,
+        timeout_keep_alive=args.timeout_keep_alive)
+    _share_kserve_logging("engine")  # load progress, KV sizing, engine-thread failures
+    logger.info("serving model %r from %s on :%d (gRPC %s)", model.name,
+                model.config.model or "the default model", args.http_port,
+                f":{args.grpc_port}" if args.enable_grpc else "off")
+    model.load()
+    server.start([model])
+
+
+def _share_kserve_logging(name: str) -> None:
+    """Route another logger tree through the handlers KServe configured (same format/stream)."""
+    source = logging.getLogger("kserve")
+    target = logging.getLogger(name)
+    if target.handlers or not source.handlers:
+        return
+    for handler in source.handlers:
+        target.addHandler(handler)
+    target.setLevel(source.getEffectiveLevel())
+    target.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kserve_paged.args import parse_args
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights are local; never reach for the hub
+    try:
+        serve(args, argv)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
