@@ -127,7 +127,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_len)
         self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,
-                                  self.device)
+                                  self.device, max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=max_len)
         self.sampler = Sampler(config.seed)
         self.eos_token_id, self._extra_eos = self._eos_ids()
         self._live: dict[str, _Tracked] = {}

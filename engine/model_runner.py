@@ -23,9 +23,45 @@ class StepInputs:
     sampling: list[Request]
 
 
+class _StepBuffers:
+    """Host tensors sized for the largest step, filled through numpy views every step.
+
+    On a GPU the same shapes live on the device too and each step copies only the used prefix.
+    """
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int,
+                 device: torch.device) -> None:
+        pin = device.type == "cuda"
+
+        def host(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, pin_memory=pin)
+
+        self.device = device
+        self.input_ids = host(max_tokens, torch.long)
+        self.positions = host(max_tokens, torch.long)
+        self.slot_mapping = host(max_tokens, torch.long)
+        self.block_tables = host(max_seqs * max_blocks, torch.int32)
+        self.seq_lens = host(max_seqs, torch.int32)
+        self.query_start_loc = host(max_seqs + 1, torch.int32)
+        self.logits_indices = host(max_seqs, torch.long)
+        self._names = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
+                       "query_start_loc", "logits_indices")
+        self.np = {n: getattr(self, n).numpy() for n in self._names}
+        self.dev = ({n: torch.zeros_like(getattr(self, n), device=device) for n in self._names}
+                    if device.type != "cpu" else None)
+
+    def take(self, name: str, n: int) -> torch.Tensor:
+        """The first n entries, on the model's device."""
+        host = getattr(self, name)[:n]
+        if self.dev is None:
+            return host
+        return self.dev[name][:n].copy_(host, non_blocking=True)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                 block_size: int, dtype: torch.dtype, device: torch.device, *,
+                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
         self.model = model
         self.kv = kv
         self.block_size = block_size
@@ -35,6 +71,9 @@ class ModelRunner:
         # would still poison the softmax.
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(model.num_layers)]
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.buffers = _StepBuffers(max_num_batched_tokens, max_num_seqs,
+                                    self.max_blocks_per_seq, device)
 
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -43,6 +82,7 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         bs = self.block_size
+        buf = self.buffers.np
         n_seqs = len(out.scheduled)
         q_lens = np.empty(n_seqs, dtype=np.int64)
         starts = np.empty(n_seqs, dtype=np.int64)
@@ -61,32 +101,41 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 sampling.append(req)
                 last_rows.append(offset - 1)
-        seq_lens = starts + q_lens
-        qsl = np.zeros(n_seqs + 1, dtype=np.int64)
+        total = offset
+        qsl = buf["query_start_loc"][:n_seqs + 1]
+        qsl[0] = 0
         np.cumsum(q_lens, out=qsl[1:])
-        total = int(qsl[-1])
+        seq_lens = starts + q_lens
+        buf["seq_lens"][:n_seqs] = seq_lens
+        buf["input_ids"][:total] = tokens
         # Positions: for each sequence start..start+n-1, built without a Python loop per token.
         seq_of_token = np.repeat(np.arange(n_seqs), q_lens)
-        positions = np.arange(total, dtype=np.int64) - qsl[:-1][seq_of_token] + starts[seq_of_token]
+        positions = buf["positions"][:total]
+        np.subtract(np.arange(total, dtype=np.int64), (qsl[:-1] - starts)[seq_of_token],
+                    out=positions)
         max_blocks = max(len(t) for t in tables)
-        block_tables = np.zeros((n_seqs, max_blocks), dtype=np.int64)
+        block_tables = buf["block_tables"][:n_seqs * max_blocks].reshape(n_seqs, max_blocks)
+        block_tables[:] = 0
         for i, t in enumerate(tables):
             block_tables[i, :len(t)] = t
-        slot_mapping = (block_tables[seq_of_token, positions // bs] * bs + positions % bs)
-        dev = self.device
+        np.add(block_tables[seq_of_token, positions // bs].astype(np.int64) * bs,
+               positions % bs, out=buf["slot_mapping"][:total])
+        n_sample = len(last_rows)
+        buf["logits_indices"][:n_sample] = last_rows
+        b = self.buffers
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            slot_mapping=b.take("slot_mapping", total),
+            block_tables=b.take("block_tables", n_seqs * max_blocks).view(n_seqs, max_blocks),
+            seq_lens=b.take("seq_lens", n_seqs),
+            query_start_loc=b.take("query_start_loc", n_seqs + 1),
             max_seq_len=int(seq_lens.max()),
             max_query_len=int(q_lens.max()),
         )
         return StepInputs(
-            input_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
+            input_ids=b.take("input_ids", total),
+            positions=b.take("positions", total),
             meta=meta,
-            logits_indices=torch.tensor(last_rows, dtype=torch.long, device=dev),
+            logits_indices=b.take("logits_indices", n_sample),
             sampling=sampling,
         )
 
