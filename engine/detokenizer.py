@@ -103,11 +103,13 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special,
                                       clean_up_tokenization_spaces=False)
 
-    def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> None:
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False,
+               check_stop: bool = True) -> None:
         """Add tokens, extend the text and check the stop strings; sets ``stopped`` on a match.
 
         ``stop_terminated``: the last token ended the request (EOS or a stop token id); its
         text is left out unless ``include_stop_str_in_output``, as vLLM does.
+        ``check_stop``: False while the request is still under its ``min_tokens``.
         """
         if self.stopped:
             return
@@ -130,7 +132,7 @@ class IncrementalDetokenizer:
             self._prefix = 0
         old_length = self._length
         self._append(new_text)
-        if self._stops:
+        if self._stops and check_stop:
             self._check_stop(old_length, new_text)
 
     def _check_stop(self, old_length: int, new_text: str) -> None:

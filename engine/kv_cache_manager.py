@@ -74,14 +74,9 @@ class KVCacheManager:
         All or nothing: on failure no ref count, free-queue position or cache entry changes.
         """
         held = self.req_blocks.get(request.request_id)
-        num_held = len(held) if held else 0
-        num_computed = request.num_computed_tokens + hit.num_tokens
-        total = num_computed + num_new_tokens
-        need = -(-total // self.block_size) - num_held - len(hit.blocks)
-        # Hit blocks sitting in the free queue are taken out of it, so they can't be counted
-        # twice: once as a hit and once as room for new blocks.
-        free_hits = sum(1 for b in hit.blocks if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - free_hits:
+        total = request.num_computed_tokens + hit.num_tokens + num_new_tokens
+        need = self.blocks_needed(request, num_new_tokens, hit)
+        if need > self.pool.num_free_blocks:
             return False
         if held is None:
             held = self.req_blocks[request.request_id] = []
@@ -93,12 +88,25 @@ class KVCacheManager:
             held.extend(hit.blocks)
             ids.extend(b.block_id for b in hit.blocks)
             self._num_registered[request.request_id] = len(held)
-        if need > 0:
-            new = self.pool.allocate(need)
+        num_new_blocks = -(-total // self.block_size) - len(held)
+        if num_new_blocks > 0:
+            new = self.pool.allocate(num_new_blocks)
             held.extend(new)
             ids.extend(b.block_id for b in new)
         self._register_full_blocks(request, min(total, request.num_tokens))
         return True
+
+    def blocks_needed(self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> int:
+        """Free blocks an allocation would consume: new blocks plus hit blocks that are free
+        (taking those out of the free queue uses them up as room for new blocks)."""
+        held = self.req_blocks.get(request.request_id)
+        total = request.num_computed_tokens + hit.num_tokens + num_new_tokens
+        new = -(-total // self.block_size) - (len(held) if held else 0) - len(hit.blocks)
+        return max(new, 0) + sum(1 for b in hit.blocks if b.ref_cnt == 0)
+
+    def num_exclusive_blocks(self, request_id: str) -> int:
+        """Blocks only this request holds: what freeing it returns to the free queue."""
+        return sum(1 for b in self.req_blocks.get(request_id, ()) if b.ref_cnt == 1)
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Index the blocks that the coming step fills, so requests admitted later in the same

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -177,6 +178,12 @@ class LLMEngine:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        # Checked here, not later: a bad salt or priority would raise inside schedule(), outside
+        # any step's fault containment, and kill the engine for every request.
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string (got {type(cache_salt).__name__})")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer (got {priority!r})")
         if isinstance(prompt, str):
             text = prompt
             token_ids = self.tokenize(prompt)
@@ -252,10 +259,16 @@ class LLMEngine:
                 m.first_token_time = now
             m.last_token_time = now
             stop_terminated = (req.status is RequestStatus.FINISHED_STOPPED)
-            tracked.detok.update([req.output_token_ids[-1]], stop_terminated=stop_terminated)
-            if tracked.detok.stopped and not req.is_finished:
+            tracked.detok.update(
+                [req.output_token_ids[-1]], stop_terminated=stop_terminated,
+                check_stop=req.num_output_tokens >= req.sampling_params.min_tokens)
+            if tracked.detok.stopped:
                 req.stop_reason = tracked.detok.stop_reason
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                if not req.is_finished:
+                    self.scheduler.finish_requests([req.request_id],
+                                                   RequestStatus.FINISHED_STOPPED)
+                elif req.status is RequestStatus.FINISHED_LENGTH:
+                    req.status = RequestStatus.FINISHED_STOPPED  # the stop string came first
             outputs.append(self._make_output(tracked, now))
         return outputs
 
@@ -267,13 +280,15 @@ class LLMEngine:
         if finished:
             tracked.metrics.finished_time = now
             del self._live[req.request_id]
+        # Copies: outputs cross to the event loop's thread while the engine keeps going.
         completion = CompletionOutput(
             index=0, text=tracked.detok.output_text,
-            token_ids=list(req.output_token_ids) if finished else req.output_token_ids,
+            token_ids=list(req.output_token_ids),
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             delta_text=tracked.detok.get_delta(finished), delta_token_ids=delta_ids)
         return RequestOutput(req.request_id, tracked.prompt, req.prompt_token_ids, [completion],
-                             finished, max(req.num_cached_tokens, 0), tracked.metrics)
+                             finished, max(req.num_cached_tokens, 0),
+                             dataclasses.replace(tracked.metrics))
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
         ids = [r.request_id for r in requests if not r.is_finished]

@@ -49,6 +49,18 @@ class _StepBuffers:
         self.np = {n: getattr(self, n).numpy() for n in self._names}
         self.dev = ({n: torch.zeros_like(getattr(self, n), device=device) for n in self._names}
                     if device.type != "cpu" else None)
+        # Marks when the last step's host-to-device copies were done reading the host buffers.
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def wait_until_free(self) -> None:
+        """Block until the previous step's non-blocking copies have read the host buffers, so
+        refilling them cannot race with a copy still queued on the GPU."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def mark_copied(self) -> None:
+        if self._copied is not None:
+            self._copied.record()
 
     def take(self, name: str, n: int) -> torch.Tensor:
         """The first n entries, on the model's device."""
@@ -82,6 +94,7 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         bs = self.block_size
+        self.buffers.wait_until_free()
         buf = self.buffers.np
         n_seqs = len(out.scheduled)
         q_lens = np.empty(n_seqs, dtype=np.int64)
@@ -131,13 +144,15 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             max_query_len=int(q_lens.max()),
         )
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=b.take("input_ids", total),
             positions=b.take("positions", total),
             meta=meta,
             logits_indices=b.take("logits_indices", n_sample),
             sampling=sampling,
         )
+        b.mark_copied()
+        return inputs
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:

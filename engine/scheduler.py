@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, PrefixHit
 from engine.request import Request, RequestStatus
 
 
@@ -135,8 +135,9 @@ class Scheduler:
             self.waiting.push(victim, front=True)
             preempted.append(victim.request_id)
 
-        # Running requests first (in order), each asking for what it has not computed yet.
-        for request in list(self.running):
+        # Running requests first, best first (a preempted request re-admitted later still
+        # keeps its arrival-time rank), each asking for what it has not computed yet.
+        for request in sorted(self.running, key=self._policy_key):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
@@ -184,7 +185,8 @@ class Scheduler:
             admitted = True
             while not self.kv.allocate_slots(request, num_new, hit):
                 victim = victim_for(request)
-                if victim is None:
+                if victim is None or not self._preemption_would_fit(request, num_new, hit,
+                                                                    scheduled):
                     admitted = False
                     break
                 preempt(victim)
@@ -193,7 +195,7 @@ class Scheduler:
                 num_new = min(request.num_tokens - hit.num_tokens, budget)
             if not admitted:
                 break
-            self.waiting.pop()
+            self.waiting.remove(request)
             self.kv.record_lookup(request, hit)
             request.num_computed_tokens += hit.num_tokens
             if request.num_cached_tokens < 0:
@@ -206,6 +208,18 @@ class Scheduler:
             order.append(request)
             budget -= num_new
         return budget
+
+    def _preemption_would_fit(self, request: Request, num_new: int, hit: PrefixHit,
+                              scheduled: dict[str, int]) -> bool:
+        """Whether preempting every eligible victim (worse, not scheduled this step) could
+        make room. Without this check a waiting request could preempt victims one by one and
+        still not fit, leaving them preempted for nothing.
+        """
+        key = self._policy_key(request)
+        reclaimable = sum(self.kv.num_exclusive_blocks(r.request_id) for r in self.running
+                          if r.request_id not in scheduled and self._policy_key(r) > key)
+        return self.kv.blocks_needed(request, num_new, hit) <= (
+            self.kv.num_free_blocks + reclaimable)
 
     # ------------------------------------------------------------ after the model ran
     def update_from_output(self, output: SchedulerOutput,

@@ -165,3 +165,21 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
         {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
         LLM(model=str(tmp_path))
+
+
+def test_stop_string_on_the_last_allowed_token_and_min_tokens(llm, reference):
+    tok = llm.get_tokenizer()
+    full = tok.decode(reference[0], skip_special_tokens=True)
+    stop = full[5:9]
+    k = next(k for k in range(1, NEW_TOKENS + 1)
+             if stop in tok.decode(reference[0][:k], skip_special_tokens=True))
+    # The stop string completes exactly on the max_tokens-th token: it is a stop, not a length.
+    c = llm.generate(PROMPTS[0], SamplingParams(max_tokens=k, temperature=0, stop=[stop]),
+                     use_tqdm=False)[0].outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    # Under min_tokens the stop string is not checked, as in vLLM.
+    c = llm.generate(PROMPTS[0], SamplingParams(max_tokens=NEW_TOKENS, min_tokens=k + 3,
+                                                temperature=0, stop=[stop]),
+                     use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) >= k + 3
+    assert c.token_ids == reference[0][:len(c.token_ids)]

@@ -152,3 +152,35 @@ def test_eos_stop_token_and_min_tokens():
     assert stop.output_token_ids == [7] and stop.stop_reason == 7
     assert ign.output_token_ids == [7, 7, 7] and ign.finish_reason == "length"
     assert mint.output_token_ids == [7, 7] and mint.finish_reason == "stop"
+
+
+def test_priority_running_requests_are_served_best_first_so_the_worse_one_is_preempted():
+    # L was admitted first; H (better) needs a new block while L does not. Walking the running
+    # list in admission order would schedule L first and leave H to preempt itself.
+    sched = make_scheduler(num_blocks=4, block_size=16, budget=512, policy="priority")
+    low = make_request("low", 20, max_tokens=40, priority=5, arrival=0.0)
+    sched.add_request(low)
+    step(sched)
+    high = make_request("high", 31, max_tokens=40, priority=0, arrival=1.0)
+    sched.add_request(high)
+    step(sched)  # high admitted (2 blocks): the pool is full
+    step(sched)  # high's token 32 still fits
+    out = step(sched)  # high needs a third block
+    assert out.preempted == ["low"]
+    assert high.status is RequestStatus.RUNNING and "high" in out.num_scheduled_tokens
+
+
+def test_no_preemption_for_a_waiting_request_that_would_still_not_fit():
+    sched = make_scheduler(num_blocks=10, block_size=16, budget=512, policy="priority")
+    sched.add_request(make_request("best", 100, max_tokens=5, priority=0, arrival=0.0))  # 7
+    step(sched)
+    low = make_request("low", 20, max_tokens=5, priority=5, arrival=1.0)  # 2 blocks
+    sched.add_request(low)
+    step(sched)
+    assert sched.kv.num_free_blocks == 1
+    sched.add_request(make_request("mid", 70, max_tokens=5, priority=1, arrival=2.0))  # 5
+    out = step(sched)
+    # Preempting "low" would free 2 blocks: 3 < 5, so it keeps running and "mid" waits.
+    assert out.preempted == [] and low.status is RequestStatus.RUNNING
+    run_to_completion(sched)
+    assert sched.kv.num_free_blocks == 10
