@@ -15,9 +15,10 @@ import torch
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
+from engine.logits_processors import apply_penalties, top_logprobs
 from engine.model_loader import load_model, load_tokenizer
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, make_generator
 from engine.sampling_params import SamplingParams
@@ -90,6 +91,8 @@ class _Tracked:
     generator: torch.Generator | None
     sent_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
 
 
 class LLMEngine:
@@ -238,10 +241,15 @@ class LLMEngine:
             logits, sampling = self.runner.execute(out)
             if sampling:
                 tracks = [self._live[r.request_id] for r in sampling]
-                tokens = self.sampler.sample(
-                    logits, [r.sampling_params for r in sampling],
-                    [t.generator for t in tracks], [r.num_output_tokens for r in sampling],
-                    [r.eos_token_id for r in sampling]).tolist()
+                params = [r.sampling_params for r in sampling]
+                processed = apply_penalties(logits, params,
+                                            [r.prompt_token_ids for r in sampling],
+                                            [r.output_token_ids for r in sampling])
+                token_tensor = self.sampler.sample(
+                    processed, params, [t.generator for t in tracks],
+                    [r.num_output_tokens for r in sampling], [r.eos_token_id for r in sampling])
+                self._record_logprobs(logits, token_tensor, sampling, tracks)
+                tokens = token_tensor.tolist()
             else:
                 tokens = []
         except Exception as exc:  # noqa: BLE001 - contain the fault to this step's requests
@@ -272,6 +280,27 @@ class LLMEngine:
             outputs.append(self._make_output(tracked, now))
         return outputs
 
+    def _record_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,
+                         sampling: list[Request], tracks: list[_Tracked]) -> None:
+        """Log-probabilities of the raw model logits, as vLLM returns them by default."""
+        rows = [i for i, r in enumerate(sampling) if r.sampling_params.logprobs is not None]
+        if not rows:
+            return
+        index = torch.tensor(rows, device=logits.device)
+        k = max(sampling[i].sampling_params.logprobs or 0 for i in rows)
+        chosen, tops, ranks = top_logprobs(logits.index_select(0, index),
+                                           tokens.index_select(0, index), k)
+        decode = self.tokenizer.decode
+        for j, i in enumerate(rows):
+            tracked = tracks[i]
+            token = int(tokens[i])
+            entry = {token: Logprob(chosen[j], ranks[j], decode([token]))}
+            for rank, (tid, value) in enumerate(tops[j][:sampling[i].sampling_params.logprobs], 1):
+                if tid not in entry:
+                    entry[tid] = Logprob(value, rank, decode([tid]))
+            tracked.logprobs.append(entry)
+            tracked.cumulative_logprob += chosen[j]
+
     def _make_output(self, tracked: _Tracked, now: float) -> RequestOutput:
         req = tracked.request
         finished = req.is_finished
@@ -286,6 +315,9 @@ class LLMEngine:
             token_ids=list(req.output_token_ids),
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             delta_text=tracked.detok.get_delta(finished), delta_token_ids=delta_ids)
+        if req.sampling_params.logprobs is not None:
+            completion.logprobs = list(tracked.logprobs)
+            completion.cumulative_logprob = tracked.cumulative_logprob
         return RequestOutput(req.request_id, tracked.prompt, req.prompt_token_ids, [completion],
                              finished, max(req.num_cached_tokens, 0),
                              dataclasses.replace(tracked.metrics))

@@ -6,6 +6,17 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One dict per generated token: the chosen token and the requested top tokens.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str  # cumulative
@@ -15,6 +26,9 @@ class CompletionOutput:
     # What this step added, for streaming.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # Only when SamplingParams.logprobs is set (cumulative, like token_ids).
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

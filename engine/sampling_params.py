@@ -21,6 +21,11 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # top log-probabilities to return per generated token
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -32,6 +37,14 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"invalid sampling parameter: logit_bias must map token ids "
+                                 f"to numbers ({exc})") from None
+        else:
+            self.logit_bias = None
         self.validate()
 
     def validate(self) -> None:
@@ -69,7 +82,31 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise bad(f"stop_token_ids must be non-negative integers (got {t!r})")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise bad(f"{name} must be a finite number (got {value!r})")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad(f"presence_penalty must be in [-2, 2] (got {self.presence_penalty})")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad(f"frequency_penalty must be in [-2, 2] (got {self.frequency_penalty})")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise bad(f"repetition_penalty must be in (0, 100] (got {self.repetition_penalty})")
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0:
+                raise bad(f"logit_bias token ids must be non-negative (got {token})")
+            if not math.isfinite(bias) or not -100.0 <= bias <= 100.0:
+                raise bad(f"logit_bias values must be in [-100, 100] (got {bias} for {token})")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= 20):
+            raise bad(f"logprobs must be an integer from 0 to 20 (got {self.logprobs!r})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias)

@@ -183,3 +183,45 @@ def test_stop_string_on_the_last_allowed_token_and_min_tokens(llm, reference):
                      use_tqdm=False)[0].outputs[0]
     assert len(c.token_ids) >= k + 3
     assert c.token_ids == reference[0][:len(c.token_ids)]
+
+
+def test_logprobs_equal_transformers_log_softmax(llm, model_dir):
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
+                                              dtype=torch.float32).eval()
+    for out in outs:
+        c = out.outputs[0]
+        ids = out.prompt_token_ids + c.token_ids
+        with torch.inference_mode():
+            logits = hf(torch.tensor([ids])).logits[0]
+        n = len(out.prompt_token_ids)
+        ref = torch.log_softmax(logits[n - 1:n - 1 + len(c.token_ids)].float(), dim=-1)
+        assert len(c.logprobs) == len(c.token_ids)
+        total = 0.0
+        for j, (token, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert entry[token].rank == 1  # greedy picks the most likely token
+            assert entry[token].logprob == pytest.approx(ref[j, token].item(), abs=1e-4)
+            top = ref[j].topk(3)
+            assert set(entry) == set(top.indices.tolist())
+            for tid, value in zip(top.indices.tolist(), top.values.tolist()):
+                assert entry[tid].logprob == pytest.approx(value, abs=1e-4)
+            total += entry[token].logprob
+        assert c.cumulative_logprob == pytest.approx(total)
+
+
+def test_penalties_steer_generation(llm, reference):
+    base = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    assert llm.generate(PROMPTS[2], base, use_tqdm=False)[0].outputs[0].token_ids == reference[2]
+    penalized = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
+                               frequency_penalty=2.0)
+    out = llm.generate(PROMPTS[2], penalized, use_tqdm=False)[0].outputs[0].token_ids
+    assert out != reference[2]
+    counts = {t: out.count(t) for t in set(out)}
+    ref_counts = {t: reference[2].count(t) for t in set(reference[2])}
+    assert max(counts.values()) < max(ref_counts.values())
+    banned = reference[2][0]
+    biased = SamplingParams(max_tokens=4, temperature=0, logit_bias={banned: -100})
+    assert banned not in llm.generate(PROMPTS[2], biased, use_tqdm=False)[0].outputs[0].token_ids
