@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -136,6 +137,8 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.eos_token_id, self._extra_eos = self._eos_ids()
         self._live: dict[str, _Tracked] = {}
+        self._parents: dict[str, _Parent] = {}
+        self._child_of: dict[str, tuple[str, int]] = {}
         self._counter = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -200,6 +203,36 @@ class LLMEngine:
             raise ValueError("the prompt is empty: at least one token is required")
         if self._extra_eos and not params.ignore_eos:
             params = _with_stop_ids(params, self._extra_eos)
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n == 1:
+            self._add_one(request_id, token_ids, text, params, priority, cache_salt,
+                          arrival_time)
+            return
+        # n parallel samples: n child requests. Admitted together, the later children hit the
+        # full prompt blocks that the first one registers in the same step, so the prompt's
+        # blocks are held once (plus each child's partial last block), as in vLLM V1.
+        children = [f"{request_id}{_CHILD_SEP}{i}" for i in range(params.n)]
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        try:
+            for i, child in enumerate(children):
+                child_params = copy.copy(params)
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + i
+                self._add_one(child, token_ids, text, child_params, priority, cache_salt,
+                              arrival)
+                self._child_of[child] = (request_id, i)
+        except Exception:
+            self.abort_request(children)
+            for child in children:
+                self._child_of.pop(child, None)
+            raise
+        self._parents[request_id] = _Parent(children)
+
+    def _add_one(self, request_id: str, token_ids: list[int], text: str | None,
+                 params: SamplingParams, priority: int, cache_salt: str | None,
+                 arrival_time: float | None) -> None:
         request = Request(request_id, token_ids, params, eos_token_id=self.eos_token_id,
                           priority=priority, cache_salt=cache_salt)
         if arrival_time is not None:
@@ -216,8 +249,17 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        expanded: list[str] = []
         for rid in request_ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                expanded.append(rid)
+                continue
+            expanded.extend(parent.children)
+            for child in parent.children:
+                self._child_of.pop(child, None)
+        self.scheduler.finish_requests(expanded, RequestStatus.FINISHED_ABORTED)
+        for rid in expanded:
             self._live.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -254,7 +296,8 @@ class LLMEngine:
                 tokens = []
         except Exception as exc:  # noqa: BLE001 - contain the fault to this step's requests
             logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
-            return self._fail(out.scheduled, f"{type(exc).__name__}: {exc}")
+            return self._merge_children(
+                self._fail(out.scheduled, f"{type(exc).__name__}: {exc}"))
         sampled = {r.request_id: t for r, t in zip(sampling, tokens)}
         self.generation_tokens += len(sampled)
         self.scheduler.update_from_output(out, sampled)
@@ -278,7 +321,51 @@ class LLMEngine:
                 elif req.status is RequestStatus.FINISHED_LENGTH:
                     req.status = RequestStatus.FINISHED_STOPPED  # the stop string came first
             outputs.append(self._make_output(tracked, now))
-        return outputs
+        return self._merge_children(outputs) if self._child_of else outputs
+
+    def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Fold the outputs of n > 1 children into one output per parent request.
+
+        A parent's output lists the samples that progressed in this step (index = sample
+        number); its final output lists all n samples.
+        """
+        merged: list[RequestOutput] = []
+        by_parent: dict[str, RequestOutput] = {}
+        for out in outputs:
+            link = self._child_of.get(out.request_id)
+            if link is None:
+                merged.append(out)
+                continue
+            parent_id, index = link
+            parent = self._parents[parent_id]
+            completion = out.outputs[0]
+            completion.index = index
+            parent.latest[index] = completion
+            if out.finished:
+                parent.finished.add(index)
+                del self._child_of[out.request_id]
+            if out.error and parent.error is None:
+                parent.error = out.error
+            agg = by_parent.get(parent_id)
+            if agg is None:
+                agg = by_parent[parent_id] = RequestOutput(
+                    parent_id, out.prompt, out.prompt_token_ids, [], False,
+                    out.num_cached_tokens, out.metrics)
+                merged.append(agg)
+            agg.outputs.append(completion)
+        for parent_id, agg in by_parent.items():
+            parent = self._parents[parent_id]
+            if len(parent.finished) == len(parent.children):
+                progressed = {c.index for c in agg.outputs}
+                for index, completion in sorted(parent.latest.items()):
+                    if index not in progressed:
+                        agg.outputs.append(dataclasses.replace(
+                            completion, delta_text="", delta_token_ids=[]))
+                agg.outputs.sort(key=lambda c: c.index)
+                agg.finished = True
+                agg.error = parent.error
+                del self._parents[parent_id]
+        return merged
 
     def _record_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,
                          sampling: list[Request], tracks: list[_Tracked]) -> None:
@@ -354,9 +441,21 @@ class LLMEngine:
         return s
 
 
-def _with_stop_ids(params: SamplingParams, extra: list[int]) -> SamplingParams:
-    import copy
+@dataclass(slots=True)
+class _Parent:
+    """An n > 1 request: its children and what they produced so far."""
 
+    children: list[str]
+    latest: dict[int, CompletionOutput] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+    error: str | None = None
+
+
+# Joins a parent request id and a sample number into a child id that users do not type.
+_CHILD_SEP = "\x1f"
+
+
+def _with_stop_ids(params: SamplingParams, extra: list[int]) -> SamplingParams:
     params = copy.copy(params)
     params.stop_token_ids = list(params.stop_token_ids) + [t for t in extra
                                                            if t not in params.stop_token_ids]

@@ -51,9 +51,8 @@ class SamplingParams:
         def bad(msg: str) -> ValueError:
             return ValueError(f"invalid sampling parameter: {msg}")
 
-        if not isinstance(self.n, int) or self.n != 1:
-            # Parallel sampling arrives with the request-options issue; refuse rather than ignore.
-            raise bad(f"n must be 1 (got {self.n!r})")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= 128:
+            raise bad(f"n must be an integer from 1 to 128 (got {self.n!r})")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
                                             or isinstance(self.max_tokens, bool)
                                             or self.max_tokens < 1):

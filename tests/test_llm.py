@@ -225,3 +225,44 @@ def test_penalties_steer_generation(llm, reference):
     banned = reference[2][0]
     biased = SamplingParams(max_tokens=4, temperature=0, logit_bias={banned: -100})
     assert banned not in llm.generate(PROMPTS[2], biased, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_n_samples_share_the_prompt_blocks(llm, reference):
+    bs = 16
+    prompt = PROMPTS[7]  # the longest: several full blocks
+    n_prompt = len(llm.get_tokenizer().encode(prompt))
+    full_blocks = n_prompt // bs
+    assert full_blocks >= 3
+    engine = llm.engine
+    engine.add_request("n8", prompt, SamplingParams(n=8, max_tokens=4, temperature=0,
+                                                    ignore_eos=True))
+    engine.step()  # all eight children are admitted and prefilled in one step
+    in_use = engine.kv.pool.num_used_blocks
+    per_child = -(-(n_prompt + 1) // bs) - full_blocks  # each sample's own (partial) blocks
+    # The prompt's full blocks once, plus each sample's own: not eight copies of the prompt.
+    assert in_use == full_blocks + 8 * per_child
+    assert in_use < 8 * full_blocks
+    while engine.has_unfinished_requests():
+        finals = [o for o in engine.step() if o.finished]
+    assert len(finals) == 1 and finals[0].request_id == "n8"
+    assert [c.index for c in finals[0].outputs] == list(range(8))
+    assert all(c.token_ids == reference[7][:4] for c in finals[0].outputs)
+    assert engine.kv.pool.num_used_blocks == 0
+
+
+def test_n_greedy_gives_identical_samples_and_seeds_differ(llm, reference):
+    out = llm.generate(PROMPTS[0], SamplingParams(n=4, max_tokens=NEW_TOKENS, temperature=0,
+                                                  ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs) == 4
+    assert all(c.token_ids == reference[0] for c in out.outputs)
+    sampled = llm.generate(PROMPTS[6], SamplingParams(n=3, max_tokens=12, temperature=1.5,
+                                                      seed=5), use_tqdm=False)[0]
+    assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
+    again = llm.generate(PROMPTS[6], SamplingParams(n=3, max_tokens=12, temperature=1.5,
+                                                    seed=5), use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in sampled.outputs]
+    llm.engine.add_request("gone", PROMPTS[0], SamplingParams(n=3, max_tokens=50))
+    llm.engine.step()
+    llm.engine.abort_request("gone")
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.pool.num_used_blocks == 0
