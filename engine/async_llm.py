@@ -232,6 +232,13 @@ class AsyncLLM:
         return self._dead is None and not self._stopping
 
     @property
+    def num_unfinished(self) -> int:
+        """Requests accepted or queued and not yet ended: what a graceful shutdown waits for.
+        (Sizes of containers the engine thread mutates; reading them from another thread is
+        safe under the GIL, and a momentarily stale count only delays a drain by a poll.)"""
+        return len(self._streams) + len(self._commands)
+
+    @property
     def error(self) -> BaseException | None:
         """Why the engine is dead, if it is."""
         return self._dead
@@ -368,18 +375,14 @@ class AsyncLLM:
             if engine.has_unfinished_requests():
                 outputs = engine.step()
                 stepped = True
-                self._dispatch(outputs)
             if not stepped and not aborted:
                 continue  # only adds, or refused adds: nothing changed worth reporting
+            # Stats and metrics first, outputs second: a client that sees its request end and
+            # then reads stats() or /metrics must find it gone from the running count.
             stats = dict(engine.stats())
             self._stats = stats
             tokens = _token_count(stats)
-            if stepped and not outputs and tokens == last_tokens:
-                # Nothing could be scheduled (e.g. waiting on KV space that an abort will free):
-                # back off briefly instead of spinning on the CPU.
-                with self._cond:
-                    if not self._commands and not self._stopping:
-                        self._cond.wait(0.005)
+            idle = stepped and not outputs and tokens == last_tokens
             info = StepInfo(stats, outputs, aborted, max(tokens - last_tokens, 0), stepped,
                             time.monotonic())
             last_tokens = tokens
@@ -388,6 +391,13 @@ class AsyncLLM:
                     callback(info)
                 except Exception:  # a metrics bug must not take serving down
                     logger.exception("step callback failed")
+            self._dispatch(outputs)
+            if idle:
+                # Nothing could be scheduled (e.g. waiting on KV space that an abort will free):
+                # back off briefly instead of spinning on the CPU.
+                with self._cond:
+                    if not self._commands and not self._stopping:
+                        self._cond.wait(0.005)
 
     def _apply(self, engine: EngineLike, commands: list[_Add | _Abort]) -> list[str]:
         aborted: list[str] = []

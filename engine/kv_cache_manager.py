@@ -50,8 +50,8 @@ class KVCacheManager:
         The hit stops short of the last token, whose logits must be computed, and is counted in
         the prefix-cache metrics only when the request is admitted (see `record_lookup`).
         """
-        if not self.enable_prefix_caching:
-            return NO_HIT
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return NO_HIT  # prompt logprobs need logits at every prompt position
         self._extend_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVBlock] = []

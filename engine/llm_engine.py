@@ -94,6 +94,7 @@ class _Tracked:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -280,7 +281,10 @@ class LLMEngine:
         try:
             if self.fault_hook is not None:
                 self.fault_hook([r.request_id for r in out.scheduled])
-            logits, sampling = self.runner.execute(out)
+            result = self.runner.execute(out)
+            logits, sampling = result.logits, result.sampling
+            if result.prompt_logits is not None:
+                self._record_prompt_logprobs(result.prompt_logits, result.prompt_spans)
             if sampling:
                 tracks = [self._live[r.request_id] for r in sampling]
                 params = [r.sampling_params for r in sampling]
@@ -350,7 +354,7 @@ class LLMEngine:
             if agg is None:
                 agg = by_parent[parent_id] = RequestOutput(
                     parent_id, out.prompt, out.prompt_token_ids, [], False,
-                    out.num_cached_tokens, out.metrics)
+                    out.num_cached_tokens, out.metrics, prompt_logprobs=out.prompt_logprobs)
                 merged.append(agg)
             agg.outputs.append(completion)
         for parent_id, agg in by_parent.items():
@@ -388,6 +392,30 @@ class LLMEngine:
             tracked.logprobs.append(entry)
             tracked.cumulative_logprob += chosen[j]
 
+    def _record_prompt_logprobs(self, logits: torch.Tensor,
+                                spans: list[tuple[Request, int, int]]) -> None:
+        """Position p's logits score prompt token p + 1; kept once per position (a preempted
+        request recomputes its prompt)."""
+        row = 0
+        decode = self.tokenizer.decode
+        for req, start, count in spans:
+            tracked = self._live[req.request_id]
+            k = req.sampling_params.prompt_logprobs or 0
+            targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + count],
+                                   device=logits.device)
+            chosen, tops, ranks = top_logprobs(logits[row:row + count], targets, k)
+            row += count
+            for j in range(count):
+                position = start + 1 + j
+                if position in tracked.prompt_logprobs:
+                    continue
+                token = int(targets[j])
+                entry = {token: Logprob(chosen[j], ranks[j], decode([token]))}
+                for rank, (tid, value) in enumerate(tops[j], 1):
+                    if tid not in entry:
+                        entry[tid] = Logprob(value, rank, decode([tid]))
+                tracked.prompt_logprobs[position] = entry
+
     def _make_output(self, tracked: _Tracked, now: float) -> RequestOutput:
         req = tracked.request
         finished = req.is_finished
@@ -405,9 +433,14 @@ class LLMEngine:
         if req.sampling_params.logprobs is not None:
             completion.logprobs = list(tracked.logprobs)
             completion.cumulative_logprob = tracked.cumulative_logprob
-        return RequestOutput(req.request_id, tracked.prompt, req.prompt_token_ids, [completion],
-                             finished, max(req.num_cached_tokens, 0),
-                             dataclasses.replace(tracked.metrics))
+        out = RequestOutput(req.request_id, tracked.prompt, req.prompt_token_ids, [completion],
+                            finished, max(req.num_cached_tokens, 0),
+                            dataclasses.replace(tracked.metrics))
+        if req.sampling_params.prompt_logprobs is not None:
+            # vLLM's shape: None for the first prompt token, then one dict per token.
+            out.prompt_logprobs = [None] + [tracked.prompt_logprobs.get(p)
+                                            for p in range(1, req.num_prompt_tokens)]
+        return out
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
         ids = [r.request_id for r in requests if not r.is_finished]

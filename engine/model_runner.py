@@ -21,6 +21,18 @@ class StepInputs:
     logits_indices: torch.Tensor
     # Requests whose scheduled tokens reach their end, in logits-row order.
     sampling: list[Request]
+    # Requests asking for prompt logprobs: (request, first prompt position, count) and the
+    # flat rows of those positions (position p's logits score prompt token p + 1).
+    prompt_spans: list[tuple[Request, int, int]]
+    prompt_rows: list[int]
+
+
+@dataclass(slots=True)
+class StepResult:
+    logits: torch.Tensor  # float32 [len(sampling), vocab]
+    sampling: list[Request]
+    prompt_logits: torch.Tensor | None  # float32 [len(prompt_rows), vocab]
+    prompt_spans: list[tuple[Request, int, int]]
 
 
 class _StepBuffers:
@@ -103,6 +115,8 @@ class ModelRunner:
         tables: list[list[int]] = []
         sampling: list[Request] = []
         last_rows: list[int] = []
+        prompt_spans: list[tuple[Request, int, int]] = []
+        prompt_rows: list[int] = []
         offset = 0
         for i, req in enumerate(out.scheduled):
             n = out.num_scheduled_tokens[req.request_id]
@@ -110,6 +124,11 @@ class ModelRunner:
             q_lens[i], starts[i] = n, start
             tokens.extend(req.tokens_slice(start, start + n))
             tables.append(self.kv.block_ids(req.request_id))
+            if req.sampling_params.prompt_logprobs is not None:
+                end = min(start + n, req.num_prompt_tokens - 1)
+                if end > start:
+                    prompt_spans.append((req, start, end - start))
+                    prompt_rows.extend(range(offset, offset + end - start))
             offset += n
             if start + n == req.num_tokens:
                 sampling.append(req)
@@ -150,16 +169,23 @@ class ModelRunner:
             meta=meta,
             logits_indices=b.take("logits_indices", n_sample),
             sampling=sampling,
+            prompt_spans=prompt_spans,
+            prompt_rows=prompt_rows,
         )
         b.mark_copied()
         return inputs
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
-        """Run the step; return float32 logits `[len(sampling), vocab]` and those requests."""
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run the step: logits for each sampling request (and prompt positions if asked)."""
         inputs = self.prepare(out)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        prompt_logits = None
+        if inputs.prompt_rows:
+            rows = torch.tensor(inputs.prompt_rows, dtype=torch.long, device=hidden.device)
+            prompt_logits = self.model.compute_logits(hidden.index_select(0, rows))
         if not inputs.sampling:
-            return hidden.new_empty((0, 0), dtype=torch.float32), []
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        return logits, inputs.sampling
+            logits = hidden.new_empty((0, 0), dtype=torch.float32)
+        else:
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        return StepResult(logits, inputs.sampling, prompt_logits, inputs.prompt_spans)

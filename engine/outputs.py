@@ -54,3 +54,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when finish_reason is "error"
+    # Only when SamplingParams.prompt_logprobs is set: None for the first prompt token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

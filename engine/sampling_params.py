@@ -26,6 +26,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # top log-probabilities to return per generated token
+    # Top log-probabilities of each prompt token (given the tokens before it). Such a request
+    # computes its whole prompt: cached positions have no logits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,10 +99,11 @@ class SamplingParams:
                 raise bad(f"logit_bias token ids must be non-negative (got {token})")
             if not math.isfinite(bias) or not -100.0 <= bias <= 100.0:
                 raise bad(f"logit_bias values must be in [-100, 100] (got {bias} for {token})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int)
-                                          or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= 20):
-            raise bad(f"logprobs must be an integer from 0 to 20 (got {self.logprobs!r})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= 20):
+                raise bad(f"{name} must be an integer from 0 to 20 (got {value!r})")
 
     @property
     def greedy(self) -> bool:

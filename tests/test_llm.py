@@ -266,3 +266,30 @@ def test_n_greedy_gives_identical_samples_and_seeds_differ(llm, reference):
     llm.engine.abort_request("gone")
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.kv.pool.num_used_blocks == 0
+
+
+def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    # A small budget splits the prompt into chunks: positions must line up across them.
+    llm = LLM(model=model_dir, num_kv_blocks=64, max_model_len=512, max_num_batched_tokens=16)
+    prompt = PROMPTS[4]
+    llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)  # now cached
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0  # no prefix-cache read: cached positions have no logits
+    ids = out.prompt_token_ids
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
+                                              dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for p in range(1, len(ids)):
+        entry = out.prompt_logprobs[p]
+        assert entry[ids[p]].logprob == pytest.approx(ref[p - 1, ids[p]].item(), abs=1e-4)
+        assert entry[ids[p]].rank == int((ref[p - 1] > ref[p - 1, ids[p]]).sum()) + 1
+        for tid in ref[p - 1].topk(2).indices.tolist():
+            assert tid in entry
+    # The request may still populate the cache for others.
+    again = llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
