@@ -3,7 +3,9 @@
 This is the serving path on CPU (and a correctness fallback on CUDA). Strategy, decided per call
 from the sequence metadata (read once on the host):
 
-* decode rows (q_len == 1) are sorted by context length and cut into chunks whose padded size
+* decode rows (q_len == 1) on CPU in fp32 go to the native C kernel (`cpu_native`), which
+  reads each K/V row once straight from the paged cache. Otherwise (no C compiler, other
+  dtypes, CUDA) they are sorted by context length and cut into chunks whose padded size
   (rows x longest context in the chunk) stays under a token budget. Each chunk is one block
   gather (`index_select` of whole blocks) and one SDPA call with a key-padding mask. GQA costs
   nothing here: the query of a row is viewed as `[num_kv_heads, group, head_dim]`, i.e. the
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kernels import cpu_native
 
 __all__ = ["paged_attention_torch", "store_kv_torch"]
 
@@ -80,6 +84,9 @@ class _Plan:
     decode: list[_DecodeChunk] = field(default_factory=list)
     prefill: list[_PrefillItem] = field(default_factory=list)
     num_valid_tokens: int = 0
+    # All decode rows at once, for the native kernel: query rows and their sequences.
+    decode_tokens: torch.Tensor | None = None
+    decode_seqs: torch.Tensor | None = None
 
 
 def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tensor,
@@ -109,6 +116,7 @@ def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tens
     rows_all = torch.tensor(decode_rows, device=device, dtype=torch.long)
     lens_all = torch.tensor([seq_lens[r] for r in decode_rows], device=device)
     tok_all = torch.tensor([starts[r] for r in decode_rows], device=device, dtype=torch.long)
+    plan.decode_tokens, plan.decode_seqs = tok_all, rows_all
     pos = 0
     while pos < len(decode_rows):
         nblk = -(-seq_lens[decode_rows[pos]] // block_size)
@@ -200,7 +208,12 @@ def paged_attention_torch(
     if query.dtype != kv_cache.dtype:
         query = query.to(kv_cache.dtype)
 
-    for chunk in plan.decode:
+    decode_chunks = plan.decode
+    if decode_chunks and cpu_native.usable(query, kv_cache):
+        cpu_native.paged_decode(query, kv_cache, block_tables, seq_lens, plan.decode_tokens,
+                                plan.decode_seqs, scale, out)
+        decode_chunks = []
+    for chunk in decode_chunks:
         n = chunk.token_idx.numel()
         kv = kv_cache.index_select(1, chunk.block_idx)  # [2, n*nblk, bs, kvh, d]
         kv = kv.view(2, n, chunk.padded_len, num_kv_heads, head_dim).transpose(2, 3)

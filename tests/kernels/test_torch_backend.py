@@ -8,7 +8,7 @@ import zlib
 import pytest
 import torch
 
-from kernels import paged_attention, store_kv
+from kernels import cpu_native, paged_attention, store_kv
 from kernels.reference import paged_attention_ref, store_kv_ref
 from kernels.testing import make_case, tolerance
 from kernels.torch_backend import paged_attention_torch, store_kv_torch
@@ -32,6 +32,18 @@ def _batch(rng: random.Random, kind: str, n: int) -> tuple[list[int], list[int]]
     return seq_lens, q_lens
 
 
+@pytest.fixture(params=["native-decode", "torch-decode"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test through the native C decode kernel and through the pure-torch decode."""
+    if request.param == "torch-decode":
+        monkeypatch.setattr(cpu_native, "usable", lambda *args: False)
+    else:
+        # gcc is part of the supported machine (README); a missing compiler must not pass
+        # silently as "tested".
+        assert cpu_native.load() is not None, "the native decode kernel did not build"
+    return request.param
+
+
 def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     atol, rtol = tolerance(dtype)
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -41,7 +53,8 @@ def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("kind", ["decode", "prefill", "chunked", "mixed"])
 @pytest.mark.parametrize("heads", HEAD_RATIOS, ids=lambda h: f"{h[0]}x{h[1]}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_matches_reference(kind: str, heads: tuple[int, int], dtype: torch.dtype) -> None:
+def test_matches_reference(kind: str, heads: tuple[int, int], dtype: torch.dtype,
+                           decode_path: str) -> None:
     rng = random.Random(zlib.crc32(f"{kind}{heads}{dtype}".encode()))
     block_size = rng.choice([16, 32, 64])
     seq_lens, q_lens = _batch(rng, kind, rng.randint(1, 7))
@@ -55,7 +68,7 @@ def test_matches_reference(kind: str, heads: tuple[int, int], dtype: torch.dtype
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
-def test_head_dims(head_dim: int) -> None:
+def test_head_dims(head_dim: int, decode_path: str) -> None:
     case = make_case([1, 17, 300, 64], [1, 17, 5, 1], num_heads=4, num_kv_heads=2,
                      head_dim=head_dim, block_size=16, seed=head_dim)
     _check(paged_attention(*case.args(), backend="torch"),
@@ -71,7 +84,7 @@ def test_padding_tokens_are_zero_and_hints_accepted() -> None:
     assert out[-2:].abs().max() == 0
 
 
-def test_plan_cache_sees_changed_metadata() -> None:
+def test_plan_cache_sees_changed_metadata(decode_path: str) -> None:
     """Layers reuse the plan; the next step mutates the metadata in place and must not."""
     case = make_case([50, 70, 90], [1, 1, 1], num_heads=4, num_kv_heads=2, head_dim=64)
     first = paged_attention_torch(*case.args())
@@ -82,7 +95,7 @@ def test_plan_cache_sees_changed_metadata() -> None:
     _check(paged_attention_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
 
 
-def test_large_decode_batch_realistic_shape() -> None:
+def test_large_decode_batch_realistic_shape(decode_path: str) -> None:
     rng = random.Random(7)
     seq_lens = [rng.randint(64, 800) for _ in range(32)] + [700]
     q_lens = [1] * 32 + [200]
