@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -63,23 +64,31 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         return
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(15)
+        proc.wait(40)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
 
 
-@pytest.fixture(scope="session")
-def server() -> Iterator[Server]:
+def launch(extra_args: list[str] | None = None, env: dict[str, str] | None = None,
+           engine_opts: dict[str, int] | None = None) -> tuple[Server, Any]:
+    """Start ``python -m kserve_paged`` on loopback (HTTP on 127.0.0.1, gRPC off unless asked)
+    and wait until the model is ready; returns the server and its open log file."""
+    opts = ENGINE_OPTS if engine_opts is None else engine_opts
+    extra = list(extra_args or [])
     http_port, grpc_port = free_port(), free_port()
     fd, log_name = tempfile.mkstemp(prefix="kserve-paged-e2e-", suffix=".log")
     log_file = os.fdopen(fd, "wb")
     cmd = [sys.executable, "-m", "kserve_paged", "--model_name", MODEL,
-           "--http_port", str(http_port), "--grpc_port", str(grpc_port),
-           "--max_model_len", str(ENGINE_OPTS["max_model_len"]),
-           "--num_kv_blocks", str(ENGINE_OPTS["num_kv_blocks"])]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+           "--http_host", "127.0.0.1", "--http_port", str(http_port),
+           "--grpc_port", str(grpc_port)]
+    for name, value in opts.items():
+        cmd += [f"--{name}", str(value)]
+    if "--enable_grpc" not in extra:
+        cmd += ["--enable_grpc", "false"]
+    cmd += extra
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
     srv = Server(proc, http_port, grpc_port, Path(log_name))
     start = time.monotonic()
     try:
@@ -99,13 +108,37 @@ def server() -> Iterator[Server]:
                 if code == 200:
                     break
                 time.sleep(0.1)
+    except BaseException:
+        shutdown(srv, log_file)
+        raise
+    return srv, log_file
+
+
+def shutdown(srv: Server, log_file: Any) -> None:
+    """Stop the process (SIGTERM, then SIGKILL); keep its log only when it did not exit
+    cleanly."""
+    _stop(srv.proc)
+    log_file.close()
+    with contextlib.suppress(OSError):
+        if srv.proc.returncode in (0, -signal.SIGTERM):
+            os.unlink(srv.log_path)
+
+
+@contextlib.contextmanager
+def running_server(extra_args: list[str] | None = None, env: dict[str, str] | None = None,
+                   engine_opts: dict[str, int] | None = None) -> Iterator[Server]:
+    """A server process for one test module (see :func:`launch`)."""
+    srv, log_file = launch(extra_args, env, engine_opts)
+    try:
         yield srv
     finally:
-        _stop(proc)
-        log_file.close()
-        with contextlib.suppress(OSError):
-            if proc.returncode in (0, -signal.SIGTERM):
-                os.unlink(log_name)
+        shutdown(srv, log_file)
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    with running_server(["--enable_grpc", "true"]) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")
@@ -114,3 +147,56 @@ def offline_llm():
     from engine import LLM
 
     return LLM(**ENGINE_OPTS)
+
+
+# -- helpers for the reliability suites ------------------------------------------------------
+
+def scrape(srv: Server) -> dict[str, float]:
+    """``/metrics`` as {sample name: value} for this model's unlabelled-by-anything-else series
+    (histogram buckets and info series are left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels == {"model_name": MODEL}:
+                values[sample.name] = sample.value
+    return values
+
+
+def wait_idle(srv: Server, timeout: float) -> tuple[float, dict[str, float]]:
+    """Poll until no request runs or waits and no KV block is held; returns (seconds it took,
+    last scrape). Fails the test after ``timeout`` seconds."""
+    start = time.monotonic()
+    while True:
+        m = scrape(srv)
+        if (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+                and m["vllm:kv_cache_usage_perc"] == 0):
+            return time.monotonic() - start, m
+        if time.monotonic() - start > timeout:
+            pytest.fail(f"engine not idle after {timeout}s: running "
+                        f"{m['vllm:num_requests_running']}, waiting "
+                        f"{m['vllm:num_requests_waiting']}, kv {m['vllm:kv_cache_usage_perc']}")
+        time.sleep(0.05)
+
+
+def rss_bytes(pid: int, field_name: str = "VmRSS") -> int:
+    """Resident memory of a process from /proc/<pid>/status (VmRSS now, VmHWM peak)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field_name)
+
+
+def record(name: str, **figures: Any) -> None:
+    """Append one line of figures to $RELIABILITY_FIGURES (JSON lines), for RELIABILITY.md."""
+    path = os.environ.get("RELIABILITY_FIGURES")
+    if not path:
+        return
+    import json
+
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": name, **figures}) + "\n")
+

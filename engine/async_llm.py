@@ -459,6 +459,14 @@ class AsyncLLM:
         if in_flight and self._engine is not None:
             with contextlib.suppress(Exception):  # free what dead requests hold, best effort
                 self._engine.abort_request(in_flight)
+        if self._engine is not None and self._ready.is_set():
+            # Publish the final state, so metrics do not claim those requests run forever.
+            with contextlib.suppress(Exception):
+                stats = dict(self._engine.stats())
+                self._stats = stats
+                info = StepInfo(stats, [], in_flight, 0, False, time.monotonic())
+                for callback in self._callbacks:
+                    callback(info)
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:

@@ -23,6 +23,8 @@ from kserve.model_server import parser as kserve_parser
 from engine.config import SCHEDULING_POLICIES, EngineConfig
 
 DEFAULT_MODEL_DIR = "/mnt/models"
+DEFAULT_HTTP_HOST = "0.0.0.0"  # what KServe's RESTServer binds
+DEFAULT_SHUTDOWN_GRACE_S = 25.0  # under Kubernetes' default terminationGracePeriodSeconds (30)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # Flags that map one to one onto EngineConfig fields of the same name.
@@ -56,6 +58,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
 
 
@@ -130,6 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Reuse KV blocks of shared prompt prefixes.")
     engine.add_argument("--scheduling_policy", default=d["scheduling_policy"],
                         choices=SCHEDULING_POLICIES, help="Order of admission of waiting requests.")
+    server = parser.add_argument_group("server")
+    server.add_argument(
+        "--http_host", default=DEFAULT_HTTP_HOST,
+        help="Address the HTTP server binds; KServe binds every interface, 127.0.0.1 keeps a "
+             "local server local (gRPC, when enabled, still binds every interface).")
+    server.add_argument(
+        "--shutdown_grace_s", type=_non_negative_float, default=DEFAULT_SHUTDOWN_GRACE_S,
+        help="On SIGTERM readiness turns false and new requests get 503 at once; requests in "
+             "flight get this many seconds to finish, then they are aborted and the process "
+             "exits. Keep it below the pod's terminationGracePeriodSeconds.")
     return parser
 
 

@@ -29,7 +29,13 @@ from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kserve_paged.metrics import EngineMetrics
-from kserve_paged.sampling import SAMPLING_OPTIONS, OptionError, make_sampling_params
+from kserve_paged.sampling import (
+    SAMPLING_OPTIONS,
+    UNSUPPORTED_OPTIONS,
+    OptionError,
+    make_sampling_params,
+    unsupported_options,
+)
 
 logger = logging.getLogger("kserve.paged")
 
@@ -132,6 +138,7 @@ class PagedLLMModel(Model):
         self.created = time.time()
         self.load_started: float | None = None
         self.load_error: BaseException | None = None
+        self.draining = False  # set on SIGTERM: refuse new work, let in-flight requests finish
 
     # -- lifecycle (see the module docstring) -----------------------------------------------
 
@@ -171,14 +178,27 @@ class PagedLLMModel(Model):
         self.stop()
 
     async def healthy(self) -> bool:
-        return self.llm.is_ready
+        return self.accepting
+
+    @property
+    def accepting(self) -> bool:
+        """Loaded, alive and not shutting down: readiness, and whether new requests are taken."""
+        return self.llm.is_ready and not self.draining
+
+    def not_ready_reason(self) -> str:
+        if self.draining:
+            return "The server is shutting down."
+        return "The engine failed." if not self.llm.is_healthy() else "It is loading."
+
+    def begin_drain(self) -> None:
+        """SIGTERM: readiness turns false and new requests get 503; in-flight ones go on."""
+        self.draining = True
 
     # -- helpers shared with the OpenAI routes ----------------------------------------------
 
     def check_ready(self) -> None:
-        if not self.llm.is_ready:
-            detail = "The engine failed." if not self.llm.is_healthy() else "It is loading."
-            raise ModelNotReady(self.name, detail)
+        if not self.accepting:
+            raise ModelNotReady(self.name, self.not_ready_reason())
 
     @property
     def tokenizer(self) -> Any:
@@ -197,6 +217,11 @@ class PagedLLMModel(Model):
         if isinstance(prompt, str):
             if not prompt:
                 raise OptionError("the prompt is empty", "prompt")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise OptionError("the prompt is not valid Unicode text (it holds a lone "
+                                  "surrogate)", "prompt") from None
             return list(self.tokenizer.encode(prompt))
         if not prompt:
             raise OptionError("the prompt is empty: at least one token is required", "prompt")
@@ -254,11 +279,7 @@ class PagedLLMModel(Model):
             raise InvalidInput(f"input '{INPUT_NAME}' (BYTES, shape [N]) is required")
         if tensor.datatype != "BYTES":
             raise InvalidInput(f"input '{INPUT_NAME}' must be BYTES (got {tensor.datatype})")
-        try:
-            values = tensor.as_numpy().reshape(-1).tolist()
-            texts = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in values]
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidInput(f"input '{INPUT_NAME}' is not valid UTF-8 text: {exc}") from None
+        texts = _texts(tensor)
         options = v2_parameters(payload.parameters)
         texts_out = await self._complete_all(texts, options)
         output = InferOutput(name=OUTPUT_NAME, shape=[len(texts_out)], datatype="BYTES")
@@ -280,17 +301,22 @@ class PagedLLMModel(Model):
         return {"predictions": await self._complete_all(instances, options)}
 
     async def _complete_all(self, texts: list[str], options: dict[str, Any]) -> list[str]:
+        refused = unsupported_options(options)
+        if refused:
+            raise InvalidInput(f"unsupported parameter(s) {refused}: this engine cannot honour "
+                               f"them; supported: {', '.join(SAMPLING_OPTIONS)}, priority, "
+                               "cache_salt")
         unknown = sorted(k for k in options
                          if k not in SAMPLING_OPTIONS and k not in _TRANSPORT_PARAMETERS
-                         and k not in ("priority", "cache_salt"))
+                         and k not in UNSUPPORTED_OPTIONS and k not in ("priority", "cache_salt"))
         if unknown:
-            raise InvalidInput(f"unsupported parameter(s) {unknown}; supported: "
-                               f"{', '.join(SAMPLING_OPTIONS)}, priority, cache_salt")
+            # As vLLM (and the OpenAI routes here) do with unknown fields: ignore, but say so.
+            logger.warning("ignoring unknown v2 parameter(s) %s", unknown)
         if not texts:
             raise InvalidInput(f"input '{INPUT_NAME}' is empty")
         try:
-            priority = int(options.get("priority") or 0)
-            salt = options.get("cache_salt")
+            priority = request_priority(options.get("priority"))
+            salt = request_cache_salt(options.get("cache_salt"))
             prepared = []
             for text in texts:  # validate everything before anything is queued
                 ids = self.encode(text)
@@ -314,6 +340,56 @@ class PagedLLMModel(Model):
             if out.error is not None or (out.outputs and out.outputs[0].finish_reason == "error"):
                 raise InferenceError(f"generation failed: {out.error}")
         return [out.outputs[0].text for out in finals]
+
+
+def request_priority(value: Any) -> int:
+    """``priority`` of a request (v2 parameters may carry it as a string)."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    elif isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise OptionError(f"priority must be an integer (got {value!r})", "priority")
+
+
+def request_cache_salt(value: Any) -> str | None:
+    """``cache_salt`` of a request: a string, or absent (empty means no salt)."""
+    if value is None or isinstance(value, str):
+        return value or None
+    raise OptionError(f"cache_salt must be a string (got {value!r})", "cache_salt")
+
+
+def _texts(tensor: Any) -> list[str]:
+    """The prompts of a BYTES tensor; anything but strings, or data that does not fill the
+    declared shape, is the client's error (400), never coerced with ``str()``."""
+    shape = list(tensor.shape or [])
+    if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
+        raise InvalidInput(f"input '{INPUT_NAME}': shape {shape} must list non-negative sizes")
+    try:
+        values = tensor.as_numpy().reshape(-1).tolist()
+    except ValueError as exc:
+        raise InvalidInput(f"input '{INPUT_NAME}': the data does not match shape {shape}: "
+                           f"{exc}") from None
+    if len(values) != int(np.prod(shape, dtype=np.int64)):
+        raise InvalidInput(f"input '{INPUT_NAME}': {len(values)} element(s) do not match "
+                           f"shape {shape}")
+    texts = []
+    for v in values:
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidInput(f"input '{INPUT_NAME}' is not valid UTF-8 text: "
+                                   f"{exc}") from None
+        if not isinstance(v, str):
+            raise InvalidInput(f"input '{INPUT_NAME}' (BYTES) must hold strings, got "
+                               f"{type(v).__name__}")
+        texts.append(v)
+    return texts
 
 
 async def _final(stream: RequestStream) -> RequestOutput:

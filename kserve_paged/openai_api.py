@@ -30,7 +30,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletio
 from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from engine.async_llm import EngineDeadError, RequestStream
 from engine.outputs import RequestOutput
@@ -129,7 +129,7 @@ class _SamplingBody(BaseModel):
 
 
 class CompletionBody(_SamplingBody):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # true is no token id
     best_of: int | None = None
     echo: bool = False
     logprobs: int | None = None
@@ -183,7 +183,13 @@ async def _parse(request: Request, cls: type[BaseModel]) -> Any:
     try:
         raw = await request.body()
         data = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # JSON may escape lone surrogates (\ud800), which no tokenizer takes: refuse them here.
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body holds invalid Unicode (a lone surrogate)") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -198,6 +204,11 @@ async def _parse(request: Request, cls: type[BaseModel]) -> Any:
                        else f"invalid request: {err.get('msg')}", param=param) from None
     for param, message in body.unsupported():
         raise APIError(400, message, param=param, code="unsupported_parameter")
+    if body.model_extra:
+        # vLLM's behaviour, which OpenAI clients rely on (they send vendor extras): ignore
+        # unknown fields, but leave a trace for the operator.
+        logger.warning("ignoring unknown field(s) %s in %s", sorted(body.model_extra),
+                       request.url.path)
     return body
 
 
@@ -303,16 +314,16 @@ class OpenAIRoutes:
 
     def _model(self, name: str | None) -> PagedLLMModel:
         if name is None:
-            if len(self.models) == 1:
-                return next(iter(self.models.values()))
-            raise APIError(400, "model is required", param="model")
-        model = self.models.get(name)
+            if len(self.models) != 1:
+                raise APIError(400, "model is required", param="model")
+            name, model = next(iter(self.models.items()))
+        else:
+            model = self.models.get(name)
         if model is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model",
                            type_="invalid_request_error", code="model_not_found")
-        if not model.llm.is_ready:
-            detail = "failed" if not model.llm.is_healthy() else "is still loading"
-            raise APIError(503, f"The model `{name}` is not ready: it {detail}.",
+        if not model.accepting:
+            raise APIError(503, f"The model `{name}` is not ready. {model.not_ready_reason()}",
                            type_="service_unavailable_error", code="model_not_ready")
         return model
 
@@ -322,7 +333,7 @@ class OpenAIRoutes:
             entry = OpenAIModel(id=name, created=int(model.created), object="model",
                                 owned_by="kserve-paged")
             data.append({**entry.model_dump(exclude_unset=True), "root": model.model_path,
-                         "max_model_len": model.max_model_len, "ready": model.llm.is_ready})
+                         "max_model_len": model.max_model_len, "ready": model.accepting})
         return {"object": "list", "data": data}
 
     async def _prepare(self, model: PagedLLMModel, prompt_ids: list[list[int]],
@@ -565,6 +576,131 @@ def _wrap(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
     return route
 
 
+def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic JSON schema with its ``$defs`` inlined: an OpenAPI operation cannot carry
+    ``$defs`` of its own (its ``$ref``s resolve against the whole document)."""
+    defs = schema.get("$defs", {})
+
+    def resolve(node: Any, seen: tuple[str, ...] = ()) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                name = ref.rsplit("/", 1)[-1]
+                if name in seen:  # recursive types: leave them open
+                    return {}
+                rest = {k: v for k, v in node.items() if k != "$ref"}
+                return {**resolve(defs[name], (*seen, name)), **resolve(rest, seen)}
+            return {k: resolve(v, seen) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [resolve(v, seen) for v in node]
+        return node
+
+    return resolve(schema)
+
+
+_ERROR_SCHEMA = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]},
+                       "code": {"type": ["string", "integer", "null"]}}}},
+}
+
+
+# One server-sent event (``data: {json chunk}`` or ``data: [DONE]``), as SSE parsers see it.
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+# What the handlers accept beyond the field types, published so that clients (and fuzzers) see
+# the real contract: value ranges, and options that only take their default (n=1, no penalties,
+# no logprobs, ...; other values are 400s). Validation itself stays in the handlers, which
+# answer in OpenAI's error shape.
+_PUBLISHED: dict[str, dict[str, Any]] = {
+    "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
+    "temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1}, "min_p": {"minimum": 0, "maximum": 1},
+    "min_tokens": {"minimum": 0},
+    "stop": {"anyOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "items": {"type": "string", "minLength": 1}},
+                       {"type": "null"}]},
+    "stop_token_ids": {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}},
+                                 {"type": "null"}]},
+    "n": {"minimum": 1, "maximum": 1}, "best_of": {"minimum": 1, "maximum": 1},
+    "presence_penalty": {"minimum": 0, "maximum": 0},
+    "frequency_penalty": {"minimum": 0, "maximum": 0},
+    "repetition_penalty": {"minimum": 1, "maximum": 1},
+    "logit_bias": {"maxProperties": 0},
+    "response_format": {"anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}},
+                                  {"type": "null"}]},
+    "echo": {"const": False}, "suffix": {"anyOf": [{"const": ""}, {"type": "null"}]},
+    "top_logprobs": {"anyOf": [{"const": 0}, {"type": "null"}]},
+    "tools": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
+    "functions": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
+    "tool_choice": {"anyOf": [{"const": "none"}, {"type": "null"}]},
+    "function_call": {"anyOf": [{"const": "none"}, {"type": "null"}]},
+    "messages": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role"],
+        "properties": {"role": {"type": "string"},
+                       "content": {"anyOf": [{"type": "string"},
+                                             {"type": "array", "items": _TEXT_PART},
+                                             {"type": "null"}]}}}},
+}
+_PUBLISHED_BY_BODY: dict[str, dict[str, dict[str, Any]]] = {
+    "CompletionBody": {
+        "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                             {"type": "array", "minItems": 1,
+                              "items": {"type": "string", "minLength": 1}},
+                             _TOKEN_IDS, {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]},
+        "logprobs": {"type": "null"},
+    },
+    "ChatBody": {"logprobs": {"const": False}},
+}
+
+
+def _request_schema(body: type[BaseModel], model_names: list[str]) -> dict[str, Any]:
+    schema = _inline_refs(body.model_json_schema())
+    props = schema["properties"]
+    published = {**_PUBLISHED, **_PUBLISHED_BY_BODY.get(body.__name__, {})}
+    if model_names:
+        published["model"] = {"anyOf": [{"enum": model_names}, {"type": "null"}]}
+    for name, extra in published.items():
+        if name in props:
+            field = props[name]
+            if "anyOf" in extra or "type" in extra or "const" in extra:
+                field = {k: v for k, v in field.items() if k in ("title", "default")}
+            elif "anyOf" in field:  # constrain the non-null branch of an optional field
+                field = {**field, "anyOf": [b if b.get("type") == "null" else {**b, **extra}
+                                            for b in field["anyOf"]]}
+                extra = {}
+            props[name] = {**field, **extra}
+    return schema
+
+
+def _openapi(body: type[BaseModel], result: type[BaseModel], model_names: list[str]
+             ) -> dict[str, Any]:
+    """What the route publishes in /openapi.json. The handlers parse the body themselves (to
+    answer in OpenAI's error shape, not FastAPI's 422), so FastAPI cannot derive this."""
+    error = {"content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": _request_schema(body, model_names)}}},
+        "responses": {
+            "200": {"description": "The result, or with stream=true server-sent events",
+                    "content": {"application/json": {
+                                    "schema": _inline_refs(result.model_json_schema(
+                                        mode="serialization"))},
+                                "text/event-stream": {"schema": _SSE_EVENT}}},
+            "400": {"description": "Invalid or unsupported request", **error},
+            "404": {"description": "Unknown model", **error},
+            "500": {"description": "Generation failed", **error},
+            "503": {"description": "Not ready: loading, failed or shutting down", **error},
+        },
+    }
+
+
 def register_openai_routes(app: FastAPI, models: dict[str, PagedLLMModel],
                            prefixes: tuple[str, ...] = (PREFIX,)) -> OpenAIRoutes:
     """Add ``models``, ``completions`` and ``chat/completions`` under each prefix."""
@@ -573,9 +709,12 @@ def register_openai_routes(app: FastAPI, models: dict[str, PagedLLMModel],
         router = APIRouter(prefix=prefix, tags=["OpenAI"])
         router.add_api_route("/models", routes.list_models, methods=["GET"])
         router.add_api_route("/completions", _wrap(routes.completions), methods=["POST"],
-                             response_model=None)
+                             response_model=None,
+                             openapi_extra=_openapi(CompletionBody, Completion,
+                                                   list(models)))
         router.add_api_route("/chat/completions", _wrap(routes.chat_completions),
-                             methods=["POST"], response_model=None)
+                             methods=["POST"], response_model=None,
+                             openapi_extra=_openapi(ChatBody, ChatCompletion, list(models)))
         app.include_router(router)
     return routes
 

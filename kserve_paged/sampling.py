@@ -89,6 +89,30 @@ def _as_token_ids(value: Any) -> list[int]:
                       "stop_token_ids")
 
 
+# Options that clients send and that would change results, but that the engine cannot honour,
+# with the values that are harmless (the default). Any other value is refused with a 400 naming
+# the option; options nobody knows are ignored with a warning (vLLM's behaviour).
+UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (1,), "beam_width": (1,), "num_beams": (1,), "use_beam_search": (False,),
+    "logprobs": (False, 0), "prompt_logprobs": (0,), "echo": (False,),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "length_penalty": (1,), "logit_bias": (),
+}
+
+
+def unsupported_options(options: Mapping[str, Any]) -> list[str]:
+    """Names of known options in ``options`` set to something the engine cannot do."""
+    bad = []
+    for name, harmless in UNSUPPORTED_OPTIONS.items():
+        value = options.get(name)
+        if value is None or (not isinstance(value, (list, dict)) and value in harmless):
+            continue
+        if isinstance(value, str) and value.strip().lower() in {str(h).lower() for h in harmless}:
+            continue
+        bad.append(name)
+    return bad
+
+
 def normalize_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """Coerce the known sampling options (None means "not given"); unknown keys are dropped."""
     out: dict[str, Any] = {}
