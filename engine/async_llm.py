@@ -61,8 +61,8 @@ class EngineLike(Protocol):
 class StepInfo:
     """Passed to the step callback after every engine-thread iteration that did something.
 
-    ``num_tokens`` is the number of tokens the step computed (prompt + generated, from the
-    cumulative counters), ``aborted`` the ids freed by aborts in this iteration."""
+    ``num_tokens`` is the number of tokens the step computed (prefill chunks and decodes: the
+    engine's ``last_step_tokens``), ``aborted`` the ids freed by aborts in this iteration."""
 
     stats: dict[str, Any]
     outputs: list[RequestOutput]
@@ -382,9 +382,13 @@ class AsyncLLM:
             stats = dict(engine.stats())
             self._stats = stats
             tokens = _token_count(stats)
-            idle = stepped and not outputs and tokens == last_tokens
-            info = StepInfo(stats, outputs, aborted, max(tokens - last_tokens, 0), stepped,
-                            time.monotonic())
+            # Tokens the step computed (prefill chunks included); engines that do not report it
+            # fall back to the change in the cumulative counts.
+            step_tokens = stats.get("last_step_tokens")
+            if step_tokens is None:
+                step_tokens = max(tokens - last_tokens, 0)
+            idle = stepped and not outputs and step_tokens == 0
+            info = StepInfo(stats, outputs, aborted, step_tokens, stepped, time.monotonic())
             last_tokens = tokens
             for callback in self._callbacks:
                 try:
@@ -410,7 +414,9 @@ class AsyncLLM:
                         self._streams.pop(rid).put(_END)
                     aborted.extend(ids)
                 continue
-            if cmd.future.cancelled():
+            # Claim the future first: once running it can no longer be cancelled by the caller,
+            # so the set_result/set_exception below cannot raise InvalidStateError.
+            if not cmd.future.set_running_or_notify_cancel():
                 continue
             if cmd.request_id in self._streams:
                 cmd.future.set_exception(

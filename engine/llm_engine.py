@@ -143,6 +143,7 @@ class LLMEngine:
         self._counter = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.last_step_tokens = 0  # tokens computed by the last step (vLLM's iteration tokens)
         # Test-only fault injection: called with the step's request ids before the forward.
         self.fault_hook: Callable[[list[str]], None] | None = None
 
@@ -270,6 +271,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step and one forward; outputs of requests that progressed or ended."""
         out = self.scheduler.schedule()
+        self.last_step_tokens = out.total_num_scheduled_tokens
         if out.is_empty:
             return []
         now = time.monotonic()
@@ -470,6 +472,7 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()
         s.update(prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+                 last_step_tokens=self.last_step_tokens,
                  block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks)
         return s
 

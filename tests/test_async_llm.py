@@ -324,3 +324,38 @@ def test_real_engine_matches_offline_llm():
     got = asyncio.run(asyncio.wait_for(main(), 300))
     for (text, ids, joined), ref in zip(got, offline):
         assert ids == ref.token_ids and text == ref.text == joined
+
+
+def test_add_cancelled_while_the_engine_thread_handles_it_does_not_kill_the_engine():
+    class SlowAdd(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__(step_delay=0.002)
+            self.entered = threading.Event()
+            self.release = threading.Event()
+
+        def add_request(self, request_id: str, *args: Any, **kwargs: Any) -> None:
+            if request_id == "slow":
+                self.entered.set()
+                self.release.wait(5)
+            super().add_request(request_id, *args, **kwargs)
+
+    async def main() -> None:
+        engine = SlowAdd()
+        llm = await started(engine)
+        task = asyncio.create_task(llm.add([1], SamplingParams(max_tokens=1000), "slow"))
+        while not engine.entered.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()  # the caller gives up while the engine thread is inside add_request
+        await asyncio.sleep(0.02)
+        engine.release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(await collect(llm, [1], 3, "after")) == 3
+        assert llm.is_healthy()
+        for _ in range(100):  # the orphaned request is aborted, not left running
+            if not engine.reqs:
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.reqs
+        llm.shutdown()
+    run(main())
