@@ -256,6 +256,38 @@ def test_killed_streaming_client_frees_the_engine(server: Server):
         time.sleep(0.2)
 
 
+@pytest.mark.parametrize("route", ["v2", "openai"])
+def test_killed_non_streaming_client_frees_the_engine(server: Server, route: str):
+    """A client that gives up on a long non-streaming call must not leave it generating."""
+    if route == "v2":
+        call = (f"httpx.post('{server.url}/v2/models/{MODEL}/infer', timeout=120, json={{"
+                f"'inputs': [{{'name': 'text_input', 'datatype': 'BYTES', 'shape': [1], "
+                f"'data': ['Tell me a long story']}}], "
+                f"'parameters': {{'max_tokens': 900, 'ignore_eos': True}}}})")
+    else:
+        call = (f"httpx.post('{server.url}/openai/v1/completions', timeout=120, json={{"
+                f"'model': '{MODEL}', 'prompt': 'Tell me a long story', 'max_tokens': 900, "
+                f"'ignore_eos': True}})")
+    proc = subprocess.Popen([sys.executable, "-c", f"import httpx; {call}"])
+    try:
+        deadline = time.monotonic() + 30
+        while value(metrics(server), "vllm:num_requests_running") < 1:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    deadline = time.monotonic() + 10
+    while True:
+        m = metrics(server)
+        running = value(m, "vllm:num_requests_running")
+        usage = value(m, "vllm:kv_cache_usage_perc")
+        if running == 0 and usage == 0:
+            break
+        assert time.monotonic() < deadline, (route, running, usage)
+        time.sleep(0.1)
+
+
 def test_metrics_after_traffic(server: Server, oai):
     oai.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
     m = metrics(server)

@@ -66,6 +66,61 @@ class V2ContentTypeMiddleware:
         await self.app(scope, receive, send)
 
 
+class DisconnectAbortMiddleware:
+    """Cancels a v1/v2 inference handler when its client goes away.
+
+    Starlette does not cancel a running handler on disconnect, and KServe's ``predict`` never
+    sees the request, so without this an abandoned v2 call would keep generating (and holding KV
+    blocks) up to its ``max_tokens``. The middleware reads the body first, replays it to the
+    app, and meanwhile listens for ``http.disconnect``; on one it cancels the handler, which
+    aborts the engine requests it awaits (freed within one engine step).
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if scope.get("method") != "POST" or not (path.endswith("/infer")
+                                                  or path.endswith(":predict")):
+            await self.app(scope, receive, send)
+            return
+        messages: list[dict[str, Any]] = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            messages.append(message)
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> dict[str, Any]:
+            if messages:
+                return messages.pop(0)
+            await disconnected.wait()  # the app asks again only to watch for a disconnect
+            return {"type": "http.disconnect"}
+
+        disconnected = asyncio.Event()
+        handler = asyncio.ensure_future(self.app(scope, replay, send))
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    disconnected.set()
+                    handler.cancel()
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await handler
+        except asyncio.CancelledError:
+            if not disconnected.is_set():
+                raise  # cancelled from outside (shutdown), not by a client leaving
+        finally:
+            watcher.cancel()
+
+
 MAX_BINARY_BODY = 256 << 20  # a v2 binary request larger than this is refused (413)
 
 
@@ -249,6 +304,7 @@ def build_model(args: argparse.Namespace, argv: list[str]) -> PagedLLMModel:
 
 def install(app: FastAPI, model: PagedLLMModel) -> None:
     """Our routes and middleware on KServe's app (before ModelServer.start adds its own)."""
+    app.add_middleware(DisconnectAbortMiddleware)
     app.add_middleware(V2BinaryGuardMiddleware)
     app.add_middleware(V2ContentTypeMiddleware)
     app.add_exception_handler(RequestValidationError, validation_error_route)
