@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e.conftest import ENGINE_OPTS, MODEL, Server
+from e2e.conftest import ENGINE_OPTS, MODEL, Server, wait_idle
 from engine import SamplingParams
 
 PROMPTS = ["The capital of France is", "1, 2, 3,"]
@@ -245,15 +245,7 @@ def test_killed_streaming_client_frees_the_engine(server: Server):
     finally:
         proc.kill()
         proc.wait(10)
-    deadline = time.monotonic() + 15
-    while True:
-        m = metrics(server)
-        running = value(m, "vllm:num_requests_running")
-        usage = value(m, "vllm:kv_cache_usage_perc")
-        if running == 0 and usage == 0:
-            break
-        assert time.monotonic() < deadline, (running, usage)
-        time.sleep(0.2)
+    wait_idle(server, timeout=15)
 
 
 @pytest.mark.parametrize("route", ["v2", "openai"])
@@ -277,15 +269,7 @@ def test_killed_non_streaming_client_frees_the_engine(server: Server, route: str
     finally:
         proc.kill()
         proc.wait(10)
-    deadline = time.monotonic() + 10
-    while True:
-        m = metrics(server)
-        running = value(m, "vllm:num_requests_running")
-        usage = value(m, "vllm:kv_cache_usage_perc")
-        if running == 0 and usage == 0:
-            break
-        assert time.monotonic() < deadline, (route, running, usage)
-        time.sleep(0.1)
+    wait_idle(server, timeout=10)
 
 
 def test_metrics_after_traffic(server: Server, oai):
