@@ -18,19 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.conftest import ENGINE_OPTS, MODEL, Server, wait_idle
 from engine import SamplingParams
+from tests.test_server_args_metrics import CONTRACT_NAMES
 
 PROMPTS = ["The capital of France is", "1, 2, 3,"]
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-METRIC_NAMES = {
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-    "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-    "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
-    "vllm:iteration_tokens_total", "vllm:cache_config_info",
-}
+METRIC_NAMES = CONTRACT_NAMES  # one list of the contract's names, kept in the unit tests
 
 
 @pytest.fixture(scope="module")

@@ -149,13 +149,11 @@ class LLMEngine:
 
     def _eos_ids(self) -> tuple[int | None, list[int]]:
         ids: list[int] = []
-        gen_eos = None
-        gen_cfg = getattr(self.model, "generation_config", None)
         try:
             from transformers import GenerationConfig
 
-            gen_cfg = GenerationConfig.from_pretrained(self.model_path, local_files_only=True)
-            gen_eos = gen_cfg.eos_token_id
+            gen_eos = GenerationConfig.from_pretrained(self.model_path,
+                                                       local_files_only=True).eos_token_id
         except Exception:  # noqa: BLE001 - a folder without generation_config.json is fine
             gen_eos = None
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
