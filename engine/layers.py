@@ -7,6 +7,7 @@ paged engine schedules, rather than transformers' padded `[batch, seq, ...]`.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +15,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_native
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` that, once `pack()`ed on CPU, multiplies with a oneDNN pre-packed weight.
+
+    Why: oneDNN re-lays the weight out once into its kernel's blocked format, where torch's
+    default path (MKL sgemm on the plain weight) re-packs panels on every call. On the 2-core
+    box that is 10-70% faster per matmul at serving shapes (1-2048 rows), most for the LM head
+    and small decode batches. The packed copy is extra memory (one more copy of the weight);
+    `unpack()` drops it. Any change to `weight` after packing needs a new `pack()`.
+    """
+
+    _packed: torch.Tensor | None = None
+
+    def pack(self, rows_hint: int = 64) -> bool:
+        """Pre-pack for inference when oneDNN can (CPU, float32/bfloat16); True if packed."""
+        w = self.weight
+        if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16)
+                or not torch.backends.mkldnn.is_available()
+                or os.environ.get("KSERVE_PAGED_ONEDNN", "1") in ("0", "false", "no")):
+            self._packed = None
+            return False
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows_hint)
+        return True
+
+    def unpack(self) -> None:
+        self._packed = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._packed
+        if packed is not None and x.dim() == 2 and x.dtype == self.weight.dtype and not (
+                torch.is_grad_enabled() and self.weight.requires_grad):
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -38,6 +75,17 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)`."""
+        if x.dim() == 2 and not torch.is_grad_enabled():
+            # One native pass on CPU fp32; the residual is updated in place, so copy the
+            # first one (it is the embedding output, which nothing else holds).
+            if residual is not None:
+                fused = cpu_native.add_rms_norm(x, residual, self.weight, self.eps)
+                if fused is not None:
+                    return fused, residual
+            else:
+                fused = cpu_native.add_rms_norm(x, None, self.weight, self.eps)
+                if fused is not None:
+                    return fused
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -129,6 +177,15 @@ class RotaryEmbedding(nn.Module):
         self.cos = cos.to(self.cos.dtype)
         self.sin = sin.to(self.sin.dtype)
 
+    def rotate_fused_(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> bool:
+        """Rotate, in place, the first `heads` heads (q then k) of fused qkv rows `[T, ...]`.
+
+        Native CPU path only; False (nothing done) when it does not apply, then use forward.
+        """
+        if torch.is_grad_enabled():
+            return False
+        return cpu_native.rope_inplace(qkv, positions, self.cos, self.sin, heads, self.head_dim)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,9 +210,14 @@ class SwiGLUMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.dim() == 2 and not torch.is_grad_enabled():
+            fused = cpu_native.silu_mul(gate_up)
+            if fused is not None:
+                return self.down_proj(fused)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

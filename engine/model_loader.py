@@ -95,7 +95,9 @@ def _build(config: Any, dtype: torch.dtype, device: torch.device,
     model.to(dtype=dtype)
     model.materialize(torch.device(device))
     model.load_weights(weights)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    model.pack_weights()
+    return model
 
 
 def load_model(path: StrPath, dtype: torch.dtype,

@@ -1,9 +1,11 @@
-"""A small C kernel for paged decode attention on CPU, built with the system C compiler.
+"""Small C kernels for CPU serving, built with the system C compiler.
 
 Why: on CPU the PyTorch path copies every decode row's blocks into a contiguous tensor and
 reads that copy again in SDPA; decode is bound by that memory traffic. `csrc/paged_decode.c`
-reads each K/V row once, for all query heads of its group. It is plain C called through
-ctypes (no PyTorch headers), so building it takes about a second; the library is cached under
+reads each K/V row once, for all query heads of its group. `csrc/cpu_ops.c` fuses a layer's
+elementwise work (residual add + RMSNorm, RoPE in place, SiLU-and-multiply) into one pass each.
+It is plain C called through ctypes (no PyTorch headers), so building it takes a couple of
+seconds; the library is cached under
 `$KSERVE_PAGED_CACHE/native` (else `~/.cache/kserve-paged/native`) keyed by the source's hash.
 If no compiler is found or the build fails, `load()` returns None (the reason is logged once)
 and the PyTorch path serves. `KSERVE_PAGED_NATIVE=0` turns it off.
@@ -24,7 +26,8 @@ import torch
 
 logger = logging.getLogger("kernels")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.c"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (_CSRC / "paged_decode.c", _CSRC / "cpu_ops.c")
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -40,15 +43,15 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    src = SOURCE.read_bytes()
+    src = b"".join(path.read_bytes() for path in SOURCES)
     digest = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{digest}.so"
+    target = _cache_dir() / f"kp_native-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *_FLAGS, str(SOURCE), "-o", str(out), "-lm"],
+        proc = subprocess.run([compiler, *_FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
@@ -63,12 +66,12 @@ def load() -> ctypes.CDLL | None:
         return _lib
     _tried = True
     if os.environ.get("KSERVE_PAGED_NATIVE", "1").strip().lower() in ("0", "false", "no"):
-        logger.info("native CPU decode kernel disabled by KSERVE_PAGED_NATIVE")
+        logger.info("native CPU kernels disabled by KSERVE_PAGED_NATIVE")
         return None
     try:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("native CPU decode kernel unavailable (%s); using the PyTorch path", exc)
+        logger.warning("native CPU kernels unavailable (%s); using the PyTorch path", exc)
         return None
     fn = lib.kp_paged_decode_f32
     fn.restype = ctypes.c_int
@@ -78,8 +81,15 @@ def load() -> ctypes.CDLL | None:
                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
                    ctypes.c_int64]
     lib.kp_set_threads.argtypes = [ctypes.c_int]
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.kp_add_rms_norm_f32.restype = None
+    lib.kp_add_rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.kp_rope_f32.restype = ctypes.c_int
+    lib.kp_rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+    lib.kp_silu_mul_f32.restype = None
+    lib.kp_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
     _lib = lib
-    logger.info("native CPU decode kernel loaded")
+    logger.info("native CPU kernels loaded")
     return _lib
 
 
@@ -114,3 +124,62 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         tok.numel(), float(scale), out.data_ptr(), out.stride(0))
     if rc != 0:
         raise ValueError("native paged decode: shape outside the kernel's limits")
+
+
+def _f32_rows(t: torch.Tensor) -> bool:
+    """fp32 CPU rows with unit stride inside a row (the C kernels' layout)."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and (
+        t.stride(1) == 1 or t.shape[1] == 1)
+
+
+def _sync_threads(lib: ctypes.CDLL) -> None:
+    lib.kp_set_threads(torch.get_num_threads())
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor | None:
+    """`weight * rmsnorm(x (+ residual))` in one pass, `residual` updated in place to the sum;
+    None (nothing done) when the tensors are not in the kernel's layout."""
+    lib = load()
+    if (lib is None or not _f32_rows(x) or not weight.is_contiguous()
+            or weight.dtype != torch.float32 or x.shape[1] != weight.shape[0]
+            or (residual is not None and (not residual.is_contiguous()
+                                          or residual.dtype != torch.float32
+                                          or residual.shape != x.shape))):
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _sync_threads(lib)
+    lib.kp_add_rms_norm_f32(x.data_ptr(), x.stride(0),
+                            residual.data_ptr() if residual is not None else None,
+                            weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 heads: int, head_dim: int) -> bool:
+    """Rotate the first `heads` heads of each row of `x` in place; False when not applicable."""
+    lib = load()
+    if (lib is None or not _f32_rows(x) or x.shape[1] < heads * head_dim or head_dim % 2
+            or positions.dtype != torch.int64 or not positions.is_contiguous()
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or not cos.is_contiguous() or not sin.is_contiguous()
+            or cos.shape[-1] * 2 != head_dim or positions.numel() != x.shape[0]):
+        return False
+    _sync_threads(lib)
+    rc = lib.kp_rope_f32(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
+                         sin.data_ptr(), cos.shape[0], x.shape[0], heads, head_dim)
+    if rc != 0:
+        raise IndexError(f"a position is outside the rotary table of {cos.shape[0]} positions")
+    return True
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """`silu(gate) * up` for a fused `[rows, 2 * inter]` projection; None when not applicable."""
+    lib = load()
+    if lib is None or not _f32_rows(gate_up) or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+        return None
+    inter = gate_up.shape[1] // 2
+    out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
+    _sync_threads(lib)
+    lib.kp_silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+    return out

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.attention import Attention, AttentionMetadata
-from engine.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rope_parameters
+from engine.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLUMLP, rope_parameters
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -72,19 +72,22 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.rotary = [rotary]  # shared, kept out of the module tree so it is built once
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        rotated = self.rotary[0].rotate_fused_(positions, qkv, self.num_heads + self.num_kv_heads)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary[0](positions, q, k)
+        if not rotated:
+            q, k = self.rotary[0](positions, q, k)
         out = self.attn(q, k, v.contiguous(), kv_cache, meta)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -164,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
                                           rope_parameters(config))
         self.model = LlamaModel(config, self.head_dim, self.rotary_emb, qkv_bias, o_bias,
                                 mlp_bias)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def check_max_model_len(self, max_model_len: int) -> None:
@@ -260,6 +263,11 @@ class LlamaForCausalLM(nn.Module):
             inter = param.shape[0] // 2
             start, size = (0, inter) if shard == "gate" else (inter, inter)
         return param.narrow(0, start, size)
+
+    def pack_weights(self) -> int:
+        """Pre-pack every projection for the CPU matmul kernels (see `Linear`); call after the
+        weights are final. Returns how many were packed (0 off CPU)."""
+        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
 
     def tie_weights(self) -> None:
         """Share the LM head with the input embedding when the config says so."""

@@ -1,0 +1,96 @@
+"""The native fused CPU ops (kernels/csrc/cpu_ops.c) against their PyTorch definitions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rope_parameters
+from kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="no C compiler here")
+
+
+def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_add_rms_norm_matches_torch_and_updates_residual(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g) * 3
+    res = torch.randn(rows, 576, generator=g)
+    w = torch.rand(576, generator=g) + 0.5
+    expected_sum = x + res
+    out = cpu_native.add_rms_norm(x, res, w, 1e-5)
+    assert out is not None
+    torch.testing.assert_close(res, expected_sum, rtol=0, atol=0)
+    torch.testing.assert_close(out, _rms_ref(expected_sum, w, 1e-5), rtol=1e-5, atol=1e-5)
+    plain = cpu_native.add_rms_norm(x, None, w, 1e-5)
+    torch.testing.assert_close(plain, _rms_ref(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_add_rms_norm_reads_strided_rows_and_refuses_other_layouts() -> None:
+    base = torch.randn(10, 2 * 64)
+    x = base[:, :64]  # row stride 128, unit stride within a row
+    w = torch.ones(64)
+    torch.testing.assert_close(cpu_native.add_rms_norm(x, None, w, 1e-6), _rms_ref(x, w, 1e-6),
+                               rtol=1e-5, atol=1e-5)
+    assert cpu_native.add_rms_norm(x.double(), None, w.double(), 1e-6) is None
+    assert cpu_native.add_rms_norm(base.t()[:64], None, torch.ones(10), 1e-6) is None
+
+
+def test_rmsnorm_module_native_equals_torch_path() -> None:
+    norm = RMSNorm(96, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x, res = torch.randn(33, 96), torch.randn(33, 96)
+    with torch.no_grad():
+        ref_out, ref_res = norm._norm(x + res), x + res
+        out, new_res = norm(x, res.clone())
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new_res, ref_res)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 80])
+def test_rope_inplace_matches_rotate_half(rows: int) -> None:
+    class Cfg:
+        max_position_embeddings = 512
+        rope_theta = 10000.0
+
+    heads, kv_heads, d = 4, 2, 32
+    rot = RotaryEmbedding(d, 512, rope_parameters(Cfg()))
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d)
+    pos = torch.randint(0, 512, (rows,))
+    q = qkv[:, :heads * d].reshape(rows, heads, d).clone()
+    k = qkv[:, heads * d:(heads + kv_heads) * d].reshape(rows, kv_heads, d).clone()
+    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    with torch.no_grad():
+        q_ref, k_ref = rot(pos, q, k)
+        assert rot.rotate_fused_(pos, qkv, heads + kv_heads)
+    torch.testing.assert_close(qkv[:, :heads * d].reshape(rows, heads, d), q_ref,
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(qkv[:, heads * d:(heads + kv_heads) * d].reshape(rows, kv_heads, d),
+                               k_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)  # v untouched
+
+
+def test_rope_rejects_positions_outside_the_table() -> None:
+    cos = sin = torch.zeros(8, 4)
+    x = torch.randn(2, 16)
+    with pytest.raises(IndexError):
+        cpu_native.rope_inplace(x, torch.tensor([0, 8]), cos, sin, 2, 8)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_silu_mul_matches_torch(rows: int) -> None:
+    gu = torch.randn(rows, 2 * 100) * 4
+    out = cpu_native.silu_mul(gu)
+    torch.testing.assert_close(out, F.silu(gu[:, :100]) * gu[:, 100:], rtol=1e-5, atol=1e-5)
+    mlp = SwiGLUMLP(16, 24)
+    x = torch.randn(rows, 16)
+    with torch.no_grad():
+        gate, up = mlp.gate_up_proj(x).split(24, dim=-1)
+        torch.testing.assert_close(mlp(x), mlp.down_proj(F.silu(gate) * up), rtol=1e-5,
+                                   atol=1e-5)
