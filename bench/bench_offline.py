@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="first N requests only (smoke runs)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="cap every output at N")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
 
@@ -63,7 +66,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     caching = args.prefix_caching or ("on" if args.workload == "shared" else "off")
-    reqs = load_workload(args.workload)
+    reqs = load_workload(args.workload)[:args.num_prompts]
+    if args.max_tokens:
+        reqs = [{**r, "max_tokens": min(r["max_tokens"], args.max_tokens)} for r in reqs]
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=caching == "on",
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -98,8 +103,8 @@ def main() -> None:
         print(f"[{args.workload}] rep {rep}: {dt:.1f} s, {run['output_tok_s']:.1f} output tok/s, "
               f"{run['total_tok_s']:.1f} total tok/s, cache hits {run['prefix_cache_hit_tokens']}"
               f" tokens, KV slots holding tokens {100 * (run['kv_slots_used_share'] or 0):.1f}%")
-    result = {"workload": args.workload, "prefix_caching": caching, "dtype": args.dtype,
-              "init_seconds": t_init, "threads": torch.get_num_threads(), "runs": runs}
+    result = {"engine": "kserve-paged", "workload": args.workload, "num_prompts": len(reqs),
+              "prefix_caching": caching, "dtype": args.dtype, "init_seconds": t_init, "threads": torch.get_num_threads(), "runs": runs}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))
 

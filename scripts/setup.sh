@@ -15,7 +15,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 if ! "$PY" -c "import engine, kernels, kserve_paged, pytest, hypothesis, ruff" 2>/dev/null \
    || [ pyproject.toml -nt "$VENV/.kserve-paged-installed" ]; then
-  pip_q -e ".[dev]"
+  pip_q -e ".[dev,bench]"
   "$PY" -c "import engine, kernels, kserve_paged" || { echo "setup: install failed" >&2; exit 1; }
   touch "$VENV/.kserve-paged-installed"
 fi

