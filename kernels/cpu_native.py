@@ -73,7 +73,7 @@ def load() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("native CPU kernels unavailable (%s); using the PyTorch path", exc)
         return None
-    fn = lib.kp_paged_decode_f32
+    fn = lib.kp_paged_rows_f32
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
@@ -104,26 +104,30 @@ def usable(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
             and load() is not None)
 
 
-def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, token_idx: torch.Tensor, seq_idx: torch.Tensor,
-                 scale: float, out: torch.Tensor) -> None:
-    """Write attention of query rows `token_idx` (one new token of sequence `seq_idx` each)
-    into the same rows of `out` ([num_tokens, num_heads, head_dim], contiguous rows)."""
+def paged_rows(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+               row_lens: torch.Tensor, token_idx: torch.Tensor, seq_idx: torch.Tensor,
+               scale: float, out: torch.Tensor) -> None:
+    """Write attention of query rows `token_idx` into the same rows of `out`
+    (`[num_tokens, num_heads, head_dim]`, heads contiguous in a row). Row r belongs to the
+    sequence whose block-table row is `seq_idx[r]` and attends to its first `row_lens[r]` keys:
+    the whole context for a decode token, `position + 1` keys for a prefill token (causality)."""
     lib = load()
     assert lib is not None
     bt = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
-    sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
-    bt, sl = bt.contiguous(), sl.contiguous()
-    tok = token_idx.contiguous()
-    seq = seq_idx.contiguous()
+    lens = row_lens if row_lens.dtype == torch.int32 else row_lens.int()
+    bt, lens = bt.contiguous(), lens.contiguous()
+    tok = token_idx.long().contiguous()
+    seq = seq_idx.long().contiguous()
+    if not (tok.numel() == seq.numel() == lens.numel()):
+        raise ValueError("token_idx, seq_idx and row_lens must have one entry per row")
     lib.kp_set_threads(torch.get_num_threads())
-    rc = lib.kp_paged_decode_f32(
+    rc = lib.kp_paged_rows_f32(
         query.data_ptr(), query.stride(0), kv_cache.data_ptr(), kv_cache.shape[1],
         kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4], query.shape[1],
-        bt.data_ptr(), bt.stride(0), sl.data_ptr(), tok.data_ptr(), seq.data_ptr(),
+        bt.data_ptr(), bt.stride(0), lens.data_ptr(), tok.data_ptr(), seq.data_ptr(),
         tok.numel(), float(scale), out.data_ptr(), out.stride(0))
     if rc != 0:
-        raise ValueError("native paged decode: shape outside the kernel's limits")
+        raise ValueError("native paged attention: shape outside the kernel's limits")
 
 
 def _f32_rows(t: torch.Tensor) -> bool:

@@ -3,9 +3,12 @@
 This is the serving path on CPU (and a correctness fallback on CUDA). Strategy, decided per call
 from the sequence metadata (read once on the host):
 
-* decode rows (q_len == 1) on CPU in fp32 go to the native C kernel (`cpu_native`), which
-  reads each K/V row once straight from the paged cache. Otherwise (no C compiler, other
-  dtypes, CUDA) they are sorted by context length and cut into chunks whose padded size
+* on CPU in fp32 every row (decode and prefill alike) goes to the native C kernel
+  (`cpu_native.paged_rows`), which reads K/V straight from the paged cache; a prefill token at
+  position p is a row that sees p + 1 keys, which is the causal mask. Measured on 2 cores for
+  SmolLM2's shape: about 2x faster than the gather + SDPA path below for prefill chunks, and
+  3-5x for decode. Otherwise (no C compiler, other dtypes, CUDA):
+* decode rows (q_len == 1) are sorted by context length and cut into chunks whose padded size
   (rows x longest context in the chunk) stays under a token budget. Each chunk is one block
   gather (`index_select` of whole blocks) and one SDPA call with a key-padding mask. GQA costs
   nothing here: the query of a row is viewed as `[num_kv_heads, group, head_dim]`, i.e. the
@@ -84,9 +87,10 @@ class _Plan:
     decode: list[_DecodeChunk] = field(default_factory=list)
     prefill: list[_PrefillItem] = field(default_factory=list)
     num_valid_tokens: int = 0
-    # All decode rows at once, for the native kernel: query rows and their sequences.
-    decode_tokens: torch.Tensor | None = None
-    decode_seqs: torch.Tensor | None = None
+    # Every query row, for the native kernel: its row, its sequence, how many keys it sees.
+    row_tokens: torch.Tensor | None = None
+    row_seqs: torch.Tensor | None = None
+    row_lens: torch.Tensor | None = None
 
 
 def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tensor,
@@ -94,12 +98,16 @@ def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tens
     """Turn host-side metadata into gather indices and masks (see module docstring)."""
     plan = _Plan(num_valid_tokens=starts[-1] if starts else 0)
     decode_rows: list[int] = []
+    row_seqs: list[torch.Tensor] = []
+    row_lens: list[torch.Tensor] = []
     for i, seq_len in enumerate(seq_lens):
         q_len = starts[i + 1] - starts[i]
         if q_len <= 0:
             continue
         if q_len > seq_len:
             raise ValueError(f"sequence {i}: q_len {q_len} > seq_len {seq_len}")
+        row_seqs.append(torch.full((q_len,), i, dtype=torch.long))
+        row_lens.append(torch.arange(seq_len - q_len + 1, seq_len + 1, dtype=torch.int32))
         if q_len == 1:
             decode_rows.append(i)
             continue
@@ -110,13 +118,17 @@ def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tens
             mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
         plan.prefill.append(_PrefillItem(starts[i], starts[i + 1], seq_len,
                                          block_tables[i, :nblk].long(), mask))
+    if row_seqs and device.type == "cpu":
+        plan.row_seqs = torch.cat(row_seqs)
+        plan.row_lens = torch.cat(row_lens)
+        plan.row_tokens = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in
+                                     range(len(seq_lens)) if starts[i + 1] > starts[i]])
     if not decode_rows:
         return plan
     decode_rows.sort(key=lambda r: seq_lens[r], reverse=True)
     rows_all = torch.tensor(decode_rows, device=device, dtype=torch.long)
     lens_all = torch.tensor([seq_lens[r] for r in decode_rows], device=device)
     tok_all = torch.tensor([starts[r] for r in decode_rows], device=device, dtype=torch.long)
-    plan.decode_tokens, plan.decode_seqs = tok_all, rows_all
     pos = 0
     while pos < len(decode_rows):
         nblk = -(-seq_lens[decode_rows[pos]] // block_size)
@@ -208,12 +220,11 @@ def paged_attention_torch(
     if query.dtype != kv_cache.dtype:
         query = query.to(kv_cache.dtype)
 
-    decode_chunks = plan.decode
-    if decode_chunks and cpu_native.usable(query, kv_cache):
-        cpu_native.paged_decode(query, kv_cache, block_tables, seq_lens, plan.decode_tokens,
-                                plan.decode_seqs, scale, out)
-        decode_chunks = []
-    for chunk in decode_chunks:
+    if plan.row_tokens is not None and cpu_native.usable(query, kv_cache):
+        cpu_native.paged_rows(query, kv_cache, block_tables, plan.row_lens, plan.row_tokens,
+                              plan.row_seqs, scale, out)
+        return out
+    for chunk in plan.decode:
         n = chunk.token_idx.numel()
         kv = kv_cache.index_select(1, chunk.block_idx)  # [2, n*nblk, bs, kvh, d]
         kv = kv.view(2, n, chunk.padded_len, num_kv_heads, head_dim).transpose(2, 3)

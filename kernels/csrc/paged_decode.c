@@ -1,11 +1,18 @@
-/* Paged decode attention on CPU, fp32: one query token per sequence, read straight from the
- * paged KV cache. The PyTorch path has to gather each sequence's blocks into a contiguous
- * copy before attention (write the copy, read it again); this reads every K/V row once.
+/* Paged attention on CPU, fp32, one query row at a time, read straight from the paged KV cache.
+ * The PyTorch path has to gather each sequence's blocks into a contiguous copy before attention
+ * (write the copy, read it again); this reads every K/V row once per query row.
  *
- * Work item = (sequence, KV head): the group of query heads sharing that KV head is processed
- * together, so each K/V row is loaded once for the whole group. Per block: scores for the
- * block's tokens, one rescale of the running sum and accumulator (online softmax), then the
- * weighted V rows. Items are spread over OpenMP threads.
+ * A query row is a new token: a decode token, or one token of a prefill chunk. Each row has its
+ * own context length (a prefill token at position p sees p + 1 keys), which is how causality is
+ * expressed, so prefill and decode rows go through the same loop. Consecutive rows of one
+ * prefill sequence re-read the same K/V, which stays in cache.
+ *
+ * Work item = (row, KV head): the group of query heads sharing that KV head is processed
+ * together, so each K/V row is loaded once for the whole group. The context is walked in chunks
+ * of CHUNK keys: scores for the chunk, one vectorised exp pass and one rescale of the running
+ * sum and accumulator (online softmax), then the weighted V rows. Items are spread over OpenMP
+ * threads. With AVX-512, head dims 64 and 128 get hand-vectorised copies (q and the accumulator
+ * in registers); every other case uses the portable loop.
  *
  * Layout (architecture.md): kv = [2, num_blocks, block_size, num_kv_heads, head_dim].
  */
@@ -13,8 +20,10 @@
 #include <stdint.h>
 
 #define MAX_GROUP 32
+#define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
+#define CHUNK 64
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -23,83 +32,230 @@ void kp_set_threads(int n) { if (n > 0) omp_set_num_threads(n); }
 void kp_set_threads(int n) { (void)n; }
 #endif
 
-int kp_paged_decode_f32(const float *q, int64_t q_row_stride, const float *kv,
-                        int64_t num_blocks, int32_t block_size, int32_t num_kv_heads,
-                        int32_t head_dim, int32_t num_heads, const int32_t *block_tables,
-                        int64_t bt_stride, const int32_t *seq_lens, const int64_t *tok_idx,
-                        const int64_t *seq_idx, int64_t n, float scale, float *out,
-                        int64_t out_row_stride) {
+typedef struct {
+    const float *k_base, *v_base;
+    int64_t tok_stride;
+    int32_t block_size;
+} kv_layout;
+
+/* Chunk-local pointers to the K and V rows of keys c0 .. c0 + n - 1 for KV head kvh. */
+static inline void chunk_rows(const kv_layout *kv, const int32_t *table, int32_t c0, int n,
+                              int kvh, int hd, const float **krow, const float **vrow) {
+    const int32_t bs = kv->block_size;
+    for (int t = 0; t < n; ++t) {
+        const int32_t pos = c0 + t;
+        const int64_t off = ((int64_t)table[pos / bs] * bs + pos % bs) * kv->tok_stride
+                            + (int64_t)kvh * hd;
+        krow[t] = kv->k_base + off;
+        vrow[t] = kv->v_base + off;
+    }
+}
+
+/* Online-softmax bookkeeping for one head over a chunk of n scores in p (replaced by their
+ * weights exp(s - new max)); returns the factor that rescales the old accumulator. */
+static inline float softmax_chunk(float *p, int n, float *m, float *l) {
+    float mx = *m;
+    for (int t = 0; t < n; ++t) mx = p[t] > mx ? p[t] : mx;
+    const float corr = (*m == -INFINITY) ? 0.0f : expf(*m - mx);
+    float sum = 0.0f;
+    for (int t = 0; t < n; ++t) {
+        const float e = expf(p[t] - mx);
+        p[t] = e;
+        sum += e;
+    }
+    *l = *l * corr + sum;
+    *m = mx;
+    return corr;
+}
+
+/* Portable version: any head_dim up to MAX_HEAD_DIM. */
+static void item_generic(const float *q, const kv_layout *kv, const int32_t *table, int32_t len,
+                         int kvh, int group, int hd, float scale, float *out) {
+    float qs[MAX_GROUP * MAX_HEAD_DIM];
+    float acc[MAX_GROUP * MAX_HEAD_DIM];
+    float p[MAX_GROUP * CHUNK];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    const float *krow[CHUNK];
+    const float *vrow[CHUNK];
+    for (int g = 0; g < group; ++g) {
+        for (int d = 0; d < hd; ++d) {
+            qs[g * hd + d] = q[g * hd + d] * scale;
+            acc[g * hd + d] = 0.0f;
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    for (int32_t c0 = 0; c0 < len; c0 += CHUNK) {
+        const int n = (len - c0) < CHUNK ? (len - c0) : CHUNK;
+        chunk_rows(kv, table, c0, n, kvh, hd, krow, vrow);
+        for (int g = 0; g < group; ++g) {
+            const float *qg = qs + g * hd;
+            float *pg = p + g * CHUNK;
+            for (int t = 0; t < n; ++t) {
+                const float *kt = krow[t];
+                float s = 0.0f;
+                for (int d = 0; d < hd; ++d) s += qg[d] * kt[d];
+                pg[t] = s;
+            }
+            const float corr = softmax_chunk(pg, n, &m[g], &l[g]);
+            float *ag = acc + g * hd;
+            for (int d = 0; d < hd; ++d) ag[d] *= corr;
+            for (int t = 0; t < n; ++t) {
+                const float w = pg[t];
+                const float *vt = vrow[t];
+                for (int d = 0; d < hd; ++d) ag[d] += w * vt[d];
+            }
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int d = 0; d < hd; ++d) out[g * hd + d] = acc[g * hd + d] * inv;
+    }
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* Lane i of the result = sum of all 16 lanes of v[i]: a transpose-and-add tree (45 shuffles
+ * and adds for 16 sums instead of 16 separate horizontal reductions). */
+static inline __m512 hsum16(const __m512 v[16]) {
+    __m512 x[8], y[4], z[2];
+    for (int i = 0; i < 8; ++i)
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+        y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; ++i)
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88),
+                         _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+/* AVX-512 version for head_dim = 16 * NV: per head of the group, q and the accumulator live in
+ * NV registers while the chunk's K (then V) rows stream through from L1. */
+#define DEFINE_AVX512_ITEM(NAME, NV)                                                            \
+    static void NAME(const float *q, const kv_layout *kv, const int32_t *table, int32_t len,    \
+                     int kvh, int nkv, int group, float scale, float *out) {                   \
+        const int hd = 16 * (NV);                                                               \
+        const int heads = nkv * group;                                                          \
+        __m512 acc[MAX_HEADS][NV];                                                              \
+        float p[MAX_HEADS * CHUNK];                                                             \
+        float m[MAX_HEADS], l[MAX_HEADS];                                                       \
+        const float *krow[CHUNK];                                                               \
+        const float *vrow[CHUNK];                                                               \
+        const __m512 vscale = _mm512_set1_ps(scale);                                            \
+        for (int g = 0; g < heads; ++g) {                                                       \
+            for (int j = 0; j < (NV); ++j) acc[g][j] = _mm512_setzero_ps();                     \
+            m[g] = -INFINITY;                                                                   \
+            l[g] = 0.0f;                                                                        \
+        }                                                                                       \
+        for (int32_t c0 = 0; c0 < len; c0 += CHUNK) {                                           \
+            const int n = (len - c0) < CHUNK ? (len - c0) : CHUNK;                              \
+            chunk_rows(kv, table, c0, n, kvh, hd, krow, vrow);                                  \
+            for (int g = 0; g < heads; ++g) {                                                   \
+                __m512 qv[NV];                                                                  \
+                for (int j = 0; j < (NV); ++j)                                                  \
+                    qv[j] = _mm512_mul_ps(_mm512_loadu_ps(q + g * hd + 16 * j), vscale);        \
+                float *pg = p + g * CHUNK;                                                      \
+                const int64_t koff = (int64_t)(g / group) * hd;                                 \
+                int t = 0;                                                                      \
+                for (; t + 16 <= n; t += 16) {                                                  \
+                    __m512 part[16];                                                            \
+                    for (int u = 0; u < 16; ++u) {                                              \
+                        const float *kt = krow[t + u] + koff;                                   \
+                        __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));                   \
+                        for (int j = 1; j < (NV); ++j)                                          \
+                            s = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kt + 16 * j), s);        \
+                        part[u] = s;                                                            \
+                    }                                                                           \
+                    _mm512_storeu_ps(pg + t, hsum16(part));                                     \
+                }                                                                               \
+                for (; t < n; ++t) {                                                            \
+                    const float *kt = krow[t] + koff;                                           \
+                    __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));                       \
+                    for (int j = 1; j < (NV); ++j)                                              \
+                        s = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kt + 16 * j), s);            \
+                    pg[t] = _mm512_reduce_add_ps(s);                                            \
+                }                                                                               \
+                const __m512 corr = _mm512_set1_ps(softmax_chunk(pg, n, &m[g], &l[g]));         \
+                __m512 a[NV];                                                                   \
+                for (int j = 0; j < (NV); ++j) a[j] = _mm512_mul_ps(acc[g][j], corr);           \
+                for (int u = 0; u < n; ++u) {                                                   \
+                    const __m512 w = _mm512_set1_ps(pg[u]);                                     \
+                    const float *vt = vrow[u] + koff;                                           \
+                    for (int j = 0; j < (NV); ++j)                                              \
+                        a[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vt + 16 * j), a[j]);          \
+                }                                                                               \
+                for (int j = 0; j < (NV); ++j) acc[g][j] = a[j];                                \
+            }                                                                                   \
+        }                                                                                       \
+        for (int g = 0; g < heads; ++g) {                                                       \
+            const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);                \
+            for (int j = 0; j < (NV); ++j)                                                      \
+                _mm512_storeu_ps(out + g * hd + 16 * j, _mm512_mul_ps(acc[g][j], inv));         \
+        }                                                                                       \
+    }
+DEFINE_AVX512_ITEM(item_avx512_hd64, 4)
+DEFINE_AVX512_ITEM(item_avx512_hd128, 8)
+#endif
+
+/* KV heads kvh .. kvh + nkv - 1 of one row; q and out point at the first of their heads. */
+static void run_item(const float *q, const kv_layout *kv, const int32_t *table, int32_t len,
+                     int kvh, int nkv, int group, int hd, float scale, float *out) {
+#ifdef __AVX512F__
+    if (hd == 64 && nkv * group <= MAX_HEADS) {
+        item_avx512_hd64(q, kv, table, len, kvh, nkv, group, scale, out);
+        return;
+    }
+    if (hd == 128 && nkv * group <= MAX_HEADS) {
+        item_avx512_hd128(q, kv, table, len, kvh, nkv, group, scale, out);
+        return;
+    }
+#endif
+    for (int k = 0; k < nkv; ++k)
+        item_generic(q + (int64_t)k * group * hd, kv, table, len, kvh + k, group, hd, scale,
+                     out + (int64_t)k * group * hd);
+}
+
+/* Attention of n query rows: row r is query row tok_idx[r] of sequence seq_idx[r] (its block
+ * table row) and sees the first row_lens[r] keys. Output goes to the same rows of out. */
+int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int64_t num_blocks,
+                      int32_t block_size, int32_t num_kv_heads, int32_t head_dim,
+                      int32_t num_heads, const int32_t *block_tables, int64_t bt_stride,
+                      const int32_t *row_lens, const int64_t *tok_idx, const int64_t *seq_idx,
+                      int64_t n, float scale, float *out, int64_t out_row_stride) {
     const int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK ||
         num_heads % num_kv_heads)
         return -1;
-    const int64_t tok_stride = (int64_t)num_kv_heads * head_dim;
-    const float *k_base = kv;
-    const float *v_base = kv + num_blocks * (int64_t)block_size * tok_stride;
-    const int64_t items = n * num_kv_heads;
+    kv_layout layout;
+    layout.tok_stride = (int64_t)num_kv_heads * head_dim;
+    layout.k_base = kv;
+    layout.v_base = kv + num_blocks * (int64_t)block_size * layout.tok_stride;
+    layout.block_size = block_size;
+    /* A whole row per item reads each token's K (then V) for all heads as one contiguous run,
+     * which the hardware prefetchers follow; with few rows per thread, split rows by KV head. */
+#ifdef _OPENMP
+    const int threads = omp_get_max_threads();
+#else
+    const int threads = 1;
+#endif
+    const int per_item = (n >= 4 * threads) ? num_kv_heads : 1;
+    const int splits = num_kv_heads / per_item;
+    const int64_t items = n * splits;
 
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 2)
     for (int64_t item = 0; item < items; ++item) {
-        const int64_t row = item / num_kv_heads;
-        const int kvh = (int)(item % num_kv_heads);
+        const int64_t row = item / splits;
+        const int kvh = (int)(item % splits) * per_item;
         const int64_t tok = tok_idx[row];
-        const int64_t seq = seq_idx[row];
-        const int32_t len = seq_lens[seq];
-        const int32_t *table = block_tables + seq * bt_stride;
-
-        float qs[MAX_GROUP * MAX_HEAD_DIM];
-        float acc[MAX_GROUP * MAX_HEAD_DIM];
-        float scores[MAX_GROUP * MAX_BLOCK];
-        float m[MAX_GROUP], l[MAX_GROUP];
-        for (int g = 0; g < group; ++g) {
-            const float *qh = q + tok * q_row_stride + (int64_t)(kvh * group + g) * head_dim;
-            for (int d = 0; d < head_dim; ++d) {
-                qs[g * head_dim + d] = qh[d] * scale;
-                acc[g * head_dim + d] = 0.0f;
-            }
-            m[g] = -INFINITY;
-            l[g] = 0.0f;
-        }
-        const int32_t nblk = (len + block_size - 1) / block_size;
-        for (int32_t b = 0; b < nblk; ++b) {
-            const int64_t blk = table[b];
-            const int32_t cnt = (len - b * block_size) < block_size ? (len - b * block_size)
-                                                                    : block_size;
-            const float *kb = k_base + blk * block_size * tok_stride + (int64_t)kvh * head_dim;
-            const float *vb = v_base + blk * block_size * tok_stride + (int64_t)kvh * head_dim;
-            for (int g = 0; g < group; ++g) {
-                const float *qg = qs + g * head_dim;
-                float *sg = scores + g * MAX_BLOCK;
-                float mx = m[g];
-                for (int32_t t = 0; t < cnt; ++t) {
-                    const float *kt = kb + t * tok_stride;
-                    float s = 0.0f;
-                    for (int d = 0; d < head_dim; ++d) s += qg[d] * kt[d];
-                    sg[t] = s;
-                    if (s > mx) mx = s;
-                }
-                const float corr = (m[g] == -INFINITY) ? 0.0f : expf(m[g] - mx);
-                float *ag = acc + g * head_dim;
-                if (corr != 1.0f) {
-                    l[g] *= corr;
-                    for (int d = 0; d < head_dim; ++d) ag[d] *= corr;
-                }
-                m[g] = mx;
-                float sum = 0.0f;
-                for (int32_t t = 0; t < cnt; ++t) {
-                    const float p = expf(sg[t] - mx);
-                    sum += p;
-                    const float *vt = vb + t * tok_stride;
-                    for (int d = 0; d < head_dim; ++d) ag[d] += p * vt[d];
-                }
-                l[g] += sum;
-            }
-        }
-        for (int g = 0; g < group; ++g) {
-            float *o = out + tok * out_row_stride + (int64_t)(kvh * group + g) * head_dim;
-            const float inv = 1.0f / l[g];
-            for (int d = 0; d < head_dim; ++d) o[d] = acc[g * head_dim + d] * inv;
-        }
+        const float *qh = q + tok * q_row_stride + (int64_t)kvh * group * head_dim;
+        float *oh = out + tok * out_row_stride + (int64_t)kvh * group * head_dim;
+        const int32_t *table = block_tables + seq_idx[row] * bt_stride;
+        run_item(qh, &layout, table, row_lens[row], kvh, per_item, group, head_dim, scale, oh);
     }
     return 0;
 }

@@ -103,6 +103,20 @@ def test_large_decode_batch_realistic_shape(decode_path: str) -> None:
     _check(paged_attention_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
 
 
+def test_query_may_be_a_view_of_fused_qkv_rows(decode_path: str) -> None:
+    """The model hands q as a strided view into its fused qkv output; rows of prefill, chunked
+    prefill over a cached prefix and decode all read it in place."""
+    case = make_case([90, 40, 300, 12], [90, 7, 1, 12], num_heads=9, num_kv_heads=3,
+                     head_dim=64, seed=11)
+    t = case.query.shape[0]
+    fused = torch.randn(t, (9 + 2 * 3) * 64)
+    fused[:, :9 * 64] = case.query.reshape(t, -1)
+    view = fused[:, :9 * 64].view(t, 9, 64)
+    assert not view.is_contiguous()
+    args = (view, *case.args()[1:])
+    _check(paged_attention_torch(*args), paged_attention_ref(*case.args()), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_store_kv_matches_reference_and_skips_negative(dtype: torch.dtype,
