@@ -113,6 +113,14 @@ static void item_generic(const float *q, const kv_layout *kv, const int32_t *tab
     }
 }
 
+/* Pull `nfl` floats at each of the n rows toward L2 (prefetcht1): the rows sit in scattered
+ * blocks, which the hardware prefetchers cannot guess, and the loops over them would
+ * otherwise stall on every new row. */
+static inline void prefetch_l2(const float *const *rows, int n, int64_t nfl) {
+    for (int t = 0; t < n; ++t)
+        for (int64_t b = 0; b < nfl; b += 16) __builtin_prefetch(rows[t] + b, 0, 2);
+}
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 
@@ -155,6 +163,7 @@ static inline __m512 hsum16(const __m512 v[16]) {
         for (int32_t c0 = 0; c0 < len; c0 += CHUNK) {                                           \
             const int n = (len - c0) < CHUNK ? (len - c0) : CHUNK;                              \
             chunk_rows(kv, table, c0, n, kvh, hd, krow, vrow);                                  \
+            prefetch_l2(vrow, n, (int64_t)nkv * hd);                                            \
             for (int g = 0; g < heads; ++g) {                                                   \
                 __m512 qv[NV];                                                                  \
                 for (int j = 0; j < (NV); ++j)                                                  \
