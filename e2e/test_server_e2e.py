@@ -189,7 +189,7 @@ def test_bad_requests_get_4xx_and_server_stays_ready(server: Server):
         ("post", "/openai/v1/completions", {"model": MODEL, "prompt": long_prompt}, 400),
         ("post", "/openai/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1024},
          400),
-        ("post", "/openai/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400),
+        ("post", "/openai/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 2}, 400),
         ("post", "/openai/v1/chat/completions",
          {"model": MODEL, "messages": [{"role": "user", "content": long_prompt}]}, 400),
         ("post", "/v2/models/nope/infer",

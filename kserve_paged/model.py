@@ -13,10 +13,12 @@ Readiness, and how it fits KServe 0.21:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,10 +30,11 @@ from engine.async_llm import AsyncLLM, EngineDeadError, RequestStream, StepInfo
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from kserve_paged.logprobs import TokenText, v2_logprobs
 from kserve_paged.metrics import EngineMetrics
 from kserve_paged.sampling import (
     SAMPLING_OPTIONS,
-    UNSUPPORTED_OPTIONS,
+    V2_UNSUPPORTED_OPTIONS,
     OptionError,
     make_sampling_params,
     unsupported_options,
@@ -41,6 +44,8 @@ logger = logging.getLogger("kserve.paged")
 
 INPUT_NAME = "text_input"
 OUTPUT_NAME = "text_output"
+LOGPROBS_NAME = "logprobs"  # only when the parameters ask for logprobs
+PROMPT_LOGPROBS_NAME = "prompt_logprobs"  # only when they ask for prompt_logprobs
 # v2 request parameters that tritonclient or KServe set for transport, not sampling.
 _TRANSPORT_PARAMETERS = frozenset({"binary_data_output", "binary_data_size", "content_type",
                                    "headers", "timeout", "sequence_id", "sequence_start",
@@ -232,12 +237,19 @@ class PagedLLMModel(Model):
                 raise OptionError(f"token id {t!r} is out of range for this model", "prompt")
         return list(prompt)
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size (token ids in logit_bias must be below it)."""
+        model = getattr(self.llm.engine, "model", None) if self.llm.is_ready else None
+        return getattr(model, "vocab_size", None)
+
     def sampling_params(self, options: Mapping[str, Any], prompt_ids: list[int],
                         default_max_tokens: int | None) -> SamplingParams:
         max_len = self.max_model_len
         assert max_len is not None
         return make_sampling_params(options, prompt_len=len(prompt_ids), max_model_len=max_len,
-                                    default_max_tokens=default_max_tokens)
+                                    default_max_tokens=default_max_tokens,
+                                    vocab_size=self.vocab_size)
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, *, kind: str,
                      priority: int = 0, cache_salt: str | None = None) -> RequestStream:
@@ -263,7 +275,14 @@ class PagedLLMModel(Model):
                       ) -> InferResponse | dict[str, Any]:
         """v2: ``text_input`` BYTES [N] -> ``text_output`` BYTES [N], sampling options in the
         request's ``parameters``. v1: ``{"instances": [str, ...], "parameters": {...}}`` ->
-        ``{"predictions": [str, ...]}``."""
+        ``{"predictions": [str, ...]}``.
+
+        With ``n`` > 1, ``text_output`` is [N, n] (row i: prompt i's samples in order) and v1's
+        predictions are lists. With ``logprobs`` (k), an output ``logprobs`` of text_output's
+        shape holds per sample a JSON string: a list, per generated token, of ``{token_id,
+        token, logprob, rank, top_logprobs: [{token_id, token, logprob, rank}, ...]}`` (the top
+        k). With ``prompt_logprobs``, an output ``prompt_logprobs`` [N] holds per prompt such a
+        list (null for the first token). v1 answers carry them as decoded JSON."""
         self.check_ready()
         if isinstance(payload, dict):
             return await self._predict_v1(payload)
@@ -281,13 +300,18 @@ class PagedLLMModel(Model):
             raise InvalidInput(f"input '{INPUT_NAME}' must be BYTES (got {tensor.datatype})")
         texts = _texts(tensor)
         options = v2_parameters(payload.parameters)
-        texts_out = await self._complete_all(texts, options)
-        output = InferOutput(name=OUTPUT_NAME, shape=[len(texts_out)], datatype="BYTES")
-        output.set_data_from_numpy(np.array([t.encode("utf-8") for t in texts_out],
-                                            dtype=np.object_), binary_data=False)
+        result = await self._complete_all(texts, options)
+        outputs = [_bytes_output(OUTPUT_NAME, result.texts, result.n)]
+        if result.logprobs is not None:
+            outputs.append(_bytes_output(LOGPROBS_NAME, [
+                [json.dumps(s, separators=(",", ":")) for s in row] for row in result.logprobs],
+                result.n))
+        if result.prompt_logprobs is not None:
+            outputs.append(_bytes_output(PROMPT_LOGPROBS_NAME, [
+                [json.dumps(p, separators=(",", ":"))] for p in result.prompt_logprobs], 1))
         return InferResponse(
             response_id=payload.id or str(uuid.uuid4()), model_name=self.name,
-            infer_outputs=[output], from_grpc=payload.from_grpc,
+            infer_outputs=outputs, from_grpc=payload.from_grpc,
             use_binary_outputs=payload.use_binary_outputs,
             requested_outputs=payload.request_outputs)
 
@@ -298,17 +322,26 @@ class PagedLLMModel(Model):
         options = body.get("parameters") or {}
         if not isinstance(options, dict):
             raise InvalidInput('"parameters" must be an object')
-        return {"predictions": await self._complete_all(instances, options)}
+        result = await self._complete_all(instances, options)
+        flat = result.n == 1
+        answer: dict[str, Any] = {"predictions": [row[0] if flat else row
+                                                  for row in result.texts]}
+        if result.logprobs is not None:
+            answer["logprobs"] = [row[0] if flat else row for row in result.logprobs]
+        if result.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = result.prompt_logprobs
+        return answer
 
-    async def _complete_all(self, texts: list[str], options: dict[str, Any]) -> list[str]:
-        refused = unsupported_options(options)
+    async def _complete_all(self, texts: list[str], options: dict[str, Any]) -> _Completed:
+        refused = unsupported_options(options, V2_UNSUPPORTED_OPTIONS)
         if refused:
             raise InvalidInput(f"unsupported parameter(s) {refused}: this engine cannot honour "
-                               f"them; supported: {', '.join(SAMPLING_OPTIONS)}, priority, "
-                               "cache_salt")
+                               f"them; supported: {', '.join(SAMPLING_OPTIONS)}, best_of (= n), "
+                               "priority, cache_salt")
         unknown = sorted(k for k in options
                          if k not in SAMPLING_OPTIONS and k not in _TRANSPORT_PARAMETERS
-                         and k not in UNSUPPORTED_OPTIONS and k not in ("priority", "cache_salt"))
+                         and k not in V2_UNSUPPORTED_OPTIONS
+                         and k not in ("priority", "cache_salt", "best_of"))
         if unknown:
             # As vLLM (and the OpenAI routes here) do with unknown fields: ignore, but say so.
             logger.warning("ignoring unknown v2 parameter(s) %s", unknown)
@@ -337,9 +370,41 @@ class PagedLLMModel(Model):
             for s in streams:
                 s.close()
         for out in finals:
-            if out.error is not None or (out.outputs and out.outputs[0].finish_reason == "error"):
+            if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):
                 raise InferenceError(f"generation failed: {out.error}")
-        return [out.outputs[0].text for out in finals]
+        params = prepared[0][1]
+        samples = [sorted(out.outputs, key=lambda c: c.index) for out in finals]
+        result = _Completed(params.n, [[c.text for c in row] for row in samples])
+        text = TokenText(self.tokenizer)
+        if params.logprobs is not None:
+            result.logprobs = [[v2_logprobs(c.token_ids, c.logprobs or [None] * len(c.token_ids),
+                                            params.logprobs, text) for c in row]
+                               for row in samples]
+        if params.prompt_logprobs is not None:
+            result.prompt_logprobs = [
+                v2_logprobs(out.prompt_token_ids, out.prompt_logprobs
+                            or [None] * len(out.prompt_token_ids), params.prompt_logprobs, text)
+                for out in finals]
+        return result
+
+
+@dataclass(slots=True)
+class _Completed:
+    """A v1/v2 request's results: per prompt, its n samples (and their logprobs if asked)."""
+
+    n: int
+    texts: list[list[str]]
+    logprobs: list[list[list[dict[str, Any] | None]]] | None = None
+    prompt_logprobs: list[list[dict[str, Any] | None]] | None = None
+
+
+def _bytes_output(name: str, rows: list[list[str]], n: int) -> InferOutput:
+    """A BYTES tensor: [N] when there is one value per prompt, else [N, n]."""
+    shape = [len(rows)] if n == 1 else [len(rows), n]
+    output = InferOutput(name=name, shape=shape, datatype="BYTES")
+    data = np.array([v.encode("utf-8") for row in rows for v in row], dtype=np.object_)
+    output.set_data_from_numpy(data.reshape(shape), binary_data=False)
+    return output
 
 
 def request_priority(value: Any) -> int:

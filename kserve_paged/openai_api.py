@@ -4,8 +4,11 @@ KServe 0.21's own OpenAI routes need vLLM installed (kserve.md), so these are ou
 bodies are validated here (pydantic), responses are built from the ``openai`` package's types
 where they fit, errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
-Options that would change results but that the engine cannot honour (n > 1, logprobs, echo,
-penalties, tools, JSON mode, ...) are refused with a 400 naming the option, never ignored.
+Sampling options follow vLLM's OpenAI server: n, penalties, logit_bias, seed, logprobs (legacy
+object on completions, ``content`` list on chat), echo, prompt_logprobs,
+include_stop_str_in_output, skip_special_tokens. Options that would change results but that the
+engine cannot honour (best_of != n, suffix, tools, JSON mode, beam search, guided decoding, ...)
+are refused with a 400 naming the option, never ignored.
 A client that disconnects gets its requests aborted: streaming through generator cancellation,
 non-streaming by polling ``request.is_disconnected()``.
 """
@@ -33,9 +36,16 @@ from openai.types.chat.chat_completion_chunk import ChoiceDelta
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from engine.async_llm import EngineDeadError, RequestStream
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
+from kserve_paged.logprobs import (
+    Entry,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_json,
+)
 from kserve_paged.model import PagedLLMModel
-from kserve_paged.sampling import OptionError
+from kserve_paged.sampling import OptionError, unsupported_options
 
 logger = logging.getLogger("kserve.paged.openai")
 
@@ -102,29 +112,33 @@ class _SamplingBody(BaseModel):
     response_format: dict[str, Any] | None = None
     cache_salt: str | None = None
     priority: int = 0
+    # vLLM's extras
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
 
     def sampling_options(self) -> dict[str, Any]:
+        """The options that go to SamplingParams as given (``logprobs`` is per endpoint)."""
         return {name: getattr(self, name) for name in (
             "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
-            "min_tokens", "stop_token_ids")}
+            "min_tokens", "stop_token_ids", "n", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "logit_bias", "prompt_logprobs", "include_stop_str_in_output",
+            "skip_special_tokens")}
+
+    def top_logprobs_k(self) -> int | None:
+        """Top log-probabilities per generated token, or None when none are asked for."""
+        return None
 
     def unsupported(self) -> list[tuple[str, str]]:
         found = []
-        if self.n != 1:
-            found.append(("n", f"n={self.n} is not supported (only n=1)"))
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                found.append((name, f"{name} is not supported"))
-        if self.repetition_penalty not in (None, 1, 1.0):
-            found.append(("repetition_penalty", "repetition_penalty is not supported"))
-        if self.logit_bias:
-            found.append(("logit_bias", "logit_bias is not supported"))
         if self.response_format and self.response_format.get("type", "text") != "text":
             found.append(("response_format",
                           f"response_format {self.response_format.get('type')!r} is not "
-                          "supported (only 'text')"))
+                          "supported (only 'text'): this server has no structured output"))
         if self.stream_options is not None and not self.stream:
             found.append(("stream_options", "stream_options is only allowed with stream=true"))
+        for name in unsupported_options({**(self.model_extra or {}), "n": self.n}):
+            found.append((name, f"{name} is not supported by this server"))
         return found
 
 
@@ -135,20 +149,32 @@ class CompletionBody(_SamplingBody):
     logprobs: int | None = None
     suffix: str | None = None
 
+    def top_logprobs_k(self) -> int | None:
+        return self.logprobs
+
     def unsupported(self) -> list[tuple[str, str]]:
         found = super().unsupported()
         if self.best_of is not None and self.best_of != self.n:
-            found.append(("best_of", f"best_of={self.best_of} is not supported (only best_of=n)"))
-        if self.echo:
-            found.append(("echo", "echo is not supported"))
-        if self.logprobs is not None:
-            found.append(("logprobs", "logprobs is not supported"))
+            found.append(("best_of", f"best_of={self.best_of} is not supported: every sample "
+                          f"is returned, so best_of must be unset or equal n ({self.n})"))
         if self.suffix:
-            found.append(("suffix", "suffix is not supported"))
+            found.append(("suffix", "suffix is not supported (no fill-in-the-middle)"))
         return found
 
 
+# Chat extras of vLLM and OpenAI that change what is generated, beyond the shared table; any
+# value but the harmless one is a 400.
+_CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "echo": (False,), "chat_template": (), "chat_template_kwargs": (), "documents": (),
+    "audio": (), "prediction": (), "web_search_options": (),
+}
+
+
 class ChatBody(_SamplingBody):
+    """``max_completion_tokens`` is OpenAI's newer name for ``max_tokens``; a request giving
+    both with different values is refused (400 naming max_completion_tokens) rather than one
+    of them silently winning."""
+
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -160,18 +186,34 @@ class ChatBody(_SamplingBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
+    def top_logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def output_budget(self) -> int | None:
+        return (self.max_completion_tokens if self.max_completion_tokens is not None
+                else self.max_tokens)
+
     def unsupported(self) -> list[tuple[str, str]]:
         found = super().unsupported()
-        if self.logprobs:
-            found.append(("logprobs", "logprobs is not supported"))
-        if self.top_logprobs:
-            found.append(("top_logprobs", "top_logprobs is not supported"))
+        extra = self.model_extra or {}
+        for name in unsupported_options(extra, _CHAT_UNSUPPORTED, check_best_of=False):
+            found.append((name, f"{name} is not supported by this server"))
+        if extra.get("modalities") not in (None, [], ["text"]):
+            found.append(("modalities", "modalities other than [\"text\"] are not supported"))
+        if (self.max_completion_tokens is not None and self.max_tokens is not None
+                and self.max_completion_tokens != self.max_tokens):
+            found.append(("max_completion_tokens",
+                          f"max_completion_tokens ({self.max_completion_tokens}) and max_tokens "
+                          f"({self.max_tokens}) disagree; give one of them"))
+        if self.top_logprobs is not None and not self.logprobs:
+            found.append(("top_logprobs", "top_logprobs requires logprobs=true"))
         if self.tools:
-            found.append(("tools", "tools are not supported"))
+            found.append(("tools", "tools are not supported (no tool calling)"))
         if self.tool_choice not in (None, "none"):
-            found.append(("tool_choice", "tool_choice is not supported"))
+            found.append(("tool_choice", "tool_choice is not supported (no tool calling)"))
         if self.functions:
-            found.append(("functions", "functions are not supported"))
+            found.append(("functions", "functions are not supported (no function calling)"))
         if self.function_call not in (None, "none"):
             found.append(("function_call", "function_call is not supported"))
         return found
@@ -255,13 +297,66 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> Completio
 
 
 def _check_output(out: RequestOutput) -> None:
-    if out.error is not None or (out.outputs and out.outputs[0].finish_reason == "error"):
+    if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):
         raise APIError(500, f"generation failed: {out.error}")
 
 
-def _finish_reason(out: RequestOutput) -> str | None:
-    reason = out.outputs[0].finish_reason if out.outputs else None
+def _finish_reason(completion: CompletionOutput) -> str | None:
+    reason = completion.finish_reason
     return reason if reason in _FINISH_REASONS else (None if reason is None else "stop")
+
+
+def _new_entries(completion: CompletionOutput, delta: bool) -> tuple[list[int], list[Entry]]:
+    """The completion's token ids (all, or this step's) with their log-probability entries."""
+    ids = list(completion.delta_token_ids) if delta else list(completion.token_ids)
+    entries: list[Entry] = list(completion.logprobs or [])
+    if len(entries) < len(completion.token_ids):  # an engine that returned none
+        entries += [None] * (len(completion.token_ids) - len(entries))
+    return ids, entries[len(completion.token_ids) - len(ids):len(completion.token_ids)]
+
+
+# -- response bodies (OpenAI's types, widened where vLLM-style answers carry more) -------------
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs; entries are null for the first echoed prompt token."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionChoiceOut(CompletionChoice):
+    logprobs: CompletionLogprobs | None = None  # type: ignore[assignment]
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, when asked for
+
+
+class CompletionOut(Completion):
+    choices: list[CompletionChoiceOut]  # type: ignore[assignment]
+
+
+class ChatCompletionOut(ChatCompletion):
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, when asked for
+
+
+class _ChoiceState:
+    """What one streamed choice has sent so far."""
+
+    __slots__ = ("started", "done", "offset")
+
+    def __init__(self) -> None:
+        self.started = False
+        self.done = False
+        self.offset = 0
 
 
 def _sse(data: BaseModel | dict[str, Any]) -> str:
@@ -338,8 +433,12 @@ class OpenAIRoutes:
 
     async def _prepare(self, model: PagedLLMModel, prompt_ids: list[list[int]],
                        body: _SamplingBody, max_tokens: int | None, default_max: int | None,
-                       cache_salt: str | None, kind: str) -> list[RequestStream]:
-        options = {**body.sampling_options(), "max_tokens": max_tokens}
+                       cache_salt: str | None, kind: str, prompt_logprobs: int | None = None
+                       ) -> list[RequestStream]:
+        options = {**body.sampling_options(), "max_tokens": max_tokens,
+                   "logprobs": body.top_logprobs_k()}
+        if prompt_logprobs is not None:
+            options["prompt_logprobs"] = prompt_logprobs
         try:
             params = [model.sampling_params(options, ids, default_max) for ids in prompt_ids]
         except OptionError as exc:
@@ -358,52 +457,76 @@ class OpenAIRoutes:
         return streams
 
     async def completions(self, request: Request) -> Response:
+        """Legacy completions. ``n`` samples per prompt: choice ``index`` is prompt number * n
+        + sample number. ``echo`` puts the prompt in front of each choice's text (and, with
+        ``logprobs``, its tokens in front of the logprobs: the first one has none)."""
         body: CompletionBody = await _parse(request, CompletionBody)
         model = self._model(body.model)
         name = body.model or model.name
+        prompts = _prompts(body.prompt)
         try:
-            prompt_ids = [model.encode(p) for p in _prompts(body.prompt)]
+            prompt_ids = [model.encode(p) for p in prompts]
         except OptionError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
+        prompt_texts = ([p if isinstance(p, str) else model.tokenizer.decode(ids)
+                         for p, ids in zip(prompts, prompt_ids)] if body.echo else None)
+        # Echoed logprobs need the prompt's: ask the engine for as many as for the output.
+        prompt_k = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:
+            prompt_k = max(prompt_k or 0, body.logprobs)
         salt = body.cache_salt or request.headers.get("x-cache-salt")
         streams = await self._prepare(model, prompt_ids, body, body.max_tokens,
-                                      COMPLETIONS_DEFAULT_MAX_TOKENS, salt, "cmpl")
+                                      COMPLETIONS_DEFAULT_MAX_TOKENS, salt, "cmpl", prompt_k)
+        render = _CompletionRender(body, TokenText(model.tokenizer), prompt_texts)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _ClosingStreamingResponse(
-                self._stream_completion(streams, rid, created, name, include_usage), streams)
+                self._stream_completion(streams, rid, created, name, include_usage, render),
+                streams)
         finals = await _until_disconnect(request, asyncio.ensure_future(_finals(streams)))
         if finals is None:
             return Response(status_code=499)
-        for out in finals:
+        choices = []
+        for i, out in enumerate(finals):
             _check_output(out)
-        choices = [CompletionChoice(index=i, text=out.outputs[0].text, logprobs=None,
-                                    finish_reason=_finish_reason(out) or "stop")
-                   for i, out in enumerate(finals)]
-        result = Completion(id=rid, object="text_completion", created=created, model=name,
-                            choices=choices, usage=_total_usage(finals))
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                piece = render.piece(i, out, c, _ChoiceState(), delta=False)
+                choices.append({**piece, "finish_reason": _finish_reason(c) or "stop"})
+        result = CompletionOut.model_validate({
+            "id": rid, "object": "text_completion", "created": created, "model": name,
+            "choices": choices, "usage": _total_usage(finals).model_dump(exclude_unset=True)})
         return JSONResponse(result.model_dump(mode="json", exclude_unset=True))
 
     async def _stream_completion(self, streams: list[RequestStream], rid: str, created: int,
-                                 model: str, include_usage: bool) -> AsyncIterator[str]:
+                                 model: str, include_usage: bool, render: _CompletionRender
+                                 ) -> AsyncIterator[str]:
         finals: dict[int, RequestOutput] = {}
+        states: dict[int, _ChoiceState] = {}
+        want_logprobs = render.body.logprobs is not None
         try:
             async for i, out in _merge(streams):
                 _check_output(out)
-                text = out.outputs[0].delta_text if out.outputs else ""
-                reason = _finish_reason(out) if out.finished else None
                 if out.finished:
                     finals[i] = out
-                if not text and reason is None:
-                    continue
-                chunk = {"id": rid, "object": "text_completion", "created": created,
-                         "model": model, "choices": [{"index": i, "text": text, "logprobs": None,
-                                                      "finish_reason": reason}]}
-                if include_usage:
-                    chunk["usage"] = None
-                yield _sse(chunk)
+                for c in out.outputs:
+                    index = i * render.body.n + c.index
+                    state = states.setdefault(index, _ChoiceState())
+                    if state.done:
+                        continue
+                    reason = _finish_reason(c)
+                    first = not state.started
+                    if not (c.delta_text or reason or first and render.echo
+                            or want_logprobs and c.delta_token_ids):
+                        continue
+                    piece = render.piece(i, out, c, state, delta=True)
+                    state.done = reason is not None
+                    chunk = {"id": rid, "object": "text_completion", "created": created,
+                             "model": model, "choices": [{**piece, "finish_reason": reason}]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield _sse(chunk)
             if include_usage:
                 usage = _total_usage([finals[i] for i in sorted(finals)])
                 yield _sse({"id": rid, "object": "text_completion", "created": created,
@@ -416,6 +539,8 @@ class OpenAIRoutes:
         yield "data: [DONE]\n\n"
 
     async def chat_completions(self, request: Request) -> Response:
+        """Chat completions: ``n`` choices, ``logprobs``/``top_logprobs`` in OpenAI's chat shape,
+        ``max_completion_tokens`` (see :class:`ChatBody`)."""
         body: ChatBody = await _parse(request, ChatBody)
         model = self._model(body.model)
         name = body.model or model.name
@@ -437,51 +562,82 @@ class OpenAIRoutes:
         prompt_ids = list(tok.encode(text, add_special_tokens=False))
         if not prompt_ids:
             raise APIError(400, "the messages render to an empty prompt", param="messages")
-        max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
-                      else body.max_tokens)
         salt = body.cache_salt or request.headers.get("x-cache-salt")
-        streams = await self._prepare(model, [prompt_ids], body, max_tokens, None, salt,
-                                      "chatcmpl")
+        streams = await self._prepare(model, [prompt_ids], body, body.output_budget, None,
+                                      salt, "chatcmpl")
+        token_text = TokenText(tok)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _ClosingStreamingResponse(
-                self._stream_chat(streams[0], rid, created, name, include_usage), streams)
+                self._stream_chat(streams[0], rid, created, name, include_usage, body,
+                                  token_text), streams)
         finals = await _until_disconnect(request, asyncio.ensure_future(_finals(streams)))
         if finals is None:
             return Response(status_code=499)
         out = finals[0]
         _check_output(out)
-        result = ChatCompletion(
-            id=rid, object="chat.completion", created=created, model=name,
-            choices=[ChatChoice(index=0, finish_reason=_finish_reason(out) or "stop",
-                                logprobs=None,
-                                message=ChatCompletionMessage(role="assistant",
-                                                              content=out.outputs[0].text))],
-            usage=_total_usage(finals))
+        k = body.top_logprobs_k()
+        choices = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            logprobs = None
+            if k is not None:
+                ids, entries = _new_entries(c, delta=False)
+                logprobs = {"content": chat_logprobs(ids, entries, k, token_text)}
+            choices.append(ChatChoice(
+                index=c.index, finish_reason=_finish_reason(c) or "stop", logprobs=logprobs,
+                message=ChatCompletionMessage(role="assistant", content=c.text)))
+        extra = ({"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
+                 if body.prompt_logprobs is not None else {})
+        result = ChatCompletionOut(id=rid, object="chat.completion", created=created,
+                                   model=name, choices=choices, usage=_total_usage(finals),
+                                   **extra)
         return JSONResponse(result.model_dump(mode="json", exclude_unset=True))
 
     async def _stream_chat(self, stream: RequestStream, rid: str, created: int, model: str,
-                           include_usage: bool) -> AsyncIterator[str]:
-        def chunk(delta: ChoiceDelta | None, reason: str | None = None) -> ChatCompletionChunk:
-            choices = [] if delta is None else [
-                ChunkChoice(index=0, delta=delta, finish_reason=reason, logprobs=None)]
+                           include_usage: bool, body: ChatBody, token_text: TokenText
+                           ) -> AsyncIterator[str]:
+        k = body.top_logprobs_k()
+
+        def chunk(index: int | None, delta: ChoiceDelta | None = None, reason: str | None = None,
+                  logprobs: list[dict[str, Any]] | None = None, **extra: Any
+                  ) -> ChatCompletionChunk:
+            choices = [] if index is None else [ChunkChoice(
+                index=index, delta=delta or ChoiceDelta(), finish_reason=reason,
+                logprobs=None if logprobs is None else {"content": logprobs})]
             return ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=created,
-                                       model=model, choices=choices)
+                                       model=model, choices=choices, **extra)
 
         final: RequestOutput | None = None
+        done: set[int] = set()
+        # vLLM's prompt_logprobs ride on the first chunk with generated content.
+        prompt_pending = body.prompt_logprobs is not None
         try:
-            yield _sse(chunk(ChoiceDelta(role="assistant", content="")))
+            for index in range(body.n):
+                yield _sse(chunk(index, ChoiceDelta(role="assistant", content="")))
             async for out in stream:
                 _check_output(out)
-                text = out.outputs[0].delta_text if out.outputs else ""
-                reason = _finish_reason(out) if out.finished else None
                 if out.finished:
                     final = out
-                if not text and reason is None:
-                    continue
-                yield _sse(chunk(ChoiceDelta(content=text), reason))
+                for c in out.outputs:
+                    if c.index in done:
+                        continue
+                    reason = _finish_reason(c)
+                    logprobs = None
+                    if k is not None:
+                        ids, entries = _new_entries(c, delta=True)
+                        logprobs = chat_logprobs(ids, entries, k, token_text)
+                    if not c.delta_text and reason is None and not logprobs:
+                        continue
+                    if reason is not None:
+                        done.add(c.index)
+                    extra = {}
+                    if prompt_pending:
+                        extra["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                        prompt_pending = False
+                    yield _sse(chunk(c.index, ChoiceDelta(content=c.delta_text), reason,
+                                     logprobs, **extra))
             if include_usage and final is not None:
                 last = chunk(None)
                 last.usage = _total_usage([final])
@@ -495,12 +651,55 @@ class OpenAIRoutes:
         yield "data: [DONE]\n\n"
 
 
+class _CompletionRender:
+    """Builds one completions choice (whole, or one streamed chunk's worth) from an output."""
+
+    def __init__(self, body: CompletionBody, text: TokenText,
+                 prompt_texts: list[str] | None) -> None:
+        self.body = body
+        self.text = text
+        self.prompt_texts = prompt_texts
+
+    @property
+    def echo(self) -> bool:
+        return self.prompt_texts is not None
+
+    def piece(self, prompt_index: int, out: RequestOutput, c: CompletionOutput,
+              state: _ChoiceState, delta: bool) -> dict[str, Any]:
+        body = self.body
+        first = not state.started
+        state.started = True
+        echo_now = self.prompt_texts is not None and first
+        prefix = self.prompt_texts[prompt_index] if self.prompt_texts is not None and first else ""
+        text = prefix + (c.delta_text if delta else c.text)
+        choice: dict[str, Any] = {"index": prompt_index * body.n + c.index, "text": text,
+                                  "logprobs": None}
+        if body.logprobs is not None:
+            parts = []
+            if echo_now:
+                entries = list(out.prompt_logprobs or [])
+                entries += [None] * (len(out.prompt_token_ids) - len(entries))
+                part, _ = completion_logprobs(out.prompt_token_ids, entries, body.logprobs,
+                                              self.text, 0)
+                parts.append(part)
+                state.offset = len(prefix)
+            ids, entries = _new_entries(c, delta)
+            part, state.offset = completion_logprobs(ids, entries, body.logprobs, self.text,
+                                                     state.offset)
+            parts.append(part)
+            choice["logprobs"] = {key: [v for p in parts for v in p[key]] for key in parts[0]}
+        if body.prompt_logprobs is not None and first:
+            choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+        return choice
+
+
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _total_usage(finals: list[RequestOutput]) -> CompletionUsage:
+    """Prompt tokens once per prompt, completion tokens of every sample (as vLLM counts)."""
     return _usage(sum(len(o.prompt_token_ids) for o in finals),
-                  sum(len(o.outputs[0].token_ids) for o in finals),
+                  sum(len(c.token_ids) for o in finals for c in o.outputs),
                   sum(o.num_cached_tokens for o in finals))
 
 
@@ -614,9 +813,11 @@ _SSE_EVENT = {"type": "object", "required": ["data"],
 _TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+MAX_N = 128  # SamplingParams' limits, published
+MAX_LOGPROBS = 20
 # What the handlers accept beyond the field types, published so that clients (and fuzzers) see
-# the real contract: value ranges, and options that only take their default (n=1, no penalties,
-# no logprobs, ...; other values are 400s). Validation itself stays in the handlers, which
+# the real contract: value ranges, and options that only take their default (no tools, no
+# suffix, text responses only; other values are 400s). Validation itself stays in the handlers, which
 # answer in OpenAI's error shape.
 _PUBLISHED: dict[str, dict[str, Any]] = {
     "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
@@ -628,15 +829,19 @@ _PUBLISHED: dict[str, dict[str, Any]] = {
                        {"type": "null"}]},
     "stop_token_ids": {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}},
                                  {"type": "null"}]},
-    "n": {"minimum": 1, "maximum": 1}, "best_of": {"minimum": 1, "maximum": 1},
-    "presence_penalty": {"minimum": 0, "maximum": 0},
-    "frequency_penalty": {"minimum": 0, "maximum": 0},
-    "repetition_penalty": {"minimum": 1, "maximum": 1},
-    "logit_bias": {"maxProperties": 0},
+    "n": {"minimum": 1, "maximum": MAX_N}, "best_of": {"minimum": 1, "maximum": MAX_N},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 100},
+    "logit_bias": {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                              "additionalProperties": {"type": "number", "minimum": -100,
+                                                       "maximum": 100}},
+                             {"type": "null"}]},
+    "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+    "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "response_format": {"anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}},
                                   {"type": "null"}]},
-    "echo": {"const": False}, "suffix": {"anyOf": [{"const": ""}, {"type": "null"}]},
-    "top_logprobs": {"anyOf": [{"const": 0}, {"type": "null"}]},
+    "suffix": {"anyOf": [{"const": ""}, {"type": "null"}]},
     "tools": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
     "functions": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
     "tool_choice": {"anyOf": [{"const": "none"}, {"type": "null"}]},
@@ -654,9 +859,9 @@ _PUBLISHED_BY_BODY: dict[str, dict[str, dict[str, Any]]] = {
                              {"type": "array", "minItems": 1,
                               "items": {"type": "string", "minLength": 1}},
                              _TOKEN_IDS, {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]},
-        "logprobs": {"type": "null"},
+        "logprobs": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+                               {"type": "null"}]},
     },
-    "ChatBody": {"logprobs": {"const": False}},
 }
 
 
@@ -710,11 +915,12 @@ def register_openai_routes(app: FastAPI, models: dict[str, PagedLLMModel],
         router.add_api_route("/models", routes.list_models, methods=["GET"])
         router.add_api_route("/completions", _wrap(routes.completions), methods=["POST"],
                              response_model=None,
-                             openapi_extra=_openapi(CompletionBody, Completion,
+                             openapi_extra=_openapi(CompletionBody, CompletionOut,
                                                    list(models)))
         router.add_api_route("/chat/completions", _wrap(routes.chat_completions),
                              methods=["POST"], response_model=None,
-                             openapi_extra=_openapi(ChatBody, ChatCompletion, list(models)))
+                             openapi_extra=_openapi(ChatBody, ChatCompletionOut,
+                                                   list(models)))
         app.include_router(router)
     return routes
 

@@ -6,7 +6,9 @@ value is a 400 naming the option, never something silently ignored or clamped).
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,9 +16,14 @@ from engine.sampling_params import SamplingParams
 
 # Options every front end accepts, with the types JSON / v2 parameters may carry them in.
 SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                    "ignore_eos", "min_tokens", "stop_token_ids")
-_INTS = ("max_tokens", "top_k", "seed", "min_tokens")
-_FLOATS = ("temperature", "top_p", "min_p")
+                    "ignore_eos", "min_tokens", "stop_token_ids", "n", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
+                    "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens")
+_INTS = ("max_tokens", "top_k", "seed", "min_tokens", "n", "logprobs", "prompt_logprobs")
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+           "repetition_penalty")
+_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias value: [-100, 100]
 
 
 class OptionError(ValueError):
@@ -89,31 +96,88 @@ def _as_token_ids(value: Any) -> list[int]:
                       "stop_token_ids")
 
 
+def _as_logit_bias(value: Any, vocab_size: int | None) -> dict[int, float]:
+    """``{"token id": bias}`` (JSON object, or a JSON string of one for v2's scalar parameters)
+    -> ``{id: bias}``, checked as OpenAI does: ids in the vocabulary, biases in [-100, 100]. An
+    id the model does not have is a 400 here, not an entry the engine would quietly skip."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError:
+            raise OptionError(f"logit_bias must be a JSON object of token id -> bias (got "
+                              f"{value[:100]!r})", "logit_bias") from None
+    if not isinstance(value, Mapping):
+        raise OptionError(f"logit_bias must map token ids to numbers (got {value!r})",
+                          "logit_bias")
+    bias: dict[int, float] = {}
+    for key, number in value.items():
+        try:
+            token = _as_int("logit_bias", key)
+        except OptionError:
+            raise OptionError(f"logit_bias keys must be token ids (got {key!r})",
+                              "logit_bias") from None
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise OptionError(f"logit_bias: token id {key!r} is out of range for this model"
+                              + (f" (vocabulary size {vocab_size})" if vocab_size else ""),
+                              "logit_bias")
+        amount = _as_float("logit_bias", number)
+        if not -LOGIT_BIAS_LIMIT <= amount <= LOGIT_BIAS_LIMIT:
+            raise OptionError(f"logit_bias: the bias for token {key!r} must be in [-100, 100] "
+                              f"(got {number!r})", "logit_bias")
+        bias[token] = amount
+    return bias
+
+
 # Options that clients send and that would change results, but that the engine cannot honour,
-# with the values that are harmless (the default). Any other value is refused with a 400 naming
-# the option; options nobody knows are ignored with a warning (vLLM's behaviour).
+# with the values that are harmless (the default; an empty list, object or string also counts as
+# not given). Any other value is refused with a 400 naming the option; options nobody knows are
+# ignored with a warning (vLLM's behaviour). Both front ends check these: v2 parameters, and the
+# OpenAI bodies' extra fields (vLLM's extras: beam search, guided decoding, ...).
 UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "beam_width": (1,), "num_beams": (1,), "use_beam_search": (False,),
-    "logprobs": (False, 0), "prompt_logprobs": (0,), "echo": (False,),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "length_penalty": (1,), "logit_bias": (),
+    "beam_width": (1,), "num_beams": (1,), "use_beam_search": (False,), "length_penalty": (1,),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
+    "allowed_token_ids": (), "bad_words": (), "truncate_prompt_tokens": (),
+    "return_tokens_as_token_ids": (False,), "logits_processors": (),
+}
+# Known to v2 only as refusals: OpenAI bodies declare and check these themselves.
+V2_UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
+    **UNSUPPORTED_OPTIONS, "echo": (False,), "suffix": (), "response_format": ("text",),
+    "tools": (), "top_logprobs": (0,),
 }
 
 
-def unsupported_options(options: Mapping[str, Any]) -> list[str]:
-    """Names of known options in ``options`` set to something the engine cannot do."""
-    bad = []
-    for name, harmless in UNSUPPORTED_OPTIONS.items():
-        value = options.get(name)
-        if value is None or (not isinstance(value, (list, dict)) and value in harmless):
-            continue
-        if isinstance(value, str) and value.strip().lower() in {str(h).lower() for h in harmless}:
-            continue
-        bad.append(name)
+def _harmless(value: Any, harmless: tuple[Any, ...]) -> bool:
+    if value is None or (isinstance(value, (list, dict, str)) and not value):
+        return True
+    if isinstance(value, (list, dict)):
+        return False
+    if isinstance(value, str):
+        return value.strip().lower() in {str(h).lower() for h in harmless}
+    return value in harmless
+
+
+def unsupported_options(options: Mapping[str, Any],
+                        table: Mapping[str, tuple[Any, ...]] = UNSUPPORTED_OPTIONS,
+                        check_best_of: bool = True) -> list[str]:
+    """Names of known options in ``options`` set to something the engine cannot do; also
+    ``best_of`` unless it equals ``n`` (we return every sample, so best_of > n would mean
+    choosing among samples by likelihood, which we do not)."""
+    bad = [name for name, harmless in table.items() if not _harmless(options.get(name), harmless)]
+    best_of = options.get("best_of") if check_best_of else None
+    if best_of is not None:
+        try:
+            n = _as_int("n", options.get("n") if options.get("n") is not None else 1)
+            ok = _as_int("best_of", best_of) == n
+        except OptionError:
+            ok = False
+        if not ok:
+            bad.append("best_of")
     return bad
 
 
-def normalize_options(options: Mapping[str, Any]) -> dict[str, Any]:
+def normalize_options(options: Mapping[str, Any], vocab_size: int | None = None
+                      ) -> dict[str, Any]:
     """Coerce the known sampling options (None means "not given"); unknown keys are dropped."""
     out: dict[str, Any] = {}
     for name in SAMPLING_OPTIONS:
@@ -124,10 +188,12 @@ def normalize_options(options: Mapping[str, Any]) -> dict[str, Any]:
             out[name] = _as_int(name, value)
         elif name in _FLOATS:
             out[name] = _as_float(name, value)
-        elif name == "ignore_eos":
+        elif name in _BOOLS:
             out[name] = _as_bool(name, value)
         elif name == "stop":
             out[name] = _as_stop(value)
+        elif name == "logit_bias":
+            out[name] = _as_logit_bias(value, vocab_size)
         else:
             out[name] = _as_token_ids(value)
     return out
@@ -154,9 +220,10 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: i
 
 
 def make_sampling_params(options: Mapping[str, Any], *, prompt_len: int, max_model_len: int,
-                         default_max_tokens: int | None) -> SamplingParams:
+                         default_max_tokens: int | None, vocab_size: int | None = None
+                         ) -> SamplingParams:
     """SamplingParams for one prompt; raises OptionError with the offending option."""
-    opts = normalize_options(options)
+    opts = normalize_options(options, vocab_size)
     requested = opts.pop("max_tokens", None)
     if requested is None and default_max_tokens is not None and prompt_len < max_model_len:
         # A default budget (not the client's) shrinks to what the context window leaves.
@@ -166,5 +233,8 @@ def make_sampling_params(options: Mapping[str, Any], *, prompt_len: int, max_mod
         return SamplingParams(max_tokens=max_tokens, **opts)
     except ValueError as exc:
         message = str(exc)
-        param = next((name for name in SAMPLING_OPTIONS if name in message), None)
+        # SamplingParams' messages name the option first ("...: top_p must be ..."); a plain
+        # substring search would blame "logprobs" for "prompt_logprobs".
+        named = re.search(r"parameter: (\w+)", message)
+        param = named.group(1) if named and named.group(1) in SAMPLING_OPTIONS else None
         raise OptionError(message, param) from None

@@ -394,19 +394,20 @@ def test_openai_chat_applies_the_template():
 
 
 @pytest.mark.parametrize("path,extra,param,status", [
-    ("completions", {"n": 2}, "n", 400),
+    ("completions", {"n": 0}, "n", 400),
     ("completions", {"best_of": 3}, "best_of", 400),
-    ("completions", {"logprobs": 1}, "logprobs", 400),
-    ("completions", {"echo": True}, "echo", 400),
-    ("completions", {"presence_penalty": 0.5}, "presence_penalty", 400),
-    ("completions", {"logit_bias": {"1": 2}}, "logit_bias", 400),
+    ("completions", {"logprobs": 21}, "logprobs", 400),
+    ("completions", {"suffix": "x"}, "suffix", 400),
+    ("completions", {"use_beam_search": True}, "use_beam_search", 400),
+    ("completions", {"presence_penalty": 3}, "presence_penalty", 400),
+    ("completions", {"logit_bias": {"1": 200}}, "logit_bias", 400),
     ("completions", {"max_tokens": 64}, "max_tokens", 400),
     ("completions", {"temperature": "hot"}, "temperature", 400),
     ("completions", {"top_p": 0}, "top_p", 400),
     ("completions", {"model": "other"}, "model", 404),
     ("chat/completions", {"tools": [{"type": "function"}]}, "tools", 400),
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", 400),
-    ("chat/completions", {"logprobs": True}, "logprobs", 400),
+    ("chat/completions", {"top_logprobs": 2}, "top_logprobs", 400),
     ("chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages", 400),
 ])
