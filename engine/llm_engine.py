@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_memory import tune_glibc_malloc
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.logits_processors import apply_penalties, top_logprobs
@@ -103,6 +104,8 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            tune_glibc_malloc()  # no-op under tcmalloc (see engine.cpu_memory)
         if config.model is None:
             from engine.default_model import ensure_default_model
 

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cpu_memory import hugepage_zeros
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
@@ -93,8 +94,11 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
         # Zeros, not empty: a partly filled last block is read (and masked); NaN garbage there
         # would still poison the softmax.
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
-                          for _ in range(model.num_layers)]
+        if device.type == "cpu":  # huge pages: decode reads blocks at random offsets
+            self.kv_caches = [hugepage_zeros(shape, dtype) for _ in range(model.num_layers)]
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
+                              for _ in range(model.num_layers)]
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buffers = _StepBuffers(max_num_batched_tokens, max_num_seqs,
                                     self.max_blocks_per_seq, device)

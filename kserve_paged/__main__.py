@@ -7,6 +7,10 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry (``kserve-paged``); see kserve_paged.server."""
+    if argv is None:
+        from engine.cpu_memory import reexec_with_tcmalloc
+
+        reexec_with_tcmalloc()  # returns only when tcmalloc is absent, disabled or loaded
     from kserve_paged.server import main as serve_main
 
     return serve_main(argv)

@@ -27,6 +27,20 @@ fi
 if "$PY" -c "import engine.default_model" 2>/dev/null; then
   "$PY" -m engine prepare
 fi
+# tcmalloc for CPU serving (engine/cpu_memory.py re-executes the server with it preloaded):
+# extracted from Debian's package into the local cache, no root needed. Best effort: without
+# it the engine runs on glibc malloc, a few percent slower.
+TCM_DIR="${KSERVE_PAGED_CACHE:-$HOME/.cache/kserve-paged}/lib"
+if [ ! -e "$TCM_DIR/libtcmalloc_minimal.so.4" ] && ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 \
+   && command -v apt-get >/dev/null 2>&1 && command -v dpkg >/dev/null 2>&1; then
+  TMP_DEB=$(mktemp -d)
+  if (cd "$TMP_DEB" && apt-get download -q libtcmalloc-minimal4 >/dev/null 2>&1) \
+     && dpkg -x "$TMP_DEB"/libtcmalloc-minimal4_*.deb "$TMP_DEB/x" 2>/dev/null; then
+    mkdir -p "$TCM_DIR"
+    cp -a "$TMP_DEB"/x/usr/lib/*/libtcmalloc_minimal.so.4* "$TCM_DIR"/ 2>/dev/null || true
+  fi
+  rm -rf "$TMP_DEB"
+fi
 # --- kubectl (issue 6) -------------------------------------------------------------------------
 # tests/manifests builds the kustomize overlays with `kubectl kustomize` (offline). Install
 # Debian's kubernetes-client only when no kubectl is on PATH. Never fails the setup: without apt

@@ -1,0 +1,113 @@
+"""Memory settings that make CPU serving faster: a caching allocator, huge pages for the KV cache.
+
+Why: every engine step allocates activations of up to tens of MB. glibc serves those with
+mmap/munmap, so each step page-faults and zeroes fresh memory (measured on the 2-core box: W1
+offline 52 s with glibc defaults, 47.7 s with tcmalloc preloaded, 50.5 s with glibc's mmap
+threshold raised). The KV cache is read at random block offsets every decode step; 2 MiB pages
+cut the TLB misses of those reads (decode attention ~12% faster in a microbenchmark).
+
+- `reexec_with_tcmalloc()`: entry points (server, benchmarks) call it first; when a tcmalloc
+  library is found and not yet loaded, the process re-executes itself with it in LD_PRELOAD
+  (the allocator must be in place before anything allocates). `KSERVE_PAGED_TCMALLOC=0` skips.
+- `tune_glibc_malloc()`: without tcmalloc, keep freed buffers in the heap (mallopt).
+- `hugepage_zeros()`: a zeroed tensor whose pages are advised as transparent huge pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("engine")
+
+_TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+_SEARCH_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
+                "/usr/lib", "/usr/local/lib")
+_MADV_HUGEPAGE = 14
+_HUGE = 2 << 20
+
+
+def _cache_lib_dir() -> Path:
+    env = os.environ.get("KSERVE_PAGED_CACHE")
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "kserve-paged"
+    return root / "lib"
+
+
+def find_tcmalloc() -> str | None:
+    """Path of a tcmalloc shared library: the system's, or one setup.sh extracted."""
+    dirs = [*_SEARCH_DIRS, str(_cache_lib_dir())]
+    for name in _TCMALLOC_NAMES:
+        for d in dirs:
+            path = Path(d) / name
+            if path.is_file():
+                return str(path)
+    return None
+
+
+def _disabled() -> bool:
+    return os.environ.get("KSERVE_PAGED_TCMALLOC", "1").strip().lower() in ("0", "false", "no")
+
+
+def reexec_with_tcmalloc() -> None:
+    """Re-execute this process with tcmalloc preloaded (no return) if it is available and not
+    loaded yet; otherwise return. Call before importing anything heavy."""
+    if _disabled() or sys.platform != "linux" or "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
+        return
+    lib = find_tcmalloc()
+    if lib is None:
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    argv = [sys.executable, *sys.orig_argv[1:]] if hasattr(sys, "orig_argv") else [
+        sys.executable, *sys.argv]
+    try:
+        os.execve(sys.executable, argv, env)
+    except OSError as exc:  # keep running on glibc malloc
+        logger.warning("could not re-exec with tcmalloc (%s)", exc)
+
+
+def tune_glibc_malloc() -> bool:
+    """Raise glibc's mmap and trim thresholds so per-step buffers are reused, not unmapped
+    and faulted in again. No-op (False) under another allocator or libc."""
+    if "tcmalloc" in os.environ.get("LD_PRELOAD", "") or sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    ok = mallopt(m_mmap_threshold, 32 << 20) == 1  # glibc's maximum
+    ok &= mallopt(m_trim_threshold, 1 << 30) == 1
+    ok &= mallopt(m_top_pad, 64 << 20) == 1
+    return bool(ok)
+
+
+def hugepage_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """`torch.zeros(shape, dtype)` on CPU, with its memory advised as transparent huge pages
+    before it is first touched (Linux with THP in `madvise` mode; otherwise plain zeros)."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    elem = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * elem
+    if sys.platform != "linux" or nbytes < 4 * _HUGE:
+        return torch.zeros(shape, dtype=dtype)
+    raw = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _HUGE
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(raw.data_ptr() + start, nbytes // _HUGE * _HUGE, _MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass
+    region = raw[start:start + nbytes]
+    region.zero_()
+    return region.view(dtype).view(shape)

@@ -1,0 +1,49 @@
+"""engine.cpu_memory: huge-page KV storage, glibc tuning, re-exec with tcmalloc."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.cpu_memory import find_tcmalloc, hugepage_zeros, tune_glibc_malloc
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (2, 64, 16, 3, 64)])
+def test_hugepage_zeros_is_a_writable_zero_tensor(shape: tuple[int, ...]) -> None:
+    t = hugepage_zeros(shape, torch.float32)
+    assert t.shape == shape and t.dtype == torch.float32 and t.is_contiguous()
+    assert t.count_nonzero() == 0
+    t.view(-1)[-1] = 3.0  # the last element is inside the allocation
+    assert t.sum() == 3.0
+
+
+def test_hugepage_zeros_aligns_large_tensors_to_2mib() -> None:
+    t = hugepage_zeros((4, 1 << 20), torch.float32)  # 16 MiB
+    assert t.data_ptr() % (2 << 20) == 0
+    assert t.count_nonzero() == 0
+
+
+def test_tune_glibc_malloc_runs_and_allocation_still_works() -> None:
+    assert isinstance(tune_glibc_malloc(), bool)
+    assert torch.ones(1 << 22).sum() == float(1 << 22)
+
+
+_PROBE = ("from engine.cpu_memory import reexec_with_tcmalloc; reexec_with_tcmalloc(); "
+          "print(any('tcmalloc' in line for line in open('/proc/self/maps')))")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="LD_PRELOAD and /proc are Linux")
+def test_reexec_loads_tcmalloc_when_found_and_not_when_disabled() -> None:
+    if find_tcmalloc() is None:
+        pytest.skip("no tcmalloc here (scripts/setup.sh extracts one where apt-get works)")
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    on = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+                        timeout=120, check=True)
+    assert on.stdout.strip() == "True"
+    off = subprocess.run([sys.executable, "-c", _PROBE], env={**env, "KSERVE_PAGED_TCMALLOC": "0"},
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert off.stdout.strip() == "False"
