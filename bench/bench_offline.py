@@ -24,19 +24,29 @@ def load_workload(name: str) -> list[dict]:
 
 
 class SlotCounter:
-    """Sums, after every engine step, the KV slots holding tokens and the slots allocated."""
+    """Sums, after every engine step, the KV slots holding tokens and the slots allocated, and
+    what two contiguous schemes would have reserved for the same running requests: max_model_len
+    slots each (a max-length reservation, as before paging), or prompt + max_tokens each (the
+    best a contiguous scheme can do when it knows every request's limit)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.used = self.alloc = 0
+        self.reset()
         self._step = engine.step
         engine.step = self.step
 
+    def reset(self) -> None:
+        self.used = self.alloc = self.max_len_reserved = self.exact_reserved = 0
+
     def step(self):
         outs = self._step()
-        s = self.engine.scheduler.stats()
+        sched = self.engine.scheduler
+        s = sched.stats()
         self.used += s["kv_slots_used"]
         self.alloc += s["kv_slots_allocated"]
+        self.max_len_reserved += len(sched.running) * self.engine.max_model_len
+        self.exact_reserved += sum(r.num_prompt_tokens + r.sampling_params.max_tokens
+                                   for r in sched.running)
         return outs
 
 
@@ -90,22 +100,28 @@ def main() -> None:
     for rep in range(args.repeats):
         llm.reset_prefix_cache()
         hits0 = engine.kv.prefix_cache_hits
-        slots.used = slots.alloc = 0
+        slots.reset()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t0
         used, alloc = slots.used, slots.alloc
+        contiguous = {"max_model_len_reservation": used / slots.max_len_reserved,
+                      "prompt_plus_max_tokens_reservation": used / slots.exact_reserved}
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         n_in = sum(len(p) for p in prompts)
         run = {"rep": rep, "seconds": dt, "output_tokens": n_out, "prompt_tokens": n_in,
                "output_tok_s": n_out / dt, "total_tok_s": (n_out + n_in) / dt,
                "prefix_cache_hit_tokens": engine.kv.prefix_cache_hits - hits0,
                "kv_slots_used_share": used / alloc if alloc else None,
+               "contiguous_used_share": contiguous,
                "preemptions": engine.scheduler.num_preemptions}
         runs.append(run)
         print(f"[{args.workload}] rep {rep}: {dt:.1f} s, {run['output_tok_s']:.1f} output tok/s, "
               f"{run['total_tok_s']:.1f} total tok/s, cache hits {run['prefix_cache_hit_tokens']}"
-              f" tokens, KV slots holding tokens {100 * (run['kv_slots_used_share'] or 0):.1f}%")
+              f" tokens, KV slots holding tokens {100 * (run['kv_slots_used_share'] or 0):.1f}% "
+              f"(contiguous max_model_len reservation: "
+              f"{100 * contiguous['max_model_len_reservation']:.1f}%, prompt + max_tokens "
+              f"reservation: {100 * contiguous['prompt_plus_max_tokens_reservation']:.1f}%)")
     result = {"engine": "kserve-paged", "workload": args.workload, "num_prompts": len(reqs),
               "prefix_caching": caching, "dtype": args.dtype, "init_seconds": t_init, "threads": torch.get_num_threads(), "runs": runs}
     if args.json_out:

@@ -114,8 +114,9 @@ def offline_cmd(engine: str, workload: str, args: argparse.Namespace, model: str
             "--model", model]
 
 
-def best_run(res: dict) -> dict:
-    """The run with the median output rate, so one lucky or unlucky repeat does not decide."""
+def median_run(res: dict) -> dict:
+    """The run with the median output rate (the lower one of two), so one lucky or unlucky
+    repeat does not decide."""
     runs = sorted(res["runs"], key=lambda r: r["output_tok_s"])
     return runs[(len(runs) - 1) // 2]
 
@@ -175,7 +176,7 @@ def rows(results: dict) -> list[tuple[str, str, dict[str, float | None]]]:
     for wl, by in results["offline"].items():
         for key, name in (("output_tok_s", "output tok/s"), ("total_tok_s", "total tok/s")):
             out.append((f"offline {wl}: {name}", "higher",
-                        {e: best_run(r)[key] for e, r in by.items()}))
+                        {e: median_run(r)[key] for e, r in by.items()}))
     for wl, by in results["serve"].items():
         out.append((f"serve {wl}: output tok/s", "higher",
                     {e: r["output_throughput"] for e, r in by.items()}))
@@ -230,7 +231,7 @@ def plot(results: dict, out_prefix: Path) -> list[str]:
     written = []
     groups: list[tuple[str, dict[str, float]]] = []
     for wl, by in results["offline"].items():
-        groups.append((f"offline {wl}", {e: best_run(r)["output_tok_s"] for e, r in by.items()}))
+        groups.append((f"offline {wl}", {e: median_run(r)["output_tok_s"] for e, r in by.items()}))
     for wl, by in results["serve"].items():
         groups.append((f"serve {wl}", {e: r["output_throughput"] or 0 for e, r in by.items()}))
     if groups:
@@ -238,9 +239,10 @@ def plot(results: dict, out_prefix: Path) -> list[str]:
         width = 0.8 / len(engines)
         fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(groups)), 4))
         for i, e in enumerate(engines):
-            xs = [g + (i - (len(engines) - 1) / 2) * width for g in range(len(groups))]
-            ys = [vals.get(e, 0) for _, vals in groups]
-            bars = ax.bar(xs, ys, width, label=e)
+            # Only where the engine took part (no transformers server: no bar, not a 0).
+            pts = [(g + (i - (len(engines) - 1) / 2) * width, vals[e])
+                   for g, (_, vals) in enumerate(groups) if e in vals]
+            bars = ax.bar([x for x, _ in pts], [y for _, y in pts], width, label=e)
             ax.bar_label(bars, fmt="%.1f", fontsize=7)
         ax.set_xticks(range(len(groups)), [name for name, _ in groups])
         ax.set_ylabel("output tokens / s")
@@ -370,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"offline {wl}: {engine} FAILED: {exc}")
                     continue
                 results["offline"].setdefault(wl, {})[engine] = res
-                log(f"offline {wl}: {engine}: {best_run(res)['output_tok_s']:.1f} output tok/s")
+                log(f"offline {wl}: {engine}: {median_run(res)['output_tok_s']:.1f} output tok/s")
 
     if parts & {"serve", "ready"}:
         for engine in [US, *(["vllm"] if "vllm" in peers else [])]:
