@@ -138,14 +138,20 @@ class EngineMetrics:
         self._queue = f.request_queue_time.labels(model_name)
         self._iteration_tokens = f.iteration_tokens.labels(model_name)
 
-    def update(self, stats: Mapping[str, Any]) -> None:
+    def update(self, stats: Mapping[str, Any], *, counters: bool = True) -> None:
         """Apply an engine stats dict (``LLM.stats()``): gauges are set; counters take the
         increase of the cumulative counts since the last call (a count that went down means the
-        engine restarted, and counts from zero again). Keys absent from ``stats`` are left alone."""
+        engine restarted, and counts from zero again). Keys absent from ``stats`` are left alone.
+
+        Counters must be fed from one thread, in the engine's order: a snapshot applied after a
+        newer one would read as a restart and be counted twice. Other callers pass
+        ``counters=False`` (gauges only)."""
         with self._lock:
             for key, child in self._gauges.items():
                 if stats.get(key) is not None:
                     child.set(float(stats[key]))
+            if not counters:
+                return
             for key, child in self._counters.items():
                 if stats.get(key) is None:
                     continue

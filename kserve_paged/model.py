@@ -170,7 +170,9 @@ class PagedLLMModel(Model):
             raise
         engine: Any = self.llm.engine
         self.metrics.set_cache_config(engine.config.block_size, engine.num_kv_blocks)
-        self.metrics.update(self.llm.stats())
+        # Gauges only: counters come from the engine thread's step callback alone, so an
+        # older snapshot applied here after a newer one cannot be read as an engine restart.
+        self.metrics.update(self.llm.stats(), counters=False)
         logger.info("model %s: ready in %.1fs (%s, max_model_len %d, %d KV blocks)", self.name,
                     time.monotonic() - self.load_started, engine.model_path, engine.max_model_len,
                     engine.num_kv_blocks)

@@ -170,6 +170,19 @@ def test_counters_take_increases_of_cumulative_stats():
     assert prompt_tokens() == 29
 
 
+def test_gauge_only_updates_never_touch_counters():
+    """start_engine's snapshot may be older than the step callback's latest: applied as a
+    counter update it would read as a restart and count everything twice."""
+    registry = CollectorRegistry()
+    metrics = m.EngineMetrics("a", registry=registry)
+    metrics.update({"prompt_tokens": 50, "num_waiting": 1})
+    metrics.update({"prompt_tokens": 20, "num_waiting": 4}, counters=False)  # stale snapshot
+    metrics.update({"prompt_tokens": 60})
+    samples = _samples(generate_latest(registry).decode())
+    assert _value(samples, "vllm:prompt_tokens_total", model_name="a") == 60
+    assert _value(samples, "vllm:num_requests_waiting", model_name="a") == 4
+
+
 def test_cache_config_info_keeps_one_series():
     registry = CollectorRegistry()
     metrics = m.EngineMetrics("a", registry=registry)
