@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
+import sys
 import time
 from pathlib import Path
 
-WORKLOADS = Path(__file__).resolve().parent / "workloads"
-
-
-def load_workload(name: str) -> list[dict]:
-    return json.loads((WORKLOADS / f"workload_{name}.json").read_text())
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import WORKLOAD_NAMES, load_workload, warmup_prompts  # noqa: E402
 
 
 class SlotCounter:
@@ -52,7 +49,7 @@ class SlotCounter:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", choices=["random", "shared"], default="random")
+    ap.add_argument("--workload", choices=WORKLOAD_NAMES, default="random")
     ap.add_argument("--model", default=None, help="local HF folder (default: the default model)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prefix-caching", choices=["on", "off"], default=None,
@@ -79,17 +76,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     caching = args.prefix_caching or ("on" if args.workload == "shared" else "off")
-    reqs = load_workload(args.workload)[:args.num_prompts]
-    if args.max_tokens:
-        reqs = [{**r, "max_tokens": min(r["max_tokens"], args.max_tokens)} for r in reqs]
+    reqs = load_workload(args.workload, args.num_prompts, args.max_tokens)
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=caching == "on",
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_model_len=2048)
     t_init = time.perf_counter() - t0
-    rng = random.Random(12345)
-    warm = [[rng.randrange(100, 49000) for _ in range(rng.randrange(64, 256))] for _ in range(4)]
-    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    llm.generate(warmup_prompts(), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
     prompts = [r["prompt_token_ids"] for r in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)

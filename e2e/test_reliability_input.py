@@ -376,7 +376,6 @@ def test_schemathesis_fuzzing_of_the_openai_routes(server: Server):
 
     In a fresh interpreter: a library loaded earlier in a pytest run may set the CPU's
     flush-to-zero mode, and hypothesis then refuses to generate floats."""
-    pytest.importorskip("schemathesis")
     code = ("import json, sys; from e2e.test_reliability_input import fuzz_openai_routes; "
             "print('CALLS', json.dumps(fuzz_openai_routes(sys.argv[1])))")
     proc = subprocess.run([sys.executable, "-c", code, server.url], capture_output=True,

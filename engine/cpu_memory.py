@@ -20,12 +20,15 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
+import math
 import mmap
 import os
 import sys
 from pathlib import Path
 
 import torch
+
+from engine.default_model import cache_dir
 
 logger = logging.getLogger("engine")
 
@@ -35,15 +38,9 @@ _SEARCH_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr
 _HUGE = 2 << 20
 
 
-def _cache_lib_dir() -> Path:
-    env = os.environ.get("KSERVE_PAGED_CACHE")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "kserve-paged"
-    return root / "lib"
-
-
 def find_tcmalloc() -> str | None:
     """Path of a tcmalloc shared library: the system's, or one setup.sh extracted."""
-    dirs = [*_SEARCH_DIRS, str(_cache_lib_dir())]
+    dirs = [*_SEARCH_DIRS, str(cache_dir() / "lib")]
     for name in _TCMALLOC_NAMES:
         for d in dirs:
             path = Path(d) / name
@@ -99,10 +96,7 @@ def hugepage_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     KV cache costs nothing at start-up (zeroing it took ~4.8 s of time-to-ready), and only the
     blocks that are used ever get memory. Off Linux, or for small tensors, plain zeros.
     """
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if sys.platform != "linux" or nbytes < 4 * _HUGE:
         return torch.zeros(shape, dtype=dtype)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -120,7 +120,7 @@ def paged_rows(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     seq = seq_idx.long().contiguous()
     if not (tok.numel() == seq.numel() == lens.numel()):
         raise ValueError("token_idx, seq_idx and row_lens must have one entry per row")
-    lib.kp_set_threads(torch.get_num_threads())
+    _sync_threads(lib)
     rc = lib.kp_paged_rows_f32(
         query.data_ptr(), query.stride(0), kv_cache.data_ptr(), kv_cache.shape[1],
         kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4], query.shape[1],

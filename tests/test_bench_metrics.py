@@ -8,6 +8,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -27,7 +28,6 @@ from benchlib import (  # noqa: E402
 
 
 def test_percentile_interpolates_like_numpy():
-    np = pytest.importorskip("numpy")
     xs = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 8.0]
     for q in (0, 1, 25, 50, 90, 99, 100):
         assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import tokenizers
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +33,6 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 @pytest.fixture(scope="module")
 def tok():
-    tokenizers = pytest.importorskip("tokenizers")
     from transformers import PreTrainedTokenizerFast
 
     bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
