@@ -21,26 +21,33 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` that, once `pack()`ed on CPU, multiplies with a oneDNN pre-packed weight.
+    """`nn.Linear` that, once `pack()`ed on CPU, multiplies with a pre-packed weight.
 
-    Why: oneDNN re-lays the weight out once into its kernel's blocked format, where torch's
-    default path (MKL sgemm on the plain weight) re-packs panels on every call. On the 2-core
-    box that is 10-70% faster per matmul at serving shapes (1-2048 rows), most for the LM head
-    and small decode batches. The packed copy is extra memory (one more copy of the weight).
-    Any change to `weight` after packing needs a new `pack()`. `KSERVE_PAGED_ONEDNN=0`: plain
-    `F.linear`.
+    Why: a serving step multiplies 1-128 rows (decode) or a few thousand (prefill) by weights
+    that are read from memory every step. On CPU with AVX-512, `pack()` lays the weight out in
+    column panels for the native GEMM (`kernels/csrc/gemm.c`): on the 2-core box 10-35% faster
+    than oneDNN at 1-64 rows and as fast above (bench/probes/linear_gemm.py). Without it,
+    oneDNN's packed weight (10-70% faster than torch's default MKL path at serving shapes).
+    The packed copy is extra memory (one more copy of the weight); any change to `weight`
+    after packing needs a new `pack()`. `KSERVE_PAGED_ONEDNN=0`: no packing, plain `F.linear`
+    (`KSERVE_PAGED_NATIVE=0` alone leaves oneDNN).
     """
 
     _packed: torch.Tensor | None = None
+    _native: bool = False
 
     def pack(self, rows_hint: int = 64) -> bool:
-        """Pre-pack for inference when oneDNN can (CPU, float32/bfloat16); True if packed."""
+        """Pre-pack for inference (CPU, float32 or bfloat16); True if packed."""
         w = self.weight
+        self._packed, self._native = None, False
         if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16)
-                or not torch.backends.mkldnn.is_available()
                 or os.environ.get("KSERVE_PAGED_ONEDNN", "1").strip().lower()
                 in ("0", "false", "no")):
-            self._packed = None
+            return False
+        if w.dtype == torch.float32 and cpu_native.gemm_available():
+            self._packed, self._native = cpu_native.pack_gemm_weight(w), True
+            return True
+        if not torch.backends.mkldnn.is_available():
             return False
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows_hint)
         return True
@@ -49,7 +56,11 @@ class Linear(nn.Linear):
         packed = self._packed
         if packed is not None and x.dim() == 2 and x.dtype == self.weight.dtype and not (
                 torch.is_grad_enabled() and self.weight.requires_grad):
-            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            if not self._native:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            out = cpu_native.gemm(x, packed, self.out_features, self.bias)
+            if out is not None:
+                return out
         return F.linear(x, self.weight, self.bias)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.cpu_memory import hugepage_zeros
+from engine.cpu_memory import hugepage_zeros, prefault_bytes, prefault_leading_blocks
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
@@ -96,6 +96,8 @@ class ModelRunner:
         # would still poison the softmax.
         if device.type == "cpu":  # huge pages: decode reads blocks at random offsets
             self.kv_caches = [hugepage_zeros(shape, dtype) for _ in range(model.num_layers)]
+            per_block = self.kv_bytes_per_block(model, block_size, dtype)
+            prefault_leading_blocks(self.kv_caches, min(num_blocks, prefault_bytes() // per_block))
         else:
             self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                               for _ in range(model.num_layers)]

@@ -4,6 +4,8 @@ Why: on CPU the PyTorch path copies every decode row's blocks into a contiguous 
 reads that copy again in SDPA; decode is bound by that memory traffic. `csrc/paged_decode.c`
 reads each K/V row once, for all query heads of its group. `csrc/cpu_ops.c` fuses a layer's
 elementwise work (residual add + RMSNorm, RoPE in place, SiLU-and-multiply) into one pass each.
+`csrc/gemm.c` is the fp32 matrix product of the linear layers (AVX-512 only), over weights
+packed once into column panels.
 It is plain C called through ctypes (no PyTorch headers), so building it takes a couple of
 seconds; the library is cached under
 `$KSERVE_PAGED_CACHE/native` (else `~/.cache/kserve-paged/native`) keyed by the source's hash.
@@ -27,7 +29,7 @@ import torch
 logger = logging.getLogger("kernels")
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (_CSRC / "paged_decode.c", _CSRC / "cpu_ops.c")
+SOURCES = (_CSRC / "paged_decode.c", _CSRC / "cpu_ops.c", _CSRC / "gemm.c")
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -88,6 +90,10 @@ def load() -> ctypes.CDLL | None:
     lib.kp_rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.kp_silu_mul_f32.restype = None
     lib.kp_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
+    lib.kp_gemm_available.restype = ctypes.c_int
+    lib.kp_gemm_available.argtypes = []
+    lib.kp_gemm_f32.restype = ctypes.c_int
+    lib.kp_gemm_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
     _lib = lib
     logger.info("native CPU kernels loaded")
     return _lib
@@ -186,4 +192,42 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
     _sync_threads(lib)
     lib.kp_silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+    return out
+
+
+GEMM_PANEL = 48  # output columns per packed panel (NR in csrc/gemm.c)
+
+
+def gemm_available() -> bool:
+    """True when the library is loaded and was built with AVX-512 (the GEMM's only version)."""
+    lib = load()
+    return lib is not None and bool(lib.kp_gemm_available())
+
+
+def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`[N, K]` fp32 weight -> `[ceil(N / 48), K, 48]` column panels, zero-padded past N."""
+    if weight.dim() != 2 or weight.dtype != torch.float32:
+        raise ValueError("pack_gemm_weight takes a 2-D float32 weight")
+    n, k = weight.shape
+    panels = -(-n // GEMM_PANEL)
+    padded = torch.zeros((panels * GEMM_PANEL, k), dtype=torch.float32)
+    padded[:n] = weight.detach()
+    return padded.view(panels, GEMM_PANEL, k).transpose(1, 2).contiguous()
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+         bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`x @ weight.T (+ bias)` with a weight from `pack_gemm_weight`; None when `x` or `bias`
+    is not in the kernel's layout (fp32, rows with unit stride), so the caller falls back."""
+    lib = load()
+    if (lib is None or not _f32_rows(x) or x.shape[1] != packed.shape[1]
+            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+        return None
+    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+    _sync_threads(lib)
+    rc = lib.kp_gemm_f32(x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), x.shape[1],
+                         out_features, bias.data_ptr() if bias is not None else None,
+                         out.data_ptr(), out_features)
+    if rc != 0:
+        return None
     return out

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from engine.cpu_memory import find_tcmalloc, hugepage_zeros, tune_glibc_malloc
+from engine.cpu_memory import (
+    find_tcmalloc,
+    hugepage_zeros,
+    prefault_bytes,
+    prefault_leading_blocks,
+    tune_glibc_malloc,
+)
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (2, 64, 16, 3, 64)])
@@ -48,3 +55,28 @@ def test_reexec_loads_tcmalloc_when_found_and_not_when_disabled() -> None:
     off = subprocess.run([sys.executable, "-c", _PROBE], env={**env, "KSERVE_PAGED_TCMALLOC": "0"},
                          capture_output=True, text=True, timeout=120, check=True)
     assert off.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="lazily zeroed mappings are Linux-only here")
+def test_prefault_touches_the_leading_blocks_once_and_keeps_them_zero() -> None:
+    caches = [hugepage_zeros((2, 256, 16, 3, 64), torch.float32) for _ in range(2)]  # 24 MiB
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    before = faults()
+    prefault_leading_blocks(caches, 128)
+    first = faults() - before
+    assert first > 0  # pages of blocks 0..127 (K and V halves) were mapped in
+    before = faults()
+    prefault_leading_blocks(caches, 128)
+    assert faults() - before < first  # already resident: nothing left to fault
+    assert all(c.count_nonzero() == 0 for c in caches)
+
+
+def test_prefault_budget_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KSERVE_PAGED_KV_PREFAULT_MIB", "3")
+    assert prefault_bytes() == 3 << 20
+    monkeypatch.setenv("KSERVE_PAGED_KV_PREFAULT_MIB", "0")
+    assert prefault_bytes() == 0
+    monkeypatch.setenv("KSERVE_PAGED_KV_PREFAULT_MIB", "lots")
+    with pytest.raises(ValueError, match="KSERVE_PAGED_KV_PREFAULT_MIB"):
+        prefault_bytes()
