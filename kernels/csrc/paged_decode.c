@@ -144,6 +144,45 @@ static inline __m512 hsum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88),
                          _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
+/* e^x for 16 lanes: 2^(x log2 e) split into 2^n (vscalefps) times a degree-6 polynomial for
+ * 2^f, |f| <= 0.5 (relative error ~1e-7 near 0, where the softmax weights that matter are).
+ * Inputs are clamped at -87 (weights below e^-87 are zero in fp32 sums anyway). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 y = _mm512_set1_ps(1.5403530393381608e-4f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* softmax_chunk for n <= 32 scores, all in registers: no scalar passes over the chunk. */
+_Static_assert(CHUNK <= 32, "softmax_chunk_avx512 holds a chunk in two registers");
+static inline float softmax_chunk_avx512(float *p, int n, float *m, float *l) {
+    const __mmask16 k0 = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+    const __mmask16 k1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1);
+    const __m512 lowest = _mm512_set1_ps(-3.0e38f);
+    const __m512 s0 = _mm512_mask_loadu_ps(lowest, k0, p);
+    const __m512 s1 = _mm512_mask_loadu_ps(lowest, k1, p + 16);
+    const float cmax = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+    const float mx = cmax > *m ? cmax : *m;
+    const float corr = (*m == -INFINITY) ? 0.0f : expf(*m - mx);
+    const __m512 vmx = _mm512_set1_ps(mx);
+    const __m512 e0 = _mm512_maskz_mov_ps(k0, exp512(_mm512_sub_ps(s0, vmx)));
+    const __m512 e1 = _mm512_maskz_mov_ps(k1, exp512(_mm512_sub_ps(s1, vmx)));
+    _mm512_mask_storeu_ps(p, k0, e0);
+    _mm512_mask_storeu_ps(p + 16, k1, e1);
+    *l = *l * corr + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+    *m = mx;
+    return corr;
+}
+
 /* AVX-512 version for head_dim = 16 * NV. Per chunk of keys and per KV head, the query heads of
  * the group are taken a few at a time (`gb`, a compile-time constant so q and the accumulators
  * stay in registers): each K row and each V row is loaded once for all of them. While a chunk
@@ -187,7 +226,7 @@ static inline __attribute__((always_inline)) void pass_avx512(
     }
     __m512 a[PASS_MAX][8];
     for (int i = 0; i < gb; ++i) {
-        const __m512 corr = _mm512_set1_ps(softmax_chunk(p + i * CHUNK, n, &m[i], &l[i]));
+        const __m512 corr = _mm512_set1_ps(softmax_chunk_avx512(p + i * CHUNK, n, &m[i], &l[i]));
         for (int j = 0; j < NV; ++j) a[i][j] = _mm512_mul_ps(_mm512_loadu_ps(accbuf + i * hd + 16 * j), corr);
     }
     for (int u = 0; u < n; ++u) {
