@@ -59,7 +59,8 @@ def test_reexec_loads_tcmalloc_when_found_and_not_when_disabled() -> None:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="lazily zeroed mappings are Linux-only here")
 def test_prefault_touches_the_leading_blocks_once_and_keeps_them_zero() -> None:
-    caches = [hugepage_zeros((2, 256, 16, 3, 64), torch.float32) for _ in range(2)]  # 24 MiB
+    # 12.6 MB each: large enough for the lazily zeroed huge-page mapping (not torch.zeros).
+    caches = [hugepage_zeros((2, 512, 16, 3, 64), torch.float32) for _ in range(2)]
     def faults() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     before = faults()
