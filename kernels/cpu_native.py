@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -90,6 +91,8 @@ def load() -> ctypes.CDLL | None:
     lib.kp_rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.kp_silu_mul_f32.restype = None
     lib.kp_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
+    lib.kp_store_kv_f32.restype = ctypes.c_int
+    lib.kp_store_kv_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64]
     lib.kp_gemm_available.restype = ctypes.c_int
     lib.kp_gemm_available.argtypes = []
     lib.kp_gemm_f32.restype = ctypes.c_int
@@ -142,8 +145,15 @@ def _f32_rows(t: torch.Tensor) -> bool:
         t.stride(1) == 1 or t.shape[1] == 1)
 
 
+_thread_state = threading.local()  # OpenMP's thread count is a per-thread setting
+
+
 def _sync_threads(lib: ctypes.CDLL) -> None:
-    lib.kp_set_threads(torch.get_num_threads())
+    """Give the library's OpenMP regions torch's thread count (a ctypes call only on change)."""
+    n = torch.get_num_threads()
+    if getattr(_thread_state, "threads", 0) != n:
+        lib.kp_set_threads(n)
+        _thread_state.threads = n
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -180,6 +190,31 @@ def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
                          sin.data_ptr(), cos.shape[0], x.shape[0], heads, head_dim)
     if rc != 0:
         raise IndexError(f"a position is outside the rotary table of {cos.shape[0]} positions")
+    return True
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """Copy rows of key/value (`[tokens, kv_heads, head_dim]`, each row contiguous) into their
+    slots of the fp32 paged cache (slots < 0 skipped); False (nothing done) when the tensors are
+    not in that layout, IndexError for a slot past the cache."""
+    lib = load()
+    if (lib is None or kv_cache.dtype != torch.float32 or key.dtype != torch.float32
+            or value.dtype != torch.float32 or kv_cache.device.type != "cpu"
+            or not kv_cache.is_contiguous() or slot_mapping.dtype != torch.int64
+            or not slot_mapping.is_contiguous() or key.dim() != 3 or value.shape != key.shape
+            or key.shape[1:] != kv_cache.shape[3:]):
+        return False
+    row = key.shape[1] * key.shape[2]
+    if (key.stride(2) != 1 or key.stride(1) != key.shape[2] or value.stride(2) != 1
+            or value.stride(1) != value.shape[2] or slot_mapping.numel() != key.shape[0]):
+        return False
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    rc = lib.kp_store_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                             slot_mapping.data_ptr(), key.shape[0], kv_cache.data_ptr(),
+                             num_slots, row)
+    if rc != 0:
+        raise IndexError(f"a KV slot is outside the cache of {num_slots} slots")
     return True
 
 

@@ -45,7 +45,10 @@ DECODE_TOKEN_BUDGET = int(os.environ.get("KSERVE_PAGED_TORCH_DECODE_BUDGET", "20
 
 def store_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """Scatter key/value rows into their slots with one indexed copy each; slots < 0 skipped."""
+    """Scatter key/value rows into their slots with one indexed copy each; slots < 0 skipped.
+    On CPU in fp32 one native pass does it (`cpu_native.store_kv`)."""
+    if kv_cache.device.type == "cpu" and cpu_native.store_kv(key, value, kv_cache, slot_mapping):
+        return
     slots = slot_mapping.long()
     if slots.numel() == 0:
         return

@@ -1,11 +1,13 @@
 /* Fused elementwise ops of a Llama layer on CPU, fp32: residual add + RMSNorm, rotary embedding
- * in place, SiLU-and-multiply. Each PyTorch version of these is 3-8 separate passes over the
- * activations (and strided ones for RoPE's half-rotations); each of these is one pass.
+ * in place, SiLU-and-multiply, and the KV store. Each PyTorch version of these is 3-8 separate
+ * passes over the activations (and strided ones for RoPE's half-rotations), or for the store a
+ * handful of small ops with their dispatch cost; each of these is one pass.
  *
  * Rows are spread over OpenMP threads when there are enough of them to pay for the fork.
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define PAR_MIN_ROWS 32
 
@@ -71,4 +73,22 @@ void kp_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter) {
         float *o = out + t * inter;
         for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
+}
+
+/* KV store: row t of k and v (row_floats contiguous floats each, rows k_stride / v_stride
+ * apart) goes to slot slots[t] of the K and V halves of a [2, num_slots, row_floats] cache;
+ * negative slots are skipped. Returns -1, writing nothing, if a slot is out of range. */
+int kp_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                    const int64_t *slots, int64_t n, float *cache, int64_t num_slots,
+                    int64_t row_floats) {
+    for (int64_t t = 0; t < n; ++t)
+        if (slots[t] >= num_slots) return -1;
+    float *kc = cache, *vc = cache + num_slots * row_floats;
+    for (int64_t t = 0; t < n; ++t) {
+        const int64_t s = slots[t];
+        if (s < 0) continue;
+        memcpy(kc + s * row_floats, k + t * k_stride, (size_t)row_floats * sizeof(float));
+        memcpy(vc + s * row_floats, v + t * v_stride, (size_t)row_floats * sizeof(float));
+    }
+    return 0;
 }

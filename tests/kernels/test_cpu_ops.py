@@ -99,3 +99,24 @@ def test_silu_mul_matches_torch(rows: int) -> None:
         gate, up = mlp.gate_up_proj(x).split(24, dim=-1)
         torch.testing.assert_close(mlp(x), mlp.down_proj(F.silu(gate) * up), rtol=1e-5,
                                    atol=1e-5)
+
+
+def test_store_kv_native_matches_reference_and_skips_negative_slots() -> None:
+    from kernels.reference import store_kv_ref
+
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(6, 9 * 4 + 2 * 2 * 4, generator=gen)  # k and v are strided views, as in
+    k = qkv[:, 36:44].view(6, 2, 4)                          # the model's fused projection
+    v = qkv[:, 44:52].view(6, 2, 4)
+    slots = torch.tensor([5, -1, 0, 17, 9, -1])
+    cache = torch.zeros(2, 3, 8, 2, 4)
+    expected = cache.clone()
+    store_kv_ref(k, v, expected, slots)
+    assert cpu_native.store_kv(k, v, cache, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(IndexError):
+        cpu_native.store_kv(k, v, cache, torch.tensor([0, 1, 2, 3, 4, 24]))
+    assert torch.equal(cache, expected)  # a bad slot writes nothing
+    # Other layouts are declined, for the PyTorch path to handle.
+    assert not cpu_native.store_kv(k, v, cache, slots.int())
+    assert not cpu_native.store_kv(k.double(), v.double(), cache.double(), slots)
