@@ -23,7 +23,7 @@ int kp_gemm_available(void) { return 1; }
 /* Rows [0, mr) of x times one panel; columns past `ncols` (< NR at the tail) are not stored. */
 static inline __attribute__((always_inline)) void panel_block(
     const float *x, int64_t ldx, const float *panel, int64_t K, const float *bias,
-    float *y, int64_t ldy, int ncols, const int mr) {
+    float *y, int64_t ldy, int ncols, const int mr, const float *prefetch) {
     __m512 acc[MR][3];
     for (int i = 0; i < mr; ++i) {
         if (bias) {
@@ -43,6 +43,11 @@ static inline __attribute__((always_inline)) void panel_block(
     }
     for (int64_t k = 0; k < K; ++k) {
         const float *wk = panel + k * NR;
+        if (prefetch) {  /* stream the next panel toward L2 while this one is used */
+            __builtin_prefetch(prefetch + k * NR, 0, 2);
+            __builtin_prefetch(prefetch + k * NR + 16, 0, 2);
+            __builtin_prefetch(prefetch + k * NR + 32, 0, 2);
+        }
         const __m512 w0 = _mm512_load_ps(wk);
         const __m512 w1 = _mm512_load_ps(wk + 16);
         const __m512 w2 = _mm512_load_ps(wk + 32);
@@ -72,18 +77,23 @@ static inline __attribute__((always_inline)) void panel_block(
 }
 
 static void panel_rows(const float *x, int64_t ldx, int64_t M, const float *panel, int64_t K,
-                       const float *bias, float *y, int64_t ldy, int ncols) {
+                       const float *bias, float *y, int64_t ldy, int ncols,
+                       const float *next_panel) {
     int64_t m = 0;
+    /* The first row block prefetches the next panel (from DRAM: weights do not stay in cache
+     * between steps); the others find this panel in L2. */
     for (; m + MR <= M; m += MR)
-        panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, MR);
+        panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, MR,
+                    m == 0 ? next_panel : 0);
+    next_panel = m == 0 ? next_panel : 0;
     switch (M - m) {  /* constant row counts so each tail keeps its accumulators in registers */
-    case 1: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 1); break;
-    case 2: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 2); break;
-    case 3: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 3); break;
-    case 4: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 4); break;
-    case 5: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 5); break;
-    case 6: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 6); break;
-    case 7: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 7); break;
+    case 1: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 1, next_panel); break;
+    case 2: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 2, next_panel); break;
+    case 3: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 3, next_panel); break;
+    case 4: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 4, next_panel); break;
+    case 5: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 5, next_panel); break;
+    case 6: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 6, next_panel); break;
+    case 7: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 7, next_panel); break;
     default: break;
     }
 }
@@ -103,7 +113,8 @@ int kp_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int
             const int64_t n0 = p * NR;
             const int ncols = (N - n0) < NR ? (int)(N - n0) : NR;
             panel_rows(x + m0 * ldx, ldx, mb, packed + p * K * NR, K, bias ? bias + n0 : 0,
-                       y + m0 * ldy + n0, ldy, ncols);
+                       y + m0 * ldy + n0, ldy, ncols,
+                       p + 1 < panels ? packed + (p + 1) * K * NR : 0);
         }
     }
     return 0;
