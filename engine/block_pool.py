@@ -1,8 +1,11 @@
 """Physical KV blocks: ref counts, the eviction-ordered free queue, and the prefix-cache index.
 
 A free block may still hold a cached prefix: it stays findable by its hash until allocation pops
-it from the head of the free queue, which evicts it. Freed blocks join the tail, so the block
-freed longest ago is evicted first.
+it from the head of the free queue, which evicts it. Freed blocks that hold a cached prefix join
+the tail, so the one freed longest ago is evicted first. Freed blocks that hold nothing findable
+join the head: they are taken before any cached prefix is evicted, and since they were written
+recently their memory is warm (a never-touched page costs a fault on first write; on CPU that is
+~1 s per GiB, see engine.cpu_memory.prefault_leading_blocks).
 """
 
 from __future__ import annotations
@@ -51,6 +54,14 @@ class FreeBlockQueue:
         block.prev_free, block.next_free = last, self._tail
         last.next_free = block
         self._tail.prev_free = block
+        self.num_free += 1
+
+    def appendleft(self, block: KVBlock) -> None:
+        first = self._head.next_free
+        assert first is not None
+        block.prev_free, block.next_free = self._head, first
+        first.prev_free = block
+        self._head.next_free = block
         self.num_free += 1
 
     def remove(self, block: KVBlock) -> None:
@@ -134,13 +145,17 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference each; blocks reaching zero join the free queue in the given order."""
+        """Drop one reference each; blocks reaching zero join the free queue in the given order:
+        at the tail if they hold a cached prefix, else at the head (see the module docstring)."""
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
 
     def cache(self, block: KVBlock, block_hash: bytes) -> None:
         """Make a full block findable by its hash; a hash already cached keeps its first block."""

@@ -23,10 +23,11 @@ def test_allocate_evicts_cached_block_and_counts_refs():
     a, b = pool.allocate(2)
     h = hash_block(None, [1, 2, 3])
     pool.cache(a, h)
-    assert pool.lookup(h) is a
     pool.free([a, b])
     assert pool.num_free_blocks == 3
-    # Block 2 was never used, so it comes first; then a (freed first), which loses its key.
+    # b holds nothing, so it went to the head; block 2 was never used; a, which holds a cached
+    # prefix, went to the tail and is evicted last, losing its key.
+    assert pool.allocate(1)[0] is b
     assert pool.allocate(1)[0].block_id == 2
     assert pool.lookup(h) is a
     assert pool.allocate(1)[0] is a
@@ -48,3 +49,19 @@ def test_hash_chains_parent_tokens_and_extra():
     assert h1 != hash_block(None, [1, 2], b"salt")
     assert hash_block(h1, [5]) != hash_block(hash_block(None, [1, 3]), [5])
     assert len(h1) == 32
+
+
+def test_plain_freed_blocks_are_reused_before_any_cached_prefix_is_evicted():
+    pool = BlockPool(4)
+    a, b, c, d = pool.allocate(4)
+    h = hash_block(None, [1])
+    pool.cache(a, h)
+    pool.free([a])  # holds a cached prefix: tail
+    pool.free([b])  # holds nothing: head, reused first (its memory is warm)
+    assert [x.block_id for x in pool.free_queue] == [b.block_id, a.block_id]
+    assert pool.allocate(1) == [b]
+    assert pool.lookup(h) is a  # the cached prefix survived
+    pool.free([c, d])
+    assert [x.block_id for x in pool.allocate(2)] == [d.block_id, c.block_id]
+    assert pool.lookup(h) is a
+    assert pool.allocate(1) == [a] and pool.lookup(h) is None  # evicted only when nothing else

@@ -107,11 +107,16 @@ def test_5_eviction_is_least_recently_freed_and_tail_first():
     sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
     order = [blk.block_id for blk in kv.pool.free_queue]
     never_used = [i for i in range(8) if i not in a_ids + b_ids]
-    assert order == never_used + a_ids[::-1] + b_ids[::-1]
-    # Allocating 4 evicts the never-used ones, then a's tail block first: a's head survives.
+    # Freed blocks holding nothing (a's partial last block) go to the head, cached ones to the
+    # tail in the order freed, each request's tail first.
+    plain = [i for i in a_ids + b_ids if kv.pool.blocks[i].block_hash is None]
+    cached_a = [i for i in a_ids[::-1] if i not in plain]
+    cached_b = [i for i in b_ids[::-1] if i not in plain]
+    assert plain and order == plain[::-1] + never_used + cached_a + cached_b
+    # Allocating 4 takes what holds nothing, then evicts a's tail block first: a's head survives.
     c = make_request("c", list(range(900, 900 + 4 * BS - 1)))
     admit(sched, c)
-    assert kv.block_ids("c") == (never_used + a_ids[::-1])[:4]
+    assert kv.block_ids("c") == (plain[::-1] + never_used + cached_a)[:4]
     assert kv.pool.blocks[a_ids[0]].block_hash is not None
     assert all(kv.pool.blocks[i].block_hash is not None for i in b_ids)
 
