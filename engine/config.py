@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# auto: the folder's weights. dummy: random weights drawn at load (benchmarks of a model shape
+# without its checkpoint, as vLLM's --load-format dummy); the folder needs only config.json
+# and a tokenizer.
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(slots=True)
@@ -21,6 +25,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -37,6 +42,9 @@ class EngineConfig:
                 f"max_num_batched_tokens must be >= 1 (got {self.max_num_batched_tokens})")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1 (got {self.max_model_len})")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS} "
+                             f"(got {self.load_format!r})")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} "
                              f"(got {self.scheduling_policy!r})")

@@ -114,7 +114,8 @@ class LLMEngine:
             self.model_path = str(config.model)
         t0 = time.monotonic()
         logger.info("loading %s (%s on %s)", self.model_path, self.dtype, self.device)
-        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device)
+        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device,
+                                                config.load_format, config.seed)
         self.tokenizer = load_tokenizer(self.model_path)
         logger.info("weights loaded in %.1f s", time.monotonic() - t0)
 

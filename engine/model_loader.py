@@ -100,17 +100,41 @@ def _build(config: Any, dtype: torch.dtype, device: torch.device,
     return model
 
 
-def load_model(path: StrPath, dtype: torch.dtype,
-               device: torch.device) -> tuple[LlamaForCausalLM, Any]:
+def _dummy_weights(model: LlamaForCausalLM, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights for every parameter of `model`, drawn on its device: N(0, 0.02) for
+    matrices and embeddings (transformers' initializer_range), ones for norm weights, zeros for
+    biases. Deterministic for a seed."""
+    gen = None
+    for name, param in model.named_parameters():
+        if gen is None:
+            gen = torch.Generator(device=param.device).manual_seed(seed)
+        if param.dim() == 1:
+            value = torch.ones_like(param) if "norm" in name else torch.zeros_like(param)
+        else:
+            value = torch.empty_like(param).normal_(0.0, 0.02, generator=gen)
+        yield name, value
+
+
+def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
+               load_format: str = "auto", seed: int = 0) -> tuple[LlamaForCausalLM, Any]:
     """Load a local HF folder (config.json + safetensors/bin) or a .gguf file.
 
     Returns (model, transformers PretrainedConfig). Raises FileNotFoundError for a missing path,
     config or weights, and ValueError for an unsupported architecture or mismatched weights.
     GGUF goes through transformers, which dequantizes it to `dtype`-castable float tensors.
+    `load_format="dummy"` reads only config.json and draws random weights (`_dummy_weights`).
     """
     from transformers import AutoConfig
 
     folder, gguf_file = _resolve(path)
+    if load_format == "dummy":
+        if gguf_file is not None:
+            raise ValueError("load_format 'dummy' takes a folder with config.json, not a .gguf")
+        _check_architecture(folder)
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        if not getattr(config, "architectures", None):
+            config.architectures = [architecture_of(config)]
+        return _build_dummy(config, dtype, device, seed), config
     if gguf_file is not None:
         from transformers import AutoModelForCausalLM
 
@@ -131,6 +155,21 @@ def load_model(path: StrPath, dtype: torch.dtype,
     if not getattr(config, "architectures", None):
         config.architectures = [architecture_of(config)]
     return _build(config, dtype, device, _iter_weights(files)), config
+
+
+def _build_dummy(config: Any, dtype: torch.dtype, device: torch.device,
+                 seed: int) -> LlamaForCausalLM:
+    cls = MODEL_REGISTRY[architecture_of(config)]
+    with torch.device("meta"):
+        model = cls(config)
+    model.to(dtype=dtype)
+    model.materialize(torch.device(device))
+    with torch.no_grad():
+        for name, value in _dummy_weights(model, seed):
+            model.get_parameter(name).copy_(value)
+    model = model.eval().requires_grad_(False)
+    model.pack_weights()
+    return model
 
 
 def load_tokenizer(path: StrPath) -> Any:

@@ -229,6 +229,21 @@ def test_missing_weights(tmp_path: Path) -> None:
         load_model(tmp_path, torch.float32, torch.device("cpu"))
 
 
+def test_dummy_load_format_needs_only_the_config(tmp_path: Path) -> None:
+    CONFIGS["llama_gqa_llama3"]().save_pretrained(tmp_path)  # config.json, no weights
+    model, config = load_model(tmp_path, torch.float32, torch.device("cpu"), "dummy", seed=3)
+    again, _ = load_model(tmp_path, torch.float32, torch.device("cpu"), "dummy", seed=3)
+    other, _ = load_model(tmp_path, torch.float32, torch.device("cpu"), "dummy", seed=4)
+    params = dict(model.named_parameters())
+    assert params["model.norm.weight"].eq(1).all()
+    emb = params["model.embed_tokens.weight"]
+    assert 0.015 < float(emb.std()) < 0.025 and abs(float(emb.mean())) < 0.005
+    assert all(torch.equal(p, again.get_parameter(n)) for n, p in params.items())
+    assert not torch.equal(emb, other.get_parameter("model.embed_tokens.weight"))
+    logits = PagedSim(model, seed=0).step([(0, [1, 2, 3])])
+    assert logits.shape == (3, config.vocab_size) and torch.isfinite(logits).all()
+
+
 def test_missing_shard(tmp_path: Path) -> None:
     CONFIGS["llama_gqa_llama3"]().save_pretrained(tmp_path)
     index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}

@@ -41,6 +41,7 @@ def run_static(model, reqs: list[dict], batch: int, pad_id: int) -> dict:
         for i, p in enumerate(rows):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
+        ids, mask = ids.to(model.device), mask.to(model.device)  # a GPU model: inputs follow
         gc = GenerationConfig(do_sample=False, max_new_tokens=max_new, min_new_tokens=None,
                               eos_token_id=None, pad_token_id=pad_id)
         with torch.inference_mode():
