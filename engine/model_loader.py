@@ -87,32 +87,37 @@ def _check_architecture(folder: Path) -> None:
 
 
 def _build(config: Any, dtype: torch.dtype, device: torch.device,
-           weights: Iterator[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:
-    """Construct on the meta device (no wasted random init), allocate on `device`, fill."""
+           weights: Iterator[tuple[str, torch.Tensor]] | None,
+           seed: int = 0) -> LlamaForCausalLM:
+    """Construct on the meta device (no wasted random init), allocate on `device`, fill: from
+    `weights`, or with random values (`_fill_dummy`) when there are none."""
     cls = MODEL_REGISTRY[architecture_of(config)]
     with torch.device("meta"):
         model = cls(config)
     model.to(dtype=dtype)
     model.materialize(torch.device(device))
-    model.load_weights(weights)
+    if weights is None:
+        _fill_dummy(model, seed)
+    else:
+        model.load_weights(weights)
     model = model.eval().requires_grad_(False)
     model.pack_weights()
     return model
 
 
-def _dummy_weights(model: LlamaForCausalLM, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Random weights for every parameter of `model`, drawn on its device: N(0, 0.02) for
-    matrices and embeddings (transformers' initializer_range), ones for norm weights, zeros for
-    biases. Deterministic for a seed."""
+@torch.no_grad()
+def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights for every parameter, drawn on its device: N(0, 0.02) for matrices and
+    embeddings (transformers' initializer_range), ones for norm weights, zeros for biases.
+    Deterministic for a seed."""
     gen = None
     for name, param in model.named_parameters():
         if gen is None:
             gen = torch.Generator(device=param.device).manual_seed(seed)
-        if param.dim() == 1:
-            value = torch.ones_like(param) if "norm" in name else torch.zeros_like(param)
+        if param.dim() > 1:
+            param.normal_(0.0, 0.02, generator=gen)
         else:
-            value = torch.empty_like(param).normal_(0.0, 0.02, generator=gen)
-        yield name, value
+            param.fill_(1.0 if "norm" in name else 0.0)
 
 
 def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
@@ -122,7 +127,7 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
     Returns (model, transformers PretrainedConfig). Raises FileNotFoundError for a missing path,
     config or weights, and ValueError for an unsupported architecture or mismatched weights.
     GGUF goes through transformers, which dequantizes it to `dtype`-castable float tensors.
-    `load_format="dummy"` reads only config.json and draws random weights (`_dummy_weights`).
+    `load_format="dummy"` reads only config.json and draws random weights (`_fill_dummy`).
     """
     from transformers import AutoConfig
 
@@ -134,7 +139,7 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         if not getattr(config, "architectures", None):
             config.architectures = [architecture_of(config)]
-        return _build_dummy(config, dtype, device, seed), config
+        return _build(config, dtype, device, None, seed), config
     if gguf_file is not None:
         from transformers import AutoModelForCausalLM
 
@@ -155,21 +160,6 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
     if not getattr(config, "architectures", None):
         config.architectures = [architecture_of(config)]
     return _build(config, dtype, device, _iter_weights(files)), config
-
-
-def _build_dummy(config: Any, dtype: torch.dtype, device: torch.device,
-                 seed: int) -> LlamaForCausalLM:
-    cls = MODEL_REGISTRY[architecture_of(config)]
-    with torch.device("meta"):
-        model = cls(config)
-    model.to(dtype=dtype)
-    model.materialize(torch.device(device))
-    with torch.no_grad():
-        for name, value in _dummy_weights(model, seed):
-            model.get_parameter(name).copy_(value)
-    model = model.eval().requires_grad_(False)
-    model.pack_weights()
-    return model
 
 
 def load_tokenizer(path: StrPath) -> Any:

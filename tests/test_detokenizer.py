@@ -14,7 +14,7 @@ import tokenizers
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from engine.default_model import default_model_dir
+from engine.default_model import ensure_default_model
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams as SP
 
@@ -260,15 +260,10 @@ def test_decode_window_stays_small(tok) -> None:
     assert len(detok._ids) < 300  # ids before the window are dropped
 
 
-SMOLLM = default_model_dir()
-
-
-@pytest.mark.skipif(not (SMOLLM / "tokenizer.json").exists(),
-                    reason="the default model is not converted yet (scripts/setup.sh does it)")
 def test_smollm2_tokenizer() -> None:
     from transformers import AutoTokenizer
 
-    real = AutoTokenizer.from_pretrained(str(SMOLLM))
+    real = AutoTokenizer.from_pretrained(str(ensure_default_model(progress=lambda _: None)))
     text = "Grüße 😀 from 東京! <|im_end|> Привет 👨‍👩‍👧 done."
     ids = real.encode(text, add_special_tokens=False)
     for skip in (True, False):
