@@ -35,6 +35,26 @@ class AttentionMetadata:
     max_query_len: int
 
 
+def attention_rows(meta: AttentionMetadata, num_tokens: int
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every new token as one attention row: the number of keys it sees (int32; its own and
+    every earlier token of its sequence, which is how causality is expressed) and its sequence's
+    block-table row (int64). None when some tokens belong to no sequence (padding)."""
+    qsl = meta.query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    seq_lens = meta.seq_lens.long()
+    if bool((q_lens > seq_lens).any()):
+        bad = int((q_lens > seq_lens).nonzero()[0, 0])
+        raise ValueError(f"sequence {bad}: q_len {int(q_lens[bad])} > seq_len "
+                         f"{int(seq_lens[bad])}")
+    seq_idx = torch.repeat_interleave(torch.arange(q_lens.numel(), device=qsl.device), q_lens)
+    if seq_idx.numel() != num_tokens:
+        return None
+    offset = torch.arange(seq_idx.numel(), device=qsl.device) - qsl[seq_idx]
+    row_lens = (seq_lens - q_lens + 1)[seq_idx] + offset
+    return row_lens.to(torch.int32), seq_idx
+
+
 def _accepts_hints() -> bool:
     """Whether `kernels.paged_attention` takes the keyword-only `max_seq_len`/`max_query_len`."""
     params = inspect.signature(kernels.paged_attention).parameters

@@ -5,7 +5,8 @@ reads that copy again in SDPA; decode is bound by that memory traffic. `csrc/pag
 reads each K/V row once, for all query heads of its group. `csrc/cpu_ops.c` fuses a layer's
 elementwise work (residual add + RMSNorm, RoPE in place, SiLU-and-multiply) into one pass each.
 `csrc/gemm.c` is the fp32 matrix product of the linear layers (AVX-512 only), over weights
-packed once into column panels.
+packed once into column panels. `csrc/decoder_stack.c` runs a whole stack of decoder layers out
+of those kernels in one call (`DecoderStack`), so a step pays no per-layer Python.
 It is plain C called through ctypes (no PyTorch headers), so building it takes a couple of
 seconds; the library is cached under
 `$KSERVE_PAGED_CACHE/native` (else `~/.cache/kserve-paged/native`) keyed by the source's hash.
@@ -30,7 +31,8 @@ import torch
 logger = logging.getLogger("kernels")
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (_CSRC / "paged_decode.c", _CSRC / "cpu_ops.c", _CSRC / "gemm.c")
+SOURCES = (_CSRC / "paged_decode.c", _CSRC / "cpu_ops.c", _CSRC / "gemm.c",
+           _CSRC / "decoder_stack.c")
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -97,6 +99,9 @@ def load() -> ctypes.CDLL | None:
     lib.kp_gemm_available.argtypes = []
     lib.kp_gemm_f32.restype = ctypes.c_int
     lib.kp_gemm_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
+    lib.kp_decoder_stack_f32.restype = ctypes.c_int
+    lib.kp_decoder_stack_f32.argtypes = [ctypes.POINTER(_StackStruct),
+                                         ctypes.POINTER(_StepStruct)]
     _lib = lib
     logger.info("native CPU kernels loaded")
     return _lib
@@ -266,3 +271,158 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     if rc != 0:
         return None
     return out
+
+
+_ptrs = ctypes.POINTER(ctypes.c_void_p)
+
+
+class _StackStruct(ctypes.Structure):
+    """Mirror of `kp_decoder_stack` (csrc/decoder_stack.c); field order matters."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "num_blocks",
+        "block_size", "max_positions")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
+        (name, _ptrs) for name in (
+            "in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
+            "down_w", "down_b", "kv")] + [
+        (name, ctypes.c_void_p) for name in ("final_norm", "cos_table", "sin_table")]
+
+
+class _StepStruct(ctypes.Structure):
+    """Mirror of `kp_decoder_step` (csrc/decoder_stack.c)."""
+
+    _fields_ = [("tokens", ctypes.c_int64)] + [
+        (name, ctypes.c_void_p) for name in (
+            "x", "residual", "normed", "qkv", "attn", "gate_up", "act", "out", "positions",
+            "slots", "block_tables")] + [("bt_stride", ctypes.c_int64)] + [
+        (name, ctypes.c_void_p) for name in ("row_lens", "tok_idx", "seq_idx")]
+
+
+_STACK_ERRORS = {
+    -1: (IndexError, "a position is outside the rotary table"),
+    -2: (IndexError, "a KV slot is outside the cache"),
+    -3: (ValueError, "native paged attention: shape outside the kernel's limits"),
+}
+
+
+def _f32_vector(t: torch.Tensor | None, n: int) -> bool:
+    return t is None or (t.device.type == "cpu" and t.dtype == torch.float32
+                         and t.is_contiguous() and t.numel() == n)
+
+
+class DecoderStack:
+    """A Llama-family decoder stack's weights, laid out for `kp_decoder_stack_f32`.
+
+    `layers` holds, per layer, the packed weights (`pack_gemm_weight`) and optional biases of
+    qkv / o / gate_up / down and the two norm weights; the tensors are kept referenced here so
+    the pointers stay valid. `run` takes one step's embeddings and metadata and returns the
+    final normed hidden state, the same values the per-layer modules compute.
+    """
+
+    _KEYS = ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
+             "down_w", "down_b")
+
+    def __init__(self, layers: list[dict[str, torch.Tensor | None]], final_norm: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, *, hidden: int, heads: int,
+                 kv_heads: int, head_dim: int, inter: int, eps: float, scale: float) -> None:
+        q, kv = heads * head_dim, kv_heads * head_dim
+        shapes = {"in_norm": hidden, "post_norm": hidden, "qkv_b": q + 2 * kv, "o_b": hidden,
+                  "gate_up_b": 2 * inter, "down_b": hidden}
+        panels = {"qkv_w": (q + 2 * kv, hidden), "o_w": (hidden, q), "gate_up_w": (2 * inter, hidden),
+                  "down_w": (hidden, inter)}
+        for i, layer in enumerate(layers):
+            for key, n in shapes.items():
+                if not _f32_vector(layer.get(key), n):
+                    raise ValueError(f"layer {i}: {key} is not a contiguous fp32 CPU vector of {n}")
+            for key, (n, k) in panels.items():
+                w = layer[key]
+                if (w is None or w.dtype != torch.float32 or not w.is_contiguous()
+                        or tuple(w.shape) != (-(-n // GEMM_PANEL), k, GEMM_PANEL)):
+                    raise ValueError(f"layer {i}: {key} is not a packed [{n}, {k}] weight")
+        if not _f32_vector(final_norm, hidden):
+            raise ValueError("final_norm is not a contiguous fp32 CPU vector")
+        if (cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_contiguous()
+                or not sin.is_contiguous() or cos.shape != sin.shape
+                or cos.shape[-1] * 2 != head_dim):
+            raise ValueError("the rotary tables must be contiguous fp32 [positions, head_dim / 2]")
+        if heads % kv_heads or heads // kv_heads > 32 or head_dim > 256 or head_dim % 2:
+            raise ValueError("head layout outside the native attention kernel's limits")
+        if not gemm_available():
+            raise ValueError("the native GEMM is not available (needs AVX-512 and a compiler)")
+        self._keep = (layers, final_norm, cos, sin)
+        self.num_layers = len(layers)
+        self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
+        self.inter = inter
+        self._arrays = {key: (ctypes.c_void_p * len(layers))(
+            *[(layer[key].data_ptr() if layer.get(key) is not None else None) for layer in layers])
+            for key in self._KEYS}
+        self._struct = _StackStruct(
+            layers=len(layers), hidden=hidden, heads=heads, kv_heads=kv_heads,
+            head_dim=head_dim, inter=inter, max_positions=cos.shape[0], eps=eps, scale=scale,
+            final_norm=final_norm.data_ptr(), cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
+            **{key: ctypes.cast(arr, _ptrs) for key, arr in self._arrays.items()})
+        self._kv_key: tuple[int, ...] | None = None
+
+    def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if key == self._kv_key:
+            return
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"{len(kv_caches)} KV caches for {self.num_layers} layers")
+        shape = kv_caches[0].shape
+        for c in kv_caches:
+            if (c.device.type != "cpu" or c.dtype != torch.float32 or not c.is_contiguous()
+                    or c.dim() != 5 or c.shape != shape or c.shape[0] != 2
+                    or tuple(c.shape[3:]) != (self.kv_heads, self.head_dim)
+                    or c.shape[2] > 256):
+                raise ValueError("KV caches must be contiguous fp32 CPU tensors "
+                                 "[2, blocks, block_size <= 256, kv_heads, head_dim]")
+        self._kv_array = (ctypes.c_void_p * len(kv_caches))(*key)
+        self._struct.kv = ctypes.cast(self._kv_array, _ptrs)
+        self._struct.num_blocks, self._struct.block_size = shape[1], shape[2]
+        self._kv_key = key
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            kv_caches: list[torch.Tensor], block_tables: torch.Tensor, row_lens: torch.Tensor,
+            seq_idx: torch.Tensor) -> torch.Tensor:
+        """x `[T, hidden]` embeddings (overwritten as scratch) -> final hidden `[T, hidden]`.
+
+        positions/slots int64 `[T]`; token t is an attention row over the first row_lens[t]
+        (int32) keys of block-table row seq_idx[t] (int64) of `block_tables` (int32)."""
+        lib = load()
+        assert lib is not None
+        t = x.shape[0]
+        if not (x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2
+                and x.shape[1] == self.hidden):
+            raise ValueError("x must be contiguous fp32 [tokens, hidden]")
+        for name, v, dtype in (("positions", positions, torch.int64), ("slots", slots, torch.int64),
+                               ("row_lens", row_lens, torch.int32),
+                               ("seq_idx", seq_idx, torch.int64)):
+            if v.dtype != dtype or not v.is_contiguous() or v.numel() != t:
+                raise ValueError(f"{name} must be contiguous {dtype} with one entry per token")
+        if (block_tables.dtype != torch.int32 or block_tables.dim() != 2
+                or block_tables.stride(1) != 1):
+            raise ValueError("block_tables must be int32 [seqs, blocks] with unit column stride")
+        self._bind_kv(kv_caches)
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        # Each activation gets its own contiguous [T, n] block of one allocation.
+        sizes = {"residual": self.hidden, "normed": self.hidden, "qkv": q + 2 * kv, "attn": q,
+                 "gate_up": 2 * self.inter, "act": self.inter}
+        scratch = torch.empty(t * sum(sizes.values()), dtype=torch.float32)
+        out = torch.empty((t, self.hidden), dtype=torch.float32)
+        ptrs, base = {}, scratch.data_ptr()
+        for name, n in sizes.items():
+            ptrs[name] = base
+            base += t * n * scratch.element_size()
+        tok_idx = torch.arange(t, dtype=torch.int64)
+        step = _StepStruct(
+            tokens=t, x=x.data_ptr(), out=out.data_ptr(), positions=positions.data_ptr(),
+            slots=slots.data_ptr(), block_tables=block_tables.data_ptr(),
+            bt_stride=block_tables.stride(0), row_lens=row_lens.data_ptr(),
+            tok_idx=tok_idx.data_ptr(), seq_idx=seq_idx.data_ptr(), **ptrs)
+        _sync_threads(lib)
+        rc = lib.kp_decoder_stack_f32(ctypes.byref(self._struct), ctypes.byref(step))
+        if rc != 0:
+            exc, msg = _STACK_ERRORS.get(rc, (RuntimeError, f"decoder stack failed ({rc})"))
+            raise exc(msg)
+        return out

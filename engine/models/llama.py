@@ -8,14 +8,19 @@ fused at load time (`load_weights`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from engine.attention import Attention, AttentionMetadata
+import kernels
+from engine.attention import Attention, AttentionMetadata, attention_rows
 from engine.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLUMLP, rope_parameters
+from kernels import cpu_native
+
+logger = logging.getLogger("engine")
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -169,6 +174,10 @@ class LlamaForCausalLM(nn.Module):
                                 mlp_bias)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        # The whole decoder stack as one native call (set by pack_weights when every projection
+        # is on the native GEMM); `use_native_stack = False` keeps the per-layer modules.
+        self.native_stack: cpu_native.DecoderStack | None = None
+        self.use_native_stack = True
 
     def check_max_model_len(self, max_model_len: int) -> None:
         """Raise if `max_model_len` needs something this model code does not do.
@@ -189,6 +198,16 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids/positions `[T]` (all sequences' new tokens) -> hidden `[T, hidden_size]`."""
         x = self.model.embed_tokens(input_ids)
+        stack = self.native_stack
+        if (stack is not None and self.use_native_stack and not torch.is_grad_enabled()
+                and x.device.type == "cpu" and x.dtype == torch.float32
+                and meta.block_tables.dtype == torch.int32
+                and kernels.resolve_backend(x.device) == "torch"):
+            rows = attention_rows(meta, x.shape[0])
+            if rows is not None:
+                row_lens, seq_idx = rows
+                return stack.run(x.contiguous(), positions, meta.slot_mapping, kv_caches,
+                                 meta.block_tables, row_lens, seq_idx)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)
@@ -266,8 +285,46 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self) -> int:
         """Pre-pack every projection for the CPU matmul kernels (see `Linear`); call after the
-        weights are final. Returns how many were packed (0 off CPU)."""
-        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+        weights are final. Returns how many were packed (0 off CPU). When every projection is
+        on the native GEMM, the decoder stack also gets its one-call native form."""
+        packed = sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+        self.native_stack = self._build_native_stack()
+        return packed
+
+    def _build_native_stack(self) -> cpu_native.DecoderStack | None:
+        layers = list(self.model.layers)
+        linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
+        if not linears or not all(m._native for m in linears):
+            return None
+        norms = [n for layer in layers for n in (layer.input_layernorm,
+                                                  layer.post_attention_layernorm)]
+        eps = self.model.norm.eps
+        if any(n.eps != eps for n in norms):
+            return None
+
+        def bias(linear: Linear) -> torch.Tensor | None:
+            return None if linear.bias is None else linear.bias.detach()
+
+        weights = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights.append({
+                "in_norm": layer.input_layernorm.weight.detach(),
+                "post_norm": layer.post_attention_layernorm.weight.detach(),
+                "qkv_w": attn.qkv_proj._packed, "qkv_b": bias(attn.qkv_proj),
+                "o_w": attn.o_proj._packed, "o_b": bias(attn.o_proj),
+                "gate_up_w": mlp.gate_up_proj._packed, "gate_up_b": bias(mlp.gate_up_proj),
+                "down_w": mlp.down_proj._packed, "down_b": bias(mlp.down_proj)})
+        try:
+            return cpu_native.DecoderStack(
+                weights, self.model.norm.weight.detach(), self.rotary_emb.cos,
+                self.rotary_emb.sin, hidden=self.hidden_size, heads=self.num_heads,
+                kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                inter=layers[0].mlp.intermediate_size, eps=eps,
+                scale=layers[0].self_attn.attn.scale)
+        except ValueError as exc:
+            logger.info("decoder stack stays on per-layer modules: %s", exc)
+            return None
 
     def tie_weights(self) -> None:
         """Share the LM head with the input embedding when the config says so."""

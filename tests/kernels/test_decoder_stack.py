@@ -1,0 +1,139 @@
+"""The one-call native decoder stack (kernels/csrc/decoder_stack.c) against the per-layer modules.
+
+Both run the same kernels in the same order, so hidden states and the KV they write must be equal
+bit for bit, on every tiny config of tests/test_models.py (GQA and MHA, biases, head_dim 24,
+tied heads), over a prefill + chunked prefill + decode sequence of steps. The transformers
+comparison in test_models.py already runs through the stack; this shows the stack is what ran.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata, attention_rows
+from engine.model_loader import load_model
+from kernels import cpu_native
+from tests.test_models import CONFIGS, VOCAB, PagedSim, _save_checkpoint
+
+pytestmark = pytest.mark.skipif(not cpu_native.gemm_available(),
+                                reason="the decoder stack needs the native GEMM (AVX-512)")
+
+
+def _steps(seed: int) -> list[list[tuple[int, list[int]]]]:
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, VOCAB, (n + 3,), generator=g).tolist() for n in (5, 17, 33)]
+    half = 16
+    return [
+        [(0, seqs[0][:5]), (1, seqs[1][:17]), (2, seqs[2][:half])],
+        [(0, seqs[0][5:6]), (1, seqs[1][17:18]), (2, seqs[2][half:33])],
+        [(1, seqs[1][18:19]), (0, seqs[0][6:7]), (2, seqs[2][33:34])],
+        [(2, seqs[2][34:35])],
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_stack_equals_per_layer_modules_bit_for_bit(name: str, tmp_path: Path) -> None:
+    path, _ = _save_checkpoint(CONFIGS[name], tmp_path)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    assert model.native_stack is not None, "every projection is native: the stack must be built"
+    results = {}
+    for use in (True, False):
+        model.use_native_stack = use
+        calls = []
+        real_run = model.native_stack.run
+
+        def counting_run(*args, _real=real_run, _calls=calls, **kwargs):
+            _calls.append(1)
+            return _real(*args, **kwargs)
+
+        model.native_stack.run = counting_run
+        sim = PagedSim(model, seed=3)
+        logits = [sim.step(batch) for batch in _steps(11)]
+        del model.native_stack.run
+        assert len(calls) == (len(logits) if use else 0)
+        results[use] = (logits, sim.kv)
+    for a, b in zip(results[True][0], results[False][0], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(results[True][1], results[False][1], strict=True):
+        assert torch.equal(a, b)  # same K/V written, and the garbage slots left alone
+
+
+def _tiny_stack(tmp_path: Path):
+    path, _ = _save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    return model
+
+
+def _one_step_inputs(model, positions: list[int], slots: list[int]):
+    n = len(positions)
+    kv = [torch.zeros(2, 8, 4, model.num_kv_heads, model.head_dim)
+          for _ in range(model.num_layers)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=torch.arange(8, dtype=torch.int32).view(1, 8),
+        seq_lens=torch.tensor([max(positions) + 1], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        max_seq_len=max(positions) + 1, max_query_len=n)
+    return torch.tensor([1] * n), torch.tensor(positions), kv, meta
+
+
+def test_position_past_the_rotary_table_raises(tmp_path: Path) -> None:
+    model = _tiny_stack(tmp_path)
+    ids, pos, kv, meta = _one_step_inputs(model, [0, 1], [0, 1])
+    pos = torch.tensor([0, model.max_position_embeddings])
+    with torch.inference_mode(), pytest.raises(IndexError, match="rotary table"):
+        model(ids, pos, kv, meta)
+
+
+def test_slot_past_the_cache_raises_and_writes_nothing(tmp_path: Path) -> None:
+    model = _tiny_stack(tmp_path)
+    ids, pos, kv, meta = _one_step_inputs(model, [0, 1], [0, 8 * 4])
+    with torch.inference_mode(), pytest.raises(IndexError, match="KV slot"):
+        model(ids, pos, kv, meta)
+    assert all(not c.any() for c in kv)
+
+
+def test_attention_rows_follow_seq_lens_and_reject_bad_lengths() -> None:
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(5, dtype=torch.int64),
+        block_tables=torch.zeros(2, 4, dtype=torch.int32),
+        seq_lens=torch.tensor([7, 3], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32),
+        max_seq_len=7, max_query_len=3)
+    row_lens, seq_idx = attention_rows(meta, 5)
+    assert row_lens.tolist() == [6, 7, 1, 2, 3] and row_lens.dtype == torch.int32
+    assert seq_idx.tolist() == [0, 0, 1, 1, 1]
+    assert attention_rows(meta, 6) is None  # a padding token: the stack does not apply
+    meta.seq_lens = torch.tensor([1, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q_len 2 > seq_len 1"):
+        attention_rows(meta, 5)
+
+
+def test_no_stack_without_native_projections(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("KSERVE_PAGED_ONEDNN", "0")  # no packing at all
+    model = _tiny_stack(tmp_path)
+    assert model.native_stack is None
+
+
+def test_stack_rejects_weights_it_cannot_run(tmp_path: Path) -> None:
+    model = _tiny_stack(tmp_path)
+    layer = model.model.layers[0]
+    good = {"in_norm": layer.input_layernorm.weight.detach(),
+            "post_norm": layer.post_attention_layernorm.weight.detach(),
+            "qkv_w": layer.self_attn.qkv_proj._packed, "qkv_b": None,
+            "o_w": layer.self_attn.o_proj._packed, "o_b": None,
+            "gate_up_w": layer.mlp.gate_up_proj._packed, "gate_up_b": None,
+            "down_w": layer.mlp.down_proj._packed, "down_b": None}
+    kwargs = dict(hidden=model.hidden_size, heads=model.num_heads, kv_heads=model.num_kv_heads,
+                  head_dim=model.head_dim, inter=layer.mlp.intermediate_size, eps=1e-5,
+                  scale=0.25)
+    args = (model.model.norm.weight.detach(), model.rotary_emb.cos, model.rotary_emb.sin)
+    cpu_native.DecoderStack([good], *args, **kwargs)  # the valid layer is accepted
+    with pytest.raises(ValueError, match="qkv_w is not a packed"):
+        cpu_native.DecoderStack([{**good, "qkv_w": layer.self_attn.qkv_proj.weight}], *args,
+                                **kwargs)
+    with pytest.raises(ValueError, match="o_b is not a contiguous fp32"):
+        cpu_native.DecoderStack([{**good, "o_b": torch.zeros(3)}], *args, **kwargs)
