@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from engine.sampling_params import SamplingParams
+from kernels import cpu_native
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by them overflows.
 GREEDY_EPS = 1e-5
@@ -136,6 +137,16 @@ def _draw_from_candidates(vals: Tensor, idx: Tensor, thr: Tensor, u: Tensor,
     return key.gather(1, pos.unsqueeze(1)).squeeze(1).clamp_(max=vocab - 1)
 
 
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """Row-wise argmax (int64), torch's tie and NaN rules. On CPU fp32 one native vector pass:
+    torch's argmax takes 2.6 ms for 64 rows of a 49,152-word vocabulary here, that pass 0.2."""
+    if logits.device.type == "cpu":
+        out = cpu_native.argmax_rows(logits)
+        if out is not None:
+            return out
+    return logits.argmax(-1)
+
+
 class Sampler:
     """Batched sampler; one per engine, called once per step."""
 
@@ -198,7 +209,7 @@ class Sampler:
                 if toks:
                     banned[i] = toks
         if not sampled and not banned:
-            return logits.argmax(-1)
+            return greedy_tokens(logits)
 
         out = torch.empty(n, dtype=torch.long, device=device)
         if greedy:
@@ -209,8 +220,8 @@ class Sampler:
                     rows = torch.clone(logits)  # all greedy, some banned: keep the input intact
                 self._ban(rows, bans)
             if len(greedy) == n:
-                return rows.argmax(-1)
-            out[torch.tensor(greedy, device=device)] = rows.argmax(-1)
+                return greedy_tokens(rows)
+            out[torch.tensor(greedy, device=device)] = greedy_tokens(rows)
 
         self._sample_rows(logits, sampled, params, generators, banned, out)
         return out

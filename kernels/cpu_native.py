@@ -99,6 +99,8 @@ def load() -> ctypes.CDLL | None:
     lib.kp_gemm_available.argtypes = []
     lib.kp_gemm_f32.restype = ctypes.c_int
     lib.kp_gemm_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
+    lib.kp_argmax_rows_f32.restype = None
+    lib.kp_argmax_rows_f32.argtypes = [ptr, i64, i64, i64, ptr]
     lib.kp_decoder_stack_f32.restype = ctypes.c_int
     lib.kp_decoder_stack_f32.argtypes = [ctypes.POINTER(_StackStruct),
                                          ctypes.POINTER(_StepStruct)]
@@ -232,6 +234,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
     _sync_threads(lib)
     lib.kp_silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """`x.argmax(-1)` (int64) for fp32 CPU rows, same tie and NaN rules; None when `x` is not
+    in the kernel's layout, so the caller uses torch."""
+    lib = load()
+    if lib is None or not _f32_rows(x) or x.shape[1] == 0:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _sync_threads(lib)
+    lib.kp_argmax_rows_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
     return out
 
 

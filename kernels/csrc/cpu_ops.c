@@ -8,6 +8,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define PAR_MIN_ROWS 32
 
@@ -91,4 +94,54 @@ int kp_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_
         memcpy(vc + s * row_floats, v + t * v_stride, (size_t)row_floats * sizeof(float));
     }
     return 0;
+}
+
+/* out[r] = index of the largest value of row r, the first one on ties, the first NaN if the row
+ * has one (torch.argmax's rules). Greedy decoding's last step: torch's argmax reads ~1.2 G
+ * floats/s here, 2.6 ms for 64 rows of a 49,152-word vocabulary; this is one vector pass. */
+/* NaN test on the bits: the library is built with -ffast-math, under which x != x folds away. */
+static inline int is_nan(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u;
+}
+
+static int64_t argmax_row(const float *x, int64_t n) {
+#ifdef __AVX512F__
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i best_idx = _mm512_setzero_si512();
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = (n - i) >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, x + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  /* strict: first wins */
+        best = _mm512_mask_mov_ps(best, gt, v);
+        best_idx = _mm512_mask_mov_epi32(best_idx, gt, idx);
+        idx = _mm512_add_epi32(idx, step);
+    }
+    if (nan) {
+        for (int64_t i = 0; i < n; ++i)
+            if (is_nan(x[i])) return i;
+    }
+    const float top = _mm512_reduce_max_ps(best);
+    const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    return _mm512_mask_reduce_min_epi32(at_top, best_idx);
+#else
+    int64_t arg = 0;
+    float top = x[0];
+    for (int64_t i = 0; i < n; ++i) {
+        if (is_nan(x[i])) return i;
+        if (x[i] > top) { top = x[i]; arg = i; }
+    }
+    return arg;
+#endif
+}
+
+void kp_argmax_rows_f32(const float *x, int64_t row_stride, int64_t rows, int64_t cols,
+                        int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * row_stride, cols);
 }

@@ -120,3 +120,23 @@ def test_store_kv_native_matches_reference_and_skips_negative_slots() -> None:
     # Other layouts are declined, for the PyTorch path to handle.
     assert not cpu_native.store_kv(k, v, cache, slots.int())
     assert not cpu_native.store_kv(k.double(), v.double(), cache.double(), slots)
+
+
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 100, 49152])
+def test_argmax_rows_matches_torch_on_ties_nan_and_infinities(cols: int) -> None:
+    torch.manual_seed(cols)
+    x = torch.randn(12, cols)
+    x[1] = float("-inf")                      # all -inf: index 0
+    x[2] = 1.0                                # all equal: the first
+    x[3, cols // 2] = float("nan")            # a NaN wins
+    if cols > 5:
+        x[4, 1] = x[4, 3] = 1e9               # tie across lanes: the first
+        x[5, 4], x[5, 2] = float("nan"), float("inf")  # NaN beats +inf
+        x[6, cols - 1] = 1e9                  # the max in the tail
+        x[7, 16 % cols] = x[7, 0] = 1e9       # tie in the same lane of two vectors
+    got = cpu_native.argmax_rows(x)
+    assert got is not None and got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(-1))
+    strided = torch.randn(5, cols + 7)[:, 3:3 + cols]
+    assert torch.equal(cpu_native.argmax_rows(strided), strided.argmax(-1))
+    assert cpu_native.argmax_rows(x.double()) is None  # not fp32: the caller uses torch
