@@ -163,3 +163,19 @@ def test_store_then_attend_roundtrip() -> None:
         q.transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1),
         v.repeat_interleave(3, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
     torch.testing.assert_close(out, expect, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1), (6, 2)], ids=lambda h: f"{h[0]}x{h[1]}")
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_long_prefill_runs_match_reference(head_dim: int, heads: tuple[int, int],
+                                           block_size: int) -> None:
+    """Prefill chunks of >= 32 rows take the native transposed-key path (csrc/paged_decode.c):
+    runs of 31 / 32 / 33 rows, one over a cached prefix (chunked), one far longer than a
+    block, next to decode rows, with shuffled blocks."""
+    seq_lens = [31, 32, 33, 150, 290, 77]
+    q_lens = [31, 32, 33, 40, 290, 1]
+    case = make_case(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                     head_dim=head_dim, block_size=block_size, seed=head_dim + block_size)
+    assert cpu_native.load() is not None
+    _check(paged_attention_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
