@@ -215,7 +215,13 @@ class SwiGLUMLP(nn.Module):
     """`down(silu(gate(x)) * up(x))` with gate and up fused into one `[2*I, H]` matmul.
 
     One larger GEMM instead of two keeps the CPU's cores busier on small batches and reads x once.
+    Once `pack()`ed on the native GEMM, the gate and up weights are interleaved panel by panel
+    and the SiLU-and-multiply happens inside that GEMM (`cpu_native.gemm_silu`), on the core
+    that computed both halves; the gate/up `Linear` then keeps no packed copy of its own.
     """
+
+    _fused: torch.Tensor | None = None
+    _fused_bias: torch.Tensor | None = None
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -223,7 +229,24 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
+    def pack(self) -> bool:
+        """Interleave gate/up for `gemm_silu` when the gate/up projection is on the native
+        GEMM (call after its `pack()`); True if done."""
+        proj = self.gate_up_proj
+        self._fused = self._fused_bias = None
+        if not proj._native:
+            return False
+        self._fused = cpu_native.pack_gate_up_weight(proj.weight.detach())
+        if proj.bias is not None:
+            self._fused_bias = cpu_native.pack_gate_up_bias(proj.bias.detach())
+        proj._packed, proj._native = None, False  # one packed copy is enough
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None and x.dim() == 2 and not torch.is_grad_enabled():
+            act = cpu_native.gemm_silu(x, self._fused, self.intermediate_size, self._fused_bias)
+            if act is not None:
+                return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
         if gate_up.dim() == 2 and not torch.is_grad_enabled():
             fused = cpu_native.silu_mul(gate_up)

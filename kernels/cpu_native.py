@@ -33,6 +33,7 @@ logger = logging.getLogger("kernels")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (_CSRC / "paged_decode.c", _CSRC / "cpu_ops.c", _CSRC / "gemm.c",
            _CSRC / "decoder_stack.c")
+HEADERS = (_CSRC / "simd_exp.h",)
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -48,7 +49,7 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    src = b"".join(path.read_bytes() for path in SOURCES)
+    src = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
     target = _cache_dir() / f"kp_native-{digest}.so"
     if target.exists():
@@ -99,6 +100,8 @@ def load() -> ctypes.CDLL | None:
     lib.kp_gemm_available.argtypes = []
     lib.kp_gemm_f32.restype = ctypes.c_int
     lib.kp_gemm_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
+    lib.kp_gemm_silu_f32.restype = ctypes.c_int
+    lib.kp_gemm_silu_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64]
     lib.kp_argmax_rows_f32.restype = None
     lib.kp_argmax_rows_f32.argtypes = [ptr, i64, i64, i64, ptr]
     lib.kp_decoder_stack_f32.restype = ctypes.c_int
@@ -237,6 +240,57 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def _gate_up_pairs(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Rows of gate and up (each padded to whole panels) interleaved panel by panel."""
+    inter = gate.shape[0]
+    pairs = -(-inter // GEMM_PANEL)
+    both = torch.zeros((pairs, 2, GEMM_PANEL, *gate.shape[1:]), dtype=torch.float32)
+    flat_g = torch.zeros((pairs * GEMM_PANEL, *gate.shape[1:]), dtype=torch.float32)
+    flat_u = torch.zeros_like(flat_g)
+    flat_g[:inter], flat_u[:inter] = gate.detach(), up.detach()
+    both[:, 0], both[:, 1] = (flat_g.view(pairs, GEMM_PANEL, *gate.shape[1:]),
+                              flat_u.view(pairs, GEMM_PANEL, *gate.shape[1:]))
+    return both.reshape(pairs * 2 * GEMM_PANEL, *gate.shape[1:])
+
+
+def pack_gate_up_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A fused `[2 * inter, K]` gate/up weight -> panels for `gemm_silu`: gate and up outputs
+    48 at a time, pair by pair (each half zero-padded to whole panels)."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[0] % 2:
+        raise ValueError("pack_gate_up_weight takes a 2-D float32 [2 * inter, K] weight")
+    inter = weight.shape[0] // 2
+    return pack_gemm_weight(_gate_up_pairs(weight[:inter], weight[inter:]))
+
+
+def pack_gate_up_bias(bias: torch.Tensor) -> torch.Tensor:
+    """The fused gate/up bias in the order of `pack_gate_up_weight`'s outputs."""
+    if bias.dim() != 1 or bias.shape[0] % 2:
+        raise ValueError("pack_gate_up_bias takes a [2 * inter] bias")
+    inter = bias.shape[0] // 2
+    return _gate_up_pairs(bias[:inter].float(), bias[inter:].float()).contiguous()
+
+
+def gemm_silu(x: torch.Tensor, packed: torch.Tensor, inter: int,
+              bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`silu(x @ gate.T + bg) * (x @ up.T + bu)` `[rows, inter]` with a weight (and bias) from
+    `pack_gate_up_weight` / `pack_gate_up_bias`; None when `x` is not in the kernel's layout."""
+    lib = load()
+    pairs = -(-inter // GEMM_PANEL)
+    if (lib is None or not _f32_rows(x) or x.shape[1] != packed.shape[1]
+            or packed.shape[0] != 2 * pairs
+            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+                                      or bias.numel() != 2 * pairs * GEMM_PANEL))):
+        return None
+    rows = x.shape[0]
+    scratch = torch.empty((rows, 2 * pairs * GEMM_PANEL), dtype=torch.float32)
+    out = torch.empty((rows, inter), dtype=torch.float32)
+    _sync_threads(lib)
+    rc = lib.kp_gemm_silu_f32(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), x.shape[1],
+                              inter, bias.data_ptr() if bias is not None else None,
+                              scratch.data_ptr(), scratch.stride(0), out.data_ptr(), inter)
+    return out if rc == 0 else None
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     """`x.argmax(-1)` (int64) for fp32 CPU rows, same tie and NaN rules; None when `x` is not
     in the kernel's layout, so the caller uses torch."""
@@ -327,7 +381,8 @@ def _f32_vector(t: torch.Tensor | None, n: int) -> bool:
 class DecoderStack:
     """A Llama-family decoder stack's weights, laid out for `kp_decoder_stack_f32`.
 
-    `layers` holds, per layer, the packed weights (`pack_gemm_weight`) and optional biases of
+    `layers` holds, per layer, the packed weights (`pack_gemm_weight`; gate/up from
+    `pack_gate_up_weight`, its bias from `pack_gate_up_bias`) and optional biases of
     qkv / o / gate_up / down and the two norm weights; the tensors are kept referenced here so
     the pointers stay valid. `run` takes one step's embeddings and metadata and returns the
     final normed hidden state, the same values the per-layer modules compute. Its activation
@@ -342,9 +397,10 @@ class DecoderStack:
                  cos: torch.Tensor, sin: torch.Tensor, *, hidden: int, heads: int,
                  kv_heads: int, head_dim: int, inter: int, eps: float, scale: float) -> None:
         q, kv = heads * head_dim, kv_heads * head_dim
+        padded = 2 * -(-inter // GEMM_PANEL) * GEMM_PANEL  # gate/up as panel pairs
         shapes = {"in_norm": hidden, "post_norm": hidden, "qkv_b": q + 2 * kv, "o_b": hidden,
-                  "gate_up_b": 2 * inter, "down_b": hidden}
-        panels = {"qkv_w": (q + 2 * kv, hidden), "o_w": (hidden, q), "gate_up_w": (2 * inter, hidden),
+                  "gate_up_b": padded, "down_b": hidden}
+        panels = {"qkv_w": (q + 2 * kv, hidden), "o_w": (hidden, q), "gate_up_w": (padded, hidden),
                   "down_w": (hidden, inter)}
         for i, layer in enumerate(layers):
             for key, n in shapes.items():
@@ -424,7 +480,7 @@ class DecoderStack:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         # Each activation gets its own contiguous [T, n] block of one allocation.
         sizes = {"residual": self.hidden, "normed": self.hidden, "qkv": q + 2 * kv, "attn": q,
-                 "gate_up": 2 * self.inter, "act": self.inter}
+                 "gate_up": 2 * -(-self.inter // GEMM_PANEL) * GEMM_PANEL, "act": self.inter}
         need = t * sum(sizes.values())
         if self._scratch.numel() < need:
             # Kept between steps: a fresh 60 MB buffer per 2048-token step was ~15,000 page

@@ -288,13 +288,17 @@ class LlamaForCausalLM(nn.Module):
         weights are final. Returns how many were packed (0 off CPU). When every projection is
         on the native GEMM, the decoder stack also gets its one-call native form."""
         packed = sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+        for layer in self.model.layers:
+            layer.mlp.pack()
         self.native_stack = self._build_native_stack()
         return packed
 
     def _build_native_stack(self) -> cpu_native.DecoderStack | None:
         layers = list(self.model.layers)
-        linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
-        if not linears or not all(m._native for m in linears):
+        linears = [m for layer in layers for m in layer.modules()
+                   if isinstance(m, Linear) and m is not layer.mlp.gate_up_proj]
+        if (not linears or not all(m._native for m in linears)
+                or any(layer.mlp._fused is None for layer in layers)):
             return None
         norms = [n for layer in layers for n in (layer.input_layernorm,
                                                   layer.post_attention_layernorm)]
@@ -313,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
                 "post_norm": layer.post_attention_layernorm.weight.detach(),
                 "qkv_w": attn.qkv_proj._packed, "qkv_b": bias(attn.qkv_proj),
                 "o_w": attn.o_proj._packed, "o_b": bias(attn.o_proj),
-                "gate_up_w": mlp.gate_up_proj._packed, "gate_up_b": bias(mlp.gate_up_proj),
+                "gate_up_w": mlp._fused, "gate_up_b": mlp._fused_bias,
                 "down_w": mlp.down_proj._packed, "down_b": bias(mlp.down_proj)})
         try:
             return cpu_native.DecoderStack(

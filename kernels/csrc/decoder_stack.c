@@ -10,6 +10,7 @@
  *
  * The caller owns every buffer (activations for T rows, the attention rows' metadata) and
  * checks shapes; this file only runs the sequence and reports out-of-range positions or slots.
+ * The gate/up weight comes as panel pairs (kp_gemm_silu_f32), as the MLP module packs it.
  */
 #include <stdint.h>
 
@@ -18,12 +19,14 @@ void kp_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, cons
 int kp_rope_f32(float *x, int64_t row_stride, const int64_t *positions, const float *cos_table,
                 const float *sin_table, int64_t max_positions, int64_t rows, int64_t heads,
                 int64_t head_dim);
-void kp_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter);
 int kp_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                     const int64_t *slots, int64_t n, float *cache, int64_t num_slots,
                     int64_t row_floats);
 int kp_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
                 int64_t N, const float *bias, float *y, int64_t ldy);
+int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
+                     int64_t inter, const float *bias, float *gu, int64_t ldgu, float *act,
+                     int64_t ldact);
 int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int64_t num_blocks,
                       int32_t block_size, int32_t num_kv_heads, int32_t head_dim,
                       int32_t num_heads, const int32_t *block_tables, int64_t bt_stride,
@@ -72,6 +75,7 @@ int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
     const int64_t q_size = m->heads * hd, kv_size = m->kv_heads * hd;
     const int64_t qkv_size = q_size + 2 * kv_size;
     const int64_t num_slots = m->num_blocks * m->block_size;
+    const int64_t gu_width = 2 * ((m->inter + 47) / 48) * 48;  /* gate/up panel pairs */
     if (T <= 0) return 0;
     for (int64_t l = 0; l < m->layers; ++l) {
         /* Input norm; from the second layer on, the residual add of the last layer's MLP. */
@@ -93,9 +97,8 @@ int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
             return -3;
         kp_gemm_f32(s->attn, q_size, T, m->o_w[l], q_size, H, m->o_b[l], s->x, H);
         kp_add_rms_norm_f32(s->x, H, s->residual, m->post_norm[l], s->normed, T, H, m->eps);
-        kp_gemm_f32(s->normed, H, T, m->gate_up_w[l], H, 2 * m->inter, m->gate_up_b[l],
-                    s->gate_up, 2 * m->inter);
-        kp_silu_mul_f32(s->gate_up, s->act, T, m->inter);
+        kp_gemm_silu_f32(s->normed, H, T, m->gate_up_w[l], H, m->inter, m->gate_up_b[l],
+                         s->gate_up, gu_width, s->act, m->inter);
         kp_gemm_f32(s->act, m->inter, T, m->down_w[l], m->inter, H, m->down_b[l], s->x, H);
     }
     kp_add_rms_norm_f32(s->x, H, s->residual, m->final_norm, s->out, T, H, m->eps);

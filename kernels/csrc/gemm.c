@@ -18,6 +18,8 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+#include "simd_exp.h"
+
 int kp_gemm_available(void) { return 1; }
 
 /* Rows [0, mr) of x times one panel; columns past `ncols` (< NR at the tail) are not stored. */
@@ -148,11 +150,64 @@ int kp_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int
     }
     return 0;
 }
+
+/* The SwiGLU MLP's first half: act [M, inter] = silu(x Wg^T + bg) * (x Wu^T + bu), with the
+ * gate and up weights packed as panel pairs (panel 2q: gate outputs 48q .. 48q + 47, panel
+ * 2q + 1: the same up outputs; cpu_native.pack_gate_up_weight). One thread computes both
+ * panels of a pair and applies the SiLU-and-multiply to them at once, while they are in its
+ * own cache. Separately, the SiLU pass read half of its input from the other core's cache
+ * (the GEMM splits columns, the pass rows): 69 us against 43 on warm data for 64 rows.
+ * `gu` is scratch of [M, 2 * pairs * 48] (row stride ldgu). */
+int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
+                     int64_t inter, const float *bias, float *gu, int64_t ldgu, float *act,
+                     int64_t ldact) {
+    if (M <= 0 || inter <= 0) return 0;
+    const int64_t pairs = (inter + NR - 1) / NR;
+    if (ldgu < 2 * pairs * NR) return -1;
+    const int64_t MB = 256;
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t mb = (M - m0) < MB ? (M - m0) : MB;
+#pragma omp parallel for schedule(static)
+        for (int64_t q = 0; q < pairs; ++q) {
+            const int64_t c0 = q * NR;
+            const int ncols = (inter - c0) < NR ? (int)(inter - c0) : NR;
+            const float *gate = packed + 2 * q * K * NR, *up = gate + K * NR;
+            float *yg = gu + m0 * ldgu + 2 * c0, *yu = yg + NR;
+            panel_rows(x + m0 * ldx, ldx, mb, gate, K, bias ? bias + 2 * c0 : 0, yg, ldgu, NR,
+                       up);
+            panel_rows(x + m0 * ldx, ldx, mb, up, K, bias ? bias + 2 * c0 + NR : 0, yu, ldgu, NR,
+                       q + 1 < pairs ? up + K * NR : 0);
+            const __m512 one = _mm512_set1_ps(1.0f);
+            for (int64_t i = 0; i < mb; ++i) {
+                const float *g = yg + i * ldgu, *u = yu + i * ldgu;
+                float *o = act + (m0 + i) * ldact + c0;
+                for (int c = 0; c < ncols; c += 16) {
+                    const __mmask16 k = (ncols - c) >= 16 ? 0xFFFF
+                                        : (__mmask16)((1u << (ncols - c)) - 1);
+                    const __m512 gv = _mm512_loadu_ps(g + c);
+                    const __m512 sig = _mm512_div_ps(
+                        one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+                    _mm512_mask_storeu_ps(o + c, k,
+                                          _mm512_mul_ps(_mm512_mul_ps(gv, sig),
+                                                        _mm512_loadu_ps(u + c)));
+                }
+            }
+        }
+    }
+    return 0;
+}
 #else
 int kp_gemm_available(void) { return 0; }
 int kp_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
                 int64_t N, const float *bias, float *y, int64_t ldy) {
     (void)x; (void)ldx; (void)M; (void)packed; (void)K; (void)N; (void)bias; (void)y; (void)ldy;
+    return -1;
+}
+int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
+                     int64_t inter, const float *bias, float *gu, int64_t ldgu, float *act,
+                     int64_t ldact) {
+    (void)x; (void)ldx; (void)M; (void)packed; (void)K; (void)inter; (void)bias; (void)gu;
+    (void)ldgu; (void)act; (void)ldact;
     return -1;
 }
 #endif

@@ -127,6 +127,8 @@ static inline void prefetch_l2(const float *const *rows, int n, int64_t nfl) {
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+#include "simd_exp.h"
+
 /* Lane i of the result = sum of all 16 lanes of v[i]: a transpose-and-add tree (45 shuffles
  * and adds for 16 sums instead of 16 separate horizontal reductions). */
 static inline __m512 hsum16(const __m512 v[16]) {
@@ -145,24 +147,6 @@ static inline __m512 hsum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88),
                          _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
-/* e^x for 16 lanes: 2^(x log2 e) split into 2^n (vscalefps) times a degree-6 polynomial for
- * 2^f, |f| <= 0.5 (relative error ~1e-7 near 0, where the softmax weights that matter are).
- * Inputs are clamped at -87 (weights below e^-87 are zero in fp32 sums anyway). */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 y = _mm512_set1_ps(1.5403530393381608e-4f);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
-
 /* softmax_chunk for n <= 32 scores, all in registers: no scalar passes over the chunk. */
 _Static_assert(CHUNK <= 32, "softmax_chunk_avx512 holds a chunk in two registers");
 static inline float softmax_chunk_avx512(float *p, int n, float *m, float *l) {

@@ -125,7 +125,7 @@ def test_stack_rejects_weights_it_cannot_run(tmp_path: Path) -> None:
             "post_norm": layer.post_attention_layernorm.weight.detach(),
             "qkv_w": layer.self_attn.qkv_proj._packed, "qkv_b": None,
             "o_w": layer.self_attn.o_proj._packed, "o_b": None,
-            "gate_up_w": layer.mlp.gate_up_proj._packed, "gate_up_b": None,
+            "gate_up_w": layer.mlp._fused, "gate_up_b": None,
             "down_w": layer.mlp.down_proj._packed, "down_b": None}
     kwargs = dict(hidden=model.hidden_size, heads=model.num_heads, kv_heads=model.num_kv_heads,
                   head_dim=model.head_dim, inter=layer.mlp.intermediate_size, eps=1e-5,

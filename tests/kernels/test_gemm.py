@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import Linear
+from engine.layers import Linear, SwiGLUMLP
 from kernels import cpu_native
 
 pytestmark = pytest.mark.skipif(
@@ -58,3 +58,62 @@ def test_packed_linear_equals_f_linear(bias: bool) -> None:
     # Any other input (3-D, another dtype) falls back to F.linear rather than failing.
     torch.testing.assert_close(layer(x.view(3, 7, 72)), expected.view(3, 7, 130),
                                rtol=1e-5, atol=1e-5)
+
+
+def _swiglu_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    inter = w.shape[0] // 2
+    gu = F.linear(x.double(), w.double(), None if b is None else b.double())
+    return (F.silu(gu[:, :inter]) * gu[:, inter:]).float()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 33, 300])
+@pytest.mark.parametrize(("inter", "k"), [(1536, 576), (100, 64), (48, 32), (47, 19)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_silu_matches_linear_then_silu(rows: int, inter: int, k: int,
+                                            with_bias: bool) -> None:
+    """Gate/up interleaved panel by panel (each half padded to whole panels when inter is not
+    a multiple of 48), SiLU-and-multiply in the GEMM: the SwiGLU half-MLP."""
+    gen = torch.Generator().manual_seed(rows * 7 + inter)
+    w = torch.randn(2 * inter, k, generator=gen) * 0.2
+    b = torch.randn(2 * inter, generator=gen) if with_bias else None
+    x = torch.randn(rows, k, generator=gen)
+    packed = cpu_native.pack_gate_up_weight(w)
+    assert packed.shape == (2 * -(-inter // 48), k, 48)
+    fused_b = cpu_native.pack_gate_up_bias(b) if b is not None else None
+    got = cpu_native.gemm_silu(x, packed, inter, fused_b)
+    assert got is not None and got.shape == (rows, inter)
+    torch.testing.assert_close(got, _swiglu_ref(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_gemm_silu_reads_strided_rows_and_refuses_other_layouts() -> None:
+    w = torch.randn(200, 64)
+    packed = cpu_native.pack_gate_up_weight(w)
+    x = torch.randn(9, 96)[:, 16:80]
+    torch.testing.assert_close(cpu_native.gemm_silu(x, packed, 100), _swiglu_ref(x, w, None),
+                               rtol=1e-5, atol=1e-4)
+    assert cpu_native.gemm_silu(torch.randn(9, 63), packed, 100) is None  # wrong K
+    assert cpu_native.gemm_silu(torch.randn(9, 64, dtype=torch.float64), packed, 100) is None
+    assert cpu_native.gemm_silu(torch.randn(9, 64), packed, 200) is None  # wrong inter
+    assert cpu_native.gemm_silu(torch.randn(9, 64), packed, 100, torch.zeros(200)) is None
+    with pytest.raises(ValueError):
+        cpu_native.pack_gate_up_weight(torch.randn(201, 64))
+
+
+def test_swiglu_module_packs_once_and_matches_the_unfused_path() -> None:
+    torch.manual_seed(0)
+    mlp = SwiGLUMLP(64, 100, bias=True)
+    x = torch.randn(11, 64)
+    with torch.no_grad():
+        expected = mlp(x)  # plain F.linear path
+        assert mlp.gate_up_proj.pack() and mlp.down_proj.pack()
+        assert mlp.pack()
+        assert mlp.gate_up_proj._packed is None  # no second packed copy of gate/up
+        calls = []
+        real = cpu_native.gemm_silu
+        try:
+            cpu_native.gemm_silu = lambda *a, **k: calls.append(1) or real(*a, **k)
+            got = mlp(x)
+        finally:
+            cpu_native.gemm_silu = real
+    assert calls == [1]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
