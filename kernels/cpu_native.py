@@ -145,6 +145,8 @@ def paged_rows(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
         kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4], query.shape[1],
         bt.data_ptr(), bt.stride(0), lens.data_ptr(), tok.data_ptr(), seq.data_ptr(),
         tok.numel(), float(scale), out.data_ptr(), out.stride(0))
+    if rc == -2:
+        raise MemoryError("native paged attention could not allocate its scratch")
     if rc != 0:
         raise ValueError("native paged attention: shape outside the kernel's limits")
 
@@ -273,11 +275,15 @@ def pack_gate_up_bias(bias: torch.Tensor) -> torch.Tensor:
 def gemm_silu(x: torch.Tensor, packed: torch.Tensor, inter: int,
               bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """`silu(x @ gate.T + bg) * (x @ up.T + bu)` `[rows, inter]` with a weight (and bias) from
-    `pack_gate_up_weight` / `pack_gate_up_bias`; None when `x` is not in the kernel's layout."""
+    `pack_gate_up_weight` / `pack_gate_up_bias`; None when `x` is not in the kernel's layout.
+    (A plain `pack_gemm_weight` of the fused weight has the same shape when inter is a multiple
+    of 48, but not the pair order: only pass what `pack_gate_up_weight` made.)"""
     lib = load()
     pairs = -(-inter // GEMM_PANEL)
-    if (lib is None or not _f32_rows(x) or x.shape[1] != packed.shape[1]
-            or packed.shape[0] != 2 * pairs
+    if (lib is None or not _f32_rows(x) or packed.dim() != 3 or x.shape[1] != packed.shape[1]
+            or packed.shape[0] != 2 * pairs or packed.shape[2] != GEMM_PANEL
+            or packed.dtype != torch.float32 or not packed.is_contiguous()
+            or packed.device.type != "cpu"
             or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
                                       or bias.numel() != 2 * pairs * GEMM_PANEL))):
         return None
@@ -370,6 +376,8 @@ _STACK_ERRORS = {
     -1: (IndexError, "a position is outside the rotary table"),
     -2: (IndexError, "a KV slot is outside the cache"),
     -3: (ValueError, "native paged attention: shape outside the kernel's limits"),
+    -4: (RuntimeError, "the native GEMM refused its arguments"),
+    -5: (MemoryError, "native paged attention could not allocate its scratch"),
 }
 
 
@@ -433,11 +441,12 @@ class DecoderStack:
             head_dim=head_dim, inter=inter, max_positions=cos.shape[0], eps=eps, scale=scale,
             final_norm=final_norm.data_ptr(), cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
             **{key: ctypes.cast(arr, _ptrs) for key, arr in self._arrays.items()})
-        self._kv_key: tuple[int, ...] | None = None
+        self._kv_key: tuple | None = None
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:
-        key = tuple(c.data_ptr() for c in kv_caches)
+        # Addresses and shapes: a new cache at a freed cache's address must be checked again.
+        key = tuple((c.data_ptr(), tuple(c.shape), c.dtype) for c in kv_caches)
         if key == self._kv_key:
             return
         if len(kv_caches) != self.num_layers:
@@ -450,7 +459,7 @@ class DecoderStack:
                     or c.shape[2] > 256):
                 raise ValueError("KV caches must be contiguous fp32 CPU tensors "
                                  "[2, blocks, block_size <= 256, kv_heads, head_dim]")
-        self._kv_array = (ctypes.c_void_p * len(kv_caches))(*key)
+        self._kv_array = (ctypes.c_void_p * len(kv_caches))(*(c.data_ptr() for c in kv_caches))
         self._struct.kv = ctypes.cast(self._kv_array, _ptrs)
         self._struct.num_blocks, self._struct.block_size = shape[1], shape[2]
         self._kv_key = key
@@ -468,14 +477,16 @@ class DecoderStack:
         if not (x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2
                 and x.shape[1] == self.hidden):
             raise ValueError("x must be contiguous fp32 [tokens, hidden]")
-        for name, v, dtype in (("positions", positions, torch.int64), ("slots", slots, torch.int64),
-                               ("row_lens", row_lens, torch.int32),
-                               ("seq_idx", seq_idx, torch.int64)):
-            if v.dtype != dtype or not v.is_contiguous() or v.numel() != t:
-                raise ValueError(f"{name} must be contiguous {dtype} with one entry per token")
-        if (block_tables.dtype != torch.int32 or block_tables.dim() != 2
-                or block_tables.stride(1) != 1):
-            raise ValueError("block_tables must be int32 [seqs, blocks] with unit column stride")
+        # The per-layer path takes other integer widths and strides too: convert, do not refuse.
+        positions, slots = positions.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+        row_lens, seq_idx = row_lens.to(torch.int32).contiguous(), seq_idx.to(torch.int64).contiguous()
+        block_tables = block_tables.to(torch.int32).contiguous()
+        for name, v in (("positions", positions), ("slots", slots), ("row_lens", row_lens),
+                        ("seq_idx", seq_idx)):
+            if v.dim() != 1 or v.numel() != t or v.device.type != "cpu":
+                raise ValueError(f"{name} must be a CPU vector with one entry per token")
+        if block_tables.dim() != 2:
+            raise ValueError("block_tables must be [seqs, blocks]")
         self._bind_kv(kv_caches)
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         # Each activation gets its own contiguous [T, n] block of one allocation.

@@ -60,6 +60,11 @@ CONFIGS = {
     "mistral_headdim": lambda: MistralConfig(**_common(
         num_attention_heads=4, num_key_value_heads=1, head_dim=24, sliding_window=None,
         tie_word_embeddings=False)),
+    # head_dim 64 (the AVX-512 attention loops; the 33-token prompt is a transposed-key prefill
+    # run) and an intermediate size that is not a multiple of 48 (gate/up panels padded).
+    "llama_hd64_inter100": lambda: LlamaConfig(**_common(
+        hidden_size=192, num_attention_heads=3, num_key_value_heads=1, intermediate_size=100,
+        tie_word_embeddings=False)),
     # Qwen2: q/k/v biases, tied, GQA, transformers-5 rope_parameters with linear scaling.
     "qwen2_tied": lambda: Qwen2Config(**_common(
         num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4,

@@ -201,7 +201,6 @@ class LlamaForCausalLM(nn.Module):
         stack = self.native_stack
         if (stack is not None and self.use_native_stack and not torch.is_grad_enabled()
                 and x.device.type == "cpu" and x.dtype == torch.float32
-                and meta.block_tables.dtype == torch.int32
                 and kernels.resolve_backend(x.device) == "torch"):
             rows = attention_rows(meta, x.shape[0])
             if rows is not None:

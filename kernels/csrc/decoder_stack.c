@@ -13,6 +13,7 @@
  * The gate/up weight comes as panel pairs (kp_gemm_silu_f32), as the MLP module packs it.
  */
 #include <stdint.h>
+#include <string.h>
 
 void kp_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, const float *w,
                          float *out, int64_t rows, int64_t hidden, float eps);
@@ -69,7 +70,8 @@ typedef struct {
 } kp_decoder_step;
 
 /* 0 on success; -1 a position outside the rotary table, -2 a KV slot outside the cache,
- * -3 attention shape outside the kernel's limits. */
+ * -3 attention shape outside the kernel's limits, -4 a GEMM refused its arguments, -5 the
+ * attention's scratch could not be allocated. */
 int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
     const int64_t T = s->tokens, H = m->hidden, hd = m->head_dim;
     const int64_t q_size = m->heads * hd, kv_size = m->kv_heads * hd;
@@ -80,26 +82,29 @@ int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
     for (int64_t l = 0; l < m->layers; ++l) {
         /* Input norm; from the second layer on, the residual add of the last layer's MLP. */
         kp_add_rms_norm_f32(s->x, H, l ? s->residual : 0, m->in_norm[l], s->normed, T, H, m->eps);
-        if (l == 0) {  /* the first residual is the embedding itself */
-            for (int64_t i = 0; i < T * H; ++i) s->residual[i] = s->x[i];
-        }
-        kp_gemm_f32(s->normed, H, T, m->qkv_w[l], H, qkv_size, m->qkv_b[l], s->qkv, qkv_size);
+        if (l == 0)  /* the first residual is the embedding itself */
+            memcpy(s->residual, s->x, (size_t)(T * H) * sizeof(float));
+        if (kp_gemm_f32(s->normed, H, T, m->qkv_w[l], H, qkv_size, m->qkv_b[l], s->qkv, qkv_size))
+            return -4;
         if (kp_rope_f32(s->qkv, qkv_size, s->positions, m->cos_table, m->sin_table,
                         m->max_positions, T, m->heads + m->kv_heads, hd))
             return -1;
         if (kp_store_kv_f32(s->qkv + q_size, qkv_size, s->qkv + q_size + kv_size, qkv_size,
                             s->slots, T, m->kv[l], num_slots, kv_size))
             return -2;
-        if (kp_paged_rows_f32(s->qkv, qkv_size, m->kv[l], m->num_blocks, (int32_t)m->block_size,
-                              (int32_t)m->kv_heads, (int32_t)hd, (int32_t)m->heads,
-                              s->block_tables, s->bt_stride, s->row_lens, s->tok_idx,
-                              s->seq_idx, T, m->scale, s->attn, q_size))
-            return -3;
-        kp_gemm_f32(s->attn, q_size, T, m->o_w[l], q_size, H, m->o_b[l], s->x, H);
+        const int rc = kp_paged_rows_f32(
+            s->qkv, qkv_size, m->kv[l], m->num_blocks, (int32_t)m->block_size,
+            (int32_t)m->kv_heads, (int32_t)hd, (int32_t)m->heads, s->block_tables, s->bt_stride,
+            s->row_lens, s->tok_idx, s->seq_idx, T, m->scale, s->attn, q_size);
+        if (rc) return rc == -2 ? -5 : -3;
+        if (kp_gemm_f32(s->attn, q_size, T, m->o_w[l], q_size, H, m->o_b[l], s->x, H))
+            return -4;
         kp_add_rms_norm_f32(s->x, H, s->residual, m->post_norm[l], s->normed, T, H, m->eps);
-        kp_gemm_silu_f32(s->normed, H, T, m->gate_up_w[l], H, m->inter, m->gate_up_b[l],
-                         s->gate_up, gu_width, s->act, m->inter);
-        kp_gemm_f32(s->act, m->inter, T, m->down_w[l], m->inter, H, m->down_b[l], s->x, H);
+        if (kp_gemm_silu_f32(s->normed, H, T, m->gate_up_w[l], H, m->inter, m->gate_up_b[l],
+                             s->gate_up, gu_width, s->act, m->inter))
+            return -4;
+        if (kp_gemm_f32(s->act, m->inter, T, m->down_w[l], m->inter, H, m->down_b[l], s->x, H))
+            return -4;
     }
     kp_add_rms_norm_f32(s->x, H, s->residual, m->final_norm, s->out, T, H, m->eps);
     return 0;

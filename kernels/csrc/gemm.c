@@ -100,7 +100,7 @@ static inline __attribute__((always_inline)) void panel_block(
 #define PANEL_ROWS_BODY(EVERY)                                                                   \
     for (; m + MR <= M; m += MR, ++b)                                                            \
         panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, MR, PF(b), EVERY, \
-                    m + 2 * MR <= M ? y + (m + MR) * ldy : ncols == NR ? y + NR : 0); \
+                    m + 2 * MR <= M ? y + (m + MR) * ldy : next_panel ? y + NR : 0); \
     switch (M - m) { /* constant row counts so each tail keeps its accumulators in registers */  \
     case 1: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 1, PF(b), EVERY, 0); break; \
     case 2: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 2, PF(b), EVERY, 0); break; \

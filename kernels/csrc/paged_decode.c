@@ -250,8 +250,12 @@ DEFINE_PASS(pass_hd64, 4)
 DEFINE_PASS(pass_hd128, 8)
 
 /* KV heads kvh .. kvh + nkv - 1 of one row (q and out at the first of their query heads). */
-static void item_avx512(const float *q, const kv_layout *kv, const int32_t *table, int32_t len,
-                        int kvh, int nkv, int group, int hd, float scale, float *out) {
+/* Keys start .. len - 1; with `state` (m, l per head, then the unnormalised accumulators
+ * [heads][hd]) the online softmax goes on from there instead of from nothing: how a row's
+ * own keys follow a shared prefix done elsewhere (cascade). */
+static void item_avx512(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
+                        int32_t len, int kvh, int nkv, int group, int hd, float scale,
+                        const float *state, float *out) {
     const int heads = nkv * group;
     const int per_pass = hd == 64 ? 4 : 2;  /* hd 128: 2 heads x 8 vectors of q fit registers */
     float accbuf[MAX_HEADS * MAX_HEAD_DIM];
@@ -260,15 +264,17 @@ static void item_avx512(const float *q, const kv_layout *kv, const int32_t *tabl
     const float *rows[4][CHUNK];  /* K and V pointers of this chunk and of the next */
     int cur = 0;
     for (int g = 0; g < heads; ++g) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
+        m[g] = state ? state[g] : -INFINITY;
+        l[g] = state ? state[heads + g] : 0.0f;
     }
-    for (int64_t i = 0; i < (int64_t)heads * hd; ++i) accbuf[i] = 0.0f;
-    int n0 = len < CHUNK ? len : CHUNK;
-    chunk_rows(kv, table, 0, n0, kvh, hd, rows[0], rows[1]);
+    for (int64_t i = 0; i < (int64_t)heads * hd; ++i)
+        accbuf[i] = state ? state[2 * heads + i] : 0.0f;
+    const int32_t first = len - start < CHUNK ? len - start : CHUNK;
+    const int n0 = first > 0 ? first : 0;
+    chunk_rows(kv, table, start, n0, kvh, hd, rows[0], rows[1]);
     prefetch_l2(rows[0], n0, (int64_t)nkv * hd);
     prefetch_l2(rows[1], n0, (int64_t)nkv * hd);
-    for (int32_t c0 = 0; c0 < len; c0 += CHUNK) {
+    for (int32_t c0 = start; c0 < len; c0 += CHUNK) {
         const int n = (len - c0) < CHUNK ? (len - c0) : CHUNK;
         const float *const *krow = rows[2 * cur], *const *vrow = rows[2 * cur + 1];
         const float **nk = rows[2 * (1 - cur)], **nv = rows[2 * (1 - cur) + 1];
@@ -301,16 +307,25 @@ static void item_avx512(const float *q, const kv_layout *kv, const int32_t *tabl
     }
 }
 
-/* ---- Prefill runs: keys in the vector lanes ----
- * The rows of one prefill chunk all read the same keys. For a run of at least KT_MIN_ROWS such
- * rows (one sequence, consecutive positions) the keys of each KV head are first laid out
- * transposed, once per call, as [head][group of 16 keys][head_dim][16]; a row's scores then
- * come out 16 keys to a vector (head_dim multiply-adds per 16 scores, no horizontal sums), the
- * softmax is taken over the whole score row (a few KiB), and the V rows are read block by
- * block. Two consecutive rows go together, so each K and V load feeds up to 6 (row, head)
- * pairs with every accumulator in registers. On 7 prompts of 64-512 tokens (a W1 prefill step,
- * 9 heads over 3 KV heads, 2 threads): 10.8 -> 7.2 ms a layer; one 2048-token prompt:
- * 54 -> 29 ms (bench/probes/prefill_attention.py). */
+/* ---- Rows that share keys: keys in the vector lanes ----
+ * The rows of one prefill chunk all read the same keys, and so do decode rows whose sequences
+ * share a prompt prefix. For such a group (see kp_paged_rows_f32) the shared keys of each KV
+ * head are first laid out transposed, once per call, as [head][group of 16 keys][head_dim][16];
+ * a row's scores then come out 16 keys to a vector (head_dim multiply-adds per 16 scores, no
+ * horizontal sums), the softmax is taken over the whole score row (a few KiB), and the V rows
+ * are read block by block. Two rows go together, so each K and V load feeds up to 6
+ * (row, head) pairs with every accumulator in registers. On 7 prompts of 64-512 tokens (a W1
+ * prefill step, 9 heads over 3 KV heads, 2 threads): 10.8 -> 7.2 ms a layer; one 2048-token
+ * prompt: 54 -> 29 ms (bench/probes/prefill_attention.py). For a shared prefix (cascade) the
+ * tile hands its softmax max and sum on, unnormalised, and the row loop above goes on over the
+ * row's own keys from there: 64 decode rows over a 400-token prefix plus 32-96 own tokens,
+ * 0.84 -> 0.55 ms a layer. */
+#ifndef CASCADE_MIN_ROWS
+#define CASCADE_MIN_ROWS 8
+#endif
+#ifndef CASCADE_MIN_BLOCKS
+#define CASCADE_MIN_BLOCKS 8
+#endif
 #ifndef KT_MIN_ROWS  /* a huge value turns the path off (bench/probes/prefill_attention.py) */
 #define KT_MIN_ROWS 32
 #endif
@@ -351,11 +366,11 @@ static void kt_fill(const kv_layout *kv, const int32_t *table, int32_t len, int 
 static inline __attribute__((always_inline)) void kt_tile(
     const float *const *q, const float *kt, int64_t ld, const kv_layout *kv,
     const int32_t *table, const int32_t *lens, int h, const int R, const int gb, const int NV,
-    float scale, float *s, float *const *out) {
+    float scale, float *s, float *const *out, float *const *stats, int stats_heads) {
     const int hd = 16 * NV;
     const int M = R * gb;
     const int32_t bs = kv->block_size;
-    const int32_t len = lens[R - 1];  /* the longer row */
+    const int32_t len = lens[R - 1] > lens[0] ? lens[R - 1] : lens[0];  /* the longer row */
     float qs[6 * 128] __attribute__((aligned(64)));
     for (int m = 0; m < M; ++m)
         for (int d = 0; d < hd; ++d) qs[m * hd + d] = q[m / gb][(int64_t)(m % gb) * hd + d] * scale;
@@ -396,7 +411,15 @@ static inline __attribute__((always_inline)) void kt_tile(
             t += 16;
         }
         for (; t < groups * 16; t += 16) _mm512_store_ps(sm + t, _mm512_setzero_ps());  /* keys of the longer row only */
-        inv[m] = 1.0f / _mm512_reduce_add_ps(vsum);
+        const float sum = _mm512_reduce_add_ps(vsum);
+        if (stats) {  /* cascade: hand on the max and the sum, the output stays unnormalised */
+            float *st = stats[m / gb];
+            st[m % gb] = _mm512_reduce_max_ps(mx);
+            st[stats_heads + m % gb] = sum;
+            inv[m] = 1.0f;
+        } else {
+            inv[m] = 1.0f / sum;
+        }
     }
     __m512 a[6][8];
     for (int m = 0; m < M; ++m)
@@ -424,8 +447,10 @@ static inline __attribute__((always_inline)) void kt_tile(
 /* kt_tile with R, gb and the head dim as constants (registers: M * NV accumulators <= 24). */
 static void kt_dispatch(const float *const *q, const float *kt, int64_t ld, const kv_layout *kv,
                         const int32_t *table, const int32_t *lens, int h, int R, int gb, int hd,
-                        float scale, float *s, float *const *out) {
-#define KT(RR, GB, NV) kt_tile(q, kt, ld, kv, table, lens, h, RR, GB, NV, scale, s, out)
+                        float scale, float *s, float *const *out, float *const *stats,
+                        int stats_heads) {
+#define KT(RR, GB, NV) kt_tile(q, kt, ld, kv, table, lens, h, RR, GB, NV, scale, s, out, stats, \
+                               stats_heads)
     if (hd == 64) {
         if (R == 1) {
             switch (gb) { case 1: KT(1, 1, 4); break; case 2: KT(1, 2, 4); break;
@@ -444,14 +469,16 @@ static void kt_dispatch(const float *const *q, const float *kt, int64_t ld, cons
 #undef KT
 }
 
-static __thread float *kt_scores;
+static __thread float *kt_scores;  /* a worker's score rows */
 static __thread int64_t kt_scores_cap;
+static __thread float *kt_keys;  /* the calling thread's transposed keys */
+static __thread int64_t kt_keys_cap;
 
 /* KV heads kvh .. kvh + nkv - 1 of R (1 or 2) consecutive rows of a prefill run; q[r] and
  * out[r] point at the first of their heads. */
 static int kt_item(const float *const *q, const float *kt, int64_t ld, const kv_layout *kv,
                    const int32_t *table, const int32_t *lens, int R, int kvh, int nkv, int group,
-                   int hd, float scale, float *const *out) {
+                   int hd, float scale, float *const *out, float *const *stats) {
     const int per_pass = hd == 64 ? (R == 1 ? 4 : 3) : (R == 1 ? 2 : 1);
     float *s = grow_buffer(&kt_scores, &kt_scores_cap, (int64_t)6 * ld);
     if (!s) return -1;
@@ -461,7 +488,15 @@ static int kt_item(const float *const *q, const float *kt, int64_t ld, const kv_
             const int64_t off = ((int64_t)k * group + g) * hd;
             const float *qg[2] = {q[0] + off, R > 1 ? q[1] + off : 0};
             float *og[2] = {out[0] + off, R > 1 ? out[1] + off : 0};
-            kt_dispatch(qg, kt, ld, kv, table, lens, kvh + k, R, gb, hd, scale, s, og);
+            if (stats) {  /* [m, l per head][acc]: heads of this pass at their offsets */
+                const int heads = nkv * group, hh = k * group + g;
+                float *sg[2] = {stats[0] + hh, R > 1 ? stats[1] + hh : 0};
+                float *ag[2] = {stats[0] + 2 * heads + off, R > 1 ? stats[1] + 2 * heads + off : 0};
+                kt_dispatch(qg, kt, ld, kv, table, lens, kvh + k, R, gb, hd, scale, s, ag, sg,
+                            heads);
+            } else {
+                kt_dispatch(qg, kt, ld, kv, table, lens, kvh + k, R, gb, hd, scale, s, og, 0, 0);
+            }
         }
     return 0;
 }
@@ -472,7 +507,7 @@ static void run_item(const float *q, const kv_layout *kv, const int32_t *table, 
                      int kvh, int nkv, int group, int hd, float scale, float *out) {
 #ifdef __AVX512F__
     if ((hd == 64 || hd == 128) && nkv * group <= MAX_HEADS) {
-        item_avx512(q, kv, table, len, kvh, nkv, group, hd, scale, out);
+        item_avx512(q, kv, table, 0, len, kvh, nkv, group, hd, scale, 0, out);
         return;
     }
 #endif
@@ -508,59 +543,101 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
     const int splits = num_kv_heads / per_item;
     const int64_t items = n * splits;
 
-    /* Prefill runs (rows of one sequence at consecutive positions) long enough for the
-     * transposed-key path: run_of[r] is the run's index, or -1. */
-    int32_t *run_of = 0;
-    int64_t *run_row = 0, *run_first = 0, *run_off = 0;
+    /* Rows that share keys with others, done with the keys transposed (see above):
+     * - prefill runs: at least KT_MIN_ROWS rows of one sequence at consecutive positions;
+     * - cascade groups: at least CASCADE_MIN_ROWS consecutive rows of different sequences whose
+     *   block tables start with the same CASCADE_MIN_BLOCKS or more full blocks (a shared prompt
+     *   prefix). The prefix is done once per group, two rows at a time; each row then goes on
+     *   over its own keys from the softmax state the prefix left.
+     * grp_of[r] is row r's group, or -1. Group k covers rows grp_first[k] .. grp_last[k] and its
+     * transposed keys (the first grp_keys[k] keys) start at kt + grp_off[k]. */
+    int32_t *grp_of = 0, *grp_keys = 0;
+    int64_t *grp_first = 0, *grp_last = 0, *grp_off = 0;
+    unsigned char *grp_cascade = 0;
     float *kt = 0;
-    int64_t runs = 0;
+    int64_t groups = 0;
 #ifdef __AVX512F__
-    if (head_dim == 64 || head_dim == 128) {
-        for (int64_t r = 0; r < n;) {
-            int64_t e = r + 1;
-            while (e < n && seq_idx[e] == seq_idx[r] && row_lens[e] == row_lens[e - 1] + 1) ++e;
-            if (e - r >= KT_MIN_ROWS) {
-                if (!run_of) {
-                    run_of = malloc((size_t)n * sizeof *run_of);
-                    run_row = malloc((size_t)(n / KT_MIN_ROWS + 1) * sizeof *run_row);
-                    run_first = malloc((size_t)(n / KT_MIN_ROWS + 1) * sizeof *run_first);
-                    run_off = malloc((size_t)(n / KT_MIN_ROWS + 2) * sizeof *run_off);
-                    if (!run_of || !run_row || !run_first || !run_off) break;
-                    for (int64_t i = 0; i < n; ++i) run_of[i] = -1;
-                    run_off[0] = 0;
+    if ((head_dim == 64 || head_dim == 128) && n >= 2) {
+        grp_of = malloc((size_t)n * sizeof *grp_of);
+        grp_keys = malloc((size_t)n * sizeof *grp_keys);
+        grp_first = malloc((size_t)n * sizeof *grp_first);
+        grp_last = malloc((size_t)n * sizeof *grp_last);
+        grp_off = malloc((size_t)(n + 1) * sizeof *grp_off);
+        grp_cascade = malloc((size_t)n);
+        if (grp_of && grp_keys && grp_first && grp_last && grp_off && grp_cascade) {
+            for (int64_t i = 0; i < n; ++i) grp_of[i] = -1;
+            grp_off[0] = 0;
+            for (int64_t r = 0; r < n;) {  /* prefill runs */
+                int64_t e = r + 1;
+                while (e < n && seq_idx[e] == seq_idx[r] && row_lens[e] == row_lens[e - 1] + 1) ++e;
+                if (e - r >= KT_MIN_ROWS) {
+                    grp_first[groups] = r;
+                    grp_last[groups] = e - 1;
+                    grp_keys[groups] = row_lens[e - 1];  /* the last row sees every key */
+                    grp_cascade[groups] = 0;
+                    for (int64_t i = r; i < e; ++i) grp_of[i] = (int32_t)groups;
+                    ++groups;
                 }
-                for (int64_t i = r; i < e; ++i) run_of[i] = (int32_t)runs;
-                run_first[runs] = r;
-                run_row[runs] = e - 1;  /* the run's last row sees every key the run needs */
-                const int64_t ld = ((int64_t)row_lens[e - 1] + 15) / 16 * 16;
-                run_off[runs + 1] = run_off[runs] + ld * layout.tok_stride;
-                ++runs;
+                r = e;
             }
-            r = e;
+            if (per_item == num_kv_heads && (int64_t)num_kv_heads * group <= MAX_HEADS) {
+                for (int64_t r = 0; r < n;) {  /* cascade groups among the other rows */
+                    if (grp_of[r] >= 0) { ++r; continue; }
+                    const int32_t *t0 = block_tables + seq_idx[r] * bt_stride;
+                    int64_t shared = (row_lens[r] - 1) / block_size;  /* full blocks before its key */
+                    int64_t e = r + 1;
+                    while (e < n && grp_of[e] < 0 && seq_idx[e] != seq_idx[e - 1]) {
+                        const int32_t *te = block_tables + seq_idx[e] * bt_stride;
+                        const int64_t own = (row_lens[e] - 1) / block_size;
+                        const int64_t lim = shared < own ? shared : own;
+                        int64_t c = 0;
+                        while (c < lim && te[c] == t0[c]) ++c;
+                        if (c < CASCADE_MIN_BLOCKS) break;
+                        shared = c;
+                        ++e;
+                    }
+                    if (e - r >= CASCADE_MIN_ROWS && shared >= CASCADE_MIN_BLOCKS) {
+                        grp_first[groups] = r;
+                        grp_last[groups] = e - 1;
+                        grp_keys[groups] = (int32_t)(shared * block_size);
+                        grp_cascade[groups] = 1;
+                        for (int64_t i = r; i < e; ++i) grp_of[i] = (int32_t)groups;
+                        ++groups;
+                        r = e;
+                    } else {
+                        ++r;
+                    }
+                }
+            }
+            for (int64_t k = 0; k < groups; ++k)
+                grp_off[k + 1] = grp_off[k] + ((int64_t)grp_keys[k] + 15) / 16 * 16 * layout.tok_stride;
+            /* Kept by the calling thread from call to call: a fresh buffer per layer would
+             * fault its pages in every time. It grows to the largest step's need. */
+            if (groups) kt = grow_buffer(&kt_keys, &kt_keys_cap, grp_off[groups]);
+            if (!kt) groups = 0;
         }
-        if (runs) {
-            kt = aligned_alloc(64, ((size_t)run_off[runs] * sizeof(float) + 63) & ~(size_t)63);
-            if (!kt) runs = 0;
-        }
-        if (runs) {
-            /* Fill the transposed keys: items are (run, 16-key group). */
-            int64_t groups = 0;
-            for (int64_t k = 0; k < runs; ++k) groups += ((int64_t)row_lens[run_row[k]] + 15) / 16;
+        if (groups) {
+            /* Fill the transposed keys: items are (group, 16-key slice). */
+            int64_t slices = 0;
+            for (int64_t k = 0; k < groups; ++k) slices += ((int64_t)grp_keys[k] + 15) / 16;
 #pragma omp parallel for schedule(static)
-            for (int64_t gi = 0; gi < groups; ++gi) {
+            for (int64_t gi = 0; gi < slices; ++gi) {
                 int64_t k = 0, first = 0;
                 for (;; ++k) {
-                    const int64_t g = ((int64_t)row_lens[run_row[k]] + 15) / 16;
+                    const int64_t g = ((int64_t)grp_keys[k] + 15) / 16;
                     if (gi < first + g) break;
                     first += g;
                 }
-                const int32_t len = row_lens[run_row[k]];
-                const int64_t ld = (len + 15) / 16 * 16;
-                kt_fill(&layout, block_tables + seq_idx[run_row[k]] * bt_stride, len,
-                        num_kv_heads, head_dim, ld, (int32_t)((gi - first) * 16), kt + run_off[k]);
+                const int32_t len = grp_keys[k];
+                const int64_t ld = ((int64_t)len + 15) / 16 * 16;
+                kt_fill(&layout, block_tables + seq_idx[grp_first[k]] * bt_stride, len,
+                        num_kv_heads, head_dim, ld, (int32_t)((gi - first) * 16), kt + grp_off[k]);
             }
         }
     }
+#else
+    (void)kt;
+    (void)groups;
 #endif
     int failed = 0;
 
@@ -573,17 +650,32 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
         float *oh = out + tok * out_row_stride + (int64_t)kvh * group * head_dim;
         const int32_t *table = block_tables + seq_idx[row] * bt_stride;
 #ifdef __AVX512F__
-        if (runs && run_of[row] >= 0) {
-            /* Rows go in pairs from the run's first row: the first of a pair does both. */
-            const int32_t k = run_of[row];
-            if ((row - run_first[k]) % 2) continue;
-            const int R = (row + 1 <= run_row[k]) ? 2 : 1;
-            const int64_t ld = ((int64_t)row_lens[run_row[k]] + 15) / 16 * 16;
+        if (groups && grp_of[row] >= 0) {
+            /* Rows go in pairs from the group's first row: the first of a pair does both. */
+            const int32_t k = grp_of[row];
+            if ((row - grp_first[k]) % 2) continue;
+            const int R = (row + 1 <= grp_last[k]) ? 2 : 1;
+            const int64_t ld = ((int64_t)grp_keys[k] + 15) / 16 * 16;
             const int64_t off = (int64_t)kvh * group * head_dim;
             const float *qr[2] = {qh, R > 1 ? q + tok_idx[row + 1] * q_row_stride + off : 0};
             float *orow[2] = {oh, R > 1 ? out + tok_idx[row + 1] * out_row_stride + off : 0};
-            if (kt_item(qr, kt + run_off[k], ld, &layout, table, row_lens + row, R, kvh,
-                        per_item, group, head_dim, scale, orow)) {
+            int rc;
+            if (!grp_cascade[k]) {
+                rc = kt_item(qr, kt + grp_off[k], ld, &layout, table, row_lens + row, R, kvh,
+                             per_item, group, head_dim, scale, orow, 0);
+            } else {
+                float state[2][2 * MAX_HEADS + MAX_HEADS * 128];  /* this path: head_dim <= 128 */
+                float *st[2] = {state[0], state[1]};
+                const int32_t lens[2] = {grp_keys[k], grp_keys[k]};
+                rc = kt_item(qr, kt + grp_off[k], ld, &layout, table, lens, R, kvh, per_item,
+                             group, head_dim, scale, orow, st);
+                for (int i = 0; i < R && !rc; ++i) {
+                    const int32_t *ti = block_tables + seq_idx[row + i] * bt_stride;
+                    item_avx512(qr[i], &layout, ti, grp_keys[k], row_lens[row + i], kvh, per_item,
+                                group, head_dim, scale, st[i], orow[i]);
+                }
+            }
+            if (rc) {
 #pragma omp atomic write
                 failed = 1;
             }
@@ -592,11 +684,12 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
 #endif
         run_item(qh, &layout, table, row_lens[row], kvh, per_item, group, head_dim, scale, oh);
     }
-    free(kt);
-    free(run_of);
-    free(run_row);
-    free(run_first);
-    free(run_off);
+    free(grp_of);
+    free(grp_keys);
+    free(grp_first);
+    free(grp_last);
+    free(grp_off);
+    free(grp_cascade);
     if (failed) return -2;
     return 0;
 }

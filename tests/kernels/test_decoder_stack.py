@@ -1,8 +1,10 @@
 """The one-call native decoder stack (kernels/csrc/decoder_stack.c) against the per-layer modules.
 
 Both run the same kernels in the same order, so hidden states and the KV they write must be equal
-bit for bit, on every tiny config of tests/test_models.py (GQA and MHA, biases, head_dim 24,
-tied heads), over a prefill + chunked prefill + decode sequence of steps. The transformers
+bit for bit, on every tiny config of tests/test_models.py (GQA and MHA, biases, head_dim 24 and
+64, tied heads, an intermediate size that is not a multiple of 48), over a prefill + chunked
+prefill + decode sequence of steps (with head_dim 64 also prefill runs long enough for the
+transposed-key path, one starting at an odd position). The transformers
 comparison in test_models.py already runs through the stack; this shows the stack is what ran.
 """
 
@@ -34,6 +36,18 @@ def _steps(seed: int) -> list[list[tuple[int, list[int]]]]:
     ]
 
 
+def _long_steps(seed: int) -> list[list[tuple[int, list[int]]]]:
+    """A prefill of 37 rows, then a chunk of 41 rows starting at the odd position 37 (two
+    transposed-key runs, one starting odd), with decodes alongside."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (80, 9)]
+    return [
+        [(0, seqs[0][:37]), (1, seqs[1][:8])],
+        [(1, seqs[1][8:9]), (0, seqs[0][37:78])],
+        [(0, seqs[0][78:79]), (1, seqs[1][8:9])],
+    ]
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_stack_equals_per_layer_modules_bit_for_bit(name: str, tmp_path: Path) -> None:
     path, _ = _save_checkpoint(CONFIGS[name], tmp_path)
@@ -52,6 +66,10 @@ def test_stack_equals_per_layer_modules_bit_for_bit(name: str, tmp_path: Path) -
         model.native_stack.run = counting_run
         sim = PagedSim(model, seed=3)
         logits = [sim.step(batch) for batch in _steps(11)]
+        if model.head_dim == 64:
+            sim2 = PagedSim(model, seed=5)
+            logits += [sim2.step(batch) for batch in _long_steps(2)]
+            sim.kv += sim2.kv
         del model.native_stack.run
         assert len(calls) == (len(logits) if use else 0)
         results[use] = (logits, sim.kv)
@@ -137,3 +155,34 @@ def test_stack_rejects_weights_it_cannot_run(tmp_path: Path) -> None:
                                 **kwargs)
     with pytest.raises(ValueError, match="o_b is not a contiguous fp32"):
         cpu_native.DecoderStack([{**good, "o_b": torch.zeros(3)}], *args, **kwargs)
+
+
+def test_stack_takes_what_the_per_layer_path_takes(tmp_path: Path) -> None:
+    """int32 positions and slots, int64 and strided block tables: converted, not refused."""
+    model = _tiny_stack(tmp_path)
+    ids, pos, kv, meta = _one_step_inputs(model, list(range(6)), list(range(6)))
+    wide = torch.zeros(1, 16, dtype=torch.int64)
+    wide[0, ::2] = meta.block_tables[0].long()
+    variants = {"int32": (pos.int(), meta.slot_mapping.int(), meta.block_tables),
+                "strided": (pos, meta.slot_mapping, wide[:, ::2])}
+    with torch.inference_mode():
+        expected = model(ids, pos, [c.clone() for c in kv], meta)
+        for name, (p, slots, tables) in variants.items():
+            m = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=meta.seq_lens,
+                                  query_start_loc=meta.query_start_loc,
+                                  max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len)
+            assert torch.equal(model(ids, p, [c.clone() for c in kv], m), expected), name
+
+
+def test_kv_binding_follows_a_new_shape_at_the_same_address(tmp_path: Path) -> None:
+    """A cache viewed with another block size (same storage address) is bound again."""
+    model = _tiny_stack(tmp_path)
+    stack = model.native_stack
+    kv = [torch.zeros(2, 8, 4, model.num_kv_heads, model.head_dim)
+          for _ in range(model.num_layers)]
+    stack._bind_kv(kv)
+    assert (stack._struct.num_blocks, stack._struct.block_size) == (8, 4)
+    views = [c.view(2, 2, 16, model.num_kv_heads, model.head_dim) for c in kv]
+    assert views[0].data_ptr() == kv[0].data_ptr()
+    stack._bind_kv(views)
+    assert (stack._struct.num_blocks, stack._struct.block_size) == (2, 16)

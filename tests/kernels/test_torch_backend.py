@@ -171,11 +171,40 @@ def test_store_then_attend_roundtrip() -> None:
 def test_long_prefill_runs_match_reference(head_dim: int, heads: tuple[int, int],
                                            block_size: int) -> None:
     """Prefill chunks of >= 32 rows take the native transposed-key path (csrc/paged_decode.c):
-    runs of 31 / 32 / 33 rows, one over a cached prefix (chunked), one far longer than a
-    block, next to decode rows, with shuffled blocks."""
-    seq_lens = [31, 32, 33, 150, 290, 77]
-    q_lens = [31, 32, 33, 40, 290, 1]
+    runs of 31 / 32 / 33 rows, chunks over a cached prefix starting at an even and at an odd
+    position (the odd one pairs a row whose keys end on a 16-key boundary with one past it),
+    one far longer than a block, next to decode rows, with shuffled blocks."""
+    if not cpu_native.gemm_available():
+        pytest.skip("the transposed-key path is AVX-512 only")
+    seq_lens = [31, 32, 33, 150, 151, 290, 77]
+    q_lens = [31, 32, 33, 40, 40, 290, 1]
     case = make_case(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1],
                      head_dim=head_dim, block_size=block_size, seed=head_dim + block_size)
     assert cpu_native.load() is not None
+    _check(paged_attention_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_decode_rows_over_a_shared_prefix_match_reference(seed: int) -> None:
+    """Decode rows of different sequences whose block tables start with the same >= 8 full
+    blocks (a shared prompt prefix) go through the cascade path: the prefix once for the group
+    with transposed keys, then each row's own keys from the softmax state it left. Groups are
+    broken by rows that do not share, and a prefill run sits among them."""
+    if not cpu_native.gemm_available():
+        pytest.skip("the cascade path is AVX-512 only")
+    rng = random.Random(seed)
+    heads = rng.choice([(9, 3), (8, 2), (4, 4), (8, 1), (32, 8)])
+    head_dim, block_size = rng.choice([64, 128]), rng.choice([4, 16, 32])
+    n = rng.randint(9, 24)
+    prefix = rng.randint(8 * block_size, 8 * block_size + 300)
+    seq_lens = [prefix + rng.randint(1, 60) for _ in range(n)]
+    q_lens = [1] * n
+    seq_lens.insert(n // 2, 100)
+    q_lens.insert(n // 2, 40)  # a prefill run in the middle
+    case = make_case(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                     head_dim=head_dim, block_size=block_size, seed=seed)
+    full = prefix // block_size
+    for i in range(1, len(seq_lens)):
+        if q_lens[i] == 1 and rng.random() < 0.85:  # most rows share sequence 0's prefix
+            case.block_tables[i, :full] = case.block_tables[0, :full]
     _check(paged_attention_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
