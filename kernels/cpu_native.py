@@ -243,16 +243,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 
 
 def _gate_up_pairs(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Rows of gate and up (each padded to whole panels) interleaved panel by panel."""
-    inter = gate.shape[0]
-    pairs = -(-inter // GEMM_PANEL)
-    both = torch.zeros((pairs, 2, GEMM_PANEL, *gate.shape[1:]), dtype=torch.float32)
-    flat_g = torch.zeros((pairs * GEMM_PANEL, *gate.shape[1:]), dtype=torch.float32)
-    flat_u = torch.zeros_like(flat_g)
-    flat_g[:inter], flat_u[:inter] = gate.detach(), up.detach()
-    both[:, 0], both[:, 1] = (flat_g.view(pairs, GEMM_PANEL, *gate.shape[1:]),
-                              flat_u.view(pairs, GEMM_PANEL, *gate.shape[1:]))
-    return both.reshape(pairs * 2 * GEMM_PANEL, *gate.shape[1:])
+    """Rows of gate and up, each zero-padded to whole panels, interleaved panel by panel."""
+    rest = gate.shape[1:]
+    pairs = -(-gate.shape[0] // GEMM_PANEL)
+    pad = torch.zeros((pairs * GEMM_PANEL - gate.shape[0], *rest), dtype=torch.float32)
+    halves = [torch.cat([h.detach().float(), pad]).view(pairs, GEMM_PANEL, *rest)
+              for h in (gate, up)]
+    return torch.stack(halves, dim=1).reshape(pairs * 2 * GEMM_PANEL, *rest)
 
 
 def pack_gate_up_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -269,7 +266,7 @@ def pack_gate_up_bias(bias: torch.Tensor) -> torch.Tensor:
     if bias.dim() != 1 or bias.shape[0] % 2:
         raise ValueError("pack_gate_up_bias takes a [2 * inter] bias")
     inter = bias.shape[0] // 2
-    return _gate_up_pairs(bias[:inter].float(), bias[inter:].float()).contiguous()
+    return _gate_up_pairs(bias[:inter], bias[inter:])
 
 
 def gemm_silu(x: torch.Tensor, packed: torch.Tensor, inter: int,

@@ -14,6 +14,7 @@
 
 #define NR 48
 #define MR 8
+#define MB 256 /* rows per block of x: a block stays in L2 while every panel passes over it */
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -136,7 +137,6 @@ int kp_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int
                 int64_t N, const float *bias, float *y, int64_t ldy) {
     if (M <= 0 || N <= 0) return 0;
     const int64_t panels = (N + NR - 1) / NR;
-    const int64_t MB = 256;
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t mb = (M - m0) < MB ? (M - m0) : MB;
 #pragma omp parallel for schedule(static)
@@ -164,7 +164,6 @@ int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed
     if (M <= 0 || inter <= 0) return 0;
     const int64_t pairs = (inter + NR - 1) / NR;
     if (ldgu < 2 * pairs * NR) return -1;
-    const int64_t MB = 256;
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t mb = (M - m0) < MB ? (M - m0) : MB;
 #pragma omp parallel for schedule(static)

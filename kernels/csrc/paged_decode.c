@@ -502,6 +502,68 @@ static int kt_item(const float *const *q, const float *kt, int64_t ld, const kv_
 }
 #endif
 
+/* Rows first .. last share their first `keys` keys, laid out transposed from kt + off with
+ * `ld` (keys rounded up to 16) keys per head dimension. */
+typedef struct {
+    int64_t first, last, off, ld;
+    int32_t keys;
+    int cascade;
+} key_group;
+
+#ifdef __AVX512F__
+/* The groups of rows that share keys, in row order; group_of[r] gets each row's group or -1:
+ * - prefill runs: at least KT_MIN_ROWS rows of one sequence at consecutive positions (all
+ *   keys of the run's last row);
+ * - with `cascade`, among the other rows: at least CASCADE_MIN_ROWS consecutive rows of
+ *   different sequences whose block tables start with the same CASCADE_MIN_BLOCKS or more full
+ *   blocks (a shared prompt prefix; the full blocks before each row's last key). The prefix is
+ *   done once per group, two rows at a time; each row then goes on over its own keys from the
+ *   softmax state the prefix left. */
+static int64_t find_key_groups(const int32_t *row_lens, const int64_t *seq_idx,
+                               const int32_t *block_tables, int64_t bt_stride, int32_t bs,
+                               int64_t n, int cascade, int32_t *group_of, key_group *grp) {
+    int64_t groups = 0;
+    for (int64_t i = 0; i < n; ++i) group_of[i] = -1;
+    for (int64_t r = 0; r < n;) {
+        int64_t e = r + 1;
+        while (e < n && seq_idx[e] == seq_idx[r] && row_lens[e] == row_lens[e - 1] + 1) ++e;
+        if (e - r >= KT_MIN_ROWS) {
+            grp[groups] = (key_group){r, e - 1, 0, 0, row_lens[e - 1], 0};
+            for (int64_t i = r; i < e; ++i) group_of[i] = (int32_t)groups;
+            ++groups;
+        }
+        r = e;
+    }
+    for (int64_t r = 0; cascade && r < n;) {
+        if (group_of[r] >= 0) { ++r; continue; }
+        const int32_t *t0 = block_tables + seq_idx[r] * bt_stride;
+        int64_t shared = (row_lens[r] - 1) / bs;
+        int64_t e = r + 1;
+        while (e < n && group_of[e] < 0 && seq_idx[e] != seq_idx[e - 1]) {
+            const int32_t *te = block_tables + seq_idx[e] * bt_stride;
+            const int64_t own = (row_lens[e] - 1) / bs;
+            const int64_t lim = shared < own ? shared : own;
+            int64_t c = 0;
+            while (c < lim && te[c] == t0[c]) ++c;
+            if (c < CASCADE_MIN_BLOCKS) break;
+            shared = c;
+            ++e;
+        }
+        if (e - r < CASCADE_MIN_ROWS || shared < CASCADE_MIN_BLOCKS) {
+            ++r;
+            continue;
+        }
+        grp[groups] = (key_group){r, e - 1, 0, 0, (int32_t)(shared * bs), 1};
+        for (int64_t i = r; i < e; ++i) group_of[i] = (int32_t)groups;
+        ++groups;
+        r = e;
+    }
+    for (int64_t k = 0; k < groups; ++k) grp[k].ld = ((int64_t)grp[k].keys + 15) / 16 * 16;
+    return groups;
+}
+
+#endif
+
 /* KV heads kvh .. kvh + nkv - 1 of one row; q and out point at the first of their heads. */
 static void run_item(const float *q, const kv_layout *kv, const int32_t *table, int32_t len,
                      int kvh, int nkv, int group, int hd, float scale, float *out) {
@@ -543,95 +605,39 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
     const int splits = num_kv_heads / per_item;
     const int64_t items = n * splits;
 
-    /* Rows that share keys with others, done with the keys transposed (see above):
-     * - prefill runs: at least KT_MIN_ROWS rows of one sequence at consecutive positions;
-     * - cascade groups: at least CASCADE_MIN_ROWS consecutive rows of different sequences whose
-     *   block tables start with the same CASCADE_MIN_BLOCKS or more full blocks (a shared prompt
-     *   prefix). The prefix is done once per group, two rows at a time; each row then goes on
-     *   over its own keys from the softmax state the prefix left.
-     * grp_of[r] is row r's group, or -1. Group k covers rows grp_first[k] .. grp_last[k] and its
-     * transposed keys (the first grp_keys[k] keys) start at kt + grp_off[k]. */
-    int32_t *grp_of = 0, *grp_keys = 0;
-    int64_t *grp_first = 0, *grp_last = 0, *grp_off = 0;
-    unsigned char *grp_cascade = 0;
+    /* Rows that share keys with others go through the transposed keys (find_key_groups);
+     * group_of[r] is row r's group, or -1. */
+    int32_t *group_of = 0;
+    key_group *grp = 0;
     float *kt = 0;
     int64_t groups = 0;
 #ifdef __AVX512F__
     if ((head_dim == 64 || head_dim == 128) && n >= 2) {
-        grp_of = malloc((size_t)n * sizeof *grp_of);
-        grp_keys = malloc((size_t)n * sizeof *grp_keys);
-        grp_first = malloc((size_t)n * sizeof *grp_first);
-        grp_last = malloc((size_t)n * sizeof *grp_last);
-        grp_off = malloc((size_t)(n + 1) * sizeof *grp_off);
-        grp_cascade = malloc((size_t)n);
-        if (grp_of && grp_keys && grp_first && grp_last && grp_off && grp_cascade) {
-            for (int64_t i = 0; i < n; ++i) grp_of[i] = -1;
-            grp_off[0] = 0;
-            for (int64_t r = 0; r < n;) {  /* prefill runs */
-                int64_t e = r + 1;
-                while (e < n && seq_idx[e] == seq_idx[r] && row_lens[e] == row_lens[e - 1] + 1) ++e;
-                if (e - r >= KT_MIN_ROWS) {
-                    grp_first[groups] = r;
-                    grp_last[groups] = e - 1;
-                    grp_keys[groups] = row_lens[e - 1];  /* the last row sees every key */
-                    grp_cascade[groups] = 0;
-                    for (int64_t i = r; i < e; ++i) grp_of[i] = (int32_t)groups;
-                    ++groups;
-                }
-                r = e;
-            }
-            if (per_item == num_kv_heads && (int64_t)num_kv_heads * group <= MAX_HEADS) {
-                for (int64_t r = 0; r < n;) {  /* cascade groups among the other rows */
-                    if (grp_of[r] >= 0) { ++r; continue; }
-                    const int32_t *t0 = block_tables + seq_idx[r] * bt_stride;
-                    int64_t shared = (row_lens[r] - 1) / block_size;  /* full blocks before its key */
-                    int64_t e = r + 1;
-                    while (e < n && grp_of[e] < 0 && seq_idx[e] != seq_idx[e - 1]) {
-                        const int32_t *te = block_tables + seq_idx[e] * bt_stride;
-                        const int64_t own = (row_lens[e] - 1) / block_size;
-                        const int64_t lim = shared < own ? shared : own;
-                        int64_t c = 0;
-                        while (c < lim && te[c] == t0[c]) ++c;
-                        if (c < CASCADE_MIN_BLOCKS) break;
-                        shared = c;
-                        ++e;
-                    }
-                    if (e - r >= CASCADE_MIN_ROWS && shared >= CASCADE_MIN_BLOCKS) {
-                        grp_first[groups] = r;
-                        grp_last[groups] = e - 1;
-                        grp_keys[groups] = (int32_t)(shared * block_size);
-                        grp_cascade[groups] = 1;
-                        for (int64_t i = r; i < e; ++i) grp_of[i] = (int32_t)groups;
-                        ++groups;
-                        r = e;
-                    } else {
-                        ++r;
-                    }
-                }
-            }
-            for (int64_t k = 0; k < groups; ++k)
-                grp_off[k + 1] = grp_off[k] + ((int64_t)grp_keys[k] + 15) / 16 * 16 * layout.tok_stride;
-            /* Kept by the calling thread from call to call: a fresh buffer per layer would
-             * fault its pages in every time. It grows to the largest step's need. */
-            if (groups) kt = grow_buffer(&kt_keys, &kt_keys_cap, grp_off[groups]);
-            if (!kt) groups = 0;
+        group_of = malloc((size_t)n * sizeof *group_of);
+        grp = malloc((size_t)n * sizeof *grp);
+        if (group_of && grp)
+            groups = find_key_groups(row_lens, seq_idx, block_tables, bt_stride, block_size, n,
+                                     per_item == num_kv_heads
+                                         && (int64_t)num_kv_heads * group <= MAX_HEADS,
+                                     group_of, grp);
+        int64_t total = 0, slices = 0;
+        for (int64_t k = 0; k < groups; ++k) {
+            grp[k].off = total;
+            total += grp[k].ld * layout.tok_stride;
+            slices += grp[k].ld / 16;
         }
-        if (groups) {
-            /* Fill the transposed keys: items are (group, 16-key slice). */
-            int64_t slices = 0;
-            for (int64_t k = 0; k < groups; ++k) slices += ((int64_t)grp_keys[k] + 15) / 16;
+        /* Kept by the calling thread from call to call: a fresh buffer per layer would fault
+         * its pages in every time. It grows to the largest step's need. */
+        if (groups) kt = grow_buffer(&kt_keys, &kt_keys_cap, total);
+        if (!kt) groups = 0;
+        if (groups) {  /* fill the transposed keys: items are (group, 16-key slice) */
 #pragma omp parallel for schedule(static)
-            for (int64_t gi = 0; gi < slices; ++gi) {
+            for (int64_t si = 0; si < slices; ++si) {
                 int64_t k = 0, first = 0;
-                for (;; ++k) {
-                    const int64_t g = ((int64_t)grp_keys[k] + 15) / 16;
-                    if (gi < first + g) break;
-                    first += g;
-                }
-                const int32_t len = grp_keys[k];
-                const int64_t ld = ((int64_t)len + 15) / 16 * 16;
-                kt_fill(&layout, block_tables + seq_idx[grp_first[k]] * bt_stride, len,
-                        num_kv_heads, head_dim, ld, (int32_t)((gi - first) * 16), kt + grp_off[k]);
+                while (si >= first + grp[k].ld / 16) first += grp[k++].ld / 16;
+                kt_fill(&layout, block_tables + seq_idx[grp[k].first] * bt_stride, grp[k].keys,
+                        num_kv_heads, head_dim, grp[k].ld, (int32_t)((si - first) * 16),
+                        kt + grp[k].off);
             }
         }
     }
@@ -650,28 +656,27 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
         float *oh = out + tok * out_row_stride + (int64_t)kvh * group * head_dim;
         const int32_t *table = block_tables + seq_idx[row] * bt_stride;
 #ifdef __AVX512F__
-        if (groups && grp_of[row] >= 0) {
+        if (groups && group_of[row] >= 0) {
             /* Rows go in pairs from the group's first row: the first of a pair does both. */
-            const int32_t k = grp_of[row];
-            if ((row - grp_first[k]) % 2) continue;
-            const int R = (row + 1 <= grp_last[k]) ? 2 : 1;
-            const int64_t ld = ((int64_t)grp_keys[k] + 15) / 16 * 16;
+            const key_group *g = &grp[group_of[row]];
+            if ((row - g->first) % 2) continue;
+            const int R = (row + 1 <= g->last) ? 2 : 1;
             const int64_t off = (int64_t)kvh * group * head_dim;
             const float *qr[2] = {qh, R > 1 ? q + tok_idx[row + 1] * q_row_stride + off : 0};
             float *orow[2] = {oh, R > 1 ? out + tok_idx[row + 1] * out_row_stride + off : 0};
             int rc;
-            if (!grp_cascade[k]) {
-                rc = kt_item(qr, kt + grp_off[k], ld, &layout, table, row_lens + row, R, kvh,
+            if (!g->cascade) {
+                rc = kt_item(qr, kt + g->off, g->ld, &layout, table, row_lens + row, R, kvh,
                              per_item, group, head_dim, scale, orow, 0);
             } else {
                 float state[2][2 * MAX_HEADS + MAX_HEADS * 128];  /* this path: head_dim <= 128 */
                 float *st[2] = {state[0], state[1]};
-                const int32_t lens[2] = {grp_keys[k], grp_keys[k]};
-                rc = kt_item(qr, kt + grp_off[k], ld, &layout, table, lens, R, kvh, per_item,
+                const int32_t lens[2] = {g->keys, g->keys};
+                rc = kt_item(qr, kt + g->off, g->ld, &layout, table, lens, R, kvh, per_item,
                              group, head_dim, scale, orow, st);
                 for (int i = 0; i < R && !rc; ++i) {
                     const int32_t *ti = block_tables + seq_idx[row + i] * bt_stride;
-                    item_avx512(qr[i], &layout, ti, grp_keys[k], row_lens[row + i], kvh, per_item,
+                    item_avx512(qr[i], &layout, ti, g->keys, row_lens[row + i], kvh, per_item,
                                 group, head_dim, scale, st[i], orow[i]);
                 }
             }
@@ -684,12 +689,8 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
 #endif
         run_item(qh, &layout, table, row_lens[row], kvh, per_item, group, head_dim, scale, oh);
     }
-    free(grp_of);
-    free(grp_keys);
-    free(grp_first);
-    free(grp_last);
-    free(grp_off);
-    free(grp_cascade);
+    free(group_of);
+    free(grp);
     if (failed) return -2;
     return 0;
 }
