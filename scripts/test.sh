@@ -5,6 +5,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV="${KSERVE_PAGED_VENV:-.venv}"
 "$VENV/bin/ruff" check .
+# A fresh Triton cache every run: a warm one hides compile failures a new machine would hit.
+TRITON_CACHE_DIR="$(mktemp -d)"
+export TRITON_CACHE_DIR
+trap 'rm -rf "$TRITON_CACHE_DIR"' EXIT
 set +e
 "$VENV/bin/python" -m pytest "$@"
 rc=$?

@@ -1,0 +1,100 @@
+"""Child process of test_triton_compile: compiles one Triton kernel for sm_90 and prints JSON.
+
+Why a separate process: once a pytest process has run a kernel in Triton's interpreter
+(test_triton_backend sets TRITON_INTERPRET=1 at collection), the interpreter's patches to
+`triton.language` stay in place and a later real compile fails inside them. A warm Triton cache
+hid that (the compile was never redone); a child with a clean interpreter state and its own
+empty cache compiles for real every time.
+
+Usage: python -m tests.kernels.sm90_compile CASE  (CASE: attention-bf16, attention-fp32, store-merge)
+Prints {"shared": [bytes, ...]} or {"skip": reason}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+TARGET_ARCH = 90
+ATTN_INTS = ["stride_qt", "stride_qh", "stride_ckv", "stride_cblk", "stride_coff", "stride_ch",
+             "stride_bt", "stride_btc", "stride_ot", "stride_oh", "num_heads"]
+ATTENTION_CASES = {
+    # decode, split-KV, num_seqs == 1 constexpr
+    "attention-bf16": ("bf16", 4, 16, 64, 128, 8, False, True),
+    # prefill, exact fp32 dots
+    "attention-fp32": ("fp32", 3, 64, 32, 64, 1, True, False),
+}
+CASES = (*ATTENTION_CASES, "store-merge")
+
+
+class Skip(Exception):
+    """This host cannot finish the compile (no ptxas, no AOT API): not a kernel defect."""
+
+
+def _compile(fn: object, sig: dict[str, str], consts: dict[str, object], warps: int = 4):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for name in consts:
+        sig[name] = "constexpr"
+    names = list(sig)
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(names.index(k),): v for k, v in consts.items()})
+    try:
+        return triton.compile(src, target=GPUTarget("cuda", TARGET_ARCH, 32),
+                              options={"num_warps": warps})
+    except (FileNotFoundError, RuntimeError) as exc:
+        if "ptxas" in str(exc) and "not found" in str(exc).lower():
+            raise Skip(f"no ptxas to finish the compile: {exc}") from exc
+        raise
+
+
+def _attention(case: str) -> list[int]:
+    import kernels.triton_backend as tb
+
+    dtype, group, block_m, block_n, block_d, splits, f32, one_seq = ATTENTION_CASES[case]
+    sig = {"q_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}", "bt_ptr": "*i32",
+           "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "out_ptr": f"*{dtype}",
+           "part_ptr": "*fp32", "ml_ptr": "*fp32", "scale_log2e": "fp32", "num_seqs": "i32",
+           "head_dim": "i32", **dict.fromkeys(ATTN_INTS, "i32")}
+    consts: dict[str, object] = {
+        "GROUP": group, "BLOCK_SIZE": 16, "BLOCK_M": block_m, "BLOCK_Q": max(1, block_m // group),
+        "BLOCK_N": block_n, "BLOCK_D": block_d, "NUM_SPLITS": splits, "F32_DOT": f32}
+    if one_seq:
+        consts = {"num_seqs": 1, **consts}
+    return [_compile(tb._paged_attn_kernel, sig, consts).metadata.shared]
+
+
+def _store_merge() -> list[int]:
+    import kernels.triton_backend as tb
+
+    sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*bf16", "slot_ptr": "*i64",
+           **dict.fromkeys(["stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ckv",
+                            "stride_cblk", "stride_coff", "stride_ch", "num_kv_heads",
+                            "head_dim"], "i32")}
+    store = _compile(tb._store_kv_kernel, sig, {"BLOCK_SIZE": 16, "BLOCK_H": 1, "BLOCK_D": 128})
+    sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "num_heads": "i32",
+           "head_dim": "i32", "stride_ot": "i32", "stride_oh": "i32"}
+    merge = _compile(tb._merge_splits_kernel, sig,
+                     {"NUM_SPLITS": 5, "SPLITS_P2": 8, "BLOCK_D": 128})
+    return [store.metadata.shared, merge.metadata.shared]
+
+
+def main(case: str) -> dict[str, object]:
+    try:
+        import triton.backends.compiler  # noqa: F401
+        import triton.compiler  # noqa: F401
+    except ImportError as exc:
+        return {"skip": f"Triton AOT API unavailable: {exc}"}
+    try:
+        shared = _store_merge() if case == "store-merge" else _attention(case)
+    except Skip as exc:
+        return {"skip": str(exc)}
+    return {"shared": shared}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in CASES:
+        sys.exit(f"usage: python -m tests.kernels.sm90_compile {{{','.join(CASES)}}}")
+    print(json.dumps(main(sys.argv[1])))
