@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import kernels
 from engine.attention import AttentionMetadata
 from engine.cpu_memory import hugepage_zeros, prefault_bytes, prefault_leading_blocks
 from engine.kv_cache_manager import KVCacheManager
@@ -57,8 +58,10 @@ class _StepBuffers:
         self.seq_lens = host(max_seqs, torch.int32)
         self.query_start_loc = host(max_seqs + 1, torch.int32)
         self.logits_indices = host(max_seqs, torch.long)
+        self.row_lens = host(max_tokens, torch.int32)
+        self.row_seq_idx = host(max_tokens, torch.long)
         self._names = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
-                       "query_start_loc", "logits_indices")
+                       "query_start_loc", "logits_indices", "row_lens", "row_seq_idx")
         self.np = {n: getattr(self, n).numpy() for n in self._names}
         self.dev = ({n: torch.zeros_like(getattr(self, n), device=device) for n in self._names}
                     if device.type != "cpu" else None)
@@ -101,6 +104,10 @@ class ModelRunner:
         else:
             self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                               for _ in range(model.num_layers)]
+        # The one choice of attention backend for every step (the native decoder stack is the
+        # CPU backend's whole-step form; the model takes it when this says "torch").
+        self.attention_backend = kernels.resolve_backend(
+            device, block_size=block_size, head_dim=model.head_dim, dtype=dtype)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buffers = _StepBuffers(max_num_batched_tokens, max_num_seqs,
                                     self.max_blocks_per_seq, device)
@@ -151,6 +158,9 @@ class ModelRunner:
         positions = buf["positions"][:total]
         np.subtract(np.arange(total, dtype=np.int64), (qsl[:-1] - starts)[seq_of_token],
                     out=positions)
+        # Each token as an attention row: it sees its own and every earlier key of its sequence.
+        np.add(positions, 1, out=buf["row_lens"][:total])
+        buf["row_seq_idx"][:total] = seq_of_token
         max_blocks = max(len(t) for t in tables)
         block_tables = buf["block_tables"][:n_seqs * max_blocks].reshape(n_seqs, max_blocks)
         block_tables[:] = 0
@@ -168,6 +178,9 @@ class ModelRunner:
             query_start_loc=b.take("query_start_loc", n_seqs + 1),
             max_seq_len=int(seq_lens.max()),
             max_query_len=int(q_lens.max()),
+            row_lens=b.take("row_lens", total),
+            row_seq_idx=b.take("row_seq_idx", total),
+            backend=self.attention_backend,
         )
         inputs = StepInputs(
             input_ids=b.take("input_ids", total),

@@ -1,4 +1,4 @@
-"""Paged-attention kernels: KV store and varlen paged attention (contract: architecture.md).
+"""Paged-attention kernels: KV store and varlen paged attention (contract: docs/kernels.md).
 
 Backends: `torch` (batched gathers + SDPA; the CPU serving path), `triton` (CUDA, or CPU under
 `TRITON_INTERPRET=1` for tests), `flash_attn` (CUDA, when `flash_attn` imports and the block
@@ -20,11 +20,14 @@ import os
 
 import torch
 
+from kernels.metadata import AttentionMetadata
 from kernels.reference import paged_attention_ref, store_kv_ref
 from kernels.torch_backend import paged_attention_torch, store_kv_torch
 
 __all__ = [
     "BACKENDS",
+    "AttentionMetadata",
+    "attend",
     "ENV_VAR",
     "paged_attention",
     "paged_attention_ref",
@@ -109,22 +112,32 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                     backend: str | None = None, max_seq_len: int | None = None,
                     max_query_len: int | None = None) -> torch.Tensor:
-    """Varlen causal attention of the new tokens over their paged context.
+    """Varlen causal attention of the new tokens over their paged context, from raw tensors.
 
     `max_seq_len` / `max_query_len` are optional host-side hints (max of `seq_lens` and of the
-    query lengths); callers that know them save the GPU backends a device-to-host sync.
+    query lengths); callers that know them save the GPU backends a device-to-host sync. The
+    engine calls `attend` with the step's `AttentionMetadata` instead.
     """
-    name = resolve_backend(query.device, backend, block_size=kv_cache.shape[2],
+    meta = AttentionMetadata.build(block_tables, seq_lens, query_start_loc,
+                                   max_seq_len=max_seq_len, max_query_len=max_query_len,
+                                   backend=backend)
+    return attend(query, kv_cache, meta, scale)
+
+
+def attend(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+           scale: float) -> torch.Tensor:
+    """`paged_attention` over a step's metadata, on the backend it names (the runner resolves
+    it once; checked again here, which is cheap, so a hand-built metadata is checked too)."""
+    name = resolve_backend(query.device, meta.backend, block_size=kv_cache.shape[2],
                            head_dim=query.shape[-1], dtype=query.dtype)
     if name == "torch":
-        return paged_attention_torch(query, kv_cache, block_tables, seq_lens, query_start_loc,
-                                     scale, max_seq_len=max_seq_len, max_query_len=max_query_len)
+        return paged_attention_torch(query, kv_cache, meta, scale)
+    hints = {"max_seq_len": meta.max_seq_len, "max_query_len": meta.max_query_len}
+    args = (query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
     if name == "flash_attn":
         from kernels.flash_attn_backend import paged_attention_flash
 
-        return paged_attention_flash(query, kv_cache, block_tables, seq_lens, query_start_loc,
-                                     scale, max_seq_len=max_seq_len, max_query_len=max_query_len)
+        return paged_attention_flash(*args, **hints)
     from kernels.triton_backend import paged_attention_triton
 
-    return paged_attention_triton(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                                  max_seq_len=max_seq_len, max_query_len=max_query_len)
+    return paged_attention_triton(*args, **hints)

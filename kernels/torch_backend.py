@@ -20,8 +20,8 @@ from the sequence metadata (read once on the host):
   whole context, or an explicit bottom-right causal mask when there is a cached prefix.
 
 The plan (sorting, chunking, index tensors, masks) depends only on the metadata, which is the
-same for every layer of a step, so the last plan is cached and reused when the metadata tensors
-compare equal (a cheap check against private copies).
+same for every layer of a step, so the first layer builds it and keeps it on the step's
+`AttentionMetadata` (`plan`); the other layers reuse it.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native
+from kernels.metadata import AttentionMetadata
 
 __all__ = ["paged_attention_torch", "store_kv_torch"]
 
@@ -90,10 +91,6 @@ class _Plan:
     decode: list[_DecodeChunk] = field(default_factory=list)
     prefill: list[_PrefillItem] = field(default_factory=list)
     num_valid_tokens: int = 0
-    # Every query row, for the native kernel: its row, its sequence, how many keys it sees.
-    row_tokens: torch.Tensor | None = None
-    row_seqs: torch.Tensor | None = None
-    row_lens: torch.Tensor | None = None
 
 
 def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tensor,
@@ -101,16 +98,12 @@ def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tens
     """Turn host-side metadata into gather indices and masks (see module docstring)."""
     plan = _Plan(num_valid_tokens=starts[-1] if starts else 0)
     decode_rows: list[int] = []
-    row_seqs: list[torch.Tensor] = []
-    row_lens: list[torch.Tensor] = []
     for i, seq_len in enumerate(seq_lens):
         q_len = starts[i + 1] - starts[i]
         if q_len <= 0:
             continue
         if q_len > seq_len:
             raise ValueError(f"sequence {i}: q_len {q_len} > seq_len {seq_len}")
-        row_seqs.append(torch.full((q_len,), i, dtype=torch.long))
-        row_lens.append(torch.arange(seq_len - q_len + 1, seq_len + 1, dtype=torch.int32))
         if q_len == 1:
             decode_rows.append(i)
             continue
@@ -121,11 +114,6 @@ def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tens
             mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
         plan.prefill.append(_PrefillItem(starts[i], starts[i + 1], seq_len,
                                          block_tables[i, :nblk].long(), mask))
-    if row_seqs and device.type == "cpu":
-        plan.row_seqs = torch.cat(row_seqs)
-        plan.row_lens = torch.cat(row_lens)
-        plan.row_tokens = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in
-                                     range(len(seq_lens)) if starts[i + 1] > starts[i]])
     if not decode_rows:
         return plan
     decode_rows.sort(key=lambda r: seq_lens[r], reverse=True)
@@ -149,83 +137,42 @@ def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tens
     return plan
 
 
-class _PlanCache:
-    """Single-entry cache: layers of one step share metadata, so reuse the last plan."""
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.meta: tuple[torch.Tensor, ...] | None = None
-        self.plan: _Plan | None = None
-
-    def get(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            query_start_loc: torch.Tensor, key: tuple) -> _Plan | None:
-        if self.plan is None or self.key != key or self.meta is None:
-            return None
-        old_bt, old_sl, old_qsl = self.meta
-        if (torch.equal(old_sl, seq_lens) and torch.equal(old_qsl, query_start_loc)
-                and torch.equal(old_bt, block_tables)):
-            return self.plan
-        return None
-
-    def put(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            query_start_loc: torch.Tensor, key: tuple, plan: _Plan) -> None:
-        self.key = key
-        self.meta = (block_tables.clone(), seq_lens.clone(), query_start_loc.clone())
-        self.plan = plan
-
-
-_plan_cache = _PlanCache()
-
-
-def _get_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
-              query_start_loc: torch.Tensor, block_size: int, budget: int) -> _Plan:
-    key = (block_tables.shape, seq_lens.shape, query_start_loc.shape, block_tables.device,
-           block_size, budget)
-    plan = _plan_cache.get(block_tables, seq_lens, query_start_loc, key)
-    if plan is None:
-        # One host transfer for both vectors (one sync on CUDA).
-        host = torch.cat([seq_lens.flatten().long(), query_start_loc.flatten().long()]).tolist()
-        n = seq_lens.numel()
-        plan = _build_plan(host[:n], host[n:], block_tables, block_size, block_tables.device,
-                           budget)
-        _plan_cache.put(block_tables, seq_lens, query_start_loc, key, plan)
+def _plan_for(meta: AttentionMetadata, block_size: int, budget: int) -> _Plan:
+    """The step's plan, built by the first layer that asks and kept on the metadata."""
+    key = (block_size, budget)
+    if meta.plan is not None and meta.plan[0] == key:
+        return meta.plan[1]
+    # One host transfer for both vectors (one sync on CUDA).
+    n = meta.seq_lens.numel()
+    host = torch.cat([meta.seq_lens.flatten().long(), meta.query_start_loc.flatten().long()]).tolist()
+    plan = _build_plan(host[:n], host[n:], meta.block_tables, block_size,
+                       meta.block_tables.device, budget)
+    meta.plan = (key, plan)
     return plan
 
 
-def paged_attention_torch(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    max_seq_len: int | None = None,
-    max_query_len: int | None = None,
-    decode_token_budget: int | None = None,
-) -> torch.Tensor:
-    """Varlen paged attention (contract in architecture.md) with batched gathers + SDPA.
-
-    `max_seq_len`/`max_query_len` are accepted for API symmetry; this backend reads the
-    metadata on the host anyway (free on CPU, one sync on CUDA, cached across layers).
-    """
-    del max_seq_len, max_query_len
+def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                          scale: float, *, decode_token_budget: int | None = None) -> torch.Tensor:
+    """Varlen paged attention (contract in docs/kernels.md) with batched gathers + SDPA, or
+    the native row kernel on CPU. The plan is derived from `meta` once per step."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
     budget = decode_token_budget or DECODE_TOKEN_BUDGET
-    plan = _get_plan(block_tables, seq_lens, query_start_loc, block_size, budget)
+    plan = _plan_for(meta, block_size, budget)
     out = torch.empty_like(query)
     if plan.num_valid_tokens < num_tokens:
         out[plan.num_valid_tokens:].zero_()
     if query.dtype != kv_cache.dtype:
         query = query.to(kv_cache.dtype)
 
-    if plan.row_tokens is not None and cpu_native.usable(query, kv_cache):
-        cpu_native.paged_rows(query, kv_cache, block_tables, plan.row_lens, plan.row_tokens,
-                              plan.row_seqs, scale, out)
+    if plan.num_valid_tokens and cpu_native.usable(query, kv_cache):
+        # The runner's rows: every valid token, in order (padding rows come last).
+        row_lens, row_seq_idx = meta.rows(plan.num_valid_tokens)
+        cpu_native.paged_rows(query, kv_cache, meta.block_tables, row_lens,
+                              torch.arange(plan.num_valid_tokens), row_seq_idx, scale, out)
         return out
     for chunk in plan.decode:
         n = chunk.token_idx.numel()

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import kernels
-from engine.attention import Attention, AttentionMetadata, attention_rows
+from engine.attention import Attention, AttentionMetadata
 from engine.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLUMLP, rope_parameters
 from kernels import cpu_native
 
@@ -198,15 +198,19 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids/positions `[T]` (all sequences' new tokens) -> hidden `[T, hidden_size]`."""
         x = self.model.embed_tokens(input_ids)
+        if meta.backend is None:  # the runner sets it; a hand-built step gets it once here
+            meta.backend = kernels.resolve_backend(
+                x.device, block_size=kv_caches[0].shape[2] if kv_caches else None,
+                head_dim=self.head_dim, dtype=x.dtype)
+        # The whole-stack native call is the CPU backend's form for a whole step.
         stack = self.native_stack
-        if (stack is not None and self.use_native_stack and not torch.is_grad_enabled()
-                and x.device.type == "cpu" and x.dtype == torch.float32
-                and kernels.resolve_backend(x.device) == "torch"):
-            rows = attention_rows(meta, x.shape[0])
+        if (stack is not None and self.use_native_stack and meta.backend == "torch"
+                and not torch.is_grad_enabled() and x.device.type == "cpu"
+                and x.dtype == torch.float32):
+            rows = meta.rows(x.shape[0])
             if rows is not None:
-                row_lens, seq_idx = rows
                 return stack.run(x.contiguous(), positions, meta.slot_mapping, kv_caches,
-                                 meta.block_tables, row_lens, seq_idx)
+                                 meta.block_tables, *rows)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, attention_rows
+from engine.attention import AttentionMetadata
 from engine.model_loader import load_model
 from kernels import cpu_native
 from tests.test_models import CONFIGS, VOCAB, PagedSim, _save_checkpoint
@@ -121,13 +121,16 @@ def test_attention_rows_follow_seq_lens_and_reject_bad_lengths() -> None:
         seq_lens=torch.tensor([7, 3], dtype=torch.int32),
         query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32),
         max_seq_len=7, max_query_len=3)
-    row_lens, seq_idx = attention_rows(meta, 5)
+    assert meta.rows(6) is None  # a padding token: the stack does not apply
+    row_lens, seq_idx = meta.rows(5)
     assert row_lens.tolist() == [6, 7, 1, 2, 3] and row_lens.dtype == torch.int32
     assert seq_idx.tolist() == [0, 0, 1, 1, 1]
-    assert attention_rows(meta, 6) is None  # a padding token: the stack does not apply
-    meta.seq_lens = torch.tensor([1, 3], dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=meta.slot_mapping, block_tables=meta.block_tables,
+        seq_lens=torch.tensor([1, 3], dtype=torch.int32),
+        query_start_loc=meta.query_start_loc, max_seq_len=3, max_query_len=3)
     with pytest.raises(ValueError, match="q_len 2 > seq_len 1"):
-        attention_rows(meta, 5)
+        meta.rows(5)
 
 
 def test_no_stack_without_native_projections(tmp_path: Path, monkeypatch) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels import cpu_native, paged_attention, store_kv
+from kernels.metadata import AttentionMetadata
 from kernels.reference import paged_attention_ref, store_kv_ref
 from kernels.testing import make_case, tolerance
 from kernels.torch_backend import paged_attention_torch, store_kv_torch
@@ -16,6 +17,12 @@ from kernels.torch_backend import paged_attention_torch, store_kv_torch
 HEAD_RATIOS = [(4, 4), (8, 2), (9, 3), (8, 1)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
+
+
+def _torch(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, **kwargs):
+    """The CPU backend on raw tensors: one step's metadata built for the call."""
+    meta = AttentionMetadata.build(block_tables, seq_lens, query_start_loc)
+    return paged_attention_torch(query, kv_cache, meta, scale, **kwargs)
 
 def _batch(rng: random.Random, kind: str, n: int) -> tuple[list[int], list[int]]:
     """seq_lens and q_lens for one batch of `kind`."""
@@ -64,7 +71,7 @@ def test_matches_reference(kind: str, heads: tuple[int, int], dtype: torch.dtype
     ref = paged_attention_ref(*case.args())
     # A tiny decode budget forces many chunks; the default one mostly a single chunk.
     for budget in (block_size, None):
-        _check(paged_attention_torch(*case.args(), decode_token_budget=budget), ref, dtype)
+        _check(_torch(*case.args(), decode_token_budget=budget), ref, dtype)
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
@@ -84,15 +91,26 @@ def test_padding_tokens_are_zero_and_hints_accepted() -> None:
     assert out[-2:].abs().max() == 0
 
 
-def test_plan_cache_sees_changed_metadata(decode_path: str) -> None:
-    """Layers reuse the plan; the next step mutates the metadata in place and must not."""
+def test_plan_lives_with_its_step_metadata(decode_path: str, monkeypatch) -> None:
+    """Layers of a step share one metadata object and build the plan once; the next step's
+    metadata (the same tensors changed in place, as the runner's buffers are) gets its own."""
+    import kernels.torch_backend as backend
+
+    builds = []
+    real_build = backend._build_plan
+    monkeypatch.setattr(backend, "_build_plan",
+                        lambda *a, **k: builds.append(1) or real_build(*a, **k))
     case = make_case([50, 70, 90], [1, 1, 1], num_heads=4, num_kv_heads=2, head_dim=64)
-    first = paged_attention_torch(*case.args())
-    _check(first, paged_attention_ref(*case.args()), torch.float32)
-    case.seq_lens[1] = 33  # in place, same tensor object
-    _check(paged_attention_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
+    meta = AttentionMetadata.build(case.block_tables, case.seq_lens, case.query_start_loc)
+    for _ in range(3):  # three layers of one step
+        out = paged_attention_torch(case.query, case.kv_cache, meta, case.scale)
+        _check(out, paged_attention_ref(*case.args()), torch.float32)
+    assert len(builds) == 1
+    case.seq_lens[1] = 33  # in place, same tensor object: a new step
+    _check(_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
     case.block_tables[0, 0] = case.block_tables[2, 0]
-    _check(paged_attention_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
+    _check(_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
+    assert len(builds) == 3
 
 
 def test_large_decode_batch_realistic_shape(decode_path: str) -> None:
@@ -100,7 +118,7 @@ def test_large_decode_batch_realistic_shape(decode_path: str) -> None:
     seq_lens = [rng.randint(64, 800) for _ in range(32)] + [700]
     q_lens = [1] * 32 + [200]
     case = make_case(seq_lens, q_lens, num_heads=9, num_kv_heads=3, head_dim=64, seed=3)
-    _check(paged_attention_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
+    _check(_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
 
 
 def test_query_may_be_a_view_of_fused_qkv_rows(decode_path: str) -> None:
@@ -114,7 +132,7 @@ def test_query_may_be_a_view_of_fused_qkv_rows(decode_path: str) -> None:
     view = fused[:, :9 * 64].view(t, 9, 64)
     assert not view.is_contiguous()
     args = (view, *case.args()[1:])
-    _check(paged_attention_torch(*args), paged_attention_ref(*case.args()), torch.float32)
+    _check(_torch(*args), paged_attention_ref(*case.args()), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -181,7 +199,7 @@ def test_long_prefill_runs_match_reference(head_dim: int, heads: tuple[int, int]
     case = make_case(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1],
                      head_dim=head_dim, block_size=block_size, seed=head_dim + block_size)
     assert cpu_native.load() is not None
-    _check(paged_attention_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
+    _check(_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -207,4 +225,4 @@ def test_decode_rows_over_a_shared_prefix_match_reference(seed: int) -> None:
     for i in range(1, len(seq_lens)):
         if q_lens[i] == 1 and rng.random() < 0.85:  # most rows share sequence 0's prefix
             case.block_tables[i, :full] = case.block_tables[0, :full]
-    _check(paged_attention_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
+    _check(_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
