@@ -47,8 +47,9 @@ class Linear(nn.Linear):
         if w.dtype == torch.float32 and cpu_native.gemm_available():
             self._packed, self._native = cpu_native.pack_gemm_weight(w), True
             return True
-        if not torch.backends.mkldnn.is_available():
-            return False
+        if not torch.backends.mkldnn.is_available() or (
+                w.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return False  # oneDNN packs bf16 only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows_hint)
         return True
 
