@@ -308,7 +308,7 @@ class LLMEngine:
                 self._fail(out.scheduled, f"{type(exc).__name__}: {exc}"))
         sampled = {r.request_id: t for r, t in zip(sampling, tokens)}
         self.generation_tokens += len(sampled)
-        self.scheduler.update_from_output(out, sampled)
+        self.scheduler.update_from_output(out, sampled, self._observe_token)
         now = time.monotonic()
         outputs = []
         for req in sampling:
@@ -317,19 +317,16 @@ class LLMEngine:
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
-            stop_terminated = (req.status is RequestStatus.FINISHED_STOPPED)
-            tracked.detok.update(
-                [req.output_token_ids[-1]], stop_terminated=stop_terminated,
-                check_stop=req.num_output_tokens >= req.sampling_params.min_tokens)
-            if tracked.detok.stopped:
-                req.stop_reason = tracked.detok.stop_reason
-                if not req.is_finished:
-                    self.scheduler.finish_requests([req.request_id],
-                                                   RequestStatus.FINISHED_STOPPED)
-                elif req.status is RequestStatus.FINISHED_LENGTH:
-                    req.status = RequestStatus.FINISHED_STOPPED  # the stop string came first
             outputs.append(self._make_output(tracked, now))
         return self._merge_children(outputs) if self._child_of else outputs
+
+    def _observe_token(self, req: Request, ended_by_token: bool) -> str | None:
+        """The scheduler's stop-string check: feed the new token to the request's detokenizer
+        and say which stop string, if any, its text now ends in."""
+        detok = self._live[req.request_id].detok
+        detok.update([req.output_token_ids[-1]], stop_terminated=ended_by_token,
+                     check_stop=req.may_stop)
+        return detok.stop_reason if detok.stopped else None
 
     def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Fold the outputs of n > 1 children into one output per parent request.

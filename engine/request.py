@@ -93,6 +93,12 @@ class Request:
         return mt if mt is not None else 1 << 62
 
     @property
+    def may_stop(self) -> bool:
+        """Whether EOS, stop tokens and stop strings may end the request yet (min_tokens is
+        reached)."""
+        return self.sampling_params.may_stop(self.num_output_tokens)
+
+    @property
     def is_finished(self) -> bool:
         return self.status.finished
 

@@ -201,7 +201,7 @@ class Sampler:
                 greedy.append(i)
             else:
                 sampled.append(i)
-            if p.min_tokens and num_output_tokens[i] < p.min_tokens:
+            if not p.may_stop(num_output_tokens[i]):
                 eos = eos_token_ids[i]
                 toks = [t for t in p.stop_token_ids if t < vocab]
                 if eos is not None and 0 <= eos < vocab:

@@ -30,6 +30,11 @@ class SamplingParams:
     # computes its whole prompt: cached positions have no logits.
     prompt_logprobs: int | None = None
 
+    def may_stop(self, num_output_tokens: int) -> bool:
+        """Whether EOS, stop tokens and stop strings may end a request that has produced this
+        many tokens (min_tokens reached): the one home of that rule."""
+        return num_output_tokens >= self.min_tokens
+
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]

@@ -222,12 +222,15 @@ class Scheduler:
             self.kv.num_free_blocks + reclaimable)
 
     # ------------------------------------------------------------ after the model ran
-    def update_from_output(self, output: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
+                           stop_strings: Callable[[Request, bool], str | None] | None = None
+                           ) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish what must finish.
 
         `sampled` holds a token for each request whose scheduled tokens reached its end (a
-        prefill chunk that stops short samples nothing). Returns the requests finished here.
+        prefill chunk that stops short samples nothing). `stop_strings(request, ended_by_token)`
+        is told of each appended token (the engine's detokenizer) and returns the stop string
+        its text now ends in, if any. Returns the requests finished here.
         """
         finished: list[Request] = []
         for request in output.scheduled:
@@ -238,28 +241,38 @@ class Scheduler:
             if token is None:
                 continue
             request.output_token_ids.append(token)
-            status = self._check_stop(request, token)
+            status, reason = self._check_stop(request, token, stop_strings)
             if status is not None:
-                self._finish(request, status)
+                request.stop_reason = reason
+                self.finish(request, status)
                 finished.append(request)
         return finished
 
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+    def _check_stop(self, request: Request, token: int,
+                    stop_strings: Callable[[Request, bool], str | None] | None
+                    ) -> tuple[RequestStatus | None, int | str | None]:
+        """Why the request ends with this token, if it does: (status, stop_reason). A stop
+        string wins over the token that ended the request; EOS or a stop token over length."""
         params = request.sampling_params
-        n_out = request.num_output_tokens
-        if n_out >= params.min_tokens:
+        by_token: tuple[RequestStatus, int | None] | None = None
+        if request.may_stop:
             if (not params.ignore_eos and request.eos_token_id is not None
                     and token == request.eos_token_id):
-                request.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if n_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+                by_token = (RequestStatus.FINISHED_STOPPED, None)
+            elif token in params.stop_token_ids:
+                by_token = (RequestStatus.FINISHED_STOPPED, token)
+        text_stop = stop_strings(request, by_token is not None) if stop_strings else None
+        if text_stop is not None:
+            return RequestStatus.FINISHED_STOPPED, text_stop
+        if by_token is not None:
+            return by_token
+        if request.num_output_tokens >= request.max_tokens or (
+                request.num_tokens >= self.max_model_len):
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """The one way a request ends: out of its queue, its blocks freed, its status set."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -269,7 +282,7 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
-        """Finish (stop string, abort, error) requests by id; unknown ids are ignored."""
+        """Finish (abort, error) requests by id; unknown or finished ids are ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         done = []
@@ -277,7 +290,7 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.is_finished:
                 continue
-            self._finish(request, status)
+            self.finish(request, status)
             done.append(request)
         return done
 
