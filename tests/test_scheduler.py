@@ -184,3 +184,52 @@ def test_no_preemption_for_a_waiting_request_that_would_still_not_fit():
     assert out.preempted == [] and low.status is RequestStatus.RUNNING
     run_to_completion(sched)
     assert sched.kv.num_free_blocks == 10
+
+
+def _decode_until(sched, rid: str, tokens: list[int], stop_strings=None):
+    """Prefill `rid`, then feed `tokens` one step each (the request's sampled tokens)."""
+    for token in tokens:
+        out = sched.schedule()
+        sched.update_from_output(out, {rid: token}, stop_strings)
+        if rid not in sched.requests:
+            return out
+    return None
+
+
+@pytest.mark.parametrize(("tokens", "stop_at", "status", "reason"), [
+    ([7, 9, 2], None, RequestStatus.FINISHED_STOPPED, None),      # EOS
+    ([7, 5, 9], None, RequestStatus.FINISHED_STOPPED, 5),         # a stop token id
+    ([7, 7, 7, 7], None, RequestStatus.FINISHED_LENGTH, None),    # max_tokens
+    ([7, 8, 9], 1, RequestStatus.FINISHED_STOPPED, "stop!"),      # a stop string
+    ([7, 2], 1, RequestStatus.FINISHED_STOPPED, "stop!"),         # string over EOS
+    ([7, 7, 7, 7], 3, RequestStatus.FINISHED_STOPPED, "stop!"),   # string over length
+])
+def test_the_scheduler_decides_each_ending_once(tokens, stop_at, status, reason):
+    sched = make_scheduler()
+    req = make_request("a", 20, max_tokens=4, ignore_eos=False)
+    req.sampling_params.stop_token_ids = [5]
+    sched.add_request(req)
+    seen: list[tuple[int, bool]] = []
+
+    def stop_strings(request, ended_by_token):
+        seen.append((request.output_token_ids[-1], ended_by_token))
+        return "stop!" if len(seen) - 1 == stop_at else None
+
+    _decode_until(sched, "a", tokens, stop_strings)
+    assert req.status is status and req.stop_reason == reason
+    assert "a" not in sched.requests and sched.kv.num_free_blocks == sched.kv.num_blocks
+    # The detokenizer saw every token once, told whether a token ended the request.
+    assert [t for t, _ in seen] == req.output_token_ids
+    assert [ended for _, ended in seen] == [t in (2, 5) for t in req.output_token_ids]
+
+
+def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings():
+    sched = make_scheduler()
+    req = make_request("a", 20, max_tokens=8, ignore_eos=False)
+    req.sampling_params.min_tokens = 3
+    req.sampling_params.stop_token_ids = [5]
+    sched.add_request(req)
+    # EOS and a stop token before the third output do not end it; the string is not looked
+    # for (the detokenizer is told it may not stop) until min_tokens is reached.
+    _decode_until(sched, "a", [2, 5, 2])
+    assert req.status is RequestStatus.FINISHED_STOPPED and req.num_output_tokens == 3
