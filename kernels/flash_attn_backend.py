@@ -59,7 +59,7 @@ def paged_attention_flash(
     max_seq_len: int | None = None,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """Varlen paged attention through flash-attn (contract in architecture.md)."""
+    """Varlen paged attention through flash-attn (contract in docs/kernels.md)."""
     mod = _flash_attn()
     if isinstance(mod, str):
         raise RuntimeError(mod)

@@ -1,7 +1,7 @@
 """Pure-PyTorch references that define what each kernel computes.
 
 Slow on purpose (a Python loop over sequences, fp32 math): tests compare every fast path with
-these. The layout and argument meanings are the contract of ../shared/design/architecture.md.
+these. The layout and argument meanings are the contract in docs/kernels.md.
 """
 
 from __future__ import annotations

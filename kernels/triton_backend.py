@@ -253,7 +253,7 @@ def paged_attention_triton(
     max_query_len: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Varlen paged attention (contract in architecture.md); never syncs with the host.
+    """Varlen paged attention (contract in docs/kernels.md); never syncs with the host.
 
     `num_splits` forces the split-KV factor (tests); by default `choose_num_splits` decides.
     """
