@@ -24,6 +24,7 @@ from transformers import (  # noqa: E402
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from engine.attention import AttentionMetadata  # noqa: E402
@@ -70,6 +71,12 @@ CONFIGS = {
         num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4,
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
+    # Qwen3: RMSNorm over each head of q and k before RoPE, head_dim != hidden/heads, untied.
+    "qwen3_qk_norm": lambda: Qwen3Config(**_common(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
+    # Qwen3 with attention biases (q/k/v and o), MHA, tied.
+    "qwen3_bias_tied": lambda: Qwen3Config(**_common(
+        num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True)),
 }
 
 

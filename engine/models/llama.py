@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over the paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over the paged KV cache.
 
 Written for the engine's step shape: one flat batch of new tokens from many sequences, their
 positions, and `AttentionMetadata` saying where each sequence's context lives in the cache. q/k/v
@@ -22,7 +22,8 @@ from kernels import cpu_native
 
 logger = logging.getLogger("engine")
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
 
 # Checkpoint entries that carry no weights we need (old checkpoints saved RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -42,7 +43,7 @@ def architecture_of(config: Any) -> str:
     archs = list(getattr(config, "architectures", None) or [])
     if not archs:
         by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                   "qwen2": "Qwen2ForCausalLM"}
+                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
         model_type = getattr(config, "model_type", None)
         archs = [by_type[model_type]] if model_type in by_type else []
     for arch in archs:
@@ -57,7 +58,7 @@ def sliding_window_of(config: Any) -> int | None:
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
-    if getattr(config, "model_type", None) == "qwen2" and not getattr(
+    if getattr(config, "model_type", None) in ("qwen2", "qwen3") and not getattr(
             config, "use_sliding_window", False):
         return None
     layer_types = getattr(config, "layer_types", None)
@@ -67,10 +68,11 @@ def sliding_window_of(config: Any) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    """Fused qkv projection, RoPE, paged attention, output projection."""
+    """Fused qkv projection, RoPE, paged attention, output projection; with `qk_norm` (Qwen3)
+    an RMSNorm over each head of q and k before RoPE."""
 
     def __init__(self, config: Any, head_dim: int, rotary: RotaryEmbedding, qkv_bias: bool,
-                 o_bias: bool) -> None:
+                 o_bias: bool, qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -81,15 +83,22 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.rotary = [rotary]  # shared, kept out of the module tree so it is built once
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim ** -0.5)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        rotated = self.rotary[0].rotate_fused_(positions, qkv, self.num_heads + self.num_kv_heads)
+        # RoPE in place on the fused rows, unless the heads are normed first (Qwen3).
+        rotated = self.q_norm is None and self.rotary[0].rotate_fused_(
+            positions, qkv, self.num_heads + self.num_kv_heads)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if not rotated:
             q, k = self.rotary[0](positions, q, k)
@@ -101,9 +110,9 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the next norm."""
 
     def __init__(self, config: Any, head_dim: int, rotary: RotaryEmbedding, qkv_bias: bool,
-                 o_bias: bool, mlp_bias: bool) -> None:
+                 o_bias: bool, mlp_bias: bool, qk_norm: bool = False) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, head_dim, rotary, qkv_bias, o_bias)
+        self.self_attn = LlamaAttention(config, head_dim, rotary, qkv_bias, o_bias, qk_norm)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, bias=mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -125,11 +134,11 @@ class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (transformers' `model.*` names)."""
 
     def __init__(self, config: Any, head_dim: int, rotary: RotaryEmbedding, qkv_bias: bool,
-                 o_bias: bool, mlp_bias: bool) -> None:
+                 o_bias: bool, mlp_bias: bool, qk_norm: bool = False) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, head_dim, rotary, qkv_bias, o_bias, mlp_bias)
+            LlamaDecoderLayer(config, head_dim, rotary, qkv_bias, o_bias, mlp_bias, qk_norm)
             for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -160,8 +169,12 @@ class LlamaForCausalLM(nn.Module):
         self.sliding_window: int | None = sliding_window_of(config)
         self.tie_word_embeddings: bool = bool(getattr(config, "tie_word_embeddings", False))
 
+        qk_norm = self.architecture == "Qwen3ForCausalLM"
         if self.architecture == "Qwen2ForCausalLM":
             qkv_bias, o_bias, mlp_bias = True, False, False
+        elif qk_norm:  # Qwen3: one attention_bias flag for q/k/v and o, none in the MLP
+            qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
+            mlp_bias = False
         elif self.architecture == "MistralForCausalLM":
             qkv_bias = o_bias = mlp_bias = False
         else:
@@ -171,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(self.head_dim, self.max_position_embeddings,
                                           rope_parameters(config))
         self.model = LlamaModel(config, self.head_dim, self.rotary_emb, qkv_bias, o_bias,
-                                mlp_bias)
+                                mlp_bias, qk_norm)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         # The whole decoder stack as one native call (set by pack_weights when every projection
@@ -301,8 +314,9 @@ class LlamaForCausalLM(nn.Module):
         linears = [m for layer in layers for m in layer.modules()
                    if isinstance(m, Linear) and m is not layer.mlp.gate_up_proj]
         if (not linears or not all(m._native for m in linears)
-                or any(layer.mlp._fused is None for layer in layers)):
-            return None
+                or any(layer.mlp._fused is None or layer.self_attn.q_norm is not None
+                       for layer in layers)):
+            return None  # the native stack has no per-head q/k norm
         norms = [n for layer in layers for n in (layer.input_layernorm,
                                                   layer.post_attention_layernorm)]
         eps = self.model.norm.eps
