@@ -1,10 +1,9 @@
 """Memory settings that make CPU serving faster: a caching allocator, huge pages for the KV cache.
 
 Why: every engine step allocates activations of up to tens of MB. glibc serves those with
-mmap/munmap, so each step page-faults and zeroes fresh memory (measured on the 2-core box: W1
-offline 52 s with glibc defaults, 47.7 s with tcmalloc preloaded, 50.5 s with glibc's mmap
-threshold raised). The KV cache is read at random block offsets every decode step; 2 MiB pages
-cut the TLB misses of those reads (decode attention ~12% faster in a microbenchmark).
+mmap/munmap, so each step page-faults and zeroes fresh memory; tcmalloc keeps them (the
+measured effect is in BENCHMARKS.md). The KV cache is read at random block offsets every decode
+step; 2 MiB pages cut the TLB misses of those reads.
 
 - `reexec_with_tcmalloc()`: entry points (server, benchmarks) call it first; when a tcmalloc
   library is found and not yet loaded, the process re-executes itself with it in LD_PRELOAD

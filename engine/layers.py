@@ -25,9 +25,9 @@ class Linear(nn.Linear):
 
     Why: a serving step multiplies 1-128 rows (decode) or a few thousand (prefill) by weights
     that are read from memory every step. On CPU with AVX-512, `pack()` lays the weight out in
-    column panels for the native GEMM (`kernels/csrc/gemm.c`): on the 2-core box 10-35% faster
-    than oneDNN at 1-64 rows and as fast above (bench/probes/linear_gemm.py). Without it,
-    oneDNN's packed weight (10-70% faster than torch's default MKL path at serving shapes).
+    column panels for the native GEMM (`kernels/csrc/gemm.c`), faster than oneDNN at decode
+    row counts (bench/probes/linear_gemm.py, figures in BENCHMARKS.md). Without AVX-512,
+    oneDNN's packed weight, faster than torch's default path at serving shapes.
     The packed copy is extra memory (one more copy of the weight); any change to `weight`
     after packing needs a new `pack()`. `KSERVE_PAGED_ONEDNN=0`: no packing, plain `F.linear`
     (`KSERVE_PAGED_NATIVE=0` alone leaves oneDNN).
