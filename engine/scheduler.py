@@ -247,7 +247,7 @@ class Scheduler:
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
         n_out = request.num_output_tokens
-        if n_out >= params.min_tokens:
+        if request.past_min_tokens:
             if (not params.ignore_eos and request.eos_token_id is not None
                     and token == request.eos_token_id):
                 request.stop_reason = None
