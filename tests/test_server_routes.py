@@ -25,12 +25,14 @@ from prometheus_client import CollectorRegistry
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from engine.model_info import ModelInfo
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from kserve_paged import server as srv
 from kserve_paged.metrics import EngineMetrics
-from kserve_paged.model import PagedLLMModel, v2_parameters
+from kserve_paged.model import PagedLLMModel
 from kserve_paged.sampling import OptionError, make_sampling_params, resolve_max_tokens
+from kserve_paged.v2 import v2_parameters
 
 NAME = "m"
 WORDS = [" one", " two", " three", " four", " five", " six", " seven", " eight"]
@@ -120,6 +122,11 @@ class FakeEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(model_path=self.model_path, tokenizer=self.tokenizer,
+                         max_model_len=self.max_model_len, vocab_size=None, block_size=16,
+                         num_kv_blocks=self.num_kv_blocks, has_chat_template=True)
 
     def stats(self) -> dict[str, Any]:
         return {"num_running": len(self.reqs), "num_waiting": 0, "kv_usage": 0.0,
