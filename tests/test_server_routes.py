@@ -134,17 +134,19 @@ class FakeEngine:
                 "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
 
 
-def build(engine: Any = None, factory: Any = None) -> tuple[FastAPI, PagedLLMModel]:
+def build(engine: Any = None, factory: Any = None, *, max_prompt_chars: int | None = None,
+          **install: Any) -> tuple[FastAPI, PagedLLMModel]:
     llm = AsyncLLM(engine=engine, engine_factory=factory)
     metrics_registry = CollectorRegistry()
     model = PagedLLMModel(NAME, EngineConfig(), llm=llm,
-                          metrics=EngineMetrics(NAME, registry=metrics_registry))
+                          metrics=EngineMetrics(NAME, registry=metrics_registry),
+                          max_prompt_chars=max_prompt_chars)
     model.test_registry = metrics_registry  # type: ignore[attr-defined]
     model.load()
     registry = ModelRepository()
     registry.update(model)
     app = FastAPI()
-    srv.install(app, model)
+    srv.install(app, model, **install)
     rest = RESTServer("kserve.model_server:app", DataPlane(model_registry=registry),
                       ModelRepositoryExtension(model_registry=registry), 0)
     rest._register_endpoints(app)
@@ -212,9 +214,10 @@ def test_load_failure_raises_from_start_engine():
     run(main())
 
 
-async def ready(engine: FakeEngine | None = None) -> tuple[FastAPI, PagedLLMModel, FakeEngine]:
+async def ready(engine: FakeEngine | None = None, **build_options: Any
+                ) -> tuple[FastAPI, PagedLLMModel, FakeEngine]:
     engine = engine or FakeEngine()
-    app, model = build(engine=engine)
+    app, model = build(engine=engine, **build_options)
     await model.start_engine()
     return app, model, engine
 

@@ -140,8 +140,11 @@ def operation_schema(body: type[BaseModel], result: type[BaseModel], model_names
                                     "schema": _inline_refs(result.model_json_schema(
                                         mode="serialization"))},
                                 "text/event-stream": {"schema": _SSE_EVENT}}},
-            "400": {"description": "Invalid or unsupported request", **error},
+            "400": {"description": "Invalid or unsupported request (or a prompt too long to "
+                           "tokenize, --max_prompt_chars)", **error},
             "404": {"description": "Unknown model", **error},
+            "413": {"description": "The request body is too large (--max_request_bytes)",
+                    **error},
             "500": {"description": "Generation failed", **error},
             "503": {"description": "Not ready: loading, failed or shutting down", **error},
         },
