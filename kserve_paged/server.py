@@ -39,6 +39,7 @@ from kserve_paged.shutdown import PagedModelServer
 
 logger = logging.getLogger("kserve.paged")
 
+
 async def metrics_route(request: Request) -> Response:
     body, content_type = render(request.headers.get("accept"))
     return Response(content=body, headers={"content-type": content_type})

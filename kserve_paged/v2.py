@@ -89,6 +89,7 @@ async def predict(model: PagedLLMModel, payload: InferRequest | dict[str, Any]
         use_binary_outputs=payload.use_binary_outputs,
         requested_outputs=payload.request_outputs)
 
+
 async def _predict_v1(model: PagedLLMModel, body: dict[str, Any]) -> dict[str, Any]:
     instances = body.get("instances")
     if not isinstance(instances, list) or not all(isinstance(i, str) for i in instances):
@@ -105,6 +106,7 @@ async def _predict_v1(model: PagedLLMModel, body: dict[str, Any]) -> dict[str, A
     if result.prompt_logprobs is not None:
         answer["prompt_logprobs"] = result.prompt_logprobs
     return answer
+
 
 async def _complete_all(model: PagedLLMModel, texts: list[str], options: dict[str, Any]
                         ) -> _Completed:
@@ -125,6 +127,8 @@ async def _complete_all(model: PagedLLMModel, texts: list[str], options: dict[st
     try:
         priority = request_priority(options.get("priority"))
         salt = request_cache_salt(options.get("cache_salt"))
+        for text in texts:  # every prompt's length before any is tokenized
+            model.check_prompt_chars(len(text))
         prepared = []
         for text in texts:  # validate everything before anything is queued
             ids = await model.encode(text)
