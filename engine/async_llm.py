@@ -249,7 +249,7 @@ class AsyncLLM:
 
     @property
     def engine(self) -> EngineLike:
-        """The wrapped engine (only for reading static attributes such as the tokenizer)."""
+        """The wrapped engine (tests and benchmarks; servers read :meth:`model_info`)."""
         if self._engine is None:
             raise RuntimeError("the engine is not loaded yet")
         return self._engine
