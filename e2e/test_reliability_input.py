@@ -15,8 +15,10 @@ import json
 import struct
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -313,6 +315,56 @@ def test_known_issue_messages_are_specific(server: Server):
             needle = rest[-1] if isinstance(rest[-1], str) else "not valid UTF-8"
             r = _post(client, path, body, headers)
             assert r.status_code == 400 and needle in _message(path, r), (path, r.text[:300])
+
+
+# Issue 16: tokenizing this (to find it too long) froze every other request for ~10 s.
+HUGE = ("The quick brown fox jumps over the lazy dog. " * (20 * MB // 45 + 1))[:20 * MB]
+MAX_REQUEST_BYTES = 32 * MB  # the server's default --max_request_bytes
+
+
+def _timed(client: httpx.Client, path: str, body: Any) -> tuple[httpx.Response, float]:
+    start = time.monotonic()
+    r = _post(client, path, body, {})
+    return r, time.monotonic() - start
+
+
+def test_a_20mb_prompt_is_refused_without_stalling_a_concurrent_request(server: Server):
+    """A 20 MB prompt on each protocol gets its 400 (too long to tokenize) while a small
+    request sent at the same time completes about as fast as alone: relative to the small
+    request's own latency, with a generous margin for a loaded machine."""
+    small = cmpl(prompt="Hello", max_tokens=2)
+    figures: dict[str, Any] = {}
+    with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT) as client, \
+            httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT) as big_client, \
+            ThreadPoolExecutor(1) as pool:
+        baseline = max(_timed(client, CMPL, small)[1] for _ in range(3))
+        bound = 3 * baseline + 2.0
+        for name, path, body in (("completions", CMPL, cmpl(prompt=HUGE)),
+                                 ("chat", CHAT, chat(HUGE)), ("v2", V2, v2([HUGE]))):
+            raw = json.dumps(body).encode()
+            big = pool.submit(_timed, big_client, path, raw)
+            time.sleep(0.02)  # the big body is on its way
+            r, small_s = _timed(client, CMPL, small)
+            big_r, big_s = big.result(timeout=60)
+            assert r.status_code == 200, r.text[:300]
+            assert small_s < bound, (name, small_s, big_s, baseline)
+            assert big_r.status_code == 400, big_r.text[:300]
+            assert "more than this server tokenizes" in _message(path, big_r), big_r.text[:300]
+            assert big_s < bound + 5.0, (name, big_s)  # refused, not tokenized (was ~10 s)
+            figures[name] = {"small_s": round(small_s, 3), "big_s": round(big_s, 3)}
+        assert client.get(f"/v2/models/{MODEL}/ready").status_code == 200
+    wait_idle(server, timeout=5)
+    record("huge_prompt", baseline_s=round(baseline, 3), **figures)
+
+
+def test_a_body_over_max_request_bytes_is_413_on_both_protocols(server: Server):
+    prompt = "x" * (MAX_REQUEST_BYTES + MB)
+    with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT) as client:
+        for path, body in ((CMPL, cmpl(prompt=prompt)), (V2, v2([prompt]))):
+            r = _post(client, path, json.dumps(body).encode(), {})
+            assert r.status_code == 413, r.text[:300]
+            assert "more than this server accepts" in _message(path, r)
+        assert client.get(f"/v2/models/{MODEL}/ready").status_code == 200
 
 
 def fuzz_openai_routes(url: str) -> dict[str, int]:

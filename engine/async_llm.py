@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from engine.config import EngineConfig
+from engine.model_info import ModelInfo
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -55,6 +56,8 @@ class EngineLike(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+    def model_info(self) -> ModelInfo: ...
 
 
 @dataclasses.dataclass(slots=True)
@@ -190,6 +193,7 @@ class AsyncLLM:
         self._ready = threading.Event()
         self._ready_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._stats: dict[str, Any] = {}
+        self._info: ModelInfo | None = None
         self._ids = itertools.count()
 
     @classmethod
@@ -245,10 +249,17 @@ class AsyncLLM:
 
     @property
     def engine(self) -> EngineLike:
-        """The wrapped engine (only for reading static attributes such as the tokenizer)."""
+        """The wrapped engine (tests and benchmarks; servers read :meth:`model_info`)."""
         if self._engine is None:
             raise RuntimeError("the engine is not loaded yet")
         return self._engine
+
+    def model_info(self) -> ModelInfo:
+        """The loaded engine's static facts, asked of it once (RuntimeError before it loads).
+        What a server needs of the engine comes from here, not from the engine's attributes."""
+        if self._info is None:
+            self._info = self.engine.model_info()
+        return self._info
 
     async def wait_ready(self) -> None:
         """Return once the engine can serve; raise EngineDeadError if loading failed."""

@@ -17,7 +17,9 @@ from engine.config import EngineConfig
 from engine.cpu_memory import tune_glibc_malloc
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
+from engine.limits import check_prompt_ids
 from engine.logits_processors import apply_penalties, top_logprobs
+from engine.model_info import ModelInfo
 from engine.model_loader import load_model, load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -170,6 +172,13 @@ class LLMEngine:
             return None, []
         return ids[0], ids[1:]
 
+    def model_info(self) -> ModelInfo:
+        """What a server may know of this engine (AsyncLLM.model_info hands it on)."""
+        return ModelInfo(model_path=self.model_path, tokenizer=self.tokenizer,
+                         max_model_len=self.max_model_len, vocab_size=self.model.vocab_size,
+                         block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks,
+                         has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)))
+
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt))
@@ -199,12 +208,7 @@ class LLMEngine:
             token_ids = self.tokenize(prompt)
         else:
             token_ids = [int(t) for t in prompt]
-            vocab = self.model.vocab_size
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is out of range for vocabulary size {vocab}")
-        if not token_ids:
-            raise ValueError("the prompt is empty: at least one token is required")
+        check_prompt_ids(token_ids, self.model.vocab_size)
         if self._extra_eos and not params.ignore_eos:
             params = _with_stop_ids(params, self._extra_eos)
         if request_id in self._parents:
@@ -325,7 +329,7 @@ class LLMEngine:
         and say which stop string, if any, its text now ends in."""
         detok = self._live[req.request_id].detok
         detok.update([req.output_token_ids[-1]], stop_terminated=ended_by_token,
-                     check_stop=req.may_stop)
+                     check_stop=req.past_min_tokens)
         return detok.stop_reason if detok.stopped else None
 
     def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

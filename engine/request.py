@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.limits import EMPTY_PROMPT, past_min_tokens
 from engine.sampling_params import SamplingParams
 
 
@@ -56,12 +57,17 @@ class Request:
     last_token_time: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.prompt_token_ids:
-            raise ValueError("the prompt is empty: at least one token is required")
+        if not self.prompt_token_ids:  # an invariant of every request the scheduler holds
+            raise ValueError(EMPTY_PROMPT)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def past_min_tokens(self) -> bool:
+        """Whether stop tokens and strings may end the request now (see engine.limits)."""
+        return past_min_tokens(len(self.output_token_ids), self.sampling_params.min_tokens)
 
     @property
     def num_output_tokens(self) -> int:
@@ -91,12 +97,6 @@ class Request:
     def max_tokens(self) -> int:
         mt = self.sampling_params.max_tokens
         return mt if mt is not None else 1 << 62
-
-    @property
-    def may_stop(self) -> bool:
-        """Whether EOS, stop tokens and stop strings may end the request yet (min_tokens is
-        reached)."""
-        return self.sampling_params.may_stop(self.num_output_tokens)
 
     @property
     def is_finished(self) -> bool:

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from engine.limits import past_min_tokens
 from engine.sampling_params import SamplingParams
 from kernels import cpu_native
 
@@ -201,7 +202,7 @@ class Sampler:
                 greedy.append(i)
             else:
                 sampled.append(i)
-            if not p.may_stop(num_output_tokens[i]):
+            if not past_min_tokens(num_output_tokens[i], p.min_tokens):
                 eos = eos_token_ids[i]
                 toks = [t for t in p.stop_token_ids if t < vocab]
                 if eos is not None and 0 <= eos < vocab:

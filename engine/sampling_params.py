@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine import limits as L
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -30,11 +32,6 @@ class SamplingParams:
     # computes its whole prompt: cached positions have no logits.
     prompt_logprobs: int | None = None
 
-    def may_stop(self, num_output_tokens: int) -> bool:
-        """Whether EOS, stop tokens and stop strings may end a request that has produced this
-        many tokens (min_tokens reached): the one home of that rule."""
-        return num_output_tokens >= self.min_tokens
-
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -59,26 +56,32 @@ class SamplingParams:
         def bad(msg: str) -> ValueError:
             return ValueError(f"invalid sampling parameter: {msg}")
 
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= 128:
-            raise bad(f"n must be an integer from 1 to 128 (got {self.n!r})")
+        if (not isinstance(self.n, int) or isinstance(self.n, bool)
+                or not L.MIN_N <= self.n <= L.MAX_N):
+            raise bad(f"n must be an integer from {L.MIN_N} to {L.MAX_N} (got {self.n!r})")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
                                             or isinstance(self.max_tokens, bool)
-                                            or self.max_tokens < 1):
-            raise bad(f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad(f"min_tokens must be an integer >= 0 (got {self.min_tokens!r})")
+                                            or self.max_tokens < L.MIN_MAX_TOKENS):
+            raise bad(f"max_tokens must be an integer >= {L.MIN_MAX_TOKENS} "
+                      f"(got {self.max_tokens!r})")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < L.MIN_MIN_TOKENS:
+            raise bad(f"min_tokens must be an integer >= {L.MIN_MIN_TOKENS} "
+                      f"(got {self.min_tokens!r})")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise bad(f"{name} must be a finite number (got {value!r})")
-        if self.temperature < 0:
-            raise bad(f"temperature must be >= 0 (got {self.temperature})")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad(f"top_p must be in (0, 1] (got {self.top_p})")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad(f"min_p must be in [0, 1] (got {self.min_p})")
+        if self.temperature < L.MIN_TEMPERATURE:
+            raise bad(f"temperature must be >= {L.MIN_TEMPERATURE:g} (got {self.temperature})")
+        low, high = L.TOP_P_RANGE
+        if not low < self.top_p <= high:
+            raise bad(f"top_p must be in ({low:g}, {high:g}] (got {self.top_p})")
+        low, high = L.MIN_P_RANGE
+        if not low <= self.min_p <= high:
+            raise bad(f"min_p must be in [{low:g}, {high:g}] (got {self.min_p})")
+        # -1 (off) became 0 in __post_init__
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise bad(f"top_k must be -1, 0 (off) or a positive integer (got {self.top_k!r})")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
@@ -93,22 +96,28 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise bad(f"{name} must be a finite number (got {value!r})")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad(f"presence_penalty must be in [-2, 2] (got {self.presence_penalty})")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad(f"frequency_penalty must be in [-2, 2] (got {self.frequency_penalty})")
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise bad(f"repetition_penalty must be in (0, 100] (got {self.repetition_penalty})")
+        low, high = L.PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise bad(f"{name} must be in [{low:g}, {high:g}] (got {value})")
+        low, high = L.REPETITION_PENALTY_RANGE
+        if not low < self.repetition_penalty <= high:
+            raise bad(f"repetition_penalty must be in ({low:g}, {high:g}] "
+                      f"(got {self.repetition_penalty})")
+        low, high = L.LOGIT_BIAS_RANGE
         for token, bias in (self.logit_bias or {}).items():
             if token < 0:
                 raise bad(f"logit_bias token ids must be non-negative (got {token})")
-            if not math.isfinite(bias) or not -100.0 <= bias <= 100.0:
-                raise bad(f"logit_bias values must be in [-100, 100] (got {bias} for {token})")
+            if not math.isfinite(bias) or not low <= bias <= high:
+                raise bad(f"logit_bias values must be in [{low:g}, {high:g}] "
+                          f"(got {bias} for {token})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or not 0 <= value <= 20):
-                raise bad(f"{name} must be an integer from 0 to 20 (got {value!r})")
+                                      or not L.MIN_LOGPROBS <= value <= L.MAX_LOGPROBS):
+                raise bad(f"{name} must be an integer from {L.MIN_LOGPROBS} to "
+                          f"{L.MAX_LOGPROBS} (got {value!r})")
 
     @property
     def greedy(self) -> bool:

@@ -255,7 +255,7 @@ class Scheduler:
         string wins over the token that ended the request; EOS or a stop token over length."""
         params = request.sampling_params
         by_token: tuple[RequestStatus, int | None] | None = None
-        if request.may_stop:
+        if request.past_min_tokens:
             if (not params.ignore_eos and request.eos_token_id is not None
                     and token == request.eos_token_id):
                 by_token = (RequestStatus.FINISHED_STOPPED, None)

@@ -21,6 +21,7 @@ from typing import Any
 from kserve.model_server import parser as kserve_parser
 
 from engine.config import SCHEDULING_POLICIES, EngineConfig
+from engine.limits import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN
 
 DEFAULT_MODEL_DIR = "/mnt/models"
 DEFAULT_HTTP_HOST = "0.0.0.0"  # what KServe's RESTServer binds
@@ -152,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="On SIGTERM readiness turns false and new requests get 503 at once; requests in "
              "flight get this many seconds to finish, then they are aborted and the process "
              "exits. Keep it below the pod's terminationGracePeriodSeconds.")
+    server.add_argument(
+        "--max_request_bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+        help="Largest inference request body (OpenAI, v1, v2); a larger one is refused with "
+             "413 before it is parsed.")
+    server.add_argument(
+        "--max_prompt_chars", type=_positive_int, default=None,
+        help="Longest prompt text, in characters; a longer one is refused with 400 before it "
+             f"is tokenized. Default: max_model_len * {PROMPT_CHARS_PER_TOKEN} (no prompt "
+             "that long could fit).")
     return parser
 
 

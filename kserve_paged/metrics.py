@@ -18,12 +18,17 @@ prometheus_client details that matter here:
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import exposition as _exposition
+
+if TYPE_CHECKING:  # annotations only: importing the engine package would load torch
+    from engine.async_llm import StepInfo
+    from engine.outputs import RequestOutput
 
 LABELS = ("model_name",)
 
@@ -186,6 +191,48 @@ class EngineMetrics:
 
     def observe_iteration_tokens(self, num_tokens: int) -> None:
         self._iteration_tokens.observe(num_tokens)
+
+
+class MetricsObserver:
+    """Engine step callback -> Prometheus: gauges and counters from the stats, latency
+    histograms from each output's timestamps (runs on the engine thread; prometheus_client is
+    thread-safe)."""
+
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self.metrics = metrics
+        self._last_token: dict[str, float] = {}
+
+    def __call__(self, info: StepInfo) -> None:
+        m = self.metrics
+        m.update(info.stats)
+        if info.stepped and info.num_tokens > 0:
+            m.observe_iteration_tokens(info.num_tokens)
+        for out in info.outputs:
+            self._observe(out)
+        for rid in info.aborted:
+            self._last_token.pop(rid, None)
+
+    def _observe(self, out: RequestOutput) -> None:
+        t = out.metrics
+        if t is None:
+            return
+        rid = out.request_id
+        new_tokens = bool(out.outputs and out.outputs[0].delta_token_ids)
+        if new_tokens and t.last_token_time is not None:
+            previous = self._last_token.get(rid)
+            if previous is None:
+                if t.first_token_time is not None:
+                    self.metrics.observe_time_to_first_token(t.first_token_time - t.arrival_time)
+                if t.first_scheduled_time is not None:
+                    self.metrics.observe_request_queue_time(
+                        t.first_scheduled_time - t.arrival_time)
+            else:
+                self.metrics.observe_inter_token_latency(t.last_token_time - previous)
+            self._last_token[rid] = t.last_token_time
+        if out.finished:
+            self._last_token.pop(rid, None)
+            end = t.finished_time if t.finished_time is not None else time.monotonic()
+            self.metrics.observe_e2e_request_latency(end - t.arrival_time)
 
 
 def _described(registry: CollectorRegistry | None) -> list[tuple[str, str]]:

@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from engine.limits import LOGIT_BIAS_RANGE, MIN_MAX_TOKENS
 from engine.sampling_params import SamplingParams
 
 # Options every front end accepts, with the types JSON / v2 parameters may carry them in.
@@ -23,7 +24,6 @@ _INTS = ("max_tokens", "top_k", "seed", "min_tokens", "n", "logprobs", "prompt_l
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
            "repetition_penalty")
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
-LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias value: [-100, 100]
 
 
 class OptionError(ValueError):
@@ -98,7 +98,7 @@ def _as_token_ids(value: Any) -> list[int]:
 
 def _as_logit_bias(value: Any, vocab_size: int | None) -> dict[int, float]:
     """``{"token id": bias}`` (JSON object, or a JSON string of one for v2's scalar parameters)
-    -> ``{id: bias}``, checked as OpenAI does: ids in the vocabulary, biases in [-100, 100]. An
+    -> ``{id: bias}``, checked as OpenAI does: ids in the vocabulary, biases in range. An
     id the model does not have is a 400 here, not an entry the engine would quietly skip."""
     if isinstance(value, str):
         try:
@@ -121,9 +121,10 @@ def _as_logit_bias(value: Any, vocab_size: int | None) -> dict[int, float]:
                               + (f" (vocabulary size {vocab_size})" if vocab_size else ""),
                               "logit_bias")
         amount = _as_float("logit_bias", number)
-        if not -LOGIT_BIAS_LIMIT <= amount <= LOGIT_BIAS_LIMIT:
-            raise OptionError(f"logit_bias: the bias for token {key!r} must be in [-100, 100] "
-                              f"(got {number!r})", "logit_bias")
+        low, high = LOGIT_BIAS_RANGE
+        if not low <= amount <= high:
+            raise OptionError(f"logit_bias: the bias for token {key!r} must be in "
+                              f"[{low:g}, {high:g}] (got {number!r})", "logit_bias")
         bias[token] = amount
     return bias
 
@@ -209,8 +210,9 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: i
             "prompt" if max_tokens is None else "max_tokens")
     if max_tokens is None:
         return max_model_len - prompt_len
-    if max_tokens < 1:
-        raise OptionError(f"max_tokens must be at least 1 (got {max_tokens})", "max_tokens")
+    if max_tokens < MIN_MAX_TOKENS:
+        raise OptionError(f"max_tokens must be at least {MIN_MAX_TOKENS} (got {max_tokens})",
+                          "max_tokens")
     if prompt_len + max_tokens > max_model_len:
         raise OptionError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "

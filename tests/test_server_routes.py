@@ -25,12 +25,14 @@ from prometheus_client import CollectorRegistry
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from engine.model_info import ModelInfo
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from kserve_paged import server as srv
 from kserve_paged.metrics import EngineMetrics
-from kserve_paged.model import PagedLLMModel, v2_parameters
+from kserve_paged.model import PagedLLMModel
 from kserve_paged.sampling import OptionError, make_sampling_params, resolve_max_tokens
+from kserve_paged.v2 import v2_parameters
 
 NAME = "m"
 WORDS = [" one", " two", " three", " four", " five", " six", " seven", " eight"]
@@ -121,23 +123,30 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)
 
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(model_path=self.model_path, tokenizer=self.tokenizer,
+                         max_model_len=self.max_model_len, vocab_size=None, block_size=16,
+                         num_kv_blocks=self.num_kv_blocks, has_chat_template=True)
+
     def stats(self) -> dict[str, Any]:
         return {"num_running": len(self.reqs), "num_waiting": 0, "kv_usage": 0.0,
                 "prompt_tokens": self.prompt, "generation_tokens": self.gen,
                 "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
 
 
-def build(engine: Any = None, factory: Any = None) -> tuple[FastAPI, PagedLLMModel]:
+def build(engine: Any = None, factory: Any = None, *, max_prompt_chars: int | None = None,
+          **install: Any) -> tuple[FastAPI, PagedLLMModel]:
     llm = AsyncLLM(engine=engine, engine_factory=factory)
     metrics_registry = CollectorRegistry()
     model = PagedLLMModel(NAME, EngineConfig(), llm=llm,
-                          metrics=EngineMetrics(NAME, registry=metrics_registry))
+                          metrics=EngineMetrics(NAME, registry=metrics_registry),
+                          max_prompt_chars=max_prompt_chars)
     model.test_registry = metrics_registry  # type: ignore[attr-defined]
     model.load()
     registry = ModelRepository()
     registry.update(model)
     app = FastAPI()
-    srv.install(app, model)
+    srv.install(app, model, **install)
     rest = RESTServer("kserve.model_server:app", DataPlane(model_registry=registry),
                       ModelRepositoryExtension(model_registry=registry), 0)
     rest._register_endpoints(app)
@@ -205,9 +214,10 @@ def test_load_failure_raises_from_start_engine():
     run(main())
 
 
-async def ready(engine: FakeEngine | None = None) -> tuple[FastAPI, PagedLLMModel, FakeEngine]:
+async def ready(engine: FakeEngine | None = None, **build_options: Any
+                ) -> tuple[FastAPI, PagedLLMModel, FakeEngine]:
     engine = engine or FakeEngine()
-    app, model = build(engine=engine)
+    app, model = build(engine=engine, **build_options)
     await model.start_engine()
     return app, model, engine
 

@@ -1,0 +1,60 @@
+"""Request limits: the one place their numbers live.
+
+Why one module: SamplingParams validates against these, the server's parsers refuse against
+them before anything is queued, and the published OpenAPI schema takes its minimum/maximum from
+them, so the three can never disagree. Engine-side, because the engine is what they protect.
+"""
+
+from __future__ import annotations
+
+MIN_N, MAX_N = 1, 128  # samples per prompt
+MIN_LOGPROBS, MAX_LOGPROBS = 0, 20  # top log-probabilities per token (and per prompt token)
+MIN_MAX_TOKENS = 1  # output budget; the upper bound is what the context window leaves
+MIN_MIN_TOKENS = 0
+MIN_TEMPERATURE = 0.0
+TOP_P_RANGE = (0.0, 1.0)  # exclusive below, inclusive above: (0, 1]
+MIN_P_RANGE = (0.0, 1.0)  # inclusive: [0, 1]
+MIN_TOP_K = -1  # -1 and 0 both mean off
+PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties, inclusive
+REPETITION_PENALTY_RANGE = (0.0, 100.0)  # exclusive below, inclusive above: (0, 100]
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range for one bias value, inclusive
+
+# A prompt longer than this many characters per token of the context window cannot fit, so it
+# is refused before it is tokenized (tokenizing 20 MB takes seconds). Generous on purpose: a
+# token of real text is 3-5 characters, and a repeated character still merges into tokens of
+# at most a few dozen; refusing a prompt that would fit is the error to avoid.
+PROMPT_CHARS_PER_TOKEN = 64
+# The largest inference request body (any protocol) read before it is refused with 413.
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20
+
+EMPTY_PROMPT = "the prompt is empty: at least one token is required"
+
+
+def max_prompt_chars(max_model_len: int) -> int:
+    """The longest prompt text worth tokenizing for a context window of ``max_model_len``."""
+    return max_model_len * PROMPT_CHARS_PER_TOKEN
+
+
+def prompt_too_long(num_chars: int, limit: int) -> str:
+    """The refusal for a prompt text over ``limit`` characters (checked before tokenizing)."""
+    return (f"the prompt has {num_chars} characters, more than this server tokenizes "
+            f"({limit}): it cannot fit the model's context window. Shorten the prompt.")
+
+
+def check_prompt_ids(token_ids: list[int], vocab_size: int | None) -> None:
+    """The one check of a prompt's token ids: not empty, every id in the vocabulary.
+    Raises ValueError; the engine and the server's parsers both call it."""
+    if not token_ids:
+        raise ValueError(EMPTY_PROMPT)
+    for t in token_ids:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (
+                vocab_size is not None and t >= vocab_size):
+            raise ValueError(f"token id {t!r} is out of range for this model"
+                             + (f" (vocabulary size {vocab_size})" if vocab_size else ""))
+
+
+def past_min_tokens(num_output_tokens: int, min_tokens: int) -> bool:
+    """The one min_tokens rule: once a request has ``min_tokens`` outputs, its EOS, stop
+    tokens and stop strings may end it. The sampler asks before a step (with the outputs so
+    far: under it, EOS and stop tokens are banned), the stop checks after it."""
+    return num_output_tokens >= min_tokens

@@ -1,0 +1,18 @@
+"""OpenAI-compatible routes (``/openai/v1/...``) on KServe's FastAPI app.
+
+KServe 0.21's own OpenAI routes need vLLM installed (kserve.md), so these are ours. One job per
+module: ``errors`` (OpenAI's error shape), ``schemas`` (request/response bodies and the refusal
+rules of their fields), ``parse`` (body -> validated request), ``render`` (engine outputs ->
+response pieces), ``stream`` (server-sent events, client disconnects), ``handlers`` (the
+routes), ``openapi`` (what /openapi.json publishes).
+
+Imported as ``kserve_paged.openai``: inside it, ``import openai`` (absolute) is still the
+``openai`` client package whose types the responses use.
+"""
+
+from __future__ import annotations
+
+from kserve_paged.openai.errors import APIError
+from kserve_paged.openai.handlers import PREFIX, OpenAIRoutes, register_openai_routes
+
+__all__ = ["APIError", "OpenAIRoutes", "PREFIX", "register_openai_routes"]

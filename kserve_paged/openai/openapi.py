@@ -1,0 +1,152 @@
+"""What the OpenAI routes publish in /openapi.json.
+
+The handlers parse bodies themselves (to answer in OpenAI's error shape, not FastAPI's 422), so
+FastAPI cannot derive the schemas: they are built here from the pydantic bodies, with the value
+ranges of engine.limits (the numbers the engine validates against) laid over them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from engine import limits as L
+from kserve_paged.openai.errors import ERROR_SCHEMA
+
+
+def _number(value: float) -> int | float:
+    """A limit as JSON writes it best: 2 rather than 2.0."""
+    return int(value) if float(value).is_integer() else value
+
+
+def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic JSON schema with its ``$defs`` inlined: an OpenAPI operation cannot carry
+    ``$defs`` of its own (its ``$ref``s resolve against the whole document)."""
+    defs = schema.get("$defs", {})
+
+    def resolve(node: Any, seen: tuple[str, ...] = ()) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                name = ref.rsplit("/", 1)[-1]
+                if name in seen:  # recursive types: leave them open
+                    return {}
+                rest = {k: v for k, v in node.items() if k != "$ref"}
+                return {**resolve(defs[name], (*seen, name)), **resolve(rest, seen)}
+            return {k: resolve(v, seen) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [resolve(v, seen) for v in node]
+        return node
+
+    return resolve(schema)
+
+
+
+# One server-sent event (``data: {json chunk}`` or ``data: [DONE]``), as SSE parsers see it.
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_PENALTY = {"minimum": _number(L.PENALTY_RANGE[0]), "maximum": _number(L.PENALTY_RANGE[1])}
+_LOGPROBS = {"minimum": L.MIN_LOGPROBS, "maximum": L.MAX_LOGPROBS}
+# What the handlers accept beyond the field types, published so that clients (and fuzzers) see
+# the real contract: value ranges, and options that only take their default (no tools, no
+# suffix, text responses only; other values are 400s). Validation itself stays in the handlers,
+# which answer in OpenAI's error shape.
+_PUBLISHED: dict[str, dict[str, Any]] = {
+    "max_tokens": {"minimum": L.MIN_MAX_TOKENS},
+    "max_completion_tokens": {"minimum": L.MIN_MAX_TOKENS},
+    "temperature": {"minimum": _number(L.MIN_TEMPERATURE)},
+    "top_p": {"exclusiveMinimum": _number(L.TOP_P_RANGE[0]),
+              "maximum": _number(L.TOP_P_RANGE[1])},
+    "top_k": {"minimum": L.MIN_TOP_K},
+    "min_p": {"minimum": _number(L.MIN_P_RANGE[0]), "maximum": _number(L.MIN_P_RANGE[1])},
+    "min_tokens": {"minimum": L.MIN_MIN_TOKENS},
+    "stop": {"anyOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "items": {"type": "string", "minLength": 1}},
+                       {"type": "null"}]},
+    "stop_token_ids": {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}},
+                                 {"type": "null"}]},
+    "n": {"minimum": L.MIN_N, "maximum": L.MAX_N},
+    "best_of": {"minimum": L.MIN_N, "maximum": L.MAX_N},
+    "presence_penalty": _PENALTY,
+    "frequency_penalty": _PENALTY,
+    "repetition_penalty": {"exclusiveMinimum": _number(L.REPETITION_PENALTY_RANGE[0]),
+                           "maximum": _number(L.REPETITION_PENALTY_RANGE[1])},
+    "logit_bias": {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                              "additionalProperties": {
+                                  "type": "number", "minimum": _number(L.LOGIT_BIAS_RANGE[0]),
+                                  "maximum": _number(L.LOGIT_BIAS_RANGE[1])}},
+                             {"type": "null"}]},
+    "prompt_logprobs": _LOGPROBS,
+    "top_logprobs": _LOGPROBS,
+    "response_format": {"anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}},
+                                  {"type": "null"}]},
+    "suffix": {"anyOf": [{"const": ""}, {"type": "null"}]},
+    "tools": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
+    "functions": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
+    "tool_choice": {"anyOf": [{"const": "none"}, {"type": "null"}]},
+    "function_call": {"anyOf": [{"const": "none"}, {"type": "null"}]},
+    "messages": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role"],
+        "properties": {"role": {"type": "string"},
+                       "content": {"anyOf": [{"type": "string"},
+                                             {"type": "array", "items": _TEXT_PART},
+                                             {"type": "null"}]}}}},
+}
+_PUBLISHED_BY_BODY: dict[str, dict[str, dict[str, Any]]] = {
+    "CompletionBody": {
+        "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                             {"type": "array", "minItems": 1,
+                              "items": {"type": "string", "minLength": 1}},
+                             _TOKEN_IDS, {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]},
+        "logprobs": {"anyOf": [{"type": "integer", **_LOGPROBS}, {"type": "null"}]},
+    },
+}
+
+
+def _request_schema(body: type[BaseModel], model_names: list[str]) -> dict[str, Any]:
+    schema = _inline_refs(body.model_json_schema())
+    props = schema["properties"]
+    published = {**_PUBLISHED, **_PUBLISHED_BY_BODY.get(body.__name__, {})}
+    if model_names:
+        published["model"] = {"anyOf": [{"enum": model_names}, {"type": "null"}]}
+    for name, extra in published.items():
+        if name in props:
+            field = props[name]
+            if "anyOf" in extra or "type" in extra or "const" in extra:
+                field = {k: v for k, v in field.items() if k in ("title", "default")}
+            elif "anyOf" in field:  # constrain the non-null branch of an optional field
+                field = {**field, "anyOf": [b if b.get("type") == "null" else {**b, **extra}
+                                            for b in field["anyOf"]]}
+                extra = {}
+            props[name] = {**field, **extra}
+    return schema
+
+
+def operation_schema(body: type[BaseModel], result: type[BaseModel], model_names: list[str]
+             ) -> dict[str, Any]:
+    """What the route publishes in /openapi.json. The handlers parse the body themselves (to
+    answer in OpenAI's error shape, not FastAPI's 422), so FastAPI cannot derive this."""
+    error = {"content": {"application/json": {"schema": ERROR_SCHEMA}}}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": _request_schema(body, model_names)}}},
+        "responses": {
+            "200": {"description": "The result, or with stream=true server-sent events",
+                    "content": {"application/json": {
+                                    "schema": _inline_refs(result.model_json_schema(
+                                        mode="serialization"))},
+                                "text/event-stream": {"schema": _SSE_EVENT}}},
+            "400": {"description": "Invalid or unsupported request (or a prompt too long to "
+                           "tokenize, --max_prompt_chars)", **error},
+            "404": {"description": "Unknown model", **error},
+            "413": {"description": "The request body is too large (--max_request_bytes)",
+                    **error},
+            "500": {"description": "Generation failed", **error},
+            "503": {"description": "Not ready: loading, failed or shutting down", **error},
+        },
+    }
+

@@ -1,0 +1,192 @@
+"""Request and response bodies of the OpenAI routes, and the refusal rules of each field.
+
+A request option that would change results but that the engine cannot honour is refused by
+``unsupported()`` with a 400 naming it, never ignored. Response bodies are the ``openai``
+package's types, widened where vLLM-style answers carry more."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from openai.types import Completion, CompletionChoice
+from openai.types.chat import ChatCompletion
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from kserve_paged.sampling import unsupported_options
+
+# -- request bodies ---------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingBody(BaseModel):
+    """Fields common to both endpoints. Unknown fields are accepted and ignored (clients send
+    vendor extras); the known ones that would change results are checked in ``unsupported``."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    # vLLM's extras
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+
+    def sampling_options(self) -> dict[str, Any]:
+        """The options that go to SamplingParams as given (``logprobs`` is per endpoint)."""
+        return {name: getattr(self, name) for name in (
+            "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
+            "min_tokens", "stop_token_ids", "n", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "logit_bias", "prompt_logprobs", "include_stop_str_in_output",
+            "skip_special_tokens")}
+
+    def top_logprobs_k(self) -> int | None:
+        """Top log-probabilities per generated token, or None when none are asked for."""
+        return None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        found = []
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            found.append(("response_format",
+                          f"response_format {self.response_format.get('type')!r} is not "
+                          "supported (only 'text'): this server has no structured output"))
+        if self.stream_options is not None and not self.stream:
+            found.append(("stream_options", "stream_options is only allowed with stream=true"))
+        for name in unsupported_options({**(self.model_extra or {}), "n": self.n}):
+            found.append((name, f"{name} is not supported by this server"))
+        return found
+
+
+class CompletionBody(SamplingBody):
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # true is no token id
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def top_logprobs_k(self) -> int | None:
+        return self.logprobs
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        found = super().unsupported()
+        if self.best_of is not None and self.best_of != self.n:
+            found.append(("best_of", f"best_of={self.best_of} is not supported: every sample "
+                          f"is returned, so best_of must be unset or equal n ({self.n})"))
+        if self.suffix:
+            found.append(("suffix", "suffix is not supported (no fill-in-the-middle)"))
+        return found
+
+
+# Chat extras of vLLM and OpenAI that change what is generated, beyond the shared table; any
+# value but the harmless one is a 400.
+_CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "echo": (False,), "chat_template": (), "chat_template_kwargs": (), "documents": (),
+    "audio": (), "prediction": (), "web_search_options": (),
+}
+
+
+class ChatBody(SamplingBody):
+    """``max_completion_tokens`` is OpenAI's newer name for ``max_tokens``; a request giving
+    both with different values is refused (400 naming max_completion_tokens) rather than one
+    of them silently winning."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def top_logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def output_budget(self) -> int | None:
+        return (self.max_completion_tokens if self.max_completion_tokens is not None
+                else self.max_tokens)
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        found = super().unsupported()
+        extra = self.model_extra or {}
+        for name in unsupported_options(extra, _CHAT_UNSUPPORTED, check_best_of=False):
+            found.append((name, f"{name} is not supported by this server"))
+        if extra.get("modalities") not in (None, [], ["text"]):
+            found.append(("modalities", "modalities other than [\"text\"] are not supported"))
+        if (self.max_completion_tokens is not None and self.max_tokens is not None
+                and self.max_completion_tokens != self.max_tokens):
+            found.append(("max_completion_tokens",
+                          f"max_completion_tokens ({self.max_completion_tokens}) and max_tokens "
+                          f"({self.max_tokens}) disagree; give one of them"))
+        if self.top_logprobs is not None and not self.logprobs:
+            found.append(("top_logprobs", "top_logprobs requires logprobs=true"))
+        if self.tools:
+            found.append(("tools", "tools are not supported (no tool calling)"))
+        if self.tool_choice not in (None, "none"):
+            found.append(("tool_choice", "tool_choice is not supported (no tool calling)"))
+        if self.functions:
+            found.append(("functions", "functions are not supported (no function calling)"))
+        if self.function_call not in (None, "none"):
+            found.append(("function_call", "function_call is not supported"))
+        return found
+
+
+
+# -- response bodies (OpenAI's types, widened where vLLM-style answers carry more) -------------
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs; entries are null for the first echoed prompt token."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionChoiceOut(CompletionChoice):
+    logprobs: CompletionLogprobs | None = None  # type: ignore[assignment]
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, when asked for
+
+
+class CompletionOut(Completion):
+    choices: list[CompletionChoiceOut]  # type: ignore[assignment]
+
+
+class ChatCompletionOut(ChatCompletion):
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, when asked for
+
+
