@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import settings
+
 logger = logging.getLogger("kernels")
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
@@ -39,19 +41,13 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get("KSERVE_PAGED_CACHE")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "kserve-paged"
-    return root / "native"
-
-
 def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
     src = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"kp_native-{digest}.so"
+    target = settings.cache_dir() / "native" / f"kp_native-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -71,7 +67,7 @@ def load() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("KSERVE_PAGED_NATIVE", "1").strip().lower() in ("0", "false", "no"):
+    if not settings.native_enabled():
         logger.info("native CPU kernels disabled by KSERVE_PAGED_NATIVE")
         return None
     try:
