@@ -192,7 +192,8 @@ class RotaryEmbedding(nn.Module):
         """
         if torch.is_grad_enabled():
             return False
-        return cpu_native.rope_inplace(qkv, positions, self.cos, self.sin, heads, self.head_dim)
+        return cpu_native.rope_inplace(qkv, positions, self.cos, self.sin, heads,
+                                       self.head_dim) is not None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
