@@ -89,7 +89,7 @@ def launch(extra_args: list[str] | None = None, env: dict[str, str] | None = Non
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     process = ServerProcess(cmd, [f"http://127.0.0.1:{http_port}/v2/models/{MODEL}/ready"],
                             env=full_env, log_path=log_name, timeout_s=STARTUP_TIMEOUT_S,
-                            poll_s=0.1)
+                            poll_s=0.1, own_session=False)
     srv = Server(process, http_port, grpc_port)
     try:
         process.start()

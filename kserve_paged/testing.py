@@ -4,8 +4,10 @@
 starts (recording every answer, so a test can check it went not-ready -> ready), reports the
 time to ready (process start -> every readiness URL answering 200, in order: ours
 /v2/models/<name>/ready; vLLM /health, then /v1/models, since vLLM's /health can answer before
-its API routes are usable), and stops it. The server runs in its own session, so stopping it
-signals the whole process group: vLLM's engine-core and worker processes go with it.
+its API routes are usable), and stops it. By default the server runs in its own session, so
+stopping it signals the whole process group: vLLM's engine-core and worker processes go with
+it. With `own_session=False` (the e2e tests) it stays in the caller's process group instead, so
+a signal to that group (Ctrl-C, `timeout`) reaches the server too and never leaves it running.
 Test and benchmark tooling only: the server itself never imports this module.
 """
 
@@ -62,7 +64,7 @@ class ServerProcess:
     def __init__(self, cmd: Sequence[str], ready_urls: Sequence[str], *,
                  env: dict[str, str] | None = None, log_path: str | Path | None = None,
                  cwd: str | Path | None = None, timeout_s: float = 600.0,
-                 poll_s: float = 0.25) -> None:
+                 poll_s: float = 0.25, own_session: bool = True) -> None:
         self.cmd = list(cmd)
         self.ready_urls = list(ready_urls)
         self.env = env
@@ -70,6 +72,7 @@ class ServerProcess:
         self.cwd = cwd
         self.timeout_s = timeout_s
         self.poll_s = poll_s
+        self.own_session = own_session
         self.proc: subprocess.Popen | None = None
         self.time_to_ready_s: float | None = None
         # (seconds since start, status code or 0 when nothing answered), one per poll
@@ -85,10 +88,12 @@ class ServerProcess:
         out = self._log or subprocess.DEVNULL
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=self.cwd, stdout=out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT,
+                                     start_new_session=self.own_session)
         pending = list(self.ready_urls)
         while pending:
-            self._seen.update(_group_pids(self.proc.pid))
+            if self.own_session:
+                self._seen.update(_group_pids(self.proc.pid))
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} before it was "
                                    f"ready; log: {self.log_path}\n{self.tail()}")
@@ -116,9 +121,12 @@ class ServerProcess:
         return "\n".join(self.log().splitlines()[-n:])
 
     def stop(self, grace_s: float = 30.0) -> int | None:
-        """SIGTERM the process group, SIGKILL what is left after `grace_s`; returns the exit code."""
+        """SIGTERM the process group (the process alone without its own session), SIGKILL what
+        is left after `grace_s`; returns the exit code."""
         if self.proc is None:
             return None
+        if not self.own_session:
+            return self._stop_process(grace_s)
         pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
         self._seen.update(_group_pids(pgid))
         if self.proc.poll() is None:
@@ -143,10 +151,25 @@ class ServerProcess:
             for f in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
                 with contextlib.suppress(OSError):
                     f.unlink()
+        self._close_log()
+        return self.proc.returncode
+
+    def _stop_process(self, grace_s: float) -> int | None:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._close_log()
+        return self.proc.returncode
+
+    def _close_log(self) -> None:
         if self._log:
             self._log.close()
             self._log = None
-        return self.proc.returncode
 
     def __enter__(self) -> ServerProcess:
         try:
