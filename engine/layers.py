@@ -7,7 +7,6 @@ paged engine schedules, rather than transformers' padded `[batch, seq, ...]`.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_native
+from kernels import cpu_native, settings
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -41,8 +40,7 @@ class Linear(nn.Linear):
         w = self.weight
         self._packed, self._native = None, False
         if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16)
-                or os.environ.get("KSERVE_PAGED_ONEDNN", "1").strip().lower()
-                in ("0", "false", "no")):
+                or not settings.onednn_enabled()):
             return False
         if w.dtype == torch.float32 and cpu_native.gemm_available():
             self._packed, self._native = cpu_native.pack_gemm_weight(w), True
@@ -195,7 +193,8 @@ class RotaryEmbedding(nn.Module):
         """
         if torch.is_grad_enabled():
             return False
-        return cpu_native.rope_inplace(qkv, positions, self.cos, self.sin, heads, self.head_dim)
+        return cpu_native.rope_inplace(qkv, positions, self.cos, self.sin, heads,
+                                       self.head_dim) is not None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -1,28 +1,14 @@
 """Paged-attention kernels: KV store and varlen paged attention (contract: docs/kernels.md).
 
-Backends: `torch` (batched gathers + SDPA; the CPU serving path), `triton` (CUDA, or CPU under
-`TRITON_INTERPRET=1` for tests), `flash_attn` (CUDA, when `flash_attn` imports and the block
-size suits its paged API). Selection, first match wins:
-
-1. the `backend=` keyword,
-2. the env var `KSERVE_PAGED_ATTENTION_BACKEND` (torch | triton | flash_attn),
-3. the device: CUDA -> flash_attn if importable and usable, else triton; anything else -> torch.
-
-An unusable flash_attn (not importable, block size not a multiple of 256, ...) falls back to
-triton with the reason logged. Every distinct choice is logged once on the "kernels" logger.
-This package imports only torch (and triton lazily, when the triton backend is used).
+The public functions live in `kernels.dispatch` (backend selection) and are re-exported here
+on first use: importing the package, or `kernels.settings`, loads no torch, so a process entry
+point can read its settings and re-execute itself before anything heavy is imported
+(engine/cpu_memory.py).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-
-import torch
-
-from kernels.metadata import AttentionMetadata
-from kernels.reference import paged_attention_ref, store_kv_ref
-from kernels.torch_backend import paged_attention_torch, store_kv_torch
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "BACKENDS",
@@ -36,108 +22,23 @@ __all__ = [
     "store_kv_ref",
 ]
 
-logger = logging.getLogger("kernels")
-
-BACKENDS = ("torch", "triton", "flash_attn")
-ENV_VAR = "KSERVE_PAGED_ATTENTION_BACKEND"
-
-_logged: set[tuple] = set()
-
-
-def _log_once(key: tuple, msg: str, *args: object, level: int = logging.INFO) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        logger.log(level, msg, *args)
-
-
-def _triton_runnable(device: torch.device) -> str | None:
-    """None if Triton can run on `device`, else why not."""
-    if device.type == "cuda":
-        return None
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return None
-    return (f"Triton needs a CUDA device (got {device.type}); on CPU set TRITON_INTERPRET=1 "
-            "before triton is imported (tests only, it is slow)")
+if TYPE_CHECKING:
+    from kernels.dispatch import (
+        BACKENDS,
+        ENV_VAR,
+        AttentionMetadata,
+        attend,
+        paged_attention,
+        paged_attention_ref,
+        resolve_backend,
+        store_kv,
+        store_kv_ref,
+    )
 
 
-def resolve_backend(device: torch.device | str, backend: str | None = None, *,
-                    block_size: int | None = None, head_dim: int | None = None,
-                    dtype: torch.dtype | None = None) -> str:
-    """Name of the backend a call with these properties uses (see module docstring)."""
-    device = torch.device(device)
-    source = "argument"
-    if backend is None:
-        env = os.environ.get(ENV_VAR, "").strip()
-        backend, source = (env, f"env {ENV_VAR}") if env else (None, "default")
-    if backend is not None:
-        backend = backend.strip().lower().replace("-", "_")
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown paged-attention backend {backend!r} (from {source}); "
-                             f"expected one of {', '.join(BACKENDS)}")
-    else:
-        backend = "flash_attn" if device.type == "cuda" else "torch"
-    if backend == "flash_attn":
-        from kernels import flash_attn_backend
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from kernels import dispatch
 
-        why = flash_attn_backend.unusable_reason(device, block_size, head_dim, dtype)
-        if why is not None:
-            _log_once(("fallback", why), "flash_attn backend not used (%s); using triton", why,
-                      level=logging.INFO if source == "default" else logging.WARNING)
-            backend = "triton"
-    if backend == "triton":
-        why = _triton_runnable(device)
-        if why is not None:
-            if source == "default":  # only reachable via the flash_attn fallback off CUDA
-                backend = "torch"
-            else:
-                raise ValueError(f"backend 'triton' (from {source}) cannot run: {why}")
-    _log_once((backend, device.type, source), "paged-attention backend: %s (device %s, %s)",
-              backend, device.type, source)
-    return backend
-
-
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, backend: str | None = None) -> None:
-    """Write key/value `[num_tokens, num_kv_heads, head_dim]` into their slots (< 0: skipped)."""
-    name = resolve_backend(kv_cache.device, backend)
-    if name == "torch":
-        store_kv_torch(key, value, kv_cache, slot_mapping)
-    else:  # flash_attn reads the same layout; the Triton store serves both
-        from kernels.triton_backend import store_kv_triton
-
-        store_kv_triton(key, value, kv_cache, slot_mapping)
-
-
-def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
-                    backend: str | None = None, max_seq_len: int | None = None,
-                    max_query_len: int | None = None) -> torch.Tensor:
-    """Varlen causal attention of the new tokens over their paged context, from raw tensors.
-
-    `max_seq_len` / `max_query_len` are optional host-side hints (max of `seq_lens` and of the
-    query lengths); callers that know them save the GPU backends a device-to-host sync. The
-    engine calls `attend` with the step's `AttentionMetadata` instead.
-    """
-    meta = AttentionMetadata.build(block_tables, seq_lens, query_start_loc,
-                                   max_seq_len=max_seq_len, max_query_len=max_query_len,
-                                   backend=backend)
-    return attend(query, kv_cache, meta, scale)
-
-
-def attend(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-           scale: float) -> torch.Tensor:
-    """`paged_attention` over a step's metadata, on the backend it names (the runner resolves
-    it once; checked again here, which is cheap, so a hand-built metadata is checked too)."""
-    name = resolve_backend(query.device, meta.backend, block_size=kv_cache.shape[2],
-                           head_dim=query.shape[-1], dtype=query.dtype)
-    if name == "torch":
-        return paged_attention_torch(query, kv_cache, meta, scale)
-    hints = {"max_seq_len": meta.max_seq_len, "max_query_len": meta.max_query_len}
-    args = (query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
-    if name == "flash_attn":
-        from kernels.flash_attn_backend import paged_attention_flash
-
-        return paged_attention_flash(*args, **hints)
-    from kernels.triton_backend import paged_attention_triton
-
-    return paged_attention_triton(*args, **hints)
+        return getattr(dispatch, name)
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

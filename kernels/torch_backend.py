@@ -26,22 +26,16 @@ same for every layer of a step, so the first layer builds it and keeps it on the
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
+from kernels import cpu_native, settings
 from kernels.metadata import AttentionMetadata
 
 __all__ = ["paged_attention_torch", "store_kv_torch"]
 
-# Padded tokens (rows x context) per decode chunk. Tuned on 2 CPU cores for head_dim 64 and
-# 3 KV heads (1.5 KiB of K+V per token in fp32, so ~3 MiB per chunk): big enough to amortise
-# per-op overhead, small enough for the gathered K/V to stay in L2/L3 between the gather and
-# the attention. 512..2048 measured best; 16384 was ~1.6x slower, one chunk ~3x.
-DECODE_TOKEN_BUDGET = int(os.environ.get("KSERVE_PAGED_TORCH_DECODE_BUDGET", "2048"))
 
 
 def store_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -160,7 +154,10 @@ def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, meta: Att
     group = num_heads // num_kv_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
-    budget = decode_token_budget or DECODE_TOKEN_BUDGET
+    # Padded tokens (rows x context) per decode chunk (settings.TORCH_DECODE_BUDGET): big
+    # enough to amortise per-op overhead, small enough for the gathered K/V to stay in L2/L3
+    # between the gather and the attention (tuned on 2 CPU cores, head_dim 64, 3 KV heads).
+    budget = decode_token_budget or settings.torch_decode_budget()
     plan = _plan_for(meta, block_size, budget)
     out = torch.empty_like(query)
     if plan.num_valid_tokens < num_tokens:

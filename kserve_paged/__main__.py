@@ -6,7 +6,10 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console-script entry (``kserve-paged``); see kserve_paged.server."""
+    """Console-script entry (``kserve-paged``); see kserve_paged.server.
+
+    The tcmalloc re-exec comes first and engine.cpu_memory imports nothing heavy, so the
+    process re-executes before torch (or anything else that allocates much) is loaded."""
     if argv is None:
         from engine.cpu_memory import reexec_with_tcmalloc
 

@@ -21,7 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ENV_VAR = "KSERVE_PAGED_FAULT_INJECT"
+from kernels import settings
+
+ENV_VAR = settings.FAULT_INJECT.name
 
 logger = logging.getLogger("kserve.paged")
 
@@ -59,7 +61,7 @@ class FileFaultHook:
 
 def engine_factory_from_env(config: Any) -> Callable[[], Any] | None:
     """An AsyncLLM ``engine_factory`` that installs the hook, when the env var is set."""
-    path = os.environ.get(ENV_VAR)
+    path = settings.fault_inject_path()
     if not path:
         return None
     logger.warning("TEST-ONLY fault injection is on (%s=%s)", ENV_VAR, path)

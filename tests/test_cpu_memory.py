@@ -57,6 +57,35 @@ def test_reexec_loads_tcmalloc_when_found_and_not_when_disabled() -> None:
     assert off.stdout.strip() == "False"
 
 
+# Runs `python -m kserve_paged` in-process with os.execve replaced: reports whether torch was
+# already imported when the tcmalloc re-exec happened, then stops before anything else runs.
+_EXEC_PROBE = """
+import os, runpy, sys
+def execve(path, argv, env):
+    print("torch" in sys.modules, "tcmalloc" in env.get("LD_PRELOAD", ""))
+    sys.stdout.flush()
+    os._exit(0)
+os.execve = execve
+sys.argv = ["kserve_paged"]
+runpy.run_module("kserve_paged", run_name="__main__", alter_sys=True)
+print("no re-exec")
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="LD_PRELOAD and /proc are Linux")
+def test_server_entry_point_reexecs_before_importing_torch(tmp_path) -> None:
+    lib = tmp_path / "lib" / "libtcmalloc_minimal.so.4"  # found by find_tcmalloc if no other is
+    lib.parent.mkdir()
+    lib.write_bytes(b"")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LD_PRELOAD", "KSERVE_PAGED_TCMALLOC")}
+    env["KSERVE_PAGED_CACHE"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _EXEC_PROBE], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "True"], proc.stdout + proc.stderr[-2000:]
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="lazily zeroed mappings are Linux-only here")
 def test_prefault_touches_the_leading_blocks_once_and_keeps_them_zero() -> None:
     # 12.6 MB each: large enough for the lazily zeroed huge-page mapping (not torch.zeros).

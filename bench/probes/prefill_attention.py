@@ -1,7 +1,7 @@
 """Prefill attention on CPU: the per-row kernel against the transposed-key path for runs.
 
-A probe for BENCHMARKS.md (not part of the engine). It builds `kernels/csrc/paged_decode.c`
-twice, as shipped and with the transposed-key path for prefill runs turned off
+A probe for BENCHMARKS.md (not part of the engine). It builds the native library
+(`kernels/csrc`, the sources `kernels.cpu_native.loader` builds) twice, as shipped and with the transposed-key path for prefill runs turned off
 (`-DKT_MIN_ROWS=huge`: every row through the per-row loop), and times one layer's attention
 for prefill chunks of SmolLM2's shape (9 query heads over 3 KV heads of 64, fp32, blocks of 16
 in shuffled order), the two libraries alternating so machine drift hits both alike.
@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-SRC = Path(__file__).resolve().parents[2] / "kernels" / "csrc" / "paged_decode.c"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from kernels.cpu_native import abi, loader  # noqa: E402
+
 CASES = {
     "W1 prefill step (7 prompts, 64-512)": [512, 400, 300, 200, 100, 64, 472],
     "one 2048-token prompt": [2048],
@@ -30,15 +32,10 @@ CASES = {
 
 def build(tmp: Path, name: str, defines: list[str]) -> ctypes.CDLL:
     out = tmp / f"{name}.so"
-    subprocess.run(["gcc", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC",
-                    *defines, str(SRC), "-o", str(out), "-lm"], check=True)
+    subprocess.run(["gcc", *loader.FLAGS, *defines, *map(str, loader.SOURCES), "-o", str(out),
+                    "-lm"], check=True)
     lib = ctypes.CDLL(str(out))
-    lib.kp_set_threads.argtypes = [ctypes.c_int]
-    fn = lib.kp_paged_rows_f32
-    fn.restype = ctypes.c_int
-    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, ptr, i64, ptr, ptr, ptr, i64,
-                   ctypes.c_float, ptr, i64]
+    abi.declare(lib)
     return lib
 
 

@@ -8,6 +8,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "kp_native.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif

@@ -12,7 +12,9 @@
  */
 #include <stdint.h>
 
-#define NR 48
+#include "kp_native.h"
+
+#define NR KP_GEMM_PANEL
 #define MR 8
 #define MB 256 /* rows per block of x: a block stays in L2 while every panel passes over it */
 

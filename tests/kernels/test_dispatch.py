@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
+import kernels.dispatch
 from kernels import ENV_VAR, paged_attention, resolve_backend
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
-    monkeypatch.setattr(kernels, "_logged", set())
+    monkeypatch.setattr(kernels.dispatch, "_logged", set())
 
 
 def test_cpu_default_is_torch(monkeypatch: pytest.MonkeyPatch) -> None:

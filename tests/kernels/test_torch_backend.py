@@ -188,7 +188,7 @@ def test_store_then_attend_roundtrip() -> None:
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_long_prefill_runs_match_reference(head_dim: int, heads: tuple[int, int],
                                            block_size: int) -> None:
-    """Prefill chunks of >= 32 rows take the native transposed-key path (csrc/paged_decode.c):
+    """Prefill chunks of >= 32 rows take the native transposed-key path (csrc/paged_key_tile.c):
     runs of 31 / 32 / 33 rows, chunks over a cached prefix starting at an even and at an odd
     position (the odd one pairs a row whose keys end on a 16-key boundary with one past it),
     one far longer than a block, next to decode rows, with shuffled blocks."""

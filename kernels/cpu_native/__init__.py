@@ -1,0 +1,70 @@
+"""Small C kernels for CPU serving (`kernels/csrc`), built with the system C compiler and
+called through ctypes.
+
+Why: on CPU the PyTorch path copies every decode row's blocks into a contiguous tensor and
+reads that copy again in SDPA; decode is bound by that memory traffic, and a layer's
+elementwise ops are several passes each. The native kernels read K/V once from the paged cache,
+fuse the elementwise ops into one pass each, multiply by weights packed once into panels, and
+run a whole decoder stack in one call (`DecoderStack`), so a step pays no per-layer Python.
+
+The modules, one job each:
+- `loader`: builds the library into the cache (keyed by sources, flags, compiler and CPU) and
+  loads it, refusing a library of another ABI version;
+- `abi`: the ctypes view of `csrc/kp_native.h` (version, signatures, struct mirrors);
+- `ops`: paged attention and the fused elementwise ops;
+- `gemm`: weight packing and the matrix products (AVX-512 builds only);
+- `decoder_stack`: `DecoderStack`.
+Callers use the names re-exported here (`from kernels import cpu_native`).
+
+"Cannot run here" is said one way. The library cannot run a call when it is not loaded (no
+compiler, a failed build, an ABI mismatch, `KSERVE_PAGED_NATIVE=0`; the reason is logged once)
+or when the tensors are not in the kernel's layout (fp32 CPU, rows with unit stride, within
+the kernel's limits). Then a wrapper does nothing and returns None, and the caller runs its
+PyTorch path; when it ran, it returns its result (a tensor, or True for the in-place
+`rope_inplace` and `store_kv`). `usable()` and `gemm_available()` answer the question ahead of
+time for the two callers that must know before they start: `paged_rows` and `DecoderStack.run`
+expect that check and raise RuntimeError without the library, and `DecoderStack()` raises
+ValueError for weights it cannot take. Exceptions otherwise mean a wrong value that torch would
+refuse too (IndexError: a position or KV slot out of range; ValueError: inconsistent shapes)
+or an allocation failure (MemoryError).
+"""
+
+from kernels.cpu_native.decoder_stack import DecoderStack
+from kernels.cpu_native.gemm import (
+    GEMM_PANEL,
+    gemm,
+    gemm_available,
+    gemm_silu,
+    pack_gate_up_bias,
+    pack_gate_up_weight,
+    pack_gemm_weight,
+)
+from kernels.cpu_native.loader import load
+from kernels.cpu_native.ops import (
+    add_rms_norm,
+    argmax_rows,
+    paged_rows,
+    rope_inplace,
+    silu_mul,
+    store_kv,
+    usable,
+)
+
+__all__ = [
+    "GEMM_PANEL",
+    "DecoderStack",
+    "add_rms_norm",
+    "argmax_rows",
+    "gemm",
+    "gemm_available",
+    "gemm_silu",
+    "load",
+    "pack_gate_up_bias",
+    "pack_gate_up_weight",
+    "pack_gemm_weight",
+    "paged_rows",
+    "rope_inplace",
+    "silu_mul",
+    "store_kv",
+    "usable",
+]

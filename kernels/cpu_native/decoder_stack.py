@@ -1,0 +1,155 @@
+"""A whole decoder stack in one native call (`csrc/decoder_stack.c`): no per-layer Python."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu_native import abi
+from kernels.cpu_native.gemm import GEMM_PANEL, gemm_available
+from kernels.cpu_native.loader import loaded, sync_threads
+
+_ptrs = ctypes.POINTER(ctypes.c_void_p)
+
+_STACK_ERRORS = {
+    -1: (IndexError, "a position is outside the rotary table"),
+    -2: (IndexError, "a KV slot is outside the cache"),
+    -3: (ValueError, "native paged attention: shape outside the kernel's limits"),
+    -4: (RuntimeError, "the native GEMM refused its arguments"),
+    -5: (MemoryError, "native paged attention could not allocate its scratch"),
+}
+
+
+def _f32_vector(t: torch.Tensor | None, n: int) -> bool:
+    return t is None or (t.device.type == "cpu" and t.dtype == torch.float32
+                         and t.is_contiguous() and t.numel() == n)
+
+
+class DecoderStack:
+    """A Llama-family decoder stack's weights, laid out for `kp_decoder_stack_f32`.
+
+    `layers` holds, per layer, the packed weights (`pack_gemm_weight`; gate/up from
+    `pack_gate_up_weight`, its bias from `pack_gate_up_bias`) and optional biases of
+    qkv / o / gate_up / down and the two norm weights; the tensors are kept referenced here so
+    the pointers stay valid. `run` takes one step's embeddings and metadata and returns the
+    final normed hidden state, the same values the per-layer modules compute. Its activation
+    scratch is reused from step to step, so one stack serves one step at a time (as the engine
+    runs them).
+    """
+
+    _KEYS = ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
+             "down_w", "down_b")
+
+    def __init__(self, layers: list[dict[str, torch.Tensor | None]], final_norm: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, *, hidden: int, heads: int,
+                 kv_heads: int, head_dim: int, inter: int, eps: float, scale: float) -> None:
+        q, kv = heads * head_dim, kv_heads * head_dim
+        padded = 2 * -(-inter // GEMM_PANEL) * GEMM_PANEL  # gate/up as panel pairs
+        shapes = {"in_norm": hidden, "post_norm": hidden, "qkv_b": q + 2 * kv, "o_b": hidden,
+                  "gate_up_b": padded, "down_b": hidden}
+        panels = {"qkv_w": (q + 2 * kv, hidden), "o_w": (hidden, q), "gate_up_w": (padded, hidden),
+                  "down_w": (hidden, inter)}
+        for i, layer in enumerate(layers):
+            for key, n in shapes.items():
+                if not _f32_vector(layer.get(key), n):
+                    raise ValueError(f"layer {i}: {key} is not a contiguous fp32 CPU vector of {n}")
+            for key, (n, k) in panels.items():
+                w = layer[key]
+                if (w is None or w.dtype != torch.float32 or not w.is_contiguous()
+                        or tuple(w.shape) != (-(-n // GEMM_PANEL), k, GEMM_PANEL)):
+                    raise ValueError(f"layer {i}: {key} is not a packed [{n}, {k}] weight")
+        if not _f32_vector(final_norm, hidden):
+            raise ValueError("final_norm is not a contiguous fp32 CPU vector")
+        if (cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_contiguous()
+                or not sin.is_contiguous() or cos.shape != sin.shape
+                or cos.shape[-1] * 2 != head_dim):
+            raise ValueError("the rotary tables must be contiguous fp32 [positions, head_dim / 2]")
+        if heads % kv_heads or heads // kv_heads > 32 or head_dim > 256 or head_dim % 2:
+            raise ValueError("head layout outside the native attention kernel's limits")
+        if not gemm_available():
+            raise ValueError("the native GEMM is not available (needs AVX-512 and a compiler)")
+        self._keep = (layers, final_norm, cos, sin)
+        self.num_layers = len(layers)
+        self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
+        self.inter = inter
+        self._arrays = {key: (ctypes.c_void_p * len(layers))(
+            *[(layer[key].data_ptr() if layer.get(key) is not None else None) for layer in layers])
+            for key in self._KEYS}
+        self._struct = abi.DecoderStackStruct(
+            layers=len(layers), hidden=hidden, heads=heads, kv_heads=kv_heads,
+            head_dim=head_dim, inter=inter, max_positions=cos.shape[0], eps=eps, scale=scale,
+            final_norm=final_norm.data_ptr(), cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
+            **{key: ctypes.cast(arr, _ptrs) for key, arr in self._arrays.items()})
+        self._kv_key: tuple | None = None
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:
+        # Addresses and shapes: a new cache at a freed cache's address must be checked again.
+        key = tuple((c.data_ptr(), tuple(c.shape), c.dtype) for c in kv_caches)
+        if key == self._kv_key:
+            return
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"{len(kv_caches)} KV caches for {self.num_layers} layers")
+        shape = kv_caches[0].shape
+        for c in kv_caches:
+            if (c.device.type != "cpu" or c.dtype != torch.float32 or not c.is_contiguous()
+                    or c.dim() != 5 or c.shape != shape or c.shape[0] != 2
+                    or tuple(c.shape[3:]) != (self.kv_heads, self.head_dim)
+                    or c.shape[2] > 256):
+                raise ValueError("KV caches must be contiguous fp32 CPU tensors "
+                                 "[2, blocks, block_size <= 256, kv_heads, head_dim]")
+        self._kv_array = (ctypes.c_void_p * len(kv_caches))(*(c.data_ptr() for c in kv_caches))
+        self._struct.kv = ctypes.cast(self._kv_array, _ptrs)
+        self._struct.num_blocks, self._struct.block_size = shape[1], shape[2]
+        self._kv_key = key
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            kv_caches: list[torch.Tensor], block_tables: torch.Tensor, row_lens: torch.Tensor,
+            seq_idx: torch.Tensor) -> torch.Tensor:
+        """x `[T, hidden]` embeddings (overwritten as scratch) -> final hidden `[T, hidden]`.
+
+        positions/slots int64 `[T]`; token t is an attention row over the first row_lens[t]
+        (int32) keys of block-table row seq_idx[t] (int64) of `block_tables` (int32)."""
+        lib = loaded()
+        t = x.shape[0]
+        if not (x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2
+                and x.shape[1] == self.hidden):
+            raise ValueError("x must be contiguous fp32 [tokens, hidden]")
+        # The per-layer path takes other integer widths and strides too: convert, do not refuse.
+        positions, slots = positions.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+        row_lens, seq_idx = row_lens.to(torch.int32).contiguous(), seq_idx.to(torch.int64).contiguous()
+        block_tables = block_tables.to(torch.int32).contiguous()
+        for name, v in (("positions", positions), ("slots", slots), ("row_lens", row_lens),
+                        ("seq_idx", seq_idx)):
+            if v.dim() != 1 or v.numel() != t or v.device.type != "cpu":
+                raise ValueError(f"{name} must be a CPU vector with one entry per token")
+        if block_tables.dim() != 2:
+            raise ValueError("block_tables must be [seqs, blocks]")
+        self._bind_kv(kv_caches)
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        # Each activation gets its own contiguous [T, n] block of one allocation.
+        sizes = {"residual": self.hidden, "normed": self.hidden, "qkv": q + 2 * kv, "attn": q,
+                 "gate_up": 2 * -(-self.inter // GEMM_PANEL) * GEMM_PANEL, "act": self.inter}
+        need = t * sum(sizes.values())
+        if self._scratch.numel() < need:
+            # Kept between steps: a fresh buffer per step would fault all its pages in again.
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        scratch = self._scratch
+        out = torch.empty((t, self.hidden), dtype=torch.float32)
+        ptrs, base = {}, scratch.data_ptr()
+        for name, n in sizes.items():
+            ptrs[name] = base
+            base += t * n * scratch.element_size()
+        tok_idx = torch.arange(t, dtype=torch.int64)
+        step = abi.DecoderStepStruct(
+            tokens=t, x=x.data_ptr(), out=out.data_ptr(), positions=positions.data_ptr(),
+            slots=slots.data_ptr(), block_tables=block_tables.data_ptr(),
+            bt_stride=block_tables.stride(0), row_lens=row_lens.data_ptr(),
+            tok_idx=tok_idx.data_ptr(), seq_idx=seq_idx.data_ptr(), **ptrs)
+        sync_threads(lib)
+        rc = lib.kp_decoder_stack_f32(ctypes.byref(self._struct), ctypes.byref(step))
+        if rc != 0:
+            exc, msg = _STACK_ERRORS.get(rc, (RuntimeError, f"decoder stack failed ({rc})"))
+            raise exc(msg)
+        return out

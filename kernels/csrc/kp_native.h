@@ -1,0 +1,129 @@
+/* The C ABI of the native CPU library: every exported function and the structs they take.
+ *
+ * Every .c file of the library includes this header, and kernels/cpu_native/abi.py declares
+ * the same functions to ctypes; tests/kernels/test_native_abi.py parses this file and checks
+ * that the two agree. Change a signature or a struct here, in abi.py and in KP_ABI_VERSION
+ * together: cpu_native.load() refuses a library whose kp_abi_version() differs from the
+ * version abi.py expects (the PyTorch path serves instead).
+ *
+ * Tensors are passed as raw pointers with their row strides in elements; every kernel works in
+ * fp32. Return codes: 0 success, negative an error the caller maps to an exception.
+ */
+#ifndef KP_NATIVE_H
+#define KP_NATIVE_H
+
+#include <stdint.h>
+
+#define KP_ABI_VERSION 1
+
+/* Output columns per packed GEMM weight panel (cpu_native.GEMM_PANEL). */
+#define KP_GEMM_PANEL 48
+
+#define KP_API __attribute__((visibility("default")))
+
+/* ---- library (library.c) ---- */
+
+/* KP_ABI_VERSION of the sources this library was built from. */
+KP_API int kp_abi_version(void);
+
+/* OpenMP threads for the library's parallel regions of the calling thread (n > 0). */
+KP_API void kp_set_threads(int n);
+
+/* ---- paged attention (paged_dispatch.c and the paged_*.c files) ---- */
+
+/* Attention of n query rows read straight from the paged KV cache
+ * kv = [2, num_blocks, block_size, num_kv_heads, head_dim]: row r is query row tok_idx[r] of
+ * the sequence whose block-table row is seq_idx[r] and sees its first row_lens[r] keys; the
+ * output goes to the same row of out. -1: shape outside the kernel's limits, -2: scratch
+ * could not be allocated. */
+KP_API int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv,
+                             int64_t num_blocks, int32_t block_size, int32_t num_kv_heads,
+                             int32_t head_dim, int32_t num_heads, const int32_t *block_tables,
+                             int64_t bt_stride, const int32_t *row_lens, const int64_t *tok_idx,
+                             const int64_t *seq_idx, int64_t n, float scale, float *out,
+                             int64_t out_row_stride);
+
+/* ---- fused elementwise ops (cpu_ops.c) ---- */
+
+/* out[t] = w * rmsnorm(x[t] (+ residual[t])); with a residual, residual[t] becomes the sum. */
+KP_API void kp_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual,
+                                const float *w, float *out, int64_t rows, int64_t hidden,
+                                float eps);
+
+/* Rotary embedding in place on the first `heads` heads of each row; -1: a position outside
+ * the table. */
+KP_API int kp_rope_f32(float *x, int64_t row_stride, const int64_t *positions,
+                       const float *cos_table, const float *sin_table, int64_t max_positions,
+                       int64_t rows, int64_t heads, int64_t head_dim);
+
+/* out[t, i] = silu(gu[t, i]) * gu[t, inter + i]. */
+KP_API void kp_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter);
+
+/* Rows of k and v into their slots of a [2, num_slots, row_floats] cache (slots < 0 skipped);
+ * -1, writing nothing: a slot outside the cache. */
+KP_API int kp_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                           const int64_t *slots, int64_t n, float *cache, int64_t num_slots,
+                           int64_t row_floats);
+
+/* out[r] = argmax of row r, with torch.argmax's tie and NaN rules. */
+KP_API void kp_argmax_rows_f32(const float *x, int64_t row_stride, int64_t rows, int64_t cols,
+                               int64_t *out);
+
+/* ---- GEMM over packed weights (gemm.c; AVX-512 builds only, else they return -1) ---- */
+
+/* 1 when the GEMM below is compiled in (AVX-512), else 0. */
+KP_API int kp_gemm_available(void);
+
+/* y [M, N] = x [M, K] times a weight packed in KP_GEMM_PANEL-column panels (+ bias). */
+KP_API int kp_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
+                       int64_t N, const float *bias, float *y, int64_t ldy);
+
+/* act [M, inter] = silu(x Wg^T + bg) * (x Wu^T + bu), gate/up packed as panel pairs; gu is
+ * scratch of [M, 2 * pairs * KP_GEMM_PANEL]. */
+KP_API int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed,
+                            int64_t K, int64_t inter, const float *bias, float *gu, int64_t ldgu,
+                            float *act, int64_t ldact);
+
+/* ---- decoder stack (decoder_stack.c) ---- */
+
+/* The model: sizes and, per layer, pointers to packed weights (gemm.c panels), biases
+ * (NULL when absent), norm weights and the layer's KV cache [2, num_blocks, block_size,
+ * num_kv_heads, head_dim]. Field order matches the ctypes mirror in abi.py. */
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter;
+    int64_t num_blocks, block_size, max_positions;
+    float eps, scale;
+    const float *const *in_norm;
+    const float *const *post_norm;
+    const float *const *qkv_w;
+    const float *const *qkv_b;
+    const float *const *o_w;
+    const float *const *o_b;
+    const float *const *gate_up_w;
+    const float *const *gate_up_b;
+    const float *const *down_w;
+    const float *const *down_b;
+    float *const *kv;
+    const float *final_norm;
+    const float *cos_table, *sin_table;
+} kp_decoder_stack;
+
+/* One step: T new tokens (their embeddings in x, which is overwritten) and scratch for each
+ * activation; the final normed hidden state goes to out. The attention rows are the T tokens:
+ * row t sees row_lens[t] keys of the sequence whose block-table row is seq_idx[t]. */
+typedef struct {
+    int64_t tokens;
+    float *x, *residual, *normed, *qkv, *attn, *gate_up, *act, *out;
+    const int64_t *positions, *slots;
+    const int32_t *block_tables;
+    int64_t bt_stride;
+    const int32_t *row_lens;
+    const int64_t *tok_idx, *seq_idx;
+} kp_decoder_step;
+
+/* A whole stack of decoder layers for one step. 0 on success; -1 a position outside the
+ * rotary table, -2 a KV slot outside the cache, -3 attention shape outside the kernel's limits,
+ * -4 a GEMM refused its arguments, -5 the attention's scratch could not be allocated. */
+KP_API int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s);
+
+#endif

@@ -1,0 +1,14 @@
+/* Library-wide entry points of the native CPU kernels (kp_native.h). */
+#include "kp_native.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+int kp_abi_version(void) { return KP_ABI_VERSION; }
+
+#ifdef _OPENMP
+void kp_set_threads(int n) { if (n > 0) omp_set_num_threads(n); }
+#else
+void kp_set_threads(int n) { (void)n; }
+#endif

@@ -1,0 +1,97 @@
+/* Paged attention on CPU, fp32, read straight from the paged KV cache: what the paged_*.c files
+ * share. The PyTorch path has to gather each sequence's blocks into a contiguous copy before
+ * attention (write the copy, read it again); this reads every K/V row once per query row.
+ *
+ * A query row is a new token: a decode token, or one token of a prefill chunk. Each row has its
+ * own context length (a prefill token at position p sees p + 1 keys), which is how causality is
+ * expressed, so prefill and decode rows go through the same code.
+ *
+ * The files, by job:
+ * - paged_rows.c: the row kernel, one query row (all query heads of a KV head group) at a time
+ *   over its keys in chunks, online softmax;
+ * - paged_key_tile.c: rows that share keys (a prefill run, a shared prefix) over keys laid out
+ *   transposed, 16 keys to a vector (AVX-512 only);
+ * - paged_prefix.c: finding those groups of rows, prefill runs and cascade (shared-prefix)
+ *   groups (AVX-512 only);
+ * - paged_dispatch.c: kp_paged_rows_f32, which spreads rows over threads and picks the path.
+ *
+ * Layout (architecture.md): kv = [2, num_blocks, block_size, num_kv_heads, head_dim].
+ * Functions shared between the files carry the pa_ prefix; none is exported.
+ */
+#ifndef KP_PAGED_ATTENTION_H
+#define KP_PAGED_ATTENTION_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "kp_native.h"
+
+#define MAX_GROUP 32
+#define MAX_HEADS 64
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK 256
+#define CHUNK 32
+
+typedef struct {
+    const float *k_base, *v_base;
+    int64_t tok_stride;
+    int32_t block_size;
+} kv_layout;
+
+/* Chunk-local pointers to the K and V rows of keys c0 .. c0 + n - 1 for KV head kvh. */
+static inline void chunk_rows(const kv_layout *kv, const int32_t *table, int32_t c0, int n,
+                              int kvh, int hd, const float **krow, const float **vrow) {
+    const int32_t bs = kv->block_size;
+    for (int t = 0; t < n; ++t) {
+        const int32_t pos = c0 + t;
+        const int64_t off = ((int64_t)table[pos / bs] * bs + pos % bs) * kv->tok_stride
+                            + (int64_t)kvh * hd;
+        krow[t] = kv->k_base + off;
+        vrow[t] = kv->v_base + off;
+    }
+}
+
+/* Rows first .. last share their first `keys` keys, laid out transposed from kt + off with
+ * `ld` (keys rounded up to 16) keys per head dimension. */
+typedef struct {
+    int64_t first, last, off, ld;
+    int32_t keys;
+    int cascade;
+} key_group;
+
+/* paged_rows.c: the KV heads of one KV head's query-head group, any head_dim up to
+ * MAX_HEAD_DIM. */
+void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, int32_t len,
+                     int kvh, int group, int hd, float scale, float *out);
+
+#ifdef __AVX512F__
+/* paged_rows.c: KV heads kvh .. kvh + nkv - 1 of one row over keys start .. len - 1, head_dim
+ * 64 or 128; `state` (or NULL) is the softmax state to go on from (cascade). */
+void pa_item_avx512(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
+                    int32_t len, int kvh, int nkv, int group, int hd, float scale,
+                    const float *state, float *out);
+
+/* paged_key_tile.c: the calling thread's scratch for n transposed-key floats (kept from call
+ * to call), or NULL when it cannot be allocated. */
+float *pa_transposed_keys(int64_t n);
+
+/* paged_key_tile.c: keys t0 .. t0 + 15 of all KV heads into their places in kt. */
+void pa_kt_fill(const kv_layout *kv, const int32_t *table, int32_t len, int nkv, int hd,
+                int64_t ld, int32_t t0, float *kt);
+
+/* paged_key_tile.c: KV heads kvh .. kvh + nkv - 1 of R (1 or 2) rows over transposed keys;
+ * with `stats`, the unnormalised softmax state goes there instead of a result to out.
+ * -1: the score scratch could not be allocated. */
+int pa_kt_item(const float *const *q, const float *kt, int64_t ld, const kv_layout *kv,
+               const int32_t *table, const int32_t *lens, int R, int kvh, int nkv, int group,
+               int hd, float scale, float *const *out, float *const *stats);
+
+/* paged_prefix.c: the groups of rows that share keys, in row order (group_of[r]: row r's
+ * group or -1); returns how many. */
+int64_t pa_find_key_groups(const int32_t *row_lens, const int64_t *seq_idx,
+                           const int32_t *block_tables, int64_t bt_stride, int32_t bs,
+                           int64_t n, int cascade, int32_t *group_of, key_group *grp);
+#endif
+
+#endif

@@ -1,0 +1,130 @@
+"""The native library's ABI: csrc/kp_native.h, the ctypes table in cpu_native/abi.py and the
+version check agree; the build cache key follows the CPU; the sources compile warning-free."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from kernels import cpu_native
+from kernels.cpu_native import abi, loader
+
+HEADER = loader.CSRC / "kp_native.h"
+_SCALARS = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "int": ctypes.c_int,
+            "float": ctypes.c_float}
+_STRUCTS = {"kp_decoder_stack": abi.DecoderStackStruct, "kp_decoder_step": abi.DecoderStepStruct}
+
+
+def _header_text() -> str:
+    text = re.sub(r"/\*.*?\*/", " ", HEADER.read_text(), flags=re.S)
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+
+
+def _ctype(decl: str) -> type | None:
+    """`const float *` -> c_void_p, `int64_t` -> c_int64, `const kp_decoder_stack *` -> its
+    ctypes pointer, `void` -> None."""
+    words = decl.replace("*", " * ").replace("const", " ").split()
+    base, depth = words[0], words.count("*")
+    if depth == 0:
+        return None if base == "void" else _SCALARS[base]
+    if base in _STRUCTS:
+        assert depth == 1
+        return ctypes.POINTER(_STRUCTS[base])
+    return ctypes.c_void_p if depth == 1 else ctypes.POINTER(ctypes.c_void_p)
+
+
+def header_functions() -> dict[str, tuple[type | None, tuple[type | None, ...]]]:
+    found = {}
+    for ret, name, params in re.findall(r"KP_API\s+([\w\s\*]+?)\s*\b(kp_\w+)\s*\(([^)]*)\)\s*;",
+                                        _header_text()):
+        args = [] if params.strip() == "void" else [
+            _ctype(re.sub(r"\w+\s*$", "", p.strip())) for p in params.split(",")]
+        found[name] = (_ctype(ret), tuple(args))
+    return found
+
+
+def header_struct(name: str) -> list[tuple[str, type]]:
+    body = re.search(r"typedef struct \{([^{}]*)\}\s*" + name + r"\s*;", _header_text(), re.S)
+    assert body, name
+    fields = []
+    for decl in filter(str.strip, body.group(1).split(";")):
+        base = decl.replace("*", " ").replace("const", " ").split()[0]
+        for part in decl.split(","):  # `const float *a, *b`: each declarator has its own stars
+            stars = part.count("*")
+            ctype = _SCALARS[base] if stars == 0 else (
+                ctypes.c_void_p if stars == 1 else ctypes.POINTER(ctypes.c_void_p))
+            fields.append((re.findall(r"\w+", part)[-1], ctype))
+    return fields
+
+
+def test_ctypes_table_matches_the_header() -> None:
+    declared = header_functions()
+    assert set(declared) == set(abi.FUNCTIONS), "functions differ between header and abi.py"
+    for name, (restype, argtypes) in abi.FUNCTIONS.items():
+        assert declared[name] == (restype, argtypes), name
+
+
+@pytest.mark.parametrize(("c_name", "mirror"), list(_STRUCTS.items()))
+def test_struct_mirrors_match_the_header(c_name: str, mirror: type) -> None:
+    assert header_struct(c_name) == list(mirror._fields_)
+
+
+def test_versions_and_constants_agree() -> None:
+    text = HEADER.read_text()
+    assert int(re.search(r"#define KP_ABI_VERSION (\d+)", text).group(1)) == abi.ABI_VERSION
+    assert int(re.search(r"#define KP_GEMM_PANEL (\d+)", text).group(1)) == cpu_native.GEMM_PANEL
+
+
+def test_loaded_library_exports_the_table_and_its_version() -> None:
+    lib = cpu_native.load()
+    assert lib is not None, "the native CPU kernels did not build"
+    assert lib.kp_abi_version() == abi.ABI_VERSION
+    for name in abi.FUNCTIONS:
+        assert hasattr(lib, name)
+
+
+def test_library_of_another_abi_version_is_rejected(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    assert cpu_native.load() is not None
+    monkeypatch.setattr(loader, "_tried", False)
+    monkeypatch.setattr(loader, "_lib", None)
+    monkeypatch.setattr(abi, "ABI_VERSION", abi.ABI_VERSION + 1)
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        assert loader.load() is None
+    assert "ABI version" in caplog.text
+
+
+def test_build_key_follows_the_cpu_and_the_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache shared by an AVX-512 machine and an AVX2 one must hold two libraries."""
+    compiler = loader.find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    assert loader.build_key(compiler) == loader.build_key(compiler)
+    monkeypatch.setattr(loader, "cpu_features", lambda: "fpu sse avx2 avx512f")
+    avx512 = loader.build_key(compiler)
+    monkeypatch.setattr(loader, "cpu_features", lambda: "fpu sse avx2")
+    avx2 = loader.build_key(compiler)
+    assert avx2 != avx512
+    monkeypatch.setattr(loader, "_first_line", lambda cmd: "gcc (other) 99.0")
+    assert loader.build_key(compiler) != avx2
+
+
+@pytest.mark.parametrize("march", ["native", "sapphirerapids"])
+def test_sources_compile_without_warnings(march: str, tmp_path) -> None:
+    """-Wall -Wextra clean, on this CPU and for an AVX-512 one (where the AVX-512 paths are
+    compiled in: compiled here, not run)."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("no gcc")
+    flags = [f if f != "-march=native" else f"-march={march}" for f in loader.FLAGS]
+    proc = subprocess.run([gcc, *flags, "-Werror", *map(str, loader.SOURCES), "-o",
+                           str(tmp_path / "kp.so"), "-lm"], capture_output=True, text=True,
+                          timeout=300)
+    if march != "native" and "unrecognized" in proc.stderr:
+        pytest.skip(f"gcc does not know -march={march}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
