@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.testing import make_case
 from kernels.metadata import AttentionMetadata
+from kernels.testing import make_case
 from kernels.torch_backend import paged_attention_torch
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
