@@ -1,4 +1,4 @@
-"""Command-line flags of the kserve-paged server (architecture.md, "Server").
+"""Command-line flags of the kserve-paged server (docs/kserve.md; the flags are listed in README.md).
 
 KServe's own flags (``--http_port``, ``--grpc_port``, ``--model_name``, ``--workers``, ...) come
 from ``kserve.model_server.parser``; this module adds the model directory and the engine flags.

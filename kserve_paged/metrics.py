@@ -1,4 +1,4 @@
-"""Prometheus metrics of the kserve-paged server, under the names vLLM uses (architecture.md).
+"""Prometheus metrics of the kserve-paged server, under the names vLLM uses (docs/kserve.md).
 
 Dashboards, KEDA queries and the Gateway API Inference Extension read these exact names, so they
 are a contract: ``vllm:num_requests_running``, ``vllm:prefix_cache_hits_total``, ... each with the

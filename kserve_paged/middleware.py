@@ -104,7 +104,7 @@ async def _drain(receive: Any, budget: int | None = None) -> int:
 
 class V2ContentTypeMiddleware:
     """tritonclient.http posts v2 requests without Content-Type, which FastAPI >= 0.132 refuses
-    (kserve.md). Supply it when absent: binary requests announce their JSON part with
+    (docs/kserve.md). Supply it when absent: binary requests announce their JSON part with
     ``Inference-Header-Content-Length``, everything else is JSON. Pure ASGI, so streaming
     responses pass through untouched."""
 

@@ -1,4 +1,4 @@
-"""Behaviours 1-10 of design/engine.md, one named test each (8's output half is in test_llm)."""
+"""The block and prefix-cache behaviours of docs/engine.md, one named test each (8's output half is in test_llm)."""
 
 import random
 

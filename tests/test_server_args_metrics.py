@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from kserve_paged import args as server_args
 from kserve_paged import metrics as m
 
-# architecture.md, "Server": the names dashboards and the Gateway API Inference Extension read.
+# docs/kserve.md, "Metrics": the names dashboards and the Gateway API Inference Extension read.
 CONTRACT_NAMES = {
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",

@@ -15,7 +15,7 @@
  *   groups (AVX-512 only);
  * - paged_dispatch.c: kp_paged_rows_f32, which spreads rows over threads and picks the path.
  *
- * Layout (architecture.md): kv = [2, num_blocks, block_size, num_kv_heads, head_dim].
+ * Layout (docs/kernels.md): kv = [2, num_blocks, block_size, num_kv_heads, head_dim].
  * Functions shared between the files carry the pa_ prefix; none is exported.
  */
 #ifndef KP_PAGED_ATTENTION_H

@@ -1,6 +1,6 @@
 """OpenAI-compatible routes (``/openai/v1/...``) on KServe's FastAPI app.
 
-KServe 0.21's own OpenAI routes need vLLM installed (kserve.md), so these are ours. One job per
+KServe 0.21's own OpenAI routes need vLLM installed (docs/kserve.md), so these are ours. One job per
 module: ``errors`` (OpenAI's error shape), ``schemas`` (request/response bodies and the refusal
 rules of their fields), ``parse`` (body -> validated request), ``render`` (engine outputs ->
 response pieces), ``stream`` (server-sent events, client disconnects), ``handlers`` (the
