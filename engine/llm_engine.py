@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,73 +16,21 @@ from engine.config import EngineConfig
 from engine.cpu_memory import tune_glibc_malloc
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_sizing import resolve_device, resolve_dtype, size_kv_cache
 from engine.limits import check_prompt_ids
-from engine.logits_processors import apply_penalties, top_logprobs
+from engine.logits_processors import apply_penalties
+from engine.logprob_records import record_prompt, sampled_entries
 from engine.model_info import ModelInfo
 from engine.model_loader import load_model, load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
+from engine.sample_groups import SampleGroups
 from engine.sampler import Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
 logger = logging.getLogger("engine")
-
-# Without an explicit size, the KV cache on CPU takes this share of available RAM, capped.
-CPU_KV_FRACTION = 0.25
-CPU_KV_CAP_BYTES = 4 << 30
-CUDA_KV_FRACTION = 0.85
-
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)} (got {name!r})")
-    return _DTYPES[name]
-
-
-def available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def size_kv_cache(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
-    """Number of KV blocks: given outright, from a byte budget or fraction, or a default share."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    mem = config.kv_cache_memory
-    if mem is not None:
-        budget = int(mem * available_memory(device)) if mem <= 1 else int(mem)
-    elif device.type == "cuda":
-        budget = int(CUDA_KV_FRACTION * available_memory(device))
-    else:
-        budget = min(int(CPU_KV_FRACTION * available_memory(device)), CPU_KV_CAP_BYTES)
-    blocks = budget // bytes_per_block
-    if blocks < 1:
-        raise ValueError(f"kv_cache_memory of {budget} bytes holds no KV block "
-                         f"({bytes_per_block} bytes each)")
-    return blocks
-
 
 @dataclass(slots=True)
 class _Tracked:
@@ -144,8 +91,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.eos_token_id, self._extra_eos = self._eos_ids()
         self._live: dict[str, _Tracked] = {}
-        self._parents: dict[str, _Parent] = {}
-        self._child_of: dict[str, tuple[str, int]] = {}
+        self._groups = SampleGroups()
         self._counter = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -211,32 +157,23 @@ class LLMEngine:
         check_prompt_ids(token_ids, self.model.vocab_size)
         if self._extra_eos and not params.ignore_eos:
             params = _with_stop_ids(params, self._extra_eos)
-        if request_id in self._parents:
+        if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n == 1:
             self._add_one(request_id, token_ids, text, params, priority, cache_salt,
                           arrival_time)
             return
-        # n parallel samples: n child requests. Admitted together, the later children hit the
-        # full prompt blocks that the first one registers in the same step, so the prompt's
-        # blocks are held once (plus each child's partial last block), as in vLLM V1.
-        children = [f"{request_id}{_CHILD_SEP}{i}" for i in range(params.n)]
+        # n parallel samples: n child requests sharing the prompt's blocks (sample_groups.py).
+        children = SampleGroups.children(request_id, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         try:
-            for i, child in enumerate(children):
-                child_params = copy.copy(params)
-                child_params.n = 1
-                if params.seed is not None:
-                    child_params.seed = params.seed + i
+            for child, child_params in children:
                 self._add_one(child, token_ids, text, child_params, priority, cache_salt,
                               arrival)
-                self._child_of[child] = (request_id, i)
         except Exception:
-            self.abort_request(children)
-            for child in children:
-                self._child_of.pop(child, None)
+            self.abort_request([child for child, _ in children])
             raise
-        self._parents[request_id] = _Parent(children)
+        self._groups.register(request_id, [child for child, _ in children])
 
     def _add_one(self, request_id: str, token_ids: list[int], text: str | None,
                  params: SamplingParams, priority: int, cache_salt: str | None,
@@ -257,15 +194,7 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        expanded: list[str] = []
-        for rid in request_ids:
-            parent = self._parents.pop(rid, None)
-            if parent is None:
-                expanded.append(rid)
-                continue
-            expanded.extend(parent.children)
-            for child in parent.children:
-                self._child_of.pop(child, None)
+        expanded = self._groups.expand(request_ids)
         self.scheduler.finish_requests(expanded, RequestStatus.FINISHED_ABORTED)
         for rid in expanded:
             self._live.pop(rid, None)
@@ -292,7 +221,9 @@ class LLMEngine:
             result = self.runner.execute(out)
             logits, sampling = result.logits, result.sampling
             if result.prompt_logits is not None:
-                self._record_prompt_logprobs(result.prompt_logits, result.prompt_spans)
+                record_prompt(result.prompt_logits, result.prompt_spans,
+                              lambda r: self._live[r.request_id].prompt_logprobs,
+                              self.tokenizer.decode)
             if sampling:
                 tracks = [self._live[r.request_id] for r in sampling]
                 params = [r.sampling_params for r in sampling]
@@ -302,13 +233,16 @@ class LLMEngine:
                 token_tensor = self.sampler.sample(
                     processed, params, [t.generator for t in tracks],
                     [r.num_output_tokens for r in sampling], [r.eos_token_id for r in sampling])
-                self._record_logprobs(logits, token_tensor, sampling, tracks)
+                for i, entry, chosen in sampled_entries(logits, token_tensor, sampling,
+                                                        self.tokenizer.decode):
+                    tracks[i].logprobs.append(entry)
+                    tracks[i].cumulative_logprob += chosen
                 tokens = token_tensor.tolist()
             else:
                 tokens = []
         except Exception as exc:  # noqa: BLE001 - contain the fault to this step's requests
             logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
-            return self._merge_children(
+            return self._groups.merge(
                 self._fail(out.scheduled, f"{type(exc).__name__}: {exc}"))
         sampled = {r.request_id: t for r, t in zip(sampling, tokens)}
         self.generation_tokens += len(sampled)
@@ -322,7 +256,7 @@ class LLMEngine:
                 m.first_token_time = now
             m.last_token_time = now
             outputs.append(self._make_output(tracked, now))
-        return self._merge_children(outputs) if self._child_of else outputs
+        return self._groups.merge(outputs)
 
     def _observe_token(self, req: Request, ended_by_token: bool) -> str | None:
         """The scheduler's stop-string check: feed the new token to the request's detokenizer
@@ -331,95 +265,6 @@ class LLMEngine:
         detok.update([req.output_token_ids[-1]], stop_terminated=ended_by_token,
                      check_stop=req.past_min_tokens)
         return detok.stop_reason if detok.stopped else None
-
-    def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Fold the outputs of n > 1 children into one output per parent request.
-
-        A parent's output lists the samples that progressed in this step (index = sample
-        number); its final output lists all n samples.
-        """
-        merged: list[RequestOutput] = []
-        by_parent: dict[str, RequestOutput] = {}
-        for out in outputs:
-            link = self._child_of.get(out.request_id)
-            if link is None:
-                merged.append(out)
-                continue
-            parent_id, index = link
-            parent = self._parents[parent_id]
-            completion = out.outputs[0]
-            completion.index = index
-            parent.latest[index] = completion
-            if out.finished:
-                parent.finished.add(index)
-                del self._child_of[out.request_id]
-            if out.error and parent.error is None:
-                parent.error = out.error
-            agg = by_parent.get(parent_id)
-            if agg is None:
-                agg = by_parent[parent_id] = RequestOutput(
-                    parent_id, out.prompt, out.prompt_token_ids, [], False,
-                    out.num_cached_tokens, out.metrics, prompt_logprobs=out.prompt_logprobs)
-                merged.append(agg)
-            agg.outputs.append(completion)
-        for parent_id, agg in by_parent.items():
-            parent = self._parents[parent_id]
-            if len(parent.finished) == len(parent.children):
-                progressed = {c.index for c in agg.outputs}
-                for index, completion in sorted(parent.latest.items()):
-                    if index not in progressed:
-                        agg.outputs.append(dataclasses.replace(
-                            completion, delta_text="", delta_token_ids=[]))
-                agg.outputs.sort(key=lambda c: c.index)
-                agg.finished = True
-                agg.error = parent.error
-                del self._parents[parent_id]
-        return merged
-
-    def _record_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,
-                         sampling: list[Request], tracks: list[_Tracked]) -> None:
-        """Log-probabilities of the raw model logits, as vLLM returns them by default."""
-        rows = [i for i, r in enumerate(sampling) if r.sampling_params.logprobs is not None]
-        if not rows:
-            return
-        index = torch.tensor(rows, device=logits.device)
-        k = max(sampling[i].sampling_params.logprobs or 0 for i in rows)
-        chosen, tops, ranks = top_logprobs(logits.index_select(0, index),
-                                           tokens.index_select(0, index), k)
-        decode = self.tokenizer.decode
-        for j, i in enumerate(rows):
-            tracked = tracks[i]
-            token = int(tokens[i])
-            entry = {token: Logprob(chosen[j], ranks[j], decode([token]))}
-            for rank, (tid, value) in enumerate(tops[j][:sampling[i].sampling_params.logprobs], 1):
-                if tid not in entry:
-                    entry[tid] = Logprob(value, rank, decode([tid]))
-            tracked.logprobs.append(entry)
-            tracked.cumulative_logprob += chosen[j]
-
-    def _record_prompt_logprobs(self, logits: torch.Tensor,
-                                spans: list[tuple[Request, int, int]]) -> None:
-        """Position p's logits score prompt token p + 1; kept once per position (a preempted
-        request recomputes its prompt)."""
-        row = 0
-        decode = self.tokenizer.decode
-        for req, start, count in spans:
-            tracked = self._live[req.request_id]
-            k = req.sampling_params.prompt_logprobs or 0
-            targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + count],
-                                   device=logits.device)
-            chosen, tops, ranks = top_logprobs(logits[row:row + count], targets, k)
-            row += count
-            for j in range(count):
-                position = start + 1 + j
-                if position in tracked.prompt_logprobs:
-                    continue
-                token = int(targets[j])
-                entry = {token: Logprob(chosen[j], ranks[j], decode([token]))}
-                for rank, (tid, value) in enumerate(tops[j], 1):
-                    if tid not in entry:
-                        entry[tid] = Logprob(value, rank, decode([tid]))
-                tracked.prompt_logprobs[position] = entry
 
     def _make_output(self, tracked: _Tracked, now: float) -> RequestOutput:
         req = tracked.request
@@ -478,20 +323,6 @@ class LLMEngine:
                  last_step_tokens=self.last_step_tokens,
                  block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks)
         return s
-
-
-@dataclass(slots=True)
-class _Parent:
-    """An n > 1 request: its children and what they produced so far."""
-
-    children: list[str]
-    latest: dict[int, CompletionOutput] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)
-    error: str | None = None
-
-
-# Joins a parent request id and a sample number into a child id that users do not type.
-_CHILD_SEP = "\x1f"
 
 
 def _with_stop_ids(params: SamplingParams, extra: list[int]) -> SamplingParams:
