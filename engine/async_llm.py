@@ -34,7 +34,10 @@ from typing import Any, Protocol
 from engine.config import EngineConfig
 from engine.model_info import ModelInfo
 from engine.outputs import RequestOutput
+from engine.request_stream import END, RequestStream, Stream
 from engine.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineLike", "RequestStream", "StepInfo"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,26 +80,6 @@ class StepInfo:
 
 StepCallback = Callable[[StepInfo], None]
 
-_END = object()  # stream sentinel: the request was aborted, end iteration
-
-
-class _Stream:
-    """One request's output channel, owned by the event loop that called generate()."""
-
-    __slots__ = ("request_id", "loop", "queue", "finished")
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.finished = False  # set on the event loop once the final item was consumed
-
-    def put(self, item: Any) -> None:
-        """Engine thread -> event loop; a closed loop means nobody listens any more."""
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
 @dataclasses.dataclass(slots=True)
 class _Add:
     request_id: str
@@ -104,67 +87,13 @@ class _Add:
     params: SamplingParams
     priority: int
     cache_salt: str | None
-    stream: _Stream
+    stream: Stream
     future: concurrent.futures.Future[None]
 
 
 @dataclasses.dataclass(slots=True)
 class _Abort:
     request_ids: list[str]
-
-
-class RequestStream:
-    """The outputs of one accepted request, as an async iterator.
-
-    Stopping early aborts the request: on cancellation inside ``__anext__``, on ``close()`` /
-    ``aclose()``, and as a last resort when the object is garbage-collected unfinished."""
-
-    def __init__(self, llm: AsyncLLM, stream: _Stream) -> None:
-        self._llm = llm
-        self._stream = stream
-
-    @property
-    def request_id(self) -> str:
-        return self._stream.request_id
-
-    @property
-    def finished(self) -> bool:
-        return self._stream.finished
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        stream = self._stream
-        if stream.finished:
-            raise StopAsyncIteration
-        try:
-            item = await stream.queue.get()
-        except BaseException:
-            self.close()
-            raise
-        if item is _END:
-            stream.finished = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            stream.finished = True
-            raise item
-        if item.finished:
-            stream.finished = True
-        return item
-
-    def close(self) -> None:
-        """Abort the request unless it already finished (idempotent, never blocks)."""
-        if not self._stream.finished:
-            self._stream.finished = True
-            self._llm._abort_nowait([self._stream.request_id])
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
 
 
 class AsyncLLM:
@@ -186,7 +115,7 @@ class AsyncLLM:
         self._callbacks: list[StepCallback] = [step_callback] if step_callback else []
         self._cond = threading.Condition()
         self._commands: collections.deque[_Add | _Abort] = collections.deque()
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._streams: dict[str, Stream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: BaseException | None = None
@@ -293,7 +222,7 @@ class AsyncLLM:
         answer 400 before it commits to a streaming response."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        stream = _Stream(request_id, asyncio.get_running_loop())
+        stream = Stream(request_id, asyncio.get_running_loop())
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._submit(_Add(request_id, prompt, params, priority, cache_salt, stream, future))
         try:
@@ -301,7 +230,7 @@ class AsyncLLM:
         except asyncio.CancelledError:
             self._abort_nowait([request_id])  # the add may still land: undo it
             raise
-        return RequestStream(self, stream)
+        return RequestStream(self._abort_nowait, stream)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None, *, priority: int = 0,
@@ -422,7 +351,7 @@ class AsyncLLM:
                 if ids:
                     engine.abort_request(ids)
                     for rid in ids:
-                        self._streams.pop(rid).put(_END)
+                        self._streams.pop(rid).put(END)
                     aborted.extend(ids)
                 continue
             # Claim the future first: once running it can no longer be cancelled by the caller,
