@@ -105,7 +105,7 @@ class ModelRunner:
             self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                               for _ in range(model.num_layers)]
         # The one choice of attention backend for every step (the native decoder stack is the
-        # CPU backend's whole-step form; the model takes it when this says "torch").
+        # CPU backend's whole-step form; the model takes it when this says "cpu").
         self.attention_backend = kernels.resolve_backend(
             device, block_size=block_size, head_dim=model.head_dim, dtype=dtype)
         self.max_blocks_per_seq = -(-max_model_len // block_size)

@@ -1,4 +1,4 @@
-"""CPU timing of the torch backend on the SmolLM2-135M attention shape.
+"""CPU timing of the cpu backend on the SmolLM2-135M attention shape.
 
 Run: `python -m kernels.bench_torch [--budgets 1024,2048,...] [--threads 1]`. Prints, per call
 (= one layer; x30 for a model step), the median wall time and the median process CPU time.
@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.cpu_backend import paged_attention_cpu
 from kernels.metadata import AttentionMetadata
 from kernels.testing import make_case
-from kernels.torch_backend import paged_attention_torch
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
@@ -60,7 +60,7 @@ def main() -> None:
             # One step's metadata reused by every repeat, as the layers of a step reuse it.
             meta = AttentionMetadata.build(case.block_tables, case.seq_lens,
                                            case.query_start_loc)
-            wall, cpu = _time(lambda c=case, m=meta, b=budget: paged_attention_torch(
+            wall, cpu = _time(lambda c=case, m=meta, b=budget: paged_attention_cpu(
                 c.query, c.kv_cache, m, c.scale, decode_token_budget=b), args.reps)
             print(f"{name:45s} budget={budget:6d}: wall {wall:8.2f} ms  cpu {cpu:8.2f} ms")
 

@@ -1,12 +1,14 @@
 """Paged-attention kernels: KV store and varlen paged attention (contract: docs/kernels.md).
 
-Backends: `torch` (batched gathers + SDPA; the CPU serving path), `triton` (CUDA, or CPU under
+Backends: `cpu` (the native C row kernel in fp32, else batched gathers + SDPA; the CPU
+serving path), `triton` (CUDA, or CPU under
 `TRITON_INTERPRET=1` for tests), `flash_attn` (CUDA, when `flash_attn` imports and the block
 size suits its paged API). Selection, first match wins:
 
 1. the `backend=` keyword,
-2. the env var `KSERVE_PAGED_ATTENTION_BACKEND` (torch | triton | flash_attn),
-3. the device: CUDA -> flash_attn if importable and usable, else triton; anything else -> torch.
+2. the env var `KSERVE_PAGED_ATTENTION_BACKEND` (cpu | triton | flash_attn;
+   `torch`, the old name of `cpu`, is still accepted),
+3. the device: CUDA -> flash_attn if importable and usable, else triton; anything else -> cpu.
 
 An unusable flash_attn (not importable, block size not a multiple of 256, ...) falls back to
 triton with the reason logged. Every distinct choice is logged once on the "kernels" logger.
@@ -21,9 +23,9 @@ import os
 import torch
 
 from kernels import settings
+from kernels.cpu_backend import paged_attention_cpu, store_kv_cpu
 from kernels.metadata import AttentionMetadata
 from kernels.reference import paged_attention_ref, store_kv_ref
-from kernels.torch_backend import paged_attention_torch, store_kv_torch
 
 __all__ = [
     "BACKENDS",
@@ -39,7 +41,9 @@ __all__ = [
 
 logger = logging.getLogger("kernels")
 
-BACKENDS = ("torch", "triton", "flash_attn")
+BACKENDS = ("cpu", "triton", "flash_attn")
+# Older name of the CPU backend, still accepted (in the env variable too).
+_ALIASES = {"torch": "cpu"}
 ENV_VAR = settings.ATTENTION_BACKEND.name
 
 _logged: set[tuple] = set()
@@ -72,11 +76,12 @@ def resolve_backend(device: torch.device | str, backend: str | None = None, *,
         backend, source = (env, f"env {ENV_VAR}") if env else (None, "default")
     if backend is not None:
         backend = backend.strip().lower().replace("-", "_")
+        backend = _ALIASES.get(backend, backend)
         if backend not in BACKENDS:
             raise ValueError(f"unknown paged-attention backend {backend!r} (from {source}); "
                              f"expected one of {', '.join(BACKENDS)}")
     else:
-        backend = "flash_attn" if device.type == "cuda" else "torch"
+        backend = "flash_attn" if device.type == "cuda" else "cpu"
     if backend == "flash_attn":
         from kernels import flash_attn_backend
 
@@ -89,7 +94,7 @@ def resolve_backend(device: torch.device | str, backend: str | None = None, *,
         why = _triton_runnable(device)
         if why is not None:
             if source == "default":  # only reachable via the flash_attn fallback off CUDA
-                backend = "torch"
+                backend = "cpu"
             else:
                 raise ValueError(f"backend 'triton' (from {source}) cannot run: {why}")
     _log_once((backend, device.type, source), "paged-attention backend: %s (device %s, %s)",
@@ -101,8 +106,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor, *, backend: str | None = None) -> None:
     """Write key/value `[num_tokens, num_kv_heads, head_dim]` into their slots (< 0: skipped)."""
     name = resolve_backend(kv_cache.device, backend)
-    if name == "torch":
-        store_kv_torch(key, value, kv_cache, slot_mapping)
+    if name == "cpu":
+        store_kv_cpu(key, value, kv_cache, slot_mapping)
     else:  # flash_attn reads the same layout; the Triton store serves both
         from kernels.triton_backend import store_kv_triton
 
@@ -131,8 +136,8 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
     it once; checked again here, which is cheap, so a hand-built metadata is checked too)."""
     name = resolve_backend(query.device, meta.backend, block_size=kv_cache.shape[2],
                            head_dim=query.shape[-1], dtype=query.dtype)
-    if name == "torch":
-        return paged_attention_torch(query, kv_cache, meta, scale)
+    if name == "cpu":
+        return paged_attention_cpu(query, kv_cache, meta, scale)
     hints = {"max_seq_len": meta.max_seq_len, "max_query_len": meta.max_query_len}
     args = (query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
     if name == "flash_attn":

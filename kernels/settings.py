@@ -39,7 +39,7 @@ TCMALLOC = EnvVar("KSERVE_PAGED_TCMALLOC", "1",
 KV_PREFAULT_MIB = EnvVar("KSERVE_PAGED_KV_PREFAULT_MIB", "1536",
                          "MiB of KV cache whose pages are touched at start-up.")
 ATTENTION_BACKEND = EnvVar("KSERVE_PAGED_ATTENTION_BACKEND", "",
-                           "torch | triton | flash_attn; empty: chosen by the device.")
+                           "cpu | triton | flash_attn (torch: old name of cpu); empty: chosen by the device.")
 TORCH_DECODE_BUDGET = EnvVar("KSERVE_PAGED_TORCH_DECODE_BUDGET", "2048",
                              "Decode tokens gathered per batch by the PyTorch attention path.")
 FAULT_INJECT = EnvVar("KSERVE_PAGED_FAULT_INJECT", "",

@@ -2,7 +2,7 @@
 
 The first call converts the GGUF into the cache (~25 s on a free CPU); later runs reuse it.
 Our paged forward must match transformers on the converted folder: float32, logits within
-atol 1e-3 (measured: 0.0 with the torch backend; the margin is for kernels that sum in
+atol 1e-3 (measured: 0.0 with the cpu backend; the margin is for kernels that sum in
 another order over 30 layers) and the same greedy tokens.
 """
 

@@ -217,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
                 head_dim=self.head_dim, dtype=x.dtype)
         # The whole-stack native call is the CPU backend's form for a whole step.
         stack = self.native_stack
-        if (stack is not None and self.use_native_stack and meta.backend == "torch"
+        if (stack is not None and self.use_native_stack and meta.backend == "cpu"
                 and not torch.is_grad_enabled() and x.device.type == "cpu"
                 and x.dtype == torch.float32):
             rows = meta.rows(x.shape[0])

@@ -20,10 +20,10 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels.dispatch, "_logged", set())
 
 
-def test_cpu_default_is_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_default_is_the_cpu_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert resolve_backend("cpu") == "torch"
-    assert resolve_backend(torch.device("cpu"), block_size=16, head_dim=64) == "torch"
+    assert resolve_backend("cpu") == "cpu"
+    assert resolve_backend(torch.device("cpu"), block_size=16, head_dim=64) == "cpu"
 
 
 def test_env_var_overrides_default_and_keyword_overrides_env(
@@ -31,14 +31,14 @@ def test_env_var_overrides_default_and_keyword_overrides_env(
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv(ENV_VAR, "triton")
     assert resolve_backend("cpu") == "triton"
-    assert resolve_backend("cpu", "torch") == "torch"
+    assert resolve_backend("cpu", "torch") == "cpu"
     monkeypatch.setenv(ENV_VAR, " Torch ")
-    assert resolve_backend("cpu") == "torch"
+    assert resolve_backend("cpu") == "cpu"
 
 
 @pytest.mark.parametrize("name", ["cuda", "flash-attention", "xformers"])
 def test_invalid_name_is_a_clear_value_error(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    with pytest.raises(ValueError, match="expected one of torch, triton, flash_attn"):
+    with pytest.raises(ValueError, match="expected one of cpu, triton, flash_attn"):
         resolve_backend("cpu", name)
     monkeypatch.setenv(ENV_VAR, name)
     with pytest.raises(ValueError, match=ENV_VAR):
@@ -80,7 +80,7 @@ def test_choice_logged_once(caplog: pytest.LogCaptureFixture) -> None:
         for _ in range(3):
             resolve_backend("cpu")
     msgs = [r.getMessage() for r in caplog.records if r.name == "kernels"]
-    assert msgs == ["paged-attention backend: torch (device cpu, default)"]
+    assert msgs == ["paged-attention backend: cpu (device cpu, default)"]
 
 
 def test_import_pulls_neither_engine_nor_triton() -> None:

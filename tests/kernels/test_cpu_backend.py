@@ -1,4 +1,4 @@
-"""The efficient torch backend against the reference: decode, prefill, chunked prefill, mixes."""
+"""The cpu backend against the reference: decode, prefill, chunked prefill, mixes."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kernels import cpu_native, paged_attention, store_kv
+from kernels.cpu_backend import paged_attention_cpu, store_kv_cpu
 from kernels.metadata import AttentionMetadata
 from kernels.reference import paged_attention_ref, store_kv_ref
 from kernels.testing import make_case, tolerance
-from kernels.torch_backend import paged_attention_torch, store_kv_torch
 
 HEAD_RATIOS = [(4, 4), (8, 2), (9, 3), (8, 1)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -22,7 +22,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def _torch(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, **kwargs):
     """The CPU backend on raw tensors: one step's metadata built for the call."""
     meta = AttentionMetadata.build(block_tables, seq_lens, query_start_loc)
-    return paged_attention_torch(query, kv_cache, meta, scale, **kwargs)
+    return paged_attention_cpu(query, kv_cache, meta, scale, **kwargs)
 
 def _batch(rng: random.Random, kind: str, n: int) -> tuple[list[int], list[int]]:
     """seq_lens and q_lens for one batch of `kind`."""
@@ -78,7 +78,7 @@ def test_matches_reference(kind: str, heads: tuple[int, int], dtype: torch.dtype
 def test_head_dims(head_dim: int, decode_path: str) -> None:
     case = make_case([1, 17, 300, 64], [1, 17, 5, 1], num_heads=4, num_kv_heads=2,
                      head_dim=head_dim, block_size=16, seed=head_dim)
-    _check(paged_attention(*case.args(), backend="torch"),
+    _check(paged_attention(*case.args(), backend="cpu"),
            paged_attention_ref(*case.args()), torch.float32)
 
 
@@ -86,7 +86,7 @@ def test_padding_tokens_are_zero_and_hints_accepted() -> None:
     case = make_case([40, 3], [1, 3], num_heads=9, num_kv_heads=3, head_dim=64)
     query = torch.cat([case.query, torch.randn(2, 9, 64)])  # 2 trailing padding tokens
     args = (query, *case.args()[1:])
-    out = paged_attention(*args, backend="torch", max_seq_len=40, max_query_len=3)
+    out = paged_attention(*args, backend="cpu", max_seq_len=40, max_query_len=3)
     _check(out, paged_attention_ref(*args), torch.float32)
     assert out[-2:].abs().max() == 0
 
@@ -94,7 +94,7 @@ def test_padding_tokens_are_zero_and_hints_accepted() -> None:
 def test_plan_lives_with_its_step_metadata(decode_path: str, monkeypatch) -> None:
     """Layers of a step share one metadata object and build the plan once; the next step's
     metadata (the same tensors changed in place, as the runner's buffers are) gets its own."""
-    import kernels.torch_backend as backend
+    import kernels.cpu_backend as backend
 
     builds = []
     real_build = backend._build_plan
@@ -103,7 +103,7 @@ def test_plan_lives_with_its_step_metadata(decode_path: str, monkeypatch) -> Non
     case = make_case([50, 70, 90], [1, 1, 1], num_heads=4, num_kv_heads=2, head_dim=64)
     meta = AttentionMetadata.build(case.block_tables, case.seq_lens, case.query_start_loc)
     for _ in range(3):  # three layers of one step
-        out = paged_attention_torch(case.query, case.kv_cache, meta, case.scale)
+        out = paged_attention_cpu(case.query, case.kv_cache, meta, case.scale)
         _check(out, paged_attention_ref(*case.args()), torch.float32)
     assert len(builds) == 1
     case.seq_lens[1] = 33  # in place, same tensor object: a new step
@@ -152,10 +152,10 @@ def test_store_kv_matches_reference_and_skips_negative(dtype: torch.dtype,
         big = torch.zeros(2, num_blocks, block_size, kvh, 2 * d, dtype=dtype)
         big[..., :d] = base
         cache = big[..., :d]
-    store_kv_torch(key, value, cache, slots.int())
+    store_kv_cpu(key, value, cache, slots.int())
     assert torch.equal(cache, expected)
     cache2 = base.clone()
-    store_kv(key, value, cache2, slots, backend="torch")
+    store_kv(key, value, cache2, slots, backend="cpu")
     assert torch.equal(cache2, expected)
     # The negative slots' rows really were dropped: nothing else changed.
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
@@ -174,9 +174,9 @@ def test_store_then_attend_roundtrip() -> None:
     cache = torch.zeros(2, 5, bs, kvh, d)
     blocks = torch.tensor([3, 0, 4], dtype=torch.int32)
     slots = blocks.long().repeat_interleave(bs)[:seq] * bs + torch.arange(seq) % bs
-    store_kv(k, v, cache, slots, backend="torch")
+    store_kv(k, v, cache, slots, backend="cpu")
     out = paged_attention(q, cache, blocks.view(1, -1), torch.tensor([seq], dtype=torch.int32),
-                          torch.tensor([0, seq], dtype=torch.int32), d ** -0.5, backend="torch")
+                          torch.tensor([0, seq], dtype=torch.int32), d ** -0.5, backend="cpu")
     expect = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1),
         v.repeat_interleave(3, 1).transpose(0, 1), is_causal=True).transpose(0, 1)

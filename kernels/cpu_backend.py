@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from kernels import cpu_native, settings
 from kernels.metadata import AttentionMetadata
 
-__all__ = ["paged_attention_torch", "store_kv_torch"]
+__all__ = ["paged_attention_cpu", "store_kv_cpu"]
 
 
 
-def store_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+def store_kv_cpu(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """Scatter key/value rows into their slots with one indexed copy each; slots < 0 skipped.
     On CPU in fp32 one native pass does it (`cpu_native.store_kv`)."""
@@ -145,7 +145,7 @@ def _plan_for(meta: AttentionMetadata, block_size: int, budget: int) -> _Plan:
     return plan
 
 
-def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                           scale: float, *, decode_token_budget: int | None = None) -> torch.Tensor:
     """Varlen paged attention (contract in docs/kernels.md) with batched gathers + SDPA, or
     the native row kernel on CPU. The plan is derived from `meta` once per step."""
