@@ -99,8 +99,8 @@ int kp_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_
 }
 
 /* out[r] = index of the largest value of row r, the first one on ties, the first NaN if the row
- * has one (torch.argmax's rules). Greedy decoding's last step: torch's argmax reads ~1.2 G
- * floats/s here, 2.6 ms for 64 rows of a 49,152-word vocabulary; this is one vector pass. */
+ * has one (torch.argmax's rules). Greedy decoding's last step, in one vector pass, several times
+ * faster than torch's argmax over a large vocabulary (BENCHMARKS.md). */
 /* NaN test on the bits: the library is built with -ffast-math, under which x != x folds away. */
 static inline int is_nan(float f) {
     uint32_t u;

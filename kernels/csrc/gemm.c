@@ -1,11 +1,11 @@
 /* fp32 matrix product for nn.Linear on CPU: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
  *
  * Why our own: at the row counts a serving step has (1-128 rows: decode batches) oneDNN's packed
- * kernel splits the work poorly over 2 threads (139-196 GFLOP/s on the 2-core box where the FMA
- * units allow ~224), and at 1-16 rows it reads the weights at about half the memory bandwidth.
+ * kernel splits the work poorly over 2 threads, well below the FMA peak, and at 1-16 rows it reads
+ * the weights at about half the memory bandwidth (figures in BENCHMARKS.md).
  * This kernel gives each thread an equal share of column panels and walks them in memory order.
  *
- * The weight is packed once (kernels/cpu_native.py) into column panels of NR = 48 outputs:
+ * The weight is packed once (kernels/cpu_native/gemm.py) into column panels of NR = 48 outputs:
  * packed[p][k][j] = w[p * 48 + j][k], zero for j past N. A panel is read front to back, so the
  * hardware prefetcher streams it; rows are taken MR = 8 at a time with 8 x 3 accumulators in
  * registers (24 of the 32 zmm), the x values broadcast straight from memory into the FMAs.
@@ -61,8 +61,7 @@ static inline __attribute__((always_inline)) void panel_block(
         }
         if (ynext && (k & 15) == 0 && (k >> 4) < 3 * MR) {
             /* The next block's 8 x 48 outputs, one line every 16 steps of k, for writing: their
-             * first touch would otherwise stall the stores at the end of that block (at 2048
-             * rows, 198-204 -> 211-214 GFLOP/s for the K = 576 projections). */
+             * first touch would otherwise stall the stores at the end of that block. */
             const int line = (int)(k >> 4);
             __builtin_prefetch(ynext + (line / 3) * ldy + (line % 3) * 16, 1, 3);
         }
@@ -98,8 +97,7 @@ static inline __attribute__((always_inline)) void panel_block(
  * has touched it; the next panel (from DRAM: weights do not stay in cache between steps) is
  * prefetched by the first `spread` blocks, a slice each. Spreading it matters at 16-64 rows:
  * with the whole fetch in the first block, that block outran the memory system and stalled
- * (bench/probes/linear_gemm.py: 16 rows 31.6 -> 27.1 ms, 24 rows 38.9 -> 34.6, 40 rows
- * 59.9 -> 55.0 for a whole step's projections; 1-8 rows unchanged). */
+ * (bench/probes/linear_gemm.py measures it; figures in BENCHMARKS.md). */
 #define PANEL_ROWS_BODY(EVERY)                                                                   \
     for (; m + MR <= M; m += MR, ++b)                                                            \
         panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, MR, PF(b), EVERY, \
@@ -158,7 +156,7 @@ int kp_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int
  * 2q + 1: the same up outputs; cpu_native.pack_gate_up_weight). One thread computes both
  * panels of a pair and applies the SiLU-and-multiply to them at once, while they are in its
  * own cache. Separately, the SiLU pass read half of its input from the other core's cache
- * (the GEMM splits columns, the pass rows): 69 us against 43 on warm data for 64 rows.
+ * (the GEMM splits columns, the pass rows), measurably slower.
  * `gu` is scratch of [M, 2 * pairs * 48] (row stride ldgu). */
 int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
                      int64_t inter, const float *bias, float *gu, int64_t ldgu, float *act,
