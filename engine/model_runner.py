@@ -178,10 +178,11 @@ class ModelRunner:
             query_start_loc=b.take("query_start_loc", n_seqs + 1),
             max_seq_len=int(seq_lens.max()),
             max_query_len=int(q_lens.max()),
-            row_lens=b.take("row_lens", total),
-            row_seq_idx=b.take("row_seq_idx", total),
             backend=self.attention_backend,
         )
+        if self.attention_backend == "cpu":  # only its kernels read rows (GPU kernels find them)
+            meta.row_lens = b.take("row_lens", total)
+            meta.row_seq_idx = b.take("row_seq_idx", total)
         inputs = StepInputs(
             input_ids=b.take("input_ids", total),
             positions=b.take("positions", total),

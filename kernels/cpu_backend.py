@@ -85,6 +85,7 @@ class _Plan:
     decode: list[_DecodeChunk] = field(default_factory=list)
     prefill: list[_PrefillItem] = field(default_factory=list)
     num_valid_tokens: int = 0
+    valid_rows: torch.Tensor | None = None  # arange(num_valid_tokens), for the native kernel
 
 
 def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tensor,
@@ -168,8 +169,10 @@ def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
     if plan.num_valid_tokens and cpu_native.usable(query, kv_cache):
         # The runner's rows: every valid token, in order (padding rows come last).
         row_lens, row_seq_idx = meta.rows(plan.num_valid_tokens)
-        cpu_native.paged_rows(query, kv_cache, meta.block_tables, row_lens,
-                              torch.arange(plan.num_valid_tokens), row_seq_idx, scale, out)
+        if plan.valid_rows is None:
+            plan.valid_rows = torch.arange(plan.num_valid_tokens)
+        cpu_native.paged_rows(query, kv_cache, meta.block_tables, row_lens, plan.valid_rows,
+                              row_seq_idx, scale, out)
         return out
     for chunk in plan.decode:
         n = chunk.token_idx.numel()

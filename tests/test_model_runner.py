@@ -45,3 +45,27 @@ def test_mixed_step_tensors_match_each_requests_blocks_and_positions():
     assert meta.slot_mapping.tolist() == expected
     assert step.logits_indices.tolist() == [0, 4]
     assert [r.request_id for r in step.sampling] == ["a", "b"]
+    # Each token's attention row, built by the runner: keys seen (its position + 1) and its
+    # sequence, the same as the metadata's own derivation from seq_lens / query_start_loc.
+    assert meta.backend == "cpu"
+    assert meta.row_lens.tolist() == [7, 7, 8, 9, 10] and meta.row_lens.dtype == torch.int32
+    assert meta.row_seq_idx.tolist() == [0, 1, 1, 1, 1]
+    derived = type(meta)(meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                         meta.query_start_loc, meta.max_seq_len, meta.max_query_len)
+    assert [t.tolist() for t in derived.rows(5)] == [[7, 7, 8, 9, 10], [0, 1, 1, 1, 1]]
+
+
+def test_rows_after_a_prefix_hit_start_past_the_cached_tokens():
+    sched = make_scheduler(num_blocks=32, block_size=BS, budget=64)
+    shared = list(range(100, 112))  # 3 full blocks
+    sched.add_request(make_request("a", shared + [1, 2], max_tokens=3))
+    runner = make_runner(sched)
+    out = sched.schedule()
+    runner.prepare(out)
+    sched.update_from_output(out, fake_step(sched, out))
+    sched.add_request(make_request("b", shared + [7, 8, 9], max_tokens=3))
+    out = sched.schedule()  # a decodes; b hits the 3 shared blocks and computes 3 tokens
+    assert out.num_scheduled_tokens == {"a": 1, "b": 3}
+    meta = runner.prepare(out).meta
+    assert meta.row_lens.tolist() == [15, 13, 14, 15]
+    assert meta.row_seq_idx.tolist() == [0, 1, 1, 1]

@@ -201,7 +201,8 @@ def _decode_until(sched, rid: str, tokens: list[int], stop_strings=None):
     ([7, 5, 9], None, RequestStatus.FINISHED_STOPPED, 5),         # a stop token id
     ([7, 7, 7, 7], None, RequestStatus.FINISHED_LENGTH, None),    # max_tokens
     ([7, 8, 9], 1, RequestStatus.FINISHED_STOPPED, "stop!"),      # a stop string
-    ([7, 2], 1, RequestStatus.FINISHED_STOPPED, "stop!"),         # string over EOS
+    # string over EOS (with include_stop_str_in_output the EOS text is searched too)
+    ([7, 2], 1, RequestStatus.FINISHED_STOPPED, "stop!"),
     ([7, 7, 7, 7], 3, RequestStatus.FINISHED_STOPPED, "stop!"),   # string over length
 ])
 def test_the_scheduler_decides_each_ending_once(tokens, stop_at, status, reason):
@@ -229,7 +230,16 @@ def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings():
     req.sampling_params.min_tokens = 3
     req.sampling_params.stop_token_ids = [5]
     sched.add_request(req)
-    # EOS and a stop token before the third output do not end it; the string is not looked
-    # for (the detokenizer is told it may not stop) until min_tokens is reached.
-    _decode_until(sched, "a", [2, 5, 2])
-    assert req.status is RequestStatus.FINISHED_STOPPED and req.num_output_tokens == 3
+    # EOS and a stop token before the third output do not end it, and neither does a stop
+    # string: the detokenizer is asked with may-stop False (it then does not search) until
+    # min_tokens is reached; the callback here answers as the real one would.
+    asked: list[bool] = []
+
+    def stop_strings(request, ended_by_token):
+        asked.append(request.past_min_tokens)
+        return "stop!" if request.past_min_tokens else None
+
+    _decode_until(sched, "a", [2, 5, 7], stop_strings)
+    assert asked == [False, False, True]
+    assert req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason == "stop!"
+    assert req.num_output_tokens == 3
