@@ -132,22 +132,27 @@ def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tens
     return plan
 
 
-def _plan_for(meta: AttentionMetadata, block_size: int, budget: int) -> _Plan:
-    """The step's plan, built by the first layer that asks and kept on the metadata."""
+def _plan_for(meta: AttentionMetadata, block_size: int, budget: int | None) -> _Plan:
+    """The step's plan, built by the first layer that asks and kept on the metadata.
+    `budget` None is the setting's, read only when a plan is built."""
     key = (block_size, budget)
     if meta.plan is not None and meta.plan[0] == key:
         return meta.plan[1]
+    # Padded tokens (rows x context) per decode chunk (settings.TORCH_DECODE_BUDGET): big
+    # enough to amortise per-op overhead, small enough for the gathered K/V to stay in L2/L3
+    # between the gather and the attention (tuned on 2 CPU cores, head_dim 64, 3 KV heads).
+    chunk_budget = budget or settings.torch_decode_budget()
     # One host transfer for both vectors (one sync on CUDA).
     n = meta.seq_lens.numel()
     host = torch.cat([meta.seq_lens.flatten().long(), meta.query_start_loc.flatten().long()]).tolist()
     plan = _build_plan(host[:n], host[n:], meta.block_tables, block_size,
-                       meta.block_tables.device, budget)
+                       meta.block_tables.device, chunk_budget)
     meta.plan = (key, plan)
     return plan
 
 
 def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                          scale: float, *, decode_token_budget: int | None = None) -> torch.Tensor:
+                        scale: float, *, decode_token_budget: int | None = None) -> torch.Tensor:
     """Varlen paged attention (contract in docs/kernels.md) with batched gathers + SDPA, or
     the native row kernel on CPU. The plan is derived from `meta` once per step."""
     num_tokens, num_heads, head_dim = query.shape
@@ -155,11 +160,7 @@ def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
     group = num_heads // num_kv_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
-    # Padded tokens (rows x context) per decode chunk (settings.TORCH_DECODE_BUDGET): big
-    # enough to amortise per-op overhead, small enough for the gathered K/V to stay in L2/L3
-    # between the gather and the attention (tuned on 2 CPU cores, head_dim 64, 3 KV heads).
-    budget = decode_token_budget or settings.torch_decode_budget()
-    plan = _plan_for(meta, block_size, budget)
+    plan = _plan_for(meta, block_size, decode_token_budget)
     out = torch.empty_like(query)
     if plan.num_valid_tokens < num_tokens:
         out[plan.num_valid_tokens:].zero_()

@@ -22,22 +22,12 @@ import os
 
 import torch
 
+import kernels
 from kernels import settings
 from kernels.cpu_backend import paged_attention_cpu, store_kv_cpu
 from kernels.metadata import AttentionMetadata
-from kernels.reference import paged_attention_ref, store_kv_ref
 
-__all__ = [
-    "BACKENDS",
-    "AttentionMetadata",
-    "attend",
-    "ENV_VAR",
-    "paged_attention",
-    "paged_attention_ref",
-    "resolve_backend",
-    "store_kv",
-    "store_kv_ref",
-]
+__all__ = list(kernels.__all__)  # the package re-exports exactly these
 
 logger = logging.getLogger("kernels")
 
