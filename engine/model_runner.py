@@ -143,7 +143,7 @@ class ModelRunner:
                     prompt_spans.append((req, start, end - start))
                     prompt_rows.extend(range(offset, offset + end - start))
             offset += n
-            if start + n == req.num_tokens:
+            if start + n == req.num_tokens and req.wants_token:
                 sampling.append(req)
                 last_rows.append(offset - 1)
         total = offset

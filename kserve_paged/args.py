@@ -22,6 +22,7 @@ from kserve.model_server import parser as kserve_parser
 
 from engine.config import SCHEDULING_POLICIES, EngineConfig
 from engine.limits import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN
+from kserve_paged.openai.tools import TOOL_CALL_PARSERS
 
 DEFAULT_MODEL_DIR = "/mnt/models"
 DEFAULT_HTTP_HOST = "0.0.0.0"  # what KServe's RESTServer binds
@@ -162,6 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="Longest prompt text, in characters; a longer one is refused with 400 before it "
              f"is tokenized. Default: max_model_len * {PROMPT_CHARS_PER_TOKEN} (no prompt "
              "that long could fit).")
+    server.add_argument(
+        "--tool_call_parser", default="hermes", choices=TOOL_CALL_PARSERS,
+        help="How chat output with tool_choice \"auto\" is read for tool calls: hermes "
+             "(<tool_call>{...}</tool_call>, Qwen and Hermes templates), llama3_json (Llama "
+             "3.x's bare JSON), or none (then tool_choice \"auto\" is a 400, as in vLLM "
+             "without --enable-auto-tool-choice).")
+    server.add_argument("--enable_auto_tool_choice", action="store_true",
+                        help="Accepted for vLLM's command lines; auto tool choice is on "
+                             "whenever --tool_call_parser is not none.")
     return parser
 
 

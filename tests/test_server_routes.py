@@ -416,7 +416,7 @@ def test_openai_chat_applies_the_template():
     ("completions", {"top_p": 0}, "top_p", 400),
     ("completions", {"model": "other"}, "model", 404),
     ("chat/completions", {"tools": [{"type": "function"}]}, "tools", 400),
-    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", 400),
+    ("chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", 400),
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs", 400),
     ("chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages", 400),
