@@ -189,3 +189,26 @@ def test_max_tokens_0_scores_the_prompt_and_generates_nothing(llm):
         for t in a:
             assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
     assert llm.stats()["kv_blocks_in_use"] == 0
+
+
+def test_a_failed_compile_fails_only_its_request(llm, monkeypatch):
+    engine = llm.engine
+    real = engine.grammars._compile
+
+    def compile_or_fail(spec):
+        if "must-fail" in spec.key:
+            raise RuntimeError("simulated compiler failure")
+        return real(spec)
+
+    monkeypatch.setattr(engine.grammars, "_compile", compile_or_fail)
+    bad = SamplingParams(max_tokens=8, structured_outputs={"regex": "must-fail[0-9]"})
+    good = SamplingParams(max_tokens=4, temperature=0)
+    engine.add_request("bad", "Hi", bad)
+    engine.add_request("good", "Hello there", good)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert "did not compile" in (outputs["bad"].error or "")
+    assert outputs["good"].error is None and len(outputs["good"].outputs[0].token_ids) == 4
+    assert llm.stats()["kv_blocks_in_use"] == 0
