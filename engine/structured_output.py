@@ -19,9 +19,10 @@ import json
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch and xgrammar load on first use: SamplingParams imports this module
+    import torch
 
 # Compiled grammars kept for reuse (an agent sends the same few schemas again and again).
 COMPILED_CACHE_ENTRIES = 256
@@ -185,7 +186,7 @@ class GrammarBitmask:
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._buffer: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None  # int32 [rows, ceil(vocab / 32)]
 
     def apply(self, logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> torch.Tensor:
         """``logits`` with every disallowed token of a constrained row at -inf (a copy when
