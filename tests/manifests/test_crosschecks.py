@@ -255,3 +255,16 @@ def test_dashboard_configmap_carries_the_dashboard():
     (body,) = cm["data"].values()
     assert json.loads(body) == DASHBOARD
     assert len(body.encode()) < 1024 * 1024  # ConfigMap size limit
+
+
+def test_dashboard_panels_cover_issue_24():
+    """Request outcomes, per-request token counts, prefill/decode time and the KV waste gauges."""
+    used = set()
+    for _, target in _targets():
+        used |= h.promql_metric_names(target["expr"])
+    assert {
+        "vllm:request_success_total", "vllm:request_prompt_tokens_bucket",
+        "vllm:request_generation_tokens_bucket", "vllm:request_prefill_time_seconds_bucket",
+        "vllm:request_decode_time_seconds_bucket", "kserve_paged:kv_slots_reserved",
+        "kserve_paged:kv_slots_holding_tokens", "kserve_paged:kv_blocks_shared",
+    } <= used
