@@ -107,7 +107,7 @@ def test_inference_service_uses_the_runtime(isvc):
 
 # --- autoscaling -------------------------------------------------------------------------------
 
-def test_gpu_service_scales_with_keda_on_queue_depth():
+def test_gpu_service_scales_with_keda_on_requests_in_flight():
     (isvc,) = _by_mode("Standard")
     assert h.keda_errors(isvc) == []
     resources = isvc["spec"]["predictor"]["model"]["resources"]
@@ -115,7 +115,8 @@ def test_gpu_service_scales_with_keda_on_queue_depth():
     assert str(resources["requests"].get("nvidia.com/gpu", "1")) == "1"
     (metric,) = isvc["spec"]["predictor"]["autoScaling"]["metrics"]
     query = metric["external"]["metric"]["query"]
-    assert h.promql_metric_names(query) == {"vllm:num_requests_waiting"}
+    assert h.promql_metric_names(query) == {"vllm:num_requests_running",
+                                            "vllm:num_requests_waiting"}
     assert h.promql_errors(query, EXPOSED, COUNTER_SAMPLES) == []
     assert h.keda_query_scope_errors(isvc, query) == []
 
