@@ -25,17 +25,30 @@ TOPIC = "kv@test-pod@smol"
 class Mirror:
     """A plain SUB socket and the index a router would build from what it receives."""
 
-    def __init__(self, endpoint: str, topic: str = TOPIC) -> None:
+    def __init__(self, endpoint: str, topic: str = TOPIC, bind: bool = False) -> None:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.connect(endpoint)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
-        time.sleep(0.3)  # ZMQ's slow joiner: let the subscription reach the PUB socket
         self.topic = topic.encode()
         self.live: dict[bytes, list[int]] = {}  # hash -> its block's token ids
         self.next_seq = 0
         self.stored = self.removed = self.cleared = 0
+        if bind:  # as llm-d's endpoint picker: the pods connect to it
+            self.sub.bind(endpoint)
+            self.endpoint = self.sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            self.sub.connect(endpoint)
+            self.endpoint = endpoint
+            self.joined()
+
+    def joined(self) -> None:
+        """ZMQ's slow joiner: wait until the subscription reached the PUB socket. The SUB side
+        attaches a new connection (and sends it the subscription) only inside its own socket
+        calls, so poll meanwhile, as a subscriber's event loop does."""
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            assert not self.sub.poll(20), "a message before anything was published"
 
     def drain(self, expect_messages: int) -> None:
         for _ in range(expect_messages):
@@ -77,12 +90,20 @@ class Mirror:
         self.ctx.term()
 
 
-def test_scheduler_stores_hits_and_evictions_announced_once_in_order():
+@pytest.mark.parametrize("pod_binds", [True, False], ids=["pod-binds", "pod-connects"])
+def test_scheduler_stores_hits_and_evictions_announced_once_in_order(pod_binds, tmp_path):
     sched = make_scheduler(num_blocks=12, block_size=4, budget=64, max_model_len=48)
     pool = sched.kv.pool
     pool.record_events()
-    pub = ZmqEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*", TOPIC), "CPU")
-    mirror = Mirror(pub.endpoint)
+    if pod_binds:  # vLLM's default: tcp://*:5557, subscribers connect to each pod
+        pub = ZmqEventPublisher(KVEventsConfig(True, "zmq", f"ipc://{tmp_path}/kv", TOPIC),
+                                "CPU")
+        mirror = Mirror(pub.endpoint)
+    else:  # llm-d: the endpoint picker binds, every pod connects to it
+        mirror = Mirror("tcp://127.0.0.1:*", bind=True)
+        pub = ZmqEventPublisher(KVEventsConfig(True, "zmq", mirror.endpoint, TOPIC), "CPU")
+        assert not pub.binds
+        mirror.joined()
     shared = list(range(100, 112))  # three full blocks shared by the first prompts
     prompts = [shared + [1, 2, 3, 4, 5], shared + [6, 7, 8, 9, 10], shared + [11, 12],
                list(range(200, 230)), list(range(300, 330)), shared + [13, 14, 15]]
@@ -144,6 +165,14 @@ def test_stored_event_carries_the_chain():
 def test_bad_config_is_refused(text, message):
     with pytest.raises(ValueError, match=message):
         KVEventsConfig.from_json(text)
+
+
+def test_bind_or_connect_follows_vllms_rule():
+    from engine.kv_event_publisher import binds
+
+    assert binds("tcp://*:5557") and binds("ipc:///tmp/kv") and binds("tcp://0.0.0.0:5557")
+    assert not binds("tcp://paged-llm-epp-service.ns.svc.cluster.local:5557")
+    assert not binds("tcp://127.0.0.1:5557")
 
 
 def test_vllm_keys_without_use_here_are_accepted():
