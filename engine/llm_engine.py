@@ -17,6 +17,8 @@ from engine.config import EngineConfig
 from engine.cpu_memory import tune_glibc_malloc
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_event_publisher import ZmqEventPublisher
+from engine.kv_events import KVEventsConfig
 from engine.kv_sizing import resolve_device, resolve_dtype, size_kv_cache
 from engine.limits import check_prompt_ids
 from engine.logits_processors import apply_penalties
@@ -86,6 +88,7 @@ class LLMEngine:
                     self.num_kv_blocks * bs // max_len, max_len)
 
         self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching)
+        self.kv_events = self._kv_event_publisher()
         self.scheduler = Scheduler(config, self.kv, max_len)
         self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,
                                   self.device, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -104,6 +107,27 @@ class LLMEngine:
         self.last_step_tokens = 0  # tokens computed by the last step (vLLM's iteration tokens)
         # Test-only fault injection: called with the step's request ids before the forward.
         self.fault_hook: Callable[[list[str]], None] | None = None
+
+    def _kv_event_publisher(self) -> ZmqEventPublisher | None:
+        """The publisher of KV-cache events, when --kv_events_config switches them on."""
+        cfg = self.config.kv_events_config
+        if not isinstance(cfg, KVEventsConfig) or not cfg.publishes:
+            return None
+        if not self.config.enable_prefix_caching:
+            logger.warning("KV-cache events are on but prefix caching is off: nothing is cached, "
+                           "so only AllBlocksCleared will ever be published")
+        self.kv.pool.record_events()
+        return ZmqEventPublisher(cfg, medium="GPU" if self.device.type == "cuda" else "CPU")
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.pool.take_events())
+
+    def close(self) -> None:
+        """Release what outlives a step (the event socket); the engine is not used after."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     def _eos_ids(self) -> tuple[int | None, list[int]]:
         ids: list[int] = []
@@ -207,13 +231,21 @@ class LLMEngine:
         self.scheduler.finish_requests(expanded, RequestStatus.FINISHED_ABORTED)
         for rid in expanded:
             self._live.pop(rid, None)
+        self._publish_kv_events()  # what the aborts evicted, before the next step's events
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """One scheduler step and one forward; outputs of requests that progressed or ended."""
+        """One scheduler step and one forward; outputs of requests that progressed or ended.
+        The step's KV-cache events go out as one batch once it is done."""
+        try:
+            return self._step()
+        finally:
+            self._publish_kv_events()
+
+    def _step(self) -> list[RequestOutput]:
         failed = self._start_compiled_grammars()
         out = self.scheduler.schedule()
         self.last_step_tokens = out.total_num_scheduled_tokens
@@ -372,9 +404,15 @@ class LLMEngine:
         self.add_request(rid, [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
         while self.has_unfinished_requests():
             self.step()
-        self.kv.reset_prefix_cache()
+        self.reset_prefix_cache()  # AllBlocksCleared: a router forgets what it knew of this pod
         self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
         self.prompt_tokens = self.generation_tokens = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (refused while requests hold blocks); announced at once."""
+        done = self.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()

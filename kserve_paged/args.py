@@ -21,6 +21,7 @@ from typing import Any
 from kserve.model_server import parser as kserve_parser
 
 from engine.config import SCHEDULING_POLICIES, EngineConfig
+from engine.kv_events import KVEventsConfig
 from engine.limits import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN
 from kserve_paged.openai.tools import TOOL_CALL_PARSERS
 
@@ -40,6 +41,7 @@ ENGINE_FLAGS = (
     "kv_cache_memory",
     "enable_prefix_caching",
     "scheduling_policy",
+    "kv_events_config",
 )
 
 _TRUE = frozenset({"1", "true", "yes", "y", "on", "t"})
@@ -87,6 +89,15 @@ def parse_memory(text: str) -> float | int:
     if number <= 0:
         raise argparse.ArgumentTypeError(f"--kv_cache_memory must be > 0, got {text!r}")
     return number if number <= 1 else int(number)
+
+
+def parse_kv_events_config(text: str) -> KVEventsConfig:
+    """``--kv_events_config``: vLLM's JSON, e.g. ``{"enable_kv_cache_events": true,
+    "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv@pod@model"}``."""
+    try:
+        return KVEventsConfig.from_json(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class _BoolFlag(argparse.Action):
@@ -144,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Reuse KV blocks of shared prompt prefixes.")
     engine.add_argument("--scheduling_policy", default=d["scheduling_policy"],
                         choices=SCHEDULING_POLICIES, help="Order of admission of waiting requests.")
+    engine.add_argument(
+        "--kv_events_config", type=parse_kv_events_config, default=d["kv_events_config"],
+        help="KV-cache events for cache-aware routers, as vLLM's JSON: "
+             '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+             '"endpoint": "tcp://*:5557", "topic": ""}\' (ZMQ PUB, msgpack; docs/operations.md).')
     server = parser.add_argument_group("server")
     server.add_argument(
         "--http_host", default=DEFAULT_HTTP_HOST,

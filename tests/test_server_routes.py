@@ -454,6 +454,28 @@ def test_openai_malformed_and_models():
     run(main())
 
 
+def test_vllm_paths_serve_completions_and_chat():
+    """An LLMInferenceService's route rewrites to vLLM's /v1/completions and
+    /v1/chat/completions (manifests/llmisvc): the same handlers answer there; /v1/models stays
+    KServe's v1-protocol model list."""
+    async def main() -> None:
+        app, model, _ = await ready()
+        async with client(app) as c:
+            body = {"model": NAME, "prompt": "a b", "max_tokens": 2, "temperature": 0}
+            ours = (await c.post("/openai/v1/completions", json=body)).json()
+            alias = (await c.post("/v1/completions", json=body)).json()
+            assert alias["choices"] == ours["choices"] and alias["usage"] == ours["usage"]
+            chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2}
+            r = await c.post("/v1/chat/completions", json=chat)
+            assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+            r = await c.post("/v1/completions", json={"model": "other", "prompt": "x"})
+            assert r.status_code == 404 and r.json()["error"]["message"]  # OpenAI's shape
+            assert (await c.get("/v1/models")).json() == {"models": [NAME]}
+        model.stop_engine()
+    run(main())
+
+
 # -- metrics ----------------------------------------------------------------------------------
 
 def test_metrics_route_is_ours_and_updates_per_step():

@@ -73,6 +73,7 @@ from kserve_paged.structured import structured_outputs_given
 logger = logging.getLogger("kserve.paged.openai")
 
 PREFIX = "/openai/v1"
+VLLM_PREFIX = "/v1"  # completions and chat only (see register_openai_routes)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /completions
 
 
@@ -439,12 +440,17 @@ def _in_openai_shape(handler: Callable[[Request], Any]) -> Callable[[Request], A
 
 
 def register_openai_routes(app: FastAPI, models: dict[str, PagedLLMModel],
-                           prefixes: tuple[str, ...] = (PREFIX,)) -> OpenAIRoutes:
-    """Add ``models``, ``completions`` and ``chat/completions`` under each prefix."""
+                           prefixes: tuple[str, ...] = (PREFIX,),
+                           aliases: tuple[str, ...] = (VLLM_PREFIX,)) -> OpenAIRoutes:
+    """Add ``models``, ``completions`` and ``chat/completions`` under each prefix, and the
+    last two under each alias (vLLM's paths, where an LLMInferenceService's route sends them;
+    ``/v1/models`` stays KServe's v1 protocol route)."""
     routes = OpenAIRoutes(models)
-    for prefix in prefixes:
-        router = APIRouter(prefix=prefix, tags=["OpenAI"])
-        router.add_api_route("/models", routes.list_models, methods=["GET"])
+    for prefix in (*prefixes, *aliases):
+        alias = prefix not in prefixes
+        router = APIRouter(prefix=prefix, tags=["OpenAI"], include_in_schema=not alias)
+        if not alias:
+            router.add_api_route("/models", routes.list_models, methods=["GET"])
         router.add_api_route("/completions", _in_openai_shape(routes.completions),
                              methods=["POST"], response_model=None,
                              openapi_extra=operation_schema(CompletionBody, CompletionOut,
