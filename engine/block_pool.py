@@ -109,6 +109,10 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
+        # Blocks saved by sharing: every reference beyond a block's first (prefix hits, forks).
+        self.num_shared_refs = 0
+        # The most blocks ever held at once (block accounting in tests and bench/).
+        self.peak_used = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -135,14 +139,19 @@ class BlockPool:
             self._uncache(block)
             block.ref_cnt = 1
             out.append(block)
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on prefix-hit blocks, pulling freed ones back out of the free queue."""
+        """Take a reference on prefix-hit or forked blocks, pulling freed ones back out of the
+        free queue."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+            else:
+                self.num_shared_refs += 1
             block.ref_cnt += 1
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference each; blocks reaching zero join the free queue in the given order:
@@ -151,7 +160,9 @@ class BlockPool:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {block}")
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            if block.ref_cnt:
+                self.num_shared_refs -= 1
+            else:
                 if block.block_hash is None:
                     self.free_queue.appendleft(block)
                 else:
