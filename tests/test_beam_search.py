@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import LLM, SamplingParams
 from engine.default_model import ensure_default_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_block_sharing import measure  # noqa: E402
 
 PROMPTS = [list(range(100, 137)), [5, 17, 300, 41, 9000, 12, 77, 801, 3]]
 NEW_TOKENS = 12
@@ -26,7 +30,7 @@ def tiny(tmp_path_factory) -> tuple[Path, torch.nn.Module, int]:
     d = tmp_path_factory.mktemp("tiny_beam")
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256, tie_word_embeddings=True,
+                      max_position_embeddings=1024, tie_word_embeddings=True,
                       eos_token_id=TOKENIZER_EOS, bos_token_id=1)
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg).eval()
@@ -123,3 +127,60 @@ def test_aborting_a_beam_search_midway_frees_every_block(llm):
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks)
     assert engine.kv.stats()["kv_blocks_shared"] == 0
+
+
+@pytest.mark.parametrize("prompt_len", [400, 390])
+def test_peak_blocks_shared_and_unshared_on_a_400_token_prompt(tiny, prompt_len):
+    """Beam width 4 and n = 8 samples, 128 new tokens, block size 16, prefix caching off (all
+    sharing is forking): the prompt is held once, each sequence adds only its own blocks."""
+    llm = LLM(model=str(tiny[0]), num_kv_blocks=300, max_model_len=600, dtype="float32",
+              enable_prefix_caching=False)
+    prompt = [100 + (i * 37) % 40000 for i in range(prompt_len)]
+    prompt_blocks = -(-prompt_len // 16)
+    own = -(-(prompt_len + 127) // 16) - prompt_len // 16  # a sequence's blocks past the shared
+    samples = measure(llm.engine, prompt, SamplingParams(n=8, max_tokens=128, seed=0,
+                                                         ignore_eos=True), "n8")
+    assert samples["peak_blocks_unshared"] == 8 * -(-(prompt_len + 127) // 16)
+    # The full prompt blocks once, and each sample's own: a partial last prompt block is held
+    # once until the samples write into it, then copied by seven of them.
+    assert samples["peak_blocks_shared"] == prompt_len // 16 + 8 * own
+    assert samples["cow_copies"] == (7 if prompt_len % 16 else 0)
+    beams = measure(llm.engine, prompt, SamplingParams(n=4, use_beam_search=True,
+                                                       max_tokens=128, ignore_eos=True), "b4")
+    assert beams["peak_blocks_unshared"] == 4 * -(-(prompt_len + 127) // 16)
+    # At most: the prompt once plus each beam's own history and one block copied this step.
+    assert prompt_blocks < beams["peak_blocks_shared"] <= prompt_blocks + 4 * (own + 1)
+    assert beams["cow_copies"] > 0 and beams["max_sequences"] == 4
+
+
+DEFAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    path = ensure_default_model(progress=lambda _: None)
+    llm = LLM(model=str(path), num_kv_blocks=256, max_model_len=512, dtype="float32")
+    return llm, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.slow  # about a minute per case on two CPU cores
+@pytest.mark.parametrize("k,length_penalty,early_stopping",
+                         [(2, 1.0, False), (4, 0.5, True), (8, 1.0, "never")])
+def test_default_model_beam_search_equals_transformers(default_model, k, length_penalty,
+                                                       early_stopping):
+    """The slower check, on SmolLM2 (float32): same hypotheses, order and scores."""
+    llm, ref = default_model
+    tok = llm.get_tokenizer()
+    outs = llm.beam_search(DEFAULT_PROMPTS, k, 10, length_penalty=length_penalty,
+                           early_stopping=early_stopping)
+    for prompt, out in zip(DEFAULT_PROMPTS, outs):
+        ids = tok.encode(prompt)
+        with torch.inference_mode():
+            hf = ref.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
+                              num_beams=k, num_return_sequences=k, eos_token_id=2,
+                              pad_token_id=2, length_penalty=length_penalty,
+                              early_stopping=early_stopping, output_scores=True,
+                              return_dict_in_generate=True)
+        want = [(s[len(ids):].tolist(), float(sc)) for s, sc in zip(hf.sequences,
+                                                                    hf.sequences_scores)]
+        assert_same(out.outputs, want, {2})
