@@ -43,11 +43,11 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 
 # Engine stats keys (LLM.stats()) -> gauge attribute / counter attribute.
 GAUGE_STATS = {"num_running": "num_requests_running", "num_waiting": "num_requests_waiting",
-               "kv_usage": "kv_cache_usage_perc"}
+               "kv_usage": "kv_cache_usage_perc", "kv_blocks_shared": "kv_blocks_shared"}
 COUNTER_STATS = {"prefix_cache_queries": "prefix_cache_queries",
                  "prefix_cache_hits": "prefix_cache_hits",
                  "num_preemptions": "num_preemptions", "prompt_tokens": "prompt_tokens",
-                 "generation_tokens": "generation_tokens"}
+                 "generation_tokens": "generation_tokens", "kv_cow_copies": "kv_cow_copies"}
 
 _SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",), "info": ("_info",),
              "histogram": ("_bucket", "_sum", "_count", "_created"),
@@ -80,6 +80,14 @@ class _Families:
             "vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.")
         self.num_preemptions = counter(
             "vllm:num_preemptions_total", "Cumulative number of preemptions from the engine.")
+        # Ours (no vLLM equivalent): what block sharing (forks, prefix hits) saves and costs.
+        self.kv_blocks_shared = gauge(
+            "kserve_paged:kv_blocks_shared",
+            "KV blocks saved by sharing: references to a block beyond its first (n > 1 samples, "
+            "beams, prefix-cache hits).")
+        self.kv_cow_copies = counter(
+            "kserve_paged:kv_cow_copies_total",
+            "KV blocks copied on write (a shared block about to be written).")
         self.prompt_tokens = counter(
             "vllm:prompt_tokens_total", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
