@@ -129,6 +129,51 @@ def test_aborting_a_beam_search_midway_frees_every_block(llm):
     assert engine.kv.stats()["kv_blocks_shared"] == 0
 
 
+def test_a_failing_step_fails_the_whole_search_and_frees_its_blocks(llm):
+    engine = llm.engine
+    engine.add_request("doomed", PROMPTS[0], SamplingParams(
+        n=3, use_beam_search=True, max_tokens=30, ignore_eos=True))
+    engine.add_request("fine", PROMPTS[1], SamplingParams(max_tokens=30, temperature=0))
+    for _ in range(4):
+        engine.step()
+    assert len([r for r in engine.scheduler.requests if r != "fine"]) == 3
+
+    def fail(ids):
+        if any(i != "fine" for i in ids):
+            raise RuntimeError("injected")
+
+    engine.fault_hook = fail
+    try:
+        outs = engine.step()
+    finally:
+        engine.fault_hook = None
+    errors = [o for o in outs if o.error]
+    # One error output under the user's id; the other request fails with it (same step).
+    assert [o.request_id for o in errors if o.request_id == "doomed"] == ["doomed"]
+    assert "injected" in errors[0].error
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_n_samples_fail_together_when_the_prompt_step_fails(llm):
+    engine = llm.engine
+
+    def fail(ids):
+        raise RuntimeError("injected")
+
+    engine.fault_hook = fail
+    engine.add_request("n4", PROMPTS[0], SamplingParams(n=4, max_tokens=5))
+    try:
+        outs = engine.step()  # the first sample's prompt step: the other three never forked
+    finally:
+        engine.fault_hook = None
+    assert [o.request_id for o in outs] == ["n4"]
+    assert outs[0].finished and "injected" in outs[0].error
+    assert [c.finish_reason for c in outs[0].outputs] == ["error"] * 4
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
 @pytest.mark.parametrize("prompt_len", [400, 390])
 def test_peak_blocks_shared_and_unshared_on_a_400_token_prompt(tiny, prompt_len):
     """Beam width 4 and n = 8 samples, 128 new tokens, block size 16, prefix caching off (all
