@@ -112,6 +112,10 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
         self.num_shared_blocks = 0  # blocks held by more than one request (ref_cnt > 1)
+        # Blocks saved by sharing: every reference beyond a block's first (prefix hits, forks).
+        self.num_shared_refs = 0
+        # The most blocks ever held at once (block accounting in tests and bench/).
+        self.peak_used = 0
         # KV-cache events since the last take_events() (engine.kv_events); None: not recorded.
         self.events: list[KVCacheEvent] | None = None
 
@@ -151,16 +155,21 @@ class BlockPool:
             self._uncache(block)
             block.ref_cnt = 1
             out.append(block)
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on prefix-hit blocks, pulling freed ones back out of the free queue."""
+        """Take a reference on prefix-hit or forked blocks, pulling freed ones back out of the
+        free queue."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
-            elif block.ref_cnt == 1:
-                self.num_shared_blocks += 1
+            else:
+                if block.ref_cnt == 1:
+                    self.num_shared_blocks += 1
+                self.num_shared_refs += 1
             block.ref_cnt += 1
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference each; blocks reaching zero join the free queue in the given order:
@@ -171,7 +180,9 @@ class BlockPool:
             if block.ref_cnt == 2:
                 self.num_shared_blocks -= 1
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            if block.ref_cnt:
+                self.num_shared_refs -= 1
+            else:
                 if block.block_hash is None:
                     self.free_queue.appendleft(block)
                 else:

@@ -1,4 +1,5 @@
-"""The scheduler's only door to KV memory: prefix lookup, all-or-nothing allocation, free."""
+"""The scheduler's only door to KV memory: prefix lookup, all-or-nothing allocation, forks
+with copy-on-write, free."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ class KVCacheManager:
         # Prefix-cache accounting, in tokens (what vLLM's metrics count).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Copy-on-write copies (source block id, destination block id) decided by allocations
+        # since the last `take_block_copies`; the model runner does them before the forward.
+        self._pending_copies: list[tuple[int, int]] = []
+        self.num_cow_copies = 0
 
     # ---------------------------------------------------------------- hashing
     def _extend_block_hashes(self, request: Request) -> None:
@@ -84,6 +89,8 @@ class KVCacheManager:
             self.req_block_ids[request.request_id] = []
             self._num_registered[request.request_id] = 0
         ids = self.req_block_ids[request.request_id]
+        for i in self._shared_written(request, held, total):
+            self._copy_on_write(held, ids, i)
         if hit.blocks:
             self.pool.touch(hit.blocks)
             held.extend(hit.blocks)
@@ -103,11 +110,75 @@ class KVCacheManager:
         held = self.req_blocks.get(request.request_id)
         total = request.num_computed_tokens + hit.num_tokens + num_new_tokens
         new = -(-total // self.block_size) - (len(held) if held else 0) - len(hit.blocks)
-        return max(new, 0) + sum(1 for b in hit.blocks if b.ref_cnt == 0)
+        cow = len(self._shared_written(request, held, total)) if held else 0
+        return max(new, 0) + sum(1 for b in hit.blocks if b.ref_cnt == 0) + cow
+
+    def blocks_needed_together(self, asks: list[tuple[Request, int]]) -> int:
+        """Free blocks that allocating for all these running requests, one after another,
+        consumes: a shared block that every holder writes into is copied by all but the last,
+        which then owns it."""
+        total_new = 0
+        writers: dict[int, int] = {}
+        shared: dict[int, KVBlock] = {}
+        for request, num_new in asks:
+            held = self.req_blocks.get(request.request_id)
+            total = request.num_computed_tokens + num_new
+            total_new += max(-(-total // self.block_size) - (len(held) if held else 0), 0)
+            for i in self._shared_written(request, held, total):
+                b = held[i]
+                writers[b.block_id] = writers.get(b.block_id, 0) + 1
+                shared[b.block_id] = b
+        cow = sum(n - (n == shared[i].ref_cnt) for i, n in writers.items())
+        return total_new + cow
+
+    def _shared_written(self, request: Request, held: list[KVBlock] | None,
+                        total: int) -> list[int]:
+        """Indices of held blocks that the coming tokens write into while others hold them too
+        (after a fork only the partial last block can be one: full blocks are never written)."""
+        if not held:
+            return []
+        first = request.num_computed_tokens // self.block_size
+        last = min(-(-total // self.block_size), len(held))
+        return [i for i in range(first, last) if held[i].ref_cnt > 1]
+
+    def _copy_on_write(self, held: list[KVBlock], ids: list[int], i: int) -> None:
+        """Give the request its own copy of shared block i before it writes there."""
+        old = held[i]
+        (new,) = self.pool.allocate(1)
+        self._pending_copies.append((old.block_id, new.block_id))
+        self.pool.free([old])
+        held[i], ids[i] = new, new.block_id
+        self.num_cow_copies += 1
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies to do before the next forward, handed over once."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` the parent's block table, every block shared (counts raised): full
+        blocks stay shared for good, a partial last block until one of them writes into it."""
+        blocks = self.req_blocks.get(parent.request_id, [])
+        if child.request_id in self.req_blocks:
+            raise RuntimeError(f"{child.request_id!r} already holds blocks")
+        self.pool.touch(blocks)
+        self.req_blocks[child.request_id] = list(blocks)
+        self.req_block_ids[child.request_id] = [b.block_id for b in blocks]
+        self._num_registered[child.request_id] = self._num_registered.get(parent.request_id, 0)
 
     def num_exclusive_blocks(self, request_id: str) -> int:
         """Blocks only this request holds: what freeing it returns to the free queue."""
         return sum(1 for b in self.req_blocks.get(request_id, ()) if b.ref_cnt == 1)
+
+    def num_reclaimable(self, request_ids: list[str]) -> int:
+        """Blocks that freeing all these requests together returns (held by no one else)."""
+        holders: dict[int, int] = {}
+        blocks: dict[int, KVBlock] = {}
+        for rid in request_ids:
+            for b in self.req_blocks.get(rid, ()):
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+                blocks[b.block_id] = b
+        return sum(1 for i, n in holders.items() if blocks[i].ref_cnt == n)
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Index the blocks that the coming step fills, so requests admitted later in the same
@@ -188,9 +259,10 @@ class KVCacheManager:
             "kv_blocks_free": self.pool.num_free_blocks,
             "kv_blocks_in_use": used,
             "kv_blocks_cached": self.pool.num_cached_blocks,
-            "kv_blocks_shared": self.pool.num_shared_blocks,
             "kv_usage": used / self.pool.num_blocks,
             "kv_slots_allocated": used * self.block_size,
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
+            "kv_blocks_shared": self.pool.num_shared_refs,
+            "kv_cow_copies": self.num_cow_copies,
         }

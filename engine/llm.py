@@ -53,6 +53,21 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], beam_width: int,
+                    max_tokens: int = 16, *, length_penalty: float = 1.0,
+                    early_stopping: bool | str = False, ignore_eos: bool = False,
+                    num_return: int | None = None, use_tqdm: bool = False
+                    ) -> list[RequestOutput]:
+        """Beam search in the engine (beams fork and prune shared blocks), as transformers'
+        `generate(num_beams=beam_width, do_sample=False)` defines it; each output lists the
+        `num_return` (default all) best hypotheses, best first, with `score` and
+        `cumulative_logprob` set."""
+        params = SamplingParams(n=num_return or beam_width, best_of=beam_width,
+                                use_beam_search=True, max_tokens=max_tokens,
+                                length_penalty=length_penalty, early_stopping=early_stopping,
+                                ignore_eos=ignore_eos, temperature=0.0)
+        return self.generate(prompts, params, use_tqdm)
+
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine.beam_search import BeamGroup, BeamSearches
 from engine.config import EngineConfig
 from engine.cpu_memory import tune_glibc_malloc
 from engine.detokenizer import IncrementalDetokenizer
@@ -101,6 +102,7 @@ class LLMEngine:
         self._compiling: list[Request] = []  # queued, their grammar not compiled yet
         self._live: dict[str, _Tracked] = {}
         self._groups = SampleGroups()
+        self._beams = BeamSearches()
         self._counter = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -187,27 +189,33 @@ class LLMEngine:
         check_prompt_ids(token_ids, self.model.vocab_size)
         if self._extra_eos and not params.ignore_eos:
             params = _with_stop_ids(params, self._extra_eos)
-        if request_id in self._groups:
+        if request_id in self._groups or request_id in self._beams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.use_beam_search:  # one request; beams fork from it (beam_search.py)
+            root = self._add_one(request_id, token_ids, text, params, priority, cache_salt,
+                                 arrival_time)
+            self._beams.start(root, self.max_model_len)
+            return
         if params.n == 1:
             self._add_one(request_id, token_ids, text, params, priority, cache_salt,
                           arrival_time)
             return
-        # n parallel samples: n child requests sharing the prompt's blocks (sample_groups.py).
+        # n parallel samples: the first child computes the prompt, the others fork from it
+        # when it samples its first token (sample_groups.py), sharing every prompt block.
         children = SampleGroups.children(request_id, params)
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        try:
+        if params.max_tokens == 0:  # nothing is sampled, so nothing to fork from: n scorings
             for child, child_params in children:
                 self._add_one(child, token_ids, text, child_params, priority, cache_salt,
-                              arrival)
-        except Exception:
-            self.abort_request([child for child, _ in children])
-            raise
-        self._groups.register(request_id, [child for child, _ in children])
+                              arrival_time)
+            self._groups.register(request_id, [child for child, _ in children], pending=[])
+            return
+        (first, first_params), rest = children[0], children[1:]
+        self._add_one(first, token_ids, text, first_params, priority, cache_salt, arrival_time)
+        self._groups.register(request_id, [child for child, _ in children], pending=rest)
 
     def _add_one(self, request_id: str, token_ids: list[int], text: str | None,
                  params: SamplingParams, priority: int, cache_salt: str | None,
-                 arrival_time: float | None) -> None:
+                 arrival_time: float | None) -> Request:
         request = Request(request_id, token_ids, params, eos_token_id=self.eos_token_id,
                           priority=priority, cache_salt=cache_salt)
         if arrival_time is not None:
@@ -219,6 +227,7 @@ class LLMEngine:
         self._live[request_id] = _Tracked(
             request, text, IncrementalDetokenizer(self.tokenizer, token_ids, params),
             make_generator(params.seed), metrics=RequestMetrics(request.arrival_time))
+        return request
 
     def next_request_id(self) -> str:
         self._counter += 1
@@ -227,9 +236,9 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        expanded = self._groups.expand(request_ids)
+        expanded = self._beams.expand(self._groups.expand(request_ids))
         self.scheduler.finish_requests(expanded, RequestStatus.FINISHED_ABORTED)
-        for rid in expanded:
+        for rid in expanded + request_ids:
             self._live.pop(rid, None)
         self._publish_kv_events()  # what the aborts evicted, before the next step's events
 
@@ -256,10 +265,12 @@ class LLMEngine:
             return self._groups.merge(failed)
         now = time.monotonic()
         for req in out.scheduled:
-            tracked = self._live[req.request_id]
+            tracked = self._live.get(req.request_id) or self._live[req.group_id]
             if tracked.metrics.first_scheduled_time is None:
                 tracked.metrics.first_scheduled_time = now
                 self.prompt_tokens += req.num_prompt_tokens
+        children: list[Request] = []
+        beam_groups: dict[str, BeamGroup] = {}
         try:
             if self.fault_hook is not None:
                 self.fault_hook([r.request_id for r in out.scheduled])
@@ -269,17 +280,35 @@ class LLMEngine:
                 record_prompt(result.prompt_logits, result.prompt_spans,
                               lambda r: self._live[r.request_id].prompt_logprobs,
                               self.tokenizer.decode)
-            if sampling:
-                tracks = [self._live[r.request_id] for r in sampling]
-                params = [r.sampling_params for r in sampling]
+            # Rows that sample: every non-beam request, plus a row of its parent's logits for
+            # each n > 1 sample forked now that the prompt is computed. Beams only report.
+            rows: list[int] = []
+            to_sample: list[Request] = []
+            for i, r in enumerate(sampling):
+                if self._beams.is_beam(r.request_id):
+                    group = self._beams.report(r, logits[i])
+                    beam_groups[group.group_id] = group
+                    continue
+                rows.append(i)
+                to_sample.append(r)
+                for child in self._fork_samples(r, out.num_scheduled_tokens[r.request_id]):
+                    children.append(child)
+                    rows.append(i)
+                    to_sample.append(child)
+            if to_sample:
+                if rows != list(range(len(sampling))):
+                    logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+                tracks = [self._live[r.request_id] for r in to_sample]
+                params = [r.sampling_params for r in to_sample]
                 processed = apply_penalties(logits, params,
-                                            [r.prompt_token_ids for r in sampling],
-                                            [r.output_token_ids for r in sampling])
-                processed = self._bitmask.apply(processed, [r.grammar for r in sampling])
+                                            [r.prompt_token_ids for r in to_sample],
+                                            [r.output_token_ids for r in to_sample])
+                processed = self._bitmask.apply(processed, [r.grammar for r in to_sample])
                 token_tensor = self.sampler.sample(
                     processed, params, [t.generator for t in tracks],
-                    [r.num_output_tokens for r in sampling], [r.eos_token_id for r in sampling])
-                for i, entry, chosen in sampled_entries(logits, token_tensor, sampling,
+                    [r.num_output_tokens for r in to_sample],
+                    [r.eos_token_id for r in to_sample])
+                for i, entry, chosen in sampled_entries(logits, token_tensor, to_sample,
                                                         self.tokenizer.decode):
                     tracks[i].logprobs.append(entry)
                     tracks[i].cumulative_logprob += chosen
@@ -289,17 +318,21 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - contain the fault to this step's requests
             logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
             return self._groups.merge(
-                failed + self._fail(out.scheduled, f"{type(exc).__name__}: {exc}"))
-        sampled = {r.request_id: t for r, t in zip(sampling, tokens)}
-        rejected = self._accept_grammar_tokens(sampling, sampled)
+                failed + self._fail(out.scheduled + children, f"{type(exc).__name__}: {exc}"))
+        sampled = {r.request_id: t for r, t in zip(to_sample, tokens)}
+        rejected = self._accept_grammar_tokens(to_sample, sampled)
         self.generation_tokens += len(sampled)
         ended = self.scheduler.update_from_output(out, sampled, self._observe_token)
+        for child in children:  # forked after the step: not in its schedule
+            if child.request_id in sampled:
+                self.scheduler.accept_token(child, sampled[child.request_id],
+                                            self._observe_token)
         now = time.monotonic()
         outputs = failed
         if rejected:
             outputs += self._fail(rejected, "the sampled token broke the request's "
                                   "structured-output grammar")
-        for req in sampling:
+        for req in to_sample:
             if req.request_id not in sampled:
                 continue
             tracked = self._live[req.request_id]
@@ -311,6 +344,11 @@ class LLMEngine:
         # Requests that ended without sampling: max_tokens=0 once the prompt is scored.
         outputs.extend(self._make_output(self._live[r.request_id], now) for r in ended
                        if r.request_id not in sampled and r.request_id in self._live)
+        for group in beam_groups.values():
+            if self._beams.ready(group, self.scheduler.requests):
+                self.generation_tokens += len(group.beams)
+                if self._beams.advance(group, self.scheduler):
+                    outputs.append(self._beam_output(group, now))
         return self._groups.merge(outputs)
 
     def _start_compiled_grammars(self) -> list[RequestOutput]:
@@ -348,6 +386,46 @@ class LLMEngine:
                 rejected.append(req)
                 del sampled[req.request_id]
         return rejected
+    def _fork_samples(self, parent: Request, num_scheduled: int) -> list[Request]:
+        """Fork the other samples of an n > 1 request from its first, whose prompt this step
+        computed: they share all of its blocks, the partial last one until written."""
+        pending = self._groups.take_pending(parent.request_id)
+        if not pending:
+            return []
+        src = self._live[parent.request_id]
+        computed = parent.num_computed_tokens + num_scheduled
+        children = []
+        for child_id, params in pending:
+            child = self.scheduler.fork(parent, child_id, params, num_computed=computed)
+            if parent.grammar is not None:  # forked before any output: a fresh matcher
+                child.grammar = RequestGrammar(parent.grammar.future)
+                child.grammar.start()
+            self._live[child_id] = _Tracked(
+                child, src.prompt,
+                IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids, params),
+                make_generator(params.seed), metrics=dataclasses.replace(src.metrics),
+                prompt_logprobs=dict(src.prompt_logprobs))
+            children.append(child)
+        return children
+
+    def _beam_output(self, group: BeamGroup, now: float) -> RequestOutput:
+        """The final output of a beam search: the n best hypotheses, best first."""
+        tracked = self._live.pop(group.group_id)
+        tracked.metrics.first_token_time = tracked.metrics.first_token_time or now
+        tracked.metrics.last_token_time = tracked.metrics.finished_time = now
+        params = group.params
+        completions = []
+        for i, h in enumerate(group.finished[:params.n]):
+            text = self.tokenizer.decode(h.token_ids,
+                                         skip_special_tokens=params.skip_special_tokens)
+            completions.append(CompletionOutput(
+                index=i, text=text, token_ids=h.token_ids, finish_reason=h.finish_reason,
+                delta_text=text, delta_token_ids=list(h.token_ids),
+                cumulative_logprob=h.cum_logprob, score=h.score))
+        req = tracked.request
+        return RequestOutput(group.group_id, tracked.prompt, req.prompt_token_ids, completions,
+                             True, max(req.num_cached_tokens, 0),
+                             dataclasses.replace(tracked.metrics))
 
     def _observe_token(self, req: Request, ended_by_token: bool) -> str | None:
         """The scheduler's stop-string check: feed the new token to the request's detokenizer
@@ -385,16 +463,26 @@ class LLMEngine:
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
         ids = [r.request_id for r in requests if not r.is_finished]
+        # A failing beam fails its whole search: one error output under the group's id.
+        groups = {g for g in map(self._beams.group_of, ids) if g is not None}
+        ids = [rid for rid in ids if not self._beams.is_beam(rid)]
+        self.scheduler.finish_requests(self._beams.expand(list(groups)),
+                                       RequestStatus.FINISHED_ERROR)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         now = time.monotonic()
         outputs = []
-        for rid in ids:
+        for rid in ids + sorted(groups):
             tracked = self._live.get(rid)
             if tracked is None:
                 continue
             out = self._make_output(tracked, now)
             out.error = message
             outputs.append(out)
+            # Samples not forked yet end with it (their group waits for every sample).
+            for child_id, _ in self._groups.take_pending(rid):
+                outputs.append(RequestOutput(
+                    child_id, out.prompt, out.prompt_token_ids,
+                    [CompletionOutput(0, "", [], finish_reason="error")], True, error=message))
         return outputs
 
     # ------------------------------------------------------------ state

@@ -201,6 +201,10 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run the step: logits for each sampling request (and prompt positions if asked)."""
         inputs = self.prepare(out)
+        if out.block_copies:  # copy-on-write: shared blocks this step writes into
+            src, dst = zip(*out.block_copies)
+            kernels.copy_blocks(self.kv_caches, torch.tensor(src, device=self.device),
+                                torch.tensor(dst, device=self.device))
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         prompt_logits = None
         if inputs.prompt_rows:

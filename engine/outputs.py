@@ -29,6 +29,8 @@ class CompletionOutput:
     # Only when SamplingParams.logprobs is set (cumulative, like token_ids).
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    # Beam search only: cumulative_logprob / length ** length_penalty (the beam's rank).
+    score: float | None = None
 
     @property
     def finished(self) -> bool:

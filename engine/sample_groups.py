@@ -1,8 +1,8 @@
 """Parallel samples (`n > 1`): one child request per sample, folded back into one output.
 
-The engine adds the children under ids derived from the parent's; admitted together, the
-later children hit the full prompt blocks the first one registers in the same step, so the
-prompt's blocks are held once (plus each child's partial last block).
+The engine adds the first child only; when its prompt is computed and it samples, the others
+fork from it (Scheduler.fork) with every block shared, the partial last one included until a
+sample writes into it (copy-on-write), so the prompt is computed and held once.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ class SampleGroups:
     def __init__(self) -> None:
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[str, int]] = {}
+        # First child id -> the (child id, params) still to fork from it.
+        self._pending: dict[str, list[tuple[str, SamplingParams]]] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._parents
@@ -53,11 +55,18 @@ class SampleGroups:
             out.append((f"{request_id}{CHILD_SEP}{i}", child))
         return out
 
-    def register(self, request_id: str, children: list[str]) -> None:
-        """Record a parent whose children were all admitted."""
+    def register(self, request_id: str, children: list[str],
+                 pending: list[tuple[str, SamplingParams]] | None = None) -> None:
+        """Record a parent and its children; `pending` are to fork from the first one."""
         for i, child in enumerate(children):
             self._child_of[child] = (request_id, i)
         self._parents[request_id] = _Parent(list(children))
+        if pending:
+            self._pending[children[0]] = list(pending)
+
+    def take_pending(self, request_id: str) -> list[tuple[str, SamplingParams]]:
+        """The children still to fork from this one (handed over once)."""
+        return self._pending.pop(request_id, [])
 
     def expand(self, request_ids: list[str]) -> list[str]:
         """The ids to abort for these: a parent stands for its children (and is forgotten)."""
@@ -70,6 +79,7 @@ class SampleGroups:
             expanded.extend(parent.children)
             for child in parent.children:
                 self._child_of.pop(child, None)
+                self._pending.pop(child, None)
         return expanded
 
     def merge(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -35,6 +35,12 @@ class SamplingParams:
     # Holds the output to a JSON schema, regex, choice or grammar (engine/structured_output.py);
     # a dict is taken as StructuredOutputs' fields.
     structured_outputs: StructuredOutputs | None = None
+    # Beam search (engine/beam_search.py): `best_of` beams (default n), the n best returned;
+    # length_penalty and early_stopping (True, False or "never") as transformers defines them.
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -136,6 +142,36 @@ class SamplingParams:
                 raise bad("ignore_eos cannot be combined with structured outputs")
             if self.min_tokens:
                 raise bad("min_tokens cannot be combined with structured outputs")
+        self._validate_beam_search(bad)
+
+    def _validate_beam_search(self, bad) -> None:
+        b = self.best_of
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool)
+                              or not L.MIN_N <= b <= L.MAX_N):
+            raise bad(f"best_of must be an integer from {L.MIN_N} to {L.MAX_N} (got {b!r})")
+        if not self.use_beam_search:
+            if b is not None and b != self.n:
+                raise bad(f"best_of ({b}) other than n ({self.n}) needs use_beam_search "
+                          "(every sample is returned)")
+            return
+        if self.beam_width < self.n:
+            raise bad(f"best_of (the beam width, {self.beam_width}) must be >= n ({self.n})")
+        lp = self.length_penalty
+        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp):
+            raise bad(f"length_penalty must be a finite number (got {lp!r})")
+        if self.early_stopping not in (True, False, "never"):
+            raise bad(f"early_stopping must be true, false or \"never\" "
+                      f"(got {self.early_stopping!r})")
+        unsupported = [name for name, off in (
+            ("stop", []), ("logprobs", None), ("prompt_logprobs", None), ("min_tokens", 0),
+            ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+            ("logit_bias", None), ("structured_outputs", None)) if getattr(self, name) != off]
+        if unsupported:
+            raise bad(f"{', '.join(unsupported)} cannot be combined with use_beam_search")
+
+    @property
+    def beam_width(self) -> int:
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def greedy(self) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, PrefixHit
 from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -28,6 +29,8 @@ class SchedulerOutput:
     scheduled: list[Request]
     total_num_scheduled_tokens: int
     preempted: list[str] = field(default_factory=list)
+    # Copy-on-write block copies (source id, destination id) to do before the forward.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -126,49 +129,73 @@ class Scheduler:
             return worst if self._policy_key(worst) > self._policy_key(candidate) else None
 
         def preempt(victim: Request) -> None:
-            self.running.remove(victim)
-            self.kv.free(victim)  # before resetting computed tokens, see KVCacheManager.free
-            victim.num_computed_tokens = 0
-            victim.status = RequestStatus.PREEMPTED
-            victim.num_preemptions += 1
-            self.num_preemptions += 1
-            self.waiting.push(victim, front=True)
-            preempted.append(victim.request_id)
+            """Preempt the victim with every member of its group not scheduled in this step:
+            shared blocks return to the pool only when all their holders let go."""
+            group = [victim]
+            if victim.group_id is not None:
+                group += [r for r in self.running if r is not victim
+                          and r.group_id == victim.group_id and r.request_id not in scheduled]
+            for member in group:
+                self.running.remove(member)
+                self.kv.free(member)  # before resetting computed tokens, see KVCacheManager.free
+                member.num_computed_tokens = 0
+                member.status = RequestStatus.PREEMPTED
+                member.num_preemptions += 1
+                self.num_preemptions += 1
+                self.waiting.push(member, front=True)
+                preempted.append(member.request_id)
 
         # Running requests first, best first (a preempted request re-admitted later still
-        # keeps its arrival-time rank), each asking for what it has not computed yet.
+        # keeps its arrival-time rank), each asking for what it has not computed yet. A group
+        # (forks sharing blocks) is one unit: its room is found for all members at once, so a
+        # preemption for its sake never splits it.
+        done_groups: set[str] = set()
         for request in sorted(self.running, key=self._policy_key):
-            if budget == 0:
-                break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if budget == 0 or len(scheduled) >= self.config.max_num_seqs:
+                break  # forks can make more running requests than one step may hold
+            if request.status is not RequestStatus.RUNNING or request.group_id in done_groups:
+                continue  # preempted earlier in this loop, or its group is done
             if self.policy == "priority" and len(self.waiting):
                 # A better waiting request goes before this (worse) running one.
                 budget = self._admit_waiting(budget, scheduled, order, now, victim_for, preempt,
                                              better_than=self._policy_key(request))
                 if request.status is not RequestStatus.RUNNING or budget == 0:
                     continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            unit = [request]
+            if request.group_id is not None:
+                done_groups.add(request.group_id)
+                unit = [r for r in self.running if r.group_id == request.group_id]
+            asks: list[tuple[Request, int]] = []
+            room, seats = budget, self.config.max_num_seqs - len(scheduled)
+            for member in unit:
+                num_new = min(member.num_tokens - member.num_computed_tokens, room)
+                if num_new > 0 and seats > 0:
+                    asks.append((member, num_new))
+                    room -= num_new
+                    seats -= 1
+            if not asks:
                 continue
-            while not self.kv.allocate_slots(request, num_new):
+            while self.kv.blocks_needed_together(asks) > self.kv.num_free_blocks:
                 victim = victim_for(request)
                 assert victim is not None
                 preempt(victim)
-                if victim is request:
-                    break
+                if request.status is not RequestStatus.RUNNING:
+                    break  # it was the victim, or in the victim's group
             if request.status is not RequestStatus.RUNNING:
                 continue
-            scheduled[request.request_id] = num_new
-            order.append(request)
-            budget -= num_new
+            for member, num_new in asks:
+                allocated = self.kv.allocate_slots(member, num_new)
+                assert allocated, "blocks_needed_together undercounted"
+                scheduled[member.request_id] = num_new
+                order.append(member)
+                budget -= num_new
 
         # Then waiting requests by policy, while budget, sequence slots and blocks last.
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, order, now, victim_for, preempt)
 
         total = sum(scheduled.values())
-        return SchedulerOutput(scheduled, order, total, preempted)
+        return SchedulerOutput(scheduled, order, total, preempted, self.kv.take_block_copies())
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, int], order: list[Request],
                        now: float, victim_for: Callable[[Request], Request | None],
@@ -222,8 +249,9 @@ class Scheduler:
         still not fit, leaving them preempted for nothing.
         """
         key = self._policy_key(request)
-        reclaimable = sum(self.kv.num_exclusive_blocks(r.request_id) for r in self.running
-                          if r.request_id not in scheduled and self._policy_key(r) > key)
+        reclaimable = self.kv.num_reclaimable([r.request_id for r in self.running
+                                               if r.request_id not in scheduled
+                                               and self._policy_key(r) > key])
         return self.kv.blocks_needed(request, num_new, hit) <= (
             self.kv.num_free_blocks + reclaimable)
 
@@ -249,13 +277,45 @@ class Scheduler:
                     self.finish(request, RequestStatus.FINISHED_LENGTH)  # max_tokens=0: scored
                     finished.append(request)
                 continue
-            request.output_token_ids.append(token)
-            status, reason = self._check_stop(request, token, stop_strings)
-            if status is not None:
-                request.stop_reason = reason
-                self.finish(request, status)
+            if self.accept_token(request, token, stop_strings):
                 finished.append(request)
         return finished
+
+    def accept_token(self, request: Request, token: int,
+                     stop_strings: Callable[[Request, bool], str | None] | None = None) -> bool:
+        """Append a sampled token and finish the request if it must end; True if it ended."""
+        request.output_token_ids.append(token)
+        status, reason = self._check_stop(request, token, stop_strings)
+        if status is None:
+            return False
+        request.stop_reason = reason
+        self.finish(request, status)
+        return True
+
+    def fork(self, parent: Request, child_id: str, params: SamplingParams | None = None,
+             num_computed: int | None = None) -> Request:
+        """A running copy of `parent` sharing its blocks (KVCacheManager.fork), with the
+        parent's tokens so far; `num_computed` when the parent's step is not yet counted."""
+        if child_id in self.requests:
+            raise ValueError(f"request id {child_id!r} is already in use")
+        if parent.status is not RequestStatus.RUNNING:
+            raise RuntimeError(f"cannot fork {parent.request_id!r}: it is {parent.status.value}")
+        child = Request(child_id, parent.prompt_token_ids, params or parent.sampling_params,
+                        eos_token_id=parent.eos_token_id, priority=parent.priority,
+                        cache_salt=parent.cache_salt, arrival_time=parent.arrival_time,
+                        output_token_ids=list(parent.output_token_ids),
+                        num_computed_tokens=(parent.num_computed_tokens if num_computed is None
+                                             else num_computed),
+                        num_cached_tokens=parent.num_cached_tokens,
+                        group_id=parent.group_id or parent.request_id,
+                        block_hashes=list(parent.block_hashes),
+                        first_scheduled_time=parent.first_scheduled_time)
+        parent.group_id = child.group_id
+        self.kv.fork(parent, child)
+        child.status = RequestStatus.RUNNING
+        self.requests[child_id] = child
+        self.running.append(child)
+        return child
 
     def _check_stop(self, request: Request, token: int,
                     stop_strings: Callable[[Request, bool], str | None] | None

@@ -24,6 +24,7 @@ import torch
 
 import kernels
 from kernels import settings
+from kernels.block_copy import copy_blocks  # noqa: F401 - re-exported by the package
 from kernels.cpu_backend import paged_attention_cpu, store_kv_cpu
 from kernels.metadata import AttentionMetadata
 

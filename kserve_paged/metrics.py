@@ -62,7 +62,7 @@ GAUGE_STATS = {"num_running": "num_requests_running", "num_waiting": "num_reques
 COUNTER_STATS = {"prefix_cache_queries": "prefix_cache_queries",
                  "prefix_cache_hits": "prefix_cache_hits",
                  "num_preemptions": "num_preemptions", "prompt_tokens": "prompt_tokens",
-                 "generation_tokens": "generation_tokens"}
+                 "generation_tokens": "generation_tokens", "kv_cow_copies": "kv_cow_copies"}
 
 _SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",), "info": ("_info",),
              "histogram": ("_bucket", "_sum", "_count", "_created"),
@@ -95,6 +95,14 @@ class _Families:
             "vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.")
         self.num_preemptions = counter(
             "vllm:num_preemptions_total", "Cumulative number of preemptions from the engine.")
+        # Ours (no vLLM equivalent): what block sharing (forks, prefix hits) saves and costs.
+        self.kv_blocks_shared = gauge(
+            "kserve_paged:kv_blocks_shared",
+            "KV blocks saved by sharing: references to a block beyond its first (n > 1 samples, "
+            "beams, prefix-cache hits).")
+        self.kv_cow_copies = counter(
+            "kserve_paged:kv_cow_copies_total",
+            "KV blocks copied on write (a shared block about to be written).")
         self.prompt_tokens = counter(
             "vllm:prompt_tokens_total", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
@@ -134,16 +142,13 @@ class _Families:
         self.lora_requests_info = gauge(
             "vllm:lora_requests_info",
             "Running stats on lora requests (value: time of the last update).", LORA_LABELS)
-        # This project's own: how much of the reserved KV memory holds tokens, how much is shared.
+        # This project's own: how much of the reserved KV memory holds tokens (shared: above).
         self.kv_slots_reserved = gauge(
             "kserve_paged:kv_slots_reserved",
             "KV-cache token slots in blocks held by requests (block_size per block).")
         self.kv_slots_holding_tokens = gauge(
             "kserve_paged:kv_slots_holding_tokens",
             "Reserved KV-cache token slots that hold a token; the rest is partial-block waste.")
-        self.kv_blocks_shared = gauge(
-            "kserve_paged:kv_blocks_shared",
-            "KV-cache blocks held by more than one request (shared prefixes).")
         self.cache_config_info = gauge(
             "vllm:cache_config_info", "Information of the KV-cache config (value 1).",
             (*LABELS, "block_size", "num_gpu_blocks"))

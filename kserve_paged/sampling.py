@@ -20,11 +20,13 @@ from kserve_paged.structured import StructuredOptionError, structured_outputs_op
 SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                     "ignore_eos", "min_tokens", "stop_token_ids", "n", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
-                    "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens")
-_INTS = ("max_tokens", "top_k", "seed", "min_tokens", "n", "logprobs", "prompt_logprobs")
+                    "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens",
+                    "use_beam_search", "best_of", "length_penalty", "early_stopping")
+_INTS = ("max_tokens", "top_k", "seed", "min_tokens", "n", "logprobs", "prompt_logprobs",
+         "best_of")
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-           "repetition_penalty")
-_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+           "repetition_penalty", "length_penalty")
+_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "use_beam_search")
 
 
 class OptionError(ValueError):
@@ -71,6 +73,30 @@ def _as_bool(name: str, value: Any) -> bool:
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
     raise OptionError(f"{name} must be a boolean (got {value!r})", name)
+
+
+def _as_early_stopping(value: Any) -> bool | str:
+    """transformers' early_stopping: true, false or "never"."""
+    if isinstance(value, str) and value.strip().lower() == "never":
+        return "never"
+    try:
+        return _as_bool("early_stopping", value)
+    except OptionError:
+        raise OptionError(f'early_stopping must be true, false or "never" (got {value!r})',
+                          "early_stopping") from None
+
+
+def beam_width_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """v2's ``beam_width`` k as the engine's options: beam search over k beams returning
+    ``n`` of them (default 1, transformers' num_return_sequences); 1 (or absent) is off."""
+    out = dict(options)
+    width = out.pop("beam_width", None)
+    if width is None or (isinstance(width, str) and not width.strip()):
+        return out
+    k = _as_int("beam_width", width)
+    if k != 1:
+        out["use_beam_search"], out["best_of"] = True, k
+    return out
 
 
 def _as_stop(value: Any) -> list[str]:
@@ -136,13 +162,14 @@ def _as_logit_bias(value: Any, vocab_size: int | None) -> dict[int, float]:
 # ignored with a warning (vLLM's behaviour). Both front ends check these: v2 parameters, and the
 # OpenAI bodies' extra fields (vLLM's extras: beam search, guided decoding, ...).
 UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
-    "beam_width": (1,), "num_beams": (1,), "use_beam_search": (False,), "length_penalty": (1,),
+    "beam_width": (1,), "num_beams": (1,),
     "allowed_token_ids": (), "bad_words": (), "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,), "logits_processors": (),
 }
 # Known to v2 only as refusals: OpenAI bodies declare and check these themselves.
 V2_UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
-    **UNSUPPORTED_OPTIONS, "echo": (False,), "suffix": (), "tools": (), "top_logprobs": (0,),
+    **{k: v for k, v in UNSUPPORTED_OPTIONS.items() if k != "beam_width"}, "echo": (False,),
+    "suffix": (), "tools": (), "top_logprobs": (0,),
 }
 
 
@@ -156,14 +183,23 @@ def _harmless(value: Any, harmless: tuple[Any, ...]) -> bool:
     return value in harmless
 
 
+def _truthy(value: Any) -> bool:
+    try:
+        return value is not None and _as_bool("use_beam_search", value)
+    except OptionError:
+        return False
+
+
 def unsupported_options(options: Mapping[str, Any],
                         table: Mapping[str, tuple[Any, ...]] = UNSUPPORTED_OPTIONS,
                         check_best_of: bool = True) -> list[str]:
     """Names of known options in ``options`` set to something the engine cannot do; also
-    ``best_of`` unless it equals ``n`` (we return every sample, so best_of > n would mean
-    choosing among samples by likelihood, which we do not)."""
+    ``best_of`` unless it equals ``n`` or beam search is on (we return every sample, so
+    best_of > n without beam search would mean choosing among samples by likelihood, which we
+    do not; with beam search it is the beam width)."""
     bad = [name for name, harmless in table.items() if not _harmless(options.get(name), harmless)]
-    best_of = options.get("best_of") if check_best_of else None
+    beam = options.get("use_beam_search")
+    best_of = options.get("best_of") if check_best_of and not _truthy(beam) else None
     if best_of is not None:
         try:
             n = _as_int("n", options.get("n") if options.get("n") is not None else 1)
@@ -193,6 +229,8 @@ def normalize_options(options: Mapping[str, Any], vocab_size: int | None = None
             out[name] = _as_stop(value)
         elif name == "logit_bias":
             out[name] = _as_logit_bias(value, vocab_size)
+        elif name == "early_stopping":
+            out[name] = _as_early_stopping(value)
         else:
             out[name] = _as_token_ids(value)
     return out

@@ -27,6 +27,7 @@ from kserve_paged.sampling import (
     SAMPLING_OPTIONS,
     V2_UNSUPPORTED_OPTIONS,
     OptionError,
+    beam_width_options,
     unsupported_options,
 )
 from kserve_paged.structured import STRUCTURED_OPTION_NAMES
@@ -111,10 +112,14 @@ async def _predict_v1(model: PagedLLMModel, body: dict[str, Any]) -> dict[str, A
 
 async def _complete_all(model: PagedLLMModel, texts: list[str], options: dict[str, Any]
                         ) -> _Completed:
+    try:
+        options = beam_width_options(options)
+    except OptionError as exc:
+        raise InvalidInput(str(exc)) from None
     refused = unsupported_options(options, V2_UNSUPPORTED_OPTIONS)
     if refused:
         raise InvalidInput(f"unsupported parameter(s) {refused}: this engine cannot honour "
-                           f"them; supported: {', '.join(SAMPLING_OPTIONS)}, best_of (= n), "
+                           f"them; supported: {', '.join(SAMPLING_OPTIONS)}, beam_width, "
                            "priority, cache_salt")
     unknown = sorted(k for k in options
                      if k not in SAMPLING_OPTIONS and k not in _TRANSPORT_PARAMETERS

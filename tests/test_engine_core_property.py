@@ -1,7 +1,9 @@
-"""Random add / step / abort / finish sequences against a small pool, checked after every step.
+"""Random add / step / abort / finish / fork / prune sequences against a small pool, checked
+after every step.
 
-A simulated KV store records which token each slot holds, so a prefix hit or a block shared
-between requests that pointed at the wrong content would be caught, not only bookkeeping slips.
+A simulated KV store records which token each slot holds (and applies the step's copy-on-write
+copies), so a prefix hit, a forked block or a shared block written in place that pointed at the
+wrong content would be caught, not only bookkeeping slips.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ op_strategy = st.one_of(
     st.tuples(st.just("step"), st.integers(0, 2**31)),
     st.tuples(st.just("abort"), st.integers(0, 100)),
     st.tuples(st.just("finish"), st.integers(0, 100)),
+    st.tuples(st.just("fork"), st.integers(0, 100), st.integers(0, 40)),
+    st.tuples(st.just("fork"), st.integers(0, 100), st.integers(0, 40)),
+    st.tuples(st.just("prune"), st.integers(0, 100)),
 )
 
 
@@ -67,6 +72,7 @@ def check_invariants(sched) -> None:
         assert b.ref_cnt >= 0
         assert b.ref_cnt == holders[b.block_id], (b, holders[b.block_id])
         assert (b.block_id in free_ids) == (b.ref_cnt == 0)
+    assert pool.num_shared_refs == sum(max(b.ref_cnt - 1, 0) for b in pool.blocks)
     for h, b in pool.cached.items():
         assert b.block_hash == h
     for req in sched.running:
@@ -80,6 +86,11 @@ def run_step(sched, kv_store: dict[int, tuple[int, int]], seed: int) -> None:
     out = sched.schedule()
     assert out.total_num_scheduled_tokens <= BUDGET
     assert len(out.scheduled) <= MAX_SEQS
+    for src, dst in out.block_copies:  # copy-on-write, before the forward
+        assert sched.kv.pool.blocks[dst].ref_cnt == 1
+        for off in range(BS):
+            if src * BS + off in kv_store:
+                kv_store[dst * BS + off] = kv_store[src * BS + off]
     for req in out.scheduled:
         n = out.num_scheduled_tokens[req.request_id]
         assert n >= 1
@@ -137,6 +148,20 @@ def test_random_operations_keep_the_pool_consistent(ops, policy, caching):
             running = [r.request_id for r in sched.running]
             if running:
                 sched.finish_requests([running[op[1] % len(running)]],
+                                      RequestStatus.FINISHED_STOPPED)
+        elif kind == "fork":
+            # A copy of a running request; if the parent has a token not yet computed, the
+            # child's differs, so both write different K/V into the same shared position.
+            running = [r for r in sched.running if r.num_computed_tokens]
+            if running and len(sched.running) < MAX_SEQS:
+                parent = running[op[1] % len(running)]
+                child = sched.fork(parent, f"r{next(counter)}")
+                if child.num_computed_tokens < child.num_tokens and child.output_token_ids:
+                    child.output_token_ids[-1] = 1000 + op[2]
+        elif kind == "prune":  # a forked member of a group ends; the others keep its blocks
+            grouped = [r for r in sched.running if r.group_id is not None]
+            if grouped:
+                sched.finish_requests([grouped[op[1] % len(grouped)].request_id],
                                       RequestStatus.FINISHED_STOPPED)
         check_invariants(sched)
         apply_events(sched.kv.pool, mirror)

@@ -238,12 +238,17 @@ def test_n_samples_share_the_prompt_blocks(llm, reference):
     engine = llm.engine
     engine.add_request("n8", prompt, SamplingParams(n=8, max_tokens=4, temperature=0,
                                                     ignore_eos=True))
-    engine.step()  # all eight children are admitted and prefilled in one step
-    in_use = engine.kv.pool.num_used_blocks
-    per_child = -(-(n_prompt + 1) // bs) - full_blocks  # each sample's own (partial) blocks
-    # The prompt's full blocks once, plus each sample's own: not eight copies of the prompt.
-    assert in_use == full_blocks + 8 * per_child
-    assert in_use < 8 * full_blocks
+    engine.step()  # the first sample computes the prompt; the other seven fork from it
+    prompt_blocks = -(-n_prompt // bs)
+    assert n_prompt % bs, "the prompt should end in a partial block"
+    # The prompt once, its partial last block included: every block held by all eight.
+    assert engine.kv.pool.num_used_blocks == prompt_blocks
+    assert [b.ref_cnt for b in engine.kv.req_blocks["n8\x1f0"]] == [8] * prompt_blocks
+    assert engine.kv.stats()["kv_blocks_shared"] == 7 * prompt_blocks
+    copies = engine.kv.num_cow_copies
+    engine.step()  # each writes its second token into the shared partial block: 7 copies
+    assert engine.kv.num_cow_copies - copies == 7
+    assert engine.kv.pool.num_used_blocks == prompt_blocks + 7 < 8 * full_blocks
     while engine.has_unfinished_requests():
         finals = [o for o in engine.step() if o.finished]
     assert len(finals) == 1 and finals[0].request_id == "n8"

@@ -129,8 +129,10 @@ def test_unsupported_options_table():
     assert unsupported_options({"best_of": 2}) == ["best_of"]
     assert unsupported_options({"use_beam_search": False, "guided_json": None,
                                 "bad_words": []}) == []
-    assert unsupported_options({"use_beam_search": "true", "guided_regex": "a+"}) == [
-        "use_beam_search"]  # guided decoding is served (kserve_paged/structured.py)
+    # Both are served: beam search, and guided decoding (kserve_paged/structured.py).
+    assert unsupported_options({"use_beam_search": "true", "guided_regex": "a+"}) == []
+    # With beam search best_of is the beam width.
+    assert unsupported_options({"best_of": 4, "n": 2, "use_beam_search": True}) == []
     assert unsupported_options({"echo": True, "n": 4, "logprobs": 2},
                                V2_UNSUPPORTED_OPTIONS) == ["echo"]
 
@@ -404,7 +406,6 @@ def test_chat_max_completion_tokens(served):
     (CMPL, {"suffix": "end"}, "suffix"),
     (CMPL, {"logprobs": 21}, "logprobs"),
     (CMPL, {"n": 129}, "n"),
-    (CMPL, {"use_beam_search": True}, "use_beam_search"),
     (CMPL, {"guided_json": {"type": "strin"}}, "guided_json"),
     (CMPL, {"guided_regex": "(a"}, "guided_regex"),
     (CMPL, {"guided_choice": "yes"}, "guided_choice"),
@@ -413,6 +414,11 @@ def test_chat_max_completion_tokens(served):
     (CMPL, {"response_format": {"type": "yaml"}}, "response_format"),
     (CMPL, {"guided_decoding_backend": "outlines", "guided_regex": "a"},
      "guided_decoding_backend"),
+    (CMPL, {"use_beam_search": True, "stream": True}, "stream"),
+    (CMPL, {"use_beam_search": True, "n": 4, "best_of": 2}, "best_of"),
+    (CMPL, {"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping"),
+    (CMPL, {"length_penalty": 0.5}, "length_penalty"),
+    (CHAT_URL, {"use_beam_search": True, "stream": True}, "stream"),
     (CMPL, {"logit_bias": {"99999999": 1}}, "logit_bias"),
     (CMPL, {"logit_bias": {"5": 150}}, "logit_bias"),
     (CMPL, {"presence_penalty": -3}, "presence_penalty"),
@@ -500,3 +506,19 @@ def test_v2_logit_bias_string_and_refusals(served, ref):
                                ({"n": 0}, "n must be")):
         r = call(served, V2, {"inputs": inputs, "parameters": {"max_tokens": 2, **parameters}})
         assert r.status_code == 400 and needle in r.json()["error"], r.text
+
+
+def test_beam_search_through_the_routes_equals_the_offline_llm(served, ref):
+    want = ref.beam_search(PROMPTS[0], 4, 5)[0].outputs
+    body = ok(served, CMPL, {"prompt": PROMPTS[0], "max_tokens": 5, "use_beam_search": True,
+                             "n": 2, "best_of": 4})
+    assert [c["text"] for c in body["choices"]] == [c.text for c in want[:2]]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    v2 = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1],
+                      "data": [PROMPTS[0]]}], "parameters": {"beam_width": 4, "max_tokens": 5}}
+    outputs = {o["name"]: o for o in ok(served, V2, v2)["outputs"]}
+    assert outputs["text_output"]["data"] == [want[0].text]
+    chat = ok(served, CHAT_URL, {"messages": CHAT, "max_tokens": 4, "use_beam_search": True,
+                                 "n": 3})
+    assert len(chat["choices"]) == 3 and len({c["message"]["content"]
+                                               for c in chat["choices"]}) == 3

@@ -224,6 +224,33 @@ async def ready(engine: FakeEngine | None = None, **build_options: Any
 
 # -- v2 ---------------------------------------------------------------------------------------
 
+def test_beam_search_options_reach_the_engine():
+    async def main() -> None:
+        app, model, engine = await ready()
+        async with client(app) as c:
+            r = await c.post(f"/v2/models/{NAME}/infer", json={**V2_BODY, "parameters": {
+                "max_tokens": 3, "beam_width": 4, "length_penalty": "0.5",
+                "early_stopping": "never"}})
+            assert r.status_code == 200, r.text
+            params = engine.added[-1][2]
+            assert (params.use_beam_search, params.beam_width, params.n) == (True, 4, 1)
+            assert (params.length_penalty, params.early_stopping) == (0.5, "never")
+            r = await c.post("/openai/v1/completions", json={
+                "model": NAME, "prompt": "a", "max_tokens": 3, "use_beam_search": True,
+                "n": 2, "best_of": 3, "early_stopping": True})
+            assert r.status_code == 200, r.text
+            params = engine.added[-1][2]
+            assert (params.use_beam_search, params.beam_width, params.n) == (True, 3, 2)
+            assert params.early_stopping is True
+            r = await c.post("/openai/v1/chat/completions", json={
+                "model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                "use_beam_search": True, "n": 2})
+            assert r.status_code == 200, r.text
+            assert engine.added[-1][2].beam_width == 2
+        model.stop_engine()
+    run(main())
+
+
 def test_v2_infer_json_without_content_type():
     async def main() -> None:
         app, model, engine = await ready()
@@ -274,7 +301,9 @@ def test_v2_infer_binary_tritonclient_encoding():
 @pytest.mark.parametrize("parameters,inputs,message", [
     ({"max_tokens": 100}, None, "maximum context length is 64"),
     ({"temperature": -1}, None, "temperature"),
-    ({"beam_width": 4}, None, "beam_width"),
+    ({"beam_width": "wide"}, None, "beam_width"),
+    ({"beam_width": 2, "n": 3}, None, "best_of"),
+    ({"num_beams": 4}, None, "num_beams"),
     ({}, [{"name": "other", "datatype": "BYTES", "shape": [1], "data": ["x"]}], "other"),
     ({}, [{"name": "text_input", "datatype": "INT32", "shape": [1], "data": [1]}], "BYTES"),
 ])
@@ -408,7 +437,8 @@ def test_openai_chat_applies_the_template():
     ("completions", {"best_of": 3}, "best_of", 400),
     ("completions", {"logprobs": 21}, "logprobs", 400),
     ("completions", {"suffix": "x"}, "suffix", 400),
-    ("completions", {"use_beam_search": True}, "use_beam_search", 400),
+    ("completions", {"use_beam_search": True, "stream": True}, "stream", 400),
+    ("chat/completions", {"use_beam_search": True, "stream": True}, "stream", 400),
     ("completions", {"presence_penalty": 3}, "presence_penalty", 400),
     ("completions", {"logit_bias": {"1": 200}}, "logit_bias", 400),
     ("completions", {"max_tokens": 64}, "max_tokens", 400),

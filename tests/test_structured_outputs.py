@@ -212,3 +212,12 @@ def test_a_failed_compile_fails_only_its_request(llm, monkeypatch):
     assert "did not compile" in (outputs["bad"].error or "")
     assert outputs["good"].error is None and len(outputs["good"].outputs[0].token_ids) == 4
     assert llm.stats()["kv_blocks_in_use"] == 0
+
+
+def test_max_tokens_0_with_n_samples_scores_the_prompt_n_times(llm):
+    out = llm.generate(["Score this prompt."], SamplingParams(max_tokens=0, n=3,
+                                                             prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [[], [], []]
+    assert {c.finish_reason for c in out.outputs} == {"length"}
+    assert llm.stats()["kv_blocks_in_use"] == 0

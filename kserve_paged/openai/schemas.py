@@ -54,6 +54,11 @@ class SamplingBody(BaseModel):
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # vLLM's beam search extras: best_of beams (default n), the n best returned.
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
 
     def sampling_options(self) -> dict[str, Any]:
         """The options that go to SamplingParams as given (``logprobs`` is per endpoint)."""
@@ -61,7 +66,8 @@ class SamplingBody(BaseModel):
             "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
             "min_tokens", "stop_token_ids", "n", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "logit_bias", "prompt_logprobs", "include_stop_str_in_output",
-            "skip_special_tokens", "response_format")}
+            "skip_special_tokens", "response_format", "use_beam_search", "best_of",
+            "length_penalty", "early_stopping")}
         extra = self.model_extra or {}
         options.update({name: extra[name] for name in STRUCTURED_OPTION_NAMES if name in extra})
         return options
@@ -76,12 +82,22 @@ class SamplingBody(BaseModel):
             found.append(("stream_options", "stream_options is only allowed with stream=true"))
         for name in unsupported_options({**(self.model_extra or {}), "n": self.n}):
             found.append((name, f"{name} is not supported by this server"))
+        if self.use_beam_search and self.stream:
+            found.append(("stream", "stream=true is not supported with use_beam_search: beam "
+                          "search results are final only"))
+        if not self.use_beam_search:
+            if self.best_of is not None and self.best_of != self.n:
+                found.append(("best_of", f"best_of={self.best_of} needs use_beam_search: "
+                              f"every sample is returned, so without beam search best_of must "
+                              f"be unset or equal n ({self.n})"))
+            for name in ("length_penalty", "early_stopping"):
+                if getattr(self, name) is not None:
+                    found.append((name, f"{name} needs use_beam_search"))
         return found
 
 
 class CompletionBody(SamplingBody):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # true is no token id
-    best_of: int | None = None
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -91,9 +107,6 @@ class CompletionBody(SamplingBody):
 
     def unsupported(self) -> list[tuple[str, str]]:
         found = super().unsupported()
-        if self.best_of is not None and self.best_of != self.n:
-            found.append(("best_of", f"best_of={self.best_of} is not supported: every sample "
-                          f"is returned, so best_of must be unset or equal n ({self.n})"))
         if self.suffix:
             found.append(("suffix", "suffix is not supported (no fill-in-the-middle)"))
         return found
