@@ -77,6 +77,20 @@ CONFIGS = {
     # Qwen3 with attention biases (q/k/v and o), MHA, tied.
     "qwen3_bias_tied": lambda: Qwen3Config(**_common(
         num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True)),
+    # YaRN over a 16-token original context (the test's sequences run past it), with the
+    # attention factor derived from `factor`.
+    "llama_yarn": lambda: LlamaConfig(**_common(
+        tie_word_embeddings=False, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+            "original_max_position_embeddings": 16, "beta_fast": 8.0, "beta_slow": 1.0})),
+    # LongRoPE inside its original context (short factors), attention factor from the ratio
+    # of max_position_embeddings to the original (Phi-3's form, no explicit `factor`).
+    "qwen2_longrope": lambda: Qwen2Config(**_common(
+        tie_word_embeddings=False, max_position_embeddings=256, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "original_max_position_embeddings": 64,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)]})),
 }
 
 
@@ -295,11 +309,47 @@ def test_sharded_checkpoint(tmp_path: Path) -> None:
 
 
 def test_unsupported_rope_type() -> None:
-    config = LlamaConfig(**_common(rope_parameters={
-        "rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-        "original_max_position_embeddings": 32}))
-    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+    config = LlamaConfig(**_common())
+    config.rope_parameters = {"rope_type": "proportional", "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="unsupported rope_type 'proportional'"):
         LlamaForCausalLM(config)
+
+
+def test_dynamic_ntk_rope_matches_transformers_over_the_stretched_context(tmp_path: Path) -> None:
+    """Dynamic NTK with the base fixed for the whole stretched context (max_position_embeddings
+    x factor, as vLLM serves it): equal to transformers' forward over a sequence of exactly that
+    length, which derives the same base, through prefill, a chunk and decodes."""
+    factor, orig = 4.0, 24
+    config_fn = lambda: LlamaConfig(**_common(  # noqa: E731
+        max_position_embeddings=orig, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "dynamic", "factor": factor, "rope_theta": 10000.0}))
+    path, ref = _save_checkpoint(config_fn, tmp_path)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    length = int(orig * factor)
+    assert model.max_position_embeddings == length
+    seq = torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.inference_mode():
+        expected = ref(torch.tensor([seq])).logits[0].float()
+    sim = PagedSim(model, seed=3)
+    got = [sim.step([(0, seq[:40])]), sim.step([(0, seq[40:length - 3])])]
+    got += [sim.step([(0, [t])]) for t in seq[length - 3:]]
+    torch.testing.assert_close(torch.cat(got), expected, atol=ATOL, rtol=RTOL)
+
+
+def test_longrope_long_factors_past_the_original_context() -> None:
+    """Positions past the original context rotate with the long factors (transformers' long set
+    and attention factor), positions inside it with the short ones."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = CONFIGS["qwen2_longrope"]()
+    model = LlamaForCausalLM(config)
+    rotary, orig = model.rotary_emb, 64
+    for seq_len, rows in ((orig, slice(0, orig)), (orig + 1, slice(orig, None))):
+        inv_freq, scale = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=seq_len)
+        pos = torch.arange(rotary.max_positions, dtype=torch.int64).float()[rows]
+        angles = torch.outer(pos, inv_freq)
+        torch.testing.assert_close(rotary.cos[rows], angles.cos() * scale)
+        torch.testing.assert_close(rotary.sin[rows], angles.sin() * scale)
 
 
 def test_sliding_window_guard() -> None:

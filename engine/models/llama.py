@@ -17,7 +17,14 @@ from torch import nn
 
 import kernels
 from engine.attention import Attention, AttentionMetadata
-from engine.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLUMLP, rope_parameters
+from engine.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLUMLP,
+    rope_max_positions,
+    rope_parameters,
+)
 from kernels import cpu_native
 
 logger = logging.getLogger("engine")
@@ -165,7 +172,9 @@ class LlamaForCausalLM(nn.Module):
                               or config.hidden_size // config.num_attention_heads)
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = config.vocab_size
-        self.max_position_embeddings: int = config.max_position_embeddings
+        rope = rope_parameters(config)
+        self.max_position_embeddings: int = rope_max_positions(config.max_position_embeddings,
+                                                               rope)
         self.sliding_window: int | None = sliding_window_of(config)
         self.tie_word_embeddings: bool = bool(getattr(config, "tie_word_embeddings", False))
 
@@ -181,8 +190,7 @@ class LlamaForCausalLM(nn.Module):
             qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
             mlp_bias = bool(getattr(config, "mlp_bias", False))
 
-        self.rotary_emb = RotaryEmbedding(self.head_dim, self.max_position_embeddings,
-                                          rope_parameters(config))
+        self.rotary_emb = RotaryEmbedding(self.head_dim, self.max_position_embeddings, rope)
         self.model = LlamaModel(config, self.head_dim, self.rotary_emb, qkv_bias, o_bias,
                                 mlp_bias, qk_norm)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
