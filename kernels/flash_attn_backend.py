@@ -58,8 +58,11 @@ def paged_attention_flash(
     *,
     max_seq_len: int | None = None,
     max_query_len: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Varlen paged attention through flash-attn (contract in docs/kernels.md)."""
+    """Varlen paged attention through flash-attn (contract in docs/kernels.md); a sliding
+    window is flash-attn's `window_size=(window - 1, 0)`, softcap its `softcap`."""
     mod = _flash_attn()
     if isinstance(mod, str):
         raise RuntimeError(mod)
@@ -76,7 +79,8 @@ def paged_attention_flash(
         query, kv_cache[0], kv_cache[1],
         cu_seqlens_q=query_start_loc.int(), cu_seqlens_k=cu_k,
         max_seqlen_q=max_query_len, max_seqlen_k=max_seq_len,
-        softmax_scale=scale, causal=True, block_table=block_tables.int().contiguous())
+        softmax_scale=scale, causal=True, block_table=block_tables.int().contiguous(),
+        window_size=(window - 1, 0) if window else (-1, -1), softcap=softcap or 0.0)
     # Tokens past query_start_loc[-1] (padding) are left undefined by flash-attn; the
     # contract gives zeros. A masked fill keeps it free of host syncs.
     valid = torch.arange(query.shape[0], device=query.device) < query_start_loc[-1]
