@@ -21,6 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -30,7 +32,7 @@ from transformers import (  # noqa: E402
 from engine.attention import AttentionMetadata  # noqa: E402
 from engine.layers import rope_parameters  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
-from engine.models import LlamaForCausalLM  # noqa: E402
+from engine.models import GemmaForCausalLM, LlamaForCausalLM  # noqa: E402
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -83,6 +85,29 @@ CONFIGS = {
         tie_word_embeddings=False, rope_parameters={
             "rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
             "original_max_position_embeddings": 16, "beta_fast": 8.0, "beta_slow": 1.0})),
+    # Mistral with a sliding window smaller than the test's prompts (17 and 33 tokens).
+    "mistral_window": lambda: MistralConfig(**_common(
+        sliding_window=8, tie_word_embeddings=False)),
+    # Gemma 2: window 8 on the even layers, attention and final soft-capping set low enough to
+    # bite, query_pre_attn_scalar != head_dim, tied head, GQA.
+    "gemma2_window_softcap": lambda: Gemma2Config(**_common(
+        head_dim=16, num_hidden_layers=3, sliding_window=8, attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0, query_pre_attn_scalar=24)),
+    # Gemma 3: q/k norms, local layers with their own RoPE base, a linear-scaled global rope,
+    # window 8, final soft-capping, untied head, head_dim != hidden/heads.
+    "gemma3_window_local_rope": lambda: Gemma3TextConfig(**_common(
+        head_dim=32, num_hidden_layers=4, sliding_window=8, final_logit_softcapping=3.0,
+        query_pre_attn_scalar=32, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 10000.0}})),
+    # Gemma 3, MHA, tied, every layer global but one, default softcaps (none).
+    "gemma3_mha_tied": lambda: Gemma3TextConfig(**_common(
+        num_key_value_heads=4, head_dim=16, num_hidden_layers=2, sliding_window=6,
+        layer_types=["full_attention", "sliding_attention"], rope_local_base_freq=500.0,
+        rope_theta=20000.0)),
     # LongRoPE inside its original context (short factors), attention factor from the ratio
     # of max_position_embeddings to the original (Phi-3's form, no explicit `factor`).
     "qwen2_longrope": lambda: Qwen2Config(**_common(
@@ -352,15 +377,23 @@ def test_longrope_long_factors_past_the_original_context() -> None:
         torch.testing.assert_close(rotary.sin[rows], angles.sin() * scale)
 
 
-def test_sliding_window_guard() -> None:
-    config = MistralConfig(**_common(sliding_window=64))
-    model = LlamaForCausalLM(config)
-    assert model.sliding_window == 64
-    model.check_max_model_len(64)
-    with pytest.raises(ValueError, match="sliding-window"):
-        model.check_max_model_len(65)
+def test_sliding_windows_per_layer() -> None:
+    """Windows are served, not refused: any max_model_len the positions cover is accepted, and
+    each layer gets its own window (or none) from the config."""
+    model = LlamaForCausalLM(MistralConfig(**_common(sliding_window=64)))
+    assert model.layer_windows == [64, 64]
+    model.check_max_model_len(128)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.check_max_model_len(129)
     qwen = LlamaForCausalLM(Qwen2Config(**_common(use_sliding_window=False)))
-    assert qwen.sliding_window is None
+    assert qwen.sliding_window is None and qwen.layer_windows == [None, None]
+    qwen = LlamaForCausalLM(Qwen2Config(**_common(use_sliding_window=True, sliding_window=16,
+                                                  max_window_layers=1)))
+    assert qwen.layer_windows == [None, 16]
+    gemma = GemmaForCausalLM(CONFIGS["gemma3_window_local_rope"]())
+    assert gemma.layer_windows == [8, None, 8, 8]
+    assert gemma.model.layers[0].self_attn.rotary[0] is gemma.local_rotary_emb
+    assert gemma.model.layers[1].self_attn.rotary[0] is gemma.rotary_emb
 
 
 def test_rope_parameters_old_and_new_config_styles() -> None:
@@ -377,3 +410,55 @@ def test_rope_parameters_old_and_new_config_styles() -> None:
     new = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
                           max_position_embeddings=64)
     assert rope_parameters(new) == {"rope_type": "default", "rope_theta": 100000.0}
+
+
+# --- greedy decoding through the engine, past the sliding window -----------------------------
+
+
+def _save_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over the tiny vocabulary, so the engine can load the folder
+    (prompts go in as token ids)."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0",
+                            eos_token="t1").save_pretrained(path)
+
+
+@pytest.mark.parametrize("name", ["gemma2_window_softcap", "gemma3_window_local_rope",
+                                  "mistral_window"])
+def test_greedy_equals_generate_past_the_window(name: str, tmp_path: Path) -> None:
+    """Prompts 3-5x the window, 12 new tokens: the engine's greedy tokens equal transformers'
+    generate with prefix caching on (run twice, the second run hitting the cache) and off
+    with chunked prefill and preemptions."""
+    from engine import LLM, SamplingParams
+
+    path, ref = _save_checkpoint(CONFIGS[name], tmp_path)
+    _save_tokenizer(path)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (25, 40, 31, 18)]
+    prompts.append(prompts[1][:36] + [5, 6])  # shares 9 full blocks with prompt 1
+    new = 12
+    ref.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        expected = [ref.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                    for p in prompts]
+    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+
+    cached = LLM(model=str(path), block_size=4, num_kv_blocks=128, max_model_len=64)
+    for _ in range(2):
+        outs = cached.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    assert cached.stats()["prefix_cache_hits"] > 0
+    assert outs[4].num_cached_tokens > 0
+
+    plain = LLM(model=str(path), block_size=4, num_kv_blocks=30, max_model_len=64,
+                enable_prefix_caching=False, max_num_batched_tokens=16)
+    outs = plain.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = plain.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == 30
