@@ -25,6 +25,7 @@ from transformers import (  # noqa: E402
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -108,6 +109,18 @@ CONFIGS = {
         num_key_value_heads=4, head_dim=16, num_hidden_layers=2, sliding_window=6,
         layer_types=["full_attention", "sliding_attention"], rope_local_base_freq=500.0,
         rope_theta=20000.0)),
+    # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint, LongRoPE (no explicit factor),
+    # GQA, untied.
+    "phi3_longrope": lambda: Phi3Config(**_common(
+        max_position_embeddings=256, original_max_position_embeddings=64, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.2 * i for i in range(8)],
+            "long_factor": [3.0 + 0.5 * i for i in range(8)]})),
+    # Phi-3 with a sliding window on every layer (Phi-3-mini's config has one), MHA.
+    "phi3_window_mha": lambda: Phi3Config(**_common(
+        num_key_value_heads=4, sliding_window=10, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)),
     # LongRoPE inside its original context (short factors), attention factor from the ratio
     # of max_position_embeddings to the original (Phi-3's form, no explicit `factor`).
     "qwen2_longrope": lambda: Qwen2Config(**_common(
@@ -429,7 +442,7 @@ def _save_tokenizer(path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["gemma2_window_softcap", "gemma3_window_local_rope",
-                                  "mistral_window"])
+                                  "mistral_window", "phi3_window_mha"])
 def test_greedy_equals_generate_past_the_window(name: str, tmp_path: Path) -> None:
     """Prompts 3-5x the window, 12 new tokens: the engine's greedy tokens equal transformers'
     generate with prefix caching on (run twice, the second run hitting the cache) and off

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                "Phi3ForCausalLM")
 GEMMA_FAMILY = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GEMMA_FAMILY
 
 # config.json without `architectures` (GGUF-derived configs): model_type -> architecture.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM",
+                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3_text": "Gemma3ForCausalLM"}
 
 

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over the paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM) over the paged KV cache.
 
 Written for the engine's step shape: one flat batch of new tokens from many sequences, their
 positions, and `AttentionMetadata` saying where each sequence's context lives in the cache. q/k/v
@@ -190,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         elif qk_norm:  # Qwen3: one attention_bias flag for q/k/v and o, none in the MLP
             qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
             mlp_bias = False
-        elif self.architecture == "MistralForCausalLM":
+        elif self.architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
             qkv_bias = o_bias = mlp_bias = False
         else:
             qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
@@ -243,8 +243,13 @@ class LlamaForCausalLM(nn.Module):
     def expected_weights(self) -> set[str]:
         """transformers' parameter names this model needs from a checkpoint."""
         names: set[str] = set()
+        # Phi-3 checkpoints store qkv_proj and gate_up_proj fused, in our layout already.
+        fused_checkpoint = self.architecture == "Phi3ForCausalLM"
         for name, _ in self.named_parameters():
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if fused_checkpoint:
+                names.add(name)
                 continue
             module_path, _, leaf = name.rpartition(".")
             parent, _, module = module_path.rpartition(".")
