@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,10 +56,13 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             tune_glibc_malloc()  # no-op under tcmalloc (see engine.cpu_memory)
-        if config.model is None:
-            from engine.default_model import ensure_default_model
+        from engine.default_model import PACKAGED_MODELS, ensure_default_model, ensure_model
 
+        if config.model is None:
             self.model_path = str(ensure_default_model(progress=logger.info))
+        elif config.model in PACKAGED_MODELS and not os.path.exists(config.model):
+            # A packaged model's id (e.g. gemma3-270m): provisioned and converted once.
+            self.model_path = str(ensure_model(config.model, progress=logger.info))
         else:
             self.model_path = str(config.model)
         t0 = time.monotonic()
