@@ -87,7 +87,12 @@ class LLMEngine:
                     self.num_kv_blocks * per_block / 2**20,
                     self.num_kv_blocks * bs // max_len, max_len)
 
-        self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching)
+        # Blocks leave a request while it runs only when every layer slides (Mistral v0.1,
+        # Phi-3): one global layer (Gemma) needs the whole context.
+        windows = list(getattr(self.model, "layer_windows", None) or [None])
+        window = max(windows) if all(w is not None for w in windows) else None
+        self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching,
+                                 sliding_window=window)
         self.scheduler = Scheduler(config, self.kv, max_len)
         self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,
                                   self.device, max_num_batched_tokens=config.max_num_batched_tokens,

@@ -468,10 +468,16 @@ def test_greedy_equals_generate_past_the_window(name: str, tmp_path: Path) -> No
         assert [o.outputs[0].token_ids for o in outs] == expected
     assert cached.stats()["prefix_cache_hits"] > 0
     assert outs[4].num_cached_tokens > 0
+    # Every layer slides (Mistral, Phi-3): blocks left the requests as they fell out of the
+    # window. One global layer (Gemma) keeps them all.
+    all_slide = all(w is not None for w in cached.engine.model.layer_windows)
+    assert (cached.stats()["kv_blocks_freed_out_of_window"] > 0) == all_slide
 
-    plain = LLM(model=str(path), block_size=4, num_kv_blocks=30, max_model_len=64,
+    # A pool too small for all five at once (smaller when blocks leave with the window).
+    pool = 16 if all_slide else 30
+    plain = LLM(model=str(path), block_size=4, num_kv_blocks=pool, max_model_len=64,
                 enable_prefix_caching=False, max_num_batched_tokens=16)
     outs = plain.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = plain.stats()
-    assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == 30
+    assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == pool
