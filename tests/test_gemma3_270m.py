@@ -100,3 +100,35 @@ def test_packaged_id_and_chat_template(folder) -> None:
     out = llm.chat([{"role": "user", "content": "Say hello."}],
                    SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0]
     assert out.outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_openai_completions_route_equals_transformers(folder, reference) -> None:
+    """The served model (in process, KServe's app with our routes): greedy completions over
+    the OpenAI route carry transformers' tokens, the long prompt included."""
+    import asyncio
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from tests.test_server_routes import NAME, build, client
+
+    app, model = build(engine=LLMEngine(EngineConfig(model=MODEL_ID, max_model_len=1024,
+                                                     num_kv_blocks=256)))
+    asyncio.run(model.start_engine())
+    try:
+        async def main() -> list[dict]:
+            async with client(app) as c:
+                bodies = [{"model": NAME, "prompt": p, "max_tokens": NEW_TOKENS,
+                           "temperature": 0, "ignore_eos": True} for p in PROMPTS]
+                responses = [await c.post("/openai/v1/completions", json=b) for b in bodies]
+                return [r.json() for r in responses]
+
+        results = asyncio.run(asyncio.wait_for(main(), 600))
+    finally:
+        model.stop_engine()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    for i, (res, ref) in enumerate(zip(results, reference, strict=True)):
+        assert res["usage"]["completion_tokens"] == NEW_TOKENS, res
+        assert res["choices"][0]["text"] == tok.decode(ref, skip_special_tokens=True), i
