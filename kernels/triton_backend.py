@@ -129,7 +129,7 @@ def _paged_attn_kernel(
     # Keys this tile of rows can see: 0 (or, with a window, the first row's window start) ..
     # prefix + last token; cut into NUM_SPLITS parts.
     kv_end = prefix + tl.minimum(first_tok + BLOCK_Q, q_len)
-    kv_begin = kv_end * 0
+    kv_begin = 0
     if USE_WINDOW:
         kv_begin = tl.maximum(prefix + first_tok - window + 1, 0)
     if NUM_SPLITS == 1:

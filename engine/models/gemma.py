@@ -33,8 +33,15 @@ class GemmaRMSNorm(RMSNorm):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self._norm(x)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)` (no native
+        path: the native norm multiplies by the weight itself)."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
 
 
 class GeGLUMLP(nn.Module):
