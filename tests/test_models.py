@@ -258,13 +258,14 @@ def test_tied_head_shares_storage(tmp_path: Path) -> None:
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
-def test_bfloat16_load_runs(tmp_path: Path) -> None:
-    path, ref = _save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path)
+@pytest.mark.parametrize("name", ["llama_gqa_llama3", "gemma3_window_local_rope"])
+def test_bfloat16_load_runs(name: str, tmp_path: Path) -> None:
+    path, ref = _save_checkpoint(CONFIGS[name], tmp_path)
     model, _ = load_model(path, torch.bfloat16, torch.device("cpu"))
     assert model.lm_head.weight.dtype == torch.bfloat16
     sim = PagedSim(model)
     sim.kv = [kv.to(torch.bfloat16) for kv in sim.kv]
-    tokens = list(range(1, 12))
+    tokens = list(range(1, 22))  # past the Gemma config's window of 8
     logits = sim.step([(0, tokens)])
     with torch.inference_mode():
         expected = ref(torch.tensor([tokens])).logits[0]
