@@ -25,9 +25,11 @@ from transformers import (  # noqa: E402
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from engine.attention import AttentionMetadata  # noqa: E402
@@ -121,6 +123,20 @@ CONFIGS = {
     "phi3_window_mha": lambda: Phi3Config(**_common(
         num_key_value_heads=4, sliding_window=10, pad_token_id=0, bos_token_id=1,
         eos_token_id=2)),
+    # Mixtral: 4 experts, top-2 (renormalised), GQA, untied, a sliding window past the prompts'.
+    "mixtral_4x_top2": lambda: MixtralConfig(**_common(
+        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+        sliding_window=12)),
+    # Qwen3-MoE: 4 experts top-2 without renormalisation, q/k norms, the first layer dense
+    # (mlp_only_layers), tied, MHA.
+    "qwen3_moe_4x_top2": lambda: Qwen3MoeConfig(**_common(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[0], num_hidden_layers=3, num_key_value_heads=4,
+        head_dim=16, tie_word_embeddings=True)),
+    # Qwen3-MoE with renormalised top-2, every layer sparse, GQA.
+    "qwen3_moe_norm_topk": lambda: Qwen3MoeConfig(**_common(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)),
     # LongRoPE inside its original context (short factors), attention factor from the ratio
     # of max_position_embeddings to the original (Phi-3's form, no explicit `factor`).
     "qwen2_longrope": lambda: Qwen2Config(**_common(
@@ -443,7 +459,8 @@ def _save_tokenizer(path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["gemma2_window_softcap", "gemma3_window_local_rope",
-                                  "mistral_window", "phi3_window_mha"])
+                                  "mistral_window", "phi3_window_mha", "mixtral_4x_top2",
+                                  "qwen3_moe_4x_top2"])
 def test_greedy_equals_generate_past_the_window(name: str, tmp_path: Path) -> None:
     """Prompts 3-5x the window, 12 new tokens: the engine's greedy tokens equal transformers'
     generate with prefix caching on (run twice, the second run hitting the cache) and off
@@ -482,3 +499,36 @@ def test_greedy_equals_generate_past_the_window(name: str, tmp_path: Path) -> No
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = plain.stats()
     assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == pool
+
+
+def test_moe_experts_run_grouped_by_expert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sparse layer's experts are one gate/up and one down matmul per expert that got tokens,
+    however many tokens there are; top-k picks and weights match a direct computation."""
+    import engine.models.moe as moe
+
+    torch.manual_seed(0)
+    layer = moe.SparseMoE(hidden=16, inter=8, num_experts=4, top_k=2, renormalize=True)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.5)
+    x = torch.randn(200, 16)
+    calls: list[int] = []
+    real = moe.F.linear
+    monkeypatch.setattr(moe.F, "linear", lambda a, w, b=None: (calls.append(a.shape[0]),
+                                                               real(a, w, b))[1])
+    with torch.no_grad():
+        out = layer(x)
+    # The router over all 200 tokens, then 4 experts x (gate/up, down) over their own tokens.
+    assert calls[0] == 200 and len(calls) == 1 + 2 * 4 and sum(calls[1:]) == 2 * 2 * 200
+    monkeypatch.undo()
+    with torch.no_grad():
+        probs = torch.softmax(x @ layer.gate.weight.T, dim=-1)
+        w, idx = probs.topk(2, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        expected = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(2):
+                e = int(idx[t, j])
+                g, u = (layer.experts_gate_up[e] @ x[t]).chunk(2)
+                expected[t] += w[t, j] * (layer.experts_down[e] @ (torch.nn.functional.silu(g) * u))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

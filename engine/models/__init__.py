@@ -5,16 +5,19 @@ from __future__ import annotations
 from engine.models.architectures import (
     GEMMA_FAMILY,
     LLAMA_FAMILY,
+    MOE_FAMILY,
     SUPPORTED_ARCHITECTURES,
     architecture_of,
 )
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import MoEForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     **{arch: LlamaForCausalLM for arch in LLAMA_FAMILY},
     **{arch: GemmaForCausalLM for arch in GEMMA_FAMILY},
+    **{arch: MoEForCausalLM for arch in MOE_FAMILY},
 }
 
 __all__ = ["MODEL_REGISTRY", "SUPPORTED_ARCHITECTURES", "GemmaForCausalLM", "LlamaForCausalLM",
-           "architecture_of"]
+           "MoEForCausalLM", "architecture_of"]

@@ -48,7 +48,7 @@ def sliding_window_of(config: Any) -> int | None:
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
-    if getattr(config, "model_type", None) in ("qwen2", "qwen3") and not getattr(
+    if getattr(config, "model_type", None) in ("qwen2", "qwen3", "qwen3_moe") and not getattr(
             config, "use_sliding_window", False):
         return None
     layer_types = getattr(config, "layer_types", None)
@@ -184,13 +184,13 @@ class LlamaForCausalLM(nn.Module):
         self.layer_windows: list[int | None] = layer_windows(config)
         self.tie_word_embeddings: bool = bool(getattr(config, "tie_word_embeddings", False))
 
-        qk_norm = self.architecture == "Qwen3ForCausalLM"
+        qk_norm = self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         if self.architecture == "Qwen2ForCausalLM":
             qkv_bias, o_bias, mlp_bias = True, False, False
         elif qk_norm:  # Qwen3: one attention_bias flag for q/k/v and o, none in the MLP
             qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
             mlp_bias = False
-        elif self.architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        elif self.architecture in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
             qkv_bias = o_bias = mlp_bias = False
         else:
             qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
@@ -280,13 +280,7 @@ class LlamaForCausalLM(nn.Module):
             if hf_name not in expected:
                 unexpected.append(hf_name)
                 continue
-            module_path, _, leaf = hf_name.rpartition(".")
-            parent, _, module = module_path.rpartition(".")
-            if module in _FUSED:
-                fused, shard = _FUSED[module]
-                target = self._shard(params[f"{parent}.{fused}.{leaf}"], fused, shard)
-            else:
-                target = params[hf_name]
+            target = self._target(hf_name, params)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)} != "
                                  f"model shape {tuple(target.shape)}")
@@ -299,6 +293,15 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. "
                              f"{sorted(missing)[:5]}")
+
+    def _target(self, hf_name: str, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Where a checkpoint tensor goes: its parameter, or its shard of a fused one."""
+        module_path, _, leaf = hf_name.rpartition(".")
+        parent, _, module = module_path.rpartition(".")
+        if module in _FUSED:
+            fused, shard = _FUSED[module]
+            return self._shard(params[f"{parent}.{fused}.{leaf}"], fused, shard)
+        return params[hf_name]
 
     def _shard(self, param: torch.Tensor, fused: str, shard: str) -> torch.Tensor:
         """The rows of a fused weight/bias that one unfused projection fills."""
