@@ -156,11 +156,11 @@ def test_max_completion_tokens_and_stop_options(oai):
      "suffix"),
     (lambda c: c.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=2, response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objet"}}}),
      "response_format"),
     (lambda c: c.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=2,
-        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+        tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), "tools"),
     (lambda c: c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
                                          top_logprobs=3), "top_logprobs"),
 ])

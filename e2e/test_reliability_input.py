@@ -6,7 +6,8 @@ stay ready, and nothing may stay behind in the engine (no running request, no KV
 Then schemathesis fuzzes the OpenAI routes from the server's own /openapi.json.
 
 Unknown fields (decided here, as vLLM does): ignored, with a warning in the server log. Known
-options the engine cannot honour (best_of != n, suffix, tools, beam search, ...) are 400s.
+options the engine cannot honour (best_of != n, suffix, beam search, ...) are 400s, and so are
+invalid constraints (a broken schema, regex or grammar; tools that are not functions).
 """
 
 from __future__ import annotations
@@ -172,7 +173,6 @@ BAD: list[tuple[str, str, Any, dict[str, str]]] = [
     # OpenAI: sampling values
     ("oai-max-tokens-enormous", CMPL, cmpl(max_tokens=10**12), {}),
     ("oai-max-tokens-huge-int", CMPL, cmpl(max_tokens=10**30), {}),
-    ("oai-max-tokens-zero", CMPL, cmpl(max_tokens=0), {}),
     ("oai-max-tokens-negative", CMPL, cmpl(max_tokens=-1), {}),
     ("oai-max-tokens-fraction", CMPL, cmpl(max_tokens=2.5), {}),
     ("oai-temperature-NaN", CMPL, b'{"model": "smol", "prompt": "Hi", "temperature": NaN}', {}),
@@ -202,7 +202,10 @@ BAD: list[tuple[str, str, Any, dict[str, str]]] = [
     ("oai-logit-bias-out-of-vocab", CMPL, cmpl(logit_bias={"99999999": 5}), {}),
     ("oai-logit-bias-over-100", CMPL, cmpl(logit_bias={"1": 101}), {}),
     ("oai-beam-search", CMPL, cmpl(use_beam_search=True), {}),
-    ("oai-json-mode", CMPL, cmpl(response_format={"type": "json_object"}), {}),
+    ("oai-json-mode-and-regex", CMPL, cmpl(response_format={"type": "json_object"},
+                                            guided_regex="a+"), {}),
+    ("oai-bad-regex", CMPL, cmpl(guided_regex="(a"), {}),
+    ("oai-bad-grammar", CMPL, cmpl(structured_outputs={"grammar": "root ::= nothing"}), {}),
     ("oai-cache-salt-int", CMPL, cmpl(cache_salt=5), {}),
     ("oai-priority-text", CMPL, cmpl(priority="high"), {}),
     # chat
@@ -216,10 +219,14 @@ BAD: list[tuple[str, str, Any, dict[str, str]]] = [
     ("chat-too-long", CHAT, chat(LONG), {}),
     ("chat-megabyte", CHAT, chat(MEGA), {}),
     ("chat-max-completion-tokens-enormous", CHAT, chat(max_completion_tokens=10**12), {}),
-    ("chat-tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}),
+    ("chat-tools-bad-name", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "no spaces"}}]), {}),
+    ("chat-tool-choice-unknown-function", CHAT, chat(
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice={"type": "function", "function": {"name": "g"}}), {}),
     ("chat-top-logprobs-without-logprobs", CHAT, chat(top_logprobs=2), {}),
-    ("chat-json-schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object"}}}), {}),
+    ("chat-bad-json-schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": 3}}}), {}),
     ("chat-continue-and-generation-prompt", CHAT, chat(continue_final_message=True), {}),
 ]
 
@@ -246,6 +253,12 @@ GOOD: list[tuple[str, str, Any, dict[str, str]]] = [
     ("oai-huge-top-k", CMPL, cmpl(top_k=10**12, temperature=1.0), {}),
     ("oai-tiny-temperature", CMPL, cmpl(temperature=1e-300), {}),
     ("oai-huge-temperature", CMPL, cmpl(temperature=1e300), {}),
+    ("oai-max-tokens-zero", CMPL, cmpl(max_tokens=0, echo=True, logprobs=1), {}),
+    ("oai-json-mode", CMPL, cmpl(response_format={"type": "json_object"}), {}),
+    ("v2-guided-choice", V2, v2(parameters={"max_tokens": 4, "guided_choice": '["a", "b"]'}),
+     {}),
+    ("chat-tools-auto", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+     {}),
 ]
 
 

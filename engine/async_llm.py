@@ -413,6 +413,10 @@ class AsyncLLM:
                 info = StepInfo(stats, [], in_flight, 0, False, time.monotonic())
                 for callback in self._callbacks:
                     callback(info)
+        close = getattr(self._engine, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):  # the engine's sockets (KV-cache events)
+                close()
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:

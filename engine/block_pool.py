@@ -15,6 +15,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from engine.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
+
 
 class KVBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
@@ -109,6 +111,20 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
+        self.num_shared_blocks = 0  # blocks held by more than one request (ref_cnt > 1)
+        # KV-cache events since the last take_events() (engine.kv_events); None: not recorded.
+        self.events: list[KVCacheEvent] | None = None
+
+    def record_events(self) -> None:
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -142,6 +158,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+            elif block.ref_cnt == 1:
+                self.num_shared_blocks += 1
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -150,6 +168,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {block}")
+            if block.ref_cnt == 2:
+                self.num_shared_blocks -= 1
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
@@ -157,20 +177,34 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache(self, block: KVBlock, block_hash: bytes) -> None:
-        """Make a full block findable by its hash; a hash already cached keeps its first block."""
+    def cache(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Make a full block findable by its hash; a hash already cached keeps its first block.
+        True if the hash became findable now (the caller records the BlockStored event: only it
+        knows the tokens and the parent)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
     def _uncache(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self._record_removed(block.block_hash)
             block.block_hash = None
+
+    def _record_removed(self, block_hash: bytes) -> None:
+        """One BlockRemoved per run of consecutive removals (an allocation evicting several)."""
+        assert self.events is not None
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockRemoved):
+            last.block_hashes.append(block_hash)
+        else:
+            self.events.append(BlockRemoved([block_hash]))
 
     def uncache(self, block: KVBlock) -> None:
         self._uncache(block)
@@ -182,4 +216,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return True

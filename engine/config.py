@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from engine.kv_events import KVEventsConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # auto: the folder's weights. dummy: random weights drawn at load (benchmarks of a model shape
@@ -26,6 +29,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     load_format: str = "auto"
+    # KV-cache events for cache-aware routers (engine/kv_events.py): a KVEventsConfig, or its
+    # JSON / dict form as vLLM's --kv-events-config takes it. None: off.
+    kv_events_config: KVEventsConfig | str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -45,6 +51,8 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS} "
                              f"(got {self.load_format!r})")
+        if isinstance(self.kv_events_config, (str, dict)):
+            self.kv_events_config = KVEventsConfig.from_json(self.kv_events_config)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} "
                              f"(got {self.scheduling_policy!r})")

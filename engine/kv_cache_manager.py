@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KVBlock, hash_block
+from engine.kv_events import BlockStored
 from engine.request import Request
 
 
@@ -133,10 +134,22 @@ class KVCacheManager:
             return
         self._extend_block_hashes(request)
         blocks = self.req_blocks[rid]
+        hashes = request.block_hashes
+        events = self.pool.events
+        run: BlockStored | None = None  # the event of the run of blocks stored just now
         for i in range(done, num_full):
             block = blocks[i]
-            if block is not None:
-                self.pool.cache(block, request.block_hashes[i])
+            if block is None or not self.pool.cache(block, hashes[i]):
+                run = None  # left the window, or already cached (elsewhere): breaks the run
+                continue
+            if events is None:
+                continue
+            tokens = request.tokens_slice(i * self.block_size, (i + 1) * self.block_size)
+            if run is None:
+                run = BlockStored([], hashes[i - 1] if i else None, [], self.block_size)
+                events.append(run)
+            run.block_hashes.append(hashes[i])
+            run.token_ids.extend(tokens)
         self._num_registered[rid] = num_full
 
     def free(self, request: Request) -> None:
@@ -218,6 +231,7 @@ class KVCacheManager:
             "kv_blocks_free": self.pool.num_free_blocks,
             "kv_blocks_in_use": used,
             "kv_blocks_cached": self.pool.num_cached_blocks,
+            "kv_blocks_shared": self.pool.num_shared_blocks,
             "kv_usage": used / self.pool.num_blocks,
             "kv_slots_allocated": used * self.block_size,
             "kv_blocks_freed_out_of_window": self.num_window_freed,

@@ -1,4 +1,7 @@
-"""Where the engine runs and how big its KV cache is: device, dtype, number of blocks."""
+"""Where the engine runs and how big its KV cache is: device, dtype, number of blocks.
+
+The one home of the sizing rule: the engine sizes its cache with it at start-up, and the
+capacity planner (kserve_paged/plan.py) predicts the same figures from a config.json."""
 
 from __future__ import annotations
 
@@ -45,17 +48,31 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                       dtype_bytes: int) -> int:
+    """Keys and values of one token in every layer."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def kv_budget_bytes(kv_cache_memory: float | int | None, device_type: str,
+                    available: int) -> int:
+    """Bytes for the KV cache, given what is free once the weights are loaded (``available``):
+    ``kv_cache_memory`` bytes (> 1) or that fraction of it (<= 1), else the device's default."""
+    mem = kv_cache_memory
+    if mem is not None:
+        return int(mem * available) if mem <= 1 else int(mem)
+    if device_type == "cuda":
+        return int(CUDA_KV_FRACTION * available)
+    return min(int(CPU_KV_FRACTION * available), CPU_KV_CAP_BYTES)
+
+
 def size_kv_cache(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
     """Number of KV blocks: given outright, from a byte budget or fraction, or a default share."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    mem = config.kv_cache_memory
-    if mem is not None:
-        budget = int(mem * available_memory(device)) if mem <= 1 else int(mem)
-    elif device.type == "cuda":
-        budget = int(CUDA_KV_FRACTION * available_memory(device))
-    else:
-        budget = min(int(CPU_KV_FRACTION * available_memory(device)), CPU_KV_CAP_BYTES)
+    needs_free = config.kv_cache_memory is None or config.kv_cache_memory <= 1
+    budget = kv_budget_bytes(config.kv_cache_memory, device.type,
+                             available_memory(device) if needs_free else 0)
     blocks = budget // bytes_per_block
     if blocks < 1:
         raise ValueError(f"kv_cache_memory of {budget} bytes holds no KV block "

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 MIN_N, MAX_N = 1, 128  # samples per prompt
 MIN_LOGPROBS, MAX_LOGPROBS = 0, 20  # top log-probabilities per token (and per prompt token)
-MIN_MAX_TOKENS = 1  # output budget; the upper bound is what the context window leaves
+# Output budget; the upper bound is what the context window leaves. 0 scores the prompt only
+# (prompt logprobs, echo), which evaluation harnesses ask for.
+MIN_MAX_TOKENS = 0
 MIN_MIN_TOKENS = 0
 MIN_TEMPERATURE = 0.0
 TOP_P_RANGE = (0.0, 1.0)  # exclusive below, inclusive above: (0, 1]

@@ -100,4 +100,4 @@ class LLM:
         return self.engine.stats()
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine.kv.reset_prefix_cache()
+        return self.engine.reset_prefix_cache()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import logging
@@ -17,6 +18,8 @@ from engine.config import EngineConfig
 from engine.cpu_memory import tune_glibc_malloc
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_event_publisher import ZmqEventPublisher
+from engine.kv_events import KVEventsConfig
 from engine.kv_sizing import resolve_device, resolve_dtype, size_kv_cache
 from engine.limits import check_prompt_ids
 from engine.logits_processors import apply_penalties
@@ -30,6 +33,7 @@ from engine.sample_groups import SampleGroups
 from engine.sampler import Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import GrammarBitmask, GrammarCompiler, RequestGrammar
 
 logger = logging.getLogger("engine")
 
@@ -93,12 +97,17 @@ class LLMEngine:
         window = max(windows) if all(w is not None for w in windows) else None
         self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching,
                                  sliding_window=window)
+        self.kv_events = self._kv_event_publisher()
         self.scheduler = Scheduler(config, self.kv, max_len)
         self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,
                                   self.device, max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_len)
         self.sampler = Sampler(config.seed)
         self.eos_token_id, self._extra_eos = self._eos_ids()
+        stop_ids = [t for t in [self.eos_token_id, *self._extra_eos] if t is not None]
+        self.grammars = GrammarCompiler(self.tokenizer, self.model.vocab_size, stop_ids)
+        self._bitmask = GrammarBitmask(self.model.vocab_size)
+        self._compiling: list[Request] = []  # queued, their grammar not compiled yet
         self._live: dict[str, _Tracked] = {}
         self._groups = SampleGroups()
         self._counter = 0
@@ -107,6 +116,27 @@ class LLMEngine:
         self.last_step_tokens = 0  # tokens computed by the last step (vLLM's iteration tokens)
         # Test-only fault injection: called with the step's request ids before the forward.
         self.fault_hook: Callable[[list[str]], None] | None = None
+
+    def _kv_event_publisher(self) -> ZmqEventPublisher | None:
+        """The publisher of KV-cache events, when --kv_events_config switches them on."""
+        cfg = self.config.kv_events_config
+        if not isinstance(cfg, KVEventsConfig) or not cfg.publishes:
+            return None
+        if not self.config.enable_prefix_caching:
+            logger.warning("KV-cache events are on but prefix caching is off: nothing is cached, "
+                           "so only AllBlocksCleared will ever be published")
+        self.kv.pool.record_events()
+        return ZmqEventPublisher(cfg, medium="GPU" if self.device.type == "cuda" else "CPU")
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.pool.take_events())
+
+    def close(self) -> None:
+        """Release what outlives a step (the event socket); the engine is not used after."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     def _eos_ids(self) -> tuple[int | None, list[int]]:
         ids: list[int] = []
@@ -192,6 +222,9 @@ class LLMEngine:
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)  # raises on duplicates and over-long prompts
+        if params.structured_outputs is not None:
+            request.grammar = RequestGrammar(self.grammars.submit(params.structured_outputs))
+            self._compiling.append(request)
         self._live[request_id] = _Tracked(
             request, text, IncrementalDetokenizer(self.tokenizer, token_ids, params),
             make_generator(params.seed), metrics=RequestMetrics(request.arrival_time))
@@ -207,17 +240,29 @@ class LLMEngine:
         self.scheduler.finish_requests(expanded, RequestStatus.FINISHED_ABORTED)
         for rid in expanded:
             self._live.pop(rid, None)
+        self._publish_kv_events()  # what the aborts evicted, before the next step's events
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """One scheduler step and one forward; outputs of requests that progressed or ended."""
+        """One scheduler step and one forward; outputs of requests that progressed or ended.
+        The step's KV-cache events go out as one batch once it is done."""
+        try:
+            return self._step()
+        finally:
+            self._publish_kv_events()
+
+    def _step(self) -> list[RequestOutput]:
+        failed = self._start_compiled_grammars()
         out = self.scheduler.schedule()
         self.last_step_tokens = out.total_num_scheduled_tokens
         if out.is_empty:
-            return []
+            if self._compiling and not failed:  # nothing to run until a grammar is ready
+                concurrent.futures.wait([r.grammar.future for r in self._compiling],
+                                        timeout=0.05, return_when="FIRST_COMPLETED")
+            return self._groups.merge(failed)
         now = time.monotonic()
         for req in out.scheduled:
             tracked = self._live[req.request_id]
@@ -239,6 +284,7 @@ class LLMEngine:
                 processed = apply_penalties(logits, params,
                                             [r.prompt_token_ids for r in sampling],
                                             [r.output_token_ids for r in sampling])
+                processed = self._bitmask.apply(processed, [r.grammar for r in sampling])
                 token_tensor = self.sampler.sample(
                     processed, params, [t.generator for t in tracks],
                     [r.num_output_tokens for r in sampling], [r.eos_token_id for r in sampling])
@@ -252,20 +298,65 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - contain the fault to this step's requests
             logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
             return self._groups.merge(
-                self._fail(out.scheduled, f"{type(exc).__name__}: {exc}"))
+                failed + self._fail(out.scheduled, f"{type(exc).__name__}: {exc}"))
         sampled = {r.request_id: t for r, t in zip(sampling, tokens)}
+        rejected = self._accept_grammar_tokens(sampling, sampled)
         self.generation_tokens += len(sampled)
-        self.scheduler.update_from_output(out, sampled, self._observe_token)
+        ended = self.scheduler.update_from_output(out, sampled, self._observe_token)
         now = time.monotonic()
-        outputs = []
+        outputs = failed
+        if rejected:
+            outputs += self._fail(rejected, "the sampled token broke the request's "
+                                  "structured-output grammar")
         for req in sampling:
+            if req.request_id not in sampled:
+                continue
             tracked = self._live[req.request_id]
             m = tracked.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
             outputs.append(self._make_output(tracked, now))
+        # Requests that ended without sampling: max_tokens=0 once the prompt is scored.
+        outputs.extend(self._make_output(self._live[r.request_id], now) for r in ended
+                       if r.request_id not in sampled and r.request_id in self._live)
         return self._groups.merge(outputs)
+
+    def _start_compiled_grammars(self) -> list[RequestOutput]:
+        """Give each request whose grammar finished compiling its matcher (the scheduler
+        then admits it); fail the requests whose compile failed."""
+        if not self._compiling:
+            return []
+        still, broken = [], []
+        for req in self._compiling:
+            if req.is_finished or req.request_id not in self._live:
+                continue  # aborted while compiling
+            if not req.grammar.future.done():
+                still.append(req)
+                continue
+            try:
+                req.grammar.start()
+            except Exception as exc:  # noqa: BLE001 - this request's grammar only
+                logger.warning("grammar compile failed for %s: %s", req.request_id, exc)
+                broken.append((req, f"the structured-output grammar did not compile: {exc}"))
+        self._compiling = still
+        failed: list[RequestOutput] = []
+        for req, message in broken:
+            failed.extend(self._fail([req], message))
+        return failed
+
+    def _accept_grammar_tokens(self, sampling: list[Request], sampled: dict[str, int]
+                               ) -> list[Request]:
+        """Advance each constrained request's matcher by its sampled token; the requests
+        whose token the grammar refused (which the mask should make impossible) are
+        returned, their tokens dropped."""
+        rejected = []
+        for req in sampling:
+            if req.grammar is not None and not req.grammar.matcher.accept_token(
+                    sampled[req.request_id]):
+                rejected.append(req)
+                del sampled[req.request_id]
+        return rejected
 
     def _observe_token(self, req: Request, ended_by_token: bool) -> str | None:
         """The scheduler's stop-string check: feed the new token to the request's detokenizer
@@ -322,9 +413,15 @@ class LLMEngine:
         self.add_request(rid, [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
         while self.has_unfinished_requests():
             self.step()
-        self.kv.reset_prefix_cache()
+        self.reset_prefix_cache()  # AllBlocksCleared: a router forgets what it knew of this pod
         self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
         self.prompt_tokens = self.generation_tokens = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (refused while requests hold blocks); announced at once."""
+        done = self.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()

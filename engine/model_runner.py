@@ -11,6 +11,7 @@ import kernels
 from engine.attention import AttentionMetadata
 from engine.cpu_memory import hugepage_zeros, prefault_bytes, prefault_leading_blocks
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_sizing import kv_bytes_per_token
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 
@@ -115,7 +116,8 @@ class ModelRunner:
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * block_size * model.num_kv_heads * model.head_dim * elem * model.num_layers
+        return block_size * kv_bytes_per_token(model.num_layers, model.num_kv_heads,
+                                               model.head_dim, elem)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -143,7 +145,7 @@ class ModelRunner:
                     prompt_spans.append((req, start, end - start))
                     prompt_rows.extend(range(offset, offset + end - start))
             offset += n
-            if start + n == req.num_tokens:
+            if start + n == req.num_tokens and req.wants_token:
                 sampling.append(req)
                 last_rows.append(offset - 1)
         total = offset

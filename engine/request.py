@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.limits import EMPTY_PROMPT, past_min_tokens
 from engine.sampling_params import SamplingParams
+from engine.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -55,6 +56,9 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # The constraint's matcher (structured outputs); the scheduler skips the request while
+    # its grammar compiles.
+    grammar: RequestGrammar | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:  # an invariant of every request the scheduler holds
@@ -97,6 +101,12 @@ class Request:
     def max_tokens(self) -> int:
         mt = self.sampling_params.max_tokens
         return mt if mt is not None else 1 << 62
+
+    @property
+    def wants_token(self) -> bool:
+        """Whether computing to the end samples a token: not for max_tokens=0 (prompt
+        scoring), which ends once its prompt is computed."""
+        return self.num_output_tokens < self.max_tokens
 
     @property
     def is_finished(self) -> bool:

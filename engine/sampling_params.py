@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine import limits as L
+from engine.structured_output import StructuredOutputs
 
 
 @dataclass(slots=True)
@@ -31,6 +32,9 @@ class SamplingParams:
     # Top log-probabilities of each prompt token (given the tokens before it). Such a request
     # computes its whole prompt: cached positions have no logits.
     prompt_logprobs: int | None = None
+    # Holds the output to a JSON schema, regex, choice or grammar (engine/structured_output.py);
+    # a dict is taken as StructuredOutputs' fields.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +54,11 @@ class SamplingParams:
                                  f"to numbers ({exc})") from None
         else:
             self.logit_bias = None
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+            except TypeError as exc:
+                raise ValueError(f"invalid sampling parameter: structured_outputs: {exc}") from None
         self.validate()
 
     def validate(self) -> None:
@@ -118,6 +127,15 @@ class SamplingParams:
                                       or not L.MIN_LOGPROBS <= value <= L.MAX_LOGPROBS):
                 raise bad(f"{name} must be an integer from {L.MIN_LOGPROBS} to "
                           f"{L.MAX_LOGPROBS} (got {value!r})")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise bad("structured_outputs must be a StructuredOutputs or a dict of its fields")
+            # The grammar ends the output with EOS: without it, or with EOS banned, a
+            # completed grammar would leave no token to sample.
+            if self.ignore_eos:
+                raise bad("ignore_eos cannot be combined with structured outputs")
+            if self.min_tokens:
+                raise bad("min_tokens cannot be combined with structured outputs")
 
     @property
     def greedy(self) -> bool:

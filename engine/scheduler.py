@@ -175,10 +175,14 @@ class Scheduler:
                        preempt: Callable[[Request], None],
                        better_than: tuple[int, float] | None = None) -> int:
         """Admit waiting requests in policy order; returns the budget left."""
+        compiling: list[Request] = []  # passed over while their grammar compiles
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if better_than is not None and self._policy_key(request) >= better_than:
                 break
+            if request.grammar is not None and request.grammar.compiling:
+                compiling.append(self.waiting.pop())
+                continue
             # Waiting requests hold no blocks and have computed nothing (preemption resets).
             hit = self.kv.find_prefix(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget)
@@ -207,6 +211,8 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             order.append(request)
             budget -= num_new
+        for request in reversed(compiling):
+            self.waiting.push(request, front=True)
         return budget
 
     def _preemption_would_fit(self, request: Request, num_new: int, hit: PrefixHit,
@@ -240,6 +246,9 @@ class Scheduler:
             self.kv.free_out_of_window(request)  # no-op unless every layer slides
             token = sampled.get(request.request_id)
             if token is None:
+                if not request.wants_token and request.num_computed_tokens >= request.num_tokens:
+                    self.finish(request, RequestStatus.FINISHED_LENGTH)  # max_tokens=0: scored
+                    finished.append(request)
                 continue
             request.output_token_ids.append(token)
             status, reason = self._check_stop(request, token, stop_strings)

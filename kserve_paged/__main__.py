@@ -9,7 +9,13 @@ def main(argv: list[str] | None = None) -> int:
     """Console-script entry (``kserve-paged``); see kserve_paged.server.
 
     The tcmalloc re-exec comes first and engine.cpu_memory imports nothing heavy, so the
-    process re-executes before torch (or anything else that allocates much) is loaded."""
+    process re-executes before torch (or anything else that allocates much) is loaded.
+    ``kserve-paged plan ...`` is the capacity planner instead (kserve_paged/plan.py)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["plan"]:
+        from kserve_paged.plan import main as plan_main
+
+        return plan_main(args[1:])
     if argv is None:
         from engine.cpu_memory import reexec_with_tcmalloc
 

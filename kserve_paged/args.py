@@ -23,7 +23,9 @@ from kserve.model_server import parser as kserve_parser
 
 from engine.config import SCHEDULING_POLICIES, EngineConfig
 from engine.default_model import PACKAGED_MODELS
+from engine.kv_events import KVEventsConfig
 from engine.limits import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN
+from kserve_paged.openai.tools import TOOL_CALL_PARSERS
 
 DEFAULT_MODEL_DIR = "/mnt/models"
 DEFAULT_HTTP_HOST = "0.0.0.0"  # what KServe's RESTServer binds
@@ -41,6 +43,7 @@ ENGINE_FLAGS = (
     "kv_cache_memory",
     "enable_prefix_caching",
     "scheduling_policy",
+    "kv_events_config",
 )
 
 _TRUE = frozenset({"1", "true", "yes", "y", "on", "t"})
@@ -88,6 +91,15 @@ def parse_memory(text: str) -> float | int:
     if number <= 0:
         raise argparse.ArgumentTypeError(f"--kv_cache_memory must be > 0, got {text!r}")
     return number if number <= 1 else int(number)
+
+
+def parse_kv_events_config(text: str) -> KVEventsConfig:
+    """``--kv_events_config``: vLLM's JSON, e.g. ``{"enable_kv_cache_events": true,
+    "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv@pod@model"}``."""
+    try:
+        return KVEventsConfig.from_json(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class _BoolFlag(argparse.Action):
@@ -149,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Reuse KV blocks of shared prompt prefixes.")
     engine.add_argument("--scheduling_policy", default=d["scheduling_policy"],
                         choices=SCHEDULING_POLICIES, help="Order of admission of waiting requests.")
+    engine.add_argument(
+        "--kv_events_config", type=parse_kv_events_config, default=d["kv_events_config"],
+        help="KV-cache events for cache-aware routers, as vLLM's JSON: "
+             '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+             '"endpoint": "tcp://*:5557", "topic": ""}\' (ZMQ PUB, msgpack; docs/operations.md).')
     server = parser.add_argument_group("server")
     server.add_argument(
         "--http_host", default=DEFAULT_HTTP_HOST,
@@ -168,6 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="Longest prompt text, in characters; a longer one is refused with 400 before it "
              f"is tokenized. Default: max_model_len * {PROMPT_CHARS_PER_TOKEN} (no prompt "
              "that long could fit).")
+    server.add_argument(
+        "--tool_call_parser", default="hermes", choices=TOOL_CALL_PARSERS,
+        help="How chat output with tool_choice \"auto\" is read for tool calls: hermes "
+             "(<tool_call>{...}</tool_call>, Qwen and Hermes templates), llama3_json (Llama "
+             "3.x's bare JSON), or none (then tool_choice \"auto\" is a 400, as in vLLM "
+             "without --enable-auto-tool-choice).")
+    server.add_argument("--enable_auto_tool_choice", action="store_true",
+                        help="Accepted for vLLM's command lines; auto tool choice is on "
+                             "whenever --tool_call_parser is not none.")
     return parser
 
 

@@ -40,10 +40,25 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Token counts per request: vLLM's 1, 2, 5, 10, 20, 50, ... series, which it stops at
+# max_model_len. One registry serves every model, so the series runs to the largest context
+# any model could have; for a given max_model_len the buckets past it only ever hold the total,
+# and quantiles read the same as vLLM's.
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(8) for m in (1, 2, 5))
+
+# Finish reasons (engine.request.RequestStatus values; "error" is this engine's own, vLLM has
+# the other three). Every series exists from the start, so rates work before the first error.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# No LoRA adapters yet: vllm:lora_requests_info reports none, max_lora 0 (the gateway's endpoint
+# picker reads this gauge for adapter affinity).
+MAX_LORA = 0
+LORA_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
 
 # Engine stats keys (LLM.stats()) -> gauge attribute / counter attribute.
 GAUGE_STATS = {"num_running": "num_requests_running", "num_waiting": "num_requests_waiting",
-               "kv_usage": "kv_cache_usage_perc"}
+               "kv_usage": "kv_cache_usage_perc",
+               "kv_slots_allocated": "kv_slots_reserved", "kv_slots_used": "kv_slots_holding_tokens",
+               "kv_blocks_shared": "kv_blocks_shared"}
 COUNTER_STATS = {"prefix_cache_queries": "prefix_cache_queries",
                  "prefix_cache_hits": "prefix_cache_hits",
                  "num_preemptions": "num_preemptions", "prompt_tokens": "prompt_tokens",
@@ -61,8 +76,8 @@ class _Families:
         def gauge(name: str, doc: str, labels: Iterable[str] = LABELS) -> Gauge:
             return Gauge(name, doc, list(labels), registry=registry)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, list(LABELS), registry=registry)
+        def counter(name: str, doc: str, labels: Iterable[str] = LABELS) -> Counter:
+            return Counter(name, doc, list(labels), registry=registry)
 
         def histogram(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
             return Histogram(name, doc, list(LABELS), buckets=list(buckets), registry=registry)
@@ -99,6 +114,36 @@ class _Families:
         self.iteration_tokens = histogram(
             "vllm:iteration_tokens_total", "Histogram of number of tokens per engine step.",
             ITERATION_TOKEN_BUCKETS)
+        self.request_success = counter(
+            "vllm:request_success_total", "Count of successfully processed requests.",
+            (*LABELS, "finished_reason"))
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            TOKEN_BUCKETS)
+        self.request_inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.", REQUEST_BUCKETS)
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.", REQUEST_BUCKETS)
+        self.request_decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.", REQUEST_BUCKETS)
+        self.lora_requests_info = gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests (value: time of the last update).", LORA_LABELS)
+        # This project's own: how much of the reserved KV memory holds tokens, how much is shared.
+        self.kv_slots_reserved = gauge(
+            "kserve_paged:kv_slots_reserved",
+            "KV-cache token slots in blocks held by requests (block_size per block).")
+        self.kv_slots_holding_tokens = gauge(
+            "kserve_paged:kv_slots_holding_tokens",
+            "Reserved KV-cache token slots that hold a token; the rest is partial-block waste.")
+        self.kv_blocks_shared = gauge(
+            "kserve_paged:kv_blocks_shared",
+            "KV-cache blocks held by more than one request (shared prefixes).")
         self.cache_config_info = gauge(
             "vllm:cache_config_info", "Information of the KV-cache config (value 1).",
             (*LABELS, "block_size", "num_gpu_blocks"))
@@ -142,6 +187,14 @@ class EngineMetrics:
         self._e2e = f.e2e_request_latency.labels(model_name)
         self._queue = f.request_queue_time.labels(model_name)
         self._iteration_tokens = f.iteration_tokens.labels(model_name)
+        self._success = {r: f.request_success.labels(model_name, r) for r in FINISH_REASONS}
+        self._prompt_tokens = f.request_prompt_tokens.labels(model_name)
+        self._generation_tokens = f.request_generation_tokens.labels(model_name)
+        self._inference_time = f.request_inference_time.labels(model_name)
+        self._prefill_time = f.request_prefill_time.labels(model_name)
+        self._decode_time = f.request_decode_time.labels(model_name)
+        self._lora_info = f.lora_requests_info.labels(str(MAX_LORA), "", "")
+        self._lora_info.set_to_current_time()
 
     def update(self, stats: Mapping[str, Any], *, counters: bool = True) -> None:
         """Apply an engine stats dict (``LLM.stats()``): gauges are set; counters take the
@@ -192,6 +245,29 @@ class EngineMetrics:
     def observe_iteration_tokens(self, num_tokens: int) -> None:
         self._iteration_tokens.observe(num_tokens)
 
+    def touch_lora_info(self) -> None:
+        """vLLM sets ``vllm:lora_requests_info`` to the current time at every engine step."""
+        self._lora_info.set_to_current_time()
+
+    def observe_finished(self, reason: str, num_prompt_tokens: int | None = None,
+                         num_generation_tokens: int | None = None,
+                         phases: tuple[float, float, float] | None = None) -> None:
+        """A request ended: ``vllm:request_success_total{finished_reason}``, and for one that
+        produced an output, its token counts and (prefill, decode, inference) seconds."""
+        child = self._success.get(reason)
+        if child is None:
+            raise ValueError(f"unknown finish reason {reason!r} (known: {FINISH_REASONS})")
+        child.inc()
+        if num_prompt_tokens is not None:
+            self._prompt_tokens.observe(num_prompt_tokens)
+        if num_generation_tokens is not None:
+            self._generation_tokens.observe(num_generation_tokens)
+        if phases is not None:
+            prefill, decode, inference = phases
+            self._prefill_time.observe(prefill)
+            self._decode_time.observe(decode)
+            self._inference_time.observe(inference)
+
 
 class MetricsObserver:
     """Engine step callback -> Prometheus: gauges and counters from the stats, latency
@@ -205,12 +281,14 @@ class MetricsObserver:
     def __call__(self, info: StepInfo) -> None:
         m = self.metrics
         m.update(info.stats)
+        m.touch_lora_info()
         if info.stepped and info.num_tokens > 0:
             m.observe_iteration_tokens(info.num_tokens)
         for out in info.outputs:
             self._observe(out)
-        for rid in info.aborted:
+        for rid in info.aborted:  # client gone or shutdown: ended without a final output
             self._last_token.pop(rid, None)
+            m.observe_finished("abort")
 
     def _observe(self, out: RequestOutput) -> None:
         t = out.metrics
@@ -233,6 +311,23 @@ class MetricsObserver:
             self._last_token.pop(rid, None)
             end = t.finished_time if t.finished_time is not None else time.monotonic()
             self.metrics.observe_e2e_request_latency(end - t.arrival_time)
+            self._observe_finished(out)
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        """vLLM's per-request figures: phases from first scheduling to first token (prefill)
+        and from first to last token (decode). With n > 1 the samples count as one request."""
+        t = out.metrics
+        assert t is not None
+        reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None)
+        phases = None
+        if (t.first_scheduled_time is not None and t.first_token_time is not None
+                and t.last_token_time is not None):
+            phases = (t.first_token_time - t.first_scheduled_time,
+                      t.last_token_time - t.first_token_time,
+                      t.last_token_time - t.first_scheduled_time)
+        self.metrics.observe_finished(
+            reason if reason in FINISH_REASONS else "error", len(out.prompt_token_ids),
+            sum(len(c.token_ids) for c in out.outputs), phases)
 
 
 def _described(registry: CollectorRegistry | None) -> list[tuple[str, str]]:

@@ -15,7 +15,8 @@ from kserve_paged.openai.errors import error_body
 
 INFERENCE_HEADER = b"inference-header-content-length"
 FORM = b"application/x-www-form-urlencoded"
-OPENAI_PATH_PREFIX = "/openai/"
+# OpenAI routes (and their vLLM-path aliases, openai/handlers.py): errors in OpenAI's shape.
+OPENAI_PATH_PREFIX = ("/openai/", "/v1/completions", "/v1/chat/completions")
 # A body this many times over the limit is not read to its end before the 413 (the connection
 # closes instead): reading it would cost more than a client that sends it deserves.
 _DRAIN_FACTOR = 8

@@ -44,7 +44,7 @@ class PagedLLMModel(Model):
 
     def __init__(self, name: str, config: EngineConfig, *, llm: AsyncLLM | None = None,
                  metrics: EngineMetrics | None = None,
-                 max_prompt_chars: int | None = None) -> None:
+                 max_prompt_chars: int | None = None, tool_call_parser: str = "hermes") -> None:
         super().__init__(name)
         self.engine = True  # KServe awaits start_engine() next to the HTTP server
         self.config = config
@@ -56,6 +56,7 @@ class PagedLLMModel(Model):
         self.load_error: BaseException | None = None
         self.draining = False  # set on SIGTERM: refuse new work, let in-flight requests finish
         self._max_prompt_chars = max_prompt_chars
+        self.tool_call_parser = tool_call_parser  # read by the chat route (openai/tools.py)
 
     # -- lifecycle (see the module docstring) -----------------------------------------------
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.limits import LOGIT_BIAS_RANGE, MIN_MAX_TOKENS
 from engine.sampling_params import SamplingParams
+from kserve_paged.structured import StructuredOptionError, structured_outputs_option
 
 # Options every front end accepts, with the types JSON / v2 parameters may carry them in.
 SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
@@ -136,15 +137,12 @@ def _as_logit_bias(value: Any, vocab_size: int | None) -> dict[int, float]:
 # OpenAI bodies' extra fields (vLLM's extras: beam search, guided decoding, ...).
 UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
     "beam_width": (1,), "num_beams": (1,), "use_beam_search": (False,), "length_penalty": (1,),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
     "allowed_token_ids": (), "bad_words": (), "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,), "logits_processors": (),
 }
 # Known to v2 only as refusals: OpenAI bodies declare and check these themselves.
 V2_UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
-    **UNSUPPORTED_OPTIONS, "echo": (False,), "suffix": (), "response_format": ("text",),
-    "tools": (), "top_logprobs": (0,),
+    **UNSUPPORTED_OPTIONS, "echo": (False,), "suffix": (), "tools": (), "top_logprobs": (0,),
 }
 
 
@@ -232,7 +230,11 @@ def make_sampling_params(options: Mapping[str, Any], *, prompt_len: int, max_mod
         requested = min(default_max_tokens, max_model_len - prompt_len)
     max_tokens = resolve_max_tokens(prompt_len, requested, max_model_len)
     try:
-        return SamplingParams(max_tokens=max_tokens, **opts)
+        structured = structured_outputs_option(options)
+    except StructuredOptionError as exc:
+        raise OptionError(str(exc), exc.param) from None
+    try:
+        return SamplingParams(max_tokens=max_tokens, structured_outputs=structured, **opts)
     except ValueError as exc:
         message = str(exc)
         # SamplingParams' messages name the option first ("...: top_p must be ..."); a plain

@@ -111,7 +111,8 @@ def build_model(args: argparse.Namespace, argv: list[str]) -> PagedLLMModel:
     config = EngineConfig(model=model_path, **engine_kwargs(args))
     factory = engine_factory_from_env(config)  # test-only fault injection, off unless set
     llm = AsyncLLM(config, engine_factory=factory) if factory is not None else None
-    return PagedLLMModel(args.model_name, config, llm=llm, max_prompt_chars=args.max_prompt_chars)
+    return PagedLLMModel(args.model_name, config, llm=llm, max_prompt_chars=args.max_prompt_chars,
+                         tool_call_parser=args.tool_call_parser)
 
 
 def install(app: FastAPI, model: PagedLLMModel, *,

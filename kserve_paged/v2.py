@@ -29,6 +29,7 @@ from kserve_paged.sampling import (
     OptionError,
     unsupported_options,
 )
+from kserve_paged.structured import STRUCTURED_OPTION_NAMES
 
 if TYPE_CHECKING:
     from kserve_paged.model import PagedLLMModel
@@ -117,7 +118,7 @@ async def _complete_all(model: PagedLLMModel, texts: list[str], options: dict[st
                            "priority, cache_salt")
     unknown = sorted(k for k in options
                      if k not in SAMPLING_OPTIONS and k not in _TRANSPORT_PARAMETERS
-                     and k not in V2_UNSUPPORTED_OPTIONS
+                     and k not in V2_UNSUPPORTED_OPTIONS and k not in STRUCTURED_OPTION_NAMES
                      and k not in ("priority", "cache_salt", "best_of"))
     if unknown:
         # As vLLM (and the OpenAI routes here) do with unknown fields: ignore, but say so.

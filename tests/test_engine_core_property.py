@@ -11,6 +11,7 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.kv_events import BlockRemoved, BlockStored
 from engine.request import RequestStatus
 from tests.core_helpers import make_request, make_scheduler
 
@@ -33,9 +34,27 @@ op_strategy = st.one_of(
 )
 
 
+def apply_events(pool, mirror: dict[bytes, int]) -> None:
+    """A router's index rebuilt from the pool's KV-cache events (engine/kv_events.py): each
+    hash stored once while not announced, removed once while announced."""
+    for event in pool.take_events():
+        if isinstance(event, BlockStored):
+            assert len(event.token_ids) == len(event.block_hashes) * event.block_size
+            for h in event.block_hashes:
+                assert h not in mirror, "stored twice"
+                mirror[h] = 1
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                assert mirror.pop(h, None) is not None, "removed but never stored"
+        else:
+            mirror.clear()
+    assert mirror.keys() == pool.cached.keys()
+
+
 def check_invariants(sched) -> None:
     kv = sched.kv
     pool = kv.pool
+    assert pool.num_shared_blocks == sum(1 for b in pool.blocks if b.ref_cnt > 1)
     free_ids = {b.block_id for b in pool.free_queue}
     assert len(free_ids) == pool.num_free_blocks
     holders = {i: 0 for i in range(pool.num_blocks)}
@@ -99,6 +118,8 @@ def test_random_operations_keep_the_pool_consistent(ops, policy, caching, window
                            max_num_seqs=MAX_SEQS, caching=caching, policy=policy,
                            sliding_window=window)
     kv_store: dict[int, tuple[int, int]] = {}
+    sched.kv.pool.record_events()
+    mirror: dict[bytes, int] = {}
     counter = itertools.count()
     for op in ops:
         kind = op[0]
@@ -125,9 +146,14 @@ def test_random_operations_keep_the_pool_consistent(ops, policy, caching, window
                 sched.finish_requests([running[op[1] % len(running)]],
                                       RequestStatus.FINISHED_STOPPED)
         check_invariants(sched)
+        apply_events(sched.kv.pool, mirror)
     for rid in list(sched.requests):
         sched.abort(rid)
     check_invariants(sched)
+    apply_events(sched.kv.pool, mirror)
+    assert sched.kv.pool.reset_prefix_cache()
+    apply_events(sched.kv.pool, mirror)
+    assert not mirror
     assert sched.kv.num_free_blocks == NUM_BLOCKS
     assert all(b.ref_cnt == 0 for b in sched.kv.pool.blocks)
     assert not sched.requests and not sched.running and not len(sched.waiting)

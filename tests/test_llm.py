@@ -148,7 +148,7 @@ def test_bad_input_raises_and_leaves_nothing_allocated(llm, prompt, params, matc
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),

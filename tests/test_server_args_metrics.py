@@ -20,10 +20,18 @@ CONTRACT_NAMES = {
     "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
     "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
     "vllm:iteration_tokens_total", "vllm:cache_config_info",
+    # issue 24: parity with what the gateway and vLLM dashboards read, and the KV waste gauges
+    "vllm:request_success_total", "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+    "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds", "vllm:lora_requests_info",
+    "kserve_paged:kv_slots_reserved", "kserve_paged:kv_slots_holding_tokens",
+    "kserve_paged:kv_blocks_shared",
 }
 HISTOGRAMS = {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
               "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
-              "vllm:iteration_tokens_total"}
+              "vllm:iteration_tokens_total", "vllm:request_prompt_tokens",
+              "vllm:request_generation_tokens", "vllm:request_prefill_time_seconds",
+              "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"}
 # What Prometheus 2.x sends when scraping (it prefers OpenMetrics).
 PROMETHEUS2_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
                       "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")

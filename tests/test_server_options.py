@@ -130,7 +130,7 @@ def test_unsupported_options_table():
     assert unsupported_options({"use_beam_search": False, "guided_json": None,
                                 "bad_words": []}) == []
     assert unsupported_options({"use_beam_search": "true", "guided_regex": "a+"}) == [
-        "use_beam_search", "guided_regex"]
+        "use_beam_search"]  # guided decoding is served (kserve_paged/structured.py)
     assert unsupported_options({"echo": True, "n": 4, "logprobs": 2},
                                V2_UNSUPPORTED_OPTIONS) == ["echo"]
 
@@ -405,16 +405,27 @@ def test_chat_max_completion_tokens(served):
     (CMPL, {"logprobs": 21}, "logprobs"),
     (CMPL, {"n": 129}, "n"),
     (CMPL, {"use_beam_search": True}, "use_beam_search"),
-    (CMPL, {"guided_json": {"type": "object"}}, "guided_json"),
-    (CMPL, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CMPL, {"guided_json": {"type": "strin"}}, "guided_json"),
+    (CMPL, {"guided_regex": "(a"}, "guided_regex"),
+    (CMPL, {"guided_choice": "yes"}, "guided_choice"),
+    (CMPL, {"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
+    (CMPL, {"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    (CMPL, {"response_format": {"type": "yaml"}}, "response_format"),
+    (CMPL, {"guided_decoding_backend": "outlines", "guided_regex": "a"},
+     "guided_decoding_backend"),
     (CMPL, {"logit_bias": {"99999999": 1}}, "logit_bias"),
     (CMPL, {"logit_bias": {"5": 150}}, "logit_bias"),
     (CMPL, {"presence_penalty": -3}, "presence_penalty"),
     (CMPL, {"prompt_logprobs": 50}, "prompt_logprobs"),
     (CHAT_URL, {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object"}}}}, "response_format"),
-    (CHAT_URL, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        "name": "x", "schema": {"type": "object", "required": 5}}}}, "response_format"),
+    (CHAT_URL, {"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools"),
     (CHAT_URL, {"tool_choice": "required"}, "tool_choice"),
+    (CHAT_URL, {"tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    (CHAT_URL, {"tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
     (CHAT_URL, {"top_logprobs": 2}, "top_logprobs"),
     (CHAT_URL, {"logprobs": True, "top_logprobs": 21}, "logprobs"),
     (CHAT_URL, {"best_of": 2}, "best_of"),

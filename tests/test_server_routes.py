@@ -416,7 +416,7 @@ def test_openai_chat_applies_the_template():
     ("completions", {"top_p": 0}, "top_p", 400),
     ("completions", {"model": "other"}, "model", 404),
     ("chat/completions", {"tools": [{"type": "function"}]}, "tools", 400),
-    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", 400),
+    ("chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", 400),
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs", 400),
     ("chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages", 400),
@@ -450,6 +450,28 @@ def test_openai_malformed_and_models():
             models = (await c.get("/openai/v1/models")).json()
             assert models["object"] == "list"
             assert models["data"][0]["id"] == NAME and models["data"][0]["max_model_len"] == 64
+        model.stop_engine()
+    run(main())
+
+
+def test_vllm_paths_serve_completions_and_chat():
+    """An LLMInferenceService's route rewrites to vLLM's /v1/completions and
+    /v1/chat/completions (manifests/llmisvc): the same handlers answer there; /v1/models stays
+    KServe's v1-protocol model list."""
+    async def main() -> None:
+        app, model, _ = await ready()
+        async with client(app) as c:
+            body = {"model": NAME, "prompt": "a b", "max_tokens": 2, "temperature": 0}
+            ours = (await c.post("/openai/v1/completions", json=body)).json()
+            alias = (await c.post("/v1/completions", json=body)).json()
+            assert alias["choices"] == ours["choices"] and alias["usage"] == ours["usage"]
+            chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2}
+            r = await c.post("/v1/chat/completions", json=chat)
+            assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+            r = await c.post("/v1/completions", json={"model": "other", "prompt": "x"})
+            assert r.status_code == 404 and r.json()["error"]["message"]  # OpenAI's shape
+            assert (await c.get("/v1/models")).json() == {"models": [NAME]}
         model.stop_engine()
     run(main())
 

@@ -60,11 +60,20 @@ from kserve_paged.openai.stream import (
     sse,
     until_disconnect,
 )
+from kserve_paged.openai.tools import (
+    ToolCall,
+    ToolPlan,
+    may_start_call,
+    template_messages,
+    tool_plan,
+)
 from kserve_paged.sampling import OptionError
+from kserve_paged.structured import structured_outputs_given
 
 logger = logging.getLogger("kserve.paged.openai")
 
 PREFIX = "/openai/v1"
+VLLM_PREFIX = "/v1"  # completions and chat only (see register_openai_routes)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /completions
 
 
@@ -103,10 +112,16 @@ class OpenAIRoutes:
 
     async def _prepare(self, model: PagedLLMModel, prompt_ids: list[list[int]],
                        body: SamplingBody, max_tokens: int | None, default_max: int | None,
-                       cache_salt: str | None, kind: str, prompt_logprobs: int | None = None
-                       ) -> list[RequestStream]:
+                       cache_salt: str | None, kind: str, prompt_logprobs: int | None = None,
+                       constraint: dict[str, Any] | None = None) -> list[RequestStream]:
         options = {**body.sampling_options(), "max_tokens": max_tokens,
                    "logprobs": body.top_logprobs_k()}
+        if constraint is not None:  # the tools' own: no other constraint may be given
+            if structured_outputs_given(options):
+                raise APIError(400, "tool_choice \"required\" or a named function constrains "
+                               "the output itself: it cannot be combined with response_format "
+                               "or structured_outputs", param="tool_choice")
+            options["structured_outputs"] = constraint
         if prompt_logprobs is not None:
             options["prompt_logprobs"] = prompt_logprobs
         try:
@@ -218,7 +233,9 @@ class OpenAIRoutes:
         body: ChatBody = await parse_body(request, ChatBody)
         model = self._model(body.model)
         name = body.model or model.name
-        conversation = chat_conversation(body.messages)
+        conversation = template_messages(chat_conversation(body.messages))
+        plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls,
+                         model.tool_call_parser)
         info = model.info
         tok = info.tokenizer
         if not info.has_chat_template:
@@ -235,7 +252,8 @@ class OpenAIRoutes:
             text = await asyncio.to_thread(
                 tok.apply_chat_template, conversation, tokenize=False,
                 add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message)
+                continue_final_message=body.continue_final_message,
+                tools=plan.template_tools if plan else None)
         except Exception as exc:  # template errors are the request's fault (bad roles, ...)
             raise APIError(400, f"the chat template rejected the messages: {exc}",
                            param="messages") from None
@@ -246,7 +264,8 @@ class OpenAIRoutes:
                            param="messages") from None
         salt = body.cache_salt or request.headers.get("x-cache-salt")
         streams = await self._prepare(model, [prompt_ids], body, body.output_budget, None,
-                                      salt, "chatcmpl")
+                                      salt, "chatcmpl",
+                                      constraint=plan.constraint() if plan else None)
         token_text = TokenText(tok)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -254,7 +273,7 @@ class OpenAIRoutes:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return ClosingStreamingResponse(
                 self._stream_chat(streams[0], rid, created, name, include_usage, body,
-                                  token_text), streams)
+                                  token_text, plan), streams)
         finals = await until_disconnect(request, asyncio.ensure_future(final_outputs(streams)))
         if finals is None:
             return Response(status_code=499)
@@ -267,9 +286,13 @@ class OpenAIRoutes:
             if k is not None:
                 ids, entries = new_entries(c, delta=False)
                 logprobs = {"content": chat_logprobs(ids, entries, k, token_text)}
+            content, calls = plan.parse(c.text) if plan else (c.text, [])
+            reason = finish_reason(c) or "stop"
             choices.append(ChatChoice(
-                index=c.index, finish_reason=finish_reason(c) or "stop", logprobs=logprobs,
-                message=ChatCompletionMessage(role="assistant", content=c.text)))
+                index=c.index, finish_reason=_with_calls(reason, calls), logprobs=logprobs,
+                message=ChatCompletionMessage(
+                    role="assistant", content=content,
+                    **({"tool_calls": [call.to_openai() for call in calls]} if calls else {}))))
         extra = ({"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
                  if body.prompt_logprobs is not None else {})
         result = ChatCompletionOut(id=rid, object="chat.completion", created=created,
@@ -278,9 +301,10 @@ class OpenAIRoutes:
         return JSONResponse(result.model_dump(mode="json", exclude_unset=True))
 
     async def _stream_chat(self, stream: RequestStream, rid: str, created: int, model: str,
-                           include_usage: bool, body: ChatBody, token_text: TokenText
-                           ) -> AsyncIterator[str]:
+                           include_usage: bool, body: ChatBody, token_text: TokenText,
+                           plan: ToolPlan | None = None) -> AsyncIterator[str]:
         k = body.top_logprobs_k()
+        calls_out = {index: _StreamedCalls(plan) for index in range(body.n)} if plan else {}
 
         def chunk(index: int | None, delta: ChoiceDelta | None = None, reason: str | None = None,
                   logprobs: list[dict[str, Any]] | None = None, **extra: Any
@@ -318,8 +342,20 @@ class OpenAIRoutes:
                     if prompt_pending:
                         extra["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
                         prompt_pending = False
-                    yield sse(chunk(c.index, ChoiceDelta(content=c.delta_text), reason,
-                                     logprobs, **extra))
+                    if plan is None:
+                        yield sse(chunk(c.index, ChoiceDelta(content=c.delta_text), reason,
+                                         logprobs, **extra))
+                        continue
+                    calls = calls_out[c.index]
+                    deltas = calls.feed(c.text, finished=reason is not None)
+                    if reason is not None:
+                        reason = _with_calls(reason, calls.calls)
+                    if not deltas:
+                        deltas = [ChoiceDelta()]
+                    for j, delta in enumerate(deltas):
+                        last = j == len(deltas) - 1
+                        yield sse(chunk(c.index, delta, reason if last else None,
+                                         logprobs if last else None, **(extra if j == 0 else {})))
             if include_usage and final is not None:
                 last = chunk(None)
                 last.usage = total_usage([final])
@@ -331,6 +367,58 @@ class OpenAIRoutes:
         finally:
             stream.close()
         yield DONE_EVENT
+
+
+def _with_calls(reason: str, calls: list[ToolCall]) -> str:
+    """OpenAI's finish_reason for a choice that made tool calls (a cut-short one stays
+    "length")."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+class _StreamedCalls:
+    """One streamed choice's text turned into content and ``delta.tool_calls`` chunks.
+
+    A named function streams its arguments as they come; otherwise content streams until a
+    tool call may have started (see tools.may_start_call) and the calls are sent whole at the
+    end, each as one chunk, which is how they reassemble to the non-streamed answer."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.sent = 0  # characters of the text already sent (as content or arguments)
+        self.calls: list[ToolCall] = []
+        self._named: ToolCall | None = None
+
+    def feed(self, text: str, finished: bool) -> list[ChoiceDelta]:
+        plan = self.plan
+        if plan.choice == "function":
+            deltas = []
+            if self._named is None:
+                self._named = ToolCall(plan.function or "", "")
+                self.calls = [self._named]
+                deltas.append(ChoiceDelta(tool_calls=[
+                    {"index": 0, "id": self._named.id, "type": "function",
+                     "function": {"name": self._named.name, "arguments": ""}}]))
+            piece = text[self.sent:]
+            self.sent = len(text)
+            self._named.arguments += piece
+            if piece:
+                deltas.append(ChoiceDelta(tool_calls=[{"index": 0,
+                                                       "function": {"arguments": piece}}]))
+            return deltas
+        deltas = []
+        if finished:
+            _, self.calls = plan.parse(text)
+            # With calls, the content is what came before the first; without, all of it.
+            upto = may_start_call(plan, text) if self.calls else len(text)
+        else:
+            upto = may_start_call(plan, text)
+        if upto > self.sent:
+            deltas.append(ChoiceDelta(content=text[self.sent:upto]))
+            self.sent = upto
+        if finished and self.calls:
+            deltas.append(ChoiceDelta(tool_calls=[call.to_openai(i)
+                                                  for i, call in enumerate(self.calls)]))
+        return deltas
 
 
 def _in_openai_shape(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
@@ -352,12 +440,17 @@ def _in_openai_shape(handler: Callable[[Request], Any]) -> Callable[[Request], A
 
 
 def register_openai_routes(app: FastAPI, models: dict[str, PagedLLMModel],
-                           prefixes: tuple[str, ...] = (PREFIX,)) -> OpenAIRoutes:
-    """Add ``models``, ``completions`` and ``chat/completions`` under each prefix."""
+                           prefixes: tuple[str, ...] = (PREFIX,),
+                           aliases: tuple[str, ...] = (VLLM_PREFIX,)) -> OpenAIRoutes:
+    """Add ``models``, ``completions`` and ``chat/completions`` under each prefix, and the
+    last two under each alias (vLLM's paths, where an LLMInferenceService's route sends them;
+    ``/v1/models`` stays KServe's v1 protocol route)."""
     routes = OpenAIRoutes(models)
-    for prefix in prefixes:
-        router = APIRouter(prefix=prefix, tags=["OpenAI"])
-        router.add_api_route("/models", routes.list_models, methods=["GET"])
+    for prefix in (*prefixes, *aliases):
+        alias = prefix not in prefixes
+        router = APIRouter(prefix=prefix, tags=["OpenAI"], include_in_schema=not alias)
+        if not alias:
+            router.add_api_route("/models", routes.list_models, methods=["GET"])
         router.add_api_route("/completions", _in_openai_shape(routes.completions),
                              methods=["POST"], response_model=None,
                              openapi_extra=operation_schema(CompletionBody, CompletionOut,

@@ -52,8 +52,8 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"],
 _PENALTY = {"minimum": _number(L.PENALTY_RANGE[0]), "maximum": _number(L.PENALTY_RANGE[1])}
 _LOGPROBS = {"minimum": L.MIN_LOGPROBS, "maximum": L.MAX_LOGPROBS}
 # What the handlers accept beyond the field types, published so that clients (and fuzzers) see
-# the real contract: value ranges, and options that only take their default (no tools, no
-# suffix, text responses only; other values are 400s). Validation itself stays in the handlers,
+# the real contract: value ranges, and options that only take their default (no suffix;
+# other values are 400s). Validation itself stays in the handlers,
 # which answer in OpenAI's error shape.
 _PUBLISHED: dict[str, dict[str, Any]] = {
     "max_tokens": {"minimum": L.MIN_MAX_TOKENS},
@@ -82,12 +82,11 @@ _PUBLISHED: dict[str, dict[str, Any]] = {
                              {"type": "null"}]},
     "prompt_logprobs": _LOGPROBS,
     "top_logprobs": _LOGPROBS,
-    "response_format": {"anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}},
+    "response_format": {"anyOf": [{"type": "object", "properties": {"type": {
+                                      "enum": ["text", "json_object", "json_schema"]}}},
                                   {"type": "null"}]},
     "suffix": {"anyOf": [{"const": ""}, {"type": "null"}]},
-    "tools": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
     "functions": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
-    "tool_choice": {"anyOf": [{"const": "none"}, {"type": "null"}]},
     "function_call": {"anyOf": [{"const": "none"}, {"type": "null"}]},
     "messages": {"type": "array", "minItems": 1, "items": {
         "type": "object", "required": ["role"],

@@ -13,6 +13,7 @@ from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from kserve_paged.sampling import unsupported_options
+from kserve_paged.structured import STRUCTURED_OPTION_NAMES
 
 # -- request bodies ---------------------------------------------------------------------------
 
@@ -56,11 +57,14 @@ class SamplingBody(BaseModel):
 
     def sampling_options(self) -> dict[str, Any]:
         """The options that go to SamplingParams as given (``logprobs`` is per endpoint)."""
-        return {name: getattr(self, name) for name in (
+        options = {name: getattr(self, name) for name in (
             "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
             "min_tokens", "stop_token_ids", "n", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "logit_bias", "prompt_logprobs", "include_stop_str_in_output",
-            "skip_special_tokens")}
+            "skip_special_tokens", "response_format")}
+        extra = self.model_extra or {}
+        options.update({name: extra[name] for name in STRUCTURED_OPTION_NAMES if name in extra})
+        return options
 
     def top_logprobs_k(self) -> int | None:
         """Top log-probabilities per generated token, or None when none are asked for."""
@@ -68,10 +72,6 @@ class SamplingBody(BaseModel):
 
     def unsupported(self) -> list[tuple[str, str]]:
         found = []
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            found.append(("response_format",
-                          f"response_format {self.response_format.get('type')!r} is not "
-                          "supported (only 'text'): this server has no structured output"))
         if self.stream_options is not None and not self.stream:
             found.append(("stream_options", "stream_options is only allowed with stream=true"))
         for name in unsupported_options({**(self.model_extra or {}), "n": self.n}):
@@ -118,6 +118,7 @@ class ChatBody(SamplingBody):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     add_generation_prompt: bool = True
@@ -145,12 +146,9 @@ class ChatBody(SamplingBody):
                           f"({self.max_tokens}) disagree; give one of them"))
         if self.top_logprobs is not None and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs requires logprobs=true"))
-        if self.tools:
-            found.append(("tools", "tools are not supported (no tool calling)"))
-        if self.tool_choice not in (None, "none"):
-            found.append(("tool_choice", "tool_choice is not supported (no tool calling)"))
         if self.functions:
-            found.append(("functions", "functions are not supported (no function calling)"))
+            found.append(("functions", "functions (OpenAI's deprecated form) are not supported: "
+                          "use tools"))
         if self.function_call not in (None, "none"):
             found.append(("function_call", "function_call is not supported"))
         return found

@@ -107,7 +107,7 @@ def test_inference_service_uses_the_runtime(isvc):
 
 # --- autoscaling -------------------------------------------------------------------------------
 
-def test_gpu_service_scales_with_keda_on_queue_depth():
+def test_gpu_service_scales_with_keda_on_requests_in_flight():
     (isvc,) = _by_mode("Standard")
     assert h.keda_errors(isvc) == []
     resources = isvc["spec"]["predictor"]["model"]["resources"]
@@ -115,7 +115,8 @@ def test_gpu_service_scales_with_keda_on_queue_depth():
     assert str(resources["requests"].get("nvidia.com/gpu", "1")) == "1"
     (metric,) = isvc["spec"]["predictor"]["autoScaling"]["metrics"]
     query = metric["external"]["metric"]["query"]
-    assert h.promql_metric_names(query) == {"vllm:num_requests_waiting"}
+    assert h.promql_metric_names(query) == {"vllm:num_requests_running",
+                                            "vllm:num_requests_waiting"}
     assert h.promql_errors(query, EXPOSED, COUNTER_SAMPLES) == []
     assert h.keda_query_scope_errors(isvc, query) == []
 
@@ -255,3 +256,16 @@ def test_dashboard_configmap_carries_the_dashboard():
     (body,) = cm["data"].values()
     assert json.loads(body) == DASHBOARD
     assert len(body.encode()) < 1024 * 1024  # ConfigMap size limit
+
+
+def test_dashboard_panels_cover_issue_24():
+    """Request outcomes, per-request token counts, prefill/decode time and the KV waste gauges."""
+    used = set()
+    for _, target in _targets():
+        used |= h.promql_metric_names(target["expr"])
+    assert {
+        "vllm:request_success_total", "vllm:request_prompt_tokens_bucket",
+        "vllm:request_generation_tokens_bucket", "vllm:request_prefill_time_seconds_bucket",
+        "vllm:request_decode_time_seconds_bucket", "kserve_paged:kv_slots_reserved",
+        "kserve_paged:kv_slots_holding_tokens", "kserve_paged:kv_blocks_shared",
+    } <= used

@@ -18,7 +18,8 @@ CORE = [(p, o) for p, o in OBJECTS if h.is_core(o)]
 # PodMonitor: prometheus-operator's CRD is not available offline; checked by hand in
 # test_crosschecks.py (h.podmonitor_errors).
 HAND_CHECKED_KINDS = {"PodMonitor"}
-KNOWN_KINDS = {"ClusterServingRuntime", "InferenceService", "Namespace", "ConfigMap", "PodMonitor"}
+KNOWN_KINDS = {"ClusterServingRuntime", "InferenceService", "LLMInferenceService", "Namespace",
+               "ConfigMap", "PodMonitor"}
 
 
 def _ids(items):
@@ -72,6 +73,7 @@ def test_crd_copies_cover_what_we_ship():
     schemas = h.crd_schemas()
     assert ("serving.kserve.io/v1beta1", "InferenceService") in schemas
     assert ("serving.kserve.io/v1alpha1", "ClusterServingRuntime") in schemas
+    assert ("serving.kserve.io/v1alpha2", "LLMInferenceService") in schemas
     readme = (h.CRD_DIR / "README.md").read_text()
     assert "v0.20.0" in readme and "../shared/kserve-crds" in readme
 

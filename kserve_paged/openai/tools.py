@@ -1,0 +1,241 @@
+"""Tool calling for chat: the request's tools checked, their constraint, and the model's
+tool-call text parsed back into OpenAI's ``tool_calls`` (design: docs/kserve.md, "Tools").
+
+- ``tool_choice: "none"``: plain chat; the tools do not reach the template.
+- ``"auto"`` (OpenAI's default when tools are given): the tools go through the chat template and
+  the model decides; its text is read by the ``--tool_call_parser`` (Hermes' ``<tool_call>``
+  tags, or Llama 3's bare JSON).
+- ``"required"`` or a named function: the output is held to the tools' JSON schemas (a list of
+  ``{"name", "parameters"}`` objects, or the named function's arguments), so it always parses,
+  whatever the model or its template.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kserve_paged.openai.errors import APIError
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "none")
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def _bad(message: str, param: str = "tools") -> APIError:
+    return APIError(400, message, param=param)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=new_call_id)
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        call = {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+@dataclass(slots=True)
+class ToolPlan:
+    """What a chat request's tools mean for its prompt, its constraint and its output."""
+
+    tools: list[dict[str, Any]]
+    choice: str  # "auto", "required" or "function" (named); "none" makes no plan
+    parser: str
+    function: str | None = None  # the named function
+    parallel: bool = True
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]]:
+        return self.tools
+
+    def constraint(self) -> dict[str, Any] | None:
+        """The structured-output constraint that makes the output a valid call, or None."""
+        by_name = {t["function"]["name"]: t["function"] for t in self.tools}
+        if self.choice == "function":
+            return {"json": by_name[self.function].get("parameters") or {"type": "object"}}
+        if self.choice == "required":
+            items = [{"type": "object", "required": ["name", "parameters"],
+                      "properties": {"name": {"const": name},
+                                     "parameters": fn.get("parameters") or {"type": "object"}}}
+                     for name, fn in by_name.items()]
+            schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                      "items": items[0] if len(items) == 1 else {"anyOf": items}}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return {"json": schema}
+        return None
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The output as (content, tool calls); text that holds no call is all content."""
+        if self.choice == "function":
+            return None, [ToolCall(self.function or "", text.strip())]
+        if self.choice == "required":
+            try:
+                calls = json.loads(text)
+            except ValueError:
+                return text, []  # cut short (length): not a call
+            return None, [ToolCall(c["name"], json.dumps(c.get("parameters", {}),
+                                                        ensure_ascii=False)) for c in calls]
+        if self.parser == "hermes":
+            return parse_hermes(text)
+        if self.parser == "llama3_json":
+            return parse_llama3_json(text)
+        return text, []
+
+
+def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
+              parser: str) -> ToolPlan | None:
+    """The request's plan, or None for plain chat; a malformed tool or choice is a 400."""
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if not tools:
+        if tool_choice not in ("none", None):
+            raise _bad("tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools must be a list")
+    names: set[str] = set()
+    checked = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or (
+                not isinstance(fn, dict)):
+            raise _bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise _bad(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -")
+        if name in names:
+            raise _bad(f"tools[{i}]: the function name {name!r} is given twice")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise _bad(f"tools[{i}].function.parameters must be a JSON schema object")
+        names.add(name)
+        checked.append({"type": "function", "function": fn})
+    if tool_choice == "none":
+        return None
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if tool_choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise _bad("tool_choice must be none, auto, required or "
+                       "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+        if name not in names:
+            raise _bad(f"tool_choice names {name!r}, which is not among the tools",
+                       "tool_choice")
+        return ToolPlan(checked, "function", parser, function=name)
+    if tool_choice not in ("auto", "required"):
+        raise _bad(f"tool_choice {tool_choice!r} is not one of none, auto, required or a "
+                   "named function", "tool_choice")
+    if tool_choice == "auto" and parser == "none":
+        raise _bad("tool_choice \"auto\" needs a tool-call parser: start the server with "
+                   "--tool_call_parser hermes or llama3_json", "tool_choice")
+    return ToolPlan(checked, tool_choice, parser, parallel=parallel is not False)
+
+
+def _call_from_json(obj: Any, args_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return ToolCall(obj["name"], text)
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Hermes / Qwen style: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+    any number of them; the text before the first tag is the content."""
+    if _HERMES_OPEN not in text:
+        return text, []
+    calls = []
+    for body in re.findall(re.escape(_HERMES_OPEN) + r"(.*?)(?:" + re.escape(_HERMES_CLOSE)
+                           + r"|$)", text, flags=re.S):
+        try:
+            call = _call_from_json(json.loads(body.strip()), "arguments")
+        except ValueError:
+            call = None
+        if call is None:
+            return text, []  # an unreadable call: hand the text back as it is
+        calls.append(call)
+    content = text[:text.index(_HERMES_OPEN)].strip()
+    return content or None, calls
+
+
+def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Llama 3.x JSON style: the whole output is ``{"name": ..., "parameters": {...}}``
+    (optionally after ``<|python_tag|>``), several separated by ``;``."""
+    body = text.strip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG):].strip()
+    if not body.startswith("{"):
+        return text, []
+    calls = []
+    decoder = json.JSONDecoder()
+    pos = 0
+    while pos < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except ValueError:
+            return text, []
+        call = _call_from_json(obj, "parameters")
+        if call is None:
+            return text, []
+        calls.append(call)
+        pos = end
+        while pos < len(body) and body[pos] in " \t\r\n;":
+            pos += 1
+    return None, calls
+
+
+def may_start_call(plan: ToolPlan, text: str) -> int:
+    """How much of a streamed choice's text is surely content: everything before where a tool
+    call starts, or could still start (a partial ``<tool_call>`` tag at the end is held back).
+    Streaming sends that much as content and keeps the rest until the end."""
+    if plan.choice != "auto":
+        return 0
+    if plan.parser == "hermes":
+        at = text.find(_HERMES_OPEN)
+        if at >= 0:
+            return at
+        for k in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
+            if _HERMES_OPEN.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+    if plan.parser == "llama3_json":
+        stripped = text.lstrip()
+        if not stripped:
+            return 0
+        if stripped.startswith("{") or _PYTHON_TAG.startswith(stripped[:len(_PYTHON_TAG)]):
+            return 0
+        return len(text)
+    return len(text)
+
+
+def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: an assistant's tool-call arguments as objects
+    (the templates render them with ``tojson``), not OpenAI's JSON text."""
+    out = []
+    for message in conversation:
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            fixed = []
+            for call in calls:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    with contextlib.suppress(ValueError):  # not JSON: left as text
+                        fn = {**fn, "arguments": json.loads(fn["arguments"])}
+                    call = {**call, "function": fn}
+                fixed.append(call)
+            message = {**message, "tool_calls": fixed}
+        out.append(message)
+    return out

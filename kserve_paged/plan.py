@@ -1,0 +1,383 @@
+"""``kserve-paged plan``: size a deployment from a model's config.json, before any weights exist.
+
+What a platform engineer would otherwise guess: how much of the device the weights take, how
+many KV blocks the engine will allocate at start-up (engine/kv_sizing.py's rule, the same code
+the engine runs), how many requests fit, and a floor on decode time from memory bandwidth (every
+decode step reads all the weights and every running sequence's KV once). docs/operations.md
+explains each figure; the figures are estimates except the KV block count, which is exact given
+the free memory the engine will see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_sizing import CUDA_KV_FRACTION, kv_budget_bytes, kv_bytes_per_token, resolve_dtype
+
+GiB = 1 << 30
+MiB = 1 << 20
+# What a process loses before the weights load: CUDA context, cuBLAS workspace and allocator
+# slack on a GPU; the interpreter, torch and the tokenizer on CPU. Estimates (docs/operations.md).
+RUNTIME_OVERHEAD = {"cuda": 1 * GiB, "cpu": 1 * GiB}
+CPU_BANDWIDTH = 50e9  # bytes/s: a dual-channel DDR5 desktop; pass --memory_bandwidth for yours
+PREFILL_MFU = 0.5  # share of peak FLOP/s a prefill reaches (estimate)
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    name: str
+    kind: str  # "cuda" or "cpu"
+    memory: int  # bytes the driver reports as total (cpu: the memory the pod may use)
+    bandwidth: float  # bytes/s
+    flops: float  # dense bf16 FLOP/s (cpu: a rough figure)
+
+
+# Total memory as nvidia-smi reports it; HBM bandwidth and dense bf16 peak from the datasheets
+# (SXM parts for H100 and A100).
+GPUS = {
+    "h100-80gb": Device("h100-80gb", "cuda", 81559 * MiB, 3.35e12, 989e12),
+    "h200": Device("h200", "cuda", 143771 * MiB, 4.8e12, 989e12),
+    "a100-80gb": Device("a100-80gb", "cuda", 81920 * MiB, 2.039e12, 312e12),
+    "l4": Device("l4", "cuda", 23034 * MiB, 300e9, 121e12),
+}
+
+
+def parse_device(text: str, bandwidth: float | None = None) -> Device:
+    """``h100-80gb``, ``h200``, ``a100-80gb``, ``l4`` or ``cpu:<GiB>``."""
+    if text.startswith("cpu:"):
+        try:
+            gib = float(text[4:])
+        except ValueError:
+            gib = -1.0
+        if not gib > 0:
+            raise ValueError(f"--gpu cpu:<GiB> needs a positive size, got {text!r}")
+        return Device(text, "cpu", int(gib * GiB), bandwidth or CPU_BANDWIDTH, 2e12)
+    if text not in GPUS:
+        raise ValueError(f"--gpu must be one of {', '.join(GPUS)} or cpu:<GiB> (got {text!r})")
+    device = GPUS[text]
+    if bandwidth:
+        device = Device(device.name, device.kind, device.memory, bandwidth, device.flops)
+    return device
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What sizing needs of a Llama-family config.json (the fields engine/models/llama.py reads)."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_config(cls, path: str | Path) -> ModelShape:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"no config.json at {path}")
+        c: dict[str, Any] = json.loads(path.read_text())
+        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                               "intermediate_size", "vocab_size") if k not in c]
+        if missing:
+            raise ValueError(f"{path} lacks {missing}: not a Llama-family config.json")
+        arch = (c.get("architectures") or ["LlamaForCausalLM"])[0]
+        heads = c["num_attention_heads"]
+        bias = bool(c.get("attention_bias", False))
+        return cls(
+            architecture=arch, num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
+            num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or (bias and arch != "MistralForCausalLM"),
+            o_bias=bias and arch not in ("Qwen2ForCausalLM", "MistralForCausalLM"),
+            mlp_bias=bool(c.get("mlp_bias", False)) and arch not in (
+                "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"),
+            qk_norm=arch == "Qwen3ForCausalLM")
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the engine's model for this config (engine/models/llama.py)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        layer += (q + 2 * kv) * self.qkv_bias + h * self.o_bias
+        layer += (2 * self.intermediate_size + h) * self.mlp_bias + 2 * self.head_dim * self.qk_norm
+        embed = self.vocab_size * h
+        return self.num_layers * layer + embed * (1 if self.tie_word_embeddings else 2) + h
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    device: Device
+    tp: int
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    workload: tuple[int, int]
+    weights_bytes: int  # per device
+    activation_bytes: int  # per device, peak of one step (estimate)
+    kv_bytes_per_token: int  # per device
+    free_bytes: int  # what the engine sees free once the weights are loaded
+    kv_blocks: int  # what the engine's sizing rule allocates
+    recommended_blocks: int  # the above, less what the activation peak needs
+    kv_cache_memory: float | int | None
+
+    @property
+    def fits(self) -> bool:
+        return self.recommended_blocks * self.block_size >= self.max_model_len
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def max_full_length_sequences(self) -> int:
+        return self.recommended_blocks // self.blocks_per_sequence
+
+    @property
+    def workload_sequences(self) -> int:
+        """Requests of the workload's size that fit in the KV cache at once."""
+        prompt, out = self.workload
+        return self.recommended_blocks // -(-(prompt + out) // self.block_size)
+
+    @property
+    def batch(self) -> int:
+        """Requests in flight per replica at this workload: KV room, capped by max_num_seqs."""
+        return max(1, min(self.max_num_seqs, self.workload_sequences))
+
+    def decode_step_seconds(self, batch: int) -> float:
+        """Memory floor of one decode step: the weights plus every sequence's mid-request KV."""
+        prompt, out = self.workload
+        context = prompt + out / 2
+        return (self.weights_bytes + batch * context * self.kv_bytes_per_token) / self.device.bandwidth
+
+    def decode_tokens_per_second(self, batch: int) -> float:
+        return batch / self.decode_step_seconds(batch)
+
+    @property
+    def prefill_seconds(self) -> float:
+        """One workload prompt at PREFILL_MFU of the device's peak (2 FLOPs per parameter)."""
+        params = self.weights_bytes / self.dtype.itemsize
+        return 2 * params * self.workload[0] / (self.device.flops * PREFILL_MFU)
+
+    @property
+    def requests_per_second(self) -> float:
+        """Throughput of one replica at full batch: batch requests per (prefill + decode)."""
+        out = self.workload[1]
+        return self.batch / (self.prefill_seconds + out * self.decode_step_seconds(self.batch))
+
+    def server_flags(self) -> list[str]:
+        dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(self.dtype, "float32")
+        return [f"--dtype={dtype}", f"--max_model_len={self.max_model_len}",
+                f"--block_size={self.block_size}", f"--num_kv_blocks={self.recommended_blocks}",
+                f"--max_num_seqs={self.batch}",
+                f"--max_num_batched_tokens={self.max_num_batched_tokens}"]
+
+
+def activation_peak(shape: ModelShape, tokens: int, seqs: int, dtype_bytes: int, tp: int) -> int:
+    """Largest step's live activations: hidden-size buffers (residual, normed input, attention
+    and MLP outputs), q/k/v, the MLP's gate/up and its product, and the float32 logits of the
+    sampling rows with the sampler's copies (processed logits, probabilities)."""
+    h, hd = shape.hidden_size, shape.head_dim
+    qkv = (shape.num_heads + 2 * shape.num_kv_heads) * hd // tp
+    mlp = 3 * shape.intermediate_size // tp
+    return tokens * (4 * h + qkv + mlp) * dtype_bytes + 3 * seqs * shape.vocab_size * 4
+
+
+def make_plan(shape: ModelShape, device: Device, *, max_model_len: int | None = None,
+              tp: int = 1, dtype: str = "auto", block_size: int | None = None,
+              workload: tuple[int, int] | None = None, max_num_seqs: int | None = None,
+              max_num_batched_tokens: int | None = None,
+              kv_cache_memory: float | int | None = None) -> Plan:
+    defaults = EngineConfig()  # the engine's own defaults, checked by the same dataclass
+    cfg = EngineConfig(block_size=block_size or defaults.block_size,
+                       max_num_seqs=max_num_seqs or defaults.max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens
+                       or defaults.max_num_batched_tokens,
+                       max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, dtype=dtype)
+    if tp < 1 or tp & (tp - 1):
+        raise ValueError(f"--tensor_parallel_size must be a power of two (got {tp})")
+    if shape.num_heads % tp:
+        raise ValueError(f"{shape.num_heads} attention heads do not split over {tp} devices")
+    length = cfg.max_model_len or shape.max_position_embeddings
+    if length > shape.max_position_embeddings:
+        raise ValueError(f"max_model_len {length} exceeds the model's "
+                         f"max_position_embeddings {shape.max_position_embeddings}")
+    torch_dtype = resolve_dtype(cfg.dtype, torch.device(device.kind))
+    elem = torch_dtype.itemsize
+    # Sharding as a tensor-parallel runtime does: weights split, KV heads split (replicated
+    # when fewer than the devices).
+    weights = -(-shape.num_params * elem // tp)
+    kv_heads = max(1, shape.num_kv_heads // tp)
+    per_token = kv_bytes_per_token(shape.num_layers, kv_heads, shape.head_dim, elem)
+    per_block = per_token * cfg.block_size
+    free = device.memory - weights - RUNTIME_OVERHEAD[device.kind]
+    seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    activation = activation_peak(shape, cfg.max_num_batched_tokens, seqs, elem, tp)
+    needs_free = kv_cache_memory is None or kv_cache_memory <= 1
+    budget = kv_budget_bytes(kv_cache_memory, device.kind, max(free, 0) if needs_free else 0)
+    blocks = max(budget, 0) // per_block if free > 0 else 0
+    room = max(free - activation, 0) // per_block
+    if workload is None:
+        workload = (min(512, length * 3 // 4), min(128, max(1, length // 4)))
+    if sum(workload) > length:
+        raise ValueError(f"--workload {workload[0]}:{workload[1]} is longer than "
+                         f"max_model_len {length}")
+    return Plan(device, tp, torch_dtype, cfg.block_size, length, cfg.max_num_seqs,
+                cfg.max_num_batched_tokens, workload, weights, activation, per_token, free,
+                int(blocks), int(min(blocks, room)), kv_cache_memory)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def render(plan: Plan, shape: ModelShape) -> str:
+    d = plan.device
+    single, full = plan.decode_tokens_per_second(1), plan.decode_tokens_per_second(plan.batch)
+    lines = [
+        f"model        {shape.architecture}, {shape.num_params / 1e9:.2f}B parameters, "
+        f"{shape.num_layers} layers, {shape.num_kv_heads} KV heads x {shape.head_dim}",
+        f"device       {d.name} x {plan.tp} ({_gib(d.memory)}, {d.bandwidth / 1e9:.0f} GB/s each)",
+        f"dtype        {str(plan.dtype).removeprefix('torch.')}",
+        f"weights      {_gib(plan.weights_bytes)} per device",
+        f"activations  {_gib(plan.activation_bytes)} peak per step (estimate, "
+        f"{plan.max_num_batched_tokens} tokens, {min(plan.max_num_seqs, plan.max_num_batched_tokens)}"
+        " sampled rows)",
+        f"free after weights  {_gib(plan.free_bytes)} per device "
+        f"(runtime overhead {_gib(RUNTIME_OVERHEAD[d.kind])})",
+        f"KV per token {plan.kv_bytes_per_token} bytes per device "
+        f"({plan.kv_bytes_per_token * plan.block_size} per block of {plan.block_size})",
+        f"KV blocks    {plan.kv_blocks} by the engine's sizing rule "
+        f"({_kv_rule(plan)}); {plan.recommended_blocks} leaving room for the activations",
+        f"sequences    {plan.max_full_length_sequences} at the full max_model_len "
+        f"{plan.max_model_len}; {plan.workload_sequences} of the workload "
+        f"{plan.workload[0]}:{plan.workload[1]}",
+        f"decode floor {single:.0f} tok/s for one sequence, {full:.0f} tok/s at batch "
+        f"{plan.batch} (memory bandwidth bound)",
+        f"throughput   ~{plan.requests_per_second:.2f} requests/s per replica at batch "
+        f"{plan.batch} (prefill at {PREFILL_MFU:.0%} of peak + decode floor)",
+    ]
+    if not plan.fits:
+        lines.append("DOES NOT FIT: not one max_model_len sequence fits; use more devices, "
+                     "a shorter max_model_len or a larger device")
+    if plan.tp > 1:
+        lines.append(f"note         this engine runs one device per pod (no tensor parallelism "
+                     f"yet): the TP {plan.tp} figures are for planning against a sharding "
+                     "runtime; --write-overlay refuses them")
+    lines.append("flags        " + " ".join(plan.server_flags()))
+    lines.append("resources    " + json.dumps(resources(plan)))
+    lines.append(f"autoscaling  KEDA target {keda_target(plan)} on "
+                 "sum(vllm:num_requests_running + vllm:num_requests_waiting) (docs/operations.md)")
+    return "\n".join(lines)
+
+
+def _kv_rule(plan: Plan) -> str:
+    mem = plan.kv_cache_memory
+    if mem is not None:
+        return f"--kv_cache_memory {mem}"
+    if plan.device.kind == "cuda":
+        return f"{CUDA_KV_FRACTION:.0%} of the free memory"
+    return "25% of the free memory, at most 4 GiB"
+
+
+def resources(plan: Plan) -> dict[str, dict[str, str]]:
+    """Pod requests and limits: the GPU count, and host memory for loading the weights (they
+    pass through host memory) or, on CPU, weights + KV cache + activations + overhead."""
+    if plan.device.kind == "cuda":
+        host = math.ceil(plan.weights_bytes * plan.tp / GiB) + 8
+        gpus = str(plan.tp)
+        return {"requests": {"cpu": "4", "memory": f"{host}Gi", "nvidia.com/gpu": gpus},
+                "limits": {"memory": f"{host + 16}Gi", "nvidia.com/gpu": gpus}}
+    need = (plan.weights_bytes + plan.recommended_blocks * plan.kv_bytes_per_token
+            * plan.block_size + plan.activation_bytes + RUNTIME_OVERHEAD["cpu"])
+    memory = f"{math.ceil(need / GiB) + 1}Gi"
+    return {"requests": {"cpu": "4", "memory": memory}, "limits": {"memory": memory}}
+
+
+def keda_target(plan: Plan) -> int:
+    """Requests in flight per replica to scale at: 80% of what one replica runs at once, so a
+    new replica is asked for before the queue builds (tests/test_autoscaling.py)."""
+    return max(1, int(0.8 * plan.batch))
+
+
+def _workload(text: str) -> tuple[int, int]:
+    try:
+        prompt, out = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--workload is prompt:output tokens, got {text!r}") \
+            from None
+    if prompt < 1 or out < 1:
+        raise argparse.ArgumentTypeError(f"--workload tokens must be >= 1, got {text!r}")
+    return prompt, out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kserve_paged.args import parse_memory
+
+    p = argparse.ArgumentParser(prog="kserve-paged plan", allow_abbrev=False,
+                                description="Size a kserve-paged deployment from a config.json.")
+    p.add_argument("--model", required=True, help="model folder or its config.json (no weights)")
+    p.add_argument("--gpu", required=True, help=f"{', '.join(GPUS)} or cpu:<GiB>")
+    p.add_argument("--max_model_len", type=int, default=None)
+    p.add_argument("--tensor_parallel_size", type=int, default=1)
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
+    p.add_argument("--block_size", type=int, default=None)
+    p.add_argument("--max_num_seqs", type=int, default=None)
+    p.add_argument("--max_num_batched_tokens", type=int, default=None)
+    p.add_argument("--kv_cache_memory", type=parse_memory, default=None,
+                   help="as the server's flag; default: the engine's own sizing rule")
+    p.add_argument("--workload", type=_workload, default=None,
+                   help="typical request, prompt:output tokens (default 512:128)")
+    p.add_argument("--memory_bandwidth", type=float, default=None,
+                   help="bytes/s per device, overriding the table (cpu: default 50e9)")
+    p.add_argument("--write-overlay", dest="write_overlay", default=None, metavar="DIR",
+                   help="write a kustomize overlay with these flags and resources to DIR")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        shape = ModelShape.from_config(args.model)
+        plan = make_plan(shape, parse_device(args.gpu, args.memory_bandwidth),
+                         max_model_len=args.max_model_len, tp=args.tensor_parallel_size,
+                         dtype=args.dtype, block_size=args.block_size, workload=args.workload,
+                         max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         kv_cache_memory=args.kv_cache_memory)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(render(plan, shape))
+    if args.write_overlay:
+        from kserve_paged.plan_overlay import write_overlay
+
+        try:
+            written = write_overlay(plan, Path(args.write_overlay))
+        except ValueError as exc:
+            parser.error(str(exc))
+        print(f"overlay      {written} (kubectl apply -k {written})")
+    return 0

@@ -1,0 +1,226 @@
+"""KV-cache events (engine/kv_events.py) received by a plain ZMQ subscriber.
+
+The subscriber keeps a mirror of the publishing engine's prefix-cache index from nothing but the
+messages: BlockStored adds hashes, BlockRemoved takes them away, AllBlocksCleared empties it.
+After every engine step the mirror must equal the pool's own index, and no hash may be stored
+while already announced or removed while not: so every stored and every evicted block was
+announced exactly once, and in order. Sequence numbers must count up from 0 without a gap.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from engine.kv_event_publisher import ZmqEventPublisher
+from engine.kv_events import KVEventsConfig
+from tests.core_helpers import fake_step, make_request, make_scheduler
+
+TOPIC = "kv@test-pod@smol"
+
+
+class Mirror:
+    """A plain SUB socket and the index a router would build from what it receives."""
+
+    def __init__(self, endpoint: str, topic: str = TOPIC, bind: bool = False) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
+        self.topic = topic.encode()
+        self.live: dict[bytes, list[int]] = {}  # hash -> its block's token ids
+        self.next_seq = 0
+        self.stored = self.removed = self.cleared = 0
+        if bind:  # as llm-d's endpoint picker: the pods connect to it
+            self.sub.bind(endpoint)
+            self.endpoint = self.sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            self.sub.connect(endpoint)
+            self.endpoint = endpoint
+            self.joined()
+
+    def joined(self) -> None:
+        """ZMQ's slow joiner: wait until the subscription reached the PUB socket. The SUB side
+        attaches a new connection (and sends it the subscription) only inside its own socket
+        calls, so poll meanwhile, as a subscriber's event loop does."""
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            assert not self.sub.poll(20), "a message before anything was published"
+
+    def drain(self, expect_messages: int) -> None:
+        for _ in range(expect_messages):
+            assert self.sub.poll(5000), f"message {self.next_seq} never arrived"
+            topic, seq, payload = self.sub.recv_multipart()
+            assert topic == self.topic
+            assert int.from_bytes(seq, "big") == self.next_seq, "gap or reordering"
+            self.next_seq += 1
+            self.apply(msgpack.unpackb(payload, raw=False))
+        assert not self.sub.poll(50), "more messages than batches published"
+
+    def apply(self, batch: list) -> None:
+        ts, events = batch
+        assert isinstance(ts, float) and events
+        for event in events:
+            kind = event[0]
+            if kind == "BlockStored":
+                _, hashes, parent, tokens, block_size, lora_id, medium = event
+                assert lora_id is None and medium in ("CPU", "GPU")
+                assert len(tokens) == len(hashes) * block_size
+                assert parent is None or isinstance(parent, bytes)
+                for i, h in enumerate(hashes):
+                    assert h not in self.live, "a block announced twice"
+                    self.live[h] = tokens[i * block_size:(i + 1) * block_size]
+                self.stored += len(hashes)
+            elif kind == "BlockRemoved":
+                _, hashes, _medium = event
+                for h in hashes:
+                    assert h in self.live, "removal of a block never announced (or twice)"
+                    del self.live[h]
+                self.removed += len(hashes)
+            else:
+                assert event == ["AllBlocksCleared"]
+                self.live.clear()
+                self.cleared += 1
+
+    def close(self) -> None:
+        self.sub.close()
+        self.ctx.term()
+
+
+@pytest.mark.parametrize("pod_binds", [True, False], ids=["pod-binds", "pod-connects"])
+def test_scheduler_stores_hits_and_evictions_announced_once_in_order(pod_binds, tmp_path):
+    sched = make_scheduler(num_blocks=12, block_size=4, budget=64, max_model_len=48)
+    pool = sched.kv.pool
+    pool.record_events()
+    if pod_binds:  # vLLM's default: tcp://*:5557, subscribers connect to each pod
+        pub = ZmqEventPublisher(KVEventsConfig(True, "zmq", f"ipc://{tmp_path}/kv", TOPIC),
+                                "CPU")
+        mirror = Mirror(pub.endpoint)
+    else:  # llm-d: the endpoint picker binds, every pod connects to it
+        mirror = Mirror("tcp://127.0.0.1:*", bind=True)
+        pub = ZmqEventPublisher(KVEventsConfig(True, "zmq", mirror.endpoint, TOPIC), "CPU")
+        assert not pub.binds
+        mirror.joined()
+    shared = list(range(100, 112))  # three full blocks shared by the first prompts
+    prompts = [shared + [1, 2, 3, 4, 5], shared + [6, 7, 8, 9, 10], shared + [11, 12],
+               list(range(200, 230)), list(range(300, 330)), shared + [13, 14, 15]]
+    try:
+        sent = 0
+        for i, prompt in enumerate(prompts):
+            sched.add_request(make_request(f"r{i}", prompt, max_tokens=6))
+            while sched.has_unfinished():
+                out = sched.schedule()
+                sched.update_from_output(out, fake_step(sched, out))
+                events = pool.take_events()
+                pub.publish(events)
+                sent += bool(events)
+                mirror.drain(int(bool(events)))
+                assert set(mirror.live) == set(pool.cached)
+                for h, tokens in mirror.live.items():  # the announced tokens are the block's
+                    assert pool.cached[h].block_hash == h and len(tokens) == 4
+        assert sched.kv.prefix_cache_hits > 0, "the shared prefix was never hit"
+        assert mirror.removed > 0, "nothing was evicted: the test would not show evictions"
+        assert pool.reset_prefix_cache()
+        pub.publish(pool.take_events())
+        mirror.drain(1)
+        assert mirror.cleared == 1 and not mirror.live and not pool.cached
+        assert mirror.next_seq == sent + 1
+    finally:
+        mirror.close()
+        pub.close()
+
+
+def test_stored_event_carries_the_chain():
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    sched.kv.pool.record_events()
+    req = make_request("a", list(range(10, 23)), max_tokens=4)  # 13 tokens: 3 full blocks
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update_from_output(out, fake_step(sched, out, token=5))
+    (event,) = sched.kv.pool.take_events()
+    assert event.block_hashes == req.block_hashes[:3]
+    assert event.parent_block_hash is None
+    assert event.token_ids == list(range(10, 22)) and event.block_size == 4
+    # Decoding fills the fourth block: a new event whose parent is the third block's hash.
+    while len(req.block_hashes) < 4 or sched.kv.pool.events == []:
+        out = sched.schedule()
+        sched.update_from_output(out, fake_step(sched, out, token=5))
+    (event,) = sched.kv.pool.take_events()
+    assert event.parent_block_hash == req.block_hashes[2]
+    assert event.block_hashes == [req.block_hashes[3]]
+    assert event.token_ids == [22, 5, 5, 5]
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher"),
+    ('{"enable_kv_cache_events": true, "endpoint": "5557"}', "endpoint"),
+    ('{"enable_kv_cache_events": "yes"}', "true or false"),
+    ('{"enable_kv_cache_events": true, "topik": "x"}', "unknown keys"),
+    ("[1]", "JSON object"),
+    ("{", "Expecting"),
+])
+def test_bad_config_is_refused(text, message):
+    with pytest.raises(ValueError, match=message):
+        KVEventsConfig.from_json(text)
+
+
+def test_bind_or_connect_follows_vllms_rule():
+    from engine.kv_event_publisher import binds
+
+    assert binds("tcp://*:5557") and binds("ipc:///tmp/kv") and binds("tcp://0.0.0.0:5557")
+    assert not binds("tcp://paged-llm-epp-service.ns.svc.cluster.local:5557")
+    assert not binds("tcp://127.0.0.1:5557")
+
+
+def test_vllm_keys_without_use_here_are_accepted():
+    cfg = KVEventsConfig.from_json('{"enable_kv_cache_events": true, "publisher": "zmq", '
+                                   '"endpoint": "tcp://*:5557", "replay_endpoint": '
+                                   '"tcp://*:5558", "buffer_steps": 1000, "topic": "kv"}')
+    assert cfg.publishes and cfg.topic == "kv"
+    assert not KVEventsConfig.from_json('{"publisher": "zmq"}').publishes
+
+
+def test_engine_publishes_through_the_server_flag(tmp_path):
+    """The real engine, switched on by --kv_events_config: prefix hits, evictions under a
+    small cache, and a reset; the mirror matches the engine's index after every step."""
+    from engine.default_model import ensure_default_model
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from kserve_paged.args import engine_kwargs, parse_args
+
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    args = parse_args(["--num_kv_blocks", "20", "--block_size", "8", "--max_model_len", "128",
+                       "--kv_events_config",
+                       f'{{"enable_kv_cache_events": true, "publisher": "zmq", '
+                       f'"endpoint": "{endpoint}", "topic": "{TOPIC}"}}'])
+    from engine.config import EngineConfig
+
+    engine = LLMEngine(EngineConfig(model=str(ensure_default_model(progress=lambda _: None)),
+                                    **engine_kwargs(args)))
+    mirror = Mirror(endpoint)
+    pool = engine.kv.pool
+    try:
+        system = "You are a helpful assistant who answers in one short sentence. " * 2
+        prompts = [system + q for q in ("What is the capital of France?", "Name a colour.",
+                                        "What is two plus two?")]
+        prompts += ["A completely different prompt about the sea and its long tides. " * 5,
+                    "Yet another unrelated text about mountains, rivers and old towns. " * 5]
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        last_seq = engine.kv_events.seq
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"q{i}", prompt, params)
+            while engine.has_unfinished_requests():
+                engine.step()
+                mirror.drain(engine.kv_events.seq - last_seq)
+                last_seq = engine.kv_events.seq
+                assert set(mirror.live) == set(pool.cached)
+        assert engine.kv.prefix_cache_hits > 0 and mirror.removed > 0
+        assert engine.reset_prefix_cache()
+        mirror.drain(1)
+        assert mirror.cleared == 1 and not mirror.live
+    finally:
+        mirror.close()
+        engine.close()
