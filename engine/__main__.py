@@ -1,4 +1,5 @@
-"""`python -m engine prepare` converts the default model; `generate "text"` runs it offline."""
+"""`python -m engine prepare [--model ID]` converts a packaged model; `generate "text"` runs one
+offline."""
 
 from __future__ import annotations
 
@@ -9,18 +10,23 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("prepare", help="install and convert the default model once; print its path")
+    prep = sub.add_parser("prepare", help="install and convert a packaged model once (default: "
+                          "the default model); print its path")
+    prep.add_argument("--model", default=None,
+                      help="packaged model id (smollm2-135m-instruct, gemma3-270m)")
     gen = sub.add_parser("generate", help="complete a prompt with the offline engine")
     gen.add_argument("prompt", nargs="*", default=["The capital of France is"])
-    gen.add_argument("--model", default=None, help="local HF folder or .gguf (default model)")
+    gen.add_argument("--model", default=None,
+                     help="local HF folder, .gguf, or packaged model id (default model)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
+        from engine.default_model import DEFAULT_MODEL_ID
         from engine.default_model import main as prepare
-        return prepare()
+        return prepare(args.model or DEFAULT_MODEL_ID)
     from engine import LLM, SamplingParams
 
     llm = LLM(model=args.model)

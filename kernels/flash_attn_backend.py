@@ -58,8 +58,11 @@ def paged_attention_flash(
     *,
     max_seq_len: int | None = None,
     max_query_len: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Varlen paged attention through flash-attn (contract in docs/kernels.md)."""
+    """Varlen paged attention through flash-attn (contract in docs/kernels.md); a sliding
+    window is flash-attn's `window_size=(window - 1, 0)`, softcap its `softcap`."""
     mod = _flash_attn()
     if isinstance(mod, str):
         raise RuntimeError(mod)
@@ -72,11 +75,16 @@ def paged_attention_flash(
         return torch.zeros_like(query)
     cu_k = torch.zeros(seq_lens.numel() + 1, dtype=torch.int32, device=query.device)
     torch.cumsum(seq_lens, 0, out=cu_k[1:])
+    extra: dict[str, object] = {}  # only when used: older flash-attn lacks softcap
+    if window:
+        extra["window_size"] = (window - 1, 0)
+    if softcap:
+        extra["softcap"] = softcap
     res = mod.flash_attn_varlen_func(
         query, kv_cache[0], kv_cache[1],
         cu_seqlens_q=query_start_loc.int(), cu_seqlens_k=cu_k,
         max_seqlen_q=max_query_len, max_seqlen_k=max_seq_len,
-        softmax_scale=scale, causal=True, block_table=block_tables.int().contiguous())
+        softmax_scale=scale, causal=True, block_table=block_tables.int().contiguous(), **extra)
     # Tokens past query_start_loc[-1] (padding) are left undefined by flash-attn; the
     # contract gives zeros. A masked fill keeps it free of host syncs.
     valid = torch.arange(query.shape[0], device=query.device) < query_start_loc[-1]

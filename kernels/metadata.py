@@ -30,7 +30,10 @@ class AttentionMetadata:
     backend: the paged-attention backend for this step, chosen once by the runner
       (`kernels.resolve_backend`); None: resolved per call.
     plan: what a backend derived from the fields above for this step; built by the first layer
-      that needs it and reused by the others. The fields above must not change once it is set.
+      that needs it and reused by the others (the CPU backend keeps one per sliding-window
+      size, so Gemma's local and global layers each derive theirs once). The fields above must
+      not change once it is set. A layer's own window and softcap are not here: they come
+      with each `attend` call, since one step's metadata serves every layer.
     """
 
     slot_mapping: torch.Tensor

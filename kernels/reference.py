@@ -32,11 +32,17 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     Query token j of sequence i sits at position `seq_lens[i] - q_len_i + j` and sees positions
-    0..that position. Returns `[num_tokens, num_heads, head_dim]` in the query's dtype.
+    0..that position; with a sliding `window` only the last `window` of them (positions
+    `p - window + 1 .. p`, transformers' and vLLM's convention). `softcap`: scores (after
+    `scale`) become `softcap * tanh(score / softcap)` before the softmax (Gemma 2).
+    Returns `[num_tokens, num_heads, head_dim]` in the query's dtype.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
@@ -57,9 +63,14 @@ def paged_attention_ref(
         v = v.repeat_interleave(group, dim=1)
         q = query[q_start:q_end].float()  # [q_len, num_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
         k_pos = torch.arange(seq_len).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if window:
+            hidden |= k_pos <= q_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

@@ -87,12 +87,13 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
 @triton.jit
 def _paged_attn_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr,
-    scale_log2e, num_seqs, head_dim,
+    scale_log2e, num_seqs, head_dim, window, softcap,
     stride_qt, stride_qh, stride_ckv, stride_cblk, stride_coff, stride_ch, stride_bt,
     stride_btc, stride_ot, stride_oh, num_heads,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, F32_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, F32_DOT: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -125,14 +126,18 @@ def _paged_attn_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh
                 + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    # Keys this tile of rows can see: 0 .. prefix + last token; cut into NUM_SPLITS parts.
+    # Keys this tile of rows can see: 0 (or, with a window, the first row's window start) ..
+    # prefix + last token; cut into NUM_SPLITS parts.
     kv_end = prefix + tl.minimum(first_tok + BLOCK_Q, q_len)
+    kv_begin = 0
+    if USE_WINDOW:
+        kv_begin = tl.maximum(prefix + first_tok - window + 1, 0)
     if NUM_SPLITS == 1:
-        kv_lo = 0
+        kv_lo = kv_begin
         kv_hi = kv_end
     else:
-        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_lo = split * per_split
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = kv_begin + split * per_split
         kv_hi = tl.minimum(kv_lo + per_split, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -151,8 +156,15 @@ def _paged_attn_kernel(
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * scale_log2e
+        if USE_SOFTCAP:
+            # softcap * tanh(s * scale / softcap), tanh from exp (exact at both ends).
+            t = tl.exp(2.0 * (s * scale_log2e / 1.4426950408889634) / softcap)
+            s = softcap * (1.0 - 2.0 / (t + 1.0)) * 1.4426950408889634
+        else:
+            s = s * scale_log2e
         visible = (pos[None, :] <= row_pos[:, None]) & pos_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (pos[None, :] > row_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -252,10 +264,14 @@ def paged_attention_triton(
     max_seq_len: int | None = None,
     max_query_len: int | None = None,
     num_splits: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Varlen paged attention (contract in docs/kernels.md); never syncs with the host.
 
     `num_splits` forces the split-KV factor (tests); by default `choose_num_splits` decides.
+    `window`: each row sees only its last `window` positions (the key loop starts at the tile's
+    first window start); `softcap`: tanh capping of the scaled scores.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -280,6 +296,8 @@ def paged_attention_triton(
     if num_splits is None:
         if query.is_cuda:
             bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+            if window:
+                bound = min(bound, window + block_q)
             num_splits = choose_num_splits(grid_m * num_kv_heads, bound,
                                            _num_sms(query.device.index or 0))
         else:
@@ -295,13 +313,13 @@ def paged_attention_triton(
         part = ml = out  # unused placeholders
     _paged_attn_kernel[(grid_m, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, part, ml,
-        scale * _LOG2E, num_seqs, head_dim,
+        scale * _LOG2E, num_seqs, head_dim, window or 0, float(softcap or 1.0),
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1), num_heads,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=block_d, NUM_SPLITS=num_splits, F32_DOT=_f32_dot(query.dtype),
-        num_warps=num_warps)
+        USE_WINDOW=bool(window), USE_SOFTCAP=bool(softcap), num_warps=num_warps)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part, ml, out, num_heads, head_dim, out.stride(0), out.stride(1),

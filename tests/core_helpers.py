@@ -29,11 +29,12 @@ def make_request(rid: str, tokens: list[int] | int, max_tokens: int = 8, *,
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 16, *, budget: int = 2048,
                    max_num_seqs: int = 256, caching: bool = True, policy: str = "fcfs",
-                   max_model_len: int | None = None) -> Scheduler:
+                   max_model_len: int | None = None,
+                   sliding_window: int | None = None) -> Scheduler:
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks,
                           max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                           enable_prefix_caching=caching, scheduling_policy=policy)
-    kv = KVCacheManager(num_blocks, block_size, caching)
+    kv = KVCacheManager(num_blocks, block_size, caching, sliding_window=sliding_window)
     return Scheduler(config, kv, max_model_len or num_blocks * block_size)
 
 

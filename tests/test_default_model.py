@@ -99,7 +99,7 @@ def test_interrupted_conversion_is_not_taken_for_done(tmp_path: Path,
     stale.mkdir()
     calls: list[Path] = []
 
-    def fake_convert(gguf: Path, out: Path, progress: object) -> None:
+    def fake_convert(gguf: Path, out: Path, progress: object, *spec: object) -> None:
         calls.append(out)
         assert out.parent == target.parent and out != target  # written beside, then renamed
         for name in ("config.json", "model.safetensors", "tokenizer.json",
@@ -114,7 +114,7 @@ def test_interrupted_conversion_is_not_taken_for_done(tmp_path: Path,
     assert ensure_default_model(progress=lines.append) == target
     assert len(calls) == 1
 
-    def failing_convert(gguf: Path, out: Path, progress: object) -> None:
+    def failing_convert(gguf: Path, out: Path, progress: object, *spec: object) -> None:
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt
 

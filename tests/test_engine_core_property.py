@@ -65,9 +65,12 @@ def check_invariants(sched) -> None:
     holders = {i: 0 for i in range(pool.num_blocks)}
     assert kv.req_block_ids.keys() == kv.req_blocks.keys()
     for rid, blocks in kv.req_blocks.items():
-        assert kv.req_block_ids[rid] == [b.block_id for b in blocks]
+        ids = kv.req_block_ids[rid]
+        assert len(ids) == len(blocks)
+        assert [i for i, b in zip(ids, blocks) if b] == [b.block_id for b in blocks if b]
         for b in blocks:
-            holders[b.block_id] += 1
+            if b is not None:  # None: left the sliding window
+                holders[b.block_id] += 1
     for b in pool.blocks:
         assert b.ref_cnt >= 0
         assert b.ref_cnt == holders[b.block_id], (b, holders[b.block_id])
@@ -100,10 +103,12 @@ def run_step(sched, kv_store: dict[int, tuple[int, int]], seed: int) -> None:
         assert len(ids) * BS >= end
         for pos in range(start, end):  # store_kv of the new tokens
             kv_store[ids[pos // BS] * BS + pos % BS] = (req.token_at(pos), pos)
-    for req in out.scheduled:  # attention reads every position up to the new ones
+    window = sched.kv.sliding_window
+    for req in out.scheduled:  # attention reads every position up to the new ones (in window)
         n = out.num_scheduled_tokens[req.request_id]
         ids = sched.kv.block_ids(req.request_id)
-        for pos in range(req.num_computed_tokens + n):
+        first = max(0, req.num_computed_tokens - window + 1) if window else 0
+        for pos in range(first, req.num_computed_tokens + n):
             assert kv_store.get(ids[pos // BS] * BS + pos % BS) == (req.token_at(pos), pos), \
                 f"{req.request_id} reads wrong KV at position {pos}"
     sampled = {}
@@ -117,10 +122,12 @@ def run_step(sched, kv_store: dict[int, tuple[int, int]], seed: int) -> None:
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(op_strategy, min_size=OPS_PER_EXAMPLE, max_size=OPS_PER_EXAMPLE),
-       st.sampled_from(["fcfs", "priority"]), st.booleans())
-def test_random_operations_keep_the_pool_consistent(ops, policy, caching):
+       st.sampled_from(["fcfs", "priority"]), st.booleans(), st.sampled_from([None, 9]))
+def test_random_operations_keep_the_pool_consistent(ops, policy, caching, window):
+    """`window`: every layer slides, so blocks leave running requests as they fall out."""
     sched = make_scheduler(num_blocks=NUM_BLOCKS, block_size=BS, budget=BUDGET,
-                           max_num_seqs=MAX_SEQS, caching=caching, policy=policy)
+                           max_num_seqs=MAX_SEQS, caching=caching, policy=policy,
+                           sliding_window=window)
     kv_store: dict[int, tuple[int, int]] = {}
     sched.kv.pool.record_events()
     mirror: dict[bytes, int] = {}

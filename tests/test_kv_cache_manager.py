@@ -202,3 +202,46 @@ def test_10_no_leak_after_add_step_abort_finish_preempt():
     assert kv.num_free_blocks == kv.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert not kv.req_blocks
+
+
+def test_11_blocks_out_of_every_layers_window_are_freed_while_running():
+    """Window 32, blocks of 4, a 200-token prompt in chunks of 16, then 40 decodes: the request
+    never holds more than the window's blocks plus those of the chunk it is computing, the rest
+    go back to the pool as they fall out; a second request with the same prompt still hits the
+    cache from block 0 while those blocks are free, and once all ends nothing is held."""
+    window, bs, chunk = 32, 4, 16
+    sched = make_scheduler(num_blocks=64, block_size=bs, budget=chunk, sliding_window=window)
+    kv = sched.kv
+    prompt = list(range(100, 300))
+    sched.add_request(make_request("a", prompt, max_tokens=40))
+    peak = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        held = kv.num_held_blocks("a")
+        peak = max(peak, held)
+        assert held <= -(-(window + chunk) // bs) + 1, (held, out.num_scheduled_tokens)
+        assert kv.num_free_blocks == kv.num_blocks - held
+        sched.update_from_output(out, fake_step(sched, out))
+    assert peak < -(-len(prompt) // bs)  # far below the 50 blocks the prompt alone fills
+    stats = kv.stats()
+    assert stats["kv_blocks_freed_out_of_window"] > 40 and stats["kv_blocks_in_use"] == 0
+    # The freed full blocks stayed cached: the same prompt hits all of them.
+    b = make_request("b", prompt, max_tokens=1)
+    admit(sched, b)
+    assert b.num_cached_tokens == (len(prompt) - 1) // bs * bs
+    run_to_completion(sched)
+    assert kv.num_free_blocks == kv.num_blocks and not kv.req_blocks
+    assert all(blk.ref_cnt == 0 for blk in kv.pool.blocks)
+
+
+def test_11_window_freeing_with_preemption_leaks_nothing():
+    rng = random.Random(1)
+    sched = make_scheduler(num_blocks=14, block_size=4, budget=24, sliding_window=12)
+    kv = sched.kv
+    for i in range(8):
+        sched.add_request(make_request(f"w{i}", rng.randrange(10, 60),
+                                       max_tokens=rng.randrange(5, 40)))
+    run_to_completion(sched)
+    assert sched.num_preemptions > 0 and kv.num_window_freed > 0
+    assert kv.num_free_blocks == kv.num_blocks and not kv.req_blocks
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)

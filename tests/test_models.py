@@ -21,16 +21,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from engine.attention import AttentionMetadata  # noqa: E402
 from engine.layers import rope_parameters  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
-from engine.models import LlamaForCausalLM  # noqa: E402
+from engine.models import GemmaForCausalLM, LlamaForCausalLM  # noqa: E402
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -77,6 +82,69 @@ CONFIGS = {
     # Qwen3 with attention biases (q/k/v and o), MHA, tied.
     "qwen3_bias_tied": lambda: Qwen3Config(**_common(
         num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True)),
+    # YaRN over a 16-token original context (the test's sequences run past it), with the
+    # attention factor derived from `factor`.
+    "llama_yarn": lambda: LlamaConfig(**_common(
+        tie_word_embeddings=False, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+            "original_max_position_embeddings": 16, "beta_fast": 8.0, "beta_slow": 1.0})),
+    # Mistral with a sliding window smaller than the test's prompts (17 and 33 tokens).
+    "mistral_window": lambda: MistralConfig(**_common(
+        sliding_window=8, tie_word_embeddings=False)),
+    # Gemma 2: window 8 on the even layers, attention and final soft-capping set low enough to
+    # bite, query_pre_attn_scalar != head_dim, tied head, GQA.
+    "gemma2_window_softcap": lambda: Gemma2Config(**_common(
+        head_dim=16, num_hidden_layers=3, sliding_window=8, attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0, query_pre_attn_scalar=24)),
+    # Gemma 3: q/k norms, local layers with their own RoPE base, a linear-scaled global rope,
+    # window 8, final soft-capping, untied head, head_dim != hidden/heads.
+    "gemma3_window_local_rope": lambda: Gemma3TextConfig(**_common(
+        head_dim=32, num_hidden_layers=4, sliding_window=8, final_logit_softcapping=3.0,
+        query_pre_attn_scalar=32, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 10000.0}})),
+    # Gemma 3, MHA, tied, every layer global but one, default softcaps (none).
+    "gemma3_mha_tied": lambda: Gemma3TextConfig(**_common(
+        num_key_value_heads=4, head_dim=16, num_hidden_layers=2, sliding_window=6,
+        layer_types=["full_attention", "sliding_attention"], rope_local_base_freq=500.0,
+        rope_theta=20000.0)),
+    # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint, LongRoPE (no explicit factor),
+    # GQA, untied.
+    "phi3_longrope": lambda: Phi3Config(**_common(
+        max_position_embeddings=256, original_max_position_embeddings=64, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.2 * i for i in range(8)],
+            "long_factor": [3.0 + 0.5 * i for i in range(8)]})),
+    # Phi-3 with a sliding window on every layer (Phi-3-mini's config has one), MHA.
+    "phi3_window_mha": lambda: Phi3Config(**_common(
+        num_key_value_heads=4, sliding_window=10, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)),
+    # Mixtral: 4 experts, top-2 (renormalised), GQA, untied, a sliding window past the prompts'.
+    "mixtral_4x_top2": lambda: MixtralConfig(**_common(
+        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+        sliding_window=12)),
+    # Qwen3-MoE: 4 experts top-2 without renormalisation, q/k norms, the first layer dense
+    # (mlp_only_layers), tied, MHA.
+    "qwen3_moe_4x_top2": lambda: Qwen3MoeConfig(**_common(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[0], num_hidden_layers=3, num_key_value_heads=4,
+        head_dim=16, tie_word_embeddings=True)),
+    # Qwen3-MoE with renormalised top-2, every layer sparse, GQA.
+    "qwen3_moe_norm_topk": lambda: Qwen3MoeConfig(**_common(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)),
+    # LongRoPE inside its original context (short factors), attention factor from the ratio
+    # of max_position_embeddings to the original (Phi-3's form, no explicit `factor`).
+    "qwen2_longrope": lambda: Qwen2Config(**_common(
+        tie_word_embeddings=False, max_position_embeddings=256, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "original_max_position_embeddings": 64,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)]})),
 }
 
 
@@ -206,13 +274,14 @@ def test_tied_head_shares_storage(tmp_path: Path) -> None:
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
-def test_bfloat16_load_runs(tmp_path: Path) -> None:
-    path, ref = _save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path)
+@pytest.mark.parametrize("name", ["llama_gqa_llama3", "gemma3_window_local_rope"])
+def test_bfloat16_load_runs(name: str, tmp_path: Path) -> None:
+    path, ref = _save_checkpoint(CONFIGS[name], tmp_path)
     model, _ = load_model(path, torch.bfloat16, torch.device("cpu"))
     assert model.lm_head.weight.dtype == torch.bfloat16
     sim = PagedSim(model)
     sim.kv = [kv.to(torch.bfloat16) for kv in sim.kv]
-    tokens = list(range(1, 12))
+    tokens = list(range(1, 22))  # past the Gemma config's window of 8
     logits = sim.step([(0, tokens)])
     with torch.inference_mode():
         expected = ref(torch.tensor([tokens])).logits[0]
@@ -295,22 +364,66 @@ def test_sharded_checkpoint(tmp_path: Path) -> None:
 
 
 def test_unsupported_rope_type() -> None:
-    config = LlamaConfig(**_common(rope_parameters={
-        "rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-        "original_max_position_embeddings": 32}))
-    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+    config = LlamaConfig(**_common())
+    config.rope_parameters = {"rope_type": "proportional", "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="unsupported rope_type 'proportional'"):
         LlamaForCausalLM(config)
 
 
-def test_sliding_window_guard() -> None:
-    config = MistralConfig(**_common(sliding_window=64))
+def test_dynamic_ntk_rope_matches_transformers_over_the_stretched_context(tmp_path: Path) -> None:
+    """Dynamic NTK with the base fixed for the whole stretched context (max_position_embeddings
+    x factor, as vLLM serves it): equal to transformers' forward over a sequence of exactly that
+    length, which derives the same base, through prefill, a chunk and decodes."""
+    factor, orig = 4.0, 24
+    config_fn = lambda: LlamaConfig(**_common(  # noqa: E731
+        max_position_embeddings=orig, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "dynamic", "factor": factor, "rope_theta": 10000.0}))
+    path, ref = _save_checkpoint(config_fn, tmp_path)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    length = int(orig * factor)
+    assert model.max_position_embeddings == length
+    seq = torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.inference_mode():
+        expected = ref(torch.tensor([seq])).logits[0].float()
+    sim = PagedSim(model, seed=3)
+    got = [sim.step([(0, seq[:40])]), sim.step([(0, seq[40:length - 3])])]
+    got += [sim.step([(0, [t])]) for t in seq[length - 3:]]
+    torch.testing.assert_close(torch.cat(got), expected, atol=ATOL, rtol=RTOL)
+
+
+def test_longrope_long_factors_past_the_original_context() -> None:
+    """Positions past the original context rotate with the long factors (transformers' long set
+    and attention factor), positions inside it with the short ones."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = CONFIGS["qwen2_longrope"]()
     model = LlamaForCausalLM(config)
-    assert model.sliding_window == 64
-    model.check_max_model_len(64)
-    with pytest.raises(ValueError, match="sliding-window"):
-        model.check_max_model_len(65)
+    rotary, orig = model.rotary_emb, 64
+    for seq_len, rows in ((orig, slice(0, orig)), (orig + 1, slice(orig, None))):
+        inv_freq, scale = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=seq_len)
+        pos = torch.arange(rotary.max_positions, dtype=torch.int64).float()[rows]
+        angles = torch.outer(pos, inv_freq)
+        torch.testing.assert_close(rotary.cos[rows], angles.cos() * scale)
+        torch.testing.assert_close(rotary.sin[rows], angles.sin() * scale)
+
+
+def test_sliding_windows_per_layer() -> None:
+    """Windows are served, not refused: any max_model_len the positions cover is accepted, and
+    each layer gets its own window (or none) from the config."""
+    model = LlamaForCausalLM(MistralConfig(**_common(sliding_window=64)))
+    assert model.layer_windows == [64, 64]
+    model.check_max_model_len(128)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.check_max_model_len(129)
     qwen = LlamaForCausalLM(Qwen2Config(**_common(use_sliding_window=False)))
-    assert qwen.sliding_window is None
+    assert qwen.sliding_window is None and qwen.layer_windows == [None, None]
+    qwen = LlamaForCausalLM(Qwen2Config(**_common(use_sliding_window=True, sliding_window=16,
+                                                  max_window_layers=1)))
+    assert qwen.layer_windows == [None, 16]
+    gemma = GemmaForCausalLM(CONFIGS["gemma3_window_local_rope"]())
+    assert gemma.layer_windows == [8, None, 8, 8]
+    assert gemma.model.layers[0].self_attn.rotary[0] is gemma.local_rotary_emb
+    assert gemma.model.layers[1].self_attn.rotary[0] is gemma.rotary_emb
 
 
 def test_rope_parameters_old_and_new_config_styles() -> None:
@@ -327,3 +440,95 @@ def test_rope_parameters_old_and_new_config_styles() -> None:
     new = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
                           max_position_embeddings=64)
     assert rope_parameters(new) == {"rope_type": "default", "rope_theta": 100000.0}
+
+
+# --- greedy decoding through the engine, past the sliding window -----------------------------
+
+
+def _save_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over the tiny vocabulary, so the engine can load the folder
+    (prompts go in as token ids)."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0",
+                            eos_token="t1").save_pretrained(path)
+
+
+@pytest.mark.parametrize("name", ["gemma2_window_softcap", "gemma3_window_local_rope",
+                                  "mistral_window", "phi3_window_mha", "mixtral_4x_top2",
+                                  "qwen3_moe_4x_top2"])
+def test_greedy_equals_generate_past_the_window(name: str, tmp_path: Path) -> None:
+    """Prompts 3-5x the window, 12 new tokens: the engine's greedy tokens equal transformers'
+    generate with prefix caching on (run twice, the second run hitting the cache) and off
+    with chunked prefill and preemptions."""
+    from engine import LLM, SamplingParams
+
+    path, ref = _save_checkpoint(CONFIGS[name], tmp_path)
+    _save_tokenizer(path)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (25, 40, 31, 18)]
+    prompts.append(prompts[1][:36] + [5, 6])  # shares 9 full blocks with prompt 1
+    new = 12
+    ref.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        expected = [ref.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                    for p in prompts]
+    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+
+    cached = LLM(model=str(path), block_size=4, num_kv_blocks=128, max_model_len=64)
+    for _ in range(2):
+        outs = cached.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    assert cached.stats()["prefix_cache_hits"] > 0
+    assert outs[4].num_cached_tokens > 0
+    # Every layer slides (Mistral, Phi-3): blocks left the requests as they fell out of the
+    # window. One global layer (Gemma) keeps them all.
+    all_slide = all(w is not None for w in cached.engine.model.layer_windows)
+    assert (cached.stats()["kv_blocks_freed_out_of_window"] > 0) == all_slide
+
+    # A pool too small for all five at once (smaller when blocks leave with the window).
+    pool = 16 if all_slide else 30
+    plain = LLM(model=str(path), block_size=4, num_kv_blocks=pool, max_model_len=64,
+                enable_prefix_caching=False, max_num_batched_tokens=16)
+    outs = plain.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = plain.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == pool
+
+
+def test_moe_experts_run_grouped_by_expert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sparse layer's experts are one gate/up and one down matmul per expert that got tokens,
+    however many tokens there are; top-k picks and weights match a direct computation."""
+    import engine.models.moe as moe
+
+    torch.manual_seed(0)
+    layer = moe.SparseMoE(hidden=16, inter=8, num_experts=4, top_k=2, renormalize=True)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.5)
+    x = torch.randn(200, 16)
+    calls: list[int] = []
+    real = moe.F.linear
+    monkeypatch.setattr(moe.F, "linear", lambda a, w, b=None: (calls.append(a.shape[0]),
+                                                               real(a, w, b))[1])
+    with torch.no_grad():
+        out = layer(x)
+    # The router over all 200 tokens, then 4 experts x (gate/up, down) over their own tokens.
+    assert calls[0] == 200 and len(calls) == 1 + 2 * 4 and sum(calls[1:]) == 2 * 2 * 200
+    monkeypatch.undo()
+    with torch.no_grad():
+        probs = torch.softmax(x @ layer.gate.weight.T, dim=-1)
+        w, idx = probs.topk(2, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        expected = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(2):
+                e = int(idx[t, j])
+                g, u = (layer.experts_gate_up[e] @ x[t]).chunk(2)
+                expected[t] += w[t, j] * (layer.experts_down[e] @ (torch.nn.functional.silu(g) * u))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -234,3 +234,14 @@ def test_render_keeps_vllm_names_whatever_the_scraper_asks():
         text = body.decode()
         assert "vllm:num_requests_waiting{" in text and "vllm:prompt_tokens_total{" in text, accept
         assert "vllm_" not in text, (accept, content_type)
+
+
+def test_model_id_names_a_packaged_model_and_excludes_model_dir(capsys):
+    assert server_args.parse_args(["--model_id=gemma3-270m"]).model_id == "gemma3-270m"
+    assert server_args.parse_args([]).model_id is None
+    with pytest.raises(SystemExit):
+        server_args.parse_args(["--model_id=gpt-5"])
+    assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        server_args.parse_args(["--model_id=gemma3-270m", "--model_dir=/mnt/models"])
+    assert "give one" in capsys.readouterr().err

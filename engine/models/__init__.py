@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
-from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, architecture_of
+from engine.models.architectures import (
+    GEMMA_FAMILY,
+    LLAMA_FAMILY,
+    MOE_FAMILY,
+    SUPPORTED_ARCHITECTURES,
+    architecture_of,
+)
+from engine.models.gemma import GemmaForCausalLM
+from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import MoEForCausalLM
 
-# Every supported architecture shares the Llama code path (biases and windows come from config).
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES
+    **{arch: LlamaForCausalLM for arch in LLAMA_FAMILY},
+    **{arch: GemmaForCausalLM for arch in GEMMA_FAMILY},
+    **{arch: MoEForCausalLM for arch in MOE_FAMILY},
 }
 
-__all__ = ["MODEL_REGISTRY", "SUPPORTED_ARCHITECTURES", "LlamaForCausalLM", "architecture_of"]
+__all__ = ["MODEL_REGISTRY", "SUPPORTED_ARCHITECTURES", "GemmaForCausalLM", "LlamaForCausalLM",
+           "MoEForCausalLM", "architecture_of"]

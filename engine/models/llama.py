@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over the paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM) over the paged KV cache.
 
 Written for the engine's step shape: one flat batch of new tokens from many sequences, their
 positions, and `AttentionMetadata` saying where each sequence's context lives in the cache. q/k/v
@@ -17,13 +17,18 @@ from torch import nn
 
 import kernels
 from engine.attention import Attention, AttentionMetadata
-from engine.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLUMLP, rope_parameters
+from engine.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLUMLP,
+    rope_max_positions,
+    rope_parameters,
+)
+from engine.models.architectures import architecture_of
 from kernels import cpu_native
 
 logger = logging.getLogger("engine")
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
 
 # Checkpoint entries that carry no weights we need (old checkpoints saved RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -38,27 +43,12 @@ _FUSED = {
 }
 
 
-def architecture_of(config: Any) -> str:
-    """The config's supported architecture name, or ValueError naming the supported ones."""
-    archs = list(getattr(config, "architectures", None) or [])
-    if not archs:
-        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-        model_type = getattr(config, "model_type", None)
-        archs = [by_type[model_type]] if model_type in by_type else []
-    for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    raise ValueError(f"unsupported model architecture {archs or getattr(config, 'model_type', None)}"
-                     f"; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-
-
 def sliding_window_of(config: Any) -> int | None:
     """The attention window if any layer uses one (Mistral v0.1, Qwen2 with use_sliding_window)."""
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
-    if getattr(config, "model_type", None) in ("qwen2", "qwen3") and not getattr(
+    if getattr(config, "model_type", None) in ("qwen2", "qwen3", "qwen3_moe") and not getattr(
             config, "use_sliding_window", False):
         return None
     layer_types = getattr(config, "layer_types", None)
@@ -67,12 +57,29 @@ def sliding_window_of(config: Any) -> int | None:
     return int(window)
 
 
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window (None: global attention). `layer_types` says which layers
+    slide (Qwen2 past `max_window_layers`, Gemma's alternation); without it every layer does
+    (Mistral v0.1)."""
+    window = sliding_window_of(config)
+    layers = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if window is None:
+        return [None] * layers
+    if types is None:
+        return [window] * layers
+    return [window if t == "sliding_attention" else None for t in types]
+
+
 class LlamaAttention(nn.Module):
-    """Fused qkv projection, RoPE, paged attention, output projection; with `qk_norm` (Qwen3)
-    an RMSNorm over each head of q and k before RoPE."""
+    """Fused qkv projection, RoPE, paged attention, output projection; with `qk_norm` (Qwen3,
+    Gemma 3) an RMSNorm (`norm`) over each head of q and k before RoPE. `window`, `softcap` and
+    `scale` (default head_dim ** -0.5) are this layer's attention settings."""
 
     def __init__(self, config: Any, head_dim: int, rotary: RotaryEmbedding, qkv_bias: bool,
-                 o_bias: bool, qk_norm: bool = False) -> None:
+                 o_bias: bool, qk_norm: bool = False, *, window: int | None = None,
+                 softcap: float | None = None, scale: float | None = None,
+                 norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -82,9 +89,11 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.rotary = [rotary]  # shared, kept out of the module tree so it is built once
-        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim ** -0.5)
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads,
+                              head_dim ** -0.5 if scale is None else scale, window=window,
+                              softcap=softcap)
+        self.q_norm = norm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm(head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -110,9 +119,11 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the next norm."""
 
     def __init__(self, config: Any, head_dim: int, rotary: RotaryEmbedding, qkv_bias: bool,
-                 o_bias: bool, mlp_bias: bool, qk_norm: bool = False) -> None:
+                 o_bias: bool, mlp_bias: bool, qk_norm: bool = False,
+                 window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, head_dim, rotary, qkv_bias, o_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, head_dim, rotary, qkv_bias, o_bias, qk_norm,
+                                        window=window)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, bias=mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -138,8 +149,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, head_dim, rotary, qkv_bias, o_bias, mlp_bias, qk_norm)
-            for _ in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, head_dim, rotary, qkv_bias, o_bias, mlp_bias, qk_norm,
+                              window)
+            for window in layer_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -165,24 +177,26 @@ class LlamaForCausalLM(nn.Module):
                               or config.hidden_size // config.num_attention_heads)
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = config.vocab_size
-        self.max_position_embeddings: int = config.max_position_embeddings
+        rope = rope_parameters(config)
+        self.max_position_embeddings: int = rope_max_positions(config.max_position_embeddings,
+                                                               rope)
         self.sliding_window: int | None = sliding_window_of(config)
+        self.layer_windows: list[int | None] = layer_windows(config)
         self.tie_word_embeddings: bool = bool(getattr(config, "tie_word_embeddings", False))
 
-        qk_norm = self.architecture == "Qwen3ForCausalLM"
+        qk_norm = self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         if self.architecture == "Qwen2ForCausalLM":
             qkv_bias, o_bias, mlp_bias = True, False, False
         elif qk_norm:  # Qwen3: one attention_bias flag for q/k/v and o, none in the MLP
             qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
             mlp_bias = False
-        elif self.architecture == "MistralForCausalLM":
+        elif self.architecture in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
             qkv_bias = o_bias = mlp_bias = False
         else:
             qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
             mlp_bias = bool(getattr(config, "mlp_bias", False))
 
-        self.rotary_emb = RotaryEmbedding(self.head_dim, self.max_position_embeddings,
-                                          rope_parameters(config))
+        self.rotary_emb = RotaryEmbedding(self.head_dim, self.max_position_embeddings, rope)
         self.model = LlamaModel(config, self.head_dim, self.rotary_emb, qkv_bias, o_bias,
                                 mlp_bias, qk_norm)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -193,19 +207,11 @@ class LlamaForCausalLM(nn.Module):
         self.use_native_stack = True
 
     def check_max_model_len(self, max_model_len: int) -> None:
-        """Raise if `max_model_len` needs something this model code does not do.
-
-        We have no sliding-window attention: a sliding-window model is served with full
-        attention, which is exact only while no sequence is longer than the window.
-        """
+        """Raise if `max_model_len` is past what the model's positions cover (sliding windows
+        need no limit: the kernels apply each layer's window)."""
         if max_model_len > self.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {self.max_position_embeddings}")
-        if self.sliding_window is not None and max_model_len > self.sliding_window:
-            raise ValueError(
-                f"this model uses sliding-window attention (window {self.sliding_window}), which "
-                f"the engine does not implement; set max_model_len <= {self.sliding_window} "
-                f"(got {max_model_len}) so full attention is exact")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -237,8 +243,13 @@ class LlamaForCausalLM(nn.Module):
     def expected_weights(self) -> set[str]:
         """transformers' parameter names this model needs from a checkpoint."""
         names: set[str] = set()
+        # Phi-3 checkpoints store qkv_proj and gate_up_proj fused, in our layout already.
+        fused_checkpoint = self.architecture == "Phi3ForCausalLM"
         for name, _ in self.named_parameters():
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if fused_checkpoint:
+                names.add(name)
                 continue
             module_path, _, leaf = name.rpartition(".")
             parent, _, module = module_path.rpartition(".")
@@ -269,13 +280,7 @@ class LlamaForCausalLM(nn.Module):
             if hf_name not in expected:
                 unexpected.append(hf_name)
                 continue
-            module_path, _, leaf = hf_name.rpartition(".")
-            parent, _, module = module_path.rpartition(".")
-            if module in _FUSED:
-                fused, shard = _FUSED[module]
-                target = self._shard(params[f"{parent}.{fused}.{leaf}"], fused, shard)
-            else:
-                target = params[hf_name]
+            target = self._target(hf_name, params)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)} != "
                                  f"model shape {tuple(target.shape)}")
@@ -288,6 +293,15 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. "
                              f"{sorted(missing)[:5]}")
+
+    def _target(self, hf_name: str, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Where a checkpoint tensor goes: its parameter, or its shard of a fused one."""
+        module_path, _, leaf = hf_name.rpartition(".")
+        parent, _, module = module_path.rpartition(".")
+        if module in _FUSED:
+            fused, shard = _FUSED[module]
+            return self._shard(params[f"{parent}.{fused}.{leaf}"], fused, shard)
+        return params[hf_name]
 
     def _shard(self, param: torch.Tensor, fused: str, shard: str) -> torch.Tensor:
         """The rows of a fused weight/bias that one unfused projection fills."""
@@ -315,8 +329,8 @@ class LlamaForCausalLM(nn.Module):
                    if isinstance(m, Linear) and m is not layer.mlp.gate_up_proj]
         if (not linears or not all(m._native for m in linears)
                 or any(layer.mlp._fused is None or layer.self_attn.q_norm is not None
-                       for layer in layers)):
-            return None  # the native stack has no per-head q/k norm
+                       or layer.self_attn.attn.window is not None for layer in layers)):
+            return None  # the native stack has no per-head q/k norm and no window
         norms = [n for layer in layers for n in (layer.input_layernorm,
                                                   layer.post_attention_layernorm)]
         eps = self.model.norm.eps

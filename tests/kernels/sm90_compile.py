@@ -6,7 +6,7 @@ Why a separate process: once a pytest process has run a kernel in Triton's inter
 hid that (the compile was never redone); a child with a clean interpreter state and its own
 empty cache compiles for real every time.
 
-Usage: python -m tests.kernels.sm90_compile CASE  (CASE: attention-bf16, attention-fp32, store-merge)
+Usage: python -m tests.kernels.sm90_compile CASE  (CASE: a key of ATTENTION_CASES, or store-merge)
 Prints {"shared": [bytes, ...]} or {"skip": reason}.
 """
 
@@ -18,11 +18,14 @@ import sys
 TARGET_ARCH = 90
 ATTN_INTS = ["stride_qt", "stride_qh", "stride_ckv", "stride_cblk", "stride_coff", "stride_ch",
              "stride_bt", "stride_btc", "stride_ot", "stride_oh", "num_heads"]
-ATTENTION_CASES = {
+ATTENTION_CASES = {  # dtype, group, BLOCK_M, BLOCK_N, BLOCK_D, splits, f32, one seq, window, cap
     # decode, split-KV, num_seqs == 1 constexpr
-    "attention-bf16": ("bf16", 4, 16, 64, 128, 8, False, True),
+    "attention-bf16": ("bf16", 4, 16, 64, 128, 8, False, True, False, False),
     # prefill, exact fp32 dots
-    "attention-fp32": ("fp32", 3, 64, 32, 64, 1, True, False),
+    "attention-fp32": ("fp32", 3, 64, 32, 64, 1, True, False, False, False),
+    # Gemma: sliding window and soft-capping, prefill and split decode
+    "attention-bf16-window-softcap": ("bf16", 4, 64, 64, 256, 1, False, False, True, True),
+    "attention-bf16-window-split": ("bf16", 4, 16, 64, 256, 4, False, False, True, False),
 }
 CASES = (*ATTENTION_CASES, "store-merge")
 
@@ -53,14 +56,17 @@ def _compile(fn: object, sig: dict[str, str], consts: dict[str, object], warps: 
 def _attention(case: str) -> list[int]:
     import kernels.triton_backend as tb
 
-    dtype, group, block_m, block_n, block_d, splits, f32, one_seq = ATTENTION_CASES[case]
+    (dtype, group, block_m, block_n, block_d, splits, f32, one_seq, window,
+     softcap) = ATTENTION_CASES[case]
     sig = {"q_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}", "bt_ptr": "*i32",
            "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "out_ptr": f"*{dtype}",
            "part_ptr": "*fp32", "ml_ptr": "*fp32", "scale_log2e": "fp32", "num_seqs": "i32",
-           "head_dim": "i32", **dict.fromkeys(ATTN_INTS, "i32")}
+           "head_dim": "i32", "window": "i32", "softcap": "fp32",
+           **dict.fromkeys(ATTN_INTS, "i32")}
     consts: dict[str, object] = {
         "GROUP": group, "BLOCK_SIZE": 16, "BLOCK_M": block_m, "BLOCK_Q": max(1, block_m // group),
-        "BLOCK_N": block_n, "BLOCK_D": block_d, "NUM_SPLITS": splits, "F32_DOT": f32}
+        "BLOCK_N": block_n, "BLOCK_D": block_d, "NUM_SPLITS": splits, "F32_DOT": f32,
+        "USE_WINDOW": window, "USE_SOFTCAP": softcap}
     if one_seq:
         consts = {"num_seqs": 1, **consts}
     return [_compile(tb._paged_attn_kernel, sig, consts).metadata.shared]

@@ -226,3 +226,66 @@ def test_decode_rows_over_a_shared_prefix_match_reference(seed: int) -> None:
         if q_lens[i] == 1 and rng.random() < 0.85:  # most rows share sequence 0's prefix
             case.block_tables[i, :full] = case.block_tables[0, :full]
     _check(_torch(*case.args()), paged_attention_ref(*case.args()), torch.float32)
+
+
+# --- sliding window and soft-capping (Gemma) -------------------------------------------------
+
+WINDOW_CASES = [  # (seq_lens, q_lens): decode, prefill, chunked past the window, idle, short
+    ([1, 17, 300, 64], [1, 1, 1, 1]),
+    ([5, 33, 120], [5, 33, 120]),
+    ([300, 70, 40, 9], [45, 70, 1, 0]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window,softcap", [(7, None), (32, None), (None, 5.0), (16, 2.0)])
+@pytest.mark.parametrize("lens", WINDOW_CASES, ids=["decode", "prefill", "chunked"])
+def test_window_and_softcap_match_reference(lens: tuple, window: int | None,
+                                            softcap: float | None, dtype: torch.dtype) -> None:
+    case = make_case(*lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                     dtype=dtype, seed=len(lens[0]) + (window or 0), wide_table=True)
+    case.query.mul_(4)  # large scores, so the cap bites
+    out = _torch(*case.args(), window=window, softcap=softcap)
+    ref = paged_attention_ref(*case.args(), window=window, softcap=softcap)
+    _check(out, ref, dtype)
+    if window is not None:  # the window changes the answer on these lengths
+        assert not torch.allclose(ref.float(), paged_attention_ref(*case.args()).float(),
+                                  atol=1e-3)
+
+
+def test_one_step_metadata_serves_windowed_and_global_layers() -> None:
+    """Gemma alternates windowed and global layers over one step's metadata: each gets its
+    own plan, and neither disturbs the other's answer."""
+    case = make_case([70, 40], [70, 1], num_heads=4, num_kv_heads=2, head_dim=64,
+                     block_size=16, seed=3)
+    meta = AttentionMetadata.build(*case.args()[2:5])
+    for _ in range(2):
+        full = paged_attention_cpu(case.query, case.kv_cache, meta, case.scale)
+        local = paged_attention_cpu(case.query, case.kv_cache, meta, case.scale, window=8)
+        _check(full, paged_attention_ref(*case.args()), torch.float32)
+        _check(local, paged_attention_ref(*case.args(), window=8), torch.float32)
+    assert len(meta.plan) == 2
+
+
+def test_reference_window_edges() -> None:
+    """The reference's window: 1 key sees only itself (output = its value); a window at least
+    the context is full causal attention."""
+    case = make_case([20, 9], [20, 3], num_heads=2, num_kv_heads=2, head_dim=16, block_size=4,
+                     seed=5)
+    one = paged_attention_ref(*case.args(), window=1)
+    full = paged_attention_ref(*case.args())
+    torch.testing.assert_close(paged_attention_ref(*case.args(), window=20), full)
+    values = []
+    for i, (seq_len, q_len) in enumerate(((20, 20), (9, 3))):
+        blocks = case.block_tables[i, :-(-seq_len // 4)].long()
+        v = case.kv_cache[1, blocks].reshape(-1, 2, 16)[:seq_len]
+        values.append(v[seq_len - q_len:])
+    torch.testing.assert_close(one, torch.cat(values))
+
+
+def test_bad_window_and_softcap_are_refused() -> None:
+    case = make_case([4], [4], num_heads=2, num_kv_heads=2, head_dim=16, block_size=4)
+    with pytest.raises(ValueError, match="window must be positive"):
+        paged_attention(*case.args(), window=0)
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        paged_attention(*case.args(), softcap=-1.0)

@@ -144,3 +144,26 @@ def test_gpu_grid(dtype: torch.dtype, block_size: int, heads: tuple[int, int]) -
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# (name, seq_lens, q_lens, window, softcap, num_splits): Gemma's sliding-window / capped layers.
+WINDOW_CASES = [
+    ("decode_window", [1, 17, 300, 64], [1] * 4, 7, None, None),
+    ("prefill_window", [5, 33, 120], [5, 33, 120], 32, None, None),
+    ("chunked_window_cap", [300, 70, 2], [45, 70, 1], 16, 2.0, None),
+    ("softcap_only", [40, 9, 200], [1, 9, 13], None, 5.0, None),
+    ("split_window", [300, 250, 1], [1] * 3, 100, None, 3),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=[c[0] for c in WINDOW_CASES])
+def test_window_and_softcap_match_reference(case: tuple, dtype: torch.dtype) -> None:
+    _, seq_lens, q_lens, window, softcap, splits = case
+    c = make_case(seq_lens, q_lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                  dtype=dtype, device=DEVICE, seed=len(seq_lens), wide_table=True)
+    c.query.mul_(4)  # large scores, so the cap bites
+    out = tb.paged_attention_triton(*c.args(), num_splits=splits, max_seq_len=c.max_seq_len,
+                                    max_query_len=c.max_query_len, window=window,
+                                    softcap=softcap)
+    _check(out, paged_attention_ref(*c.args(), window=window, softcap=softcap), dtype)

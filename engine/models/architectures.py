@@ -1,0 +1,32 @@
+"""Which checkpoints the engine serves, named as transformers names them (no torch import, so
+a config can be checked before anything heavy loads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                "Phi3ForCausalLM")
+GEMMA_FAMILY = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GEMMA_FAMILY + MOE_FAMILY
+
+# config.json without `architectures` (GGUF-derived configs): model_type -> architecture.
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                  "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def architecture_of(config: Any) -> str:
+    """The config's supported architecture name, or ValueError naming the supported ones."""
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs:
+        model_type = getattr(config, "model_type", None)
+        archs = [_BY_MODEL_TYPE[model_type]] if model_type in _BY_MODEL_TYPE else []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise ValueError(f"unsupported model architecture {archs or getattr(config, 'model_type', None)}"
+                     f"; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
