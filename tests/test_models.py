@@ -501,6 +501,27 @@ def test_greedy_equals_generate_past_the_window(name: str, tmp_path: Path) -> No
     assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == pool
 
 
+def test_samples_fork_from_a_table_whose_blocks_left_the_window(tmp_path: Path) -> None:
+    """n > 1 on a model whose every layer slides: the samples fork after a prompt longer than
+    the window, whose leading blocks are already back in the pool; greedy samples all equal
+    transformers' generate, and every block comes back."""
+    from engine import LLM, SamplingParams
+
+    path, ref = _save_checkpoint(CONFIGS["mistral_window"], tmp_path)
+    _save_tokenizer(path)
+    prompt = torch.randint(2, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10,
+                                do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(model=str(path), block_size=4, num_kv_blocks=64, max_model_len=64)
+    out = llm.generate([prompt], SamplingParams(n=3, max_tokens=10, temperature=0.0,
+                                                ignore_eos=True), use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [expected] * 3
+    stats = llm.stats()
+    assert stats["kv_blocks_freed_out_of_window"] > 0 and stats["kv_blocks_in_use"] == 0
+
+
 def test_moe_experts_run_grouped_by_expert(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sparse layer's experts are one gate/up and one down matmul per expert that got tokens,
     however many tokens there are; top-k picks and weights match a direct computation."""
