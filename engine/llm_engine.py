@@ -21,6 +21,7 @@ from engine.kv_sizing import resolve_device, resolve_dtype, size_kv_cache
 from engine.limits import check_prompt_ids
 from engine.logits_processors import apply_penalties
 from engine.logprob_records import record_prompt, sampled_entries
+from engine.lora import LoRAManager, LoRARequest
 from engine.model_info import ModelInfo
 from engine.model_loader import load_model, load_tokenizer
 from engine.model_runner import ModelRunner
@@ -90,6 +91,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,
                                   self.device, max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_len)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = self.runner.lora = LoRAManager(
+                self.model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                max_cpu_loras=config.max_cpu_loras or config.max_loras)
         self.sampler = Sampler(config.seed)
         self.eos_token_id, self._extra_eos = self._eos_ids()
         stop_ids = [t for t in [self.eos_token_id, *self._extra_eos] if t is not None]
@@ -137,9 +143,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any],
                     params: SamplingParams | None = None, *, priority: int = 0,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request; raises ValueError (nothing allocated) if it can never run."""
         params = params or SamplingParams()
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested but LoRA "
+                                 "is not enabled (enable_lora=True)")
+            self.lora.add(lora_request)  # loads and checks it before anything is queued
         text: str | None = None
         if isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt", cache_salt)
@@ -167,7 +179,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n == 1:
             self._add_one(request_id, token_ids, text, params, priority, cache_salt,
-                          arrival_time)
+                          arrival_time, lora_request)
             return
         # n parallel samples: n child requests sharing the prompt's blocks (sample_groups.py).
         children = SampleGroups.children(request_id, params)
@@ -175,7 +187,7 @@ class LLMEngine:
         try:
             for child, child_params in children:
                 self._add_one(child, token_ids, text, child_params, priority, cache_salt,
-                              arrival)
+                              arrival, lora_request)
         except Exception:
             self.abort_request([child for child, _ in children])
             raise
@@ -183,9 +195,9 @@ class LLMEngine:
 
     def _add_one(self, request_id: str, token_ids: list[int], text: str | None,
                  params: SamplingParams, priority: int, cache_salt: str | None,
-                 arrival_time: float | None) -> None:
+                 arrival_time: float | None, lora_request: LoRARequest | None = None) -> None:
         request = Request(request_id, token_ids, params, eos_token_id=self.eos_token_id,
-                          priority=priority, cache_salt=cache_salt)
+                          priority=priority, cache_salt=cache_salt, lora_request=lora_request)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)  # raises on duplicates and over-long prompts
@@ -195,6 +207,29 @@ class LLMEngine:
         self._live[request_id] = _Tracked(
             request, text, IncrementalDetokenizer(self.tokenizer, token_ids, params),
             make_generator(params.seed), metrics=RequestMetrics(request.arrival_time))
+
+    # ------------------------------------------------------------ adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (ValueError if it is bad or LoRA is off)."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True)")
+        self.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.lora.loaded_ids() if self.lora is not None else []
+
+    def lora_stats(self) -> dict[str, Any]:
+        """vLLM's lora_requests_info labels: adapters of running and waiting requests."""
+        def names(requests) -> str:
+            return ",".join(sorted({r.lora_request.lora_name for r in requests
+                                    if r.lora_request is not None}))
+        return {"running_lora_adapters": names(self.scheduler.running),
+                "waiting_lora_adapters": names(self.scheduler.waiting),
+                "max_lora": self.config.max_loras if self.lora is not None else 0}
 
     def next_request_id(self) -> str:
         self._counter += 1
