@@ -14,15 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.default_model import ensure_default_model  # noqa: E402
 from engine.lora import LoRARequest  # noqa: E402
 from engine.lora.batch import group_rows  # noqa: E402
 from tests.core_helpers import make_request, make_scheduler  # noqa: E402
+from tests.lora_helpers import make_adapter, peft_greedy, tiny_base  # noqa: E402
 
 peft = pytest.importorskip("peft")
 
@@ -44,46 +43,13 @@ PROMPTS = [
 ]
 
 
-def _tiny_base(folder: Path) -> None:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    src = Path(ensure_default_model(progress=lambda _: None))
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, rms_norm_eps=1e-5,
-                         tie_word_embeddings=False, attn_implementation="eager")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.rand(p.shape, generator=g) + 0.5 if "norm" in name
-                    else torch.randn(p.shape, generator=g) * 0.15)
-    model.save_pretrained(folder)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / f, folder / f)
-
-
-def _make_adapter(base: Path, folder: Path, seed: int, **kw) -> None:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
-    pm = peft.get_peft_model(model, peft.LoraConfig(lora_dropout=0.0, **kw))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:  # PEFT starts B at zero: make every delta count
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    pm.save_pretrained(folder)
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
-    _tiny_base(root / "base")
+    tiny_base(root / "base")
     out = {"base": root / "base"}
     for i, (name, kw) in enumerate(ADAPTERS.items()):
-        _make_adapter(root / "base", root / name, seed=10 + i, **kw)
+        make_adapter(root / "base", root / name, seed=10 + i, **kw)
         out[name] = root / name
     return out
 
@@ -91,21 +57,8 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def reference(dirs) -> dict[str | None, list[list[int]]]:
     """transformers (+ PEFT) greedy continuations, one adapter and one prompt at a time."""
-    from transformers import AutoModelForCausalLM
-
-    refs: dict[str | None, list[list[int]]] = {}
-    for name in [None, *ADAPTERS]:
-        model = AutoModelForCausalLM.from_pretrained(dirs["base"], local_files_only=True,
-                                                     dtype=torch.float32)
-        if name is not None:
-            model = peft.PeftModel.from_pretrained(model, dirs[name])
-        model.eval()
-        model.generation_config.eos_token_id = None
-        with torch.inference_mode():
-            refs[name] = [model.generate(torch.tensor([p]), max_new_tokens=NEW,
-                                         min_new_tokens=NEW, do_sample=False,
-                                         pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-    return refs
+    return {name: peft_greedy(dirs["base"], dirs[name] if name else None, PROMPTS, NEW)
+            for name in [None, *ADAPTERS]}
 
 
 def _loras(dirs) -> dict[str, LoRARequest]:
