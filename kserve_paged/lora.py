@@ -2,7 +2,8 @@
 
 The registry lives on the base :class:`PagedLLMModel` (``model.loras``: name -> LoRARequest);
 an :class:`AdapterView` is the base model seen through one adapter, so the OpenAI handlers
-serve it unchanged. Runtime loads and unloads (vLLM's ``/load_lora_adapter`` and
+serve it unchanged, and an :class:`AdapterModel` in KServe's model repository serves v1/v2
+under the adapter's name. Runtime loads and unloads (vLLM's ``/load_lora_adapter`` and
 ``/unload_lora_adapter``) run on the engine thread between steps, and are refused unless the
 server was started with ``--enable_lora_runtime_updates``.
 """
@@ -14,10 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from kserve import Model
+from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from engine.async_llm import RequestStream
 from engine.lora import LoRARequest
 from engine.sampling_params import SamplingParams
+from kserve_paged import v2
 
 if TYPE_CHECKING:
     from kserve_paged.model import PagedLLMModel
@@ -43,6 +47,32 @@ class AdapterView:
                                       cache_salt=cache_salt, lora_request=self.lora)
 
 
+class AdapterModel(Model):
+    """The adapter as a model of KServe's repository: ``/v2/models/{adapter}/infer``, its
+    ready route and metadata, all answered by the base model's engine with the adapter."""
+
+    def __init__(self, base: PagedLLMModel, lora: LoRARequest) -> None:
+        super().__init__(lora.lora_name)
+        self.view = AdapterView(base, lora)
+        self.ready = True
+
+    async def healthy(self) -> bool:
+        return self.view.base.accepting
+
+    def get_input_types(self) -> list[dict[str, Any]]:
+        return self.view.base.get_input_types()
+
+    def get_output_types(self) -> list[dict[str, Any]]:
+        return self.view.base.get_output_types()
+
+    async def predict(self, payload: InferRequest | dict[str, Any],
+                      headers: dict[str, str] | None = None,
+                      response_headers: dict[str, str] | None = None
+                      ) -> InferResponse | dict[str, Any]:
+        self.view.base.check_ready()
+        return await v2.predict(self.view, payload)
+
+
 class LoRAError(ValueError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -61,6 +91,8 @@ async def load_lora(model: PagedLLMModel, name: str, path: str) -> LoRARequest:
     except ValueError as exc:
         raise LoRAError(400, str(exc)) from None
     model.loras[name] = lora
+    if model.repository is not None:
+        model.repository.update(AdapterModel(model, lora))
     return lora
 
 
@@ -68,6 +100,8 @@ async def unload_lora(model: PagedLLMModel, name: str) -> None:
     lora = model.loras.pop(name, None) if isinstance(name, str) else None
     if lora is None:
         raise LoRAError(404, f"The lora adapter '{name}' cannot be found.")
+    if model.repository is not None and model.repository.get_model(name) is not None:
+        model.repository.unload(name)
     await model.llm.remove_lora(lora.lora_int_id)
 
 

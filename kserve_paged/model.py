@@ -62,6 +62,9 @@ class PagedLLMModel(Model):
         # Adapters served under their own names (kserve_paged/lora.py), loaded at start-up.
         self.loras: dict[str, LoRARequest] = {}
         self._lora_modules = list(lora_modules or [])
+        # KServe's model repository, where adapters are registered as v2 models (set by the
+        # server; None: OpenAI routes only).
+        self.repository: Any = None
 
     # -- lifecycle (see the module docstring) -----------------------------------------------
 

@@ -165,6 +165,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> None:
         enable_latency_logging=args.enable_latency_logging,
         access_log_format=args.access_log_format, event_loop=args.event_loop,
         timeout_keep_alive=args.timeout_keep_alive)
+    model.repository = server.registered_models  # adapters become v2 models there
     _share_kserve_logging("engine")  # load progress, KV sizing, engine-thread failures
     logger.info("serving model %r from %s on :%d (gRPC %s)", model.name,
                 model.config.model or "the default model", args.http_port,

@@ -10,6 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi import FastAPI
+from kserve.model_repository import ModelRepository
+from kserve.protocol.dataplane import DataPlane
+from kserve.protocol.model_repository_extension import ModelRepositoryExtension
+from kserve.protocol.rest.server import RESTServer
 from prometheus_client import CollectorRegistry
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -51,8 +55,15 @@ def _build(dirs, runtime_updates: bool) -> tuple[FastAPI, PagedLLMModel]:
                           metrics=EngineMetrics("base", registry=CollectorRegistry()),
                           lora_modules=[("a1", str(dirs["a1"]))])
     model.load()
+    registry = ModelRepository()
+    registry.update(model)
+    model.repository = registry
     app = FastAPI()
     srv.install(app, model, lora_runtime_updates=runtime_updates)
+    rest = RESTServer("kserve.model_server:app", DataPlane(model_registry=registry),
+                      ModelRepositoryExtension(model_registry=registry), 0)
+    rest._register_endpoints(app)
+    rest._add_exception_handlers(app)
     return app, model
 
 
@@ -101,6 +112,40 @@ def test_adapters_routed_listed_loaded_and_unloaded(dirs, reference):
             assert r.status_code == 404
             assert [m["id"] for m in (await c.get("/openai/v1/models")).json()["data"]] == [
                 "base", "a1"]
+        model.stop_engine()
+    asyncio.run(main())
+
+
+def _v2_body(text: str) -> dict:
+    return {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1],
+                        "data": [text]}],
+            "parameters": {"max_tokens": NEW, "temperature": 0, "ignore_eos": True}}
+
+
+def test_v2_routes_serve_each_adapter_under_its_name(dirs):
+    async def main() -> None:
+        app, model = _build(dirs, runtime_updates=True)
+        await model.start_engine()
+        text = "Once upon a time"
+        async with _client(app) as c:
+            assert (await c.get("/v2/models/a1/ready")).status_code == 200
+            meta = (await c.get("/v2/models/a1")).json()
+            assert meta["name"] == "a1" and meta["inputs"][0]["name"] == "text_input"
+            assert (await c.get("/v2/models/a2/ready")).status_code != 200
+            outs = {}
+            for name in ("base", "a1"):
+                r = await c.post(f"/v2/models/{name}/infer", json=_v2_body(text))
+                assert r.status_code == 200, r.text
+                outs[name] = r.json()["outputs"][0]["data"][0]
+            r = await c.post("/openai/v1/completions", json={
+                "model": "a1", "prompt": text, "max_tokens": NEW, "temperature": 0,
+                "ignore_eos": True})
+            assert outs["a1"] == r.json()["choices"][0]["text"] != outs["base"]
+            r = await c.post("/openai/v1/load_lora_adapter",
+                             json={"lora_name": "a2", "lora_path": str(dirs["a2"])})
+            assert (await c.get("/v2/models/a2/ready")).status_code == 200
+            await c.post("/openai/v1/unload_lora_adapter", json={"lora_name": "a2"})
+            assert (await c.post("/v2/models/a2/infer", json=_v2_body(text))).status_code == 404
         model.stop_engine()
     asyncio.run(main())
 
