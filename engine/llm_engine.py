@@ -416,6 +416,8 @@ class LLMEngine:
         s.update(prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
                  last_step_tokens=self.last_step_tokens,
                  block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks)
+        if self.lora is not None:
+            s.update(self.lora_stats())
         return s
 
 

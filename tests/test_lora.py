@@ -136,6 +136,7 @@ def test_max_loras_holds_back_other_adapters_and_stays_exact(dirs, reference):
     outs = llm.generate([p for p, _ in pairs], GREEDY, use_tqdm=False, lora_request=loras)
     _check(outs, pairs, reference)
     assert max(len(s) for s in seen) == 1
+    assert llm.stats()["max_lora"] == 1 and llm.stats()["running_lora_adapters"] == ""
     assert len(set().union(*seen)) == 3
     assert len(llm.engine.list_loras()) <= 2  # the LRU of loaded adapters
 
@@ -198,3 +199,18 @@ def test_bad_adapters_are_clear_errors(dirs, tmp_path):
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         plain.generate([PROMPTS[0]], GREEDY, use_tqdm=False,
                        lora_request=LoRARequest("x", 1, str(dirs["attn-r4"])))
+
+
+def test_lora_stats_name_running_and_waiting_adapters(dirs):
+    llm = LLM(model=str(dirs["base"]), enable_lora=True, max_loras=1, max_cpu_loras=2,
+              num_kv_blocks=64, max_model_len=128)
+    loras = _loras(dirs)
+    llm.engine.add_request("x", PROMPTS[0], GREEDY, lora_request=loras["attn-r4"])
+    llm.engine.add_request("y", PROMPTS[1], GREEDY, lora_request=loras["mlp-r16"])
+    llm.engine.add_request("z", PROMPTS[2], GREEDY)
+    llm.engine.step()
+    stats = llm.stats()
+    assert (stats["running_lora_adapters"], stats["waiting_lora_adapters"],
+            stats["max_lora"]) == ("attn-r4", "mlp-r16", 1)
+    assert stats["num_running"] == 2  # the base request is not held back
+    llm.engine.abort_request(["x", "y", "z"])
