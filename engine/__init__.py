@@ -13,18 +13,20 @@ _HOMES = {
     "EngineConfig": "engine.config",
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
+    "LoRARequest": "engine.lora.request",
     "CompletionOutput": "engine.outputs",
     "RequestOutput": "engine.outputs",
     "SamplingParams": "engine.sampling_params",
 }
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput",
-           "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "LoRARequest",
+           "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
+    from engine.lora.request import LoRARequest
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.sampling_params import SamplingParams
 

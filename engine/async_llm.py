@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from engine.config import EngineConfig
+from engine.lora import LoRARequest
 from engine.model_info import ModelInfo
 from engine.outputs import RequestOutput
 from engine.request_stream import END, RequestStream, Stream
@@ -89,11 +90,20 @@ class _Add:
     cache_salt: str | None
     stream: Stream
     future: concurrent.futures.Future[None]
+    lora_request: LoRARequest | None = None
 
 
 @dataclasses.dataclass(slots=True)
 class _Abort:
     request_ids: list[str]
+
+
+@dataclasses.dataclass(slots=True)
+class _Call:
+    """Run `fn(engine)` on the engine thread, between steps (adapter loads and unloads)."""
+
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future[Any]
 
 
 class AsyncLLM:
@@ -114,7 +124,7 @@ class AsyncLLM:
         self._warmup = warmup
         self._callbacks: list[StepCallback] = [step_callback] if step_callback else []
         self._cond = threading.Condition()
-        self._commands: collections.deque[_Add | _Abort] = collections.deque()
+        self._commands: collections.deque[_Add | _Abort | _Call] = collections.deque()
         self._streams: dict[str, Stream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -215,7 +225,8 @@ class AsyncLLM:
 
     async def add(self, prompt: str | list[int], params: SamplingParams,
                   request_id: str | None = None, *, priority: int = 0,
-                  cache_salt: str | None = None) -> RequestStream:
+                  cache_salt: str | None = None,
+                  lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request and return its output stream once the engine accepted it.
 
         Raises ValueError (the engine's message) for a request it refuses, so a server can
@@ -224,7 +235,8 @@ class AsyncLLM:
             request_id = f"req-{next(self._ids)}"
         stream = Stream(request_id, asyncio.get_running_loop())
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(_Add(request_id, prompt, params, priority, cache_salt, stream, future))
+        self._submit(_Add(request_id, prompt, params, priority, cache_salt, stream, future,
+                          lora_request))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -246,6 +258,19 @@ class AsyncLLM:
         finally:
             stream.close()
 
+    async def call_engine(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(engine)` on the engine thread between steps; its exception is raised here."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._submit(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter (ValueError if it is bad or LoRA is off)."""
+        return await self.call_engine(lambda engine: engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self.call_engine(lambda engine: engine.remove_lora(lora_int_id))
+
     async def abort(self, request_id: str | list[str]) -> None:
         """Free everything the request(s) hold; their generate() streams end. Unknown ids are
         ignored."""
@@ -258,7 +283,7 @@ class AsyncLLM:
             self._commands.append(_Abort(request_ids))
             self._cond.notify()
 
-    def _submit(self, command: _Add) -> None:
+    def _submit(self, command: _Add | _Call) -> None:
         with self._cond:
             if self._dead is not None or self._stopping:
                 reason = self._dead
@@ -343,7 +368,7 @@ class AsyncLLM:
                     if not self._commands and not self._stopping:
                         self._cond.wait(0.005)
 
-    def _apply(self, engine: EngineLike, commands: list[_Add | _Abort]) -> list[str]:
+    def _apply(self, engine: EngineLike, commands: list[_Add | _Abort | _Call]) -> list[str]:
         aborted: list[str] = []
         for cmd in commands:
             if isinstance(cmd, _Abort):
@@ -358,13 +383,20 @@ class AsyncLLM:
             # so the set_result/set_exception below cannot raise InvalidStateError.
             if not cmd.future.set_running_or_notify_cancel():
                 continue
+            if isinstance(cmd, _Call):
+                try:
+                    cmd.future.set_result(cmd.fn(engine))
+                except Exception as exc:  # noqa: BLE001 - the caller gets it, the engine goes on
+                    cmd.future.set_exception(exc)
+                continue
             if cmd.request_id in self._streams:
                 cmd.future.set_exception(
                     ValueError(f"request id {cmd.request_id!r} is already in use"))
                 continue
             try:
+                lora = {"lora_request": cmd.lora_request} if cmd.lora_request else {}
                 engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                   priority=cmd.priority, cache_salt=cmd.cache_salt)
+                                   priority=cmd.priority, cache_salt=cmd.cache_salt, **lora)
             except Exception as exc:  # validation: the caller gets it, the engine goes on
                 cmd.future.set_exception(exc)
                 continue
@@ -398,7 +430,7 @@ class AsyncLLM:
             stream.put(EngineDeadError(message))
         self._streams.clear()
         for cmd in commands:
-            if isinstance(cmd, _Add) and not cmd.future.done():
+            if isinstance(cmd, (_Add, _Call)) and not cmd.future.done():
                 cmd.future.set_exception(EngineDeadError(message))
         for loop, fut in waiters:
             _resolve(loop, fut)

@@ -32,6 +32,12 @@ class EngineConfig:
     # KV-cache events for cache-aware routers (engine/kv_events.py): a KVEventsConfig, or its
     # JSON / dict form as vLLM's --kv-events-config takes it. None: off.
     kv_events_config: KVEventsConfig | str | dict[str, Any] | None = None
+    # Multi-LoRA (engine/lora/): adapters active in one step, their largest rank, and how many
+    # stay loaded in memory (an LRU; None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -53,6 +59,12 @@ class EngineConfig:
                              f"(got {self.load_format!r})")
         if isinstance(self.kv_events_config, (str, dict)):
             self.kv_events_config = KVEventsConfig.from_json(self.kv_events_config)
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1 (got {self.max_loras}, "
+                             f"{self.max_lora_rank})")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} "
                              f"(got {self.scheduling_policy!r})")

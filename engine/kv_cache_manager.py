@@ -26,6 +26,17 @@ class PrefixHit:
 NO_HIT = PrefixHit([], 0)
 
 
+def _first_block_extra(request: Request) -> bytes | None:
+    """What besides tokens keys the first block (so the whole chain): the cache salt and the
+    adapter, so a prefix never hits across salts or LoRA adapters."""
+    parts = []
+    if request.cache_salt:
+        parts.append(request.cache_salt.encode())
+    if request.lora_request is not None:
+        parts.append(b"\0lora:%d" % request.lora_request.lora_int_id)
+    return b"".join(parts) or None
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None) -> None:
@@ -58,7 +69,7 @@ class KVCacheManager:
         while len(hashes) < num_full:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            extra = request.cache_salt.encode() if (i == 0 and request.cache_salt) else None
+            extra = _first_block_extra(request) if i == 0 else None
             hashes.append(hash_block(parent, request.tokens_slice(i * bs, (i + 1) * bs), extra))
 
     # ---------------------------------------------------------------- API

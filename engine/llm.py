@@ -7,6 +7,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -26,7 +27,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, *, priority: Sequence[int] | None = None
+                 use_tqdm: bool = True, *, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in prompt order."""
         if isinstance(prompts, (str, dict)) or (
@@ -41,12 +43,19 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         ids: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = self.engine.next_request_id()
                 self.engine.add_request(rid, prompt, p,
-                                        priority=priority[i] if priority else 0)
+                                        priority=priority[i] if priority else 0,
+                                        lora_request=loras[i])
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)  # all or nothing: bad input leaves nothing queued
@@ -70,11 +79,13 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, *,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation: list[dict[str, str]],
                             add_generation_prompt: bool = True) -> list[int]:

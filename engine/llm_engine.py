@@ -25,6 +25,7 @@ from engine.kv_sizing import resolve_device, resolve_dtype, size_kv_cache
 from engine.limits import check_prompt_ids
 from engine.logits_processors import apply_penalties
 from engine.logprob_records import record_prompt, sampled_entries
+from engine.lora import LoRAManager, LoRARequest
 from engine.model_info import ModelInfo
 from engine.model_loader import load_model, load_tokenizer
 from engine.model_runner import ModelRunner
@@ -103,6 +104,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,
                                   self.device, max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_len)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = self.runner.lora = LoRAManager(
+                self.model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                max_cpu_loras=config.max_cpu_loras or config.max_loras)
         self.sampler = Sampler(config.seed)
         self.eos_token_id, self._extra_eos = self._eos_ids()
         stop_ids = [t for t in [self.eos_token_id, *self._extra_eos] if t is not None]
@@ -172,9 +178,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any],
                     params: SamplingParams | None = None, *, priority: int = 0,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request; raises ValueError (nothing allocated) if it can never run."""
         params = params or SamplingParams()
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested but LoRA "
+                                 "is not enabled (enable_lora=True)")
+            self.lora.add(lora_request)  # loads and checks it before anything is queued
         text: str | None = None
         if isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt", cache_salt)
@@ -202,12 +214,12 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.use_beam_search:  # one request; beams fork from it (beam_search.py)
             root = self._add_one(request_id, token_ids, text, params, priority, cache_salt,
-                                 arrival_time)
+                                 arrival_time, lora_request)
             self._beams.start(root, self.max_model_len)
             return
         if params.n == 1:
             self._add_one(request_id, token_ids, text, params, priority, cache_salt,
-                          arrival_time)
+                          arrival_time, lora_request)
             return
         # n parallel samples: the first child computes the prompt, the others fork from it
         # when it samples its first token (sample_groups.py), sharing every prompt block.
@@ -215,18 +227,20 @@ class LLMEngine:
         if params.max_tokens == 0:  # nothing is sampled, so nothing to fork from: n scorings
             for child, child_params in children:
                 self._add_one(child, token_ids, text, child_params, priority, cache_salt,
-                              arrival_time)
+                              arrival_time, lora_request)
             self._groups.register(request_id, [child for child, _ in children], pending=[])
             return
         (first, first_params), rest = children[0], children[1:]
-        self._add_one(first, token_ids, text, first_params, priority, cache_salt, arrival_time)
+        self._add_one(first, token_ids, text, first_params, priority, cache_salt, arrival_time,
+                      lora_request)
         self._groups.register(request_id, [child for child, _ in children], pending=rest)
 
     def _add_one(self, request_id: str, token_ids: list[int], text: str | None,
                  params: SamplingParams, priority: int, cache_salt: str | None,
-                 arrival_time: float | None) -> Request:
+                 arrival_time: float | None, lora_request: LoRARequest | None = None
+                 ) -> Request:
         request = Request(request_id, token_ids, params, eos_token_id=self.eos_token_id,
-                          priority=priority, cache_salt=cache_salt)
+                          priority=priority, cache_salt=cache_salt, lora_request=lora_request)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)  # raises on duplicates and over-long prompts
@@ -237,6 +251,29 @@ class LLMEngine:
             request, text, IncrementalDetokenizer(self.tokenizer, token_ids, params),
             make_generator(params.seed), metrics=RequestMetrics(request.arrival_time))
         return request
+
+    # ------------------------------------------------------------ adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (ValueError if it is bad or LoRA is off)."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True)")
+        self.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.lora.loaded_ids() if self.lora is not None else []
+
+    def lora_stats(self) -> dict[str, Any]:
+        """vLLM's lora_requests_info labels: adapters of running and waiting requests."""
+        def names(requests) -> str:
+            return ",".join(sorted({r.lora_request.lora_name for r in requests
+                                    if r.lora_request is not None}))
+        return {"running_lora_adapters": names(self.scheduler.running),
+                "waiting_lora_adapters": names(self.scheduler.waiting),
+                "max_lora": self.config.max_loras if self.lora is not None else 0}
 
     def next_request_id(self) -> str:
         self._counter += 1
@@ -516,6 +553,8 @@ class LLMEngine:
         s.update(prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
                  last_step_tokens=self.last_step_tokens,
                  block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks)
+        if self.lora is not None:
+            s.update(self.lora_stats())
         return s
 
 

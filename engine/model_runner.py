@@ -12,6 +12,7 @@ from engine.attention import AttentionMetadata
 from engine.cpu_memory import hugepage_zeros, prefault_bytes, prefault_leading_blocks
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_sizing import kv_bytes_per_token
+from engine.lora import LoRAManager
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 
@@ -112,6 +113,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buffers = _StepBuffers(max_num_batched_tokens, max_num_seqs,
                                     self.max_blocks_per_seq, device)
+        self.lora: LoRAManager | None = None  # set by the engine when LoRA is on
 
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -149,6 +151,8 @@ class ModelRunner:
                 sampling.append(req)
                 last_rows.append(offset - 1)
         total = offset
+        if self.lora is not None:  # per-token adapter rows, grouped for the LoRA deltas
+            self.lora.begin_step([r.lora_request for r in out.scheduled], q_lens, self.device)
         qsl = buf["query_start_loc"][:n_seqs + 1]
         qsl[0] = 0
         np.cumsum(q_lens, out=qsl[1:])
@@ -205,7 +209,11 @@ class ModelRunner:
             src, dst = zip(*out.block_copies)
             kernels.copy_blocks(self.kv_caches, torch.tensor(src, device=self.device),
                                 torch.tensor(dst, device=self.device))
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         prompt_logits = None
         if inputs.prompt_rows:
             rows = torch.tensor(inputs.prompt_rows, dtype=torch.long, device=hidden.device)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.limits import EMPTY_PROMPT, past_min_tokens
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.structured_output import RequestGrammar
 
@@ -41,6 +42,7 @@ class Request:
     eos_token_id: int | None = None
     priority: int = 0  # lower value is served first, as in vLLM
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

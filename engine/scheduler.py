@@ -202,12 +202,14 @@ class Scheduler:
                        preempt: Callable[[Request], None],
                        better_than: tuple[int, float] | None = None) -> int:
         """Admit waiting requests in policy order; returns the budget left."""
-        compiling: list[Request] = []  # passed over while their grammar compiles
+        # Passed over while their grammar compiles, or while max_loras other adapters run.
+        compiling: list[Request] = []
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if better_than is not None and self._policy_key(request) >= better_than:
                 break
-            if request.grammar is not None and request.grammar.compiling:
+            if (request.grammar is not None and request.grammar.compiling) or (
+                    not self._lora_fits(request)):
                 compiling.append(self.waiting.pop())
                 continue
             # Waiting requests hold no blocks and have computed nothing (preemption resets).
@@ -241,6 +243,14 @@ class Scheduler:
         for request in reversed(compiling):
             self.waiting.push(request, front=True)
         return budget
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether the request's adapter is running already or one more adapter may run."""
+        lora = request.lora_request
+        if lora is None:
+            return True
+        active = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return lora.lora_int_id in active or len(active) < self.config.max_loras
 
     def _preemption_would_fit(self, request: Request, num_new: int, hit: PrefixHit,
                               scheduled: dict[str, int]) -> bool:
@@ -303,7 +313,8 @@ class Scheduler:
             raise RuntimeError(f"cannot fork {parent.request_id!r}: it is {parent.status.value}")
         child = Request(child_id, parent.prompt_token_ids, params or parent.sampling_params,
                         eos_token_id=parent.eos_token_id, priority=parent.priority,
-                        cache_salt=parent.cache_salt, arrival_time=parent.arrival_time,
+                        cache_salt=parent.cache_salt, lora_request=parent.lora_request,
+                        arrival_time=parent.arrival_time,
                         output_token_ids=list(parent.output_token_ids),
                         num_computed_tokens=(parent.num_computed_tokens if num_computed is None
                                              else num_computed),

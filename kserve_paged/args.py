@@ -44,6 +44,10 @@ ENGINE_FLAGS = (
     "enable_prefix_caching",
     "scheduling_policy",
     "kv_events_config",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
 )
 
 _TRUE = frozenset({"1", "true", "yes", "y", "on", "t"})
@@ -166,6 +170,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV-cache events for cache-aware routers, as vLLM's JSON: "
              '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
              '"endpoint": "tcp://*:5557", "topic": ""}\' (ZMQ PUB, msgpack; docs/operations.md).')
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable_lora", "--no_enable_lora", action=_BoolFlag,
+                      default=d["enable_lora"],
+                      help="Serve LoRA adapters (on by itself with --lora_modules or "
+                           "--enable_lora_runtime_updates).")
+    lora.add_argument("--lora_modules", nargs="+", type=parse_lora_module, default=[],
+                      metavar="NAME=PATH",
+                      help="Adapters loaded at start-up, each served as the model NAME.")
+    lora.add_argument("--max_loras", type=_positive_int, default=d["max_loras"],
+                      help="Most adapters active in one engine step; requests of further "
+                           "adapters wait.")
+    lora.add_argument("--max_lora_rank", type=_positive_int, default=d["max_lora_rank"],
+                      help="Largest adapter rank accepted.")
+    lora.add_argument("--max_cpu_loras", type=_positive_int, default=d["max_cpu_loras"],
+                      help="Adapters kept loaded in memory (an LRU); default: --max_loras.")
+    lora.add_argument("--enable_lora_runtime_updates", action="store_true",
+                      help="Allow POST /openai/v1/load_lora_adapter and /unload_lora_adapter.")
     server = parser.add_argument_group("server")
     server.add_argument(
         "--http_host", default=DEFAULT_HTTP_HOST,
@@ -197,9 +218,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """``--lora_modules`` entry ``name=path``."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name.strip(), path.strip()
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig / LLM keyword options carried by parsed flags."""
-    return {name: getattr(args, name) for name in ENGINE_FLAGS}
+    kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS if hasattr(args, name)}
+    if getattr(args, "lora_modules", None) or getattr(args, "enable_lora_runtime_updates", False):
+        kwargs["enable_lora"] = True
+    return kwargs
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

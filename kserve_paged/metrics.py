@@ -49,8 +49,8 @@ TOKEN_BUCKETS = tuple(m * 10**e for e in range(8) for m in (1, 2, 5))
 # Finish reasons (engine.request.RequestStatus values; "error" is this engine's own, vLLM has
 # the other three). Every series exists from the start, so rates work before the first error.
 FINISH_REASONS = ("stop", "length", "abort", "error")
-# No LoRA adapters yet: vllm:lora_requests_info reports none, max_lora 0 (the gateway's endpoint
-# picker reads this gauge for adapter affinity).
+# vllm:lora_requests_info before the engine reports adapters (and without LoRA): none, max_lora 0.
+# The gateway's endpoint picker reads this gauge for adapter affinity.
 MAX_LORA = 0
 LORA_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
 
@@ -198,7 +198,8 @@ class EngineMetrics:
         self._inference_time = f.request_inference_time.labels(model_name)
         self._prefill_time = f.request_prefill_time.labels(model_name)
         self._decode_time = f.request_decode_time.labels(model_name)
-        self._lora_info = f.lora_requests_info.labels(str(MAX_LORA), "", "")
+        self._lora_labels = (str(MAX_LORA), "", "")
+        self._lora_info = f.lora_requests_info.labels(*self._lora_labels)
         self._lora_info.set_to_current_time()
 
     def update(self, stats: Mapping[str, Any], *, counters: bool = True) -> None:
@@ -250,9 +251,20 @@ class EngineMetrics:
     def observe_iteration_tokens(self, num_tokens: int) -> None:
         self._iteration_tokens.observe(num_tokens)
 
-    def touch_lora_info(self) -> None:
-        """vLLM sets ``vllm:lora_requests_info`` to the current time at every engine step."""
-        self._lora_info.set_to_current_time()
+    def touch_lora_info(self, stats: Mapping[str, Any] | None = None) -> None:
+        """vLLM sets ``vllm:lora_requests_info`` to the current time at every engine step,
+        labelled with the adapters of running and waiting requests (the engine's stats); one
+        series is kept, the one with the current labels."""
+        stats = stats or {}
+        labels = (str(stats.get("max_lora", self._lora_labels[0])),
+                  str(stats.get("waiting_lora_adapters", self._lora_labels[1])),
+                  str(stats.get("running_lora_adapters", self._lora_labels[2])))
+        with self._lock:
+            if labels != self._lora_labels:
+                self._f.lora_requests_info.remove(*self._lora_labels)
+                self._lora_labels = labels
+                self._lora_info = self._f.lora_requests_info.labels(*labels)
+            self._lora_info.set_to_current_time()
 
     def observe_finished(self, reason: str, num_prompt_tokens: int | None = None,
                          num_generation_tokens: int | None = None,
@@ -286,7 +298,7 @@ class MetricsObserver:
     def __call__(self, info: StepInfo) -> None:
         m = self.metrics
         m.update(info.stats)
-        m.touch_lora_info()
+        m.touch_lora_info(info.stats)
         if info.stepped and info.num_tokens > 0:
             m.observe_iteration_tokens(info.num_tokens)
         for out in info.outputs:

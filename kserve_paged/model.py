@@ -27,6 +27,7 @@ from kserve.protocol.infer_type import InferRequest, InferResponse
 from engine import limits
 from engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from engine.config import EngineConfig
+from engine.lora import LoRARequest
 from engine.model_info import ModelInfo
 from engine.sampling_params import SamplingParams
 from kserve_paged import v2
@@ -44,7 +45,8 @@ class PagedLLMModel(Model):
 
     def __init__(self, name: str, config: EngineConfig, *, llm: AsyncLLM | None = None,
                  metrics: EngineMetrics | None = None,
-                 max_prompt_chars: int | None = None, tool_call_parser: str = "hermes") -> None:
+                 max_prompt_chars: int | None = None, tool_call_parser: str = "hermes",
+                 lora_modules: list[tuple[str, str]] | None = None) -> None:
         super().__init__(name)
         self.engine = True  # KServe awaits start_engine() next to the HTTP server
         self.config = config
@@ -57,6 +59,12 @@ class PagedLLMModel(Model):
         self.draining = False  # set on SIGTERM: refuse new work, let in-flight requests finish
         self._max_prompt_chars = max_prompt_chars
         self.tool_call_parser = tool_call_parser  # read by the chat route (openai/tools.py)
+        # Adapters served under their own names (kserve_paged/lora.py), loaded at start-up.
+        self.loras: dict[str, LoRARequest] = {}
+        self._lora_modules = list(lora_modules or [])
+        # KServe's model repository, where adapters are registered as v2 models (set by the
+        # server; None: OpenAI routes only).
+        self.repository: Any = None
 
     # -- lifecycle (see the module docstring) -----------------------------------------------
 
@@ -81,6 +89,11 @@ class PagedLLMModel(Model):
             self.load_error = exc
             logger.error("model %s: loading failed: %s", self.name, exc.__cause__ or exc)
             raise
+        from kserve_paged.lora import load_lora
+
+        for name, path in self._lora_modules:  # a bad adapter in a manifest ends the server
+            await load_lora(self, name, path)
+            logger.info("model %s: LoRA adapter %s loaded from %s", self.name, name, path)
         info = self.llm.model_info()
         self.metrics.set_cache_config(info.block_size, info.num_kv_blocks)
         # Gauges only: counters come from the engine thread's step callback alone, so an
@@ -179,12 +192,14 @@ class PagedLLMModel(Model):
                                     vocab_size=info.vocab_size)
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, *, kind: str,
-                     priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+                     priority: int = 0, cache_salt: str | None = None,
+                     lora_request: LoRARequest | None = None) -> RequestStream:
         """Hand a validated request to the engine; ValueError (e.g. a full queue) -> 400."""
         request_id = f"{kind}-{uuid.uuid4().hex}"
+        lora = {"lora_request": lora_request} if lora_request is not None else {}
         try:
             return await self.llm.add(prompt_ids, params, request_id, priority=priority,
-                                      cache_salt=cache_salt)
+                                      cache_salt=cache_salt, **lora)
         except EngineDeadError as exc:
             raise ModelNotReady(self.name, str(exc)) from exc
 

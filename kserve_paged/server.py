@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.limits import DEFAULT_MAX_REQUEST_BYTES
 from kserve_paged.args import DEFAULT_MODEL_DIR, engine_kwargs
 from kserve_paged.fault_inject import engine_factory_from_env
+from kserve_paged.lora import register_lora_routes
 from kserve_paged.metrics import render
 from kserve_paged.middleware import (
     DisconnectAbortMiddleware,
@@ -112,11 +113,13 @@ def build_model(args: argparse.Namespace, argv: list[str]) -> PagedLLMModel:
     factory = engine_factory_from_env(config)  # test-only fault injection, off unless set
     llm = AsyncLLM(config, engine_factory=factory) if factory is not None else None
     return PagedLLMModel(args.model_name, config, llm=llm, max_prompt_chars=args.max_prompt_chars,
-                         tool_call_parser=args.tool_call_parser)
+                         tool_call_parser=args.tool_call_parser,
+                         lora_modules=getattr(args, "lora_modules", None))
 
 
 def install(app: FastAPI, model: PagedLLMModel, *,
-            max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+            max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+            lora_runtime_updates: bool = False) -> None:
     """Our routes and middleware on KServe's app (before ModelServer.start adds its own)."""
     app.add_middleware(DisconnectAbortMiddleware)
     app.add_middleware(V2BinaryGuardMiddleware)
@@ -128,6 +131,7 @@ def install(app: FastAPI, model: PagedLLMModel, *,
     app.add_api_route("/metrics", metrics_route, methods=["GET"], include_in_schema=False)
     app.add_api_route("/v2/health/live", _live_route([model]), methods=["GET"],
                       include_in_schema=False)
+    register_lora_routes(app, model, runtime_updates=lora_runtime_updates)
     register_openai_routes(app, {model.name: model})
 
 
@@ -152,7 +156,8 @@ def serve(args: argparse.Namespace, argv: list[str]) -> None:
         raise SystemExit("--workers must be 1: each worker would load its own copy of the model "
                          "and KV cache (scale with replicas instead)")
     model = build_model(args, argv)
-    install(app, model, max_request_bytes=args.max_request_bytes)
+    install(app, model, max_request_bytes=args.max_request_bytes,
+            lora_runtime_updates=args.enable_lora_runtime_updates)
     server = PagedModelServer(
         http_host=args.http_host, shutdown_grace_s=args.shutdown_grace_s, models=[model],
         # uvicorn's own wait, after the drain: responses still flushing their last bytes.
@@ -163,6 +168,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> None:
         enable_latency_logging=args.enable_latency_logging,
         access_log_format=args.access_log_format, event_loop=args.event_loop,
         timeout_keep_alive=args.timeout_keep_alive)
+    model.repository = server.registered_models  # adapters become v2 models there
     _share_kserve_logging("engine")  # load progress, KV sizing, engine-thread failures
     logger.info("serving model %r from %s on :%d (gRPC %s)", model.name,
                 model.config.model or "the default model", args.http_port,

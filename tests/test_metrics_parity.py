@@ -102,6 +102,13 @@ def test_lora_info_reports_no_adapters_with_a_fresh_timestamp():
     (family,) = [f for f in text_string_to_metric_families(generate_latest(registry).decode())
                  if f.name == "vllm:lora_requests_info"]
     assert family.samples[0].value >= first
+    # With adapters, the labels follow the engine's stats, one series at a time.
+    metrics.touch_lora_info({"max_lora": 2, "running_lora_adapters": "a1,a2",
+                             "waiting_lora_adapters": "a3"})
+    (family,) = [f for f in text_string_to_metric_families(generate_latest(registry).decode())
+                 if f.name == "vllm:lora_requests_info"]
+    assert [s.labels for s in family.samples] == [{
+        "max_lora": "2", "waiting_lora_adapters": "a3", "running_lora_adapters": "a1,a2"}]
 
 
 def _value(registry, name, **labels) -> float:

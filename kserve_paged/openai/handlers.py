@@ -28,6 +28,7 @@ from openai.types.chat.chat_completion_chunk import ChoiceDelta
 from engine.async_llm import EngineDeadError, RequestStream
 from engine.outputs import RequestOutput
 from kserve_paged.logprobs import TokenText, chat_logprobs, prompt_logprobs_json
+from kserve_paged.lora import AdapterView
 from kserve_paged.model import PagedLLMModel
 from kserve_paged.openai.errors import APIError, error_body
 from kserve_paged.openai.openapi import operation_schema
@@ -83,13 +84,13 @@ class OpenAIRoutes:
     def __init__(self, models: dict[str, PagedLLMModel]) -> None:
         self.models = models
 
-    def _model(self, name: str | None) -> PagedLLMModel:
+    def _model(self, name: str | None) -> PagedLLMModel | AdapterView:
         if name is None:
             if len(self.models) != 1:
                 raise APIError(400, "model is required", param="model")
             name, model = next(iter(self.models.items()))
         else:
-            model = self.models.get(name)
+            model = self.models.get(name) or self._adapter(name)
         if model is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model",
                            type_="invalid_request_error", code="model_not_found")
@@ -97,6 +98,14 @@ class OpenAIRoutes:
             raise APIError(503, f"The model `{name}` is not ready. {model.not_ready_reason()}",
                            type_="service_unavailable_error", code="model_not_ready")
         return model
+
+    def _adapter(self, name: str) -> AdapterView | None:
+        """A LoRA adapter served under `name` by one of the models (kserve_paged/lora.py)."""
+        for model in self.models.values():
+            lora = getattr(model, "loras", {}).get(name)
+            if lora is not None:
+                return AdapterView(model, lora)
+        return None
 
     async def list_models(self) -> dict[str, Any]:
         data = []
@@ -108,6 +117,10 @@ class OpenAIRoutes:
                          "root": info.model_path if info else None,
                          "max_model_len": info.max_model_len if info else None,
                          "ready": model.accepting})
+            data.extend({"id": lora.lora_name, "object": "model", "created": int(model.created),
+                         "owned_by": "kserve-paged", "root": lora.lora_path, "parent": name,
+                         "max_model_len": info.max_model_len if info else None,
+                         "ready": model.accepting} for lora in getattr(model, "loras", {}).values())
         return {"object": "list", "data": data}
 
     async def _prepare(self, model: PagedLLMModel, prompt_ids: list[list[int]],

@@ -101,8 +101,23 @@ def test_inference_service_uses_the_runtime(isvc):
     runtime = _runtime_for(isvc)
     formats = {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
     assert model["modelFormat"]["name"] in formats
-    assert h.STORAGE_URI.match(model["storageUri"]), model["storageUri"]
+    uris = ([model["storageUri"]] if "storageUri" in model
+            else [u["uri"] for u in isvc["spec"]["predictor"]["storageUris"]])
+    for uri in uris:
+        assert h.STORAGE_URI.match(uri), uri
     assert isvc["metadata"]["name"][0].isalpha()  # KServe: DNS-1035 label
+
+
+def test_lora_service_mounts_each_adapter_it_serves():
+    """Each --lora_modules path is a storageUris mountPath, the base model at /mnt/models."""
+    from kserve_paged.args import parse_args
+
+    (isvc,) = [i for i in ISVCS if i["metadata"]["name"] == "paged-llm-lora"]
+    pred = isvc["spec"]["predictor"]
+    mounts = {u.get("mountPath", "/mnt/models") for u in pred["storageUris"]}
+    args = parse_args(pred["model"]["args"])
+    assert args.lora_modules and "/mnt/models" in mounts
+    assert {path for _, path in args.lora_modules} == mounts - {"/mnt/models"}
 
 
 # --- autoscaling -------------------------------------------------------------------------------
@@ -139,7 +154,7 @@ def test_keda_checks_can_fail():
 
 
 def test_cpu_service_scales_on_concurrency_to_zero():
-    (isvc,) = _by_mode("Knative")
+    (isvc,) = [i for i in _by_mode("Knative") if i["metadata"]["name"] == "paged-llm-cpu"]
     pred = isvc["spec"]["predictor"]
     ann = isvc["metadata"]["annotations"]
     assert ann.get("serving.kserve.io/autoscalerClass") in (None, "kpa.autoscaling.knative.dev")

@@ -31,7 +31,7 @@ def builds():
 
 
 def test_overlays_exist():
-    assert {p.name for p in OVERLAYS} == {"gpu", "cpu"}
+    assert {p.name for p in OVERLAYS} == {"gpu", "cpu", "cpu-lora"}
 
 
 @needs_kubectl
