@@ -136,7 +136,7 @@ BAD: list[tuple[str, str, Any, dict[str, str]]] = [
     ("v2-stop-token-ids-negative", V2, v2(parameters={"stop_token_ids": "-1"}), {}),
     ("v2-priority-text", V2, v2(parameters={"priority": "x"}), {}),
     ("v2-cache-salt-int", V2, v2(parameters={"cache_salt": 5}), {}),
-    ("v2-beam-width", V2, v2(parameters={"beam_width": 4}), {}),
+    ("v2-num-beams", V2, v2(parameters={"num_beams": 4}), {}),
     # v2: binary bodies
     ("v2-binary-non-utf8", V2, *binary_v2(struct.pack("<I", 3) + b"\xff\xfe\xfd")),
     ("v2-binary-truncated", V2, *binary_v2(_bytes("hello")[:6], size=9)),
@@ -255,6 +255,7 @@ GOOD: list[tuple[str, str, Any, dict[str, str]]] = [
     ("oai-huge-temperature", CMPL, cmpl(temperature=1e300), {}),
     ("oai-max-tokens-zero", CMPL, cmpl(max_tokens=0, echo=True, logprobs=1), {}),
     ("oai-json-mode", CMPL, cmpl(response_format={"type": "json_object"}), {}),
+    ("v2-beam-width", V2, v2(parameters={"max_tokens": 2, "beam_width": 2}), {}),
     ("v2-guided-choice", V2, v2(parameters={"max_tokens": 4, "guided_choice": '["a", "b"]'}),
      {}),
     ("chat-tools-auto", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]),
