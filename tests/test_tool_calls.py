@@ -8,8 +8,8 @@ import json
 import pytest
 
 from kserve_paged.openai.errors import APIError
-from kserve_paged.openai.handlers import _StreamedCalls
 from kserve_paged.openai.tools import (
+    StreamedCalls,
     may_start_call,
     parse_hermes,
     parse_llama3_json,
@@ -94,7 +94,7 @@ def test_streaming_holds_back_a_partial_tag():
 ])
 def test_streamed_deltas_reassemble_to_the_parsed_answer(choice, pieces):
     plan = tool_plan([F, G], choice, None, "hermes")
-    streamer = _StreamedCalls(plan)
+    streamer = StreamedCalls(plan)
     text, content, calls = "", "", {}
     for i, piece in enumerate(pieces):
         text += piece

@@ -62,11 +62,11 @@ from kserve_paged.openai.stream import (
     until_disconnect,
 )
 from kserve_paged.openai.tools import (
-    ToolCall,
+    StreamedCalls,
     ToolPlan,
-    may_start_call,
     template_messages,
     tool_plan,
+    with_calls,
 )
 from kserve_paged.sampling import OptionError
 from kserve_paged.structured import structured_outputs_given
@@ -302,7 +302,7 @@ class OpenAIRoutes:
             content, calls = plan.parse(c.text) if plan else (c.text, [])
             reason = finish_reason(c) or "stop"
             choices.append(ChatChoice(
-                index=c.index, finish_reason=_with_calls(reason, calls), logprobs=logprobs,
+                index=c.index, finish_reason=with_calls(reason, calls), logprobs=logprobs,
                 message=ChatCompletionMessage(
                     role="assistant", content=content,
                     **({"tool_calls": [call.to_openai() for call in calls]} if calls else {}))))
@@ -317,7 +317,7 @@ class OpenAIRoutes:
                            include_usage: bool, body: ChatBody, token_text: TokenText,
                            plan: ToolPlan | None = None) -> AsyncIterator[str]:
         k = body.top_logprobs_k()
-        calls_out = {index: _StreamedCalls(plan) for index in range(body.n)} if plan else {}
+        calls_out = {index: StreamedCalls(plan) for index in range(body.n)} if plan else {}
 
         def chunk(index: int | None, delta: ChoiceDelta | None = None, reason: str | None = None,
                   logprobs: list[dict[str, Any]] | None = None, **extra: Any
@@ -362,7 +362,7 @@ class OpenAIRoutes:
                     calls = calls_out[c.index]
                     deltas = calls.feed(c.text, finished=reason is not None)
                     if reason is not None:
-                        reason = _with_calls(reason, calls.calls)
+                        reason = with_calls(reason, calls.calls)
                     if not deltas:
                         deltas = [ChoiceDelta()]
                     for j, delta in enumerate(deltas):
@@ -380,58 +380,6 @@ class OpenAIRoutes:
         finally:
             stream.close()
         yield DONE_EVENT
-
-
-def _with_calls(reason: str, calls: list[ToolCall]) -> str:
-    """OpenAI's finish_reason for a choice that made tool calls (a cut-short one stays
-    "length")."""
-    return "tool_calls" if calls and reason == "stop" else reason
-
-
-class _StreamedCalls:
-    """One streamed choice's text turned into content and ``delta.tool_calls`` chunks.
-
-    A named function streams its arguments as they come; otherwise content streams until a
-    tool call may have started (see tools.may_start_call) and the calls are sent whole at the
-    end, each as one chunk, which is how they reassemble to the non-streamed answer."""
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self.plan = plan
-        self.sent = 0  # characters of the text already sent (as content or arguments)
-        self.calls: list[ToolCall] = []
-        self._named: ToolCall | None = None
-
-    def feed(self, text: str, finished: bool) -> list[ChoiceDelta]:
-        plan = self.plan
-        if plan.choice == "function":
-            deltas = []
-            if self._named is None:
-                self._named = ToolCall(plan.function or "", "")
-                self.calls = [self._named]
-                deltas.append(ChoiceDelta(tool_calls=[
-                    {"index": 0, "id": self._named.id, "type": "function",
-                     "function": {"name": self._named.name, "arguments": ""}}]))
-            piece = text[self.sent:]
-            self.sent = len(text)
-            self._named.arguments += piece
-            if piece:
-                deltas.append(ChoiceDelta(tool_calls=[{"index": 0,
-                                                       "function": {"arguments": piece}}]))
-            return deltas
-        deltas = []
-        if finished:
-            _, self.calls = plan.parse(text)
-            # With calls, the content is what came before the first; without, all of it.
-            upto = may_start_call(plan, text) if self.calls else len(text)
-        else:
-            upto = may_start_call(plan, text)
-        if upto > self.sent:
-            deltas.append(ChoiceDelta(content=text[self.sent:upto]))
-            self.sent = upto
-        if finished and self.calls:
-            deltas.append(ChoiceDelta(tool_calls=[call.to_openai(i)
-                                                  for i, call in enumerate(self.calls)]))
-        return deltas
 
 
 def _in_openai_shape(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:

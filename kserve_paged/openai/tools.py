@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
+
 from kserve_paged.openai.errors import APIError
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "none")
@@ -239,3 +241,55 @@ def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]
             message = {**message, "tool_calls": fixed}
         out.append(message)
     return out
+
+
+def with_calls(reason: str, calls: list[ToolCall]) -> str:
+    """OpenAI's finish_reason for a choice that made tool calls (a cut-short one stays
+    "length")."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+class StreamedCalls:
+    """One streamed choice's text turned into content and ``delta.tool_calls`` chunks.
+
+    A named function streams its arguments as they come; otherwise content streams until a
+    tool call may have started (see tools.may_start_call) and the calls are sent whole at the
+    end, each as one chunk, which is how they reassemble to the non-streamed answer."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.sent = 0  # characters of the text already sent (as content or arguments)
+        self.calls: list[ToolCall] = []
+        self._named: ToolCall | None = None
+
+    def feed(self, text: str, finished: bool) -> list[ChoiceDelta]:
+        plan = self.plan
+        if plan.choice == "function":
+            deltas = []
+            if self._named is None:
+                self._named = ToolCall(plan.function or "", "")
+                self.calls = [self._named]
+                deltas.append(ChoiceDelta(tool_calls=[
+                    {"index": 0, "id": self._named.id, "type": "function",
+                     "function": {"name": self._named.name, "arguments": ""}}]))
+            piece = text[self.sent:]
+            self.sent = len(text)
+            self._named.arguments += piece
+            if piece:
+                deltas.append(ChoiceDelta(tool_calls=[{"index": 0,
+                                                       "function": {"arguments": piece}}]))
+            return deltas
+        deltas = []
+        if finished:
+            _, self.calls = plan.parse(text)
+            # With calls, the content is what came before the first; without, all of it.
+            upto = may_start_call(plan, text) if self.calls else len(text)
+        else:
+            upto = may_start_call(plan, text)
+        if upto > self.sent:
+            deltas.append(ChoiceDelta(content=text[self.sent:upto]))
+            self.sent = upto
+        if finished and self.calls:
+            deltas.append(ChoiceDelta(tool_calls=[call.to_openai(i)
+                                                  for i, call in enumerate(self.calls)]))
+        return deltas
