@@ -8,14 +8,13 @@ import asyncio
 from pathlib import Path
 
 import httpx
+import openai
+import peft
 import pytest
 import torch
 
 from e2e.conftest import MODEL, running_server, scrape
 from engine.default_model import ensure_default_model
-
-peft = pytest.importorskip("peft")
-openai = pytest.importorskip("openai")
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when movable type "
           "changed how books were made and read across Europe. Explain why:")

@@ -23,8 +23,6 @@ from engine.lora.batch import group_rows  # noqa: E402
 from tests.core_helpers import make_request, make_scheduler  # noqa: E402
 from tests.lora_helpers import make_adapter, peft_greedy, tiny_base  # noqa: E402
 
-peft = pytest.importorskip("peft")
-
 NEW = 12
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 ADAPTERS = {  # name -> LoraConfig kwargs

@@ -25,8 +25,6 @@ from kserve_paged.metrics import EngineMetrics  # noqa: E402
 from kserve_paged.model import PagedLLMModel  # noqa: E402
 from tests.lora_helpers import make_adapter, peft_greedy, tiny_base  # noqa: E402
 
-pytest.importorskip("peft")
-
 PROMPT = list(range(100, 120))
 NEW = 8
 
