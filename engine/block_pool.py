@@ -10,10 +10,7 @@ recently their memory is warm (a never-touched page costs a fault on first write
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
-
-import numpy as np
 
 from engine.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 
@@ -89,17 +86,6 @@ class FreeBlockQueue:
 
     def __len__(self) -> int:
         return self.num_free
-
-
-def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes | None = None) -> bytes:
-    """Chained SHA-256 key of one full block: (parent key, this block's tokens, extra keys)."""
-    h = hashlib.sha256()
-    h.update(parent if parent is not None else b"\x00" * 32)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    if extra:
-        h.update(b"\x01")
-        h.update(extra)
-    return h.digest()
 
 
 class BlockPool:

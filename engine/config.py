@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.block_hash import HASH_ALGOS
 from engine.kv_events import KVEventsConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -26,6 +27,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
+    # How prefix-cache blocks are keyed, as vLLM's --prefix-caching-hash-algo (engine/block_hash.py;
+    # the root key comes from PYTHONHASHSEED). sha256 is vLLM's default; sha256_cbor is the one a
+    # router outside the pod can recompute (llm-d's precise prefix-cache scorer).
+    prefix_caching_hash_algo: str = "sha256"
     scheduling_policy: str = "fcfs"
     seed: int = 0
     load_format: str = "auto"
@@ -57,6 +62,9 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS} "
                              f"(got {self.load_format!r})")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS} "
+                             f"(got {self.prefix_caching_hash_algo!r})")
         if isinstance(self.kv_events_config, (str, dict)):
             self.kv_events_config = KVEventsConfig.from_json(self.kv_events_config)
         if self.max_loras < 1 or self.max_lora_rank < 1:

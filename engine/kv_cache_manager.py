@@ -11,8 +11,10 @@ cache while free, so a later prompt with the same prefix can still hit them from
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from engine.block_pool import BlockPool, KVBlock, hash_block
+from engine.block_hash import BlockHasher
+from engine.block_pool import BlockPool, KVBlock
 from engine.kv_events import BlockStored
 from engine.request import Request
 
@@ -26,21 +28,25 @@ class PrefixHit:
 NO_HIT = PrefixHit([], 0)
 
 
-def _first_block_extra(request: Request) -> bytes | None:
-    """What besides tokens keys the first block (so the whole chain): the cache salt and the
-    adapter, so a prefix never hits across salts or LoRA adapters."""
-    parts = []
-    if request.cache_salt:
-        parts.append(request.cache_salt.encode())
+def _extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
+    """What besides tokens keys a block, in vLLM's order: the adapter on every block, the
+    cache salt on the first (so on the whole chain); a prefix never hits across either.
+
+    vLLM keys an adapter by its name; here it is `lora_int_id`, which a reload under the same
+    name changes, so blocks computed with the old weights are never hit by the new ones."""
+    keys: list[Any] = []
     if request.lora_request is not None:
-        parts.append(b"\0lora:%d" % request.lora_request.lora_int_id)
-    return b"".join(parts) or None
+        keys.append(request.lora_request.lora_int_id)
+    if block_index == 0 and request.cache_salt:
+        keys.append(request.cache_salt)
+    return tuple(keys) if keys else None
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, hash_algo: str = "sha256") -> None:
         self.block_size = block_size
+        self.hasher = BlockHasher(hash_algo)  # vLLM's block keys (engine/block_hash.py)
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
@@ -69,8 +75,8 @@ class KVCacheManager:
         while len(hashes) < num_full:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            extra = _first_block_extra(request) if i == 0 else None
-            hashes.append(hash_block(parent, request.tokens_slice(i * bs, (i + 1) * bs), extra))
+            hashes.append(self.hasher(parent, request.tokens_slice(i * bs, (i + 1) * bs),
+                                      _extra_keys(request, i)))
 
     # ---------------------------------------------------------------- API
     def find_prefix(self, request: Request) -> PrefixHit:
@@ -231,7 +237,9 @@ class KVCacheManager:
                 continue
             tokens = request.tokens_slice(i * self.block_size, (i + 1) * self.block_size)
             if run is None:
-                run = BlockStored([], hashes[i - 1] if i else None, [], self.block_size)
+                lora = request.lora_request
+                run = BlockStored([], hashes[i - 1] if i else None, [], self.block_size,
+                                  lora.lora_int_id if lora is not None else None)
                 events.append(run)
             run.block_hashes.append(hashes[i])
             run.token_ids.extend(tokens)

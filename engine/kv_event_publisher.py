@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.kv_events import KVCacheEvent, KVEventsConfig, encode_batch
+from engine.kv_events import KVCacheEvent, KVEventsConfig, encode_batch, int_hashes_from_env
 
 logger = logging.getLogger("engine")
 
@@ -34,6 +34,7 @@ class ZmqEventPublisher:
         self.medium = medium
         self.topic = config.topic.encode()
         self.seq = 0
+        self.int_hashes = int_hashes_from_env()
         self._ctx = zmq.Context()
         self._socket = self._ctx.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, config.hwm)
@@ -56,7 +57,7 @@ class ZmqEventPublisher:
         """Send one batch (nothing when there are no events)."""
         if not events:
             return
-        payload = encode_batch(time.time(), events, self.medium)
+        payload = encode_batch(time.time(), events, self.medium, self.int_hashes)
         self._socket.send_multipart([self.topic, self.seq.to_bytes(8, "big"), payload],
                                     copy=False)
         self.seq += 1

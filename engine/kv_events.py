@@ -12,16 +12,37 @@ recorded by the block pool as they happen and handed out once per engine step as
 Wire form (vLLM's msgspec structs with ``array_like`` and ``tag``, so any msgpack reader decodes
 it): a batch is ``[timestamp, [event, ...]]``, an event is an array whose first item names it:
 ``["BlockStored", hashes, parent_hash, token_ids, block_size, lora_id, medium]``,
-``["BlockRemoved", hashes, medium]``, ``["AllBlocksCleared"]``. Hashes are the 32-byte SHA-256
-chain keys of engine.block_pool.hash_block (vLLM's ``ExternalBlockHash`` may be bytes).
+``["BlockRemoved", hashes, medium]``, ``["AllBlocksCleared"]``. The events hold the prefix
+cache's own 32-byte keys (engine/block_hash.py, vLLM's); on the wire each is its low 64 bits as an
+integer, vLLM's default, or the 32 bytes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` as there.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+from engine.block_hash import external_block_hash
+
 PUBLISHERS = ("null", "zmq")
+# vLLM's switch between 64-bit integer hashes on the wire (its default, "1") and raw bytes ("0").
+INT_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
+
+
+def int_hashes_from_env() -> bool:
+    value = os.environ.get(INT_HASHES_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{INT_HASHES_ENV} must be 0 or 1 (got {value!r})")
+    return value == "1"
+
+
+def _raw(block_hash: bytes) -> bytes:
+    return block_hash
+
+
+WireHash = Callable[[bytes], int | bytes]
 
 
 @dataclass(slots=True)
@@ -30,35 +51,40 @@ class BlockStored:
     parent_block_hash: bytes | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | None = None  # no LoRA adapters yet
+    lora_id: int | None = None  # the adapter's lora_int_id, as vLLM's LoRARequest.id
 
-    def wire(self, medium: str) -> list:
-        return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids,
-                self.block_size, self.lora_id, medium]
+    def wire(self, medium: str, h: WireHash = _raw) -> list:
+        parent = self.parent_block_hash
+        return ["BlockStored", [h(x) for x in self.block_hashes],
+                None if parent is None else h(parent), self.token_ids, self.block_size,
+                self.lora_id, medium]
 
 
 @dataclass(slots=True)
 class BlockRemoved:
     block_hashes: list[bytes]
 
-    def wire(self, medium: str) -> list:
-        return ["BlockRemoved", self.block_hashes, medium]
+    def wire(self, medium: str, h: WireHash = _raw) -> list:
+        return ["BlockRemoved", [h(x) for x in self.block_hashes], medium]
 
 
 @dataclass(slots=True)
 class AllBlocksCleared:
-    def wire(self, medium: str) -> list:
+    def wire(self, medium: str, h: WireHash = _raw) -> list:
         return ["AllBlocksCleared"]
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def encode_batch(timestamp: float, events: list[KVCacheEvent], medium: str) -> bytes:
-    """One step's events as the msgpack payload of one message."""
+def encode_batch(timestamp: float, events: list[KVCacheEvent], medium: str,
+                 int_hashes: bool = True) -> bytes:
+    """One step's events as the msgpack payload of one message; `int_hashes`: each hash as its
+    low 64 bits (engine.block_hash.external_block_hash), else its 32 bytes."""
     import msgpack  # only when events are switched on
 
-    return msgpack.packb([timestamp, [e.wire(medium) for e in events]], use_bin_type=True)
+    h = external_block_hash if int_hashes else _raw
+    return msgpack.packb([timestamp, [e.wire(medium, h) for e in events]], use_bin_type=True)
 
 
 @dataclass(slots=True)

@@ -98,7 +98,8 @@ class LLMEngine:
         windows = list(getattr(self.model, "layer_windows", None) or [None])
         window = max(windows) if all(w is not None for w in windows) else None
         self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching,
-                                 sliding_window=window)
+                                 sliding_window=window,
+                                 hash_algo=config.prefix_caching_hash_algo)
         self.kv_events = self._kv_event_publisher()
         self.scheduler = Scheduler(config, self.kv, max_len)
         self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,

@@ -21,6 +21,7 @@ from typing import Any
 
 from kserve.model_server import parser as kserve_parser
 
+from engine.block_hash import HASH_ALGOS
 from engine.config import SCHEDULING_POLICIES, EngineConfig
 from engine.default_model import PACKAGED_MODELS
 from engine.kv_events import KVEventsConfig
@@ -42,6 +43,7 @@ ENGINE_FLAGS = (
     "num_kv_blocks",
     "kv_cache_memory",
     "enable_prefix_caching",
+    "prefix_caching_hash_algo",
     "scheduling_policy",
     "kv_events_config",
     "enable_lora",
@@ -163,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enable_prefix_caching", "--no_enable_prefix_caching",
                         action=_BoolFlag, default=d["enable_prefix_caching"],
                         help="Reuse KV blocks of shared prompt prefixes.")
+    engine.add_argument("--prefix_caching_hash_algo", default=d["prefix_caching_hash_algo"],
+                        choices=HASH_ALGOS,
+                        help="How prefix-cache blocks are keyed, as vLLM: sha256 (pickle, vLLM's "
+                             "default) or sha256_cbor (canonical CBOR: what a router can "
+                             "recompute; set PYTHONHASHSEED, the root key's seed, the same on "
+                             "every pod and in the router).")
     engine.add_argument("--scheduling_policy", default=d["scheduling_policy"],
                         choices=SCHEDULING_POLICIES, help="Order of admission of waiting requests.")
     engine.add_argument(

@@ -2,7 +2,10 @@
 
 import pytest
 
-from engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block
+from engine.block_hash import BlockHasher
+from engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
+
+hash_block = BlockHasher()  # keys as the KV manager makes them (tests/test_block_hash.py)
 
 
 def test_free_queue_pops_in_order_and_removes_from_the_middle():
@@ -40,15 +43,6 @@ def test_double_free_is_an_error():
     pool.free([a])
     with pytest.raises(RuntimeError):
         pool.free([a])
-
-
-def test_hash_chains_parent_tokens_and_extra():
-    h1 = hash_block(None, [1, 2])
-    assert h1 == hash_block(None, [1, 2])
-    assert h1 != hash_block(None, [1, 3])
-    assert h1 != hash_block(None, [1, 2], b"salt")
-    assert hash_block(h1, [5]) != hash_block(hash_block(None, [1, 3]), [5])
-    assert len(h1) == 32
 
 
 def test_plain_freed_blocks_are_reused_before_any_cached_prefix_is_evicted():

@@ -9,12 +9,15 @@ announced exactly once, and in order. Sequence numbers must count up from 0 with
 
 from __future__ import annotations
 
+import hashlib
 import time
 
+import cbor2
 import msgpack
 import pytest
 import zmq
 
+from engine.block_hash import external_block_hash
 from engine.kv_event_publisher import ZmqEventPublisher
 from engine.kv_events import KVEventsConfig
 from tests.core_helpers import fake_step, make_request, make_scheduler
@@ -31,7 +34,8 @@ class Mirror:
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
         self.topic = topic.encode()
-        self.live: dict[bytes, list[int]] = {}  # hash -> its block's token ids
+        self.live: dict[int, list[int]] = {}  # 64-bit hash -> its block's token ids
+        self.parents: dict[int, int | None] = {}  # 64-bit hash -> its parent's
         self.next_seq = 0
         self.stored = self.removed = self.cleared = 0
         if bind:  # as llm-d's endpoint picker: the pods connect to it
@@ -69,10 +73,13 @@ class Mirror:
                 _, hashes, parent, tokens, block_size, lora_id, medium = event
                 assert lora_id is None and medium in ("CPU", "GPU")
                 assert len(tokens) == len(hashes) * block_size
-                assert parent is None or isinstance(parent, bytes)
+                assert parent is None or 0 <= parent < 2**64  # vLLM's default: 64-bit ints
                 for i, h in enumerate(hashes):
+                    assert 0 <= h < 2**64
                     assert h not in self.live, "a block announced twice"
                     self.live[h] = tokens[i * block_size:(i + 1) * block_size]
+                    self.parents[h] = parent
+                    parent = h
                 self.stored += len(hashes)
             elif kind == "BlockRemoved":
                 _, hashes, _medium = event
@@ -118,9 +125,10 @@ def test_scheduler_stores_hits_and_evictions_announced_once_in_order(pod_binds, 
                 pub.publish(events)
                 sent += bool(events)
                 mirror.drain(int(bool(events)))
-                assert set(mirror.live) == set(pool.cached)
+                cached = {external_block_hash(h): b for h, b in pool.cached.items()}
+                assert set(mirror.live) == set(cached)
                 for h, tokens in mirror.live.items():  # the announced tokens are the block's
-                    assert pool.cached[h].block_hash == h and len(tokens) == 4
+                    assert external_block_hash(cached[h].block_hash) == h and len(tokens) == 4
         assert sched.kv.prefix_cache_hits > 0, "the shared prefix was never hit"
         assert mirror.removed > 0, "nothing was evicted: the test would not show evictions"
         assert pool.reset_prefix_cache()
@@ -183,16 +191,34 @@ def test_vllm_keys_without_use_here_are_accepted():
     assert not KVEventsConfig.from_json('{"publisher": "zmq"}').publishes
 
 
-def test_engine_publishes_through_the_server_flag(tmp_path):
-    """The real engine, switched on by --kv_events_config: prefix hits, evictions under a
-    small cache, and a reset; the mirror matches the engine's index after every step."""
+def scorer_keys(token_ids: list[int], block_size: int, seed: str) -> list[int]:
+    """The keys llm-d's precise prefix-cache scorer computes for a prompt (its token processor,
+    after vLLM's sha256_cbor): root SHA-256(CBOR(seed)); each full block SHA-256(CBOR([parent's
+    32 bytes, token ids, null])); the index key is the low 64 bits, big-endian."""
+    parent = hashlib.sha256(cbor2.dumps(seed, canonical=True)).digest()
+    keys = []
+    for i in range(len(token_ids) // block_size):
+        block = token_ids[i * block_size:(i + 1) * block_size]
+        parent = hashlib.sha256(cbor2.dumps([parent, block, None], canonical=True)).digest()
+        keys.append(int.from_bytes(parent[24:], "big"))
+    return keys
+
+
+def test_engine_publishes_through_the_server_flag(tmp_path, monkeypatch):
+    """The real engine, switched on by --kv_events_config with --prefix_caching_hash_algo
+    sha256_cbor and PYTHONHASHSEED: prefix hits, evictions under a small cache, and a reset;
+    the mirror matches the engine's index after every step, and a scorer that knows only the
+    prompt's tokens, the seed and the block size finds every full prompt block by its own keys."""
     from engine.default_model import ensure_default_model
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
     from kserve_paged.args import engine_kwargs, parse_args
 
+    seed, bs = "1337", 8
+    monkeypatch.setenv("PYTHONHASHSEED", seed)
     endpoint = f"ipc://{tmp_path}/kv.sock"
-    args = parse_args(["--num_kv_blocks", "20", "--block_size", "8", "--max_model_len", "128",
+    args = parse_args(["--num_kv_blocks", "20", "--block_size", str(bs), "--max_model_len",
+                       "128", "--prefix_caching_hash_algo", "sha256_cbor",
                        "--kv_events_config",
                        f'{{"enable_kv_cache_events": true, "publisher": "zmq", '
                        f'"endpoint": "{endpoint}", "topic": "{TOPIC}"}}'])
@@ -211,12 +237,19 @@ def test_engine_publishes_through_the_server_flag(tmp_path):
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         last_seq = engine.kv_events.seq
         for i, prompt in enumerate(prompts):
+            keys = scorer_keys(engine.tokenize(prompt), bs, seed)
+            assert keys
             engine.add_request(f"q{i}", prompt, params)
+            first = True
             while engine.has_unfinished_requests():
                 engine.step()
                 mirror.drain(engine.kv_events.seq - last_seq)
                 last_seq = engine.kv_events.seq
-                assert set(mirror.live) == set(pool.cached)
+                assert set(mirror.live) == {external_block_hash(h) for h in pool.cached}
+                if first:  # the prefill stored the prompt's blocks: all found, chained
+                    assert all(k in mirror.live for k in keys), f"prompt {i}: a key not found"
+                    assert [mirror.parents[k] for k in keys] == [None] + keys[:-1]
+                    first = False
         assert engine.kv.prefix_cache_hits > 0 and mirror.removed > 0
         assert engine.reset_prefix_cache()
         mirror.drain(1)
