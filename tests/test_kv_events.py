@@ -162,6 +162,35 @@ def test_stored_event_carries_the_chain():
     assert event.token_ids == [22, 5, 5, 5]
 
 
+def test_wire_hashes_are_64_bit_ints_or_vllms_raw_bytes(monkeypatch):
+    """vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: unset or 1, the low 64 bits; 0, the 32
+    bytes; a LoRA request's BlockStored names its adapter by lora_int_id."""
+    from engine.kv_events import encode_batch, int_hashes_from_env
+    from engine.lora.request import LoRARequest
+
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    sched.kv.pool.record_events()
+    req = make_request("a", list(range(10, 19)), max_tokens=1)  # 2 full blocks
+    req.lora_request = LoRARequest("sql", 7, "/adapters/sql")
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update_from_output(out, fake_step(sched, out))
+    events = sched.kv.pool.take_events()
+    h0, h1 = req.block_hashes[:2]
+    monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
+    assert int_hashes_from_env()
+    _, (stored,) = msgpack.unpackb(encode_batch(1.0, events, "CPU", int_hashes_from_env()))
+    assert stored == ["BlockStored", [int.from_bytes(h0[-8:], "big"),
+                                      int.from_bytes(h1[-8:], "big")],
+                      None, list(range(10, 18)), 4, 7, "CPU"]
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    _, (stored,) = msgpack.unpackb(encode_batch(1.0, events, "CPU", int_hashes_from_env()))
+    assert stored[1] == [h0, h1]
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        int_hashes_from_env()
+
+
 @pytest.mark.parametrize("text, message", [
     ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher"),
     ('{"enable_kv_cache_events": true, "endpoint": "5557"}', "endpoint"),

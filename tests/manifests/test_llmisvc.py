@@ -108,3 +108,27 @@ def test_the_podmonitor_scrapes_the_replicas():
 def test_the_image_is_the_runtimes():
     (runtime,) = h.objects_of_kind("ClusterServingRuntime")
     assert main_container()["image"] == runtime["spec"]["containers"][0]["image"]
+
+
+def test_the_documented_precise_scorer_settings_parse_and_agree():
+    """manifests/README.md's switch to llm-d's precise prefix-cache scorer: the flags it adds
+    parse together with the shipped ones, the keys are the CBOR ones a Go scorer recomputes,
+    the pods connect to the picker, and the pods' seed and block size equal the scorer's."""
+    import re
+
+    import yaml
+
+    from engine.kv_event_publisher import binds
+
+    text = (h.MANIFESTS / "README.md").read_text()
+    text = re.split(r"To switch the\s+shipped manifest over", text)[1]
+    snippet = yaml.safe_load(re.search(r"```yaml\n(.*?)```", text, re.S)[1])
+    parsed = server_args.parse_args(main_container()["args"] + snippet["args"])
+    assert parsed.prefix_caching_hash_algo == "sha256_cbor"
+    events = parsed.kv_events_config
+    assert events.publishes and not binds(events.endpoint) and events.topic.startswith("kv@")
+    env = {e["name"]: e.get("value") for e in snippet["env"]}
+    scorer = re.search(r"tokenProcessorConfig`\s+`\{blockSize: (\d+), hashSeed: \"(\w+)\"\}`",
+                       text)
+    assert scorer, "the scorer's settings are not in the README"
+    assert int(scorer[1]) == parsed.block_size and scorer[2] == env["PYTHONHASHSEED"]
