@@ -134,6 +134,12 @@ class LLMEngine:
         if not self.config.enable_prefix_caching:
             logger.warning("KV-cache events are on but prefix caching is off: nothing is cached, "
                            "so only AllBlocksCleared will ever be published")
+        hasher = self.kv.hasher
+        if hasher.algo != "sha256_cbor" or hasher.seed is None:
+            logger.info("KV-cache events announce %s block hashes (PYTHONHASHSEED %s): a router "
+                        "that recomputes vLLM's keys from prompts needs sha256_cbor and the "
+                        "seed (docs/operations.md)", hasher.algo,
+                        "unset" if hasher.seed is None else "set")
         self.kv.pool.record_events()
         return ZmqEventPublisher(cfg, medium="GPU" if self.device.type == "cuda" else "CPU")
 
