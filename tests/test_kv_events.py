@@ -266,7 +266,8 @@ def test_engine_publishes_through_the_server_flag(tmp_path, monkeypatch):
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         last_seq = engine.kv_events.seq
         for i, prompt in enumerate(prompts):
-            keys = scorer_keys(engine.tokenize(prompt), bs, seed)
+            ids = engine.tokenize(prompt)
+            keys = scorer_keys(ids, bs, seed)
             assert keys
             engine.add_request(f"q{i}", prompt, params)
             first = True
@@ -278,6 +279,9 @@ def test_engine_publishes_through_the_server_flag(tmp_path, monkeypatch):
                 if first:  # the prefill stored the prompt's blocks: all found, chained
                     assert all(k in mirror.live for k in keys), f"prompt {i}: a key not found"
                     assert [mirror.parents[k] for k in keys] == [None] + keys[:-1]
+                    # What later llm-d indexers key on instead: each block's own token ids.
+                    assert [mirror.live[k] for k in keys] == \
+                        [ids[j * bs:(j + 1) * bs] for j in range(len(keys))]
                     first = False
         assert engine.kv.prefix_cache_hits > 0 and mirror.removed > 0
         assert engine.reset_prefix_cache()
