@@ -27,8 +27,6 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import cbor2
-
 logger = logging.getLogger("engine")
 
 HASH_ALGOS = ("sha256", "sha256_cbor")
@@ -40,6 +38,8 @@ def sha256_pickle(obj: Any) -> bytes:
 
 
 def sha256_cbor(obj: Any) -> bytes:
+    import cbor2  # only for this algorithm
+
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
@@ -52,13 +52,12 @@ class BlockHasher:
 
     __slots__ = ("algo", "seed", "root", "_fn")
 
-    def __init__(self, algo: str = "sha256", seed: str | None = None,
-                 from_env: bool = True) -> None:
-        """`seed` None with `from_env`: read PYTHONHASHSEED now; None without it: random."""
+    def __init__(self, algo: str = "sha256", seed: str | None = None) -> None:
+        """`seed` None: PYTHONHASHSEED's value now; when that is unset too, a random root."""
         if algo not in HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS} "
                              f"(got {algo!r})")
-        if seed is None and from_env:
+        if seed is None:
             seed = os.environ.get(HASH_SEED_ENV)
         self.algo = algo
         self.seed = seed
