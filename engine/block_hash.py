@@ -73,8 +73,9 @@ class BlockHasher:
 
     def __call__(self, parent: bytes | None, token_ids: Sequence[int],
                  extra: tuple[Any, ...] | None = None) -> bytes:
-        """The key of one full block after `parent` (None: the first block)."""
-        return self._fn((parent or self.root, tuple(map(int, token_ids)), extra))
+        """The key of one full block after `parent` (None: the first block). Token ids are
+        Python ints, as every request holds them (a numpy integer would pickle differently)."""
+        return self._fn((parent or self.root, tuple(token_ids), extra))
 
 
 def external_block_hash(block_hash: bytes) -> int:
