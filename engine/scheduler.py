@@ -224,6 +224,8 @@ class Scheduler:
             if request.sampling_params.use_beam_search:
                 # Beams move in lockstep: the group is admitted whole or not at all.
                 unit = [r for r in self.waiting if r.group_id == request.group_id]
+                if self.running and len(self.running) + len(unit) > self.config.max_num_seqs:
+                    break  # its beams wait for sequence slots (alone it may outnumber them)
                 need = self._group_blocks(unit)
                 if need > self.kv.num_blocks:
                     for member in unit:
@@ -322,7 +324,8 @@ class Scheduler:
             ok = self.kv.allocate_slots(member, 0, hit)
             member.num_computed_tokens = hit.num_tokens if ok else 0
             following = self._share_in_group(admitted, scheduled) if ok else set()
-            num_new = 0 if member.request_id in following else min(
+            seated = len(scheduled) < self.config.max_num_seqs
+            num_new = 0 if member.request_id in following or not seated else min(
                 member.num_tokens - member.num_computed_tokens, budget)
             if not ok or (num_new and not self.kv.allocate_slots(member, num_new)):
                 for m in admitted:  # the bound above was off: back to waiting, untouched
