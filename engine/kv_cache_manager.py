@@ -97,6 +97,22 @@ class KVCacheManager:
             blocks.append(block)
         return PrefixHit(blocks, len(blocks) * self.block_size)
 
+    def sibling_hit(self, request: Request, sibling: Request, num_valid: int) -> PrefixHit:
+        """Full blocks of a sibling (a fork of the same group) that `request` can take after
+        the blocks it holds: blocks of their common tokens among the sibling's first
+        `num_valid` (written by the end of this step's store), never the block of the request's
+        last token. Forks share blocks this way even with prefix caching off, so a group
+        recomputed after a preemption holds its common history once again."""
+        bs = self.block_size
+        held = self.req_blocks.get(request.request_id) or []
+        if request.num_computed_tokens != len(held) * bs:
+            return NO_HIT  # a partial block of its own comes first
+        last = min(request.common_prefix_len(sibling), num_valid, request.num_tokens - 1) // bs
+        blocks = self.req_blocks.get(sibling.request_id, [])[len(held):last]
+        if not blocks or any(b is None for b in blocks):
+            return NO_HIT  # nothing to take, or blocks that left the window
+        return PrefixHit(list(blocks), len(blocks) * bs)
+
     def record_lookup(self, request: Request, hit: PrefixHit) -> None:
         if self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens

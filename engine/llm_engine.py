@@ -310,6 +310,8 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         failed = self._start_compiled_grammars()
         out = self.scheduler.schedule()
+        for req, why in out.unschedulable:
+            failed += self._fail([req], why)
         self.last_step_tokens = out.total_num_scheduled_tokens
         if out.is_empty:
             if self._compiling and not failed:  # nothing to run until a grammar is ready

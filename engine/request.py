@@ -102,6 +102,17 @@ class Request:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
+    def common_prefix_len(self, other: Request) -> int:
+        """How many leading tokens this request and `other` (of the same prompt) share."""
+        if self.prompt_token_ids != other.prompt_token_ids:
+            return 0
+        n = 0
+        for a, b in zip(self.output_token_ids, other.output_token_ids):
+            if a != b:
+                break
+            n += 1
+        return len(self.prompt_token_ids) + n
+
     @property
     def max_tokens(self) -> int:
         mt = self.sampling_params.max_tokens

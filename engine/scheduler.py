@@ -31,6 +31,8 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     # Copy-on-write block copies (source id, destination id) to do before the forward.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Waiting requests that can never run (why): the engine fails them.
+    unschedulable: list[tuple[Request, str]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -87,6 +89,7 @@ class Scheduler:
         self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._unschedulable: list[tuple[Request, str]] = []
 
     # ------------------------------------------------------------ admission
     def add_request(self, request: Request) -> None:
@@ -112,15 +115,19 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         order: list[Request] = []
         preempted: list[str] = []
+        self._unschedulable = []
         now = time.monotonic()
 
         def victim_for(candidate: Request) -> Request | None:
             """The worst running request not yet scheduled this step, if worse than candidate.
 
             Requests scheduled in this step are never victims: their new blocks are already
-            registered in the prefix cache, and others may have hit them in this step.
+            registered in the prefix cache, and others may have hit them in this step. Nor is
+            a member of their group: a group is preempted whole or not at all.
             """
-            pool = [r for r in self.running if r.request_id not in scheduled]
+            busy = {r.group_id for r in order if r.group_id is not None}
+            pool = [r for r in self.running
+                    if r.request_id not in scheduled and r.group_id not in busy]
             if not pool:
                 return None
             worst = max(pool, key=self._policy_key)
@@ -165,11 +172,12 @@ class Scheduler:
             if request.group_id is not None:
                 done_groups.add(request.group_id)
                 unit = [r for r in self.running if r.group_id == request.group_id]
+            following = self._share_in_group(unit, scheduled) if len(unit) > 1 else set()
             asks: list[tuple[Request, int]] = []
             room, seats = budget, self.config.max_num_seqs - len(scheduled)
             for member in unit:
                 num_new = min(member.num_tokens - member.num_computed_tokens, room)
-                if num_new > 0 and seats > 0:
+                if num_new > 0 and seats > 0 and member.request_id not in following:
                     asks.append((member, num_new))
                     room -= num_new
                     seats -= 1
@@ -195,7 +203,8 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled, order, now, victim_for, preempt)
 
         total = sum(scheduled.values())
-        return SchedulerOutput(scheduled, order, total, preempted, self.kv.take_block_copies())
+        return SchedulerOutput(scheduled, order, total, preempted, self.kv.take_block_copies(),
+                               self._unschedulable)
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, int], order: list[Request],
                        now: float, victim_for: Callable[[Request], Request | None],
@@ -212,8 +221,29 @@ class Scheduler:
                     not self._lora_fits(request)):
                 compiling.append(self.waiting.pop())
                 continue
+            if request.sampling_params.use_beam_search:
+                # Beams move in lockstep: the group is admitted whole or not at all.
+                unit = [r for r in self.waiting if r.group_id == request.group_id]
+                if self.running and len(self.running) + len(unit) > self.config.max_num_seqs:
+                    break  # its beams wait for sequence slots (alone it may outnumber them)
+                need = self._group_blocks(unit)
+                if need > self.kv.num_blocks:
+                    for member in unit:
+                        self.waiting.remove(member)
+                        compiling.append(member)
+                    self._unschedulable.append((unit[0], (
+                        f"the KV cache ({self.kv.num_blocks} blocks of {self.kv.block_size} "
+                        f"tokens) cannot hold the {len(unit)} beams of this request together "
+                        f"({need} blocks); use a smaller beam width or max_tokens")))
+                    continue
+                left = self._admit_group(unit, need, budget, scheduled, order, now,
+                                         victim_for, preempt)
+                if left is None:
+                    break
+                budget = left
+                continue
             # Waiting requests hold no blocks and have computed nothing (preemption resets).
-            hit = self.kv.find_prefix(request)
+            hit = self._best_hit(request, scheduled)
             num_new = min(request.num_tokens - hit.num_tokens, budget)
             admitted = True
             while not self.kv.allocate_slots(request, num_new, hit):
@@ -224,7 +254,7 @@ class Scheduler:
                     break
                 preempt(victim)
                 # Preemption may have evicted blocks the hit counted on: look again.
-                hit = self.kv.find_prefix(request)
+                hit = self._best_hit(request, scheduled)
                 num_new = min(request.num_tokens - hit.num_tokens, budget)
             if not admitted:
                 break
@@ -243,6 +273,108 @@ class Scheduler:
         for request in reversed(compiling):
             self.waiting.push(request, front=True)
         return budget
+
+    def _best_hit(self, request: Request, scheduled: dict[str, int]) -> PrefixHit:
+        """The longer of the prefix-cache hit and the blocks a running sibling (an n > 1
+        sample of the same request) holds for their common tokens."""
+        hit = self.kv.find_prefix(request)
+        if request.group_id is None:
+            return hit
+        for sibling in self.running:
+            if sibling.group_id == request.group_id:
+                valid = sibling.num_computed_tokens + scheduled.get(sibling.request_id, 0)
+                other = self.kv.sibling_hit(request, sibling, valid)
+                if other.num_tokens > hit.num_tokens:
+                    hit = other
+        return hit
+
+    def _group_blocks(self, unit: list[Request]) -> int:
+        """Blocks a waiting group needs to hold its tokens and take one more step, each member
+        sharing the full blocks it has in common with a member ahead of it (an upper bound on
+        what admitting it consumes: prefix-cache hits only lower it)."""
+        bs = self.kv.block_size
+        need = 0
+        for j, member in enumerate(unit):
+            shared = max((min(member.common_prefix_len(a), member.num_tokens - 1) // bs
+                          for a in unit[:j]), default=0)
+            need += -(-(member.num_tokens + 1) // bs) - shared
+        return need
+
+    def _admit_group(self, unit: list[Request], need: int, budget: int,
+                     scheduled: dict[str, int], order: list[Request], now: float,
+                     victim_for: Callable[[Request], Request | None],
+                     preempt: Callable[[Request], None]) -> int | None:
+        """Admit every member of a waiting beam group, sharing their common blocks, or none
+        (None: it waits). Returns the budget left."""
+        key = self._policy_key(unit[0])
+        while need > self.kv.num_free_blocks:
+            victim = victim_for(unit[0])
+            reclaimable = self.kv.num_reclaimable([
+                r.request_id for r in self.running
+                if r.request_id not in scheduled and self._policy_key(r) > key])
+            if victim is None or need > self.kv.num_free_blocks + reclaimable:
+                return None
+            preempt(victim)
+        admitted: list[Request] = []
+        hits: list[PrefixHit] = []
+        for member in unit:
+            hit = self.kv.find_prefix(member)
+            hits.append(hit)
+            admitted.append(member)
+            ok = self.kv.allocate_slots(member, 0, hit)
+            member.num_computed_tokens = hit.num_tokens if ok else 0
+            following = self._share_in_group(admitted, scheduled) if ok else set()
+            seated = len(scheduled) < self.config.max_num_seqs
+            num_new = 0 if member.request_id in following or not seated else min(
+                member.num_tokens - member.num_computed_tokens, budget)
+            if not ok or (num_new and not self.kv.allocate_slots(member, num_new)):
+                for m in admitted:  # the bound above was off: back to waiting, untouched
+                    self.kv.free(m)
+                    m.num_computed_tokens = 0
+                    scheduled.pop(m.request_id, None)
+                    if m in order:
+                        order.remove(m)
+                return None
+            if num_new:
+                scheduled[member.request_id] = num_new
+                order.append(member)
+                budget -= num_new
+        for member, hit in zip(unit, hits):
+            self.waiting.remove(member)
+            self.kv.record_lookup(member, hit)
+            if member.num_cached_tokens < 0:
+                member.num_cached_tokens = member.num_computed_tokens
+            if member.first_scheduled_time is None:
+                member.first_scheduled_time = now
+            member.status = RequestStatus.RUNNING
+            self.running.append(member)
+        return budget
+
+    def _share_in_group(self, unit: list[Request], step_tokens: dict[str, int]) -> set[str]:
+        """Hand each member of a group the full blocks it has in common with a member ahead of
+        it in `unit` (KVCacheManager.sibling_hit), and return the members that follow: their
+        common prefix with a member ahead is not written yet, so they wait for it rather than
+        compute it a second time. The first member never waits, so the group progresses."""
+        bs = self.kv.block_size
+        following: set[str] = set()
+        for j, member in enumerate(unit):
+            for ahead in unit[:j]:
+                valid = ahead.num_computed_tokens + step_tokens.get(ahead.request_id, 0)
+                hit = self.kv.sibling_hit(member, ahead, valid)
+                if hit.blocks:
+                    allocated = self.kv.allocate_slots(member, 0, hit)
+                    assert allocated, "shared blocks cost no free block"
+                    member.num_computed_tokens += hit.num_tokens
+            if member.num_computed_tokens % bs:
+                continue  # its own partial block: it cannot take shared blocks any more
+            for ahead in unit[:j]:
+                valid = ahead.num_computed_tokens + step_tokens.get(ahead.request_id, 0)
+                shareable = min(member.common_prefix_len(ahead), member.num_tokens - 1)
+                shareable -= shareable % bs
+                if member.num_computed_tokens < shareable and valid < shareable:
+                    following.add(member.request_id)
+                    break
+        return following
 
     def _lora_fits(self, request: Request) -> bool:
         """Whether the request's adapter is running already or one more adapter may run."""

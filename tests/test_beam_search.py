@@ -198,6 +198,71 @@ def test_peak_blocks_shared_and_unshared_on_a_400_token_prompt(tiny, prompt_len)
     assert beams["cow_copies"] > 0 and beams["max_sequences"] == 4
 
 
+def _beams_beside_a_long_request(tiny, **options) -> tuple[dict, int, object]:
+    """A long request that arrived first grows until the beam search, arrived later, is
+    preempted (on a small pool); the search then recomputes and must find the same beams."""
+    llm = LLM(model=str(tiny[0]), max_model_len=160, dtype="float32", block_size=8, **options)
+    engine = llm.engine
+    engine.add_request("first", list(range(5, 65)), SamplingParams(max_tokens=60,
+                                                                   ignore_eos=True))
+    engine.add_request("beam", list(range(300, 340)), SamplingParams(
+        n=4, use_beam_search=True, max_tokens=30, ignore_eos=True))
+    results = {}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = (out.error, [(c.token_ids, c.cumulative_logprob)
+                                                       for c in out.outputs])
+    assert not engine.has_unfinished_requests(), "the search stalled"
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    return results, engine.scheduler.num_preemptions, engine
+
+
+@pytest.fixture(scope="module")
+def unpressed(tiny) -> dict:
+    results, preemptions, _ = _beams_beside_a_long_request(tiny, num_kv_blocks=100,
+                                                           enable_prefix_caching=False)
+    assert preemptions == 0
+    return results
+
+
+@pytest.mark.parametrize("options", [
+    dict(num_kv_blocks=16, enable_prefix_caching=False),
+    dict(num_kv_blocks=16, enable_prefix_caching=True),
+    dict(num_kv_blocks=18, enable_prefix_caching=False, max_num_batched_tokens=16),
+    dict(num_kv_blocks=100, enable_prefix_caching=False, max_num_seqs=2),
+], ids=["no-prefix-cache", "prefix-cache", "chunked", "width-above-max-num-seqs"])
+def test_a_preempted_or_squeezed_beam_search_finds_the_same_beams(tiny, unpressed, options):
+    """Preempted whole, the group is re-admitted whole, its beams sharing their common
+    history again (with prefix caching off too, where a recompute used to need the beams'
+    blocks unshared and never fit); with fewer sequence slots than beams it takes turns."""
+    results, preemptions, _ = _beams_beside_a_long_request(tiny, **options)
+    assert results == unpressed
+    assert (preemptions > 0) == (options["num_kv_blocks"] < 100)
+
+
+def test_a_search_the_cache_can_never_hold_fails_with_a_reason_and_frees_its_blocks(tiny):
+    llm = LLM(model=str(tiny[0]), max_model_len=160, dtype="float32", num_kv_blocks=16,
+              block_size=8, enable_prefix_caching=False)
+    engine = llm.engine
+    engine.add_request("wide", list(range(300, 340)), SamplingParams(
+        n=8, use_beam_search=True, max_tokens=100, ignore_eos=True))
+    engine.add_request("other", list(range(5, 40)), SamplingParams(max_tokens=20,
+                                                                   ignore_eos=True))
+    finished = {}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert "cannot hold the 8 beams" in finished["wide"].error
+    assert finished["other"].error is None and len(finished["other"].outputs[0].token_ids) == 20
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
 DEFAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 

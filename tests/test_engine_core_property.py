@@ -28,7 +28,8 @@ PREFIXES = [[], list(range(500, 512)), list(range(600, 609)), list(range(500, 50
 
 op_strategy = st.one_of(
     st.tuples(st.just("add"), st.integers(0, len(PREFIXES) - 1), st.integers(1, 30),
-              st.integers(1, 25), st.sampled_from([None, "t1"]), st.integers(0, 3)),
+              st.integers(1, 25), st.sampled_from([None, "t1"]), st.integers(0, 3),
+              st.booleans()),
     st.tuples(st.just("step"), st.integers(0, 2**31)),
     st.tuples(st.just("step"), st.integers(0, 2**31)),
     st.tuples(st.just("abort"), st.integers(0, 100)),
@@ -87,6 +88,10 @@ def check_invariants(sched) -> None:
 
 def run_step(sched, kv_store: dict[int, tuple[int, int]], seed: int) -> None:
     out = sched.schedule()
+    for req, _ in out.unschedulable:  # what the engine does: the whole group fails
+        sched.finish_requests([r.request_id for r in list(sched.waiting)
+                               if r.group_id == req.group_id or r is req],
+                              RequestStatus.FINISHED_ERROR)
     assert out.total_num_scheduled_tokens <= BUDGET
     assert len(out.scheduled) <= MAX_SEQS
     for src, dst in out.block_copies:  # copy-on-write, before the forward
@@ -135,11 +140,13 @@ def test_random_operations_keep_the_pool_consistent(ops, policy, caching, window
     for op in ops:
         kind = op[0]
         if kind == "add":
-            _, p, length, max_tokens, salt, prio = op
+            _, p, length, max_tokens, salt, prio, lockstep = op
             rid = f"r{next(counter)}"
             tokens = PREFIXES[p] + [1000 + (i * 7 + int(rid[1:])) % 50 for i in range(length)]
             req = make_request(rid, tokens, max_tokens=max_tokens, salt=salt, priority=prio,
                                ignore_eos=bool(prio % 2))
+            # A beam-search root: its forks are admitted as a group (Scheduler._admit_group).
+            req.sampling_params.use_beam_search = lockstep
             try:
                 sched.add_request(req)
             except ValueError:

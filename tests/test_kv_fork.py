@@ -1,5 +1,7 @@
 """Forks and copy-on-write in the KV-cache manager and the scheduler (docs/engine.md)."""
 
+import zlib
+
 import torch
 
 from engine.request import RequestStatus
@@ -109,3 +111,74 @@ def test_copy_blocks_matches_the_block_by_block_reference():
         assert torch.equal(got, want)
     assert torch.equal(caches[0][:, 2], caches[0][:, 1]) and not torch.equal(caches[0][:, 2],
                                                                              caches[0][:, 3])
+
+
+
+def step_own(sched):
+    """A step in which each request samples a token of its own (forks diverge)."""
+    out = sched.schedule()
+    sampled = {rid: 3 + zlib.crc32(rid.encode()) % 40 for rid in fake_step(sched, out)}
+    sched.update_from_output(out, sampled)
+    return out
+
+
+def preempt_all(sched, members):
+    """Preempt the group by hand, as the scheduler does (free before resetting)."""
+    for m in members:
+        sched.running.remove(m)
+        sched.kv.free(m)
+        m.num_computed_tokens = 0
+        m.status = RequestStatus.PREEMPTED
+        sched.waiting.push(m)
+
+
+def test_a_preempted_group_shares_its_common_blocks_again_with_prefix_caching_off():
+    """Re-admitted after a preemption, forks take the blocks of their common tokens from a
+    running sibling (sibling hits), so the group holds its history once again."""
+    sched = make_scheduler(num_blocks=64, caching=False)
+    kv = sched.kv
+    root = make_request("g", 5 * BS + 3, max_tokens=200)
+    sched.add_request(root)
+    step_own(sched)  # 84 tokens: the prompt and a first token, shared by every fork
+    members = [root] + [sched.fork(root, f"g.{i}") for i in range(1, 4)]
+    for _ in range(3):
+        step_own(sched)
+    held_before = kv.pool.num_used_blocks
+    lengths = {m.request_id: m.num_tokens for m in members}
+    preempt_all(sched, members)
+    assert kv.pool.num_used_blocks == 0
+    out = step_own(sched)
+    assert {r.request_id for r in sched.running} == set(lengths)
+    # The first recomputes everything; the others only past their 5 shared full blocks.
+    assert out.num_scheduled_tokens["g"] == lengths["g"]
+    for rid in ("g.1", "g.2", "g.3"):
+        assert out.num_scheduled_tokens[rid] == lengths[rid] - 5 * BS
+        assert kv.block_ids(rid)[:5] == kv.block_ids("g")[:5]
+    assert kv.pool.num_used_blocks <= held_before + 4  # each may add its next-token block
+    while sched.has_unfinished():
+        step_own(sched)
+    assert kv.pool.num_free_blocks == 64
+
+
+def test_a_following_beam_waits_for_the_shared_tokens_instead_of_computing_them_twice():
+    """Chunked prefill: a re-admitted beam whose common prefix the beam ahead of it has not
+    written yet computes nothing until it has, then takes those blocks."""
+    sched = make_scheduler(num_blocks=64, caching=False, budget=2 * BS)
+    kv = sched.kv
+    root = make_request("g", 4 * BS, max_tokens=100)
+    root.sampling_params.use_beam_search = True  # admitted as a group (Scheduler._admit_group)
+    sched.add_request(root)
+    while not root.output_token_ids:
+        step_own(sched)
+    child = sched.fork(root, "g.1")
+    step_own(sched)  # both decode: 66 tokens each, 65 shared
+    preempt_all(sched, [root, child])
+    out = step_own(sched)  # both admitted; the first computes 32, the second takes 2 blocks
+    assert out.num_scheduled_tokens == {"g": 32}
+    assert child.status is RequestStatus.RUNNING and child.num_computed_tokens == 32
+    out = step_own(sched)
+    assert out.num_scheduled_tokens == {"g": 32}  # the follower waits
+    out = step_own(sched)
+    assert out.num_scheduled_tokens == {"g": 2, "g.1": 2}
+    assert kv.block_ids("g.1")[:4] == kv.block_ids("g")[:4]  # the prompt's blocks, once
+    assert kv.pool.num_used_blocks == 6  # 4 shared prompt blocks, one of its own each
