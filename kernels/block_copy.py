@@ -1,19 +1,25 @@
 """Copy-on-write support: copy whole KV blocks to fresh ones, in every layer, before a forward.
 
-One batched index_select / index_copy_ per layer cache, so it runs as is on CPU and CUDA (a
-handful of blocks per step after a fork; not worth a dedicated kernel). Sources and
-destinations are disjoint: destinations are freshly allocated, sources are shared.
+On CPU the native library does it in one call (one memcpy per block, layer and K/V half);
+elsewhere, or without the library, one batched index_select / index_copy_ per layer cache
+(ATen's kernels; on CUDA one launch each). Why native on CPU: it is faster for the handful of
+blocks a step copies (BENCHMARKS.md, `bench/probes/block_copy.py`).
+Sources and destinations are disjoint: destinations are freshly allocated, sources are shared.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import cpu_native
+
 
 def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
     """For each layer cache `[2, num_blocks, block_size, heads, head_dim]`, block dst[i] :=
     block src[i] (keys and values)."""
     if src.numel() == 0:
+        return
+    if src.device.type == "cpu" and cpu_native.copy_blocks(kv_caches, src, dst):
         return
     for cache in kv_caches:
         cache.index_copy_(1, dst, cache.index_select(1, src))

@@ -2,9 +2,11 @@
 
 import zlib
 
+import pytest
 import torch
 
 from engine.request import RequestStatus
+from kernels import cpu_native
 from kernels.block_copy import copy_blocks, copy_blocks_ref
 from tests.core_helpers import fake_step, make_request, make_scheduler
 
@@ -101,9 +103,15 @@ def test_preempting_one_member_of_a_group_preempts_the_group():
     assert sched2.kv.num_free_blocks == 8
 
 
-def test_copy_blocks_matches_the_block_by_block_reference():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_copy_blocks_matches_the_block_by_block_reference(dtype, path, monkeypatch):
+    if path == "native" and cpu_native.load() is None:
+        pytest.skip("the native library cannot be built here (no C compiler)")
+    if path == "torch":  # what runs on CUDA, or without the library
+        monkeypatch.setattr(cpu_native, "copy_blocks", lambda *a: None)
     g = torch.Generator().manual_seed(0)
-    caches = [torch.randn(2, 10, 4, 2, 8, generator=g) for _ in range(3)]
+    caches = [torch.randn(2, 10, 4, 2, 8, generator=g).to(dtype) for _ in range(3)]
     expect = [c.clone() for c in caches]
     copy_blocks(caches, torch.tensor([1, 7, 3]), torch.tensor([2, 0, 9]))
     copy_blocks_ref(expect, [1, 7, 3], [2, 0, 9])
@@ -111,6 +119,19 @@ def test_copy_blocks_matches_the_block_by_block_reference():
         assert torch.equal(got, want)
     assert torch.equal(caches[0][:, 2], caches[0][:, 1]) and not torch.equal(caches[0][:, 2],
                                                                              caches[0][:, 3])
+
+
+def test_the_native_block_copy_refuses_a_block_past_the_cache_and_copies_nothing():
+    if cpu_native.load() is None:
+        pytest.skip("the native library cannot be built here (no C compiler)")
+    caches = [torch.randn(2, 4, 2, 8) for _ in range(2)]
+    before = [c.clone() for c in caches]
+    with pytest.raises(IndexError, match="outside the cache of 4 blocks"):
+        cpu_native.copy_blocks(caches, torch.tensor([0, 1]), torch.tensor([2, 4]))
+    assert all(torch.equal(c, b) for c, b in zip(caches, before))
+    # Caches it cannot take (not contiguous) are left to the torch path: None, nothing done.
+    assert cpu_native.copy_blocks([c.transpose(2, 3) for c in caches], torch.tensor([0]),
+                                  torch.tensor([1])) is None
 
 
 

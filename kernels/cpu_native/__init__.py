@@ -43,6 +43,7 @@ from kernels.cpu_native.loader import load
 from kernels.cpu_native.ops import (
     add_rms_norm,
     argmax_rows,
+    copy_blocks,
     paged_rows,
     rope_inplace,
     silu_mul,
@@ -55,6 +56,7 @@ __all__ = [
     "DecoderStack",
     "add_rms_norm",
     "argmax_rows",
+    "copy_blocks",
     "gemm",
     "gemm_available",
     "gemm_silu",

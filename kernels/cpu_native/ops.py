@@ -8,6 +8,7 @@ place, SiLU-and-multiply, KV store, greedy argmax) into one pass each. The conve
 
 from __future__ import annotations
 
+import ctypes
 from typing import Literal
 
 import torch
@@ -120,6 +121,33 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                              num_slots, row)
     if rc != 0:
         raise IndexError(f"a KV slot is outside the cache of {num_slots} slots")
+    return True
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor,
+                dst: torch.Tensor) -> Literal[True] | None:
+    """Block dst[i] := block src[i] in every layer cache (`[2, num_blocks, ...]`, contiguous
+    CPU tensors of one shape and dtype, any dtype): True, or None (nothing done) when the
+    caches are not in that layout; IndexError for a block past the cache."""
+    lib = load()
+    if lib is None or not kv_caches:
+        return None
+    first = kv_caches[0]
+    if first.device.type != "cpu" or first.dim() < 2 or first.shape[0] != 2 or any(
+            c.shape != first.shape or c.dtype != first.dtype or c.device.type != "cpu"
+            or not c.is_contiguous() for c in kv_caches):
+        return None
+    src = src.to("cpu", torch.int64).contiguous()
+    dst = dst.to("cpu", torch.int64).contiguous()
+    if src.numel() != dst.numel():
+        raise ValueError("src and dst must list the same number of blocks")
+    num_blocks = first.shape[1]
+    block_bytes = first[0, 0].numel() * first.element_size()
+    ptrs = (ctypes.c_void_p * len(kv_caches))(*[c.data_ptr() for c in kv_caches])
+    rc = lib.kp_copy_blocks(ptrs, len(kv_caches), num_blocks, block_bytes, src.data_ptr(),
+                            dst.data_ptr(), src.numel())
+    if rc != 0:
+        raise IndexError(f"a block index is outside the cache of {num_blocks} blocks")
     return True
 
 

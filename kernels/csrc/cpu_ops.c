@@ -98,6 +98,23 @@ int kp_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_
     return 0;
 }
 
+/* One memcpy per block, layer and K/V half, on the calling thread: a handful of blocks per
+ * step after a fork, too little to pay for waking a parallel region (BENCHMARKS.md). */
+int kp_copy_blocks(void *const *caches, int64_t layers, int64_t num_blocks, int64_t block_bytes,
+                   const int64_t *src, const int64_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i)
+        if (src[i] < 0 || src[i] >= num_blocks || dst[i] < 0 || dst[i] >= num_blocks) return -1;
+    const int64_t half = num_blocks * block_bytes;
+    for (int64_t l = 0; l < layers; ++l) {
+        char *base = (char *)caches[l];
+        for (int64_t kv = 0; kv < 2; ++kv)
+            for (int64_t i = 0; i < n; ++i)
+                memcpy(base + kv * half + dst[i] * block_bytes,
+                       base + kv * half + src[i] * block_bytes, (size_t)block_bytes);
+    }
+    return 0;
+}
+
 /* out[r] = index of the largest value of row r, the first one on ties, the first NaN if the row
  * has one (torch.argmax's rules). Greedy decoding's last step, in one vector pass, several times
  * faster than torch's argmax over a large vocabulary (BENCHMARKS.md). */

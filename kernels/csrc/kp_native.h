@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define KP_ABI_VERSION 1
+#define KP_ABI_VERSION 2
 
 /* Output columns per packed GEMM weight panel (cpu_native.GEMM_PANEL). */
 #define KP_GEMM_PANEL 48
@@ -64,6 +64,13 @@ KP_API void kp_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t i
 KP_API int kp_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                            const int64_t *slots, int64_t n, float *cache, int64_t num_slots,
                            int64_t row_floats);
+
+/* Copy-on-write: in each of `layers` caches [2, num_blocks, block_bytes] (any dtype, counted
+ * in bytes), block dst[i] := block src[i], keys and values; -1, copying nothing: an index
+ * outside the cache. */
+KP_API int kp_copy_blocks(void *const *caches, int64_t layers, int64_t num_blocks,
+                          int64_t block_bytes, const int64_t *src, const int64_t *dst,
+                          int64_t n);
 
 /* out[r] = argmax of row r, with torch.argmax's tie and NaN rules. */
 KP_API void kp_argmax_rows_f32(const float *x, int64_t row_stride, int64_t rows, int64_t cols,
