@@ -7,6 +7,7 @@ fails here with a clear error instead of turning into a hub download.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,9 +16,12 @@ from typing import Any
 
 import torch
 
+from engine.config_reads import ignored_fields, recording_reads
 from engine.models import MODEL_REGISTRY, LlamaForCausalLM, architecture_of
 
 StrPath = str | os.PathLike[str]
+
+logger = logging.getLogger("engine")
 
 
 def _resolve(path: StrPath) -> tuple[Path, str | None]:
@@ -86,14 +90,24 @@ def _check_architecture(folder: Path) -> None:
                                     model_type=raw.get("model_type")))
 
 
+def _raw_config(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / "config.json").read_text())
+
+
 def _build(config: Any, dtype: torch.dtype, device: torch.device,
-           weights: Iterator[tuple[str, torch.Tensor]] | None,
-           seed: int = 0) -> LlamaForCausalLM:
+           weights: Iterator[tuple[str, torch.Tensor]] | None, seed: int = 0,
+           raw_config: dict[str, Any] | None = None) -> LlamaForCausalLM:
     """Construct on the meta device (no wasted random init), allocate on `device`, fill: from
-    `weights`, or with random values (`_fill_dummy`) when there are none."""
+    `weights`, or with random values (`_fill_dummy`) when there are none. With `raw_config`
+    (config.json), the fields the model's constructor did not read are logged."""
     cls = MODEL_REGISTRY[architecture_of(config)]
-    with torch.device("meta"):
+    with recording_reads(config) as reads, torch.device("meta"):
         model = cls(config)
+    if raw_config is not None:
+        ignored = ignored_fields(raw_config, reads, getattr(config, "attribute_map", None))
+        if ignored:
+            logger.warning("config.json fields this engine ignores (they change nothing here): "
+                           "%s", ", ".join(ignored))
     model.to(dtype=dtype)
     model.materialize(torch.device(device))
     if weights is None:
@@ -139,7 +153,7 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         if not getattr(config, "architectures", None):
             config.architectures = [architecture_of(config)]
-        return _build(config, dtype, device, None, seed), config
+        return _build(config, dtype, device, None, seed, _raw_config(folder)), config
     if gguf_file is not None:
         from transformers import AutoModelForCausalLM
 
@@ -159,7 +173,8 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     if not getattr(config, "architectures", None):
         config.architectures = [architecture_of(config)]
-    return _build(config, dtype, device, _iter_weights(files)), config
+    return _build(config, dtype, device, _iter_weights(files),
+                  raw_config=_raw_config(folder)), config
 
 
 def load_tokenizer(path: StrPath) -> Any:
