@@ -74,3 +74,14 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
+
+
+def lora_sgmv_ref(x: torch.Tensor, out: torch.Tensor, a_stack: torch.Tensor,
+                  b_stack: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor,
+                  seg_start: torch.Tensor, seg_len: torch.Tensor, seg_slot: torch.Tensor) -> None:
+    """What `kernels.lora_triton.lora_sgmv` computes, one segment at a time in float32:
+    out[rows of segment s] += scales[slot] * (x[rows] @ A[slot].T) @ B[slot].T."""
+    for start, length, slot in zip(seg_start.tolist(), seg_len.tolist(), seg_slot.tolist()):
+        idx = rows[start:start + length].long()
+        delta = (x[idx].float() @ a_stack[slot].float().t()) @ b_stack[slot].float().t()
+        out[idx] = (out[idx].float() + scales[slot].float() * delta).to(out.dtype)

@@ -3,8 +3,11 @@
 Rows of the flat step batch are sorted by adapter once per step (rows with no adapter left
 out); every adapted projection then adds, per adapter present, `(x[rows] @ A.T) @ B.T` into
 its rows of the base output. The base GEMM runs once for the whole step, never per adapter, and
-weights are never merged. The shrink/expand here are torch matmuls (oneDNN on CPU); a native
-grouped GEMM on CPU and Triton SGMV-style kernels on CUDA are later steps.
+weights are never merged. The shrink/expand here are torch matmuls (oneDNN on CPU, cuBLAS on
+CUDA). `kernels/lora_triton.py` has the SGMV shrink/expand for CUDA over stacked adapter slots,
+tested against its reference in Triton's interpreter; the engine does not call it yet (that
+needs the adapters of a step stacked into slots on the GPU), nor is there a native grouped GEMM
+on CPU.
 """
 
 from __future__ import annotations
