@@ -6,7 +6,7 @@ Why a separate process: once a pytest process has run a kernel in Triton's inter
 hid that (the compile was never redone); a child with a clean interpreter state and its own
 empty cache compiles for real every time.
 
-Usage: python -m tests.kernels.sm90_compile CASE  (CASE: a key of ATTENTION_CASES, or store-merge)
+Usage: python -m tests.kernels.sm90_compile CASE  (CASE: a key of ATTENTION_CASES, store-merge or lora-sgmv)
 Prints {"shared": [bytes, ...]} or {"skip": reason}.
 """
 
@@ -27,7 +27,7 @@ ATTENTION_CASES = {  # dtype, group, BLOCK_M, BLOCK_N, BLOCK_D, splits, f32, one
     "attention-bf16-window-softcap": ("bf16", 4, 64, 64, 256, 1, False, False, True, True),
     "attention-bf16-window-split": ("bf16", 4, 16, 64, 256, 4, False, False, True, False),
 }
-CASES = (*ATTENTION_CASES, "store-merge")
+CASES = (*ATTENTION_CASES, "store-merge", "lora-sgmv")
 
 
 class Skip(Exception):
@@ -87,6 +87,22 @@ def _store_merge() -> list[int]:
     return [store.metadata.shared, merge.metadata.shared]
 
 
+def _lora_sgmv() -> list[int]:
+    import kernels.lora_triton as lt
+
+    seg = {"rows_ptr": "*i64", "seg_start_ptr": "*i64", "seg_len_ptr": "*i64",
+           "seg_slot_ptr": "*i64"}
+    sig = {"x_ptr": "*bf16", "a_ptr": "*bf16", "y_ptr": "*fp32", **seg,
+           **dict.fromkeys(["in_features", "rank", "stride_xt", "stride_as", "stride_ar",
+                            "stride_yt"], "i32")}
+    shrink = _compile(lt._shrink_kernel, sig, {"BLOCK_M": 16, "BLOCK_K": 64, "BLOCK_R": 16})
+    sig = {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", **seg, "scales_ptr": "*fp32",
+           **dict.fromkeys(["out_features", "rank", "stride_yt", "stride_bs", "stride_bo",
+                            "stride_ot"], "i32")}
+    expand = _compile(lt._expand_kernel, sig, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_R": 16})
+    return [shrink.metadata.shared, expand.metadata.shared]
+
+
 def main(case: str) -> dict[str, object]:
     try:
         import triton.backends.compiler  # noqa: F401
@@ -94,7 +110,8 @@ def main(case: str) -> dict[str, object]:
     except ImportError as exc:
         return {"skip": f"Triton AOT API unavailable: {exc}"}
     try:
-        shared = _store_merge() if case == "store-merge" else _attention(case)
+        shared = (_store_merge() if case == "store-merge" else _lora_sgmv()
+                  if case == "lora-sgmv" else _attention(case))
     except Skip as exc:
         return {"skip": str(exc)}
     return {"shared": shared}

@@ -47,3 +47,8 @@ def test_store_and_merge_kernels_compile_for_sm90(tmp_path: Path) -> None:
     for shared in _compile_in_child("store-merge", tmp_path):
         assert shared <= SHARED_LIMIT
 
+
+
+def test_lora_sgmv_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    for shared in _compile_in_child("lora-sgmv", tmp_path):
+        assert shared <= SHARED_LIMIT
