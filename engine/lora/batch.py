@@ -3,16 +3,17 @@
 Rows of the flat step batch are sorted by adapter once per step (rows with no adapter left
 out); every adapted projection then adds, per adapter present, `(x[rows] @ A.T) @ B.T` into
 its rows of the base output. The base GEMM runs once for the whole step, never per adapter, and
-weights are never merged. The shrink/expand here are torch matmuls (oneDNN on CPU, cuBLAS on
-CUDA). `kernels/lora_triton.py` has the SGMV shrink/expand for CUDA over stacked adapter slots,
-tested against its reference in Triton's interpreter; the engine does not call it yet (that
-needs the adapters of a step stacked into slots on the GPU), nor is there a native grouped GEMM
-on CPU.
+weights are never merged.
+
+Two ways to compute the delta. On CPU, per adapter, two torch matmuls (oneDNN; no native
+grouped GEMM yet). On CUDA, one Triton SGMV shrink and one expand for every adapter of the
+step together (`kernels/lora_triton.py`): the step's adapters are stacked into slots per
+projection (`SlotStacks`, cached by the step's adapter set, so a steady mix stacks once).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,9 +22,50 @@ from engine.lora.adapter import LoRAAdapter
 
 
 @dataclass(slots=True)
+class SlotStacks:
+    """The weights of a fixed tuple of adapters stacked per projection, slot i = adapter i,
+    zero-padded to the largest rank (built on first use of each projection)."""
+
+    adapters: tuple[LoRAAdapter, ...]
+    stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor] | None] = field(
+        default_factory=dict)
+
+    def get(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if key not in self.stacks:
+            weights = [a.weights.get(key) for a in self.adapters]
+            present = [w for w in weights if w is not None]
+            if not present:
+                self.stacks[key] = None
+            else:
+                rank = max(w.a.shape[0] for w in present)
+                ref = present[0]
+                a = ref.a.new_zeros(len(weights), rank, ref.a.shape[1])
+                b = ref.b.new_zeros(len(weights), ref.b.shape[0], rank)
+                for i, w in enumerate(weights):
+                    if w is not None:
+                        a[i, :w.a.shape[0]] = w.a
+                        b[i, :, :w.b.shape[1]] = w.b
+                self.stacks[key] = (a, b)
+        return self.stacks[key]
+
+
+@dataclass(slots=True)
+class SGMVStep:
+    """A step's segments on the device, for the Triton kernels (segment i uses slot i)."""
+
+    stacks: SlotStacks
+    seg_start: torch.Tensor
+    seg_len: torch.Tensor
+    seg_slot: torch.Tensor
+    scales: torch.Tensor  # ones: the adapters' B is stored scaled
+    max_seg_len: int
+
+
+@dataclass(slots=True)
 class LoRAStep:
     rows: torch.Tensor  # [n] flat-batch rows that carry an adapter, grouped by adapter
     segments: list[tuple[LoRAAdapter, int, int]]  # (adapter, start, end) into `rows`
+    sgmv: SGMVStep | None = None  # set on CUDA: the delta runs in the Triton kernels
 
 
 def group_rows(token_ids: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
@@ -39,9 +81,28 @@ def group_rows(token_ids: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, 
     return rows, [(int(ids[s]), int(s), int(e)) for s, e in zip(starts, ends)]
 
 
+def sgmv_step(segments: list[tuple[LoRAAdapter, int, int]], stacks: SlotStacks,
+              device: torch.device) -> SGMVStep:
+    """The segment tensors of a step whose adapters, in segment order, are `stacks.adapters`."""
+    starts = [start for _, start, _ in segments]
+    lens = [end - start for _, start, end in segments]
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    return SGMVStep(stacks, as_tensor(starts), as_tensor(lens), as_tensor(range(len(lens))),
+                    torch.ones(len(lens), dtype=torch.float32, device=device), max(lens))
+
+
 def add_lora_delta(x: torch.Tensor, out: torch.Tensor, step: LoRAStep,
                    key: tuple[int, str]) -> None:
     """out[rows] += scale * B(A(x[rows])) for each adapter of the step that adapts `key`."""
+    if step.sgmv is not None:
+        stacked = step.sgmv.stacks.get(key)
+        if stacked is not None:
+            from kernels.lora_triton import lora_sgmv
+
+            s = step.sgmv
+            lora_sgmv(x, out, stacked[0], stacked[1], s.scales, step.rows, s.seg_start,
+                      s.seg_len, s.seg_slot, s.max_seg_len)
+        return
     xs = x.index_select(0, step.rows)
     for adapter, start, end in step.segments:
         w = adapter.weights.get(key)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from engine.lora.adapter import TARGETS, LoRAAdapter, load_adapter
-from engine.lora.batch import LoRAStep, add_lora_delta, group_rows
+from engine.lora.batch import LoRAStep, SlotStacks, add_lora_delta, group_rows, sgmv_step
 from engine.lora.request import LoRARequest
 
 MODULES = tuple(dict.fromkeys(module for module, _ in TARGETS.values()))
@@ -31,6 +31,8 @@ class LoRAManager:
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._known: dict[int, LoRARequest] = {}
         self._step: LoRAStep | None = None
+        # CUDA: stacked slots per adapter mix (`_stacks_for`), dropped when an adapter goes.
+        self._stack_cache: OrderedDict[tuple[int, ...], SlotStacks] = OrderedDict()
         self._install()
 
     def _install(self) -> None:
@@ -76,9 +78,11 @@ class LoRAManager:
                 return
             if lora_id not in keep and lora_id != next(reversed(self._loaded)):
                 del self._loaded[lora_id]
+                self._stack_cache.clear()
 
     def remove(self, lora_int_id: int) -> bool:
         self._known.pop(lora_int_id, None)
+        self._stack_cache.clear()
         return self._loaded.pop(lora_int_id, None) is not None
 
     def loaded_ids(self) -> list[int]:
@@ -101,7 +105,21 @@ class LoRAManager:
         by_id = {lora.lora_int_id: lora for lora in loras if lora is not None}
         segments = [(self.add(by_id[lora_id]), start, end) for lora_id, start, end in runs]
         self._evict(keep={lora_id for lora_id, _, _ in runs})
-        self._step = LoRAStep(torch.from_numpy(rows).to(device), segments)
+        step = LoRAStep(torch.from_numpy(rows).to(device), segments)
+        if device.type == "cuda":
+            step.sgmv = sgmv_step(segments, self._stacks_for(tuple(a for a, _, _ in segments)),
+                                  device)
+        self._step = step
+
+    def _stacks_for(self, adapters: tuple[LoRAAdapter, ...]) -> SlotStacks:
+        """Stacked slots of this adapter tuple, kept for the next steps with the same mix
+        (a few mixes at most; an adapter loaded again is a new object, so a new entry)."""
+        key = tuple(id(a) for a in adapters)
+        stacks = self._stack_cache.pop(key, None) or SlotStacks(adapters)
+        self._stack_cache[key] = stacks
+        while len(self._stack_cache) > 4:
+            self._stack_cache.pop(next(iter(self._stack_cache)))
+        return stacks
 
     def end_step(self) -> None:
         self._step = None
