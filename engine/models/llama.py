@@ -170,6 +170,10 @@ class LlamaForCausalLM(nn.Module):
     only the rows the runner needs (one per sequence) to float32 logits.
     """
 
+    # Tensor parallelism (set in __init__; subclasses that build themselves stay unsharded).
+    tp: TPGroup | None = None
+    layout: TPLayout | None = None
+
     def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
