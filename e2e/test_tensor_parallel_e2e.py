@@ -1,8 +1,7 @@
 """End to end with `--tensor_parallel_size 2` on CPU: the server process is rank 0, one spawned
-worker rank 1 (gloo). The routes answer TP = 1's greedy text; a worker killed mid-stream fails
-that stream with an error and turns readiness to 503 within seconds, never a hang.
-
-Runs last in this file's order: the kill ends the module's server.
+worker rank 1 (gloo). The routes answer TP = 1's greedy text; SIGTERM drains a stream in flight
+and stops the worker with the server; a worker killed mid-stream (a second server) fails that
+stream with an error and turns readiness to 503 within seconds, never a hang.
 """
 
 from __future__ import annotations
@@ -69,7 +68,49 @@ def test_tp_server_answers_openai_and_v2(tp_server: Server, reference):
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"]
 
 
-def test_killed_worker_fails_stream_and_readiness(tp_server: Server):
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+def test_sigterm_drains_then_stops_the_worker(tp_server: Server):
+    """Runs after the routes test: it ends the module's server."""
+    (worker,) = _worker_pids(tp_server.proc.pid)
+    lines: list[str] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24,
+                "ignore_eos": True, "temperature": 0.0, "stream": True}
+        with httpx.stream("POST", f"{tp_server.url}/openai/v1/completions", json=body,
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                first.set()
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    assert first.wait(60)
+    tp_server.proc.send_signal(signal.SIGTERM)
+    thread.join(60)
+    assert not thread.is_alive() and lines[-1] == "data: [DONE]"
+    assert any('"finish_reason":"length"' in line.replace(" ", "") for line in lines)
+    assert tp_server.proc.wait(60) in (0, -signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while not _gone(worker):
+        assert time.monotonic() < deadline, "the worker outlived the server"
+        time.sleep(0.1)
+
+
+def test_killed_worker_fails_stream_and_readiness():
+    with running_server(["--tensor_parallel_size", "2"], engine_opts=ENGINE_OPTS) as srv:
+        _kill_mid_stream(srv)
+
+
+def _kill_mid_stream(tp_server: Server) -> None:
     worker = _worker_pids(tp_server.proc.pid)[0]
     ready_url = f"{tp_server.url}/v2/models/{MODEL}/ready"
     assert httpx.get(ready_url, timeout=10).status_code == 200
