@@ -158,6 +158,17 @@ def check_tensor_parallel(config: Any, world: int) -> TPLayout:
                        config.intermediate_size, config.vocab_size, 0, world)
 
 
+def check_tensor_parallel_folder(path: StrPath, world: int) -> None:
+    """`check_tensor_parallel` from a folder's config.json alone (a GGUF file is checked when
+    loaded); raises ValueError before anything loads."""
+    from transformers import AutoConfig
+
+    folder, gguf_file = _resolve(path)
+    if gguf_file is None:
+        _check_architecture(folder)
+        check_tensor_parallel(AutoConfig.from_pretrained(folder, local_files_only=True), world)
+
+
 def _layout(config: Any, tp: TPGroup) -> TPLayout:
     check_tensor_parallel(config, tp.world_size)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

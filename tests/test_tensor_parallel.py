@@ -184,3 +184,5 @@ def test_unsharded_families_refuse_tp(workers: TPWorkers, tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="not sharded"):
         LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", tensor_parallel_size=2,
                                num_kv_blocks=8))
+    # Refused before any rank loaded: the workers are still there for the next engine.
+    assert TPWorkers._kept is workers and not workers.in_use and workers.failure is None

@@ -134,8 +134,13 @@ class TPWorkers:
     def load_model(self, path: str, dtype: torch.dtype, device: torch.device,
                    load_format: str = "auto", seed: int = 0) -> tuple[Any, Any]:
         """Every rank loads its shard at once; rank 0's (model, config), or the first error."""
-        from engine.model_loader import load_model
+        from engine.model_loader import check_tensor_parallel_folder, load_model
 
+        try:  # a model that cannot shard is refused before any rank loads it
+            check_tensor_parallel_folder(path, self.world_size)
+        except ValueError:
+            self.close()
+            raise
         self._send(wire.LOAD, spec={"path": path, "dtype": dtype, "load_format": load_format,
                                     "seed": seed})
         result, error = None, None
@@ -207,7 +212,7 @@ class TPWorkers:
         failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
         if not failed:
             return
-        self.stop()
+        self.close()  # every rank answered: still in step, a kept pool stays usable
         if error is not None:
             raise error
         rank, message = failed[0]
