@@ -102,10 +102,10 @@ class _Abort:
 class _Fatal:
     """The engine can no longer step (a tensor-parallel worker died): stop the loop with it."""
 
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
+    error: BaseException
 
 
+@dataclasses.dataclass(slots=True)
 class _Call:
     """Run `fn(engine)` on the engine thread, between steps (adapter loads and unloads)."""
 

@@ -245,6 +245,15 @@ class TPWorkers:
         if self.failure is None:
             self._record(proc)
         logger.error("%s", self.failure)
+        if backend_for(self.device) == "nccl":
+            # An NCCL collective with a dead peer would wait for its timeout: abort the
+            # communicator so a step in flight raises now (gloo raises when the socket closes).
+            try:
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
+            except Exception:  # noqa: BLE001 - best effort; the timeout remains
+                logger.warning("could not abort the NCCL process group", exc_info=True)
         callback = self.on_death
         if callback is not None:
             callback(TPWorkerError(self.failure))
