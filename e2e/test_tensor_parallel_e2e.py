@@ -88,8 +88,9 @@ def test_sigterm_drains_then_stops_the_worker(tp_server: Server):
         with httpx.stream("POST", f"{tp_server.url}/openai/v1/completions", json=body,
                           timeout=120) as r:
             for line in r.iter_lines():
-                lines.append(line)
-                first.set()
+                if line:
+                    lines.append(line)
+                    first.set()
 
     thread = threading.Thread(target=stream, daemon=True)
     thread.start()
