@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--single-thread-peer", action="store_true",
+                    help="also run TP = 1 on one thread")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
 
@@ -83,11 +85,18 @@ def main() -> None:
     reqs = load_workload(args.workload, args.num_prompts, args.max_tokens)
     load = os.getloadavg()
     one = run(1, 2, reqs, args)
+    # TP = 1 on one thread too: the same per-rank threads as TP = 2, so the ratio to it is the
+    # cost of sharding alone, apart from how two OpenMP threads fare on this machine.
+    single = run(1, 1, reqs, args) if args.single_thread_peer else None
     two = run(2, 2, reqs, args)
-    same = one.pop("tokens") == two.pop("tokens")
+    tokens = one.pop("tokens")
+    same = tokens == two.pop("tokens") and (single is None or single.pop("tokens") == tokens)
     ratio = two["output_tok_s"] / one["output_tok_s"]
     print(f"TP=2x1 / TP=1x2 output tok/s: {ratio:.2f}; same greedy tokens: {same}; load "
           f"average at start {load[0]:.2f}, at end {os.getloadavg()[0]:.2f}")
+    if single is not None:
+        print(f"TP=2x1 / TP=1x1 output tok/s: "
+              f"{two['output_tok_s'] / single['output_tok_s']:.2f}")
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps({
@@ -95,7 +104,9 @@ def main() -> None:
             "dtype": args.dtype, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "load_average_start": load, "load_average_end": os.getloadavg(),
             "same_greedy_tokens": same, "ratio_tp2_over_tp1": ratio,
-            "runs": [one, two]}, indent=2))
+            "ratio_tp2_over_tp1_single_thread": (two["output_tok_s"] / single["output_tok_s"]
+                                                 if single is not None else None),
+            "runs": [r for r in (one, single, two) if r is not None]}, indent=2))
 
 
 if __name__ == "__main__":
