@@ -99,6 +99,13 @@ class _Abort:
 
 
 @dataclasses.dataclass(slots=True)
+class _Fatal:
+    """The engine can no longer step (a tensor-parallel worker died): stop the loop with it."""
+
+    error: BaseException
+
+
+@dataclasses.dataclass(slots=True)
 class _Call:
     """Run `fn(engine)` on the engine thread, between steps (adapter loads and unloads)."""
 
@@ -124,7 +131,7 @@ class AsyncLLM:
         self._warmup = warmup
         self._callbacks: list[StepCallback] = [step_callback] if step_callback else []
         self._cond = threading.Condition()
-        self._commands: collections.deque[_Add | _Abort | _Call] = collections.deque()
+        self._commands: collections.deque[_Add | _Abort | _Call | _Fatal] = collections.deque()
         self._streams: dict[str, Stream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -307,6 +314,9 @@ class AsyncLLM:
                 started = time.monotonic()
                 self._engine.warmup()  # type: ignore[attr-defined]
                 logger.info("engine warm-up done in %.1fs", time.monotonic() - started)
+            on_fatal = getattr(self._engine, "on_fatal", None)
+            if on_fatal is not None:
+                on_fatal(self._fatal)
             self._stats = dict(self._engine.stats())
             self._set_ready()
             self._loop(self._engine)
@@ -368,9 +378,19 @@ class AsyncLLM:
                     if not self._commands and not self._stopping:
                         self._cond.wait(0.005)
 
-    def _apply(self, engine: EngineLike, commands: list[_Add | _Abort | _Call]) -> list[str]:
+    def _fatal(self, error: BaseException) -> None:
+        """From any thread: the engine thread raises `error` before its next step (one in
+        flight fails by itself), so the engine dies and everything in flight gets an error."""
+        with self._cond:
+            self._commands.appendleft(_Fatal(error))
+            self._cond.notify()
+
+    def _apply(self, engine: EngineLike, commands: list[_Add | _Abort | _Call | _Fatal]
+               ) -> list[str]:
         aborted: list[str] = []
         for cmd in commands:
+            if isinstance(cmd, _Fatal):
+                raise cmd.error
             if isinstance(cmd, _Abort):
                 ids = [rid for rid in cmd.request_ids if rid in self._streams]
                 if ids:

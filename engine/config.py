@@ -43,6 +43,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Tensor parallelism (engine/distributed/): the model sharded over this many ranks, one
+    # process each (the engine's and N-1 workers), GPUs 0..N-1 on CUDA.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -73,6 +76,11 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                              f"({self.max_loras})")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
+        if self.tensor_parallel_size > 1 and self.enable_lora:
+            raise ValueError("LoRA adapters are not sharded: enable_lora needs "
+                             "tensor_parallel_size 1")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} "
                              f"(got {self.scheduling_policy!r})")

@@ -70,6 +70,8 @@ def size_kv_cache(config: EngineConfig, bytes_per_block: int, device: torch.devi
     """Number of KV blocks: given outright, from a byte budget or fraction, or a default share."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
+    if device.type == "cpu":  # tensor-parallel ranks on one host share its memory
+        bytes_per_block *= config.tensor_parallel_size
     needs_free = config.kv_cache_memory is None or config.kv_cache_memory <= 1
     budget = kv_budget_bytes(config.kv_cache_memory, device.type,
                              available_memory(device) if needs_free else 0)

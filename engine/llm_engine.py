@@ -18,6 +18,7 @@ from engine.beam_search import BeamGroup, BeamSearches
 from engine.config import EngineConfig
 from engine.cpu_memory import tune_glibc_malloc
 from engine.detokenizer import IncrementalDetokenizer
+from engine.distributed.workers import TPWorkerError, TPWorkers
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_event_publisher import ZmqEventPublisher
 from engine.kv_events import KVEventsConfig
@@ -73,8 +74,11 @@ class LLMEngine:
             self.model_path = str(config.model)
         t0 = time.monotonic()
         logger.info("loading %s (%s on %s)", self.model_path, self.dtype, self.device)
-        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device,
-                                                config.load_format, config.seed)
+        tp = config.tensor_parallel_size
+        self.workers = TPWorkers.acquire(tp, self.device) if tp > 1 else None
+        loader = self.workers.load_model if self.workers is not None else load_model
+        self.model, self.hf_config = loader(self.model_path, self.dtype, self.device,
+                                            config.load_format, config.seed)
         self.tokenizer = load_tokenizer(self.model_path)
         logger.info("weights loaded in %.1f s", time.monotonic() - t0)
 
@@ -88,10 +92,11 @@ class LLMEngine:
             max_len = self.num_kv_blocks * bs
         self.model.check_max_model_len(max_len)
         self.max_model_len = max_len
-        logger.info("KV cache: %d blocks of %d tokens, %.1f MiB; %d concurrent sequences of "
+        logger.info("KV cache: %d blocks of %d tokens, %.1f MiB%s; %d concurrent sequences of "
                     "max_model_len %d", self.num_kv_blocks, bs,
                     self.num_kv_blocks * per_block / 2**20,
-                    self.num_kv_blocks * bs // max_len, max_len)
+                    f" per rank x {tp} ranks ({self.model.num_kv_heads} KV heads on rank 0)"
+                    if tp > 1 else "", self.num_kv_blocks * bs // max_len, max_len)
 
         # Blocks leave a request while it runs only when every layer slides (Mistral v0.1,
         # Phi-3): one global layer (Gemma) needs the whole context.
@@ -105,6 +110,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,
                                   self.device, max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_len)
+        if self.workers is not None:  # each worker: its share of every block, same ids
+            self.workers.allocate(num_blocks=self.num_kv_blocks, block_size=bs, dtype=self.dtype,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=max_len)
+            self.runner.workers = self.workers
         self.lora: LoRAManager | None = None
         if config.enable_lora:
             self.lora = self.runner.lora = LoRAManager(
@@ -148,10 +158,20 @@ class LLMEngine:
             self.kv_events.publish(self.kv.pool.take_events())
 
     def close(self) -> None:
-        """Release what outlives a step (the event socket); the engine is not used after."""
+        """Release what outlives a step (the event socket, tensor-parallel workers); the engine
+        is not used after."""
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+
+    def on_fatal(self, callback: Callable[[BaseException], None]) -> None:
+        """`callback(error)`, from another thread, when the engine can no longer step (a
+        tensor-parallel worker died): AsyncLLM fails everything at once, even while idle."""
+        if self.workers is not None:
+            self.workers.on_death = callback
 
     def _eos_ids(self) -> tuple[int | None, list[int]]:
         ids: list[int] = []
@@ -370,6 +390,8 @@ class LLMEngine:
                 tokens = token_tensor.tolist()
             else:
                 tokens = []
+        except TPWorkerError:
+            raise  # the ranks are out of step: fatal to the engine, not to these requests
         except Exception as exc:  # noqa: BLE001 - contain the fault to this step's requests
             logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
             return self._groups.merge(

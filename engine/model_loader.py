@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from engine.config_reads import ignored_fields, recording_reads
+from engine.distributed.group import TPGroup
+from engine.distributed.layout import TP_ARCHITECTURES, TPLayout
 from engine.models import MODEL_REGISTRY, LlamaForCausalLM, architecture_of
 
 StrPath = str | os.PathLike[str]
@@ -64,19 +66,41 @@ def _weight_files(folder: Path) -> list[Path]:
         "*.safetensors, pytorch_model.bin.index.json, pytorch_model.bin)")
 
 
-def _iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs, one file open at a time, so memory stays near one shard."""
+Slicer = Callable[[str], "tuple[int, int, int] | None"]
+
+
+def _iter_weights(files: list[Path], slicer: Slicer | None = None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs, one file open at a time, so memory stays near one shard. With a
+    `slicer` (tensor parallelism: name -> (dim, start, size) or None for all of it) only that
+    slice is read from a safetensors file (`get_slice`), never the whole tensor."""
     from safetensors import safe_open
 
     for file in files:
         if file.suffix == ".safetensors":
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    yield name, f.get_tensor(name)
+                    cut = slicer(name) if slicer is not None else None
+                    if cut is None:
+                        yield name, f.get_tensor(name)
+                        continue
+                    dim, start, size = cut
+                    part = f.get_slice(name)
+                    index = [slice(None)] * len(part.get_shape())
+                    index[dim] = slice(start, start + size)
+                    yield name, part[tuple(index)]
         else:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            yield from state.items()
+            yield from _sliced(state.items(), slicer)
             del state
+
+
+def _sliced(weights: Iterable[tuple[str, torch.Tensor]], slicer: Slicer | None
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors already in memory (pytorch_model.bin, GGUF), cut as `_iter_weights` cuts."""
+    for name, tensor in weights:
+        cut = slicer(name) if slicer is not None else None
+        yield name, tensor if cut is None else tensor.narrow(*cut)
 
 
 def _check_architecture(folder: Path) -> None:
@@ -96,14 +120,17 @@ def _raw_config(folder: Path) -> dict[str, Any]:
 
 def _build(config: Any, dtype: torch.dtype, device: torch.device,
            weights: Iterator[tuple[str, torch.Tensor]] | None, seed: int = 0,
+           tp: TPGroup | None = None,
            raw_config: dict[str, Any] | None = None) -> LlamaForCausalLM:
     """Construct on the meta device (no wasted random init), allocate on `device`, fill: from
-    `weights`, or with random values (`_fill_dummy`) when there are none. With `raw_config`
-    (config.json), the fields the model's constructor did not read are logged."""
-    cls = MODEL_REGISTRY[architecture_of(config)]
+    `weights`, or with random values (`_fill_dummy`) when there are none. With `tp`, this
+    rank's shard (the weights already cut by `_iter_weights`). With `raw_config`
+    (config.json), the fields the model's constructor did not read are logged (rank 0 only)."""
+    arch = architecture_of(config)
+    cls = MODEL_REGISTRY[arch]
     with recording_reads(config) as reads, torch.device("meta"):
-        model = cls(config)
-    if raw_config is not None:
+        model = cls(config) if tp is None else cls(config, tp=tp)
+    if raw_config is not None and (tp is None or tp.rank == 0):
         ignored = ignored_fields(raw_config, reads, getattr(config, "attribute_map", None))
         if ignored:
             logger.warning("config.json fields this engine ignores (they change nothing here): "
@@ -111,7 +138,8 @@ def _build(config: Any, dtype: torch.dtype, device: torch.device,
     model.to(dtype=dtype)
     model.materialize(torch.device(device))
     if weights is None:
-        _fill_dummy(model, seed)
+        # Under tensor parallelism each rank draws its own shard: shapes, not TP=1's values.
+        _fill_dummy(model, seed + (tp.rank if tp is not None else 0))
     else:
         model.load_weights(weights)
     model = model.eval().requires_grad_(False)
@@ -134,14 +162,45 @@ def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
             param.fill_(1.0 if "norm" in name else 0.0)
 
 
+def check_tensor_parallel(config: Any, world: int) -> TPLayout:
+    """Rank 0's layout, or ValueError if this model does not shard over `world` ranks."""
+    arch = architecture_of(config)
+    if arch not in TP_ARCHITECTURES:
+        raise ValueError(f"tensor_parallel_size {world}: {arch} is not sharded by this engine "
+                         f"(tensor parallelism covers {', '.join(TP_ARCHITECTURES)})")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return TPLayout.of(config.num_attention_heads, config.num_key_value_heads, head_dim,
+                       config.intermediate_size, config.vocab_size, 0, world)
+
+
+def check_tensor_parallel_folder(path: StrPath, world: int) -> None:
+    """`check_tensor_parallel` from a folder's config.json alone (a GGUF file is checked when
+    loaded); raises ValueError before anything loads."""
+    from transformers import AutoConfig
+
+    folder, gguf_file = _resolve(path)
+    if gguf_file is None:
+        _check_architecture(folder)
+        check_tensor_parallel(AutoConfig.from_pretrained(folder, local_files_only=True), world)
+
+
+def _layout(config: Any, tp: TPGroup) -> TPLayout:
+    check_tensor_parallel(config, tp.world_size)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return TPLayout.of(config.num_attention_heads, config.num_key_value_heads, head_dim,
+                       config.intermediate_size, config.vocab_size, tp.rank, tp.world_size)
+
+
 def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0) -> tuple[LlamaForCausalLM, Any]:
+               load_format: str = "auto", seed: int = 0, tp: TPGroup | None = None
+               ) -> tuple[LlamaForCausalLM, Any]:
     """Load a local HF folder (config.json + safetensors/bin) or a .gguf file.
 
     Returns (model, transformers PretrainedConfig). Raises FileNotFoundError for a missing path,
     config or weights, and ValueError for an unsupported architecture or mismatched weights.
     GGUF goes through transformers, which dequantizes it to `dtype`-castable float tensors.
     `load_format="dummy"` reads only config.json and draws random weights (`_fill_dummy`).
+    With `tp` (tensor parallelism), this rank's shard, reading only its slices.
     """
     from transformers import AutoConfig
 
@@ -153,7 +212,9 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         if not getattr(config, "architectures", None):
             config.architectures = [architecture_of(config)]
-        return _build(config, dtype, device, None, seed, _raw_config(folder)), config
+        if tp is not None:
+            _layout(config, tp)
+        return _build(config, dtype, device, None, seed, tp, _raw_config(folder)), config
     if gguf_file is not None:
         from transformers import AutoModelForCausalLM
 
@@ -165,7 +226,8 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
         config.architectures = [arch]
         state = hf_model.state_dict()
         del hf_model
-        model = _build(config, dtype, device, iter(state.items()))
+        slicer = _layout(config, tp).weight_slice if tp is not None else None
+        model = _build(config, dtype, device, _sliced(state.items(), slicer), tp=tp)
         return model, config
 
     _check_architecture(folder)
@@ -173,7 +235,8 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     if not getattr(config, "architectures", None):
         config.architectures = [architecture_of(config)]
-    return _build(config, dtype, device, _iter_weights(files),
+    slicer = _layout(config, tp).weight_slice if tp is not None else None
+    return _build(config, dtype, device, _iter_weights(files, slicer), tp=tp,
                   raw_config=_raw_config(folder)), config
 
 

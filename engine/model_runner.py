@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,6 +16,9 @@ from engine.kv_sizing import kv_bytes_per_token
 from engine.lora import LoRAManager
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.distributed.workers import TPWorkers
 
 
 @dataclass(slots=True)
@@ -89,7 +93,7 @@ class _StepBuffers:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, num_blocks: int,
+    def __init__(self, model: torch.nn.Module, kv: KVCacheManager | None, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, *,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
         self.model = model
@@ -114,6 +118,7 @@ class ModelRunner:
         self.buffers = _StepBuffers(max_num_batched_tokens, max_num_seqs,
                                     self.max_blocks_per_seq, device)
         self.lora: LoRAManager | None = None  # set by the engine when LoRA is on
+        self.workers: TPWorkers | None = None  # set by the engine under tensor parallelism
 
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -122,6 +127,7 @@ class ModelRunner:
                                                model.head_dim, elem)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
+        assert self.kv is not None, "a tensor-parallel worker's runner gets its steps prepared"
         bs = self.block_size
         self.buffers.wait_until_free()
         buf = self.buffers.np
@@ -205,8 +211,20 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run the step: logits for each sampling request (and prompt positions if asked)."""
         inputs = self.prepare(out)
-        if out.block_copies:  # copy-on-write: shared blocks this step writes into
-            src, dst = zip(*out.block_copies)
+        if self.workers is None:
+            prompt_logits, logits = self.forward(inputs, out.block_copies)
+        else:  # tensor parallelism: the workers get the step, then every rank runs it
+            prompt_logits, logits = self.workers.run_step(self, inputs, out.block_copies)
+        if logits is None:
+            logits = torch.empty((0, 0), dtype=torch.float32, device=self.device)
+        return StepResult(logits, inputs.sampling, prompt_logits, inputs.prompt_spans)
+
+    def forward(self, inputs: StepInputs, block_copies: list[tuple[int, int]]
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(prompt-row logits, sampling-row logits) of a prepared step; the part every
+        tensor-parallel rank runs (the others get None logits: rank 0 gathers them)."""
+        if block_copies:  # copy-on-write: shared blocks this step writes into
+            src, dst = zip(*block_copies)
             kernels.copy_blocks(self.kv_caches, torch.tensor(src, device=self.device),
                                 torch.tensor(dst, device=self.device))
         try:
@@ -214,12 +232,10 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.end_step()
-        prompt_logits = None
+        prompt_logits = logits = None
         if inputs.prompt_rows:
             rows = torch.tensor(inputs.prompt_rows, dtype=torch.long, device=hidden.device)
             prompt_logits = self.model.compute_logits(hidden.index_select(0, rows))
-        if not inputs.sampling:
-            logits = hidden.new_empty((0, 0), dtype=torch.float32)
-        else:
+        if inputs.logits_indices.numel():
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        return StepResult(logits, inputs.sampling, prompt_logits, inputs.prompt_spans)
+        return prompt_logits, logits

@@ -50,6 +50,7 @@ ENGINE_FLAGS = (
     "max_loras",
     "max_lora_rank",
     "max_cpu_loras",
+    "tensor_parallel_size",
 )
 
 _TRUE = frozenset({"1", "true", "yes", "y", "on", "t"})
@@ -162,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv_cache_memory", type=parse_memory, default=d["kv_cache_memory"],
                     help="KV-cache size: bytes if > 1 (units allowed: 16GiB), else a fraction of "
                          "free device memory.")
+    engine.add_argument("--tensor_parallel_size", type=_positive_int,
+                        default=d["tensor_parallel_size"],
+                        help="Shard the model over this many ranks: the server process and N-1 "
+                             "worker processes (GPUs 0..N-1 on CUDA; on CPU the cores are "
+                             "shared). Llama, Mistral, Qwen2, Qwen3.")
     engine.add_argument("--enable_prefix_caching", "--no_enable_prefix_caching",
                         action=_BoolFlag, default=d["enable_prefix_caching"],
                         help="Reuse KV blocks of shared prompt prefixes.")

@@ -121,7 +121,10 @@ class PagedLLMModel(Model):
     def not_ready_reason(self) -> str:
         if self.draining:
             return "The server is shutting down."
-        return "The engine failed." if not self.llm.is_healthy() else "It is loading."
+        if self.llm.is_healthy():
+            return "It is loading."
+        error = self.llm.error
+        return "The engine failed." if error is None else f"The engine failed: {error}"
 
     def begin_drain(self) -> None:
         """SIGTERM: readiness turns false and new requests get 503; in-flight ones go on."""

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.distributed.layout import TP_ARCHITECTURES, TPLayout, kv_heads_per_rank
 from engine.kv_sizing import CUDA_KV_FRACTION, kv_budget_bytes, kv_bytes_per_token, resolve_dtype
 
 GiB = 1 << 30
@@ -193,7 +194,8 @@ class Plan:
         return [f"--dtype={dtype}", f"--max_model_len={self.max_model_len}",
                 f"--block_size={self.block_size}", f"--num_kv_blocks={self.recommended_blocks}",
                 f"--max_num_seqs={self.batch}",
-                f"--max_num_batched_tokens={self.max_num_batched_tokens}"]
+                f"--max_num_batched_tokens={self.max_num_batched_tokens}",
+                *([f"--tensor_parallel_size={self.tp}"] if self.tp > 1 else [])]
 
 
 def activation_peak(shape: ModelShape, tokens: int, seqs: int, dtype_bytes: int, tp: int) -> int:
@@ -217,22 +219,29 @@ def make_plan(shape: ModelShape, device: Device, *, max_model_len: int | None = 
                        max_num_batched_tokens=max_num_batched_tokens
                        or defaults.max_num_batched_tokens,
                        max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, dtype=dtype)
-    if tp < 1 or tp & (tp - 1):
-        raise ValueError(f"--tensor_parallel_size must be a power of two (got {tp})")
-    if shape.num_heads % tp:
-        raise ValueError(f"{shape.num_heads} attention heads do not split over {tp} devices")
+    if tp < 1:
+        raise ValueError(f"--tensor_parallel_size must be >= 1 (got {tp})")
+    if tp > 1:  # the engine's own rule (engine/distributed/layout.py)
+        if shape.architecture not in TP_ARCHITECTURES:
+            raise ValueError(f"--tensor_parallel_size {tp}: {shape.architecture} is not sharded "
+                             f"by this engine (tensor parallelism covers "
+                             f"{', '.join(TP_ARCHITECTURES)})")
+        TPLayout.of(shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                    shape.intermediate_size, shape.vocab_size, 0, tp)
     length = cfg.max_model_len or shape.max_position_embeddings
     if length > shape.max_position_embeddings:
         raise ValueError(f"max_model_len {length} exceeds the model's "
                          f"max_position_embeddings {shape.max_position_embeddings}")
     torch_dtype = resolve_dtype(cfg.dtype, torch.device(device.kind))
     elem = torch_dtype.itemsize
-    # Sharding as a tensor-parallel runtime does: weights split, KV heads split (replicated
-    # when fewer than the devices).
+    # Sharding as the engine does: weights split, each rank's KV heads (rank 0 holds the
+    # most: 3 KV heads over 2 ranks are 2 + 1; replicated when fewer than the ranks).
     weights = -(-shape.num_params * elem // tp)
-    kv_heads = max(1, shape.num_kv_heads // tp)
+    kv_heads = kv_heads_per_rank(shape.num_kv_heads, tp)
     per_token = kv_bytes_per_token(shape.num_layers, kv_heads, shape.head_dim, elem)
     per_block = per_token * cfg.block_size
+    if device.kind == "cpu":  # the ranks share the host's memory (engine/kv_sizing.py)
+        per_block *= tp
     free = device.memory - weights - RUNTIME_OVERHEAD[device.kind]
     seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
     activation = activation_peak(shape, cfg.max_num_batched_tokens, seqs, elem, tp)
@@ -283,10 +292,6 @@ def render(plan: Plan, shape: ModelShape) -> str:
     if not plan.fits:
         lines.append("DOES NOT FIT: not one max_model_len sequence fits; use more devices, "
                      "a shorter max_model_len or a larger device")
-    if plan.tp > 1:
-        lines.append(f"note         this engine runs one device per pod (no tensor parallelism "
-                     f"yet): the TP {plan.tp} figures are for planning against a sharding "
-                     "runtime; --write-overlay refuses them")
     lines.append("flags        " + " ".join(plan.server_flags()))
     lines.append("resources    " + json.dumps(resources(plan)))
     lines.append(f"autoscaling  KEDA target {keda_target(plan)} on "

@@ -19,13 +19,12 @@ REPO_MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
 
 def write_overlay(plan: Plan, directory: Path, manifests: Path = REPO_MANIFESTS) -> Path:
     """Write DIR/kustomization.yaml and DIR/inferenceservice.yaml; refuse a plan the engine
-    could not serve (tensor parallelism, or not one sequence fits)."""
-    if plan.tp > 1:
-        raise ValueError("--write-overlay: this engine runs one device per pod; "
-                         f"tensor_parallel_size {plan.tp} cannot be deployed with it")
+    could not serve (not one sequence fits). Tensor parallelism on GPUs starts from the
+    gpu-tp overlay (N GPUs in one pod)."""
     if not plan.fits:
         raise ValueError("--write-overlay: the plan does not fit the device")
-    source = manifests / "overlays" / ("gpu" if plan.device.kind == "cuda" else "cpu")
+    kind = "cpu" if plan.device.kind != "cuda" else "gpu-tp" if plan.tp > 1 else "gpu"
+    source = manifests / "overlays" / kind
     if not (source / "inferenceservice.yaml").is_file():
         raise ValueError(f"--write-overlay needs the repository's manifests/ (not found: {source})")
     isvc = yaml.safe_load((source / "inferenceservice.yaml").read_text())

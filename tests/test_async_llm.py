@@ -230,6 +230,39 @@ def test_engine_failure_fails_requests_and_marks_unhealthy():
     run(main())
 
 
+def test_a_fatal_report_from_another_thread_fails_the_engine_even_while_idle():
+    """What a dead tensor-parallel worker does (engine/distributed/workers.py): the engine's
+    `on_fatal` callback, called from the watchdog thread, fails everything in flight and the
+    engine stays unhealthy, whether or not a step is running."""
+    class WatchedEngine(FakeEngine):
+        report = None
+
+        def on_fatal(self, callback) -> None:
+            self.report = callback
+
+    async def main() -> None:
+        engine = WatchedEngine(step_delay=0.005)
+        llm = await started(engine)
+        task = asyncio.create_task(collect(llm, [1], 1000, "in-flight"))
+        await asyncio.sleep(0.05)
+        threading.Thread(target=engine.report,
+                         args=(RuntimeError("worker rank 1 exited with code -9"),)).start()
+        with pytest.raises(EngineDeadError, match="worker rank 1"):
+            await task
+        assert not llm.is_ready and "worker rank 1" in str(llm.error)
+
+        idle = WatchedEngine()
+        llm = await started(idle)
+        assert llm.is_ready
+        threading.Thread(target=idle.report, args=(RuntimeError("gone"),)).start()
+        for _ in range(200):
+            if not llm.is_ready:
+                break
+            await asyncio.sleep(0.01)
+        assert not llm.is_ready and not llm.is_healthy()
+    run(main())
+
+
 def test_load_failure_is_reported_by_wait_ready():
     async def main() -> None:
         def factory() -> FakeEngine:

@@ -132,7 +132,7 @@ def test_cli_prints_the_figures(capsys):
     (["--gpu", "cpu:x"], "cpu:<GiB>"),
     (["--gpu", "h200", "--workload", "512"], "prompt:output"),
     (["--gpu", "h200", "--max_model_len", "100000"], "max_position_embeddings"),
-    (["--gpu", "h200", "--tensor_parallel_size", "3"], "power of two"),
+    (["--gpu", "h200", "--tensor_parallel_size", "12"], "does not divide"),
 ])
 def test_bad_input_is_a_usage_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -178,7 +178,38 @@ def test_written_overlay_validates_like_the_shipped_ones(gpu, tmp_path):
 
 
 def test_overlay_is_refused_for_what_the_engine_cannot_serve(tmp_path):
-    with pytest.raises(ValueError, match="tensor_parallel_size 4"):
-        write_overlay(make_plan(shape("llama-3-70b"), parse_device("h100-80gb"), tp=4), tmp_path)
     with pytest.raises(ValueError, match="does not fit"):
         write_overlay(make_plan(shape("llama-3-70b"), parse_device("h100-80gb")), tmp_path)
+
+
+def test_tensor_parallel_plan_shards_as_the_engine_does():
+    """The KV heads a rank holds come from the engine's layout: SmolLM2's 3 KV heads over 2
+    ranks are 2 + 1, and rank 0 (which sizes the cache) holds 2; 8 over 3 are 3 + 3 + 2."""
+    from engine.default_model import ensure_default_model
+    from engine.distributed.layout import TPLayout
+
+    smol = ModelShape.from_config(ensure_default_model(progress=lambda _: None))
+    plan = make_plan(smol, parse_device("h200"), max_model_len=2048, tp=2)
+    rank0 = TPLayout.of(smol.num_heads, smol.num_kv_heads, smol.head_dim,
+                        smol.intermediate_size, smol.vocab_size, 0, 2)
+    assert rank0.kv_heads == (0, 2)
+    assert plan.kv_bytes_per_token == 2 * smol.num_layers * 2 * smol.head_dim * 2
+    assert "--tensor_parallel_size=2" in plan.server_flags()
+    eight = make_plan(shape("llama-3-8b"), parse_device("h200"), max_model_len=4096, tp=3)
+    assert eight.kv_bytes_per_token == 2 * 32 * 3 * 128 * 2
+    with pytest.raises(ValueError, match="does not divide"):
+        make_plan(shape("llama-3-8b"), parse_device("h200"), tp=12)
+
+
+@pytest.mark.skipif(h.kubectl() is None, reason="kubectl not found (scripts/setup.sh)")
+def test_tensor_parallel_overlay_validates_with_one_gpu_per_rank(tmp_path):
+    plan = make_plan(shape("llama-3-70b"), parse_device("h100-80gb"), tp=4, max_model_len=8192)
+    directory = write_overlay(plan, tmp_path / "overlay")
+    objects = h.kustomize_build(directory)
+    by_kind = {o["kind"]: o for o in objects}
+    isvc = by_kind["InferenceService"]
+    assert h.crd_errors(isvc) == [] and h.keda_errors(isvc) == []
+    container = h.rendered_container(by_kind["ClusterServingRuntime"], isvc)
+    assert server_args.parse_args(container["args"]).tensor_parallel_size == 4
+    resources = isvc["spec"]["predictor"]["model"]["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == "4"

@@ -8,6 +8,7 @@ fused at load time (`load_weights`).
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -17,6 +18,9 @@ from torch import nn
 
 import kernels
 from engine.attention import Attention, AttentionMetadata
+from engine.distributed.group import TPGroup
+from engine.distributed.layers import RowParallelLinear, VocabParallelEmbedding
+from engine.distributed.layout import TPLayout
 from engine.layers import (
     Linear,
     RMSNorm,
@@ -32,6 +36,10 @@ logger = logging.getLogger("engine")
 
 # Checkpoint entries that carry no weights we need (old checkpoints saved RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+# Under tensor parallelism: checkpoint tensors cut by vocabulary, and biases added once.
+_VOCAB_SHARDED = ("embed_tokens.weight", "lm_head.weight")
+_ROW_PARALLEL_BIASES = ("o_proj.bias", "down_proj.bias")
 
 # transformers' unfused projection -> (our fused module, shard name).
 _FUSED = {
@@ -162,7 +170,11 @@ class LlamaForCausalLM(nn.Module):
     only the rows the runner needs (one per sequence) to float32 logits.
     """
 
-    def __init__(self, config: Any) -> None:
+    # Tensor parallelism (set in __init__; subclasses that build themselves stay unsharded).
+    tp: TPGroup | None = None
+    layout: TPLayout | None = None
+
+    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.architecture = architecture_of(config)
@@ -196,15 +208,46 @@ class LlamaForCausalLM(nn.Module):
             qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
             mlp_bias = bool(getattr(config, "mlp_bias", False))
 
+        # Tensor parallelism: this rank's heads, MLP columns and vocabulary (None: all of it).
+        self.tp = tp
+        self.layout: TPLayout | None = None
+        layer_config = config
+        if tp is not None:
+            self.layout = TPLayout.of(self.num_heads, self.num_kv_heads, self.head_dim,
+                                      config.intermediate_size, self.vocab_size, tp.rank,
+                                      tp.world_size)
+            layer_config = copy.copy(config)
+            layer_config.num_attention_heads = self.num_heads = self.layout.q_heads[1]
+            layer_config.num_key_value_heads = self.num_kv_heads = self.layout.kv_heads[1]
+            layer_config.intermediate_size = self.layout.intermediate[1]
+            layer_config.head_dim = self.head_dim
+
         self.rotary_emb = RotaryEmbedding(self.head_dim, self.max_position_embeddings, rope)
-        self.model = LlamaModel(config, self.head_dim, self.rotary_emb, qkv_bias, o_bias,
+        self.model = LlamaModel(layer_config, self.head_dim, self.rotary_emb, qkv_bias, o_bias,
                                 mlp_bias, qk_norm)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if tp is not None:
+            self._shard_modules(tp, o_bias, mlp_bias)
         self.tie_weights()
         # The whole decoder stack as one native call (set by pack_weights when every projection
         # is on the native GEMM); `use_native_stack = False` keeps the per-layer modules.
         self.native_stack: cpu_native.DecoderStack | None = None
         self.use_native_stack = True
+
+    def _shard_modules(self, tp: TPGroup, o_bias: bool, mlp_bias: bool) -> None:
+        """Swap in the row-parallel projections and the vocabulary shards (the column-parallel
+        qkv and gate/up are already this rank's size)."""
+        layout = self.layout
+        assert layout is not None
+        rows = layout.vocab_per_rank
+        self.model.embed_tokens = VocabParallelEmbedding(rows, self.hidden_size,
+                                                         layout.vocab[0], tp)
+        self.lm_head = Linear(self.hidden_size, rows, bias=False)
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.o_proj = RowParallelLinear(attn.q_size, self.hidden_size, o_bias, tp)
+            mlp.down_proj = RowParallelLinear(mlp.intermediate_size, self.hidden_size,
+                                              mlp_bias, tp)
 
     def check_max_model_len(self, max_model_len: int) -> None:
         """Raise if `max_model_len` is past what the model's positions cover (sliding windows
@@ -236,9 +279,13 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.model.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden `[N, hidden_size]` -> float32 logits `[N, vocab_size]`."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden `[N, hidden_size]` -> float32 logits `[N, vocab_size]`; under tensor
+        parallelism gathered on rank 0 (the other ranks send their shard and get None)."""
+        if self.tp is None:
+            return self.lm_head(hidden).float()
+        logits = self.tp.gather_to_first(self.lm_head(hidden))
+        return None if logits is None else logits[:, :self.vocab_size].float()
 
     def expected_weights(self) -> set[str]:
         """transformers' parameter names this model needs from a checkpoint."""
@@ -281,10 +328,15 @@ class LlamaForCausalLM(nn.Module):
                 unexpected.append(hf_name)
                 continue
             target = self._target(hf_name, params)
+            if self.layout is not None and hf_name.endswith(_VOCAB_SHARDED):
+                target = target.narrow(0, 0, tensor.shape[0])  # the last shard's padding
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)} != "
                                  f"model shape {tuple(target.shape)}")
-            target.copy_(tensor)
+            if self.tp is not None and self.tp.rank and hf_name.endswith(_ROW_PARALLEL_BIASES):
+                target.zero_()  # the all-reduce adds rank 0's copy once
+            else:
+                target.copy_(tensor)
             loaded.add(hf_name)
         if unexpected:
             raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) this "
@@ -324,6 +376,8 @@ class LlamaForCausalLM(nn.Module):
         return packed
 
     def _build_native_stack(self) -> cpu_native.DecoderStack | None:
+        if self.tp is not None:
+            return None  # one native call for all layers leaves no place for the all-reduces
         layers = list(self.model.layers)
         linears = [m for layer in layers for m in layer.modules()
                    if isinstance(m, Linear) and m is not layer.mlp.gate_up_proj]
@@ -373,5 +427,8 @@ class LlamaForCausalLM(nn.Module):
         leaves buffers uninitialised, so both are redone here. Weights come next (`load_weights`).
         """
         self.to_empty(device=device)
+        if self.tp is not None:  # the vocabulary shard's padding rows stay zero
+            for param in self.parameters():
+                param.detach().zero_()
         self.tie_weights()
         self.rotary_emb.rebuild()

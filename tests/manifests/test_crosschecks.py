@@ -122,12 +122,12 @@ def test_lora_service_mounts_each_adapter_it_serves():
 
 # --- autoscaling -------------------------------------------------------------------------------
 
-def test_gpu_service_scales_with_keda_on_requests_in_flight():
-    (isvc,) = _by_mode("Standard")
+GPU_ISVCS = _by_mode("Standard")
+
+
+@pytest.mark.parametrize("isvc", GPU_ISVCS, ids=_isvc_ids(GPU_ISVCS))
+def test_gpu_service_scales_with_keda_on_requests_in_flight(isvc):
     assert h.keda_errors(isvc) == []
-    resources = isvc["spec"]["predictor"]["model"]["resources"]
-    assert str(resources["limits"]["nvidia.com/gpu"]) == "1"
-    assert str(resources["requests"].get("nvidia.com/gpu", "1")) == "1"
     (metric,) = isvc["spec"]["predictor"]["autoScaling"]["metrics"]
     query = metric["external"]["metric"]["query"]
     assert h.promql_metric_names(query) == {"vllm:num_requests_running",
@@ -136,8 +136,31 @@ def test_gpu_service_scales_with_keda_on_requests_in_flight():
     assert h.keda_query_scope_errors(isvc, query) == []
 
 
+@pytest.mark.parametrize("isvc", GPU_ISVCS, ids=_isvc_ids(GPU_ISVCS))
+def test_gpu_count_is_the_tensor_parallel_size(isvc):
+    """One GPU per rank: nvidia.com/gpu (requests and limits) equals --tensor_parallel_size,
+    the engine's heads split over it, and /dev/shm (NCCL) is memory-backed with room per GPU
+    inside the pod's memory limit."""
+    runtime = _runtime_for(isvc)
+    parsed = _parse(h.rendered_container(runtime, isvc)["args"])
+    resources = isvc["spec"]["predictor"]["model"]["resources"]
+    gpus = int(resources["limits"]["nvidia.com/gpu"])
+    assert int(resources["requests"].get("nvidia.com/gpu", gpus)) == gpus
+    assert parsed.tensor_parallel_size == gpus
+    (shm,) = [v for v in runtime["spec"]["volumes"]
+              if v.get("emptyDir", {}).get("medium") == "Memory"]
+    shm_bytes = h._quantity(shm["emptyDir"]["sizeLimit"])
+    assert shm_bytes >= gpus * 2**30
+    assert shm_bytes < h._quantity(resources["limits"]["memory"])
+
+
+def test_the_tensor_parallel_overlay_shards_over_several_gpus():
+    assert any(_parse(h.rendered_container(_runtime_for(i), i)["args"]).tensor_parallel_size > 1
+               for i in GPU_ISVCS)
+
+
 def test_keda_checks_can_fail():
-    (isvc,) = _by_mode("Standard")
+    (isvc,) = [i for i in GPU_ISVCS if i["metadata"]["name"] == "paged-llm"]
     broken = copy.deepcopy(isvc)
     target = broken["spec"]["predictor"]["autoScaling"]["metrics"][0]["external"]["target"]
     target.pop("value")

@@ -31,7 +31,7 @@ def builds():
 
 
 def test_overlays_exist():
-    assert {p.name for p in OVERLAYS} == {"gpu", "cpu", "cpu-lora"}
+    assert {p.name for p in OVERLAYS} == {"gpu", "gpu-tp", "cpu", "cpu-lora"}
 
 
 @needs_kubectl
