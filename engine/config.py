@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.kv_events import KVEventsConfig
+from engine.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # auto: the folder's weights. dummy: random weights drawn at load (benchmarks of a model shape
@@ -38,6 +39,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (engine/spec_decode/): a SpeculativeConfig, or vLLM's
+    # --speculative-config JSON / dict. None: off.
+    speculative_config: SpeculativeConfig | str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -59,6 +63,8 @@ class EngineConfig:
                              f"(got {self.load_format!r})")
         if isinstance(self.kv_events_config, (str, dict)):
             self.kv_events_config = KVEventsConfig.from_json(self.kv_events_config)
+        if isinstance(self.speculative_config, (str, dict)):
+            self.speculative_config = SpeculativeConfig.from_json(self.speculative_config)
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1 (got {self.max_loras}, "
                              f"{self.max_lora_rank})")
