@@ -292,3 +292,50 @@ def test_sampled_speculation_runs_seeded_and_keeps_drafts(tiny_model):
     first = _tokens(spec.generate(prompts, params, use_tqdm=False))
     assert _tokens(spec.generate(prompts, params, use_tqdm=False)) == first
     assert spec.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_the_server_flag_is_parsed_and_served_outputs_are_unchanged(tiny_model):
+    """--speculative_config through the server's parser into the engine: a completion served
+    with n-gram speculation equals the offline engine's without it, and the spec-decode
+    counters reach /metrics. A bad config is a usage error naming the key."""
+    import asyncio
+    import json
+
+    from prometheus_client import generate_latest
+
+    from engine import LLM, SamplingParams
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from kserve_paged import args as server_args
+    from tests.test_server_routes import build, client
+
+    with pytest.raises(SystemExit):
+        server_args.parse_args(["--speculative_config", '{"method": "ngram"}'])
+    args = server_args.parse_args(["--speculative_config", json.dumps(SPEC)])
+    assert args.speculative_config == SpeculativeConfig(**SPEC)
+    opts = {"block_size": 4, "num_kv_blocks": 128, "max_model_len": 96}
+    engine = LLMEngine(EngineConfig(**{**server_args.engine_kwargs(args), **opts,
+                                       "model": tiny_model}))
+    assert engine.spec is not None
+    prompt = " ".join(f"t{t}" for t in _repetitive_prompts(2)[1])
+    want = LLM(model=tiny_model, **opts).generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].text
+    app, model = build(engine=engine)
+    asyncio.run(model.start_engine())
+    try:
+        async def main():
+            async with client(app) as c:
+                r = await c.post("/openai/v1/completions", json={
+                    "model": "m", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                    "ignore_eos": True})
+                return r.status_code, r.json()
+        status, body = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        model.stop_engine()
+    assert status == 200, body
+    assert body["choices"][0]["text"] == want
+    scrape = generate_latest(model.test_registry).decode()
+    drafted = [line for line in scrape.splitlines()
+               if line.startswith("vllm:spec_decode_num_draft_tokens_total{")]
+    assert drafted and float(drafted[0].rsplit(" ", 1)[1]) > 0
