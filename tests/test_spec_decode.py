@@ -89,6 +89,40 @@ def test_rejection_sampling_outputs_follow_the_target_distribution(draft_model):
     assert _tv(second, target[1], sum(second.values())) < 0.04
 
 
+def test_a_request_whose_drafts_miss_pauses_proposing_and_tries_again_later():
+    """Two verified steps keeping nothing pause the request's proposals for PAUSE_MIN steps,
+    then for twice as long after the next miss run; a kept draft resets the pause."""
+    from engine.spec_decode import decoder as d
+
+    spec = d.SpecDecoder(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1))
+    req = make_request("a", [5, 6, 5], max_tokens=50)
+    req.num_computed_tokens = 2  # decoding: one token not yet computed
+
+    def proposals(steps: int) -> list[bool]:
+        seen = []
+        for _ in range(steps):
+            spec.propose([req], lambda _: False)
+            seen.append(bool(req.spec_token_ids))
+        return seen
+
+    assert proposals(1) == [True] and req.spec_token_ids == [6, 5]
+    spec._record("a", 2, 0)
+    spec._record("a", 2, 0)
+    assert proposals(d.PAUSE_MIN + 1) == [False] * d.PAUSE_MIN + [True]
+    spec._record("a", 2, 0)
+    spec._record("a", 2, 0)
+    assert proposals(2 * d.PAUSE_MIN + 1) == [False] * (2 * d.PAUSE_MIN) + [True]
+    spec._record("a", 2, 1)  # a kept draft: the next miss run pauses for PAUSE_MIN again
+    spec._record("a", 2, 0)
+    spec._record("a", 2, 0)
+    assert proposals(d.PAUSE_MIN + 1) == [False] * d.PAUSE_MIN + [True]
+    assert spec.stats()["spec_decode_num_draft_tokens"] == 14
+    assert spec.stats()["spec_decode_num_accepted_tokens_per_pos"] == [1, 0]
+    # No proposals for a request that cannot speculate or is not decoding.
+    req.sampling_params.min_tokens = 10
+    assert proposals(1) == [False]
+
+
 # ------------------------------------------------------------------ scheduler and KV slots
 
 
