@@ -2,7 +2,10 @@
 (prompts whose answer repeats their text: copy, extraction, editing) and over W1.
 
 One engine; the off runs drop its SpecDecoder, so both use the same weights, KV pool and
-warm caches, alternating off/on per repeat. Greedy, ignore_eos, all requests at once. Reports
+warm caches, alternating off/on per repeat. Greedy, all requests at once, at most
+--max-num-seqs running (a finished request's seat goes to the next). The repetitive prompts
+are chat turns through the model's template and end at EOS (or max_tokens); W1 keeps its own
+definition (token-id prompts, ignore_eos). Reports
 output tok/s of each, the ratio on/off, steps, mean accepted length (1 + kept drafts per
 verified step, vLLM's definition) and the acceptance rate; checks the outputs are identical.
 
@@ -37,9 +40,9 @@ SENTENCES = [
     "The firmware update fixes the Bluetooth pairing bug on model X200.",
 ]
 TEMPLATES = [
-    "Copy the following text exactly.\n\nText:\n{text}\n\nCopy:\n",
-    "Fix the spelling in this note and repeat it in full.\n\nNote:\n{text}\n\nFixed note:\n",
-    "Extract the passage below verbatim.\n\nPassage:\n{text}\n\nVerbatim:\n",
+    "Repeat the following text exactly, nothing else:\n\n{text}",
+    "Here is a note. Rewrite it in full, unchanged:\n\n{text}",
+    "Quote this passage verbatim:\n\n{text}",
 ]
 
 
@@ -47,7 +50,7 @@ def repetitive_prompts(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     prompts = []
     for i in range(n):
-        text = " ".join(rng.sample(SENTENCES, 5))
+        text = " ".join(rng.sample(SENTENCES, 4))
         prompts.append(TEMPLATES[i % len(TEMPLATES)].format(text=text))
     return prompts
 
@@ -59,9 +62,10 @@ def main() -> None:
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
-    ap.add_argument("--num-repetitive", type=int, default=16)
+    ap.add_argument("--num-repetitive", type=int, default=8)
     ap.add_argument("--repetitive-max-tokens", type=int, default=128)
-    ap.add_argument("--w1-prompts", type=int, default=32, help="first N requests of W1")
+    ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--w1-prompts", type=int, default=8, help="first N requests of W1")
     ap.add_argument("--w1-max-tokens", type=int, default=64, help="cap on W1 outputs")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json-out", default=None)
@@ -78,17 +82,18 @@ def main() -> None:
                    "prompt_lookup_max": args.prompt_lookup_max,
                    "prompt_lookup_min": args.prompt_lookup_min}
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=2048,
-              enable_prefix_caching=False, speculative_config=spec_config)
+              max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
+              speculative_config=spec_config)
     engine = llm.engine
     decoder = engine.spec
     llm.generate(warmup_prompts(), SamplingParams(temperature=0.0, max_tokens=8,
                                                   ignore_eos=True), use_tqdm=False)
-    tok = engine.tokenizer
     w1 = load_workload("random", args.w1_prompts, args.w1_max_tokens)
-    workloads = {
-        "repetitive": ([tok.encode(p) for p in repetitive_prompts(args.num_repetitive)],
-                       [args.repetitive_max_tokens] * args.num_repetitive),
-        "w1": ([r["prompt_token_ids"] for r in w1], [r["max_tokens"] for r in w1]),
+    chats = [llm.apply_chat_template([{"role": "user", "content": p}])
+             for p in repetitive_prompts(args.num_repetitive)]
+    workloads = {  # name: (prompts, max_tokens, ignore_eos)
+        "repetitive": (chats, [args.repetitive_max_tokens] * args.num_repetitive, False),
+        "w1": ([r["prompt_token_ids"] for r in w1], [r["max_tokens"] for r in w1], True),
     }
     steps = [0]
     inner = engine.step
@@ -99,8 +104,8 @@ def main() -> None:
 
     engine.step = counted
     results = {}
-    for name, (prompts, max_tokens) in workloads.items():
-        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+    for name, (prompts, max_tokens, ignore_eos) in workloads.items():
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=ignore_eos)
                   for m in max_tokens]
         runs = {"off": [], "on": []}
         outputs = {}
@@ -127,6 +132,7 @@ def main() -> None:
                        "acceptance_rate": kept / drafted if drafted else None}
                 runs[mode].append(run)
                 outputs.setdefault(mode, [o.outputs[0].token_ids for o in outs])
+                texts = [o.outputs[0].text for o in outs]
                 print(f"[{name}] {mode} rep {rep}: {dt:.1f} s, {run['output_tok_s']:.1f} "
                       f"output tok/s, {steps[0]} steps, mean accepted length "
                       f"{run['mean_accepted_length']}, acceptance {run['acceptance_rate']}",
@@ -135,11 +141,14 @@ def main() -> None:
         results[name] = {"runs": runs, "best_output_tok_s": best,
                          "ratio_on_off": best["on"] / best["off"],
                          "identical_outputs": outputs["on"] == outputs["off"],
-                         "num_prompts": len(prompts), "output_tokens": sum(max_tokens)}
+                         "num_prompts": len(prompts),
+                         "output_tokens": sum(map(len, outputs["off"])),
+                         "first_outputs": texts[:2] if name == "repetitive" else None}
         print(f"[{name}] on/off {results[name]['ratio_on_off']:.2f}x, identical outputs: "
               f"{results[name]['identical_outputs']}", flush=True)
     result = {"engine": "kserve-paged", "bench": "spec_decode", "dtype": args.dtype,
               "speculative_config": spec_config, "threads": torch.get_num_threads(),
+              "max_num_seqs": args.max_num_seqs,
               "load_at_start": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                      time.gmtime()),
               "workloads": results}

@@ -95,8 +95,12 @@ def test_a_request_whose_drafts_miss_pauses_proposing_and_tries_again_later():
     from engine.spec_decode import decoder as d
 
     spec = d.SpecDecoder(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1))
-    req = make_request("a", [5, 6, 5], max_tokens=50)
-    req.num_computed_tokens = 2  # decoding: one token not yet computed
+    req = make_request("a", [5, 6, 5, 6], max_tokens=50)
+    req.num_computed_tokens = 3
+    spec.propose([req], lambda _: False)
+    assert req.spec_token_ids == []  # a prompt's last chunk never carries drafts
+    req.num_computed_tokens = 4
+    req.output_token_ids.append(5)  # decoding: one output, not yet computed
 
     def proposals(steps: int) -> list[bool]:
         seen = []

@@ -63,14 +63,17 @@ class SpecDecoder:
 
     def propose(self, running: Sequence[Request], is_beam: Callable[[str], bool]) -> None:
         """Set each decoding request's drafts for the coming step (none where no n-gram
-        recurs, the request cannot speculate, or it is pausing after misses)."""
+        recurs, the request cannot speculate, or it is pausing after misses). Decoding: one
+        token not computed and at least one output, so a prompt's last chunk never carries
+        drafts (its first sample is where n > 1 samples fork)."""
         live = {r.request_id for r in running}
         if len(self._backoff) > len(live):
             self._backoff = {rid: b for rid, b in self._backoff.items() if rid in live}
         for request in running:
             request.spec_token_ids = []
             if (request.num_tokens - request.num_computed_tokens != 1
-                    or not self.can_speculate(request) or is_beam(request.request_id)):
+                    or not request.output_token_ids or not self.can_speculate(request)
+                    or is_beam(request.request_id)):
                 continue
             backoff = self._backoff.get(request.request_id)
             if backoff is not None and backoff.pause > 0:
