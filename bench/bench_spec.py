@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    load_at_start = os.getloadavg()
 
     from engine.cpu_memory import reexec_with_tcmalloc
 
@@ -149,7 +150,7 @@ def main() -> None:
     result = {"engine": "kserve-paged", "bench": "spec_decode", "dtype": args.dtype,
               "speculative_config": spec_config, "threads": torch.get_num_threads(),
               "max_num_seqs": args.max_num_seqs,
-              "load_at_start": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC",
+              "load_at_start": load_at_start, "load_at_end": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                      time.gmtime()),
               "workloads": results}
     if args.json_out:
