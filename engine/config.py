@@ -7,6 +7,7 @@ from typing import Any
 
 from engine.block_hash import HASH_ALGOS
 from engine.kv_events import KVEventsConfig
+from engine.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # auto: the folder's weights. dummy: random weights drawn at load (benchmarks of a model shape
@@ -46,6 +47,9 @@ class EngineConfig:
     # Tensor parallelism (engine/distributed/): the model sharded over this many ranks, one
     # process each (the engine's and N-1 workers), GPUs 0..N-1 on CUDA.
     tensor_parallel_size: int = 1
+    # Speculative decoding (engine/spec_decode/): a SpeculativeConfig, or vLLM's
+    # --speculative-config JSON / dict. None: off.
+    speculative_config: SpeculativeConfig | str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -70,6 +74,8 @@ class EngineConfig:
                              f"(got {self.prefix_caching_hash_algo!r})")
         if isinstance(self.kv_events_config, (str, dict)):
             self.kv_events_config = KVEventsConfig.from_json(self.kv_events_config)
+        if isinstance(self.speculative_config, (str, dict)):
+            self.speculative_config = SpeculativeConfig.from_json(self.speculative_config)
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1 (got {self.max_loras}, "
                              f"{self.max_lora_rank})")

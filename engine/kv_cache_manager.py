@@ -281,6 +281,20 @@ class KVCacheManager:
                 self.pool.uncache(block)
         self.pool.free(b for b in reversed(blocks) if b is not None)
 
+    def free_lookahead(self, request: Request) -> int:
+        """Return the blocks past the request's tokens (slots of rejected drafts) to the pool.
+        They were allocated fresh for this request's lookahead and never cached: blocks are
+        registered only up to the request's tokens, never a draft's."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = -(-request.num_tokens // self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        extra = blocks[keep:]
+        del blocks[keep:]
+        del self.req_block_ids[request.request_id][keep:]
+        self.pool.free(b for b in reversed(extra) if b is not None)
+        return len(extra)
+
     def free_out_of_window(self, request: Request) -> int:
         """Release the request's leading blocks that the sliding window no longer reaches: the
         next token, at position `num_computed_tokens`, sees from `position - window + 1` on.

@@ -36,6 +36,7 @@ from engine.sample_groups import SampleGroups
 from engine.sampler import Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode.decoder import SpecDecoder, SpecRow
 from engine.structured_output import GrammarBitmask, GrammarCompiler, RequestGrammar
 
 logger = logging.getLogger("engine")
@@ -121,6 +122,8 @@ class LLMEngine:
                 self.model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                 max_cpu_loras=config.max_cpu_loras or config.max_loras)
         self.sampler = Sampler(config.seed)
+        spec = config.speculative_config
+        self.spec = SpecDecoder(spec) if spec is not None else None
         self.eos_token_id, self._extra_eos = self._eos_ids()
         stop_ids = [t for t in [self.eos_token_id, *self._extra_eos] if t is not None]
         self.grammars = GrammarCompiler(self.tokenizer, self.model.vocab_size, stop_ids)
@@ -329,6 +332,8 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         failed = self._start_compiled_grammars()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self._beams.is_beam)
         out = self.scheduler.schedule()
         for req, why in out.unschedulable:
             failed += self._fail([req], why)
@@ -359,7 +364,14 @@ class LLMEngine:
             # each n > 1 sample forked now that the prompt is computed. Beams only report.
             rows: list[int] = []
             to_sample: list[Request] = []
-            for i, r in enumerate(sampling):
+            spec_rows: list[SpecRow] = []  # requests with drafts: 1 + drafts rows each
+            i = -1
+            for r in sampling:
+                i += 1
+                if r.request_id in out.spec_tokens:
+                    spec_rows.append(SpecRow(r, i, out.spec_tokens[r.request_id]))
+                    i += len(spec_rows[-1].drafts)
+                    continue
                 if self._beams.is_beam(r.request_id):
                     group = self._beams.report(r, logits[i])
                     beam_groups[group.group_id] = group
@@ -370,8 +382,9 @@ class LLMEngine:
                     children.append(child)
                     rows.append(i)
                     to_sample.append(child)
+            verified = self._verify(logits, spec_rows)
             if to_sample:
-                if rows != list(range(len(sampling))):
+                if rows != list(range(len(logits))):
                     logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
                 tracks = [self._live[r.request_id] for r in to_sample]
                 params = [r.sampling_params for r in to_sample]
@@ -398,8 +411,11 @@ class LLMEngine:
                 failed + self._fail(out.scheduled + children, f"{type(exc).__name__}: {exc}"))
         sampled = {r.request_id: t for r, t in zip(to_sample, tokens)}
         rejected = self._accept_grammar_tokens(to_sample, sampled)
-        self.generation_tokens += len(sampled)
-        ended = self.scheduler.update_from_output(out, sampled, self._observe_token)
+        for spec in spec_rows:
+            sampled[spec.request.request_id] = verified[spec.request.request_id].pop(0)
+        to_sample += [spec.request for spec in spec_rows]
+        self.generation_tokens += len(sampled) + sum(map(len, verified.values()))
+        ended = self.scheduler.update_from_output(out, sampled, self._observe_token, verified)
         for child in children:  # forked after the step: not in its schedule
             if child.request_id in sampled:
                 self.scheduler.accept_token(child, sampled[child.request_id],
@@ -427,6 +443,15 @@ class LLMEngine:
                 if self._beams.advance(group, self.scheduler):
                     outputs.append(self._beam_output(group, now))
         return self._groups.merge(outputs)
+
+    def _verify(self, logits: torch.Tensor, spec_rows: list[SpecRow]) -> dict[str, list[int]]:
+        """Each speculating request's tokens this step: kept drafts, then one more."""
+        if not spec_rows:
+            return {}
+        tokens = self.spec.verify(logits, spec_rows,
+                                  [self._live[s.request.request_id] for s in spec_rows],
+                                  self.sampler.generator, self.tokenizer.decode)
+        return {s.request.request_id: t for s, t in zip(spec_rows, tokens)}
 
     def _start_compiled_grammars(self) -> list[RequestOutput]:
         """Give each request whose grammar finished compiling its matcher (the scheduler
@@ -586,6 +611,8 @@ class LLMEngine:
                  block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks)
         if self.lora is not None:
             s.update(self.lora_stats())
+        if self.spec is not None:
+            s.update(self.spec.stats())
         return s
 
 

@@ -37,7 +37,8 @@ class StepInputs:
 
 @dataclass(slots=True)
 class StepResult:
-    logits: torch.Tensor  # float32 [len(sampling), vocab]
+    # float32 [rows, vocab]: one row per sampling request, 1 + its drafts when it has drafts
+    logits: torch.Tensor
     sampling: list[Request]
     prompt_logits: torch.Tensor | None  # float32 [len(prompt_rows), vocab]
     prompt_spans: list[tuple[Request, int, int]]
@@ -63,7 +64,7 @@ class _StepBuffers:
         self.block_tables = host(max_seqs * max_blocks, torch.int32)
         self.seq_lens = host(max_seqs, torch.int32)
         self.query_start_loc = host(max_seqs + 1, torch.int32)
-        self.logits_indices = host(max_seqs, torch.long)
+        self.logits_indices = host(max(max_seqs, max_tokens), torch.long)  # + draft rows
         self.row_lens = host(max_tokens, torch.int32)
         self.row_seq_idx = host(max_tokens, torch.long)
         self._names = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
@@ -145,7 +146,10 @@ class ModelRunner:
             n = out.num_scheduled_tokens[req.request_id]
             start = req.num_computed_tokens
             q_lens[i], starts[i] = n, start
-            tokens.extend(req.tokens_slice(start, start + n))
+            drafts = out.spec_tokens.get(req.request_id, ())
+            d = len(drafts)  # speculative: every draft's row is a verification row
+            tokens.extend(req.tokens_slice(start, start + n - d))
+            tokens.extend(drafts)
             tables.append(self.kv.block_ids(req.request_id))
             if req.sampling_params.prompt_logprobs is not None:
                 end = min(start + n, req.num_prompt_tokens - 1)
@@ -153,9 +157,9 @@ class ModelRunner:
                     prompt_spans.append((req, start, end - start))
                     prompt_rows.extend(range(offset, offset + end - start))
             offset += n
-            if start + n == req.num_tokens and req.wants_token:
+            if start + n - d == req.num_tokens and req.wants_token:
                 sampling.append(req)
-                last_rows.append(offset - 1)
+                last_rows.extend(range(offset - 1 - d, offset))
         total = offset
         if self.lora is not None:  # per-token adapter rows, grouped for the LoRA deltas
             self.lora.begin_step([r.lora_request for r in out.scheduled], q_lens, self.device)

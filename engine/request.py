@@ -64,6 +64,9 @@ class Request:
     # The constraint's matcher (structured outputs); the scheduler skips the request while
     # its grammar compiles.
     grammar: RequestGrammar | None = None
+    # Draft tokens proposed for the next step (speculative decoding); never part of the
+    # request's tokens until verified.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:  # an invariant of every request the scheduler holds

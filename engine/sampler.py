@@ -356,3 +356,24 @@ class Sampler:
         toks_all = torch.cat(picked_toks)
         dest = torch.tensor(sampled, device=device)[rows_all]
         out[dest] = toks_all
+
+
+def target_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Each row's sampling distribution (float32 [N, V]): softmax(logits / T) with top-k,
+    top-p and min-p applied by the cut-off rule `Sampler` draws with, renormalised. What
+    speculative verification compares drafts against (rows are sorted in full: few rows)."""
+    logits = logits.float()
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32,
+                         device=logits.device).unsqueeze(1)
+    probs = torch.softmax(logits / temps, dim=1)
+    vocab = logits.shape[1]
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params],
+                     device=logits.device)
+    p_top = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=logits.device)
+    mp = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=logits.device)
+    if bool((k > 0).any() | (p_top < _TOP_P_OFF).any() | (mp > _MIN_P_OFF).any()):
+        vals = torch.sort(probs, dim=1, descending=True).values
+        thr, _ = _cutoffs(vals, k, p_top, mp, complete=True)
+        probs = probs * (probs >= thr.unsqueeze(1))
+        probs = probs / probs.sum(1, keepdim=True)
+    return probs

@@ -33,6 +33,8 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Waiting requests that can never run (why): the engine fails them.
     unschedulable: list[tuple[Request, str]] = field(default_factory=list)
+    # Draft tokens scheduled after a request's last token (counted in its num tokens).
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -116,6 +118,7 @@ class Scheduler:
         order: list[Request] = []
         preempted: list[str] = []
         self._unschedulable = []
+        spec: dict[str, list[int]] = {}
         now = time.monotonic()
 
         def victim_for(candidate: Request) -> Request | None:
@@ -146,6 +149,8 @@ class Scheduler:
                 self.running.remove(member)
                 self.kv.free(member)  # before resetting computed tokens, see KVCacheManager.free
                 member.num_computed_tokens = 0
+                member.spec_token_ids = []
+                spec.pop(member.request_id, None)
                 member.status = RequestStatus.PREEMPTED
                 member.num_preemptions += 1
                 self.num_preemptions += 1
@@ -174,10 +179,15 @@ class Scheduler:
                 unit = [r for r in self.running if r.group_id == request.group_id]
             following = self._share_in_group(unit, scheduled) if len(unit) > 1 else set()
             asks: list[tuple[Request, int]] = []
+            drafts: dict[str, list[int]] = {}
             room, seats = budget, self.config.max_num_seqs - len(scheduled)
             for member in unit:
                 num_new = min(member.num_tokens - member.num_computed_tokens, room)
                 if num_new > 0 and seats > 0 and member.request_id not in following:
+                    fit = self._fit_drafts(member, room)
+                    if fit:  # lookahead slots: in the budget and the block count like any token
+                        drafts[member.request_id] = fit
+                        num_new += len(fit)
                     asks.append((member, num_new))
                     room -= num_new
                     seats -= 1
@@ -197,6 +207,8 @@ class Scheduler:
                 scheduled[member.request_id] = num_new
                 order.append(member)
                 budget -= num_new
+                if member.request_id in drafts:
+                    spec[member.request_id] = drafts[member.request_id]
 
         # Then waiting requests by policy, while budget, sequence slots and blocks last.
         if not preempted:
@@ -204,7 +216,18 @@ class Scheduler:
 
         total = sum(scheduled.values())
         return SchedulerOutput(scheduled, order, total, preempted, self.kv.take_block_copies(),
-                               self._unschedulable)
+                               self._unschedulable, spec)
+
+    def _fit_drafts(self, request: Request, room: int) -> list[int]:
+        """The request's drafts that fit this step: only after its last token (a decode),
+        within the budget, the context length and max_tokens (the verified step appends up to
+        one token more than it keeps drafts)."""
+        drafts = request.spec_token_ids
+        if not drafts or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        cap = min(len(drafts), room - 1, self.max_model_len - request.num_tokens,
+                  request.max_tokens - request.num_output_tokens - 1)
+        return drafts[:cap] if cap > 0 else []
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, int], order: list[Request],
                        now: float, victim_for: Callable[[Request], Request | None],
@@ -399,20 +422,27 @@ class Scheduler:
 
     # ------------------------------------------------------------ after the model ran
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
-                           stop_strings: Callable[[Request, bool], str | None] | None = None
-                           ) -> list[Request]:
+                           stop_strings: Callable[[Request, bool], str | None] | None = None,
+                           verified: dict[str, list[int]] | None = None) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish what must finish.
 
         `sampled` holds a token for each request whose scheduled tokens reached its end (a
         prefill chunk that stops short samples nothing). `stop_strings(request, ended_by_token)`
         is told of each appended token (the engine's detokenizer) and returns the stop string
-        its text now ends in, if any. Returns the requests finished here.
+        its text now ends in, if any. `verified` holds, for a request that ran drafts, the
+        kept drafts' tokens after its sampled one: only the drafts kept count as computed, the
+        rejected ones' slots roll back. Returns the requests finished here.
         """
         finished: list[Request] = []
         for request in output.scheduled:
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += output.num_scheduled_tokens[request.request_id]
+            num = output.num_scheduled_tokens[request.request_id]
+            drafts = output.spec_tokens.get(request.request_id)
+            more = (verified or {}).get(request.request_id, []) if drafts else []
+            if drafts:
+                num -= len(drafts) - len(more)
+            request.num_computed_tokens += num
             self.kv.free_out_of_window(request)  # no-op unless every layer slides
             token = sampled.get(request.request_id)
             if token is None:
@@ -422,6 +452,13 @@ class Scheduler:
                 continue
             if self.accept_token(request, token, stop_strings):
                 finished.append(request)
+                continue
+            for token in more:
+                if self.accept_token(request, token, stop_strings):
+                    finished.append(request)
+                    break
+            if drafts and not request.is_finished:
+                self.kv.free_lookahead(request)
         return finished
 
     def accept_token(self, request: Request, token: int,

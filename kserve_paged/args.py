@@ -26,6 +26,7 @@ from engine.config import SCHEDULING_POLICIES, EngineConfig
 from engine.default_model import PACKAGED_MODELS
 from engine.kv_events import KVEventsConfig
 from engine.limits import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN
+from engine.spec_decode import SpeculativeConfig
 from kserve_paged.openai.tools import TOOL_CALL_PARSERS
 
 DEFAULT_MODEL_DIR = "/mnt/models"
@@ -51,6 +52,7 @@ ENGINE_FLAGS = (
     "max_lora_rank",
     "max_cpu_loras",
     "tensor_parallel_size",
+    "speculative_config",
 )
 
 _TRUE = frozenset({"1", "true", "yes", "y", "on", "t"})
@@ -105,6 +107,15 @@ def parse_kv_events_config(text: str) -> KVEventsConfig:
     "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv@pod@model"}``."""
     try:
         return KVEventsConfig.from_json(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """``--speculative_config``: vLLM's JSON, e.g. ``{"method": "ngram",
+    "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``."""
+    try:
+        return SpeculativeConfig.from_json(text)
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -184,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV-cache events for cache-aware routers, as vLLM's JSON: "
              '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
              '"endpoint": "tcp://*:5557", "topic": ""}\' (ZMQ PUB, msgpack; docs/operations.md).')
+    engine.add_argument(
+        "--speculative_config", type=parse_speculative_config,
+        default=d["speculative_config"],
+        help="Speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", "
+             "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "
+             "\"prompt_lookup_min\": 2}' (n-gram prompt lookup; outputs are unchanged; "
+             "docs/speculative_decoding.md).")
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable_lora", "--no_enable_lora", action=_BoolFlag,
                       default=d["enable_lora"],

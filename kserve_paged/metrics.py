@@ -62,7 +62,12 @@ GAUGE_STATS = {"num_running": "num_requests_running", "num_waiting": "num_reques
 COUNTER_STATS = {"prefix_cache_queries": "prefix_cache_queries",
                  "prefix_cache_hits": "prefix_cache_hits",
                  "num_preemptions": "num_preemptions", "prompt_tokens": "prompt_tokens",
-                 "generation_tokens": "generation_tokens", "kv_cow_copies": "kv_cow_copies"}
+                 "generation_tokens": "generation_tokens", "kv_cow_copies": "kv_cow_copies",
+                 "spec_decode_num_drafts": "spec_decode_num_drafts",
+                 "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens"}
+# Engine stats key of the kept drafts by position (a list, one counter series per position).
+PER_POS_STAT = "spec_decode_num_accepted_tokens_per_pos"
 
 _SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",), "info": ("_info",),
              "histogram": ("_bucket", "_sum", "_count", "_created"),
@@ -149,6 +154,17 @@ class _Families:
         self.kv_slots_holding_tokens = gauge(
             "kserve_paged:kv_slots_holding_tokens",
             "Reserved KV-cache token slots that hold a token; the rest is partial-block waste.")
+        # Speculative decoding (vLLM's names): verified steps that carried drafts, draft tokens,
+        # drafts kept (in all and by position). Acceptance rate: accepted / draft tokens.
+        self.spec_decode_num_drafts = counter(
+            "vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.")
+        self.spec_decode_num_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.")
+        self.spec_decode_num_accepted_tokens_per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+            "Accepted tokens per draft position.", (*LABELS, "position"))
         self.cache_config_info = gauge(
             "vllm:cache_config_info", "Information of the KV-cache config (value 1).",
             (*LABELS, "block_size", "num_gpu_blocks"))
@@ -198,6 +214,7 @@ class EngineMetrics:
         self._inference_time = f.request_inference_time.labels(model_name)
         self._prefill_time = f.request_prefill_time.labels(model_name)
         self._decode_time = f.request_decode_time.labels(model_name)
+        f.spec_decode_num_accepted_tokens_per_pos.labels(model_name, "0")  # shown from the start
         self._lora_labels = (str(MAX_LORA), "", "")
         self._lora_info = f.lora_requests_info.labels(*self._lora_labels)
         self._lora_info.set_to_current_time()
@@ -225,6 +242,14 @@ class EngineMetrics:
                 if increase > 0:
                     child.inc(increase)
                 self._last[key] = value
+            for pos, value in enumerate(stats.get(PER_POS_STAT) or ()):
+                key = f"{PER_POS_STAT}:{pos}"
+                last = self._last.get(key, 0.0)
+                increase = value - last if value >= last else value
+                if increase > 0:
+                    self._f.spec_decode_num_accepted_tokens_per_pos.labels(
+                        self.model_name, str(pos)).inc(increase)
+                self._last[key] = float(value)
 
     def set_cache_config(self, block_size: int, num_gpu_blocks: int) -> None:
         """``vllm:cache_config_info{block_size, num_gpu_blocks}`` = 1 (one series per model)."""

@@ -26,6 +26,10 @@ CONTRACT_NAMES = {
     "vllm:request_inference_time_seconds", "vllm:lora_requests_info",
     "kserve_paged:kv_slots_reserved", "kserve_paged:kv_slots_holding_tokens",
     "kserve_paged:kv_blocks_shared",
+    # issue 21: speculative decoding
+    "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
 }
 # Ours, beside the contract (no vLLM equivalent): block sharing.
 OWN_NAMES = {"kserve_paged:kv_blocks_shared", "kserve_paged:kv_cow_copies_total"}

@@ -255,6 +255,7 @@ def test_dashboard_panels_cover_the_issue():
         "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
         "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
         "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+        "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
     } <= used
     for histogram in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"):
         exprs = [t["expr"] for _, t in _targets() if histogram + "_bucket" in t["expr"]]
