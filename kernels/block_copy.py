@@ -1,8 +1,8 @@
 """Copy-on-write support: copy whole KV blocks to fresh ones, in every layer, before a forward.
 
-On CPU the native library does it in one call (one memcpy per block, layer and K/V half);
-elsewhere, or without the library, one batched index_select / index_copy_ per layer cache
-(ATen's kernels; on CUDA one launch each). Why native on CPU: it is faster for the handful of
+On CPU the native library does it in one call (one memcpy per block, layer and K/V half); on
+CUDA one Triton launch per layer (`block_copy_triton.py`); elsewhere, or without either, one
+batched index_select / index_copy_ per layer cache (ATen's kernels). Why native on CPU: it is faster for the handful of
 blocks a step copies (BENCHMARKS.md, `bench/probes/block_copy.py`).
 Sources and destinations are disjoint: destinations are freshly allocated, sources are shared.
 """
@@ -21,6 +21,9 @@ def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Ten
         return
     if src.device.type == "cpu" and cpu_native.copy_blocks(kv_caches, src, dst):
         return
+    if src.device.type == "cuda" and _triton_copy() is not None:
+        _triton_copy()(kv_caches, src, dst)
+        return
     for cache in kv_caches:
         cache.index_copy_(1, dst, cache.index_select(1, src))
 
@@ -30,3 +33,12 @@ def copy_blocks_ref(kv_caches: list[torch.Tensor], src: list[int], dst: list[int
     for cache in kv_caches:
         for s, d in zip(src, dst):
             cache[:, d] = cache[:, s].clone()
+
+
+def _triton_copy():
+    """The Triton copy, or None where Triton cannot be imported."""
+    try:
+        from kernels.block_copy_triton import copy_blocks_triton
+    except ImportError:
+        return None
+    return copy_blocks_triton

@@ -168,14 +168,17 @@ def test_queue_depth_alone_swings_between_min_and_max(plan):
     assert following(minutes) < 0.7
 
 
-def test_the_gpu_overlay_scales_on_requests_in_flight():
-    (isvc,) = [o for _, o in h.all_objects() if o["kind"] == "InferenceService"
-               and o["metadata"]["annotations"].get("serving.kserve.io/autoscalerClass") == "keda"]
-    (metric,) = isvc["spec"]["predictor"]["autoScaling"]["metrics"]
-    query = metric["external"]["metric"]["query"]
-    assert h.promql_metric_names(query) == {"vllm:num_requests_running",
-                                            "vllm:num_requests_waiting"}
-    # Its target is the planner's rule for the overlay's own batch (--max_num_seqs).
-    args = isvc["spec"]["predictor"]["model"]["args"]
-    (seqs,) = [int(a.split("=")[1]) for a in args if a.startswith("--max_num_seqs=")]
-    assert int(metric["external"]["target"]["value"]) == int(0.8 * seqs)
+def test_the_gpu_overlays_scale_on_requests_in_flight():
+    """Every KEDA-scaled overlay (one GPU, and tensor-parallel over several)."""
+    keda = [o for _, o in h.all_objects() if o["kind"] == "InferenceService"
+            and o["metadata"]["annotations"].get("serving.kserve.io/autoscalerClass") == "keda"]
+    assert len(keda) >= 2
+    for isvc in keda:
+        (metric,) = isvc["spec"]["predictor"]["autoScaling"]["metrics"]
+        query = metric["external"]["metric"]["query"]
+        assert h.promql_metric_names(query) == {"vllm:num_requests_running",
+                                                "vllm:num_requests_waiting"}
+        # Its target is the planner's rule for the overlay's own batch (--max_num_seqs).
+        args = isvc["spec"]["predictor"]["model"]["args"]
+        (seqs,) = [int(a.split("=")[1]) for a in args if a.startswith("--max_num_seqs=")]
+        assert int(metric["external"]["target"]["value"]) == int(0.8 * seqs)

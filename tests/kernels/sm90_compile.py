@@ -84,7 +84,12 @@ def _store_merge() -> list[int]:
            "head_dim": "i32", "stride_ot": "i32", "stride_oh": "i32"}
     merge = _compile(tb._merge_splits_kernel, sig,
                      {"NUM_SPLITS": 5, "SPLITS_P2": 8, "BLOCK_D": 128})
-    return [store.metadata.shared, merge.metadata.shared]
+    import kernels.block_copy_triton as bct
+
+    sig = {"cache_ptr": "*bf16", "src_ptr": "*i64", "dst_ptr": "*i64", "half_elems": "i64",
+           "block_elems": "i32"}
+    copy = _compile(bct._copy_blocks_kernel, sig, {"BLOCK": 4096})
+    return [store.metadata.shared, merge.metadata.shared, copy.metadata.shared]
 
 
 def _lora_sgmv() -> list[int]:

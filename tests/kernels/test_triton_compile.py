@@ -43,7 +43,7 @@ def test_attention_kernel_compiles_for_sm90(case: str, tmp_path: Path) -> None:
     assert shared <= SHARED_LIMIT
 
 
-def test_store_and_merge_kernels_compile_for_sm90(tmp_path: Path) -> None:
+def test_store_merge_and_block_copy_kernels_compile_for_sm90(tmp_path: Path) -> None:
     for shared in _compile_in_child("store-merge", tmp_path):
         assert shared <= SHARED_LIMIT
 
