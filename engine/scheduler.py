@@ -281,15 +281,8 @@ class Scheduler:
                 num_new = min(request.num_tokens - hit.num_tokens, budget)
             if not admitted:
                 break
-            self.waiting.remove(request)
-            self.kv.record_lookup(request, hit)
             request.num_computed_tokens += hit.num_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = hit.num_tokens
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._start_running(request, hit, now)
             scheduled[request.request_id] = num_new
             order.append(request)
             budget -= num_new
@@ -363,15 +356,20 @@ class Scheduler:
                 order.append(member)
                 budget -= num_new
         for member, hit in zip(unit, hits):
-            self.waiting.remove(member)
-            self.kv.record_lookup(member, hit)
-            if member.num_cached_tokens < 0:
-                member.num_cached_tokens = member.num_computed_tokens
-            if member.first_scheduled_time is None:
-                member.first_scheduled_time = now
-            member.status = RequestStatus.RUNNING
-            self.running.append(member)
+            self._start_running(member, hit, now)
         return budget
+
+    def _start_running(self, request: Request, hit: PrefixHit, now: float) -> None:
+        """Move an admitted request (its blocks allocated, its hits counted as computed) from
+        the waiting queue to the running list."""
+        self.waiting.remove(request)
+        self.kv.record_lookup(request, hit)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = request.num_computed_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def _share_in_group(self, unit: list[Request], step_tokens: dict[str, int]) -> set[str]:
         """Hand each member of a group the full blocks it has in common with a member ahead of
