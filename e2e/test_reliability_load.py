@@ -34,12 +34,12 @@ from engine import SamplingParams
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 64  # 1024 token slots: about 7 of the requests below at once
 MAX_MODEL_LEN = 256
-NUM_STREAMS = 40
+NUM_STREAMS = 24  # over three times what the pool holds at once
 MAX_TOKENS = 32
-REQUEST_TIMEOUT_S = 300.0  # a round takes ~25 s on 2 quiet cores; far more when they are shared
+REQUEST_TIMEOUT_S = 300.0  # a round takes well under a minute on 2 quiet cores, far more when shared
 # Round 2 may not exceed round 1's resident memory by more than this: 5% of the ~1.15 GiB
 # resident set. Round to round the allocators swing by about +-20 MiB (six rounds measured:
-# 1155-1175 MiB, no trend); a leak of 1.6 MiB per request would cross it.
+# 1155-1175 MiB, no trend); a leak of 2.7 MiB per request would cross it.
 RSS_GROWTH_BOUND = 64 << 20
 WORDS = ["river", "mountain", "silver", "quiet", "lantern", "harbor", "meadow", "thunder",
          "velvet", "orchard", "copper", "whisper", "glacier", "ember", "falcon", "prairie",

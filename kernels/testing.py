@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PagedCase", "make_case", "tolerance"]
+__all__ = ["LORA_CASES", "PagedCase", "make_case", "make_lora_case", "tolerance"]
 
 
 @dataclass
@@ -81,3 +81,37 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
         torch.float16: (4e-3, 4e-3),
         torch.bfloat16: (3e-2, 2e-2),
     }[dtype]
+
+
+# LoRA SGMV cases: (name, segment lengths, slot per segment, rank per slot, in, out).
+LORA_CASES = [
+    ("decode-bgmv", [1, 1, 1, 1], [0, 2, 1, 0], [8, 16, 4], 64, 96),
+    ("prefill-sgmv", [17, 40, 3], [1, 0, 2], [8, 8, 16], 96, 64),
+    ("rank-32-wide", [20], [0], [32], 130, 200),
+    ("rank-12-padded-to-16", [5, 9], [0, 1], [12, 4], 48, 40),  # a tile reads past the rank
+]
+
+
+def make_lora_case(seg_lens: list[int], slots: list[int], ranks: list[int], in_f: int,
+                   out_f: int, dtype: torch.dtype, total_rows: int, device: str = "cpu",
+                   seed: int = 0) -> dict[str, torch.Tensor]:
+    """Keyword arguments of `kernels.reference.lora_sgmv_ref` (and the kernels that compute
+    the same): slots of lower rank zero-padded, as the engine stacks them; the segments' rows
+    distinct and in any order, the other rows of `out` noise the kernels must leave alone."""
+    g = torch.Generator().manual_seed(seed)
+    num_slots, max_rank = len(ranks), max(ranks)
+    a = torch.zeros(num_slots, max_rank, in_f)
+    b = torch.zeros(num_slots, out_f, max_rank)
+    for s, r in enumerate(ranks):
+        a[s, :r] = torch.randn(r, in_f, generator=g) * 0.1
+        b[s, :, :r] = torch.randn(out_f, r, generator=g) * 0.1
+    x = torch.randn(total_rows, in_f, generator=g)
+    out = torch.randn(total_rows, out_f, generator=g)
+    rows = torch.randperm(total_rows, generator=g)[:sum(seg_lens)]
+    starts = torch.tensor([0] + seg_lens[:-1]).cumsum(0)
+    scales = torch.rand(num_slots, generator=g) + 0.5
+    return dict(x=x.to(device, dtype), out=out.to(device, dtype),
+                a_stack=a.to(device, dtype), b_stack=b.to(device, dtype),
+                scales=scales.to(device), rows=rows.to(device), seg_start=starts.to(device),
+                seg_len=torch.tensor(seg_lens, device=device),
+                seg_slot=torch.tensor(slots, device=device))

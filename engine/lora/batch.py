@@ -5,10 +5,11 @@ out); every adapted projection then adds, per adapter present, `(x[rows] @ A.T) 
 its rows of the base output. The base GEMM runs once for the whole step, never per adapter, and
 weights are never merged.
 
-Two ways to compute the delta. On CPU, per adapter, two torch matmuls (oneDNN; no native
-grouped GEMM yet). On CUDA, one Triton SGMV shrink and one expand for every adapter of the
-step together (`kernels/lora_triton.py`): the step's adapters are stacked into slots per
-projection (`SlotStacks`, cached by the step's adapter set, so a steady mix stacks once).
+Three ways to compute the delta. The step's adapters are stacked into slots per projection
+(`SlotStacks`, cached by the step's adapter set, so a steady mix stacks once) and every
+adapter of the step goes in one call: on CUDA one Triton SGMV shrink and one expand
+(`kernels/lora_triton.py`), on CPU in fp32 one native call (`kernels.cpu_native.lora_sgmv`).
+Otherwise (bf16 on CPU, no native library), per adapter two torch matmuls (oneDNN).
 """
 
 from __future__ import annotations
@@ -19,14 +20,18 @@ import numpy as np
 import torch
 
 from engine.lora.adapter import LoRAAdapter
+from kernels import cpu_native
 
 
 @dataclass(slots=True)
 class SlotStacks:
     """The weights of a fixed tuple of adapters stacked per projection, slot i = adapter i,
-    zero-padded to the largest rank (built on first use of each projection)."""
+    zero-padded to the largest rank (built on first use of each projection). B is
+    `[slots, out, rank]`; `rank_major` stores it as a view of `[slots, rank, out]`, the
+    layout the native CPU kernel reads."""
 
     adapters: tuple[LoRAAdapter, ...]
+    rank_major: bool = False
     stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor] | None] = field(
         default_factory=dict)
 
@@ -40,7 +45,10 @@ class SlotStacks:
                 rank = max(w.a.shape[0] for w in present)
                 ref = present[0]
                 a = ref.a.new_zeros(len(weights), rank, ref.a.shape[1])
-                b = ref.b.new_zeros(len(weights), ref.b.shape[0], rank)
+                if self.rank_major:
+                    b = ref.b.new_zeros(len(weights), rank, ref.b.shape[0]).transpose(1, 2)
+                else:
+                    b = ref.b.new_zeros(len(weights), ref.b.shape[0], rank)
                 for i, w in enumerate(weights):
                     if w is not None:
                         a[i, :w.a.shape[0]] = w.a
@@ -59,6 +67,8 @@ class SGMVStep:
     seg_slot: torch.Tensor
     scales: torch.Tensor  # ones: the adapters' B is stored scaled
     max_seg_len: int
+    backend: str  # "triton" or "native"
+    native: cpu_native.LoRASegments | None = None  # the segments checked once, for "native"
 
 
 @dataclass(slots=True)
@@ -82,27 +92,36 @@ def group_rows(token_ids: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, 
 
 
 def sgmv_step(segments: list[tuple[LoRAAdapter, int, int]], stacks: SlotStacks,
-              device: torch.device) -> SGMVStep:
-    """The segment tensors of a step whose adapters, in segment order, are `stacks.adapters`."""
+              device: torch.device, backend: str) -> SGMVStep:
+    """The segment tensors of a step whose adapters, in segment order, are `stacks.adapters`,
+    for the `backend` kernel ("triton" or "native")."""
     starts = [start for _, start, _ in segments]
     lens = [end - start for _, start, end in segments]
     as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
     return SGMVStep(stacks, as_tensor(starts), as_tensor(lens), as_tensor(range(len(lens))),
-                    torch.ones(len(lens), dtype=torch.float32, device=device), max(lens))
+                    torch.ones(len(lens), dtype=torch.float32, device=device), max(lens), backend)
 
 
 def add_lora_delta(x: torch.Tensor, out: torch.Tensor, step: LoRAStep,
                    key: tuple[int, str]) -> None:
     """out[rows] += scale * B(A(x[rows])) for each adapter of the step that adapts `key`."""
-    if step.sgmv is not None:
-        stacked = step.sgmv.stacks.get(key)
-        if stacked is not None:
+    s = step.sgmv
+    if s is not None:
+        stacked = s.stacks.get(key)
+        if stacked is None:
+            return
+        if s.backend == "triton":
             from kernels.lora_triton import lora_sgmv
 
-            s = step.sgmv
             lora_sgmv(x, out, stacked[0], stacked[1], s.scales, step.rows, s.seg_start,
                       s.seg_len, s.seg_slot, s.max_seg_len)
-        return
+            return
+        if s.native is None:
+            s.native = cpu_native.LoRASegments.build(step.rows, s.seg_start, s.seg_len,
+                                                     s.seg_slot, s.scales)
+        if s.native is not None and cpu_native.lora_sgmv_segments(
+                x, out, stacked[0], stacked[1].transpose(1, 2), s.native):
+            return
     xs = x.index_select(0, step.rows)
     for adapter, start, end in step.segments:
         w = adapter.weights.get(key)

@@ -17,6 +17,7 @@ import torch
 from engine.lora.adapter import TARGETS, LoRAAdapter, load_adapter
 from engine.lora.batch import LoRAStep, SlotStacks, add_lora_delta, group_rows, sgmv_step
 from engine.lora.request import LoRARequest
+from kernels import cpu_native
 
 MODULES = tuple(dict.fromkeys(module for module, _ in TARGETS.values()))
 
@@ -28,10 +29,11 @@ class LoRAManager:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
+        self.dtype = next(model.parameters()).dtype
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._known: dict[int, LoRARequest] = {}
         self._step: LoRAStep | None = None
-        # CUDA: stacked slots per adapter mix (`_stacks_for`), dropped when an adapter goes.
+        # Stacked slots per adapter mix for the one-call kernels (`_stacks_for`).
         self._stack_cache: OrderedDict[tuple[int, ...], SlotStacks] = OrderedDict()
         self._install()
 
@@ -106,16 +108,27 @@ class LoRAManager:
         segments = [(self.add(by_id[lora_id]), start, end) for lora_id, start, end in runs]
         self._evict(keep={lora_id for lora_id, _, _ in runs})
         step = LoRAStep(torch.from_numpy(rows).to(device), segments)
-        if device.type == "cuda":
-            step.sgmv = sgmv_step(segments, self._stacks_for(tuple(a for a, _, _ in segments)),
-                                  device)
+        backend = self._backend(device)
+        if backend is not None:
+            adapters = tuple(a for a, _, _ in segments)
+            step.sgmv = sgmv_step(segments, self._stacks_for(adapters, backend == "native"),
+                                  device, backend)
         self._step = step
 
-    def _stacks_for(self, adapters: tuple[LoRAAdapter, ...]) -> SlotStacks:
+    def _backend(self, device: torch.device) -> str | None:
+        """The one-call kernel for this step's delta: Triton on CUDA, the native library for
+        fp32 on CPU; None: per-adapter torch matmuls."""
+        if device.type == "cuda":
+            return "triton"
+        if device.type == "cpu" and self.dtype == torch.float32 and cpu_native.load() is not None:
+            return "native"
+        return None
+
+    def _stacks_for(self, adapters: tuple[LoRAAdapter, ...], rank_major: bool) -> SlotStacks:
         """Stacked slots of this adapter tuple, kept for the next steps with the same mix
         (a few mixes at most; an adapter loaded again is a new object, so a new entry)."""
         key = tuple(id(a) for a in adapters)
-        stacks = self._stack_cache.pop(key, None) or SlotStacks(adapters)
+        stacks = self._stack_cache.pop(key, None) or SlotStacks(adapters, rank_major)
         self._stack_cache[key] = stacks
         while len(self._stack_cache) > 4:
             self._stack_cache.pop(next(iter(self._stack_cache)))

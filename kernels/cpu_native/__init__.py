@@ -13,7 +13,8 @@ The modules, one job each:
 - `abi`: the ctypes view of `csrc/kp_native.h` (version, signatures, struct mirrors);
 - `ops`: paged attention and the fused elementwise ops;
 - `gemm`: weight packing and the matrix products (AVX-512 builds only);
-- `decoder_stack`: `DecoderStack`.
+- `decoder_stack`: `DecoderStack`;
+- `lora`: the LoRA delta of a step's adapters in one call per projection.
 Callers use the names re-exported here (`from kernels import cpu_native`).
 
 "Cannot run here" is said one way. The library cannot run a call when it is not loaded (no
@@ -40,6 +41,7 @@ from kernels.cpu_native.gemm import (
     pack_gemm_weight,
 )
 from kernels.cpu_native.loader import load
+from kernels.cpu_native.lora import LoRASegments, lora_sgmv, lora_sgmv_segments
 from kernels.cpu_native.ops import (
     add_rms_norm,
     argmax_rows,
@@ -57,6 +59,9 @@ __all__ = [
     "add_rms_norm",
     "argmax_rows",
     "copy_blocks",
+    "LoRASegments",
+    "lora_sgmv",
+    "lora_sgmv_segments",
     "gemm",
     "gemm_available",
     "gemm_silu",

@@ -31,7 +31,7 @@ logger = logging.getLogger("kernels")
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = tuple(CSRC / name for name in (
     "library.c", "paged_rows.c", "paged_key_tile.c", "paged_prefix.c", "paged_dispatch.c",
-    "cpu_ops.c", "gemm.c", "decoder_stack.c"))
+    "cpu_ops.c", "gemm.c", "decoder_stack.c", "lora_sgmv.c"))
 HEADERS = tuple(CSRC / name for name in ("kp_native.h", "paged_attention.h", "simd_exp.h"))
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fvisibility=hidden", "-Wall",
          "-Wextra", "-shared", "-fPIC")

@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define KP_ABI_VERSION 2
+#define KP_ABI_VERSION 3
 
 /* Output columns per packed GEMM weight panel (cpu_native.GEMM_PANEL). */
 #define KP_GEMM_PANEL 48
@@ -75,6 +75,22 @@ KP_API int kp_copy_blocks(void *const *caches, int64_t layers, int64_t num_block
 /* out[r] = argmax of row r, with torch.argmax's tie and NaN rules. */
 KP_API void kp_argmax_rows_f32(const float *x, int64_t row_stride, int64_t rows, int64_t cols,
                                int64_t *out);
+
+/* ---- LoRA (lora_sgmv.c) ---- */
+
+/* Largest adapter rank (after zero padding to the slot stack's rank) the kernel takes. */
+#define KP_LORA_MAX_RANK 256
+
+/* For each segment s and each of its rows r = rows[seg_start[s] .. + seg_len[s]]:
+ * out[r] += scales[slot] * B[slot] @ (A[slot] @ x[r]) with slot = seg_slot[s];
+ * a = [slots, rank, in_dim] and b_t = B transposed, [slots, rank, out_dim], both contiguous
+ * (the padded ranks zero); x and out have x_rows rows; rows distinct. 0 on success; -1 a
+ * row, segment or slot out of range, -2 rank outside 1..KP_LORA_MAX_RANK, -3 out of memory. */
+KP_API int kp_lora_sgmv_f32(const float *x, int64_t x_stride, float *out, int64_t out_stride,
+                            const float *a, const float *b_t, const float *scales, int64_t slots,
+                            int64_t rank, int64_t in_dim, int64_t out_dim, int64_t x_rows,
+                            const int64_t *rows, int64_t num_rows, const int64_t *seg_start,
+                            const int64_t *seg_len, const int64_t *seg_slot, int64_t num_segs);
 
 /* ---- GEMM over packed weights (gemm.c; AVX-512 builds only, else they return -1) ---- */
 

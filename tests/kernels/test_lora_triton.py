@@ -29,46 +29,18 @@ except Exception as exc:  # triton missing or broken on this host
     SKIP_REASON = f"Triton cannot run here: {type(exc).__name__}: {exc}"
 
 from kernels.reference import lora_sgmv_ref  # noqa: E402
+from kernels.testing import LORA_CASES, make_lora_case  # noqa: E402
 
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
-def _case(seg_lens: list[int], slots: list[int], ranks: list[int], in_f: int, out_f: int,
-          dtype: torch.dtype, total_rows: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    num_slots, max_rank = len(ranks), max(ranks)
-    a = torch.zeros(num_slots, max_rank, in_f)
-    b = torch.zeros(num_slots, out_f, max_rank)
-    for s, r in enumerate(ranks):  # a slot of a lower rank is zero-padded, as the engine stacks
-        a[s, :r] = torch.randn(r, in_f, generator=g) * 0.1
-        b[s, :, :r] = torch.randn(out_f, r, generator=g) * 0.1
-    x = torch.randn(total_rows, in_f, generator=g)
-    out = torch.randn(total_rows, out_f, generator=g)
-    rows = torch.randperm(total_rows, generator=g)[:sum(seg_lens)]  # distinct, any order
-    starts = torch.tensor([0] + seg_lens[:-1]).cumsum(0)
-    scales = torch.rand(num_slots, generator=g) + 0.5
-    to = dict(device=DEVICE)
-    return dict(x=x.to(dtype=dtype, **to), out=out.to(dtype=dtype, **to),
-                a_stack=a.to(dtype=dtype, **to), b_stack=b.to(dtype=dtype, **to),
-                scales=scales.to(**to), rows=rows.to(**to), seg_start=starts.to(**to),
-                seg_len=torch.tensor(seg_lens, **to), seg_slot=torch.tensor(slots, **to))
-
-
-CASES = [
-    # (segment lengths, slot per segment, rank per slot, in, out)
-    ("decode-bgmv", [1, 1, 1, 1], [0, 2, 1, 0], [8, 16, 4], 64, 96),
-    ("prefill-sgmv", [17, 40, 3], [1, 0, 2], [8, 8, 16], 96, 64),
-    ("rank-32-wide", [20], [0], [32], 130, 200),
-    ("rank-12-padded-to-16", [5, 9], [0, 1], [12, 4], 48, 40),  # the tile reads past the rank
-]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("name", "seg_lens", "slots", "ranks", "in_f", "out_f"), CASES,
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("name", "seg_lens", "slots", "ranks", "in_f", "out_f"), LORA_CASES,
+                         ids=[c[0] for c in LORA_CASES])
 def test_sgmv_matches_the_reference(name, seg_lens, slots, ranks, in_f, out_f, dtype):
-    case = _case(seg_lens, slots, ranks, in_f, out_f, dtype, total_rows=sum(seg_lens) + 5)
+    case = make_lora_case(seg_lens, slots, ranks, in_f, out_f, dtype,
+                          total_rows=sum(seg_lens) + 5, device=DEVICE)
     want = {k: v.clone() for k, v in case.items()}
     untouched = sorted(set(range(case["x"].shape[0])) - set(case["rows"].tolist()))
     lt.lora_sgmv(**case, max_seg_len=max(seg_lens))
@@ -81,7 +53,7 @@ def test_sgmv_matches_the_reference(name, seg_lens, slots, ranks, in_f, out_f, d
 
 
 def test_an_empty_step_changes_nothing():
-    case = _case([2], [0], [8], 32, 32, torch.float32, total_rows=4)
+    case = make_lora_case([2], [0], [8], 32, 32, torch.float32, total_rows=4, device=DEVICE)
     before = case["out"].clone()
     empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
     lt.lora_sgmv(case["x"], case["out"], case["a_stack"], case["b_stack"], case["scales"],
@@ -110,7 +82,8 @@ def test_the_engines_sgmv_step_gives_the_per_adapter_torch_delta():
     segments = [(by_id[i], s, e) for i, s, e in runs]
     torch_step = LoRAStep(torch.from_numpy(rows), segments)
     triton_step = LoRAStep(torch.from_numpy(rows), segments,
-                           sgmv_step(segments, SlotStacks((one, two)), torch.device("cpu")))
+                           sgmv_step(segments, SlotStacks((one, two)), torch.device("cpu"),
+                                     "triton"))
     for key, in_f, out_f in ((qkv, 64, 96), (down, 80, 64)):
         x = torch.randn(9, in_f, generator=g)
         base = torch.randn(9, out_f, generator=g)

@@ -78,6 +78,7 @@ def test_versions_and_constants_agree() -> None:
     text = HEADER.read_text()
     assert int(re.search(r"#define KP_ABI_VERSION (\d+)", text).group(1)) == abi.ABI_VERSION
     assert int(re.search(r"#define KP_GEMM_PANEL (\d+)", text).group(1)) == cpu_native.GEMM_PANEL
+    assert int(re.search(r"#define KP_LORA_MAX_RANK (\d+)", text).group(1)) == abi.LORA_MAX_RANK
 
 
 def test_loaded_library_exports_the_table_and_its_version() -> None:
