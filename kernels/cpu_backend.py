@@ -213,6 +213,7 @@ def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
     group = num_heads // num_kv_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+    out = torch.empty_like(query)
     if query.dtype != kv_cache.dtype:
         query = query.to(kv_cache.dtype)
     native = cpu_native.usable(query, kv_cache)
@@ -221,7 +222,6 @@ def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
     windowed = not native and (window is not None or bool(softcap))
     plan = (_plan_for(meta, block_size, decode_token_budget, window, bool(softcap)) if windowed
             else _plan_for(meta, block_size, decode_token_budget))
-    out = torch.empty_like(query)
     if plan.num_valid_tokens < num_tokens:
         out[plan.num_valid_tokens:].zero_()
     if windowed:

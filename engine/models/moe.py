@@ -14,6 +14,7 @@ elsewhere the torch loop over experts below serves.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,17 +28,17 @@ from engine.models.llama import LlamaForCausalLM
 # gate/up/down projections.
 _EXPERT_SHARDS = {"w1": "gate", "w3": "up", "w2": "down",
                   "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-def _fused_moe_kernel(device: torch.device):
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                        r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fused_moe_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
     """The Triton fused-MoE function on CUDA, else None (the torch grouped path)."""
     if device.type != "cuda":
         return None
     from kernels.moe_triton import fused_moe
 
     return fused_moe
-
-
-_EXPERT_RE = re.compile(r"^(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
-                        r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 
 
 class SparseMoE(nn.Module):
