@@ -19,10 +19,12 @@ from the sequence metadata (read once on the host):
   are few per step): gather the context, then SDPA with `is_causal` when the query covers the
   whole context, or an explicit bottom-right causal mask when there is a cached prefix.
 
-* a sliding-window or soft-capped layer (Gemma 2/3) goes one sequence at a time over only the
-  blocks its window reaches, with an explicit causal-and-window mask: SDPA when there is no
-  softcap, else scores, tanh cap and softmax written out. The native row kernel has neither a
-  window nor a cap, so these layers stay on this path.
+* a sliding-window or soft-capped layer (Gemma 2/3) takes the native row kernel too where it
+  serves (fp32 on CPU): each row starts at its window's first key, so blocks that have left
+  the window are never read, and the kernel caps scores with tanh before its online softmax.
+  Otherwise it goes one sequence at a time over only the blocks its window reaches, with an
+  explicit causal-and-window mask: SDPA when there is no softcap, else scores, tanh cap and
+  softmax written out.
 
 The plan (sorting, chunking, index tensors, masks) depends only on the metadata, which is the
 same for every layer of a step, so the first layer builds it and keeps it on the step's
@@ -211,23 +213,30 @@ def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
     group = num_heads // num_kv_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
-    plan = _plan_for(meta, block_size, decode_token_budget, window, bool(softcap))
     out = torch.empty_like(query)
-    if plan.num_valid_tokens < num_tokens:
-        out[plan.num_valid_tokens:].zero_()
     if query.dtype != kv_cache.dtype:
         query = query.to(kv_cache.dtype)
-    if window is not None or softcap:
+    native = cpu_native.usable(query, kv_cache)
+    # The native kernel needs only the valid rows, which every layer's plan shares; the torch
+    # path's windowed plan has its own gathers and masks.
+    windowed = not native and (window is not None or bool(softcap))
+    plan = (_plan_for(meta, block_size, decode_token_budget, window, bool(softcap)) if windowed
+            else _plan_for(meta, block_size, decode_token_budget))
+    if plan.num_valid_tokens < num_tokens:
+        out[plan.num_valid_tokens:].zero_()
+    if windowed:
         _attend_windowed(query, kv_cache, plan, scale, softcap, out)
         return out
 
-    if plan.num_valid_tokens and cpu_native.usable(query, kv_cache):
+    if plan.num_valid_tokens and native:
         # The runner's rows: every valid token, in order (padding rows come last).
         row_lens, row_seq_idx = meta.rows(plan.num_valid_tokens)
         if plan.valid_rows is None:
             plan.valid_rows = torch.arange(plan.num_valid_tokens)
         cpu_native.paged_rows(query, kv_cache, meta.block_tables, row_lens, plan.valid_rows,
-                              row_seq_idx, scale, out)
+                              row_seq_idx, scale, out, window=window, softcap=softcap)
+        return out
+    if window is not None or softcap:  # native, but nothing valid to attend
         return out
     for chunk in plan.decode:
         n = chunk.token_idx.numel()

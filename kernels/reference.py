@@ -85,3 +85,19 @@ def lora_sgmv_ref(x: torch.Tensor, out: torch.Tensor, a_stack: torch.Tensor,
         idx = rows[start:start + length].long()
         delta = (x[idx].float() @ a_stack[slot].float().t()) @ b_stack[slot].float().t()
         out[idx] = (out[idx].float() + scales[slot].float() * delta).to(out.dtype)
+
+
+def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """What `kernels.moe_triton.fused_moe` computes, one (token, choice) at a time in float32:
+    out[t] = sum_j topk_weights[t, j] * W_down[e] (silu(W_gate[e] x[t]) * W_up[e] x[t]),
+    e = topk_ids[t, j], with W_gate / W_up the first / second half of w_gate_up[e]'s rows."""
+    inter = w_gate_up.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        xt = x[t].float().cpu()
+        for j, e in enumerate(topk_ids[t].tolist()):
+            w = w_gate_up[e].float().cpu()
+            h = torch.nn.functional.silu(w[:inter] @ xt) * (w[inter:] @ xt)
+            out[t] += topk_weights[t, j].float().cpu() * (w_down[e].float().cpu() @ h)
+    return out.to(device=x.device, dtype=x.dtype)

@@ -71,7 +71,7 @@ def main() -> None:
                     rc = lib.kp_paged_rows_f32(
                         q.data_ptr(), q.stride(0), kv.data_ptr(), total, bs, 3, 64, 9,
                         tables.data_ptr(), tables.stride(0), row_lens.data_ptr(), tok.data_ptr(),
-                        seq.data_ptr(), t, 0.125, out.data_ptr(), out.stride(0))
+                        seq.data_ptr(), t, 0.125, 0, 0.0, out.data_ptr(), out.stride(0))
                     times[name].append(time.perf_counter() - t0)
                     assert rc == 0
                     outs[name] = out

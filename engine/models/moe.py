@@ -6,12 +6,15 @@ top-k, renormalised to sum 1 for Mixtral and for Qwen3-MoE with `norm_topk_prob`
 experts grouped by expert: tokens are sorted by the expert they picked, so each expert is one
 gate/up matmul and one down matmul over all of its tokens, not a loop over tokens. Expert
 weights are stacked per layer (`[experts, 2 * inter, hidden]` and `[experts, hidden, inter]`)
-and loaded from the checkpoint's per-expert tensors.
+and loaded from the checkpoint's per-expert tensors. On CUDA the experts run as one Triton
+fused-MoE call (`kernels/moe_triton.py`: grouped GEMMs over blocks of one expert's tokens);
+elsewhere the torch loop over experts below serves.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +30,15 @@ _EXPERT_SHARDS = {"w1": "gate", "w3": "up", "w2": "down",
                   "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
                         r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fused_moe_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """The Triton fused-MoE function on CUDA, else None (the torch grouped path)."""
+    if device.type != "cuda":
+        return None
+    from kernels.moe_triton import fused_moe
+
+    return fused_moe
 
 
 class SparseMoE(nn.Module):
@@ -51,6 +63,9 @@ class SparseMoE(nn.Module):
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        fused = _fused_moe_kernel(x.device)
+        if fused is not None:
+            return fused(x, self.experts_gate_up, self.experts_down, weights, experts)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()

@@ -29,11 +29,14 @@ def usable(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 def paged_rows(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                row_lens: torch.Tensor, token_idx: torch.Tensor, seq_idx: torch.Tensor,
-               scale: float, out: torch.Tensor) -> None:
+               scale: float, out: torch.Tensor, *, window: int | None = None,
+               softcap: float | None = None) -> None:
     """Write attention of query rows `token_idx` into the same rows of `out`
     (`[num_tokens, num_heads, head_dim]`, heads contiguous in a row). Row r belongs to the
     sequence whose block-table row is `seq_idx[r]` and attends to its first `row_lens[r]` keys:
-    the whole context for a decode token, `position + 1` keys for a prefill token (causality)."""
+    the whole context for a decode token, `position + 1` keys for a prefill token (causality).
+    `window`: only the last `window` of them (a sliding-window layer; the blocks before are not
+    read). `softcap`: scaled scores s become `softcap * tanh(s / softcap)` before the softmax."""
     lib = loaded()
     bt = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
     lens = row_lens if row_lens.dtype == torch.int32 else row_lens.int()
@@ -47,11 +50,12 @@ def paged_rows(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
         query.data_ptr(), query.stride(0), kv_cache.data_ptr(), kv_cache.shape[1],
         kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4], query.shape[1],
         bt.data_ptr(), bt.stride(0), lens.data_ptr(), tok.data_ptr(), seq.data_ptr(),
-        tok.numel(), float(scale), out.data_ptr(), out.stride(0))
+        tok.numel(), float(scale), int(window or 0), float(softcap or 0.0), out.data_ptr(),
+        out.stride(0))
     if rc == -2:
         raise MemoryError("native paged attention could not allocate its scratch")
     if rc != 0:
-        raise ValueError("native paged attention: shape outside the kernel's limits")
+        raise ValueError("native paged attention: shape, window or softcap outside the kernel's limits")
 
 
 def f32_rows(t: torch.Tensor) -> bool:

@@ -40,7 +40,7 @@ int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
         const int rc = kp_paged_rows_f32(
             s->qkv, qkv_size, m->kv[l], m->num_blocks, (int32_t)m->block_size,
             (int32_t)m->kv_heads, (int32_t)hd, (int32_t)m->heads, s->block_tables, s->bt_stride,
-            s->row_lens, s->tok_idx, s->seq_idx, T, m->scale, s->attn, q_size);
+            s->row_lens, s->tok_idx, s->seq_idx, T, m->scale, 0, 0.0f, s->attn, q_size);
         if (rc) return rc == -2 ? -5 : -3;
         if (kp_gemm_f32(s->attn, q_size, T, m->o_w[l], q_size, H, m->o_b[l], s->x, H))
             return -4;

@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define KP_ABI_VERSION 3
+#define KP_ABI_VERSION 4
 
 /* Output columns per packed GEMM weight panel (cpu_native.GEMM_PANEL). */
 #define KP_GEMM_PANEL 48
@@ -33,15 +33,17 @@ KP_API void kp_set_threads(int n);
 
 /* Attention of n query rows read straight from the paged KV cache
  * kv = [2, num_blocks, block_size, num_kv_heads, head_dim]: row r is query row tok_idx[r] of
- * the sequence whose block-table row is seq_idx[r] and sees its first row_lens[r] keys; the
- * output goes to the same row of out. -1: shape outside the kernel's limits, -2: scratch
- * could not be allocated. */
+ * the sequence whose block-table row is seq_idx[r] and sees its first row_lens[r] keys, or
+ * with window > 0 only the last `window` of them (a sliding-window layer); softcap > 0
+ * replaces each scaled score s by softcap * tanh(s / softcap) before the softmax (0: none).
+ * The output goes to the same row of out. -1: shape or argument outside the kernel's limits,
+ * -2: scratch could not be allocated. */
 KP_API int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv,
                              int64_t num_blocks, int32_t block_size, int32_t num_kv_heads,
                              int32_t head_dim, int32_t num_heads, const int32_t *block_tables,
                              int64_t bt_stride, const int32_t *row_lens, const int64_t *tok_idx,
-                             const int64_t *seq_idx, int64_t n, float scale, float *out,
-                             int64_t out_row_stride);
+                             const int64_t *seq_idx, int64_t n, float scale, int32_t window,
+                             float softcap, float *out, int64_t out_row_stride);
 
 /* ---- fused elementwise ops (cpu_ops.c) ---- */
 

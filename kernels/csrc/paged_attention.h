@@ -4,7 +4,9 @@
  *
  * A query row is a new token: a decode token, or one token of a prefill chunk. Each row has its
  * own context length (a prefill token at position p sees p + 1 keys), which is how causality is
- * expressed, so prefill and decode rows go through the same code.
+ * expressed, so prefill and decode rows go through the same code. A sliding window of W keys
+ * makes a row of length len start at key len - W (the blocks before it are never touched),
+ * and a soft cap c replaces each scaled score s by c * tanh(s / c) before the online softmax.
  *
  * The files, by job:
  * - paged_rows.c: the row kernel, one query row (all query heads of a KV head group) at a time
@@ -60,10 +62,11 @@ typedef struct {
     int cascade;
 } key_group;
 
-/* paged_rows.c: the KV heads of one KV head's query-head group, any head_dim up to
- * MAX_HEAD_DIM. */
-void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, int32_t len,
-                     int kvh, int group, int hd, float scale, float *out);
+/* paged_rows.c: the query-head group of one KV head over keys start .. len - 1, any head_dim
+ * up to MAX_HEAD_DIM; softcap > 0 caps the scaled scores with tanh (0: no cap). */
+void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
+                     int32_t len, int kvh, int group, int hd, float scale, float softcap,
+                     float *out);
 
 #ifdef __AVX512F__
 /* paged_rows.c: KV heads kvh .. kvh + nkv - 1 of one row over keys start .. len - 1, head_dim

@@ -7,30 +7,35 @@
 #include <omp.h>
 #endif
 
-/* KV heads kvh .. kvh + nkv - 1 of one row; q and out point at the first of their heads. */
-static void run_item(const float *q, const kv_layout *kv, const int32_t *table, int32_t len,
-                     int kvh, int nkv, int group, int hd, float scale, float *out) {
+/* KV heads kvh .. kvh + nkv - 1 of one row over keys start .. len - 1; q and out point at
+ * the first of their heads. A soft-capped layer takes the portable loop (the AVX-512 passes
+ * have no cap). */
+static void run_item(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
+                     int32_t len, int kvh, int nkv, int group, int hd, float scale,
+                     float softcap, float *out) {
 #ifdef __AVX512F__
-    if ((hd == 64 || hd == 128) && nkv * group <= MAX_HEADS) {
-        pa_item_avx512(q, kv, table, 0, len, kvh, nkv, group, hd, scale, 0, out);
+    if ((hd == 64 || hd == 128) && nkv * group <= MAX_HEADS && softcap == 0.0f) {
+        pa_item_avx512(q, kv, table, start, len, kvh, nkv, group, hd, scale, 0, out);
         return;
     }
 #endif
     for (int k = 0; k < nkv; ++k)
-        pa_item_generic(q + (int64_t)k * group * hd, kv, table, len, kvh + k, group, hd, scale,
-                        out + (int64_t)k * group * hd);
+        pa_item_generic(q + (int64_t)k * group * hd, kv, table, start, len, kvh + k, group, hd,
+                        scale, softcap, out + (int64_t)k * group * hd);
 }
 
 /* Attention of n query rows: row r is query row tok_idx[r] of sequence seq_idx[r] (its block
- * table row) and sees the first row_lens[r] keys. Output goes to the same rows of out. */
+ * table row) and sees the first row_lens[r] keys, the last `window` of them with a window.
+ * Output goes to the same rows of out. */
 int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int64_t num_blocks,
                       int32_t block_size, int32_t num_kv_heads, int32_t head_dim,
                       int32_t num_heads, const int32_t *block_tables, int64_t bt_stride,
                       const int32_t *row_lens, const int64_t *tok_idx, const int64_t *seq_idx,
-                      int64_t n, float scale, float *out, int64_t out_row_stride) {
+                      int64_t n, float scale, int32_t window, float softcap, float *out,
+                      int64_t out_row_stride) {
     const int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK ||
-        num_heads % num_kv_heads)
+        num_heads % num_kv_heads || window < 0 || !(softcap >= 0.0f))
         return -1;
     kv_layout layout;
     layout.tok_stride = (int64_t)num_kv_heads * head_dim;
@@ -49,13 +54,14 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
     const int64_t items = n * splits;
 
     /* Rows that share keys with others go through the transposed keys (pa_find_key_groups);
-     * group_of[r] is row r's group, or -1. */
+     * group_of[r] is row r's group, or -1. Windowed and capped layers do not: a window gives
+     * each row its own first key, and those paths have no cap. */
     int32_t *group_of = 0;
     key_group *grp = 0;
     float *kt = 0;
     int64_t groups = 0;
 #ifdef __AVX512F__
-    if ((head_dim == 64 || head_dim == 128) && n >= 2) {
+    if ((head_dim == 64 || head_dim == 128) && n >= 2 && window == 0 && softcap == 0.0f) {
         group_of = malloc((size_t)n * sizeof *group_of);
         grp = malloc((size_t)n * sizeof *grp);
         if (group_of && grp)
@@ -130,7 +136,10 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
             continue;
         }
 #endif
-        run_item(qh, &layout, table, row_lens[row], kvh, per_item, group, head_dim, scale, oh);
+        const int32_t len = row_lens[row];
+        const int32_t start = (window > 0 && len > window) ? len - window : 0;
+        run_item(qh, &layout, table, start, len, kvh, per_item, group, head_dim, scale, softcap,
+                 oh);
     }
     free(group_of);
     free(grp);

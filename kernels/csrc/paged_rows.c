@@ -28,9 +28,11 @@ static inline float softmax_chunk(float *p, int n, float *m, float *l) {
     return corr;
 }
 
-/* Portable version: any head_dim up to MAX_HEAD_DIM. */
-void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, int32_t len,
-                     int kvh, int group, int hd, float scale, float *out) {
+/* Portable version: any head_dim up to MAX_HEAD_DIM, keys start .. len - 1 (a sliding window
+ * starts past 0); softcap > 0 caps each scaled score s to softcap * tanh(s / softcap). */
+void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
+                     int32_t len, int kvh, int group, int hd, float scale, float softcap,
+                     float *out) {
     float qs[MAX_GROUP * MAX_HEAD_DIM];
     float acc[MAX_GROUP * MAX_HEAD_DIM];
     float p[MAX_GROUP * CHUNK];
@@ -45,7 +47,8 @@ void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, 
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
-    for (int32_t c0 = 0; c0 < len; c0 += CHUNK) {
+    const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
+    for (int32_t c0 = start; c0 < len; c0 += CHUNK) {
         const int n = (len - c0) < CHUNK ? (len - c0) : CHUNK;
         chunk_rows(kv, table, c0, n, kvh, hd, krow, vrow);
         for (int g = 0; g < group; ++g) {
@@ -57,6 +60,8 @@ void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, 
                 for (int d = 0; d < hd; ++d) s += qg[d] * kt[d];
                 pg[t] = s;
             }
+            if (softcap > 0.0f)
+                for (int t = 0; t < n; ++t) pg[t] = softcap * tanhf(pg[t] * inv_cap);
             const float corr = softmax_chunk(pg, n, &m[g], &l[g]);
             float *ag = acc + g * hd;
             for (int d = 0; d < hd; ++d) ag[d] *= corr;

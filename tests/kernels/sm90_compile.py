@@ -6,7 +6,7 @@ Why a separate process: once a pytest process has run a kernel in Triton's inter
 hid that (the compile was never redone); a child with a clean interpreter state and its own
 empty cache compiles for real every time.
 
-Usage: python -m tests.kernels.sm90_compile CASE  (CASE: a key of ATTENTION_CASES, store-merge or lora-sgmv)
+Usage: python -m tests.kernels.sm90_compile CASE  (CASE: a key of ATTENTION_CASES, store-merge, lora-sgmv or fused-moe)
 Prints {"shared": [bytes, ...]} or {"skip": reason}.
 """
 
@@ -27,7 +27,7 @@ ATTENTION_CASES = {  # dtype, group, BLOCK_M, BLOCK_N, BLOCK_D, splits, f32, one
     "attention-bf16-window-softcap": ("bf16", 4, 64, 64, 256, 1, False, False, True, True),
     "attention-bf16-window-split": ("bf16", 4, 16, 64, 256, 4, False, False, True, False),
 }
-CASES = (*ATTENTION_CASES, "store-merge", "lora-sgmv")
+CASES = (*ATTENTION_CASES, "store-merge", "lora-sgmv", "fused-moe")
 
 
 class Skip(Exception):
@@ -108,6 +108,22 @@ def _lora_sgmv() -> list[int]:
     return [shrink.metadata.shared, expand.metadata.shared]
 
 
+def _fused_moe() -> list[int]:
+    import kernels.moe_triton as mt
+
+    route = {"sorted_ptr": "*i64", "block_expert_ptr": "*i32", "num_pairs": "i32"}
+    consts = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "F32_DOT": False}
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "act_ptr": "*fp32", **route, "top_k": "i32",
+           **dict.fromkeys(["hidden", "inter", "stride_xt", "stride_we", "stride_wn",
+                            "stride_at"], "i32")}
+    gate_up = _compile(mt._gate_up_kernel, sig, dict(consts))
+    sig = {"act_ptr": "*fp32", "w_ptr": "*bf16", "weights_ptr": "*fp32", "out_ptr": "*fp32",
+           **route, **dict.fromkeys(["hidden", "inter", "stride_at", "stride_we", "stride_wn",
+                                     "stride_ot"], "i32")}
+    down = _compile(mt._down_kernel, sig, dict(consts))
+    return [gate_up.metadata.shared, down.metadata.shared]
+
+
 def main(case: str) -> dict[str, object]:
     try:
         import triton.backends.compiler  # noqa: F401
@@ -116,7 +132,8 @@ def main(case: str) -> dict[str, object]:
         return {"skip": f"Triton AOT API unavailable: {exc}"}
     try:
         shared = (_store_merge() if case == "store-merge" else _lora_sgmv()
-                  if case == "lora-sgmv" else _attention(case))
+                  if case == "lora-sgmv" else _fused_moe() if case == "fused-moe"
+                  else _attention(case))
     except Skip as exc:
         return {"skip": str(exc)}
     return {"shared": shared}

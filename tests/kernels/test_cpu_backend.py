@@ -241,7 +241,10 @@ WINDOW_CASES = [  # (seq_lens, q_lens): decode, prefill, chunked past the window
 @pytest.mark.parametrize("window,softcap", [(7, None), (32, None), (None, 5.0), (16, 2.0)])
 @pytest.mark.parametrize("lens", WINDOW_CASES, ids=["decode", "prefill", "chunked"])
 def test_window_and_softcap_match_reference(lens: tuple, window: int | None,
-                                            softcap: float | None, dtype: torch.dtype) -> None:
+                                            softcap: float | None, dtype: torch.dtype,
+                                            decode_path: str) -> None:
+    """fp32 runs the native row kernel and the torch path (`decode_path`); bf16 is the torch
+    path's either way (the native kernel is fp32 only)."""
     case = make_case(*lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
                      dtype=dtype, seed=len(lens[0]) + (window or 0), wide_table=True)
     case.query.mul_(4)  # large scores, so the cap bites
@@ -253,9 +256,10 @@ def test_window_and_softcap_match_reference(lens: tuple, window: int | None,
                                   atol=1e-3)
 
 
-def test_one_step_metadata_serves_windowed_and_global_layers() -> None:
-    """Gemma alternates windowed and global layers over one step's metadata: each gets its
-    own plan, and neither disturbs the other's answer."""
+def test_one_step_metadata_serves_windowed_and_global_layers(decode_path: str) -> None:
+    """Gemma alternates windowed and global layers over one step's metadata: on the torch
+    path each gets its own plan, on the native kernel they share one (rows only), and neither
+    disturbs the other's answer."""
     case = make_case([70, 40], [70, 1], num_heads=4, num_kv_heads=2, head_dim=64,
                      block_size=16, seed=3)
     meta = AttentionMetadata.build(*case.args()[2:5])
@@ -264,7 +268,59 @@ def test_one_step_metadata_serves_windowed_and_global_layers() -> None:
         local = paged_attention_cpu(case.query, case.kv_cache, meta, case.scale, window=8)
         _check(full, paged_attention_ref(*case.args()), torch.float32)
         _check(local, paged_attention_ref(*case.args(), window=8), torch.float32)
-    assert len(meta.plan) == 2
+    assert len(meta.plan) == (1 if decode_path == "native-decode" else 2)
+
+
+WINDOW_EDGE_CASES = [  # (seq_lens, q_lens, window, block_size, heads, kv_heads, head_dim)
+    # windows ending on / starting at block boundaries, decode and a chunk
+    ([64, 48, 17], [1, 16, 1], 16, 16, 8, 2, 64),
+    ([96, 33], [32, 33], 32, 16, 9, 3, 64),
+    # a window larger than every sequence: plain causal attention
+    ([40, 7], [40, 1], 500, 16, 4, 1, 64),
+    # Gemma-3-270M's attention shape (4 query heads on 1 KV head, head_dim 256), window of 1
+    ([50, 30], [3, 30], 1, 32, 4, 1, 256),
+    ([200, 129], [1, 65], 64, 32, 4, 1, 256),
+]
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("edge", WINDOW_EDGE_CASES, ids=lambda e: f"w{e[2]}-bs{e[3]}-d{e[6]}")
+def test_window_edges_match_reference(edge: tuple, softcap: float | None,
+                                      decode_path: str) -> None:
+    seq_lens, q_lens, window, block_size, heads, kv_heads, head_dim = edge
+    case = make_case(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=head_dim, block_size=block_size, seed=window + head_dim,
+                     wide_table=True)
+    case.query.mul_(3)
+    out = _torch(*case.args(), window=window, softcap=softcap)
+    _check(out, paged_attention_ref(*case.args(), window=window, softcap=softcap),
+           torch.float32)
+    if window >= max(seq_lens):
+        _check(out, paged_attention_ref(*case.args(), softcap=softcap), torch.float32)
+
+
+def test_blocks_outside_the_window_are_not_read(decode_path: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks before the first key any new token's window reaches are filled with NaN: the
+    answer stays finite and equal to the reference on a clean cache. On the native path the
+    windowed, capped layer goes through the row kernel, not the torch fallback."""
+    calls = []
+    real = cpu_native.paged_rows
+    monkeypatch.setattr(cpu_native, "paged_rows",
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    window, block_size = 20, 16
+    case = make_case([120, 90, 64], [1, 12, 1], num_heads=4, num_kv_heads=2, head_dim=64,
+                     block_size=block_size, seed=11, wide_table=True)
+    want = paged_attention_ref(*case.args(), window=window, softcap=2.0)
+    for i, (seq_len, q_len) in enumerate(zip([120, 90, 64], [1, 12, 1], strict=True)):
+        first_key = seq_len - q_len - window + 1
+        for b in range(first_key // block_size):  # wholly before the window
+            case.kv_cache[:, case.block_tables[i, b].long()] = float("nan")
+    out = _torch(*case.args(), window=window, softcap=2.0)
+    assert torch.isfinite(out).all()
+    _check(out, want, torch.float32)
+    native = decode_path == "native-decode"
+    assert calls == ([{"window": window, "softcap": 2.0}] if native else [])
 
 
 def test_reference_window_edges() -> None:
@@ -289,3 +345,15 @@ def test_bad_window_and_softcap_are_refused() -> None:
         paged_attention(*case.args(), window=0)
     with pytest.raises(ValueError, match="softcap must be positive"):
         paged_attention(*case.args(), softcap=-1.0)
+
+
+def test_native_kernel_refuses_a_negative_window_or_cap() -> None:
+    assert cpu_native.load() is not None, "the native kernel did not build"
+    case = make_case([8], [8], num_heads=2, num_kv_heads=1, head_dim=16, block_size=4)
+    rows = torch.arange(8)
+    out = torch.empty_like(case.query)
+    for bad in ({"window": -1}, {"softcap": -2.0}):
+        with pytest.raises(ValueError, match="outside the kernel's limits"):
+            cpu_native.paged_rows(case.query, case.kv_cache, case.block_tables,
+                                  torch.arange(1, 9, dtype=torch.int32), rows,
+                                  torch.zeros(8, dtype=torch.long), case.scale, out, **bad)

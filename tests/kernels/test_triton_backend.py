@@ -153,10 +153,15 @@ WINDOW_CASES = [
     ("chunked_window_cap", [300, 70, 2], [45, 70, 1], 16, 2.0, None),
     ("softcap_only", [40, 9, 200], [1, 9, 13], None, 5.0, None),
     ("split_window", [300, 250, 1], [1] * 3, 100, None, 3),
+    # windows ending on / starting at block boundaries, capped
+    ("block_edge_window_cap", [64, 48, 17], [1, 16, 1], 16, 3.0, None),
+    # a window longer than every context: plain causal attention
+    ("window_past_context", [40, 7], [40, 1], 500, None, None),
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+# bf16 rather than fp16: the dtype Gemma checkpoints are served in (fp16 overflows them).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=[c[0] for c in WINDOW_CASES])
 def test_window_and_softcap_match_reference(case: tuple, dtype: torch.dtype) -> None:
     _, seq_lens, q_lens, window, softcap, splits = case

@@ -52,3 +52,8 @@ def test_store_merge_and_block_copy_kernels_compile_for_sm90(tmp_path: Path) -> 
 def test_lora_sgmv_kernels_compile_for_sm90(tmp_path: Path) -> None:
     for shared in _compile_in_child("lora-sgmv", tmp_path):
         assert shared <= SHARED_LIMIT
+
+
+def test_fused_moe_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    for shared in _compile_in_child("fused-moe", tmp_path):
+        assert shared <= SHARED_LIMIT
