@@ -3,6 +3,7 @@ appends, and when a request stops proposing because its drafts are not kept."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,8 +15,11 @@ from engine.logprob_records import sampled_entries
 from engine.request import Request
 from engine.sampler import GREEDY_EPS, greedy_tokens, target_probs
 from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.draft_model import DraftModelProposer, GeneratorOf
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.rejection import accept_greedy, rejection_sample
+
+logger = logging.getLogger("engine")
 
 # Verified steps in a row that keep no draft before the request pauses proposing; the pause
 # starts at PAUSE_MIN steps and doubles (to PAUSE_MAX) each time it ends in another miss run.
@@ -40,10 +44,14 @@ class SpecRow:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, draft: DraftModelProposer | None = None
+                 ) -> None:
         self.config = config
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
+        self.proposer: NgramProposer | DraftModelProposer = draft or NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        # The draft model's distributions of this step's drafts (sampled requests only).
+        self._draft_probs: dict[str, torch.Tensor] = {}
+        self.num_draft_failures = 0  # steps whose draft forward raised (logged)
         # vLLM's spec-decode counters: verified steps with drafts, draft tokens, kept drafts,
         # and kept drafts by position.
         self.num_drafts = 0
@@ -61,14 +69,18 @@ class SpecDecoder:
         return (request.grammar is None and not p.use_beam_search
                 and request.lora_request is None and request.past_min_tokens)
 
-    def propose(self, running: Sequence[Request], is_beam: Callable[[str], bool]) -> None:
+    def propose(self, running: Sequence[Request], is_beam: Callable[[str], bool],
+                generator_of: GeneratorOf = lambda _: None) -> None:
         """Set each decoding request's drafts for the coming step (none where no n-gram
         recurs, the request cannot speculate, or it is pausing after misses). Decoding: one
         token not computed and at least one output, so a prompt's last chunk never carries
-        drafts (its first sample is where n > 1 samples fork)."""
+        drafts (its first sample is where n > 1 samples fork). A draft model proposes for all
+        of them at once; `generator_of(request)` draws its sampled drafts."""
         live = {r.request_id for r in running}
         if len(self._backoff) > len(live):
             self._backoff = {rid: b for rid, b in self._backoff.items() if rid in live}
+        self._draft_probs = {}
+        batch: list[tuple[Request, int]] = []
         for request in running:
             request.spec_token_ids = []
             if (request.num_tokens - request.num_computed_tokens != 1
@@ -80,7 +92,31 @@ class SpecDecoder:
                 backoff.pause -= 1
                 continue
             room = request.max_tokens - request.num_output_tokens - 1
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
+            if isinstance(self.proposer, DraftModelProposer):
+                batch.append((request, room))
+            else:
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
+        if batch:
+            self._propose_with_draft_model(batch, generator_of)
+
+    def _propose_with_draft_model(self, batch: list[tuple[Request, int]],
+                                  generator_of: GeneratorOf) -> None:
+        """A failing draft forward costs only this step's drafts (and the draft's KV, dropped
+        whole): the requests decode plainly and the target's step goes on."""
+        try:
+            drafts, self._draft_probs = self.proposer.propose(batch, generator_of)
+        except Exception:  # noqa: BLE001 - contain a draft failure to its drafts
+            logger.exception("the draft model failed; this step decodes without drafts")
+            self.num_draft_failures += 1
+            self.proposer.release_all()
+            return
+        for request, _ in batch:
+            request.spec_token_ids = drafts.get(request.request_id, [])
+
+    def release(self, running: Sequence[Request]) -> None:
+        """Free the draft model's KV of requests no longer running (no-op for n-gram)."""
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.retain({r.request_id for r in running})
 
     def verify(self, logits: torch.Tensor, rows: list[SpecRow], tracks: Sequence[Any],
                shared_generator: torch.Generator, decode: Callable[[list[int]], str]
@@ -108,7 +144,9 @@ class SpecDecoder:
                 tokens = accept_greedy(greedy[at:at + n], spec.drafts)
             else:
                 probs = target_probs(processed[at:at + n], [p] * n)
-                tokens = rejection_sample(probs, spec.drafts, None,
+                q = self._draft_probs.get(r.request_id)  # None: an n-gram's point mass
+                tokens = rejection_sample(probs, spec.drafts,
+                                          None if q is None else q[:n - 1].to(probs.device),
                                           track.generator or shared_generator)
             if p.logprobs is not None:
                 kept = len(tokens)
