@@ -361,3 +361,44 @@ def test_drafts_after_rollbacks_equal_those_of_a_fresh_draft_cache(models):
     assert any(n for _, n in checked)  # sampled requests' q were compared
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     _assert_no_leak(llm)
+
+
+def test_the_server_flag_takes_a_draft_model_and_serves_unchanged_outputs(models):
+    """--speculative_config with a draft model through the server's parser into the engine;
+    a served completion equals the offline one without speculation. A missing draft folder
+    is a usage error."""
+    import asyncio
+
+    from engine import LLM, SamplingParams
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.spec_decode.draft_model import DraftModelProposer
+    from kserve_paged import args as server_args
+    from tests.test_server_routes import build, client
+
+    target, draft = models
+    with pytest.raises(SystemExit):
+        server_args.parse_args(["--speculative_config", json.dumps(_spec("/nowhere/at/all"))])
+    args = server_args.parse_args(["--speculative_config", json.dumps(_spec(draft))])
+    engine = LLMEngine(EngineConfig(**{**server_args.engine_kwargs(args), **OPTS,
+                                       "model": target}))
+    assert isinstance(engine.spec.proposer, DraftModelProposer)
+    prompt = " ".join(f"t{t}" for t in _repetitive_prompts(2)[1])
+    want = LLM(model=target, **OPTS).generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].text
+    app, model = build(engine=engine)
+    asyncio.run(model.start_engine())
+    try:
+        async def main():
+            async with client(app) as c:
+                r = await c.post("/openai/v1/completions", json={
+                    "model": "m", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                    "ignore_eos": True})
+                return r.status_code, r.json()
+        status, body = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        model.stop_engine()
+    assert status == 200, body
+    assert body["choices"][0]["text"] == want
+    assert engine.spec.stats()["spec_decode_num_draft_tokens"] > 0
