@@ -402,3 +402,51 @@ def test_the_server_flag_takes_a_draft_model_and_serves_unchanged_outputs(models
     assert status == 200, body
     assert body["choices"][0]["text"] == want
     assert engine.spec.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_the_draft_gate_pauses_a_losing_draft_for_the_whole_batch_and_probes_again():
+    """The gate's arithmetic on given times: a window of draft steps whose kept drafts do not
+    buy back the draft's time pauses drafting for PAUSE_MIN steps, a second losing window for
+    twice that; a winning window resets the pause length and drafting goes on."""
+    from engine.spec_decode.draft_gate import PAUSE_MIN, WINDOW, DraftGate
+
+    gate = DraftGate()
+
+    def window(kept_per_request: float) -> None:
+        for _ in range(WINDOW):
+            assert gate.open()
+            gate.record(draft_seconds=0.3, step_seconds=0.4, kept_per_request=kept_per_request)
+
+    window(2.0)  # cost 0.3 / 0.1 = 3 a step, gain 2: losing
+    assert [gate.open() for _ in range(PAUSE_MIN)] == [False] * PAUSE_MIN
+    window(2.5)
+    assert [gate.open() for _ in range(2 * PAUSE_MIN)] == [False] * (2 * PAUSE_MIN)
+    window(3.5)  # gain above the cost: no pause, and the next pause is short again
+    assert gate.open() and gate.pause == 0 and gate.next_pause == PAUSE_MIN
+    assert gate.num_paused_steps == 3 * PAUSE_MIN
+    gate.record(draft_seconds=0.5, step_seconds=0.5, kept_per_request=0.0)  # no time left: ignored
+    assert gate._steps == 0
+
+
+def test_a_draft_that_never_pays_stops_drafting_for_the_whole_batch(models, tmp_path):
+    """A draft as large as the target with other random weights: its k passes cost about k
+    target steps and it is almost never right, so the gate pauses drafting for the batch;
+    greedy outputs stay those of plain decoding and no block is left behind."""
+    from engine import LLM, SamplingParams
+    from tests.test_models import CONFIGS, _save_checkpoint, _save_tokenizer
+
+    target, _ = models
+    other = tmp_path / "other-draft"
+    _save_checkpoint(CONFIGS["llama_gqa_llama3"], other, seed=7)
+    _save_tokenizer(other)
+    prompts = _repetitive_prompts()
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    want = LLM(model=target, **{**OPTS, "max_model_len": 128}).generate(prompts, params,
+                                                                         use_tqdm=False)
+    llm = LLM(model=target, **{**OPTS, "max_model_len": 128},
+              speculative_config=_spec(str(other), 3))
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(want)
+    stats = llm.stats()
+    assert stats["spec_decode_draft_paused_steps"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"] / 2
+    _assert_no_leak(llm)

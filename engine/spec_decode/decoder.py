@@ -4,6 +4,7 @@ appends, and when a request stops proposing because its drafts are not kept."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from engine.logprob_records import sampled_entries
 from engine.request import Request
 from engine.sampler import GREEDY_EPS, greedy_tokens, target_probs
 from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.draft_gate import DraftGate
 from engine.spec_decode.draft_model import DraftModelProposer, GeneratorOf
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.rejection import accept_greedy, rejection_sample
@@ -59,6 +61,9 @@ class SpecDecoder:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * config.num_speculative_tokens
         self._backoff: dict[str, _Backoff] = {}
+        # The draft model's batch-wide switch (draft_gate.py), fed this step's draft time.
+        self.gate = DraftGate()
+        self._step_start = self._draft_seconds = 0.0
 
     @staticmethod
     def can_speculate(request: Request) -> bool:
@@ -76,6 +81,7 @@ class SpecDecoder:
         token not computed and at least one output, so a prompt's last chunk never carries
         drafts (its first sample is where n > 1 samples fork). A draft model proposes for all
         of them at once; `generator_of(request)` draws its sampled drafts."""
+        self._step_start, self._draft_seconds = time.perf_counter(), 0.0
         live = {r.request_id for r in running}
         if len(self._backoff) > len(live):
             self._backoff = {rid: b for rid, b in self._backoff.items() if rid in live}
@@ -96,8 +102,9 @@ class SpecDecoder:
                 batch.append((request, room))
             else:
                 request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
-        if batch:
+        if batch and self.gate.open():
             self._propose_with_draft_model(batch, generator_of)
+            self._draft_seconds = time.perf_counter() - self._step_start
 
     def _propose_with_draft_model(self, batch: list[tuple[Request, int]],
                                   generator_of: GeneratorOf) -> None:
@@ -136,7 +143,7 @@ class SpecDecoder:
         processed = apply_penalties(raw, params, prompts, outputs)
         greedy = greedy_tokens(processed).tolist()
         result: list[list[int]] = []
-        at = 0
+        at = kept_total = 0
         for spec, track in zip(rows, tracks):
             r, n = spec.request, len(spec.drafts) + 1
             p = r.sampling_params
@@ -156,8 +163,12 @@ class SpecDecoder:
                     track.logprobs.append(entry)
                     track.cumulative_logprob += chosen
             self._record(r.request_id, len(spec.drafts), len(tokens) - 1)
+            kept_total += len(tokens) - 1
             result.append(tokens)
             at += n
+        if self._draft_seconds and rows:
+            self.gate.record(self._draft_seconds, time.perf_counter() - self._step_start,
+                             kept_total / len(rows))
         return result
 
     def _record(self, request_id: str, drafted: int, kept: int) -> None:
@@ -181,4 +192,5 @@ class SpecDecoder:
         return {"spec_decode_num_drafts": self.num_drafts,
                 "spec_decode_num_draft_tokens": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+                "spec_decode_draft_paused_steps": self.gate.num_paused_steps}
