@@ -1,5 +1,6 @@
-"""Speculative decoding, same run: n-gram prompt lookup on vs off over a repetitive workload
-(prompts whose answer repeats their text: copy, extraction, editing) and over W1.
+"""Speculative decoding, same run: n-gram prompt lookup (or a draft model) on vs off over a
+repetitive workload (prompts whose answer repeats their text: copy, extraction, editing) and
+over W1.
 
 One engine; the off runs drop its SpecDecoder, so both use the same weights, KV pool and
 warm caches, alternating off/on per repeat. Greedy, all requests at once, at most
@@ -10,6 +11,13 @@ output tok/s of each, the ratio on/off, steps, mean accepted length (1 + kept dr
 verified step, vLLM's definition) and the acceptance rate; checks the outputs are identical.
 
     python bench/bench_spec.py [--dtype float32] [--repeats 2] [--json-out FILE]
+    python bench/bench_spec.py --method draft_model --draft-layers 8   # layer-skip draft
+    python bench/bench_spec.py --method draft_model --draft-model self  # upper bound
+
+`--draft-layers N` drafts with the target's first N layers and its head
+(bench/layer_skip_draft.py writes that checkpoint once, next to the target); `--draft-model
+self` drafts with the target itself: every greedy draft is kept, so it bounds the accepted
+length, not the speed.
 """
 
 from __future__ import annotations
@@ -59,6 +67,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="local HF folder (default: the default model)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    ap.add_argument("--draft-model", default=None, help="draft folder, or 'self' (the target)")
+    ap.add_argument("--draft-layers", type=int, default=None,
+                    help="draft = the target's first N layers (bench/layer_skip_draft.py)")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
@@ -82,6 +94,20 @@ def main() -> None:
     spec_config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                    "prompt_lookup_max": args.prompt_lookup_max,
                    "prompt_lookup_min": args.prompt_lookup_min}
+    if args.method == "draft_model":
+        from layer_skip_draft import make_layer_skip_draft
+
+        from engine.default_model import ensure_default_model
+
+        target = args.model or str(ensure_default_model())
+        if args.draft_layers is not None:
+            draft = str(make_layer_skip_draft(target, args.draft_layers))
+        elif args.draft_model in (None, "self"):
+            draft = target
+        else:
+            draft = args.draft_model
+        spec_config = {"method": "draft_model", "model": draft,
+                       "num_speculative_tokens": args.num_speculative_tokens}
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=2048,
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
               speculative_config=spec_config)

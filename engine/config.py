@@ -84,6 +84,11 @@ class EngineConfig:
                              f"({self.max_loras})")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
+        spec = self.speculative_config
+        if (self.tensor_parallel_size > 1 and isinstance(spec, SpeculativeConfig)
+                and spec.method == "draft_model"):
+            raise ValueError("a draft model is not sharded: speculative_config method "
+                             "draft_model needs tensor_parallel_size 1")
         if self.tensor_parallel_size > 1 and self.enable_lora:
             raise ValueError("LoRA adapters are not sharded: enable_lora needs "
                              "tensor_parallel_size 1")

@@ -37,6 +37,7 @@ from engine.sampler import Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode.decoder import SpecDecoder, SpecRow
+from engine.spec_decode.draft_model import DraftModelProposer, load_draft_model
 from engine.structured_output import GrammarBitmask, GrammarCompiler, RequestGrammar
 
 logger = logging.getLogger("engine")
@@ -83,8 +84,15 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         logger.info("weights loaded in %.1f s", time.monotonic() - t0)
 
+        spec = config.speculative_config
+        draft_model = None
+        if spec is not None and spec.method == "draft_model":
+            draft_model = load_draft_model(spec, self.model.vocab_size, self.tokenizer,
+                                           self.dtype, self.device, config.seed)
         bs = config.block_size
         per_block = ModelRunner.kv_bytes_per_block(self.model, bs, self.dtype)
+        if draft_model is not None:  # one budget: the draft's cache gets as many blocks
+            per_block += ModelRunner.kv_bytes_per_block(draft_model, bs, self.dtype)
         self.num_kv_blocks = size_kv_cache(config, per_block, self.device)
         max_len = config.max_model_len or self.model.max_position_embeddings
         if max_len > self.num_kv_blocks * bs:
@@ -122,8 +130,11 @@ class LLMEngine:
                 self.model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                 max_cpu_loras=config.max_cpu_loras or config.max_loras)
         self.sampler = Sampler(config.seed)
-        spec = config.speculative_config
-        self.spec = SpecDecoder(spec) if spec is not None else None
+        draft = None if draft_model is None else DraftModelProposer(
+            draft_model, spec.num_speculative_tokens, self.num_kv_blocks, bs, self.dtype,
+            self.device, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, max_model_len=max_len)
+        self.spec = SpecDecoder(spec, draft) if spec is not None else None
         self.eos_token_id, self._extra_eos = self._eos_ids()
         stop_ids = [t for t in [self.eos_token_id, *self._extra_eos] if t is not None]
         self.grammars = GrammarCompiler(self.tokenizer, self.model.vocab_size, stop_ids)
@@ -316,6 +327,8 @@ class LLMEngine:
         self.scheduler.finish_requests(expanded, RequestStatus.FINISHED_ABORTED)
         for rid in expanded + request_ids:
             self._live.pop(rid, None)
+        if self.spec is not None:
+            self.spec.release(self.scheduler.running)
         self._publish_kv_events()  # what the aborts evicted, before the next step's events
 
     def has_unfinished_requests(self) -> bool:
@@ -328,12 +341,14 @@ class LLMEngine:
         try:
             return self._step()
         finally:
+            if self.spec is not None:  # the draft's KV of requests that ended or were preempted
+                self.spec.release(self.scheduler.running)
             self._publish_kv_events()
 
     def _step(self) -> list[RequestOutput]:
         failed = self._start_compiled_grammars()
         if self.spec is not None:
-            self.spec.propose(self.scheduler.running, self._beams.is_beam)
+            self.spec.propose(self.scheduler.running, self._beams.is_beam, self._generator_of)
         out = self.scheduler.schedule()
         for req, why in out.unschedulable:
             failed += self._fail([req], why)
@@ -443,6 +458,9 @@ class LLMEngine:
                 if self._beams.advance(group, self.scheduler):
                     outputs.append(self._beam_output(group, now))
         return self._groups.merge(outputs)
+
+    def _generator_of(self, request: Request) -> torch.Generator:
+        return self._live[request.request_id].generator or self.sampler.generator
 
     def _verify(self, logits: torch.Tensor, spec_rows: list[SpecRow]) -> dict[str, list[int]]:
         """Each speculating request's tokens this step: kept drafts, then one more."""

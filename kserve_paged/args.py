@@ -113,7 +113,8 @@ def parse_kv_events_config(text: str) -> KVEventsConfig:
 
 def parse_speculative_config(text: str) -> SpeculativeConfig:
     """``--speculative_config``: vLLM's JSON, e.g. ``{"method": "ngram",
-    "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``."""
+    "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` or
+    ``{"method": "draft_model", "model": "/path/to/draft", "num_speculative_tokens": 4}``."""
     try:
         return SpeculativeConfig.from_json(text)
     except (ValueError, TypeError) as exc:
@@ -200,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=d["speculative_config"],
         help="Speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", "
              "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "
-             "\"prompt_lookup_min\": 2}' (n-gram prompt lookup; outputs are unchanged; "
+             "\"prompt_lookup_min\": 2}' (n-gram prompt lookup) or '{\"method\": "
+             "\"draft_model\", \"model\": \"/path/to/draft\", \"num_speculative_tokens\": 4}' "
+             "(a small model of the same tokenizer); outputs are unchanged; "
              "docs/speculative_decoding.md).")
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable_lora", "--no_enable_lora", action=_BoolFlag,

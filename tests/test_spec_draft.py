@@ -1,0 +1,452 @@
+"""Speculative decoding with a draft model: its config checks, greedy outputs equal to plain
+decoding (prefix cache, chunked prefill, preemption, n > 1, stops), the draft's distributions
+driving rejection sampling, and no KV block left behind in either cache."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.spec_decode import SpeculativeConfig
+from tests.test_spec_decode import _repetitive_prompts, _run, _tokens, _tv
+
+OPTS = {"block_size": 4, "num_kv_blocks": 128, "max_model_len": 96}
+
+
+def _truncate(src: str | Path, dst: Path, num_layers: int) -> str:
+    """A layer-skip draft: the checkpoint's first layers, its embeddings, norm and head."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(src, local_files_only=True, dtype=torch.float32)
+    hf.model.layers = hf.model.layers[:num_layers]
+    hf.config.num_hidden_layers = num_layers
+    hf.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(dst)
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[str, str]:
+    """(target, draft): the tiny random Llama of test_spec_decode and its first layer."""
+    from tests.test_models import CONFIGS, _save_checkpoint, _save_tokenizer
+
+    target = tmp_path_factory.mktemp("draft-target")
+    _save_checkpoint(CONFIGS["llama_gqa_llama3"], target)
+    _save_tokenizer(target)
+    return str(target), _truncate(target, tmp_path_factory.mktemp("draft-1layer"), 1)
+
+
+def _spec(model: str, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+
+
+def _assert_no_leak(llm) -> None:
+    engine = llm.engine
+    draft = engine.spec.proposer
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert draft.kv.num_free_blocks == draft.kv.num_blocks and not draft._shadows
+    assert engine.spec.num_draft_failures == 0
+
+
+# ------------------------------------------------------------------ config
+
+
+def test_config_takes_vllms_draft_model_spellings_and_refuses_bad_ones(models, tmp_path):
+    target, draft = models
+    cfg = SpeculativeConfig.from_json(json.dumps(_spec(draft, 4)))
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", draft, 4)
+    short = SpeculativeConfig.from_json({"model": draft, "num_speculative_tokens": 2})
+    assert short.method == "draft_model"  # vLLM's shorthand: a model and no method
+    assert SpeculativeConfig.from_json({"model": "[ngram]", "num_speculative_tokens": 2,
+                                        "prompt_lookup_max": 3}).method == "ngram"
+    for bad, words in [({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+                       (_spec(str(tmp_path / "nowhere")), "does not exist"),
+                       (_spec(draft, 17), "<= 16"),
+                       ({**_spec(draft), "prompt_lookup_max": 3}, "for method ngram"),
+                       ({"method": "ngram", "model": draft, "num_speculative_tokens": 2},
+                        "for method draft_model")]:
+        with pytest.raises(ValueError, match=words):
+            SpeculativeConfig.from_json(bad)
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        EngineConfig(tensor_parallel_size=2, speculative_config=_spec(draft))
+
+
+def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused_at_start_up(models, tmp_path):
+    """Before the draft's weights are read (its folder holds none here)."""
+    import tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    from engine import LLM
+    from tests.test_models import VOCAB, _common
+
+    target, _ = models
+    other = tmp_path / "other-vocab"
+    LlamaConfig(**_common(vocab_size=VOCAB + 3, num_hidden_layers=1)).save_pretrained(other)
+    with pytest.raises(ValueError, match=r"vocab_size \(100\) differs"):
+        LLM(model=target, **OPTS, speculative_config=_spec(str(other)))
+    renamed = tmp_path / "other-tokens"
+    LlamaConfig(**_common(num_hidden_layers=1)).save_pretrained(renamed)
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"u{i}": i for i in range(VOCAB)},
+                                                           unk_token="u0"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="u0").save_pretrained(renamed)
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        LLM(model=target, **OPTS, speculative_config=_spec(str(renamed)))
+
+
+# ------------------------------------------------------------------ greedy: identical outputs
+
+
+def test_the_target_drafting_for_itself_keeps_every_draft(models):
+    """A deterministic check of the catch-up and rollback bookkeeping: the draft is the target,
+    so every greedy draft is the target's own token and is kept, whatever the output length."""
+    from engine import LLM, SamplingParams
+
+    target, _ = models
+    prompts = _repetitive_prompts()
+    params = SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True)
+    want = LLM(model=target, **OPTS).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=target, **OPTS, speculative_config=_spec(target, 4))
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(want)
+    stats = llm.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+    _assert_no_leak(llm)
+
+
+def test_greedy_with_a_draft_model_equals_plain_decoding(models):
+    """Token for token, logprobs included, over the repetitive workload: with the prefix cache
+    (run twice), and with a 24-block pool (draft pool the same), a 16-token budget (chunked
+    prefill of both models) and preemptions; a request under min_tokens decodes plainly in
+    the same steps. Drafts were kept and rejected; no block leaks in either cache."""
+    from engine import LLM, SamplingParams
+
+    target, draft = models
+    prompts = _repetitive_prompts()
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
+              for _ in prompts]
+    params[2] = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2,
+                               min_tokens=12)
+    ref = LLM(model=target, **OPTS).generate(prompts, params, use_tqdm=False)
+    cached = LLM(model=target, **OPTS, speculative_config=_spec(draft))
+    for _ in range(2):
+        outs, steps = _run(cached, prompts, params)
+        assert _tokens(outs) == _tokens(ref)
+        for o, r in zip(outs, ref):
+            assert [e[t].logprob for e, t in zip(o.outputs[0].logprobs,
+                                                 o.outputs[0].token_ids)] == pytest.approx(
+                [e[t].logprob for e, t in zip(r.outputs[0].logprobs, r.outputs[0].token_ids)],
+                abs=1e-4)
+    stats = cached.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert stats["prefix_cache_hits"] > 0
+    assert any(s.spec_tokens and len(s.spec_tokens) < len(s.scheduled) for s in steps)
+    _assert_no_leak(cached)
+
+    small = LLM(model=target, block_size=4, num_kv_blocks=24, max_model_len=96,
+                max_num_batched_tokens=16, speculative_config=_spec(draft))
+    outs, steps = _run(small, prompts, params)
+    assert _tokens(outs) == _tokens(ref)
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert max(s.total_num_scheduled_tokens for s in steps) <= 16
+    _assert_no_leak(small)
+
+
+def test_draft_model_speculation_keeps_stops_max_tokens_n_and_aborts(models):
+    """Stop strings, stop tokens after min_tokens, max_tokens and n = 2 end where plain
+    decoding ends them; an abort mid-decode frees the request's draft KV at once."""
+    from engine import LLM, SamplingParams
+
+    target, _ = models
+    prompts = _repetitive_prompts(3)
+    plain = LLM(model=target, **OPTS)
+    spec = LLM(model=target, **OPTS, speculative_config=_spec(target, 3))  # drafts are kept
+    free = plain.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0,
+                                                  ignore_eos=True), use_tqdm=False)
+    words = free[0].outputs[0].text.split()
+    stop_token = free[1].outputs[0].token_ids[4]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                             stop=[" ".join(words[6:8])]),
+              SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_token],
+                             min_tokens=2),
+              SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True, n=2)]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in g.outputs] == [
+            (c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in w.outputs]
+    assert want[0].outputs[0].finish_reason == "stop" and len(want[0].outputs[0].token_ids) < 24
+    assert spec.stats()["spec_decode_num_accepted_tokens"] > 0
+    _assert_no_leak(spec)
+
+    engine = spec.engine
+    engine.add_request("long", prompts[0], SamplingParams(max_tokens=40, temperature=0.0,
+                                                          ignore_eos=True))
+    while engine.spec.proposer.kv.num_free_blocks == engine.spec.proposer.kv.num_blocks:
+        engine.step()  # until the draft holds blocks for it
+    engine.abort_request("long")
+    _assert_no_leak(spec)
+
+
+def test_a_failing_draft_forward_costs_only_its_drafts(models):
+    from engine import LLM, SamplingParams
+
+    target, draft = models
+    prompts = _repetitive_prompts(2)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = _tokens(LLM(model=target, **OPTS).generate(prompts, params, use_tqdm=False))
+    llm = LLM(model=target, **OPTS, speculative_config=_spec(draft))
+    runner = llm.engine.spec.proposer.runner
+    calls = []
+
+    def broken(out):
+        calls.append(out)
+        raise RuntimeError("draft boom")
+
+    runner.execute = broken
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert calls and llm.stats()["spec_decode_num_draft_tokens"] == 0
+    assert llm.engine.spec.num_draft_failures == len(calls)
+    llm.engine.spec.num_draft_failures = 0
+    _assert_no_leak(llm)
+
+
+# ------------------------------------------------------------------ sampling
+
+
+def test_sampled_speculation_with_a_draft_model_is_seeded_and_keeps_drafts(models):
+    """temperature > 0: the target drafting for itself has q = p, so rejection sampling keeps
+    nearly every draft; a seeded request gives the same output twice."""
+    from engine import LLM, SamplingParams
+
+    target, _ = models
+    prompts = _repetitive_prompts(3)
+    llm = LLM(model=target, **OPTS, enable_prefix_caching=False,
+              speculative_config=_spec(target, 3))
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, ignore_eos=True, seed=5)
+    first = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == first
+    stats = llm.stats()
+    assert stats["spec_decode_num_accepted_tokens"] >= 0.9 * stats["spec_decode_num_draft_tokens"]
+    _assert_no_leak(llm)
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory) -> tuple[Path, Path]:
+    """A 2-layer target and a different 1-layer draft over a vocabulary of 8."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.test_models import _common, _randomise
+
+    paths = []
+    for layers, seed in ((2, 0), (1, 9)):
+        path = tmp_path_factory.mktemp(f"vocab8-{layers}")
+        torch.manual_seed(seed)
+        hf = AutoModelForCausalLM.from_config(LlamaConfig(**_common(
+            vocab_size=8, num_hidden_layers=layers, tie_word_embeddings=False))).eval()
+        _randomise(hf, seed)
+        hf.save_pretrained(path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def _probs(path: Path, contexts: list[list[int]], temperature: float) -> torch.Tensor:
+    """transformers' next-token distributions after each context (all of one length)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor(contexts)).logits[:, -1]
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def test_draft_model_rejection_sampling_outputs_follow_the_target(small_vocab):
+    """Vocabulary of 8, k = 2: the proposer draws each draft from q, the draft model's own
+    temperature-scaled distribution (checked against transformers), and rejection sampling
+    with that q makes the first appended token follow the target's p_0 and the second, given
+    the first draft was kept, p_1 (total variation under 0.03 / 0.05 over 6k draws; the noise
+    is about 0.015). The first draft is kept at the rate sum(min(p_0, q_0)) that Leviathan et
+    al.'s test gives (0.02: reading the drafts as point masses, also unbiased, keeps fewer).
+    """
+    from engine.model_loader import load_model
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+    from engine.spec_decode.draft_model import DraftModelProposer
+    from engine.spec_decode.rejection import rejection_sample
+
+    target_path, draft_path = small_vocab
+    temp, ctx = 0.7, [1, 5, 2, 7]
+    draft, _ = load_model(draft_path, torch.float32, torch.device("cpu"))
+    proposer = DraftModelProposer(draft, 2, 1200, 4, torch.float32, torch.device("cpu"),
+                                  max_num_batched_tokens=4096, max_num_seqs=512,
+                                  max_model_len=32)
+    q0 = _probs(draft_path, [ctx], temp)[0]
+    q1 = _probs(draft_path, [ctx + [a] for a in range(8)], temp)
+    p0 = _probs(target_path, [ctx], temp)[0]
+    p1 = _probs(target_path, [ctx + [a] for a in range(8)], temp)
+    p2 = _probs(target_path, [ctx + [a, b] for a in range(8) for b in range(8)], temp)
+    g = torch.Generator().manual_seed(11)
+    params = SamplingParams(max_tokens=10, temperature=temp)
+    first, second, drafted = Counter(), Counter(), Counter()
+    kept = 0
+    n = 0
+    for batch in range(12):
+        reqs = [Request(f"r{batch}-{i}", ctx[:-1], params, output_token_ids=ctx[-1:])
+                for i in range(500)]
+        drafts, q = proposer.propose([(r, 2) for r in reqs], lambda _: g)
+        proposer.release_all()
+        for r in reqs:
+            d, qr = drafts[r.request_id], q[r.request_id]
+            assert len(d) == 2 and qr.shape == (2, 8)
+            torch.testing.assert_close(qr[0], q0, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(qr[1], q1[d[0]], atol=1e-4, rtol=1e-4)
+            drafted[d[0]] += 1
+            out = rejection_sample(torch.stack([p0, p1[d[0]], p2[8 * d[0] + d[1]]]), d, qr, g)
+            first[out[0]] += 1
+            kept += len(out) >= 2
+            if len(out) >= 2 and out[0] == d[0]:
+                second[(out[0], out[1])] += 1
+            n += 1
+    assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
+    assert _tv(drafted, q0, n) < 0.03  # drafts are drawn from q
+    assert _tv(first, p0, n) < 0.03
+    assert kept / n == pytest.approx(float(torch.minimum(p0, q0).sum()), abs=0.02)
+    a = max(range(8), key=lambda t: sum(c for (x, _), c in second.items() if x == t))
+    given = Counter({b: c for (x, b), c in second.items() if x == a})
+    assert sum(given.values()) > 800
+    assert _tv(given, p1[a], sum(given.values())) < 0.05
+
+
+def test_drafts_after_rollbacks_equal_those_of_a_fresh_draft_cache(models):
+    """The draft's KV after catch-up and rollback is what computing the context afresh gives:
+    at every step each request's drafts, and for sampled requests the distributions q they
+    were drawn from, equal those of a second proposer that holds nothing for it (its cache is
+    emptied before each proposal; its draws use copies of the requests' generators)."""
+    from engine import LLM, SamplingParams
+
+    target, draft = models
+    llm = LLM(model=target, **OPTS, speculative_config=_spec(draft))
+    proposer = llm.engine.spec.proposer
+    fresh = LLM(model=target, **OPTS, speculative_config=_spec(draft)).engine.spec.proposer
+    inner = proposer.propose
+    checked = []
+
+    def compare(batch, generator_of):
+        states = {r.request_id: generator_of(r).get_state() for r, _ in batch}
+        drafts, q = inner(batch, generator_of)
+        copies = {rid: torch.Generator().set_state(s) for rid, s in states.items()}
+        fresh.release_all()
+        again, q_again = fresh.propose(batch, lambda r: copies[r.request_id])
+        assert again == drafts and q.keys() == q_again.keys()
+        for rid in q:
+            torch.testing.assert_close(q[rid], q_again[rid], atol=1e-5, rtol=1e-4)
+        checked.append((sum(map(len, drafts.values())), len(q)))
+        return drafts, q
+
+    proposer.propose = compare
+    prompts = _repetitive_prompts()
+    params = [SamplingParams(max_tokens=20, temperature=0.0 if i % 2 else 0.9, seed=i,
+                             ignore_eos=True) for i in range(len(prompts))]
+    llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.stats()
+    assert len(checked) > 5 and sum(c for c, _ in checked) == stats[
+        "spec_decode_num_draft_tokens"]
+    assert any(n for _, n in checked)  # sampled requests' q were compared
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    _assert_no_leak(llm)
+
+
+def test_the_server_flag_takes_a_draft_model_and_serves_unchanged_outputs(models):
+    """--speculative_config with a draft model through the server's parser into the engine;
+    a served completion equals the offline one without speculation. A missing draft folder
+    is a usage error."""
+    import asyncio
+
+    from engine import LLM, SamplingParams
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.spec_decode.draft_model import DraftModelProposer
+    from kserve_paged import args as server_args
+    from tests.test_server_routes import build, client
+
+    target, draft = models
+    with pytest.raises(SystemExit):
+        server_args.parse_args(["--speculative_config", json.dumps(_spec("/nowhere/at/all"))])
+    args = server_args.parse_args(["--speculative_config", json.dumps(_spec(draft))])
+    engine = LLMEngine(EngineConfig(**{**server_args.engine_kwargs(args), **OPTS,
+                                       "model": target}))
+    assert isinstance(engine.spec.proposer, DraftModelProposer)
+    prompt = " ".join(f"t{t}" for t in _repetitive_prompts(2)[1])
+    want = LLM(model=target, **OPTS).generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].text
+    app, model = build(engine=engine)
+    asyncio.run(model.start_engine())
+    try:
+        async def main():
+            async with client(app) as c:
+                r = await c.post("/openai/v1/completions", json={
+                    "model": "m", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                    "ignore_eos": True})
+                return r.status_code, r.json()
+        status, body = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        model.stop_engine()
+    assert status == 200, body
+    assert body["choices"][0]["text"] == want
+    assert engine.spec.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_the_draft_gate_pauses_a_losing_draft_for_the_whole_batch_and_probes_again():
+    """The gate's arithmetic on given times: a window of draft steps whose kept drafts do not
+    buy back the draft's time pauses drafting for PAUSE_MIN steps, a second losing window for
+    twice that; a winning window resets the pause length and drafting goes on."""
+    from engine.spec_decode.draft_gate import PAUSE_MIN, WINDOW, DraftGate
+
+    gate = DraftGate()
+
+    def window(kept_per_request: float) -> None:
+        for _ in range(WINDOW):
+            assert gate.open()
+            gate.record(draft_seconds=0.3, step_seconds=0.4, kept_per_request=kept_per_request)
+
+    window(2.0)  # cost 0.3 / 0.1 = 3 a step, gain 2: losing
+    assert [gate.open() for _ in range(PAUSE_MIN)] == [False] * PAUSE_MIN
+    window(2.5)
+    assert [gate.open() for _ in range(2 * PAUSE_MIN)] == [False] * (2 * PAUSE_MIN)
+    window(3.5)  # gain above the cost: no pause, and the next pause is short again
+    assert gate.open() and gate.pause == 0 and gate.next_pause == PAUSE_MIN
+    assert gate.num_paused_steps == 3 * PAUSE_MIN
+    gate.record(draft_seconds=0.5, step_seconds=0.5, kept_per_request=0.0)  # no time left: ignored
+    assert gate._steps == 0
+
+
+def test_a_draft_that_never_pays_stops_drafting_for_the_whole_batch(models, tmp_path):
+    """A draft as large as the target with other random weights: its k passes cost about k
+    target steps and it is almost never right, so the gate pauses drafting for the batch;
+    greedy outputs stay those of plain decoding and no block is left behind."""
+    from engine import LLM, SamplingParams
+    from tests.test_models import CONFIGS, _save_checkpoint, _save_tokenizer
+
+    target, _ = models
+    other = tmp_path / "other-draft"
+    _save_checkpoint(CONFIGS["llama_gqa_llama3"], other, seed=7)
+    _save_tokenizer(other)
+    prompts = _repetitive_prompts()
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    want = LLM(model=target, **{**OPTS, "max_model_len": 128}).generate(prompts, params,
+                                                                         use_tqdm=False)
+    llm = LLM(model=target, **{**OPTS, "max_model_len": 128},
+              speculative_config=_spec(str(other), 3))
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(want)
+    stats = llm.stats()
+    assert stats["spec_decode_draft_paused_steps"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"] / 2
+    _assert_no_leak(llm)
