@@ -20,9 +20,9 @@ from engine.cpu_memory import tune_glibc_malloc
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.workers import TPWorkerError, TPWorkers
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_groups import kv_layout
 from engine.kv_event_publisher import ZmqEventPublisher
 from engine.kv_events import KVEventsConfig
+from engine.kv_groups import kv_layout
 from engine.kv_sizing import resolve_device, resolve_dtype, size_kv_cache
 from engine.limits import check_prompt_ids
 from engine.logits_processors import apply_penalties
