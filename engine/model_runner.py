@@ -114,7 +114,8 @@ class ModelRunner:
         if len(self.layout.layer_group) != model.num_layers:
             raise ValueError(f"KV layout for {len(self.layout.layer_group)} layers, the model "
                              f"has {model.num_layers}")
-        attns = [m for m in model.modules() if isinstance(m, Attention)]
+        attns = ([m for m in model.modules() if isinstance(m, Attention)]
+                 if isinstance(model, torch.nn.Module) else [])
         if self.layout.num_groups > 1 and len(attns) != model.num_layers:
             raise ValueError(f"{len(attns)} attention layers for {model.num_layers} layers: "
                              "cannot give each its KV group")
