@@ -7,20 +7,32 @@ contract, `kernels/metadata.py`), built once per step by the runner and shared b
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
 import kernels
 from kernels.metadata import AttentionMetadata
 
-__all__ = ["Attention", "AttentionMetadata"]
+__all__ = ["Attention", "AttentionMetadata", "GroupedMetadata"]
+
+
+@dataclass(slots=True)
+class GroupedMetadata(AttentionMetadata):
+    """A step's metadata when layers are in several KV groups (engine/kv_groups.py): itself is
+    group 0's; `groups[g - 1]` is group g's, the same step with that group's block tables and
+    slots (and its own kernel plan)."""
+
+    groups: list[AttentionMetadata] = field(default_factory=list)
 
 
 class Attention(nn.Module):
     """Stores the new K/V in the paged cache, then attends each query over its context: all of
     it, or with `window` its last `window` positions; `softcap` caps the scores (Gemma 2).
 
-    No weights: projections and RoPE live in the model.
+    No weights: projections and RoPE live in the model. `kv_group` is the KV group whose block
+    tables the layer reads (set by the model runner; 0 when there is one group).
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, *,
@@ -35,14 +47,21 @@ class Attention(nn.Module):
         self.scale = scale
         self.window = window
         self.softcap = softcap
+        self.kv_group = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q `[T, Hq, D]`, k/v `[T, Hk, D]` -> `[T, Hq, D]`."""
+        if self.kv_group:
+            if not isinstance(meta, GroupedMetadata):
+                raise TypeError(f"a layer of KV group {self.kv_group} needs GroupedMetadata "
+                                "(the model runner's), not one block table for every layer")
+            meta = meta.groups[self.kv_group - 1]
         kernels.store_kv(k, v, kv_cache, meta.slot_mapping, backend=meta.backend)
         return kernels.attend(q, kv_cache, meta, self.scale, window=self.window,
                               softcap=self.softcap)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"scale={self.scale:.4g}, window={self.window}, softcap={self.softcap}")
+                f"scale={self.scale:.4g}, window={self.window}, softcap={self.softcap}, "
+                f"kv_group={self.kv_group}")

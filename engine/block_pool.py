@@ -16,12 +16,13 @@ from engine.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "announced", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
+        self.announced = True  # its caching and eviction are KV events (see BlockPool.cache)
         # Links of the free queue; both None when the block is not in it.
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
@@ -174,15 +175,17 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache(self, block: KVBlock, block_hash: bytes) -> bool:
+    def cache(self, block: KVBlock, block_hash: bytes, announce: bool = True) -> bool:
         """Make a full block findable by its hash; a hash already cached keeps its first block.
         True if the hash became findable now (the caller records the BlockStored event: only it
-        knows the tokens and the parent)."""
+        knows the tokens and the parent). `announce` False: its eviction is no KV event either
+        (a block of a second KV group, whose key is not a hash a router knows)."""
         if not self.enable_caching or block.block_hash is not None:
             return False
         if block_hash in self.cached:
             return False
         block.block_hash = block_hash
+        block.announced = announce
         self.cached[block_hash] = block
         return True
 
@@ -190,7 +193,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-                if self.events is not None:
+                if self.events is not None and block.announced:
                     self._record_removed(block.block_hash)
             block.block_hash = None
 

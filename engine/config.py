@@ -28,6 +28,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
+    # One block table for every layer even when global and sliding-window layers mix (Gemma
+    # 2/3), as vLLM's --disable-hybrid-kv-cache-manager: nothing leaves the window while a
+    # request runs (engine/kv_groups.py). Tensor parallelism always runs this way.
+    disable_hybrid_kv_cache_manager: bool = False
     # How prefix-cache blocks are keyed, as vLLM's --prefix-caching-hash-algo (engine/block_hash.py;
     # the root key comes from PYTHONHASHSEED). sha256 is vLLM's default; sha256_cbor is the one a
     # router outside the pod can recompute (llm-d's precise prefix-cache scorer).

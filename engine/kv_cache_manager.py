@@ -1,11 +1,15 @@
 """The scheduler's only door to KV memory: prefix lookup, all-or-nothing allocation, forks
 with copy-on-write, free.
 
-With `sliding_window` (a model whose every layer slides), a running request's leading blocks
-that no layer's window reaches any more are released as it advances (`free_out_of_window`):
-its table keeps their positions (None in `req_blocks`, the old id in `req_block_ids`, which no
-windowed kernel reads), so later blocks keep their indices. Full blocks stay in the prefix
-cache while free, so a later prompt with the same prefix can still hit them from block 0.
+A request has one block table per KV group (engine/kv_groups.py): one for a model whose layers
+are all of one kind, one per group of global or sliding-window layers otherwise (Gemma 2/3).
+Every group allocates from the one pool, so the scheduler's question "are there n free
+blocks?" is answered by summing the groups' needs. A sliding group's leading blocks that its
+window no longer reaches are released as the request advances (`free_out_of_window`): its
+table keeps their positions (None in the table, the old id in the plain ids, which no windowed
+kernel reads), so later blocks keep their indices. Full blocks stay in the prefix cache while
+free, so a later prompt with the same prefix can still hit them; a hit needs a global group's
+blocks from block 0 and a sliding group's blocks for the window before the hit's end.
 """
 
 from __future__ import annotations
@@ -21,8 +25,15 @@ from engine.request import Request
 
 @dataclass(slots=True)
 class PrefixHit:
-    blocks: list[KVBlock]
+    # Per KV group, the hit's table entries (None: before a sliding group's window, not taken);
+    # empty: no hit in any group.
+    groups: list[list[KVBlock | None]]
     num_tokens: int
+
+    @property
+    def blocks(self) -> list[KVBlock | None]:
+        """The first group's hit blocks (a one-group model's whole hit)."""
+        return self.groups[0] if self.groups else []
 
 
 NO_HIT = PrefixHit([], 0)
@@ -42,20 +53,31 @@ def _extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
     return tuple(keys) if keys else None
 
 
+def _first_in_window(num_tokens: int, window: int | None, block_size: int) -> int:
+    """The first block the token at position `num_tokens` reads (0 without a window)."""
+    return max(0, num_tokens - window + 1) // block_size if window else 0
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None, hash_algo: str = "sha256") -> None:
+                 sliding_window: int | None = None, hash_algo: str = "sha256",
+                 group_windows: list[int | None] | None = None) -> None:
+        """`group_windows`: each KV group's sliding window (None: global); without it one
+        group, sliding by `sliding_window` (every layer slides) or global."""
         self.block_size = block_size
         self.hasher = BlockHasher(hash_algo)  # vLLM's block keys (engine/block_hash.py)
         self.enable_prefix_caching = enable_prefix_caching
-        self.sliding_window = sliding_window
+        self.windows: list[int | None] = list(group_windows or [sliding_window])
+        self.sliding_window = self.windows[0] if len(self.windows) == 1 else None
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        # A request's blocks in table order; None: released out of the window.
-        self.req_blocks: dict[str, list[KVBlock | None]] = {}
-        self._num_dropped: dict[str, int] = {}  # leading entries released (None)
-        self.num_window_freed = 0  # blocks released out of the window, in total
+        # Per group, a request's blocks in table order; None: released out of the window.
+        self._tables: list[dict[str, list[KVBlock | None]]] = [{} for _ in self.windows]
         # The same tables as plain ids, grown alongside: the runner reads them every step.
-        self.req_block_ids: dict[str, list[int]] = {}
+        self._ids: list[dict[str, list[int]]] = [{} for _ in self.windows]
+        self._dropped: list[dict[str, int]] = [{} for _ in self.windows]  # leading entries None
+        self.req_blocks = self._tables[0]  # the first group's (the only one for most models)
+        self.req_block_ids = self._ids[0]
+        self.num_window_freed = 0  # blocks released out of the window, in total
         # How many of a request's leading blocks are registered in the prefix cache.
         self._num_registered: dict[str, int] = {}
         # Prefix-cache accounting, in tokens (what vLLM's metrics count).
@@ -65,6 +87,15 @@ class KVCacheManager:
         # since the last `take_block_copies`; the model runner does them before the forward.
         self._pending_copies: list[tuple[int, int]] = []
         self.num_cow_copies = 0
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def _key(self, group: int, block_hash: bytes) -> bytes:
+        """A block's prefix-cache key in a group: the same tokens are other bytes in another
+        group's layers. The first group's key is the plain hash (what KV events announce)."""
+        return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
 
     # ---------------------------------------------------------------- hashing
     def _extend_block_hashes(self, request: Request) -> None:
@@ -80,7 +111,9 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- API
     def find_prefix(self, request: Request) -> PrefixHit:
-        """Cached blocks matching the request's leading tokens.
+        """Cached blocks matching the request's leading tokens: in every global group from
+        block 0, in every sliding group for the window before the hit's end (a hit is cut back
+        until each group has what it needs).
 
         The hit stops short of the last token, whose logits must be computed, and is counted in
         the prefix-cache metrics only when the request is admitted (see `record_lookup`).
@@ -88,30 +121,63 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return NO_HIT  # prompt logprobs need logits at every prompt position
         self._extend_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
-        return PrefixHit(blocks, len(blocks) * self.block_size)
+        hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        lookup = self.pool.lookup
+        end = len(hashes)
+        found: list[list[KVBlock | None]] = [[] for _ in self.windows]
+        for g, window in enumerate(self.windows):
+            if window is None:  # a run from block 0
+                run = found[g]
+                for h in hashes[:end]:
+                    block = lookup(self._key(g, h))
+                    if block is None:
+                        break
+                    run.append(block)
+                end = len(run)
+        sliding = [g for g, w in enumerate(self.windows) if w is not None]
+        if sliding:
+            for g in sliding:
+                found[g] = [lookup(self._key(g, h)) for h in hashes[:end]]
+            moved = True
+            while moved and end > 0:  # cut the hit back past any missing window block
+                moved = False
+                for g in sliding:
+                    first = _first_in_window(end * self.block_size, self.windows[g],
+                                             self.block_size)
+                    missing = [i for i in range(first, end) if found[g][i] is None]
+                    if missing:
+                        end, moved = missing[-1], True
+        if end == 0:
+            return NO_HIT
+        groups: list[list[KVBlock | None]] = []
+        for g, window in enumerate(self.windows):
+            first = _first_in_window(end * self.block_size, window, self.block_size)
+            groups.append([None] * first + found[g][first:end])
+        return PrefixHit(groups, end * self.block_size)
 
     def sibling_hit(self, request: Request, sibling: Request, num_valid: int) -> PrefixHit:
         """Full blocks of a sibling (a fork of the same group) that `request` can take after
         the blocks it holds: blocks of their common tokens among the sibling's first
         `num_valid` (written by the end of this step's store), never the block of the request's
-        last token. Forks share blocks this way even with prefix caching off, so a group
-        recomputed after a preemption holds its common history once again."""
+        last token; in a sliding group only those the window before the hit's end reaches.
+        Forks share blocks this way even with prefix caching off, so a group recomputed after
+        a preemption holds its common history once again."""
         bs = self.block_size
-        held = self.req_blocks.get(request.request_id) or []
-        if request.num_computed_tokens != len(held) * bs:
+        held = len(self.req_blocks.get(request.request_id) or [])
+        if request.num_computed_tokens != held * bs:
             return NO_HIT  # a partial block of its own comes first
         last = min(request.common_prefix_len(sibling), num_valid, request.num_tokens - 1) // bs
-        blocks = self.req_blocks.get(sibling.request_id, [])[len(held):last]
-        if not blocks or any(b is None for b in blocks):
-            return NO_HIT  # nothing to take, or blocks that left the window
-        return PrefixHit(list(blocks), len(blocks) * bs)
+        if last <= held:
+            return NO_HIT
+        groups: list[list[KVBlock | None]] = []
+        for g, window in enumerate(self.windows):
+            theirs = self._tables[g].get(sibling.request_id, [])
+            first = max(held, _first_in_window(last * bs, window, bs))
+            part = theirs[first:last]
+            if len(part) < last - first or any(b is None for b in part):
+                return NO_HIT  # blocks that left the window
+            groups.append([None] * (first - held) + part)
+        return PrefixHit(groups, (last - held) * bs)
 
     def record_lookup(self, request: Request, hit: PrefixHit) -> None:
         if self.enable_prefix_caching:
@@ -120,43 +186,51 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        hit: PrefixHit = NO_HIT) -> bool:
-        """Make room for `num_new_tokens` after the request's computed (and hit) tokens.
+        """Make room, in every group, for `num_new_tokens` after the request's computed (and
+        hit) tokens.
 
         All or nothing: on failure no ref count, free-queue position or cache entry changes.
         """
-        held = self.req_blocks.get(request.request_id)
+        rid = request.request_id
         total = request.num_computed_tokens + hit.num_tokens + num_new_tokens
-        need = self.blocks_needed(request, num_new_tokens, hit)
-        if need > self.pool.num_free_blocks:
+        if self.blocks_needed(request, num_new_tokens, hit) > self.pool.num_free_blocks:
             return False
-        if held is None:
-            held = self.req_blocks[request.request_id] = []
-            self.req_block_ids[request.request_id] = []
-            self._num_registered[request.request_id] = 0
-        ids = self.req_block_ids[request.request_id]
-        for i in self._shared_written(request, held, total):
-            self._copy_on_write(held, ids, i)
-        if hit.blocks:
-            self.pool.touch(hit.blocks)
-            held.extend(hit.blocks)
-            ids.extend(b.block_id for b in hit.blocks)
-            self._num_registered[request.request_id] = len(held)
-        num_new_blocks = -(-total // self.block_size) - len(held)
-        if num_new_blocks > 0:
-            new = self.pool.allocate(num_new_blocks)
-            held.extend(new)
-            ids.extend(b.block_id for b in new)
+        if rid not in self.req_blocks:
+            for g in range(self.num_groups):
+                self._tables[g][rid] = []
+                self._ids[g][rid] = []
+            self._num_registered[rid] = 0
+        for g in range(self.num_groups):
+            held, ids = self._tables[g][rid], self._ids[g][rid]
+            for i in self._shared_written(request, held, total):
+                self._copy_on_write(held, ids, i)
+            if hit.groups and hit.groups[g]:
+                taken = hit.groups[g]
+                self.pool.touch([b for b in taken if b is not None])
+                held.extend(taken)
+                ids.extend(0 if b is None else b.block_id for b in taken)
+                self._num_registered[rid] = len(held)  # the hit's blocks are cached already
+            num_new_blocks = -(-total // self.block_size) - len(held)
+            if num_new_blocks > 0:
+                new = self.pool.allocate(num_new_blocks)
+                held.extend(new)
+                ids.extend(b.block_id for b in new)
         self._register_full_blocks(request, min(total, request.num_tokens))
         return True
 
     def blocks_needed(self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> int:
-        """Free blocks an allocation would consume: new blocks plus hit blocks that are free
-        (taking those out of the free queue uses them up as room for new blocks)."""
-        held = self.req_blocks.get(request.request_id)
+        """Free blocks an allocation would consume, over all groups: new blocks plus hit blocks
+        that are free (taking those out of the free queue uses them up as room for new
+        blocks)."""
         total = request.num_computed_tokens + hit.num_tokens + num_new_tokens
-        new = -(-total // self.block_size) - (len(held) if held else 0) - len(hit.blocks)
-        cow = len(self._shared_written(request, held, total)) if held else 0
-        return max(new, 0) + sum(1 for b in hit.blocks if b.ref_cnt == 0) + cow
+        need = 0
+        for g in range(self.num_groups):
+            held = self._tables[g].get(request.request_id)
+            taken = hit.groups[g] if hit.groups else []
+            new = -(-total // self.block_size) - (len(held) if held else 0) - len(taken)
+            cow = len(self._shared_written(request, held, total)) if held else 0
+            need += max(new, 0) + sum(1 for b in taken if b is not None and b.ref_cnt == 0) + cow
+        return need
 
     def blocks_needed_together(self, asks: list[tuple[Request, int]]) -> int:
         """Free blocks that allocating for all these running requests, one after another,
@@ -166,17 +240,18 @@ class KVCacheManager:
         writers: dict[int, int] = {}
         shared: dict[int, KVBlock] = {}
         for request, num_new in asks:
-            held = self.req_blocks.get(request.request_id)
             total = request.num_computed_tokens + num_new
-            total_new += max(-(-total // self.block_size) - (len(held) if held else 0), 0)
-            for i in self._shared_written(request, held, total):
-                b = held[i]
-                writers[b.block_id] = writers.get(b.block_id, 0) + 1
-                shared[b.block_id] = b
+            for table in self._tables:
+                held = table.get(request.request_id)
+                total_new += max(-(-total // self.block_size) - (len(held) if held else 0), 0)
+                for i in self._shared_written(request, held, total):
+                    b = held[i]
+                    writers[b.block_id] = writers.get(b.block_id, 0) + 1
+                    shared[b.block_id] = b
         cow = sum(n - (n == shared[i].ref_cnt) for i, n in writers.items())
         return total_new + cow
 
-    def _shared_written(self, request: Request, held: list[KVBlock] | None,
+    def _shared_written(self, request: Request, held: list[KVBlock | None] | None,
                         total: int) -> list[int]:
         """Indices of held blocks that the coming tokens write into while others hold them too
         (after a fork only the partial last block can be one: full blocks are never written)."""
@@ -186,9 +261,10 @@ class KVCacheManager:
         last = min(-(-total // self.block_size), len(held))
         return [i for i in range(first, last) if held[i] is not None and held[i].ref_cnt > 1]
 
-    def _copy_on_write(self, held: list[KVBlock], ids: list[int], i: int) -> None:
+    def _copy_on_write(self, held: list[KVBlock | None], ids: list[int], i: int) -> None:
         """Give the request its own copy of shared block i before it writes there."""
         old = held[i]
+        assert old is not None
         (new,) = self.pool.allocate(1)
         self._pending_copies.append((old.block_id, new.block_id))
         self.pool.free([old])
@@ -196,42 +272,50 @@ class KVCacheManager:
         self.num_cow_copies += 1
 
     def take_block_copies(self) -> list[tuple[int, int]]:
-        """The copy-on-write copies to do before the next forward, handed over once."""
+        """The copy-on-write copies to do before the next forward, handed over once (a block
+        id names its bytes in every slot tensor, so one copy list serves every group)."""
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Give `child` the parent's block table, every block shared (counts raised): full
+        """Give `child` the parent's block tables, every block shared (counts raised): full
         blocks stay shared for good, a partial last block until one of them writes into it."""
-        blocks = self.req_blocks.get(parent.request_id, [])
         if child.request_id in self.req_blocks:
             raise RuntimeError(f"{child.request_id!r} already holds blocks")
-        self.pool.touch([b for b in blocks if b is not None])  # None: left the window
-        self.req_blocks[child.request_id] = list(blocks)
-        self.req_block_ids[child.request_id] = list(self.req_block_ids.get(parent.request_id,
-                                                                           []))
+        for g in range(self.num_groups):
+            blocks = self._tables[g].get(parent.request_id, [])
+            self.pool.touch([b for b in blocks if b is not None])  # None: left the window
+            self._tables[g][child.request_id] = list(blocks)
+            self._ids[g][child.request_id] = list(self._ids[g].get(parent.request_id, []))
+            if parent.request_id in self._dropped[g]:
+                self._dropped[g][child.request_id] = self._dropped[g][parent.request_id]
         self._num_registered[child.request_id] = self._num_registered.get(parent.request_id, 0)
+
+    def _held(self, request_id: str):
+        """Every block the request holds, over all groups."""
+        for table in self._tables:
+            for b in table.get(request_id, ()):
+                if b is not None:
+                    yield b
 
     def num_exclusive_blocks(self, request_id: str) -> int:
         """Blocks only this request holds: what freeing it returns to the free queue."""
-        return sum(1 for b in self.req_blocks.get(request_id, ()) if b is not None
-                   and b.ref_cnt == 1)
+        return sum(1 for b in self._held(request_id) if b.ref_cnt == 1)
 
     def num_reclaimable(self, request_ids: list[str]) -> int:
         """Blocks that freeing all these requests together returns (held by no one else)."""
         holders: dict[int, int] = {}
         blocks: dict[int, KVBlock] = {}
         for rid in request_ids:
-            for b in self.req_blocks.get(rid, ()):
-                if b is None:  # left the window: already freed
-                    continue
+            for b in self._held(rid):
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
                 blocks[b.block_id] = b
         return sum(1 for i, n in holders.items() if blocks[i].ref_cnt == n)
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Index the blocks that the coming step fills, so requests admitted later in the same
-        step already share them (store_kv runs before attention in every layer)."""
+        step already share them (store_kv runs before attention in every layer). Only the
+        first group's blocks are announced in KV events: a router tracks one chain."""
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
@@ -240,8 +324,14 @@ class KVCacheManager:
         if num_full <= done:
             return
         self._extend_block_hashes(request)
-        blocks = self.req_blocks[rid]
         hashes = request.block_hashes
+        for g in range(1, self.num_groups):
+            blocks = self._tables[g][rid]
+            for i in range(done, num_full):
+                block = blocks[i]
+                if block is not None:
+                    self.pool.cache(block, self._key(g, hashes[i]), announce=False)
+        blocks = self.req_blocks[rid]
         events = self.pool.events
         run: BlockStored | None = None  # the event of the run of blocks stored just now
         for i in range(done, num_full):
@@ -262,73 +352,81 @@ class KVCacheManager:
         self._num_registered[rid] = num_full
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first, so a chain is evicted from its end.
+        """Release the request's blocks in every group, tail first, so a chain is evicted from
+        its end.
 
         Blocks registered for tokens that were never computed (a step that failed, for example)
         lose their cache entry first: a later hit must never read K/V that was not written.
         Callers free before resetting `num_computed_tokens` (preemption does).
         """
         rid = request.request_id
-        blocks = self.req_blocks.pop(rid, None)
-        self.req_block_ids.pop(rid, None)
         self._num_registered.pop(rid, None)
-        self._num_dropped.pop(rid, None)
-        if not blocks:
-            return
         first_uncomputed = request.num_computed_tokens // self.block_size
-        for block in blocks[first_uncomputed:]:
-            if block is not None and block.block_hash is not None:
-                self.pool.uncache(block)
-        self.pool.free(b for b in reversed(blocks) if b is not None)
+        for g in range(self.num_groups):
+            blocks = self._tables[g].pop(rid, None)
+            self._ids[g].pop(rid, None)
+            self._dropped[g].pop(rid, None)
+            if not blocks:
+                continue
+            for block in blocks[first_uncomputed:]:
+                if block is not None and block.block_hash is not None:
+                    self.pool.uncache(block)
+            self.pool.free(b for b in reversed(blocks) if b is not None)
 
     def free_lookahead(self, request: Request) -> int:
         """Return the blocks past the request's tokens (slots of rejected drafts) to the pool.
         They were allocated fresh for this request's lookahead and never cached: blocks are
         registered only up to the request's tokens, never a draft's."""
-        blocks = self.req_blocks.get(request.request_id)
         keep = -(-request.num_tokens // self.block_size)
-        if not blocks or len(blocks) <= keep:
-            return 0
-        extra = blocks[keep:]
-        del blocks[keep:]
-        del self.req_block_ids[request.request_id][keep:]
-        self.pool.free(b for b in reversed(extra) if b is not None)
-        return len(extra)
+        freed = 0
+        for g in range(self.num_groups):
+            blocks = self._tables[g].get(request.request_id)
+            if not blocks or len(blocks) <= keep:
+                continue
+            extra = blocks[keep:]
+            del blocks[keep:]
+            del self._ids[g][request.request_id][keep:]
+            self.pool.free(b for b in reversed(extra) if b is not None)
+            freed += len(extra)
+        return freed
 
     def free_out_of_window(self, request: Request) -> int:
-        """Release the request's leading blocks that the sliding window no longer reaches: the
-        next token, at position `num_computed_tokens`, sees from `position - window + 1` on.
-        Returns how many were released (0 without a window)."""
-        if self.sliding_window is None:
-            return 0
+        """Release the request's leading blocks that a sliding group's window no longer
+        reaches: the next token, at position `num_computed_tokens`, sees from
+        `position - window + 1` on. Returns how many were released (0 without a window)."""
         rid = request.request_id
-        blocks = self.req_blocks.get(rid)
-        if not blocks:
-            return 0
-        first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1)
-        first_needed //= self.block_size
-        done = self._num_dropped.get(rid, 0)
-        if first_needed <= done:
-            return 0
-        drop = [b for b in blocks[done:first_needed] if b is not None]
-        for i in range(done, first_needed):
-            blocks[i] = None
-        self._num_dropped[rid] = first_needed
-        self.pool.free(reversed(drop))  # tail first, as in `free`: evicted before the head
-        self.num_window_freed += len(drop)
-        return len(drop)
+        freed = 0
+        for g, window in enumerate(self.windows):
+            blocks = self._tables[g].get(rid)
+            if window is None or not blocks:
+                continue
+            first_needed = _first_in_window(request.num_computed_tokens, window, self.block_size)
+            first_needed = min(first_needed, len(blocks))
+            done = self._dropped[g].get(rid, 0)
+            if first_needed <= done:
+                continue
+            drop = [b for b in blocks[done:first_needed] if b is not None]
+            for i in range(done, first_needed):
+                blocks[i] = None
+            self._dropped[g][rid] = first_needed
+            self.pool.free(reversed(drop))  # tail first, as in `free`: evicted before the head
+            freed += len(drop)
+        self.num_window_freed += freed
+        return freed
 
-    def block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (the live list: read it, don't change it)."""
-        return self.req_block_ids.get(request_id, [])
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """The request's block table in a group (the live list: read it, don't change it)."""
+        return self._ids[group].get(request_id, [])
 
     def num_blocks_of(self, request_id: str) -> int:
-        """Length of the request's block table (released leading entries included)."""
+        """Length of the request's block tables (released leading entries included)."""
         return len(self.req_blocks.get(request_id, ()))
 
-    def num_held_blocks(self, request_id: str) -> int:
-        """Blocks the request holds now (its table less what left the window)."""
-        return sum(1 for b in self.req_blocks.get(request_id, ()) if b is not None)
+    def num_held_blocks(self, request_id: str, group: int | None = None) -> int:
+        """Blocks the request holds now in a group, or in all (less what left the window)."""
+        if group is None:
+            return sum(1 for _ in self._held(request_id))
+        return sum(1 for b in self._tables[group].get(request_id, ()) if b is not None)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -22,6 +22,7 @@ from engine.distributed.workers import TPWorkerError, TPWorkers
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_event_publisher import ZmqEventPublisher
 from engine.kv_events import KVEventsConfig
+from engine.kv_groups import kv_layout
 from engine.kv_sizing import resolve_device, resolve_dtype, size_kv_cache
 from engine.limits import check_prompt_ids
 from engine.logits_processors import apply_penalties
@@ -90,35 +91,44 @@ class LLMEngine:
             draft_model = load_draft_model(spec, self.model.vocab_size, self.tokenizer,
                                            self.dtype, self.device, config.seed)
         bs = config.block_size
-        per_block = ModelRunner.kv_bytes_per_block(self.model, bs, self.dtype)
+        # KV groups (engine/kv_groups.py): global and sliding layers get their own tables, so
+        # a sliding layer holds only its window; tensor parallelism ships one table per step.
+        windows = list(getattr(self.model, "layer_windows", None) or [None] * self.model.num_layers)
+        self.kv_layout = kv_layout(windows, per_group=tp == 1
+                                   and not config.disable_hybrid_kv_cache_manager)
+        per_block = ModelRunner.kv_bytes_per_block(self.model, bs, self.dtype, self.kv_layout)
         if draft_model is not None:  # one budget: the draft's cache gets as many blocks
             per_block += ModelRunner.kv_bytes_per_block(draft_model, bs, self.dtype)
         self.num_kv_blocks = size_kv_cache(config, per_block, self.device)
         max_len = config.max_model_len or self.model.max_position_embeddings
-        if max_len > self.num_kv_blocks * bs:
-            logger.warning("max_model_len %d exceeds the KV cache (%d tokens): capping it",
-                           max_len, self.num_kv_blocks * bs)
-            max_len = self.num_kv_blocks * bs
+        chunk = config.max_num_batched_tokens
+        fits = self._longest_fit(max_len, chunk)
+        if fits < max_len:
+            logger.warning("max_model_len %d exceeds the KV cache (%d blocks of %d tokens hold "
+                           "one request of %d tokens): capping it", max_len,
+                           self.num_kv_blocks, bs, fits)
+            max_len = fits
         self.model.check_max_model_len(max_len)
         self.max_model_len = max_len
-        logger.info("KV cache: %d blocks of %d tokens, %.1f MiB%s; %d concurrent sequences of "
-                    "max_model_len %d", self.num_kv_blocks, bs,
-                    self.num_kv_blocks * per_block / 2**20,
+        per_request = self.kv_layout.blocks_to_hold(max_len, bs, chunk)
+        groups = self.kv_layout.group_windows
+        logger.info("KV cache: %d blocks of %d tokens x %d layers, %.1f MiB%s; %d concurrent "
+                    "sequences of max_model_len %d (%d blocks each%s)", self.num_kv_blocks, bs,
+                    self.kv_layout.group_size, self.num_kv_blocks * per_block / 2**20,
                     f" per rank x {tp} ranks ({self.model.num_kv_heads} KV heads on rank 0)"
-                    if tp > 1 else "", self.num_kv_blocks * bs // max_len, max_len)
+                    if tp > 1 else "", self.num_kv_blocks // per_request, max_len, per_request,
+                    f" over {len(groups)} KV groups, windows {groups}" if len(groups) > 1
+                    else "")
 
-        # Blocks leave a request while it runs only when every layer slides (Mistral v0.1,
-        # Phi-3): one global layer (Gemma) needs the whole context.
-        windows = list(getattr(self.model, "layer_windows", None) or [None])
-        window = max(windows) if all(w is not None for w in windows) else None
         self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching,
-                                 sliding_window=window,
-                                 hash_algo=config.prefix_caching_hash_algo)
+                                 hash_algo=config.prefix_caching_hash_algo,
+                                 group_windows=self.kv_layout.group_windows)
         self.kv_events = self._kv_event_publisher()
         self.scheduler = Scheduler(config, self.kv, max_len)
         self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,
                                   self.device, max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=max_len)
+                                  max_num_seqs=config.max_num_seqs, max_model_len=max_len,
+                                  layout=self.kv_layout)
         if self.workers is not None:  # each worker: its share of every block, same ids
             self.workers.allocate(num_blocks=self.num_kv_blocks, block_size=bs, dtype=self.dtype,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
@@ -149,6 +159,18 @@ class LLMEngine:
         self.last_step_tokens = 0  # tokens computed by the last step (vLLM's iteration tokens)
         # Test-only fault injection: called with the step's request ids before the forward.
         self.fault_hook: Callable[[list[str]], None] | None = None
+
+    def _longest_fit(self, max_len: int, chunk: int) -> int:
+        """The longest request (at most `max_len` tokens) the KV cache holds alone."""
+        bs, blocks = self.config.block_size, self.num_kv_blocks
+        if self.kv_layout.blocks_to_hold(max_len, bs, chunk) <= blocks:
+            return max_len
+        lo, hi = 0, max_len  # blocks_to_hold grows with the length
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.kv_layout.blocks_to_hold(mid, bs, chunk) <= blocks \
+                else (lo, mid - 1)
+        return lo
 
     def _kv_event_publisher(self) -> ZmqEventPublisher | None:
         """The publisher of KV-cache events, when --kv_events_config switches them on."""

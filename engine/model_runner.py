@@ -9,9 +9,10 @@ import numpy as np
 import torch
 
 import kernels
-from engine.attention import AttentionMetadata
+from engine.attention import Attention, AttentionMetadata, GroupedMetadata
 from engine.cpu_memory import hugepage_zeros, prefault_bytes, prefault_leading_blocks
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_groups import KVLayout, kv_layout
 from engine.kv_sizing import kv_bytes_per_token
 from engine.lora import LoRAManager
 from engine.request import Request
@@ -51,7 +52,7 @@ class _StepBuffers:
     """
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int,
-                 device: torch.device) -> None:
+                 device: torch.device, num_groups: int = 1) -> None:
         pin = device.type == "cuda"
 
         def host(n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -67,8 +68,13 @@ class _StepBuffers:
         self.logits_indices = host(max(max_seqs, max_tokens), torch.long)  # + draft rows
         self.row_lens = host(max_tokens, torch.int32)
         self.row_seq_idx = host(max_tokens, torch.long)
-        self._names = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
-                       "query_start_loc", "logits_indices", "row_lens", "row_seq_idx")
+        names = ["input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
+                 "query_start_loc", "logits_indices", "row_lens", "row_seq_idx"]
+        for g in range(1, num_groups):  # each further KV group's own tables and slots
+            setattr(self, f"slot_mapping{g}", host(max_tokens, torch.long))
+            setattr(self, f"block_tables{g}", host(max_seqs * max_blocks, torch.int32))
+            names += [f"slot_mapping{g}", f"block_tables{g}"]
+        self._names = tuple(names)
         self.np = {n: getattr(self, n).numpy() for n in self._names}
         self.dev = ({n: torch.zeros_like(getattr(self, n), device=device) for n in self._names}
                     if device.type != "cpu" else None)
@@ -96,36 +102,56 @@ class _StepBuffers:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager | None, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, *,
-                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
+                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 layout: KVLayout | None = None) -> None:
+        """`layout`: how layers share blocks (engine/kv_groups.py); None: one group of every
+        layer (one tensor per layer, one block table per request)."""
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.device = device
+        self.layout = layout or kv_layout([None] * model.num_layers, per_group=False)
+        if len(self.layout.layer_group) != model.num_layers:
+            raise ValueError(f"KV layout for {len(self.layout.layer_group)} layers, the model "
+                             f"has {model.num_layers}")
+        attns = ([m for m in model.modules() if isinstance(m, Attention)]
+                 if isinstance(model, torch.nn.Module) else [])
+        if self.layout.num_groups > 1 and len(attns) != model.num_layers:
+            raise ValueError(f"{len(attns)} attention layers for {model.num_layers} layers: "
+                             "cannot give each its KV group")
+        for attn, group in zip(attns, self.layout.layer_group):
+            attn.kv_group = group
         shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        # Zeros, not empty: a partly filled last block is read (and masked); NaN garbage there
-        # would still poison the softmax.
+        # One tensor per slot (engine/kv_groups.py); layer i reads slot `layer_slot[i]` through
+        # its group's tables. Zeros, not empty: a partly filled last block is read (and
+        # masked); NaN garbage there would still poison the softmax.
+        slots = self.layout.group_size
         if device.type == "cpu":  # huge pages: decode reads blocks at random offsets
-            self.kv_caches = [hugepage_zeros(shape, dtype) for _ in range(model.num_layers)]
-            per_block = self.kv_bytes_per_block(model, block_size, dtype)
-            prefault_leading_blocks(self.kv_caches, min(num_blocks, prefault_bytes() // per_block))
+            self.slot_caches = [hugepage_zeros(shape, dtype) for _ in range(slots)]
+            per_block = self.kv_bytes_per_block(model, block_size, dtype, self.layout)
+            prefault_leading_blocks(self.slot_caches,
+                                    min(num_blocks, prefault_bytes() // per_block))
         else:
-            self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
-                              for _ in range(model.num_layers)]
+            self.slot_caches = [torch.zeros(shape, dtype=dtype, device=device)
+                                for _ in range(slots)]
+        self.kv_caches = [self.slot_caches[s] for s in self.layout.layer_slot]
         # The one choice of attention backend for every step (the native decoder stack is the
         # CPU backend's whole-step form; the model takes it when this says "cpu").
         self.attention_backend = kernels.resolve_backend(
             device, block_size=block_size, head_dim=model.head_dim, dtype=dtype)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buffers = _StepBuffers(max_num_batched_tokens, max_num_seqs,
-                                    self.max_blocks_per_seq, device)
+                                    self.max_blocks_per_seq, device, self.layout.num_groups)
         self.lora: LoRAManager | None = None  # set by the engine when LoRA is on
         self.workers: TPWorkers | None = None  # set by the engine under tensor parallelism
 
     @staticmethod
-    def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype,
+                           layout: KVLayout | None = None) -> int:
+        """Bytes of one block: its K/V in every slot (every layer without a `layout`)."""
         elem = torch.tensor([], dtype=dtype).element_size()
-        return block_size * kv_bytes_per_token(model.num_layers, model.num_kv_heads,
-                                               model.head_dim, elem)
+        layers = layout.group_size if layout is not None else model.num_layers
+        return block_size * kv_bytes_per_token(layers, model.num_kv_heads, model.head_dim, elem)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         assert self.kv is not None, "a tensor-parallel worker's runner gets its steps prepared"
@@ -136,7 +162,8 @@ class ModelRunner:
         q_lens = np.empty(n_seqs, dtype=np.int64)
         starts = np.empty(n_seqs, dtype=np.int64)
         tokens: list[int] = []
-        tables: list[list[int]] = []
+        num_groups = self.layout.num_groups
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
         sampling: list[Request] = []
         last_rows: list[int] = []
         prompt_spans: list[tuple[Request, int, int]] = []
@@ -150,7 +177,8 @@ class ModelRunner:
             d = len(drafts)  # speculative: every draft's row is a verification row
             tokens.extend(req.tokens_slice(start, start + n - d))
             tokens.extend(drafts)
-            tables.append(self.kv.block_ids(req.request_id))
+            for g in range(num_groups):
+                tables[g].append(self.kv.block_ids(req.request_id, g))
             if req.sampling_params.prompt_logprobs is not None:
                 end = min(start + n, req.num_prompt_tokens - 1)
                 if end > start:
@@ -177,17 +205,20 @@ class ModelRunner:
         # Each token as an attention row: it sees its own and every earlier key of its sequence.
         np.add(positions, 1, out=buf["row_lens"][:total])
         buf["row_seq_idx"][:total] = seq_of_token
-        max_blocks = max(len(t) for t in tables)
-        block_tables = buf["block_tables"][:n_seqs * max_blocks].reshape(n_seqs, max_blocks)
-        block_tables[:] = 0
-        for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = t
-        np.add(block_tables[seq_of_token, positions // bs].astype(np.int64) * bs,
-               positions % bs, out=buf["slot_mapping"][:total])
+        max_blocks = max(len(t) for t in tables[0])
+        for g in range(num_groups):
+            sfx = str(g) if g else ""
+            block_tables = buf["block_tables" + sfx][:n_seqs * max_blocks].reshape(n_seqs,
+                                                                                 max_blocks)
+            block_tables[:] = 0
+            for i, t in enumerate(tables[g]):
+                block_tables[i, :len(t)] = t
+            np.add(block_tables[seq_of_token, positions // bs].astype(np.int64) * bs,
+                   positions % bs, out=buf["slot_mapping" + sfx][:total])
         n_sample = len(last_rows)
         buf["logits_indices"][:n_sample] = last_rows
         b = self.buffers
-        meta = AttentionMetadata(
+        meta = (GroupedMetadata if num_groups > 1 else AttentionMetadata)(
             slot_mapping=b.take("slot_mapping", total),
             block_tables=b.take("block_tables", n_seqs * max_blocks).view(n_seqs, max_blocks),
             seq_lens=b.take("seq_lens", n_seqs),
@@ -199,6 +230,15 @@ class ModelRunner:
         if self.attention_backend == "cpu":  # only its kernels read rows (GPU kernels find them)
             meta.row_lens = b.take("row_lens", total)
             meta.row_seq_idx = b.take("row_seq_idx", total)
+        if isinstance(meta, GroupedMetadata):  # the same step with each group's tables
+            meta.groups = [AttentionMetadata(
+                slot_mapping=b.take(f"slot_mapping{g}", total),
+                block_tables=b.take(f"block_tables{g}", n_seqs * max_blocks).view(n_seqs,
+                                                                                max_blocks),
+                seq_lens=meta.seq_lens, query_start_loc=meta.query_start_loc,
+                max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len,
+                row_lens=meta.row_lens, row_seq_idx=meta.row_seq_idx,
+                backend=self.attention_backend) for g in range(1, num_groups)]
         inputs = StepInputs(
             input_ids=b.take("input_ids", total),
             positions=b.take("positions", total),
@@ -229,7 +269,7 @@ class ModelRunner:
         tensor-parallel rank runs (the others get None logits: rank 0 gathers them)."""
         if block_copies:  # copy-on-write: shared blocks this step writes into
             src, dst = zip(*block_copies)
-            kernels.copy_blocks(self.kv_caches, torch.tensor(src, device=self.device),
+            kernels.copy_blocks(self.slot_caches, torch.tensor(src, device=self.device),
                                 torch.tensor(dst, device=self.device))
         try:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)

@@ -307,14 +307,15 @@ class Scheduler:
     def _group_blocks(self, unit: list[Request]) -> int:
         """Blocks a waiting group needs to hold its tokens and take one more step, each member
         sharing the full blocks it has in common with a member ahead of it (an upper bound on
-        what admitting it consumes: prefix-cache hits only lower it)."""
+        what admitting it consumes: prefix-cache hits only lower it), in every KV group (a
+        sliding group's too: its first step writes every prompt token)."""
         bs = self.kv.block_size
         need = 0
         for j, member in enumerate(unit):
             shared = max((min(member.common_prefix_len(a), member.num_tokens - 1) // bs
                           for a in unit[:j]), default=0)
             need += -(-(member.num_tokens + 1) // bs) - shared
-        return need
+        return need * self.kv.num_groups
 
     def _admit_group(self, unit: list[Request], need: int, budget: int,
                      scheduled: dict[str, int], order: list[Request], now: float,
@@ -441,7 +442,7 @@ class Scheduler:
             if drafts:
                 num -= len(drafts) - len(more)
             request.num_computed_tokens += num
-            self.kv.free_out_of_window(request)  # no-op unless every layer slides
+            self.kv.free_out_of_window(request)  # no-op without a sliding KV group
             token = sampled.get(request.request_id)
             if token is None:
                 if not request.wants_token and request.num_computed_tokens >= request.num_tokens:
@@ -561,9 +562,9 @@ class Scheduler:
         s = self.kv.stats()
         bs = self.kv.block_size
         slack = 0
-        for request in self.running:
+        for request in self.running:  # the unwritten tail of the last block, in every group
             cap = self.kv.num_blocks_of(request.request_id) * bs
-            slack += cap - min(request.num_tokens, cap)
+            slack += (cap - min(request.num_tokens, cap)) * self.kv.num_groups
         s["kv_slots_used"] = s["kv_slots_allocated"] - slack
         s["num_running"] = len(self.running)
         s["num_waiting"] = len(self.waiting)

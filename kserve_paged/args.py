@@ -44,6 +44,7 @@ ENGINE_FLAGS = (
     "num_kv_blocks",
     "kv_cache_memory",
     "enable_prefix_caching",
+    "disable_hybrid_kv_cache_manager",
     "prefix_caching_hash_algo",
     "scheduling_policy",
     "kv_events_config",
@@ -183,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enable_prefix_caching", "--no_enable_prefix_caching",
                         action=_BoolFlag, default=d["enable_prefix_caching"],
                         help="Reuse KV blocks of shared prompt prefixes.")
+    engine.add_argument("--disable_hybrid_kv_cache_manager", action=_BoolFlag,
+                        default=d["disable_hybrid_kv_cache_manager"],
+                        help="One KV block table for every layer even when global and "
+                             "sliding-window layers mix (Gemma 2/3), as vLLM's flag: nothing "
+                             "leaves the window while a request runs (docs/kv_groups.md).")
     engine.add_argument("--prefix_caching_hash_algo", default=d["prefix_caching_hash_algo"],
                         choices=HASH_ALGOS,
                         help="How prefix-cache blocks are keyed, as vLLM: sha256 (pickle, vLLM's "

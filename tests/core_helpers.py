@@ -30,11 +30,15 @@ def make_request(rid: str, tokens: list[int] | int, max_tokens: int = 8, *,
 def make_scheduler(num_blocks: int = 64, block_size: int = 16, *, budget: int = 2048,
                    max_num_seqs: int = 256, caching: bool = True, policy: str = "fcfs",
                    max_model_len: int | None = None,
-                   sliding_window: int | None = None) -> Scheduler:
+                   sliding_window: int | None = None,
+                   group_windows: list[int | None] | None = None) -> Scheduler:
+    """`group_windows`: one KV group per entry (engine/kv_groups.py), e.g. [None, 8] for a
+    model whose global and sliding layers have their own tables."""
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks,
                           max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                           enable_prefix_caching=caching, scheduling_policy=policy)
-    kv = KVCacheManager(num_blocks, block_size, caching, sliding_window=sliding_window)
+    kv = KVCacheManager(num_blocks, block_size, caching, sliding_window=sliding_window,
+                        group_windows=group_windows)
     return Scheduler(config, kv, max_model_len or num_blocks * block_size)
 
 

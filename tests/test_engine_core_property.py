@@ -54,7 +54,8 @@ def apply_events(pool, mirror: dict[bytes, int]) -> None:
                 assert mirror.pop(h, None) is not None, "removed but never stored"
         else:
             mirror.clear()
-    assert mirror.keys() == pool.cached.keys()
+    # Only the first KV group's blocks are announced (docs/kv_groups.md).
+    assert mirror.keys() == {h for h, b in pool.cached.items() if b.announced}
 
 
 def check_invariants(sched) -> None:
@@ -64,14 +65,15 @@ def check_invariants(sched) -> None:
     free_ids = {b.block_id for b in pool.free_queue}
     assert len(free_ids) == pool.num_free_blocks
     holders = {i: 0 for i in range(pool.num_blocks)}
-    assert kv.req_block_ids.keys() == kv.req_blocks.keys()
-    for rid, blocks in kv.req_blocks.items():
-        ids = kv.req_block_ids[rid]
-        assert len(ids) == len(blocks)
-        assert [i for i, b in zip(ids, blocks) if b] == [b.block_id for b in blocks if b]
-        for b in blocks:
-            if b is not None:  # None: left the sliding window
-                holders[b.block_id] += 1
+    for tables, id_tables in zip(kv._tables, kv._ids):  # every KV group's
+        assert id_tables.keys() == tables.keys() == kv.req_blocks.keys()
+        for rid, blocks in tables.items():
+            ids = id_tables[rid]
+            assert len(ids) == len(blocks) == kv.num_blocks_of(rid)
+            assert [i for i, b in zip(ids, blocks) if b] == [b.block_id for b in blocks if b]
+            for b in blocks:
+                if b is not None:  # None: left the sliding window
+                    holders[b.block_id] += 1
     for b in pool.blocks:
         assert b.ref_cnt >= 0
         assert b.ref_cnt == holders[b.block_id], (b, holders[b.block_id])
@@ -99,23 +101,26 @@ def run_step(sched, kv_store: dict[int, tuple[int, int]], seed: int) -> None:
         for off in range(BS):
             if src * BS + off in kv_store:
                 kv_store[dst * BS + off] = kv_store[src * BS + off]
+    groups = list(enumerate(sched.kv.windows))  # each KV group writes and reads its blocks
     for req in out.scheduled:
         n = out.num_scheduled_tokens[req.request_id]
         assert n >= 1
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
         assert end <= req.num_tokens
-        ids = sched.kv.block_ids(req.request_id)
-        assert len(ids) * BS >= end
-        for pos in range(start, end):  # store_kv of the new tokens
-            kv_store[ids[pos // BS] * BS + pos % BS] = (req.token_at(pos), pos)
-    window = sched.kv.sliding_window
+        for g, _ in groups:
+            ids = sched.kv.block_ids(req.request_id, g)
+            assert len(ids) * BS >= end
+            for pos in range(start, end):  # store_kv of the new tokens
+                kv_store[ids[pos // BS] * BS + pos % BS] = (req.token_at(pos), pos)
     for req in out.scheduled:  # attention reads every position up to the new ones (in window)
         n = out.num_scheduled_tokens[req.request_id]
-        ids = sched.kv.block_ids(req.request_id)
-        first = max(0, req.num_computed_tokens - window + 1) if window else 0
-        for pos in range(first, req.num_computed_tokens + n):
-            assert kv_store.get(ids[pos // BS] * BS + pos % BS) == (req.token_at(pos), pos), \
-                f"{req.request_id} reads wrong KV at position {pos}"
+        for g, window in groups:
+            ids = sched.kv.block_ids(req.request_id, g)
+            first = max(0, req.num_computed_tokens - window + 1) if window else 0
+            for pos in range(first, req.num_computed_tokens + n):
+                assert kv_store.get(ids[pos // BS] * BS + pos % BS) == (req.token_at(pos),
+                                                                         pos), \
+                    f"{req.request_id} reads wrong KV at position {pos} in group {g}"
     sampled = {}
     for i, req in enumerate(out.scheduled):
         n = out.num_scheduled_tokens[req.request_id]
@@ -127,12 +132,17 @@ def run_step(sched, kv_store: dict[int, tuple[int, int]], seed: int) -> None:
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(op_strategy, min_size=OPS_PER_EXAMPLE, max_size=OPS_PER_EXAMPLE),
-       st.sampled_from(["fcfs", "priority"]), st.booleans(), st.sampled_from([None, 9]))
+       st.sampled_from(["fcfs", "priority"]), st.booleans(),
+       st.sampled_from([None, 9, "mixed"]))
 def test_random_operations_keep_the_pool_consistent(ops, policy, caching, window):
-    """`window`: every layer slides, so blocks leave running requests as they fall out."""
-    sched = make_scheduler(num_blocks=NUM_BLOCKS, block_size=BS, budget=BUDGET,
-                           max_num_seqs=MAX_SEQS, caching=caching, policy=policy,
-                           sliding_window=window)
+    """`window`: every layer slides, so blocks leave running requests as they fall out;
+    "mixed": a global and a sliding KV group with their own tables (Gemma), the sliding
+    group's blocks leaving while the global group's stay."""
+    groups = [None, 9] if window == "mixed" else None
+    sched = make_scheduler(num_blocks=NUM_BLOCKS * (2 if groups else 1), block_size=BS,
+                           budget=BUDGET, max_num_seqs=MAX_SEQS, caching=caching,
+                           policy=policy, sliding_window=None if groups else window,
+                           group_windows=groups)
     kv_store: dict[int, tuple[int, int]] = {}
     sched.kv.pool.record_events()
     mirror: dict[bytes, int] = {}
@@ -186,6 +196,6 @@ def test_random_operations_keep_the_pool_consistent(ops, policy, caching, window
     assert sched.kv.pool.reset_prefix_cache()
     apply_events(sched.kv.pool, mirror)
     assert not mirror
-    assert sched.kv.num_free_blocks == NUM_BLOCKS
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
     assert all(b.ref_cnt == 0 for b in sched.kv.pool.blocks)
     assert not sched.requests and not sched.running and not len(sched.waiting)

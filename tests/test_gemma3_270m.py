@@ -38,6 +38,9 @@ PROMPTS = [
 ]
 NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+# The bytes of 256 blocks of all 18 layers: a block holds 3 layers here (one global and five
+# sliding KV groups of 3 layers, docs/kv_groups.md), so that memory is 6 x 256 blocks.
+BLOCKS = 256 * 6
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +78,7 @@ def test_folder_is_a_float32_gemma3_with_its_windows(folder) -> None:
 
 @pytest.mark.slow
 def test_greedy_equals_transformers_with_and_without_prefix_cache(folder, reference) -> None:
-    llm = LLM(model=str(folder), max_model_len=1024, num_kv_blocks=256)
+    llm = LLM(model=str(folder), max_model_len=1024, num_kv_blocks=BLOCKS)
     assert llm.engine.model.layer_windows.count(512) == 15
     for _ in range(2):  # the second run hits the prefix cache
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -83,8 +86,10 @@ def test_greedy_equals_transformers_with_and_without_prefix_cache(folder, refere
             assert out.outputs[0].token_ids == ref, f"prompt {i} differs from transformers"
     assert len(outs[3].prompt_token_ids) > 512
     assert llm.stats()["prefix_cache_hits"] > 0 and outs[3].num_cached_tokens > 512
+    assert llm.engine.kv.num_groups == 6 and llm.stats()["kv_blocks_freed_out_of_window"] > 0
+    assert llm.stats()["kv_blocks_free"] == BLOCKS
 
-    chunked = LLM(model=str(folder), max_model_len=1024, num_kv_blocks=256,
+    chunked = LLM(model=str(folder), max_model_len=1024, num_kv_blocks=BLOCKS,
                   enable_prefix_caching=False, max_num_batched_tokens=200)
     outs = chunked.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
@@ -113,7 +118,7 @@ def test_openai_completions_route_equals_transformers(folder, reference) -> None
     from tests.test_server_routes import NAME, build, client
 
     app, model = build(engine=LLMEngine(EngineConfig(model=MODEL_ID, max_model_len=1024,
-                                                     num_kv_blocks=256)))
+                                                     num_kv_blocks=BLOCKS)))
     asyncio.run(model.start_engine())
     try:
         async def main() -> list[dict]:

@@ -486,19 +486,32 @@ def test_greedy_equals_generate_past_the_window(name: str, tmp_path: Path) -> No
         assert [o.outputs[0].token_ids for o in outs] == expected
     assert cached.stats()["prefix_cache_hits"] > 0
     assert outs[4].num_cached_tokens > 0
-    # Every layer slides (Mistral, Phi-3): blocks left the requests as they fell out of the
-    # window. One global layer (Gemma) keeps them all.
-    all_slide = all(w is not None for w in cached.engine.model.layer_windows)
-    assert (cached.stats()["kv_blocks_freed_out_of_window"] > 0) == all_slide
+    # Blocks left the requests as they fell out of the window: every layer's (Mistral, Phi-3)
+    # or the sliding layers' own KV groups' (Gemma; its global layers keep theirs).
+    windows = cached.engine.model.layer_windows
+    all_slide = all(w is not None for w in windows)
+    mixed = len(set(windows)) > 1
+    assert cached.engine.kv.num_groups == (len(windows) if mixed else 1)  # 1 layer each
+    freed = cached.stats()["kv_blocks_freed_out_of_window"]
+    assert (freed > 0) == any(w is not None for w in windows)
+    assert cached.stats()["kv_blocks_free"] == 128  # nothing leaked
 
-    # A pool too small for all five at once (smaller when blocks leave with the window).
-    pool = 16 if all_slide else 30
+    # A pool too small for all five at once (blocks hold one layer's K/V per KV group for
+    # Gemma, every layer's for the others).
+    pool = 40 if mixed else 16 if all_slide else 30
     plain = LLM(model=str(path), block_size=4, num_kv_blocks=pool, max_model_len=64,
                 enable_prefix_caching=False, max_num_batched_tokens=16)
     outs = plain.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = plain.stats()
     assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == pool
+    if mixed:  # and with one block table for every layer, as before KV groups
+        shared = LLM(model=str(path), block_size=4, num_kv_blocks=32, max_model_len=64,
+                     max_num_batched_tokens=16, disable_hybrid_kv_cache_manager=True)
+        outs = shared.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert shared.engine.kv.num_groups == 1
+        assert shared.stats()["kv_blocks_freed_out_of_window"] == 0
 
 
 def test_samples_fork_from_a_table_whose_blocks_left_the_window(tmp_path: Path) -> None:
@@ -553,3 +566,44 @@ def test_moe_experts_run_grouped_by_expert(monkeypatch: pytest.MonkeyPatch) -> N
                 g, u = (layer.experts_gate_up[e] @ x[t]).chunk(2)
                 expected[t] += w[t, j] * (layer.experts_down[e] @ (torch.nn.functional.silu(g) * u))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_gemma_kv_groups_with_samples_beams_and_speculation(tmp_path: Path) -> None:
+    """A Gemma 3 with its sliding layers in their own KV groups, prompts past the window: n = 2
+    greedy samples (forks), beam search and n-gram speculation give what one shared table
+    gives (greedy: transformers' tokens), under a small pool, and every block comes back."""
+    from engine import LLM, SamplingParams
+
+    path, ref = _save_checkpoint(CONFIGS["gemma3_window_local_rope"], tmp_path)
+    _save_tokenizer(path)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (21, 30)]
+    passage = torch.randint(3, VOCAB, (22,), generator=g).tolist()
+    prompts.append(passage + [2] + passage[:11])  # its answer repeats it: drafts are found
+    new = 10
+    ref.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        expected = [ref.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                    for p in prompts]
+    two = SamplingParams(n=2, max_tokens=new, temperature=0.0, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}
+    kw = dict(model=str(path), block_size=4, max_model_len=64, max_num_batched_tokens=16)
+    shared = LLM(num_kv_blocks=48, disable_hybrid_kv_cache_manager=True, **kw)
+    beams_shared = [[c.token_ids for c in o.outputs]
+                    for o in shared.beam_search(prompts[:2], 2, new)]
+    for llm in (LLM(num_kv_blocks=40, **kw), LLM(num_kv_blocks=40, speculative_config=spec,
+                                                  **kw)):
+        assert llm.engine.kv.num_groups == 4
+        outs = llm.generate(prompts, two, use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in outs] == [[e, e] for e in expected]
+        beams = [[c.token_ids for c in o.outputs] for o in llm.beam_search(prompts[:2], 2, new)]
+        assert beams == beams_shared
+        one = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0.0,
+                                                   ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in one] == expected
+        stats = llm.stats()
+        assert stats["kv_blocks_freed_out_of_window"] > 0
+        assert stats["kv_blocks_free"] == 40 and stats["kv_blocks_in_use"] == 0
+    assert stats.get("spec_decode_num_accepted_tokens", 0) > 0
