@@ -3,11 +3,13 @@
 This is the serving path on CPU (and a correctness fallback on CUDA). Strategy, decided per call
 from the sequence metadata (read once on the host):
 
-* on CPU in fp32 every row (decode and prefill alike) goes to the native C kernel
-  (`cpu_native.paged_rows`), which reads K/V straight from the paged cache; a prefill token at
-  position p is a row that sees p + 1 keys, which is the causal mask. Measured on 2 cores for
-  SmolLM2's shape: about 2x faster than the gather + SDPA path below for prefill chunks, and
-  3-5x for decode. Otherwise (no C compiler, other dtypes, CUDA):
+* on CPU in fp32 the decode rows go to the native C kernel (`cpu_native.paged_rows`), which
+  reads K/V straight from the paged cache. Prefill rows go there too in AVX-512 builds, whose
+  transposed-key tiles make it faster than SDPA (a prefill token at position p is a row that
+  sees p + 1 keys, which is the causal mask); without AVX-512 (`cpu_native.prefill_tiles()`
+  False) the kernel walks one query row at a time and SDPA below is several times faster for
+  prefill, so prefill sequences take the torch path (measured in BENCHMARKS.md, "Attention on
+  AVX2"). Otherwise (no C compiler, other dtypes, CUDA):
 * decode rows (q_len == 1) are sorted by context length and cut into chunks whose padded size
   (rows x longest context in the chunk) stays under a token budget. Each chunk is one block
   gather (`index_select` of whole blocks) and one SDPA call with a key-padding mask. GQA costs
@@ -103,6 +105,8 @@ class _Plan:
     prefill: list[_PrefillItem] = field(default_factory=list)
     num_valid_tokens: int = 0
     valid_rows: torch.Tensor | None = None  # arange(num_valid_tokens), for the native kernel
+    # The decode rows for the native kernel alone: (token index, context length, sequence).
+    decode_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     windowed: list[_WindowItem] = field(default_factory=list)  # windowed / soft-capped layers
 
 
@@ -158,6 +162,7 @@ def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tens
     rows_all = torch.tensor(decode_rows, device=device, dtype=torch.long)
     lens_all = torch.tensor([seq_lens[r] for r in decode_rows], device=device)
     tok_all = torch.tensor([starts[r] for r in decode_rows], device=device, dtype=torch.long)
+    plan.decode_rows = (tok_all, lens_all.int(), rows_all)
     pos = 0
     while pos < len(decode_rows):
         nblk = -(-seq_lens[decode_rows[pos]] // block_size)
@@ -217,34 +222,36 @@ def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
     if query.dtype != kv_cache.dtype:
         query = query.to(kv_cache.dtype)
     native = cpu_native.usable(query, kv_cache)
-    # The native kernel needs only the valid rows, which every layer's plan shares; the torch
-    # path's windowed plan has its own gathers and masks.
-    windowed = not native and (window is not None or bool(softcap))
-    plan = (_plan_for(meta, block_size, decode_token_budget, window, bool(softcap)) if windowed
-            else _plan_for(meta, block_size, decode_token_budget))
+    shaped = window is not None or bool(softcap)  # a windowed / soft-capped layer
+    plan = _plan_for(meta, block_size, decode_token_budget)
     if plan.num_valid_tokens < num_tokens:
         out[plan.num_valid_tokens:].zero_()
-    if windowed:
-        _attend_windowed(query, kv_cache, plan, scale, softcap, out)
+    if native and (not plan.prefill or cpu_native.prefill_tiles()):
+        if plan.num_valid_tokens:
+            # The runner's rows: every valid token, in order (padding rows come last).
+            row_lens, row_seq_idx = meta.rows(plan.num_valid_tokens)
+            if plan.valid_rows is None:
+                plan.valid_rows = torch.arange(plan.num_valid_tokens)
+            cpu_native.paged_rows(query, kv_cache, meta.block_tables, row_lens, plan.valid_rows,
+                                  row_seq_idx, scale, out, window=window, softcap=softcap)
         return out
-
-    if plan.num_valid_tokens and native:
-        # The runner's rows: every valid token, in order (padding rows come last).
-        row_lens, row_seq_idx = meta.rows(plan.num_valid_tokens)
-        if plan.valid_rows is None:
-            plan.valid_rows = torch.arange(plan.num_valid_tokens)
-        cpu_native.paged_rows(query, kv_cache, meta.block_tables, row_lens, plan.valid_rows,
-                              row_seq_idx, scale, out, window=window, softcap=softcap)
+    if native and plan.decode_rows is not None:  # prefill, where SDPA is faster, below
+        tok, lens, seq = plan.decode_rows
+        cpu_native.paged_rows(query, kv_cache, meta.block_tables, lens, tok, seq, scale, out,
+                              window=window, softcap=softcap)
+    if shaped:
+        windowed = _plan_for(meta, block_size, decode_token_budget, window, bool(softcap))
+        _attend_windowed(query, kv_cache, windowed, scale, softcap, out, prefill_only=native)
         return out
-    if window is not None or softcap:  # native, but nothing valid to attend
-        return out
-    for chunk in plan.decode:
-        n = chunk.token_idx.numel()
-        kv = kv_cache.index_select(1, chunk.block_idx)  # [2, n*nblk, bs, kvh, d]
-        kv = kv.view(2, n, chunk.padded_len, num_kv_heads, head_dim).transpose(2, 3)
-        q = query.index_select(0, chunk.token_idx).view(n, num_kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=chunk.mask, scale=scale)
-        out.index_copy_(0, chunk.token_idx, o.reshape(n, num_heads, head_dim).to(out.dtype))
+    if not native:
+        for chunk in plan.decode:
+            n = chunk.token_idx.numel()
+            kv = kv_cache.index_select(1, chunk.block_idx)  # [2, n*nblk, bs, kvh, d]
+            kv = kv.view(2, n, chunk.padded_len, num_kv_heads, head_dim).transpose(2, 3)
+            q = query.index_select(0, chunk.token_idx).view(n, num_kv_heads, group, head_dim)
+            o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=chunk.mask,
+                                               scale=scale)
+            out.index_copy_(0, chunk.token_idx, o.reshape(n, num_heads, head_dim).to(out.dtype))
 
     for item in plan.prefill:
         q_len = item.q_end - item.q_start
@@ -263,13 +270,16 @@ def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
 
 
 def _attend_windowed(query: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
-                     softcap: float | None, out: torch.Tensor) -> None:
-    """The windowed / soft-capped items of `plan` into `out` (see the module docstring)."""
+                     softcap: float | None, out: torch.Tensor, prefill_only: bool = False) -> None:
+    """The windowed / soft-capped items of `plan` into `out` (see the module docstring);
+    `prefill_only`: skip decode rows (the row kernel did them)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     for item in plan.windowed:
         q_len, n = item.q_end - item.q_start, item.num_keys
+        if prefill_only and q_len == 1:
+            continue
         kv = kv_cache.index_select(1, item.block_idx)
         kv = kv.view(2, -1, num_kv_heads, head_dim)[:, :n]
         kv = kv.permute(0, 2, 1, 3).unsqueeze(2).expand(2, num_kv_heads, group, n, head_dim)

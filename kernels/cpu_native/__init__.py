@@ -39,6 +39,7 @@ from kernels.cpu_native.gemm import (
     pack_gate_up_bias,
     pack_gate_up_weight,
     pack_gemm_weight,
+    prefill_tiles,
 )
 from kernels.cpu_native.loader import load
 from kernels.cpu_native.lora import LoRASegments, lora_sgmv, lora_sgmv_segments
@@ -70,6 +71,7 @@ __all__ = [
     "pack_gate_up_weight",
     "pack_gemm_weight",
     "paged_rows",
+    "prefill_tiles",
     "rope_inplace",
     "silu_mul",
     "store_kv",

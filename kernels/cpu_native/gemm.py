@@ -22,6 +22,14 @@ def gemm_available() -> bool:
     return lib is not None and bool(lib.kp_gemm_available())
 
 
+def prefill_tiles() -> bool:
+    """True when the library has its AVX-512 prefill paths (transposed-key tiles, the same
+    compile switch as the GEMM). Without them the row kernel walks one query row at a time and
+    SDPA is several times faster for prefill (BENCHMARKS.md), so kernels/cpu_backend.py hands
+    the row kernel only the decode rows there."""
+    return gemm_available()
+
+
 def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     """`[N, K]` fp32 weight -> `[ceil(N / 48), K, 48]` column panels, zero-padded past N."""
     if weight.dim() != 2 or weight.dtype != torch.float32:

@@ -39,12 +39,16 @@ def _batch(rng: random.Random, kind: str, n: int) -> tuple[list[int], list[int]]
     return seq_lens, q_lens
 
 
-@pytest.fixture(params=["native-decode", "torch-decode"])
+@pytest.fixture(params=["native-decode", "native-all-rows", "torch-decode"])
 def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test through the native C decode kernel and through the pure-torch decode."""
+    """Run a test through the native C kernel and through pure torch. The native kernel takes
+    the decode rows only (prefill by torch: a build without AVX-512) or every row (an AVX-512
+    build's routing, forced here on any machine: the row kernel serves prefill rows too)."""
     if request.param == "torch-decode":
         monkeypatch.setattr(cpu_native, "usable", lambda *args: False)
     else:
+        monkeypatch.setattr(cpu_native, "prefill_tiles",
+                            lambda: request.param == "native-all-rows")
         # gcc is part of the supported machine (README); a missing compiler must not pass
         # silently as "tested".
         assert cpu_native.load() is not None, "the native decode kernel did not build"
@@ -258,8 +262,9 @@ def test_window_and_softcap_match_reference(lens: tuple, window: int | None,
 
 def test_one_step_metadata_serves_windowed_and_global_layers(decode_path: str) -> None:
     """Gemma alternates windowed and global layers over one step's metadata: on the torch
-    path each gets its own plan, on the native kernel they share one (rows only), and neither
-    disturbs the other's answer."""
+    path each gets its own plan, and where SDPA takes the prefill rows of the native path too;
+    when the row kernel takes every row they share one (rows only). Neither disturbs the
+    other's answer."""
     case = make_case([70, 40], [70, 1], num_heads=4, num_kv_heads=2, head_dim=64,
                      block_size=16, seed=3)
     meta = AttentionMetadata.build(*case.args()[2:5])
@@ -268,7 +273,7 @@ def test_one_step_metadata_serves_windowed_and_global_layers(decode_path: str) -
         local = paged_attention_cpu(case.query, case.kv_cache, meta, case.scale, window=8)
         _check(full, paged_attention_ref(*case.args()), torch.float32)
         _check(local, paged_attention_ref(*case.args(), window=8), torch.float32)
-    assert len(meta.plan) == (1 if decode_path == "native-decode" else 2)
+    assert len(meta.plan) == (1 if decode_path == "native-all-rows" else 2)
 
 
 WINDOW_EDGE_CASES = [  # (seq_lens, q_lens, window, block_size, heads, kv_heads, head_dim)
@@ -319,7 +324,7 @@ def test_blocks_outside_the_window_are_not_read(decode_path: str,
     out = _torch(*case.args(), window=window, softcap=2.0)
     assert torch.isfinite(out).all()
     _check(out, want, torch.float32)
-    native = decode_path == "native-decode"
+    native = decode_path != "torch-decode"
     assert calls == ([{"window": window, "softcap": 2.0}] if native else [])
 
 
@@ -357,3 +362,27 @@ def test_native_kernel_refuses_a_negative_window_or_cap() -> None:
             cpu_native.paged_rows(case.query, case.kv_cache, case.block_tables,
                                   torch.arange(1, 9, dtype=torch.int32), rows,
                                   torch.zeros(8, dtype=torch.long), case.scale, out, **bad)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_without_prefill_tiles_only_decode_rows_reach_the_row_kernel(
+        window: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step mixing decode rows, a prefill and a chunk over a cached prefix: without the
+    AVX-512 prefill tiles the row kernel gets exactly the decode rows, SDPA the rest, and the
+    answer is the reference's; with them, one call takes every row."""
+    assert cpu_native.load() is not None, "the native kernel did not build"
+    calls: list[int] = []
+    real = cpu_native.paged_rows
+    monkeypatch.setattr(cpu_native, "paged_rows",
+                        lambda q, kv, bt, lens, tok, *a, **kw: calls.append(tok.tolist())
+                        or real(q, kv, bt, lens, tok, *a, **kw))
+    seq_lens, q_lens = [70, 40, 33, 90], [1, 40, 1, 25]
+    case = make_case(seq_lens, q_lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                     seed=3, wide_table=True)
+    want = paged_attention_ref(*case.args(), window=window)
+    starts = [0, 1, 41, 42]
+    for tiles, expected in ((False, [[starts[0], starts[2]]]), (True, [list(range(67))])):
+        monkeypatch.setattr(cpu_native, "prefill_tiles", lambda tiles=tiles: tiles)
+        calls.clear()
+        _check(_torch(*case.args(), window=window), want, torch.float32)
+        assert [sorted(c) for c in calls] == expected
