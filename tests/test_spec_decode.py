@@ -285,6 +285,51 @@ def test_greedy_speculation_equals_plain_decoding_with_prefix_cache_and_preempti
     assert max(s.total_num_scheduled_tokens for s in steps) <= 16
 
 
+def _bench_workload_prompts(name: str, n: int) -> list[list[int]]:
+    """The first n requests of the benchmark workload W1 (`random`) or W2 (`shared`, a long
+    common prefix), cut to fit the tiny model: the first 40 and the last 16 prompt tokens (so
+    W2's prompts still share their start and differ at the end), ids folded into its vocab."""
+    import sys
+    from pathlib import Path
+
+    from tests.test_models import VOCAB
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from benchlib import load_workload
+
+    prompts = []
+    for r in load_workload(name, n):
+        ids = r["prompt_token_ids"]
+        ids = ids if len(ids) <= 56 else ids[:40] + ids[-16:]
+        prompts.append([3 + t % (VOCAB - 3) for t in ids])
+    return prompts
+
+
+@pytest.mark.parametrize("workload", ["random", "shared"], ids=["W1", "W2"])
+def test_greedy_speculation_equals_plain_decoding_on_the_benchmark_workloads(tiny_model,
+                                                                             workload):
+    """W1 and W2's prompts (cut to the tiny model): with speculation on, with the prefix cache
+    and with a pool small enough to preempt, every output equals plain greedy decoding."""
+    from engine import LLM, SamplingParams
+
+    prompts = _bench_workload_prompts(workload, 6)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    ref = LLM(model=tiny_model, block_size=4, num_kv_blocks=256, max_model_len=96).generate(
+        prompts, params, use_tqdm=False)
+    for options in (dict(num_kv_blocks=256), dict(num_kv_blocks=40,
+                                                  max_num_batched_tokens=32)):
+        llm = LLM(model=tiny_model, block_size=4, max_model_len=96, speculative_config=SPEC,
+                  **options)
+        assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(ref)
+        stats = llm.stats()
+        assert stats["spec_decode_num_draft_tokens"] > 0
+        assert stats["kv_blocks_in_use"] == 0
+        if options["num_kv_blocks"] == 40:
+            assert stats["num_preemptions"] > 0
+        else:
+            assert workload == "random" or stats["prefix_cache_hits"] > 0
+
+
 def test_speculation_keeps_stop_strings_stop_tokens_max_tokens_and_n(tiny_model):
     """Stops decided inside a run of kept drafts end the request where plain decoding ends it:
     a stop string, a stop token held back by min_tokens, max_tokens; n = 2 samples fork and
