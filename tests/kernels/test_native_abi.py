@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -104,7 +106,14 @@ def test_build_key_follows_the_cpu_and_the_compiler(monkeypatch: pytest.MonkeyPa
     """A cache shared by an AVX-512 machine and an AVX2 one must hold two libraries."""
     compiler = loader.find_compiler()
     assert compiler is not None, "no C compiler (the native kernels need one; see README)"
-    assert loader.build_key(compiler) == loader.build_key(compiler)
+    # The same machine in another process finds the same library (no per-process salt such as
+    # Python's randomised hash() in the key).
+    other = subprocess.run(
+        [sys.executable, "-c", "from kernels.cpu_native import loader; "
+         f"print(loader.build_key({compiler!r}))"],
+        capture_output=True, text=True, check=True, timeout=120,
+        env={**os.environ, "PYTHONHASHSEED": "random"}).stdout.strip()
+    assert other == loader.build_key(compiler)
     monkeypatch.setattr(loader, "cpu_features", lambda: "fpu sse avx2 avx512f")
     avx512 = loader.build_key(compiler)
     monkeypatch.setattr(loader, "cpu_features", lambda: "fpu sse avx2")
