@@ -42,11 +42,15 @@ ATTENTION_BACKEND = EnvVar("KSERVE_PAGED_ATTENTION_BACKEND", "",
                            "cpu | triton | flash_attn (torch: old name of cpu); empty: chosen by the device.")
 TORCH_DECODE_BUDGET = EnvVar("KSERVE_PAGED_TORCH_DECODE_BUDGET", "2048",
                              "Decode tokens gathered per batch by the PyTorch attention path.")
+ISA = EnvVar("KSERVE_PAGED_ISA", "auto",
+             "Highest instruction-set level the native kernels are built for: auto (the CPU's "
+             "best), avx2, avx512, avx512_bf16 or amx; a cap, so a lower path runs on a higher "
+             "machine.")
 FAULT_INJECT = EnvVar("KSERVE_PAGED_FAULT_INJECT", "",
                       "TEST ONLY: a control file through which e2e tests make steps fail.")
 
 ALL = (CACHE, NATIVE, ONEDNN, TCMALLOC, KV_PREFAULT_MIB, ATTENTION_BACKEND, TORCH_DECODE_BUDGET,
-       FAULT_INJECT)
+       ISA, FAULT_INJECT)
 
 _OFF = ("0", "false", "no")
 
@@ -93,6 +97,12 @@ def attention_backend() -> str | None:
 
 def torch_decode_budget() -> int:
     return _integer(TORCH_DECODE_BUDGET)
+
+
+def isa_cap() -> str | None:
+    """The level named by `KSERVE_PAGED_ISA`, lower-cased; None for auto (or empty)."""
+    raw = ISA.raw().strip().lower()
+    return None if raw in ("", "auto") else raw
 
 
 def fault_inject_path() -> str | None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels.cpu_native import abi, loader  # noqa: E402
+from kernels.cpu_native import abi, isa, loader  # noqa: E402
 
 CASES = {
     "W1 prefill step (7 prompts, 64-512)": [512, 400, 300, 200, 100, 64, 472],
@@ -32,7 +32,7 @@ CASES = {
 
 def build(tmp: Path, name: str, defines: list[str]) -> ctypes.CDLL:
     out = tmp / f"{name}.so"
-    subprocess.run(["gcc", *loader.FLAGS, *defines, *map(str, loader.SOURCES), "-o", str(out),
+    subprocess.run(["gcc", *loader.flags_for(isa.current()), *defines, *map(str, loader.SOURCES), "-o", str(out),
                     "-lm"], check=True)
     lib = ctypes.CDLL(str(out))
     abi.declare(lib)

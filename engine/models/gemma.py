@@ -143,6 +143,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.tie_weights()
         self.native_stack = None
         self.use_native_stack = False
+        self.native_stack_declined = ("Gemma's layer (scaled embeddings, (1 + w) norms around "
+                                      "both blocks, GELU MLP, windows and soft-capping)")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

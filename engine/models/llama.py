@@ -233,6 +233,8 @@ class LlamaForCausalLM(nn.Module):
         # is on the native GEMM); `use_native_stack = False` keeps the per-layer modules.
         self.native_stack: cpu_native.DecoderStack | None = None
         self.use_native_stack = True
+        # Why this model runs on per-layer modules (set by pack_weights); None with a stack.
+        self.native_stack_declined: str | None = "weights not packed yet"
 
     def _shard_modules(self, tp: TPGroup, o_bias: bool, mlp_bias: bool) -> None:
         """Swap in the row-parallel projections and the vocabulary shards (the column-parallel
@@ -375,21 +377,37 @@ class LlamaForCausalLM(nn.Module):
         self.native_stack = self._build_native_stack()
         return packed
 
-    def _build_native_stack(self) -> cpu_native.DecoderStack | None:
+    def native_stack_unsupported(self) -> str | None:
+        """What of this model the native decoder stack cannot compute, or None. The stack is
+        Llama's layer exactly (kernels/csrc/decoder_stack.c); each answer names the feature, so
+        the log and the tests say why a family runs on per-layer modules."""
+        layers = list(self.model.layers)
         if self.tp is not None:
-            return None  # one native call for all layers leaves no place for the all-reduces
+            return "tensor parallelism (one native call leaves no place for the all-reduces)"
+        if any(layer.self_attn.q_norm is not None for layer in layers):
+            return "per-head q/k RMSNorm (Qwen3)"
+        if any(layer.self_attn.attn.window is not None for layer in layers):
+            return "sliding-window attention layers"
+        eps = self.model.norm.eps
+        if any(n.eps != eps for layer in layers
+               for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+            return "norms with different epsilons"
+        return None
+
+    def _build_native_stack(self) -> cpu_native.DecoderStack | None:
+        self.native_stack_declined = self.native_stack_unsupported()
+        if self.native_stack_declined is not None:
+            logger.info("decoder stack stays on per-layer modules: the native stack has no %s",
+                        self.native_stack_declined)
+            return None
         layers = list(self.model.layers)
         linears = [m for layer in layers for m in layer.modules()
                    if isinstance(m, Linear) and m is not layer.mlp.gate_up_proj]
         if (not linears or not all(m._native for m in linears)
-                or any(layer.mlp._fused is None or layer.self_attn.q_norm is not None
-                       or layer.self_attn.attn.window is not None for layer in layers)):
-            return None  # the native stack has no per-head q/k norm and no window
-        norms = [n for layer in layers for n in (layer.input_layernorm,
-                                                  layer.post_attention_layernorm)]
-        eps = self.model.norm.eps
-        if any(n.eps != eps for n in norms):
+                or any(layer.mlp._fused is None for layer in layers)):
+            self.native_stack_declined = "a projection is not on the native GEMM"
             return None
+        eps = self.model.norm.eps
 
         def bias(linear: Linear) -> torch.Tensor | None:
             return None if linear.bias is None else linear.bias.detach()
@@ -412,6 +430,7 @@ class LlamaForCausalLM(nn.Module):
                 inter=layers[0].mlp.intermediate_size, eps=eps,
                 scale=layers[0].self_attn.attn.scale)
         except ValueError as exc:
+            self.native_stack_declined = str(exc)
             logger.info("decoder stack stays on per-layer modules: %s", exc)
             return None
 

@@ -113,8 +113,8 @@ class MoEForCausalLM(LlamaForCausalLM):
                                       config.num_experts_per_tok, renormalize)
         self.use_native_stack = False
 
-    def _build_native_stack(self) -> None:
-        return None  # the native decoder stack has dense MLPs only
+    def native_stack_unsupported(self) -> str | None:
+        return "sparse (mixture-of-experts) MLPs"
 
     def expected_weights(self) -> set[str]:
         names: set[str] = set()

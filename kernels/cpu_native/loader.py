@@ -1,11 +1,11 @@
 """Building, caching and loading the native library.
 
 The library is built with the system C compiler (plain C, no PyTorch headers, so a build takes
-seconds) and cached under `settings.cache_dir() / "native"`. The file name carries a hash of
-everything that decides what the build contains: the sources and headers, the flags, the
-compiler's identity and the CPU's instruction set. `-march=native` makes the code depend on the
-machine, so a cache shared by machines with different CPUs (an AVX-512 one and an AVX2 one)
-must not hand one machine's build to the other, where it would die on an illegal instruction.
+seconds) for one instruction-set level (`isa.py`: the highest this CPU runs, capped by
+`KSERVE_PAGED_ISA`) and cached under `settings.cache_dir() / "native"`. The file name carries a
+hash of everything that decides what the build contains: the sources and headers, the flags
+(the level's `-march` among them) and the compiler's identity. A cache shared by machines with
+different CPUs holds one library per level, and a machine only loads a level it can run.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import ctypes
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kernels import settings
-from kernels.cpu_native import abi
+from kernels.cpu_native import abi, isa
 
 logger = logging.getLogger("kernels")
 
@@ -33,10 +32,12 @@ SOURCES = tuple(CSRC / name for name in (
     "library.c", "paged_rows.c", "paged_key_tile.c", "paged_prefix.c", "paged_dispatch.c",
     "cpu_ops.c", "gemm.c", "decoder_stack.c", "lora_sgmv.c"))
 HEADERS = tuple(CSRC / name for name in ("kp_native.h", "paged_attention.h", "simd_exp.h"))
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fvisibility=hidden", "-Wall",
-         "-Wextra", "-shared", "-fPIC")
+FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wextra", "-shared",
+         "-fPIC")  # plus the level's -march (isa.LEVELS)
+ISA_TAG = b"kp-native-isa="  # library.c embeds this, then KP_ISA, then ";"
 
 _lib: ctypes.CDLL | None = None
+_level: isa.IsaLevel | None = None
 _tried = False
 
 
@@ -53,55 +54,55 @@ def _first_line(cmd: list[str]) -> str:
     return proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout else ""
 
 
-def cpu_features() -> str:
-    """The CPU's instruction-set flags (the `flags` line of /proc/cpuinfo on Linux), which
-    decide what `-march=native` compiles in; elsewhere, what the compiler resolves it to."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    compiler = find_compiler()
-    if compiler is None:
-        return platform.machine()
-    try:
-        proc = subprocess.run([compiler, "-march=native", "-Q", "--help=target"],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return platform.machine()
-    return proc.stdout if proc.returncode == 0 else platform.machine()
+def flags_for(level: isa.IsaLevel) -> tuple[str, ...]:
+    """The compiler flags of a build for `level`."""
+    return (*FLAGS, *level.march)
 
 
-def build_key(compiler: str) -> str:
-    """Hash of the sources, the flags, the compiler's identity and the CPU's features."""
+def build_key(compiler: str, level: isa.IsaLevel) -> str:
+    """Hash of the sources, the flags (the level's among them) and the compiler's identity."""
     digest = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(" ".join(FLAGS).encode() + b"\0")
-    digest.update(_first_line([compiler, "--version"]).encode() + b"\0")
-    digest.update(cpu_features().encode())
+    digest.update(" ".join(flags_for(level)).encode() + b"\0")
+    digest.update(_first_line([compiler, "--version"]).encode())
     return digest.hexdigest()[:16]
 
 
-def build() -> Path:
-    """The library's path in the cache, compiling it first when it is not there."""
+def compile_library(compiler: str, level: isa.IsaLevel, out: Path) -> None:
+    """Compile the library for `level` into `out` (any CPU may compile any level; only one
+    that has the level's instructions may load it). RuntimeError with the compiler's words."""
+    proc = subprocess.run([compiler, *flags_for(level), *map(str, SOURCES), "-o", str(out),
+                           "-lm"], capture_output=True, text=True, timeout=180)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{compiler} failed for {level.name}: {proc.stderr.strip()[-500:]}")
+    if proc.stderr.strip():
+        logger.warning("native CPU kernels built with warnings: %s", proc.stderr[-2000:])
+
+
+def built_level(path: Path) -> str | None:
+    """The KP_ISA a library file was compiled for, read from its bytes (never by running it)."""
+    data = path.read_bytes()
+    at = data.find(ISA_TAG)
+    if at < 0:
+        return None
+    end = data.find(b";", at)
+    return data[at + len(ISA_TAG):end].decode(errors="replace")
+
+
+def build(level: isa.IsaLevel) -> Path:
+    """The library for `level` in the cache, compiling it first when it is not there."""
     compiler = find_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    target = settings.cache_dir() / "native" / f"kp_native-{build_key(compiler)}.so"
+    target = (settings.cache_dir() / "native"
+              / f"kp_native-{level.name}-{build_key(compiler, level)}.so")
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"],
-                              capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
-        if proc.stderr.strip():
-            logger.warning("native CPU kernels built with warnings: %s", proc.stderr[-2000:])
+        compile_library(compiler, level, out)
         os.replace(out, target)  # atomic: a half-written library is never loaded
     return target
 
@@ -109,7 +110,7 @@ def build() -> Path:
 def load() -> ctypes.CDLL | None:
     """The library, built on first use; None (the reason logged once) when it is turned off,
     cannot be built, or was built for another ABI version."""
-    global _lib, _tried
+    global _lib, _level, _tried
     if _tried:
         return _lib
     _tried = True
@@ -117,7 +118,18 @@ def load() -> ctypes.CDLL | None:
         logger.info("native CPU kernels disabled by %s", settings.NATIVE.name)
         return None
     try:
-        lib = ctypes.CDLL(str(build()))
+        level = isa.current()
+    except ValueError as exc:
+        logger.warning("native CPU kernels unavailable (%s); using the PyTorch path", exc)
+        return None
+    if level is None:
+        logger.warning("native CPU kernels unavailable: this CPU lacks %s (the lowest level, "
+                       "%s); using the PyTorch path", ", ".join(isa.missing(
+                           isa.LEVELS[0], isa.cpu_flags())), isa.LEVELS[0].doc)
+        return None
+    try:
+        path = build(level)
+        lib = ctypes.CDLL(str(path))
         version_fn = lib.kp_abi_version
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
         logger.warning("native CPU kernels unavailable (%s); using the PyTorch path", exc)
@@ -135,8 +147,14 @@ def load() -> ctypes.CDLL | None:
         logger.warning("native CPU kernels rejected (%s); using the PyTorch path", exc)
         return None
     _lib = lib
-    logger.info("native CPU kernels loaded")
+    logger.info("native CPU kernels loaded, built for %s (%s)", level.name, level.doc)
+    _level = level
     return _lib
+
+
+def loaded_level() -> isa.IsaLevel | None:
+    """The level of the loaded library (None when none is loaded)."""
+    return _level if load() is not None else None
 
 
 def loaded() -> ctypes.CDLL:

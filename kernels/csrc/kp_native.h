@@ -21,6 +21,21 @@
 
 #define KP_API __attribute__((visibility("default")))
 
+/* The instruction-set level this build was compiled for, from the compiler's own macros; the
+ * names are kernels/cpu_native/isa.py's levels, and library.c embeds the one chosen here so a
+ * test can read what a cross-compiled library contains without running it. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KP_ISA "amx"
+#elif defined(__AVX512BF16__)
+#define KP_ISA "avx512_bf16"
+#elif defined(__AVX512F__)
+#define KP_ISA "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KP_ISA "avx2"
+#else
+#define KP_ISA "generic"
+#endif
+
 /* ---- library (library.c) ---- */
 
 /* KP_ABI_VERSION of the sources this library was built from. */

@@ -5,6 +5,9 @@
 #include <omp.h>
 #endif
 
+/* Read from the file by cpu_native.loader.built_level (ISA_TAG there). */
+__attribute__((used)) static const char kp_isa_tag[] = "kp-native-isa=" KP_ISA ";";
+
 int kp_abi_version(void) { return KP_ABI_VERSION; }
 
 #ifdef _OPENMP

@@ -20,8 +20,8 @@ from engine.model_loader import load_model
 from kernels import cpu_native
 from tests.test_models import CONFIGS, VOCAB, PagedSim, _save_checkpoint
 
-pytestmark = pytest.mark.skipif(not cpu_native.gemm_available(),
-                                reason="the decoder stack needs the native GEMM (AVX-512)")
+needs_stack = pytest.mark.skipif(not cpu_native.gemm_available(),
+                                 reason="the decoder stack needs the native GEMM (AVX-512)")
 
 
 def _steps(seed: int) -> list[list[tuple[int, list[int]]]]:
@@ -48,11 +48,32 @@ def _long_steps(seed: int) -> list[list[tuple[int, list[int]]]]:
     ]
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+# The families the stack declines, and the feature each answer must name: wherever the native
+# GEMM exists, every other family of tests/test_models.py must get the stack.
+DECLINED = {
+    "gemma2_window_softcap": "Gemma's layer",
+    "gemma3_mha_tied": "Gemma's layer",
+    "gemma3_window_local_rope": "Gemma's layer",
+    "mistral_window": "sliding-window",
+    "phi3_window_mha": "sliding-window",
+    "qwen3_qk_norm": "q/k RMSNorm",
+    "qwen3_bias_tied": "q/k RMSNorm",
+    "mixtral_4x_top2": "mixture-of-experts",
+    "qwen3_moe_4x_top2": "mixture-of-experts",
+    "qwen3_moe_norm_topk": "mixture-of-experts",
+}
+
+
+def test_declined_families_are_served_families() -> None:
+    assert set(DECLINED) <= set(CONFIGS)
+
+
+@needs_stack
+@pytest.mark.parametrize("name", sorted(set(CONFIGS) - set(DECLINED)))
 def test_stack_equals_per_layer_modules_bit_for_bit(name: str, tmp_path: Path) -> None:
     path, _ = _save_checkpoint(CONFIGS[name], tmp_path)
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
-    assert model.native_stack is not None, "every projection is native: the stack must be built"
+    assert model.native_stack is not None, model.native_stack_declined
     results = {}
     for use in (True, False):
         model.use_native_stack = use
@@ -79,6 +100,18 @@ def test_stack_equals_per_layer_modules_bit_for_bit(name: str, tmp_path: Path) -
         assert torch.equal(a, b)  # same K/V written, and the garbage slots left alone
 
 
+@pytest.mark.parametrize("name", sorted(DECLINED))
+def test_stack_declines_what_it_cannot_compute_and_says_why(name: str, tmp_path: Path,
+                                                             caplog) -> None:
+    path, _ = _save_checkpoint(CONFIGS[name], tmp_path)
+    with caplog.at_level("INFO", logger="engine"):
+        model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    assert model.native_stack is None
+    assert DECLINED[name] in model.native_stack_declined
+    if not name.startswith("gemma"):  # the Llama-family models log their reason at packing
+        assert DECLINED[name] in caplog.text
+
+
 def _tiny_stack(tmp_path: Path):
     path, _ = _save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path)
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
@@ -98,6 +131,7 @@ def _one_step_inputs(model, positions: list[int], slots: list[int]):
     return torch.tensor([1] * n), torch.tensor(positions), kv, meta
 
 
+@needs_stack
 def test_position_past_the_rotary_table_raises(tmp_path: Path) -> None:
     model = _tiny_stack(tmp_path)
     ids, pos, kv, meta = _one_step_inputs(model, [0, 1], [0, 1])
@@ -106,6 +140,7 @@ def test_position_past_the_rotary_table_raises(tmp_path: Path) -> None:
         model(ids, pos, kv, meta)
 
 
+@needs_stack
 def test_slot_past_the_cache_raises_and_writes_nothing(tmp_path: Path) -> None:
     model = _tiny_stack(tmp_path)
     ids, pos, kv, meta = _one_step_inputs(model, [0, 1], [0, 8 * 4])
@@ -137,8 +172,10 @@ def test_no_stack_without_native_projections(tmp_path: Path, monkeypatch) -> Non
     monkeypatch.setenv("KSERVE_PAGED_ONEDNN", "0")  # no packing at all
     model = _tiny_stack(tmp_path)
     assert model.native_stack is None
+    assert model.native_stack_declined == "a projection is not on the native GEMM"
 
 
+@needs_stack
 def test_stack_rejects_weights_it_cannot_run(tmp_path: Path) -> None:
     model = _tiny_stack(tmp_path)
     layer = model.model.layers[0]
@@ -160,6 +197,7 @@ def test_stack_rejects_weights_it_cannot_run(tmp_path: Path) -> None:
         cpu_native.DecoderStack([{**good, "o_b": torch.zeros(3)}], *args, **kwargs)
 
 
+@needs_stack
 def test_stack_takes_what_the_per_layer_path_takes(tmp_path: Path) -> None:
     """int32 positions and slots, int64 and strided block tables: converted, not refused."""
     model = _tiny_stack(tmp_path)
@@ -177,6 +215,7 @@ def test_stack_takes_what_the_per_layer_path_takes(tmp_path: Path) -> None:
             assert torch.equal(model(ids, p, [c.clone() for c in kv], m), expected), name
 
 
+@needs_stack
 def test_kv_binding_follows_a_new_shape_at_the_same_address(tmp_path: Path) -> None:
     """A cache viewed with another block size (same storage address) is bound again."""
     model = _tiny_stack(tmp_path)

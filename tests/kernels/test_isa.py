@@ -1,0 +1,175 @@
+"""Instruction-set levels of the native library (kernels/cpu_native/isa.py).
+
+What holds on every machine: each level's table of needed CPU flags is what gcc's `-march` for
+it enables; each machine type seen chooses its level (CPU flags stubbed, so an AVX2 machine
+checks the AMX choice and the other way round); every level compiles warning-free here, and the
+file says which level it holds (read from its bytes, never run). On a machine with more than
+AVX2, the native kernel tests also run with `KSERVE_PAGED_ISA=avx2`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import cpu_native
+from kernels.cpu_native import isa, loader
+
+# gcc's predefined macro for an instruction family -> the /proc/cpuinfo flag of that family.
+_MACRO_FLAG = {
+    "SSE": "sse", "SSE2": "sse2", "SSE3": "pni", "SSSE3": "ssse3", "SSE4_1": "sse4_1",
+    "SSE4_2": "sse4_2", "POPCNT": "popcnt", "AVX": "avx", "AVX2": "avx2", "FMA": "fma",
+    "F16C": "f16c", "BMI": "bmi1", "BMI2": "bmi2", "LZCNT": "abm", "MOVBE": "movbe",
+    "AES": "aes", "PCLMUL": "pclmulqdq", "SHA": "sha_ni", "GFNI": "gfni", "VAES": "vaes",
+    "VPCLMULQDQ": "vpclmulqdq", "AVX512F": "avx512f", "AVX512CD": "avx512cd",
+    "AVX512BW": "avx512bw", "AVX512DQ": "avx512dq", "AVX512VL": "avx512vl",
+    "AVX512VNNI": "avx512_vnni", "AVX512IFMA": "avx512ifma", "AVX512VBMI": "avx512vbmi",
+    "AVX512VBMI2": "avx512_vbmi2", "AVX512BITALG": "avx512_bitalg",
+    "AVX512VPOPCNTDQ": "avx512_vpopcntdq", "AVX512BF16": "avx512_bf16",
+    "AVX512FP16": "avx512_fp16", "AVX512VP2INTERSECT": "avx512_vp2intersect",
+    "AVXVNNI": "avx_vnni", "AMX_TILE": "amx_tile", "AMX_BF16": "amx_bf16",
+    "AMX_INT8": "amx_int8",
+}
+# The families a compiler emits from plain C or our intrinsics (the others, such as RDRND or
+# XSAVE, appear only when code asks for them by name, and ours never does).
+_FAMILY = re.compile(r"#define __((?:SSE|SSSE|AVX|AMX|FMA|F16C|BMI|LZCNT|MOVBE|POPCNT|AES|"
+                     r"PCLMUL|SHA|GFNI|VAES|VPCLMULQDQ)[A-Z0-9_]*)__ 1")
+
+_ZEN3 = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx "
+         "fxsr sse sse2 ht syscall nx mmxext fxsr_opt pdpe1gb rdtscp lm rep_good nopl cpuid "
+         "extd_apicid tsc_known_freq pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic "
+         "movbe popcnt aes xsave avx f16c rdrand hypervisor lahf_lm cmp_legacy cr8_legacy abm "
+         "sse4a misalignsse 3dnowprefetch osvw topoext invpcid_single ssbd ibrs ibpb stibp "
+         "vmmcall fsgsbase bmi1 avx2 smep bmi2 erms invpcid rdseed adx smap clflushopt clwb "
+         "sha_ni xsaveopt xsavec xgetbv1 xsaves clzero xsaveerptr rdpru wbnoinvd arat npt "
+         "nrip_save umip pku ospke vaes vpclmulqdq rdpid fsrm")
+_ICELAKE = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush "
+            "mmx fxsr sse sse2 ss ht syscall nx pdpe1gb rdtscp lm constant_tsc rep_good nopl "
+            "xtopology nonstop_tsc cpuid tsc_known_freq pni pclmulqdq ssse3 fma cx16 pcid "
+            "sse4_1 sse4_2 x2apic movbe popcnt tsc_deadline_timer aes xsave avx f16c rdrand "
+            "hypervisor lahf_lm abm 3dnowprefetch invpcid_single ssbd ibrs ibpb stibp "
+            "ibrs_enhanced fsgsbase tsc_adjust bmi1 avx2 smep bmi2 erms invpcid avx512f "
+            "avx512dq rdseed adx smap avx512ifma clflushopt clwb avx512cd sha_ni avx512bw "
+            "avx512vl xsaveopt xsavec xgetbv1 xsaves wbnoinvd arat avx512vbmi umip pku ospke "
+            "avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg avx512_vpopcntdq rdpid "
+            "md_clear arch_capabilities")
+_COOPERLAKE = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 "
+               "clflush mmx fxsr sse sse2 ss ht syscall nx pdpe1gb rdtscp lm constant_tsc "
+               "rep_good nopl xtopology nonstop_tsc cpuid tsc_known_freq pni pclmulqdq ssse3 "
+               "fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt tsc_deadline_timer aes xsave "
+               "avx f16c rdrand hypervisor lahf_lm abm 3dnowprefetch invpcid_single ssbd ibrs "
+               "ibpb stibp ibrs_enhanced fsgsbase tsc_adjust bmi1 avx2 smep bmi2 erms invpcid "
+               "avx512f avx512dq rdseed adx smap clflushopt clwb avx512cd avx512bw avx512vl "
+               "xsaveopt xsavec xgetbv1 xsaves avx512_bf16 arat pku ospke avx512_vnni md_clear "
+               "arch_capabilities")
+_SAPPHIRE_RAPIDS = _ICELAKE + (" avx_vnni avx512_bf16 cldemote movdiri movdir64b serialize "
+                               "tsxldtrk amx_bf16 avx512_fp16 amx_tile amx_int8")
+MACHINES = {  # machine types this project has landed on -> the level each must get
+    "AMD EPYC Zen 3": (_ZEN3, "avx2"),
+    "Intel Xeon Ice Lake": (_ICELAKE, "avx512"),
+    "Intel Xeon with AVX512-BF16, no AMX": (_COOPERLAKE, "avx512_bf16"),
+    "Intel Xeon Sapphire Rapids (AMX)": (_SAPPHIRE_RAPIDS, "amx"),
+}
+
+
+def _gcc() -> str:
+    gcc = shutil.which("gcc")
+    assert gcc is not None, "no gcc (the native kernels are built with it; see README)"
+    return gcc
+
+
+def _gcc_families(flags: tuple[str, ...]) -> frozenset[str]:
+    proc = subprocess.run([_gcc(), *flags, "-dM", "-E", "-"], input="", capture_output=True,
+                          text=True, timeout=60, check=True)
+    macros = [m for m in _FAMILY.findall(proc.stdout) if not m.endswith("_MATH")]  # modes
+    unknown = sorted(m for m in macros if m not in _MACRO_FLAG)
+    assert not unknown, f"add these gcc macros to the table: {unknown}"
+    return frozenset(_MACRO_FLAG[m] for m in macros)
+
+
+@pytest.mark.parametrize("level", isa.LEVELS, ids=lambda level: level.name)
+def test_each_level_needs_exactly_what_its_march_enables(level: isa.IsaLevel) -> None:
+    assert _gcc_families(level.march) == level.needs
+
+
+def test_levels_run_lowest_first_and_each_contains_the_first() -> None:
+    assert [level.name for level in isa.LEVELS] == ["avx2", "avx512", "avx512_bf16", "amx"]
+    assert all(isa.LEVELS[0].needs <= level.needs for level in isa.LEVELS)
+
+
+@pytest.mark.parametrize("machine", sorted(MACHINES))
+def test_each_machine_type_chooses_its_level(machine: str) -> None:
+    flags, expected = MACHINES[machine]
+    flags = frozenset(flags.split())
+    assert isa.select(flags).name == expected
+    assert [level.name for level in isa.available(flags)][-1] == expected
+    for cap in isa.BY_NAME:  # a cap never lifts a machine above what it has
+        chosen = isa.select(flags, cap)
+        assert isa.LEVELS.index(chosen) <= min(isa.LEVELS.index(isa.BY_NAME[cap]),
+                                               isa.LEVELS.index(isa.BY_NAME[expected]))
+    assert isa.select(flags, "avx2").name == "avx2"
+
+
+def test_a_cpu_below_avx2_gets_no_native_level_and_a_bad_cap_is_named() -> None:
+    old = frozenset(["fpu", "sse", "sse2", "pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "avx"])
+    assert isa.select(old) is None
+    assert isa.missing(isa.LEVELS[0], old) == sorted(isa.LEVELS[0].needs - old)
+    with pytest.raises(ValueError, match="KSERVE_PAGED_ISA='avx9'.*avx2, avx512"):
+        isa.select(old, "avx9")
+
+
+def test_the_cap_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(_SAPPHIRE_RAPIDS.split()))
+    monkeypatch.setenv("KSERVE_PAGED_ISA", "AVX512")
+    assert isa.current().name == "avx512"
+    monkeypatch.setenv("KSERVE_PAGED_ISA", "auto")
+    assert isa.current().name == "amx"
+    monkeypatch.delenv("KSERVE_PAGED_ISA")
+    assert isa.current().name == "amx"
+
+
+@pytest.mark.parametrize("level", isa.LEVELS, ids=lambda level: level.name)
+def test_every_level_compiles_without_warnings_and_says_what_it_holds(
+        level: isa.IsaLevel, tmp_path: Path) -> None:
+    """Compiled here for every level, run only where the CPU has it."""
+    out = tmp_path / "kp.so"
+    proc = subprocess.run([_gcc(), *loader.flags_for(level), "-Werror", *map(str, loader.SOURCES),
+                           "-o", str(out), "-lm"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert loader.built_level(out) == level.name
+
+
+def test_the_loaded_library_is_this_machines_level() -> None:
+    assert cpu_native.load() is not None, "the native CPU kernels did not build"
+    level = loader.loaded_level()
+    assert level == isa.current()
+    assert level.needs <= isa.cpu_flags()
+
+
+_NATIVE_TESTS = ("tests/kernels/test_cpu_ops.py", "tests/kernels/test_gemm.py",
+                 "tests/kernels/test_cpu_backend.py", "tests/kernels/test_lora_native.py",
+                 "tests/kernels/test_decoder_stack.py")
+
+
+@pytest.mark.skipif(len(isa.available()) < 2,
+                    reason="this CPU's best level is AVX2 already: the suite ran the AVX2 build")
+def test_native_kernel_tests_pass_on_the_avx2_build_too(tmp_path: Path) -> None:
+    """The lower level's code on this higher machine, in a child process (the library is
+    loaded once per process)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "KSERVE_PAGED_ISA": "avx2"}
+    check = subprocess.run(
+        [sys.executable, "-c", "from kernels.cpu_native import loader; "
+         "assert loader.load() is not None; print(loader.loaded_level().name)"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert check.stdout.strip() == "avx2", check.stderr[-2000:]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider",
+         *_NATIVE_TESTS], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
