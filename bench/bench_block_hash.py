@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from engine.block_hash import HASH_ALGOS, BlockHasher
+from engine.core.block_hash import HASH_ALGOS, BlockHasher
 
 
 def int64_sha256(parent: bytes | None, tokens: list[int], extra=None) -> bytes:

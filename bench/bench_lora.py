@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--adapters-dir", default=None)
     args = ap.parse_args()
 
-    from engine.cpu_memory import reexec_with_tcmalloc
+    from engine.worker.cpu_memory import reexec_with_tcmalloc
 
     reexec_with_tcmalloc()
     import torch

@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
 
-    from engine.cpu_memory import reexec_with_tcmalloc
+    from engine.worker.cpu_memory import reexec_with_tcmalloc
 
     reexec_with_tcmalloc()  # as the server does (KSERVE_PAGED_TCMALLOC=0: glibc malloc)
     import torch

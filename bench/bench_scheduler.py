@@ -16,10 +16,10 @@ import statistics
 import time
 
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 
 
 def main() -> None:

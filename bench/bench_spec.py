@@ -84,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     load_at_start = os.getloadavg()
 
-    from engine.cpu_memory import reexec_with_tcmalloc
+    from engine.worker.cpu_memory import reexec_with_tcmalloc
 
     reexec_with_tcmalloc()
     import torch

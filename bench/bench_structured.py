@@ -67,13 +67,13 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
 
-    from engine.cpu_memory import reexec_with_tcmalloc
+    from engine.worker.cpu_memory import reexec_with_tcmalloc
 
     reexec_with_tcmalloc()
     import torch
 
     from engine import LLM, SamplingParams
-    from engine.structured_output import StructuredOutputs
+    from engine.sample.structured_output import StructuredOutputs
 
     reqs = load_workload("random", args.num_prompts, args.max_tokens)
     llm = LLM(dtype=args.dtype, enable_prefix_caching=False, max_model_len=2048)

@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
 
-    from engine.cpu_memory import reexec_with_tcmalloc
+    from engine.worker.cpu_memory import reexec_with_tcmalloc
 
     reexec_with_tcmalloc()  # as the server does
     reqs = load_workload(args.workload, args.num_prompts, args.max_tokens)

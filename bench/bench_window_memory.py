@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_groups import KVLayout, kv_layout
-from engine.request import Request
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_groups import KVLayout, kv_layout
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 
 # (name, layers, KV heads, head_dim, window, every n-th layer global): Gemma 3's text configs.
 SHAPES = [("gemma-3-270m", 18, 1, 256, 512, 6), ("gemma-3-1b", 26, 1, 256, 512, 6)]

@@ -1,6 +1,6 @@
 """kserve-paged's serving engine: paged KV cache, token-budget scheduler, model runner.
 
-The names below are imported on first use, so `import engine.cpu_memory` (which entry points
+The names below are imported on first use, so `import engine.worker.cpu_memory` (which entry points
 run before anything heavy, to re-execute with tcmalloc) does not load torch.
 """
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 
 # Joins the group's (user's) request id and a beam number into ids that users do not type.
 BEAM_SEP = "\x1f" + "beam"

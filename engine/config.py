@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.block_hash import HASH_ALGOS
-from engine.kv_events import KVEventsConfig
+from engine.core.block_hash import HASH_ALGOS
+from engine.core.kv_events import KVEventsConfig
 from engine.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")

@@ -16,30 +16,30 @@ import torch
 
 from engine.beam_search import BeamGroup, BeamSearches
 from engine.config import EngineConfig
-from engine.cpu_memory import tune_glibc_malloc
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_event_publisher import ZmqEventPublisher
+from engine.core.kv_events import KVEventsConfig
+from engine.core.kv_groups import kv_layout
+from engine.core.kv_sizing import resolve_device, resolve_dtype, size_kv_cache
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
 from engine.detokenizer import IncrementalDetokenizer
-from engine.distributed.workers import TPWorkerError, TPWorkers
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_event_publisher import ZmqEventPublisher
-from engine.kv_events import KVEventsConfig
-from engine.kv_groups import kv_layout
-from engine.kv_sizing import resolve_device, resolve_dtype, size_kv_cache
 from engine.limits import check_prompt_ids
-from engine.logits_processors import apply_penalties
-from engine.logprob_records import record_prompt, sampled_entries
 from engine.lora import LoRAManager, LoRARequest
+from engine.model_executor.model_loader import load_model, load_tokenizer
 from engine.model_info import ModelInfo
-from engine.model_loader import load_model, load_tokenizer
-from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.request import Request, RequestStatus
-from engine.sample_groups import SampleGroups
-from engine.sampler import Sampler, make_generator
+from engine.parallel_sampling import SampleGroups
+from engine.sample.logits_processors import apply_penalties
+from engine.sample.logprobs import record_prompt, sampled_entries
+from engine.sample.sampler import Sampler, make_generator
+from engine.sample.structured_output import GrammarBitmask, GrammarCompiler, RequestGrammar
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 from engine.spec_decode.decoder import SpecDecoder, SpecRow
 from engine.spec_decode.draft_model import DraftModelProposer, load_draft_model
-from engine.structured_output import GrammarBitmask, GrammarCompiler, RequestGrammar
+from engine.worker.cpu_memory import tune_glibc_malloc
+from engine.worker.model_runner import ModelRunner
+from engine.worker.tp_executor import TPWorkerError, TPWorkers
 
 logger = logging.getLogger("engine")
 
@@ -65,7 +65,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
-            tune_glibc_malloc()  # no-op under tcmalloc (see engine.cpu_memory)
+            tune_glibc_malloc()  # no-op under tcmalloc (see engine.worker.cpu_memory)
         from engine.default_model import PACKAGED_MODELS, ensure_default_model, ensure_model
 
         if config.model is None:

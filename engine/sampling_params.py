@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine import limits as L
-from engine.structured_output import StructuredOutputs
+from engine.sample.structured_output import StructuredOutputs
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry (``kserve-paged``); see kserve_paged.server.
 
-    The tcmalloc re-exec comes first and engine.cpu_memory imports nothing heavy, so the
+    The tcmalloc re-exec comes first and engine.worker.cpu_memory imports nothing heavy, so the
     process re-executes before torch (or anything else that allocates much) is loaded.
     ``kserve-paged plan ...`` is the capacity planner instead (kserve_paged/plan.py)."""
     args = sys.argv[1:] if argv is None else list(argv)
@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(args[1:])
     if argv is None:
-        from engine.cpu_memory import reexec_with_tcmalloc
+        from engine.worker.cpu_memory import reexec_with_tcmalloc
 
         reexec_with_tcmalloc()  # returns only when tcmalloc is absent, disabled or loaded
     from kserve_paged.server import main as serve_main

@@ -21,10 +21,10 @@ from typing import Any
 
 from kserve.model_server import parser as kserve_parser
 
-from engine.block_hash import HASH_ALGOS
 from engine.config import SCHEDULING_POLICIES, EngineConfig
+from engine.core.block_hash import HASH_ALGOS
+from engine.core.kv_events import KVEventsConfig
 from engine.default_model import PACKAGED_MODELS
-from engine.kv_events import KVEventsConfig
 from engine.limits import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN
 from engine.spec_decode import SpeculativeConfig
 from kserve_paged.openai.tools import TOOL_CALL_PARSERS

@@ -46,7 +46,7 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 # and quantiles read the same as vLLM's.
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(8) for m in (1, 2, 5))
 
-# Finish reasons (engine.request.RequestStatus values; "error" is this engine's own, vLLM has
+# Finish reasons (engine.core.request.RequestStatus values; "error" is this engine's own, vLLM has
 # the other three). Every series exists from the start, so rates work before the first error.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # vllm:lora_requests_info before the engine reports adapters (and without LoRA): none, max_lora 0.

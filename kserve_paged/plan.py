@@ -20,8 +20,13 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.distributed.layout import TP_ARCHITECTURES, TPLayout, kv_heads_per_rank
-from engine.kv_sizing import CUDA_KV_FRACTION, kv_budget_bytes, kv_bytes_per_token, resolve_dtype
+from engine.core.kv_sizing import (
+    CUDA_KV_FRACTION,
+    kv_budget_bytes,
+    kv_bytes_per_token,
+    resolve_dtype,
+)
+from engine.model_executor.tp_layout import TP_ARCHITECTURES, TPLayout, kv_heads_per_rank
 
 GiB = 1 << 30
 MiB = 1 << 20

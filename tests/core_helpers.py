@@ -6,10 +6,10 @@ import random
 import zlib
 
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
 
 EOS = 2
 

@@ -14,8 +14,8 @@ import pickle
 import cbor2
 import pytest
 
-from engine.block_hash import BlockHasher, external_block_hash
-from engine.kv_cache_manager import KVCacheManager
+from engine.core.block_hash import BlockHasher, external_block_hash
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.lora.request import LoRARequest
 from tests.core_helpers import make_request
 

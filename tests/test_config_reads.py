@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from engine.config_reads import ignored_fields, recording_reads
-from engine.model_loader import load_model
-from engine.models import MODEL_REGISTRY, architecture_of
+from engine.model_executor.config_reads import ignored_fields, recording_reads
+from engine.model_executor.model_loader import load_model
+from engine.model_executor.models import MODEL_REGISTRY, architecture_of
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)

@@ -13,8 +13,8 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.kv_events import BlockRemoved, BlockStored
-from engine.request import RequestStatus
+from engine.core.kv_events import BlockRemoved, BlockStored
+from engine.core.request import RequestStatus
 from tests.core_helpers import make_request, make_scheduler
 
 BS = 4

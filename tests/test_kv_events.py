@@ -17,9 +17,9 @@ import msgpack
 import pytest
 import zmq
 
-from engine.block_hash import external_block_hash
-from engine.kv_event_publisher import ZmqEventPublisher
-from engine.kv_events import KVEventsConfig
+from engine.core.block_hash import external_block_hash
+from engine.core.kv_event_publisher import ZmqEventPublisher
+from engine.core.kv_events import KVEventsConfig
 from tests.core_helpers import fake_step, make_request, make_scheduler
 
 TOPIC = "kv@test-pod@smol"
@@ -165,7 +165,7 @@ def test_stored_event_carries_the_chain():
 def test_wire_hashes_are_64_bit_ints_or_vllms_raw_bytes(monkeypatch):
     """vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: unset or 1, the low 64 bits; 0, the 32
     bytes; a LoRA request's BlockStored names its adapter by lora_int_id."""
-    from engine.kv_events import encode_batch, int_hashes_from_env
+    from engine.core.kv_events import encode_batch, int_hashes_from_env
     from engine.lora.request import LoRARequest
 
     sched = make_scheduler(num_blocks=16, block_size=4)
@@ -205,7 +205,7 @@ def test_bad_config_is_refused(text, message):
 
 
 def test_bind_or_connect_follows_vllms_rule():
-    from engine.kv_event_publisher import binds
+    from engine.core.kv_event_publisher import binds
 
     assert binds("tcp://*:5557") and binds("ipc:///tmp/kv") and binds("tcp://0.0.0.0:5557")
     assert not binds("tcp://paged-llm-epp-service.ns.svc.cluster.local:5557")

@@ -5,7 +5,7 @@ import zlib
 import pytest
 import torch
 
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 from kernels import cpu_native
 from kernels.block_copy import copy_blocks, copy_blocks_ref
 from tests.core_helpers import fake_step, make_request, make_scheduler

@@ -4,9 +4,9 @@ from one pool; the block accounting of a Gemma-style model serving requests past
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_groups import kv_layout
-from engine.scheduler import Scheduler
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_groups import kv_layout
+from engine.core.scheduler import Scheduler
 from tests.core_helpers import fake_step, make_request
 
 GEMMA3 = ([512] * 5 + [None]) * 2  # 5 local : 1 global, 12 layers

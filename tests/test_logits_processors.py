@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.logits_processors import apply_penalties, top_logprobs
+from engine.sample.logits_processors import apply_penalties, top_logprobs
 from engine.sampling_params import SamplingParams
 
 V = 8

@@ -156,7 +156,7 @@ def test_scheduler_counts_active_adapters_against_max_loras():
 
 
 def test_block_hashes_differ_per_adapter():
-    from engine.kv_cache_manager import KVCacheManager
+    from engine.core.kv_cache_manager import KVCacheManager
 
     kv = KVCacheManager(16, 4)
     reqs = [make_request(f"r{i}", [5] * 9) for i in range(3)]

@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.async_llm import StepInfo
+from engine.core.request import RequestStatus
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.request import RequestStatus
 from kserve_paged import metrics as m
 from tests.core_helpers import fake_step, make_request, make_scheduler
 

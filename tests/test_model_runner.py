@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 from tests.core_helpers import fake_step, make_request, make_scheduler
 
 BS = 4

@@ -32,10 +32,10 @@ from transformers import (  # noqa: E402
     Qwen3MoeConfig,
 )
 
-from engine.attention import AttentionMetadata  # noqa: E402
-from engine.layers import rope_parameters  # noqa: E402
-from engine.model_loader import load_model  # noqa: E402
-from engine.models import GemmaForCausalLM, LlamaForCausalLM  # noqa: E402
+from engine.model_executor.attention import AttentionMetadata  # noqa: E402
+from engine.model_executor.layers import rope_parameters  # noqa: E402
+from engine.model_executor.model_loader import load_model  # noqa: E402
+from engine.model_executor.models import GemmaForCausalLM, LlamaForCausalLM  # noqa: E402
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -538,7 +538,7 @@ def test_samples_fork_from_a_table_whose_blocks_left_the_window(tmp_path: Path) 
 def test_moe_experts_run_grouped_by_expert(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sparse layer's experts are one gate/up and one down matmul per expert that got tokens,
     however many tokens there are; top-k picks and weights match a direct computation."""
-    import engine.models.moe as moe
+    import engine.model_executor.models.moe as moe
 
     torch.manual_seed(0)
     layer = moe.SparseMoE(hidden=16, inter=8, num_experts=4, top_k=2, renormalize=True)

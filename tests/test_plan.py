@@ -90,11 +90,11 @@ def test_the_engine_allocates_what_the_planner_says(monkeypatch):
     the planner's block count; so does an explicit --kv_cache_memory."""
     import torch
 
-    import engine.kv_sizing as kv_sizing
+    import engine.core.kv_sizing as kv_sizing
     from engine.config import EngineConfig
     from engine.default_model import ensure_default_model
     from engine.llm_engine import LLMEngine
-    from engine.model_runner import ModelRunner
+    from engine.worker.model_runner import ModelRunner
 
     model_dir = ensure_default_model(progress=lambda _: None)
     cfg = ModelShape.from_config(model_dir)
@@ -186,7 +186,7 @@ def test_tensor_parallel_plan_shards_as_the_engine_does():
     """The KV heads a rank holds come from the engine's layout: SmolLM2's 3 KV heads over 2
     ranks are 2 + 1, and rank 0 (which sizes the cache) holds 2; 8 over 3 are 3 + 3 + 2."""
     from engine.default_model import ensure_default_model
-    from engine.distributed.layout import TPLayout
+    from engine.model_executor.tp_layout import TPLayout
 
     smol = ModelShape.from_config(ensure_default_model(progress=lambda _: None))
     plan = make_plan(smol, parse_device("h200"), max_model_len=2048, tp=2)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import GREEDY_EPS, Sampler, make_generator
+from engine.sample.sampler import GREEDY_EPS, Sampler, make_generator
 from engine.sampling_params import SamplingParams as SP
 
 

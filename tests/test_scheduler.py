@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 from tests.core_helpers import fake_step, make_request, make_scheduler, run_to_completion
 
 
@@ -138,7 +138,7 @@ def test_request_stops_at_max_model_len_with_length():
 
 
 def test_eos_stop_token_and_min_tokens():
-    from engine.request import Request
+    from engine.core.request import Request
     from engine.sampling_params import SamplingParams
     sched = make_scheduler()
     eos = Request("eos", [5, 6, 7], SamplingParams(max_tokens=10), eos_token_id=7)

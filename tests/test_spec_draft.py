@@ -275,8 +275,8 @@ def test_draft_model_rejection_sampling_outputs_follow_the_target(small_vocab):
     is about 0.015). The first draft is kept at the rate sum(min(p_0, q_0)) that Leviathan et
     al.'s test gives (0.02: reading the drafts as point masses, also unbiased, keeps fewer).
     """
-    from engine.model_loader import load_model
-    from engine.request import Request
+    from engine.core.request import Request
+    from engine.model_executor.model_loader import load_model
     from engine.sampling_params import SamplingParams
     from engine.spec_decode.draft_model import DraftModelProposer
     from engine.spec_decode.rejection import rejection_sample

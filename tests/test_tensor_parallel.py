@@ -17,11 +17,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from engine.config import EngineConfig
 from engine.default_model import ensure_default_model
-from engine.distributed.layout import TPLayout
-from engine.distributed.workers import TPWorkers
 from engine.llm_engine import LLMEngine
-from engine.model_loader import _iter_weights
+from engine.model_executor.model_loader import _iter_weights
+from engine.model_executor.tp_layout import TPLayout
 from engine.sampling_params import SamplingParams
+from engine.worker.tp_executor import TPWorkers
 
 LOGITS_ATOL = 1e-5
 VOCAB = 49153  # odd: the last vocabulary shard has a padding row

@@ -5,14 +5,14 @@ it from the head of the free queue, which evicts it. Freed blocks that hold a ca
 the tail, so the one freed longest ago is evicted first. Freed blocks that hold nothing findable
 join the head: they are taken before any cached prefix is evicted, and since they were written
 recently their memory is warm (a never-touched page costs a fault on first write; on CPU that is
-~1 s per GiB, see engine.cpu_memory.prefault_leading_blocks).
+~1 s per GiB, see engine.worker.cpu_memory.prefault_leading_blocks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from engine.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
+from engine.core.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 
 
 class KVBlock:
@@ -103,7 +103,7 @@ class BlockPool:
         self.num_shared_refs = 0
         # The most blocks ever held at once (block accounting in tests and bench/).
         self.peak_used = 0
-        # KV-cache events since the last take_events() (engine.kv_events); None: not recorded.
+        # KV-cache events since the last take_events() (engine.core.kv_events); None: not recorded.
         self.events: list[KVCacheEvent] | None = None
 
     def record_events(self) -> None:

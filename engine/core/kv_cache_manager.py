@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.block_hash import BlockHasher
-from engine.block_pool import BlockPool, KVBlock
-from engine.kv_events import BlockStored
-from engine.request import Request
+from engine.core.block_hash import BlockHasher
+from engine.core.block_pool import BlockPool, KVBlock
+from engine.core.kv_events import BlockStored
+from engine.core.request import Request
 
 
 @dataclass(slots=True)

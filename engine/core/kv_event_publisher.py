@@ -1,4 +1,4 @@
-"""Publish each engine step's KV-cache events on a ZMQ PUB socket (engine.kv_events).
+"""Publish each engine step's KV-cache events on a ZMQ PUB socket (engine.core.kv_events).
 
 Framing, as vLLM's ZMQ publisher: every message is three frames, ``[topic, sequence, payload]``:
 the configured topic (subscribers filter on it), the batch's sequence number as 8 bytes
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.kv_events import KVCacheEvent, KVEventsConfig, encode_batch, int_hashes_from_env
+from engine.core.kv_events import KVCacheEvent, KVEventsConfig, encode_batch, int_hashes_from_env
 
 logger = logging.getLogger("engine")
 

@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from engine.block_hash import external_block_hash
+from engine.core.block_hash import external_block_hash
 
 PUBLISHERS = ("null", "zmq")
 # vLLM's switch between 64-bit integer hashes on the wire (its default, "1") and raw bytes ("0").
@@ -80,7 +80,7 @@ KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 def encode_batch(timestamp: float, events: list[KVCacheEvent], medium: str,
                  int_hashes: bool = True) -> bytes:
     """One step's events as the msgpack payload of one message; `int_hashes`: each hash as its
-    low 64 bits (engine.block_hash.external_block_hash), else its 32 bytes."""
+    low 64 bits (engine.core.block_hash.external_block_hash), else its 32 bytes."""
     import msgpack  # only when events are switched on
 
     h = external_block_hash if int_hashes else _raw

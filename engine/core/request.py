@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from engine.limits import EMPTY_PROMPT, past_min_tokens
 from engine.lora.request import LoRARequest
+from engine.sample.structured_output import RequestGrammar
 from engine.sampling_params import SamplingParams
-from engine.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):

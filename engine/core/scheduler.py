@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager, PrefixHit
-from engine.request import Request, RequestStatus
+from engine.core.kv_cache_manager import KVCacheManager, PrefixHit
+from engine.core.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from engine.config_reads import ignored_fields, recording_reads
 from engine.distributed.group import TPGroup
-from engine.distributed.layout import TP_ARCHITECTURES, TPLayout
-from engine.models import MODEL_REGISTRY, LlamaForCausalLM, architecture_of
+from engine.model_executor.config_reads import ignored_fields, recording_reads
+from engine.model_executor.models import MODEL_REGISTRY, LlamaForCausalLM, architecture_of
+from engine.model_executor.tp_layout import TP_ARCHITECTURES, TPLayout
 
 StrPath = str | os.PathLike[str]
 

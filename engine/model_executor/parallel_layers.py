@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.group import TPGroup
-from engine.layers import Linear
+from engine.model_executor.layers import Linear
 
 
 class RowParallelLinear(Linear):

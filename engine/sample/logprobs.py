@@ -6,9 +6,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.logits_processors import top_logprobs
+from engine.core.request import Request
 from engine.outputs import Logprob
-from engine.request import Request
+from engine.sample.logits_processors import top_logprobs
 
 Decode = Callable[[list[int]], str]
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from engine.logits_processors import apply_penalties
-from engine.logprob_records import sampled_entries
-from engine.request import Request
-from engine.sampler import GREEDY_EPS, greedy_tokens, target_probs
+from engine.core.request import Request
+from engine.sample.logits_processors import apply_penalties
+from engine.sample.logprobs import sampled_entries
+from engine.sample.sampler import GREEDY_EPS, greedy_tokens, target_probs
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_gate import DraftGate
 from engine.spec_decode.draft_model import DraftModelProposer, GeneratorOf

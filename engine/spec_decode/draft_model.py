@@ -17,15 +17,15 @@ from typing import Any
 
 import torch
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.logits_processors import apply_penalties
-from engine.model_loader import load_model, load_tokenizer
-from engine.model_runner import ModelRunner
-from engine.request import Request
-from engine.sampler import GREEDY_EPS, greedy_tokens, target_probs
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
+from engine.core.scheduler import SchedulerOutput
+from engine.model_executor.model_loader import load_model, load_tokenizer
+from engine.sample.logits_processors import apply_penalties
+from engine.sample.sampler import GREEDY_EPS, greedy_tokens, target_probs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
 from engine.spec_decode.config import SpeculativeConfig
+from engine.worker.model_runner import ModelRunner
 
 # A shadow never stops by itself: the target decides where a request ends.
 _SHADOW_PARAMS = SamplingParams(max_tokens=None, ignore_eos=True)

@@ -9,17 +9,17 @@ import numpy as np
 import torch
 
 import kernels
-from engine.attention import Attention, AttentionMetadata, GroupedMetadata
-from engine.cpu_memory import hugepage_zeros, prefault_bytes, prefault_leading_blocks
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_groups import KVLayout, kv_layout
-from engine.kv_sizing import kv_bytes_per_token
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_groups import KVLayout, kv_layout
+from engine.core.kv_sizing import kv_bytes_per_token
+from engine.core.request import Request
+from engine.core.scheduler import SchedulerOutput
 from engine.lora import LoRAManager
-from engine.request import Request
-from engine.scheduler import SchedulerOutput
+from engine.model_executor.attention import Attention, AttentionMetadata, GroupedMetadata
+from engine.worker.cpu_memory import hugepage_zeros, prefault_bytes, prefault_leading_blocks
 
 if TYPE_CHECKING:
-    from engine.distributed.workers import TPWorkers
+    from engine.worker.tp_executor import TPWorkers
 
 
 @dataclass(slots=True)

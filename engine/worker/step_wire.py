@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.model_runner import StepInputs
+from engine.model_executor.attention import AttentionMetadata
+from engine.worker.model_runner import StepInputs
 
 HEADER_LEN = 12
 # Commands, the header's first entry.

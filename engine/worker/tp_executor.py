@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from engine.distributed import step as wire
 from engine.distributed.group import TPGroup
+from engine.worker import step_wire as wire
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner, StepInputs
+    from engine.worker.model_runner import ModelRunner, StepInputs
 
 logger = logging.getLogger("engine")
 
@@ -84,7 +84,7 @@ class TPWorkers:
             torch.set_num_threads(threads)
         store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
                               timeout=START_TIMEOUT, wait_for_workers=False)
-        from engine.distributed.worker import worker_main
+        from engine.worker.tp_worker import worker_main
 
         ctx = torch.multiprocessing.get_context("spawn")
         self.procs = [ctx.Process(target=worker_main, name=f"kserve-paged-tp{rank}",
@@ -134,7 +134,7 @@ class TPWorkers:
     def load_model(self, path: str, dtype: torch.dtype, device: torch.device,
                    load_format: str = "auto", seed: int = 0) -> tuple[Any, Any]:
         """Every rank loads its shard at once; rank 0's (model, config), or the first error."""
-        from engine.model_loader import check_tensor_parallel_folder, load_model
+        from engine.model_executor.model_loader import check_tensor_parallel_folder, load_model
 
         try:  # a model that cannot shard is refused before any rank loads it
             check_tensor_parallel_folder(path, self.world_size)

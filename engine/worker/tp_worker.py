@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.distributed import step as wire
 from engine.distributed.group import TPGroup
-from engine.distributed.workers import (
+from engine.worker import step_wire as wire
+from engine.worker.tp_executor import (
     COLLECTIVE_TIMEOUT,
     START_TIMEOUT,
     backend_for,
@@ -54,8 +54,8 @@ def worker_main(rank: int, world: int, port: int, device_type: str, threads: int
                             timeout=COLLECTIVE_TIMEOUT)
     group = TPGroup(rank, world)
     # The loader's imports (transformers) now, while rank 0 is still busy, not at the first LOAD.
-    from engine.model_loader import load_model
-    from engine.model_runner import ModelRunner
+    from engine.model_executor.model_loader import load_model
+    from engine.worker.model_runner import ModelRunner
     comm = device if device.type == "cuda" else torch.device("cpu")
     head = torch.empty(wire.HEADER_LEN, dtype=torch.long, device=comm)
     model: Any = None

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rope_parameters
+from engine.model_executor.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rope_parameters
 from kernels import cpu_native
 
 

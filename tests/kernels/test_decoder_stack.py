@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.model_loader import load_model
+from engine.model_executor.attention import AttentionMetadata
+from engine.model_executor.model_loader import load_model
 from kernels import cpu_native
 from tests.test_models import CONFIGS, VOCAB, PagedSim, _save_checkpoint
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import Linear, SwiGLUMLP
+from engine.model_executor.layers import Linear, SwiGLUMLP
 from kernels import cpu_native
 
 pytestmark = pytest.mark.skipif(

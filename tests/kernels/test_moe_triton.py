@@ -99,7 +99,7 @@ def test_align_pairs_pads_each_expert_to_whole_blocks():
 def test_sparse_moe_uses_the_kernel_and_matches_the_grouped_torch_path(monkeypatch):
     """engine/models/moe.py's SparseMoE on its CUDA path (forced here, in the interpreter)
     against its own torch grouped path on the same weights, renormalised top-2."""
-    from engine.models import moe
+    from engine.model_executor.models import moe
 
     torch.manual_seed(0)
     layer = moe.SparseMoE(hidden=32, inter=48, num_experts=NUM_EXPERTS, top_k=2,

@@ -56,7 +56,7 @@ def test_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 def test_settings_and_cpu_memory_import_without_torch() -> None:
-    code = ("import sys, kernels.settings, engine.cpu_memory; "
+    code = ("import sys, kernels.settings, engine.worker.cpu_memory; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True, cwd=REPO)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from engine.models.architectures import (
+from engine.model_executor.models.architectures import (
     GEMMA_FAMILY,
     LLAMA_FAMILY,
     MOE_FAMILY,
     SUPPORTED_ARCHITECTURES,
     architecture_of,
 )
-from engine.models.gemma import GemmaForCausalLM
-from engine.models.llama import LlamaForCausalLM
-from engine.models.moe import MoEForCausalLM
+from engine.model_executor.models.gemma import GemmaForCausalLM
+from engine.model_executor.models.llama import LlamaForCausalLM
+from engine.model_executor.models.moe import MoEForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     **{arch: LlamaForCausalLM for arch in LLAMA_FAMILY},

@@ -18,10 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from engine.attention import AttentionMetadata
-from engine.layers import Linear, RMSNorm, RotaryEmbedding, rope_max_positions, rope_parameters
-from engine.models.architectures import architecture_of
-from engine.models.llama import LlamaAttention, LlamaForCausalLM, layer_windows
+from engine.model_executor.attention import AttentionMetadata
+from engine.model_executor.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    rope_max_positions,
+    rope_parameters,
+)
+from engine.model_executor.models.architectures import architecture_of
+from engine.model_executor.models.llama import LlamaAttention, LlamaForCausalLM, layer_windows
 
 
 class GemmaRMSNorm(RMSNorm):

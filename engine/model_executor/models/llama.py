@@ -17,11 +17,9 @@ import torch
 from torch import nn
 
 import kernels
-from engine.attention import Attention, AttentionMetadata
 from engine.distributed.group import TPGroup
-from engine.distributed.layers import RowParallelLinear, VocabParallelEmbedding
-from engine.distributed.layout import TPLayout
-from engine.layers import (
+from engine.model_executor.attention import Attention, AttentionMetadata
+from engine.model_executor.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
@@ -29,7 +27,9 @@ from engine.layers import (
     rope_max_positions,
     rope_parameters,
 )
-from engine.models.architectures import architecture_of
+from engine.model_executor.models.architectures import architecture_of
+from engine.model_executor.parallel_layers import RowParallelLinear, VocabParallelEmbedding
+from engine.model_executor.tp_layout import TPLayout
 from kernels import cpu_native
 
 logger = logging.getLogger("engine")

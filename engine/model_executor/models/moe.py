@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import Linear
-from engine.models.llama import LlamaForCausalLM
+from engine.model_executor.layers import Linear
+from engine.model_executor.models.llama import LlamaForCausalLM
 
 # Checkpoint expert names -> (our stacked parameter, shard): Mixtral's w1/w3/w2, Qwen3-MoE's
 # gate/up/down projections.
