@@ -15,10 +15,9 @@ import random
 import statistics
 import time
 
-from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.sampling_params import SamplingParams
 
 
@@ -33,8 +32,7 @@ def main() -> None:
     lens = [rng.randrange(1000, 4001) for _ in range(args.requests)]
     # Room for the prompts plus the tokens decoded while others prefill and while measuring.
     num_blocks = sum((n + args.steps + 200) // bs + 2 for n in lens)
-    config = EngineConfig(block_size=bs, num_kv_blocks=num_blocks, max_num_seqs=args.requests,
-                          max_num_batched_tokens=8192)
+    config = SchedulerConfig(max_num_seqs=args.requests, max_num_batched_tokens=8192)
     sched = Scheduler(config, KVCacheManager(num_blocks, bs), max_model_len=8192)
     for i, n in enumerate(lens):
         sched.add_request(Request(f"r{i}", [rng.randrange(50_000) for _ in range(n)],

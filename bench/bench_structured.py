@@ -73,7 +73,7 @@ def main() -> None:
     import torch
 
     from engine import LLM, SamplingParams
-    from engine.sample.structured_output import StructuredOutputs
+    from engine.sampling_params import StructuredOutputs
 
     reqs = load_workload("random", args.num_prompts, args.max_tokens)
     llm = LLM(dtype=args.dtype, enable_prefix_caching=False, max_model_len=2048)
@@ -92,8 +92,8 @@ def main() -> None:
             for r in reqs]
     constrained = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"],
                                   structured_outputs={"json": RECORDS}) for r in reqs]
-    mask = Timed(engine._bitmask, "apply")
-    accept = Timed(engine, "_accept_grammar_tokens")
+    mask = Timed(engine.sampling.bitmask, "apply")
+    accept = Timed(engine.sampling, "accept")
     runs = {}
     for label, params in (("free", free), ("constrained", constrained), ("free_again", free)):
         mask.seconds = accept.seconds = 0.0

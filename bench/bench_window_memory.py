@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_groups import KVLayout, kv_layout
 from engine.core.request import Request
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.sampling_params import SamplingParams
 
 # (name, layers, KV heads, head_dim, window, every n-th layer global): Gemma 3's text configs.
@@ -33,8 +32,7 @@ def simulate(layout: KVLayout, num_blocks: int, bs: int, chunk: int, prompt: int
     peak, peak blocks in use)."""
     kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=False,
                         group_windows=layout.group_windows)
-    config = EngineConfig(block_size=bs, num_kv_blocks=num_blocks, max_num_seqs=256,
-                          max_num_batched_tokens=chunk, enable_prefix_caching=False)
+    config = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=chunk)
     sched = Scheduler(config, kv, max_model_len=prompt + out_len + 1)
     for i in range(n):
         tokens = [(i * 7919 + j) % 50_000 + 3 for j in range(prompt)]

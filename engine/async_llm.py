@@ -1,116 +1,29 @@
 """AsyncLLM: the engine behind an asyncio server.
 
-Why a dedicated thread: a model forward takes milliseconds to seconds; on the event loop it would
-stall every HTTP connection. torch releases the GIL inside its kernels, so a thread running the
-step loop leaves the loop responsive without the cost of a second process.
-
-Hand-off rules (the only cross-thread traffic):
-- event loop -> engine thread: commands (add / abort) appended to a deque under a Condition; the
-  engine thread drains them between steps, so ``LLMEngine`` is only ever touched by its thread.
-- engine thread -> event loop: each request has an ``asyncio.Queue`` fed with
-  ``loop.call_soon_threadsafe``. ``add`` goes through a ``concurrent.futures.Future`` the engine
-  thread resolves, so validation errors from ``add_request`` reach the caller as ``ValueError``.
-- An idle engine thread sleeps on the Condition (no busy spin); a command wakes it.
-
-If the step loop raises, every in-flight request fails with :class:`EngineDeadError` and the
-engine reports ``is_healthy() == False`` for good: a serving process should be restarted, not
-limp on with a half-updated scheduler.
+The engine runs on a thread of its own (engine/engine_loop.py says why, and how the two threads
+hand work over); this is its asyncio face: start it, wait until it is ready, add requests and
+read their streams, abort, call the engine between steps. A refused request is a ValueError
+before any streaming starts; a dead engine is an EngineDeadError for every request in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import contextlib
-import dataclasses
 import itertools
-import logging
-import threading
-import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from engine.config import EngineConfig
+from engine.engine_loop import EngineDeadError, EngineLike, EngineLoop, StepCallback, StepInfo
 from engine.lora import LoRARequest
 from engine.model_info import ModelInfo
 from engine.outputs import RequestOutput
-from engine.request_stream import END, RequestStream, Stream
+from engine.request_stream import RequestStream, Stream
 from engine.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineLike", "RequestStream", "StepInfo"]
 
-logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (it crashed or was shut down); no request can be served."""
-
-
-class EngineLike(Protocol):
-    """What AsyncLLM needs of ``engine.llm_engine.LLMEngine`` (tests pass a fake)."""
-
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    priority: int = 0, cache_salt: str | None = None) -> None: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    def abort_request(self, request_id: str | list[str]) -> None: ...
-
-    def has_unfinished_requests(self) -> bool: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-    def model_info(self) -> ModelInfo: ...
-
-
-@dataclasses.dataclass(slots=True)
-class StepInfo:
-    """Passed to the step callback after every engine-thread iteration that did something.
-
-    ``num_tokens`` is the number of tokens the step computed (prefill chunks and decodes: the
-    engine's ``last_step_tokens``), ``aborted`` the ids freed by aborts in this iteration."""
-
-    stats: dict[str, Any]
-    outputs: list[RequestOutput]
-    aborted: list[str]
-    num_tokens: int
-    stepped: bool
-    time: float
-
-
-StepCallback = Callable[[StepInfo], None]
-
-@dataclasses.dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
-    stream: Stream
-    future: concurrent.futures.Future[None]
-    lora_request: LoRARequest | None = None
-
-
-@dataclasses.dataclass(slots=True)
-class _Abort:
-    request_ids: list[str]
-
-
-@dataclasses.dataclass(slots=True)
-class _Fatal:
-    """The engine can no longer step (a tensor-parallel worker died): stop the loop with it."""
-
-    error: BaseException
-
-
-@dataclasses.dataclass(slots=True)
-class _Call:
-    """Run `fn(engine)` on the engine thread, between steps (adapter loads and unloads)."""
-
-    fn: Callable[[Any], Any]
-    future: concurrent.futures.Future[Any]
 
 
 class AsyncLLM:
@@ -126,19 +39,8 @@ class AsyncLLM:
         if engine is not None and engine_factory is not None:
             raise ValueError("pass engine or engine_factory, not both")
         self.config = config if config is not None else EngineConfig()
-        self._engine: EngineLike | None = engine
-        self._factory = engine_factory
-        self._warmup = warmup
-        self._callbacks: list[StepCallback] = [step_callback] if step_callback else []
-        self._cond = threading.Condition()
-        self._commands: collections.deque[_Add | _Abort | _Call | _Fatal] = collections.deque()
-        self._streams: dict[str, Stream] = {}  # engine thread only
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._dead: BaseException | None = None
-        self._ready = threading.Event()
-        self._ready_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-        self._stats: dict[str, Any] = {}
+        self._loop = EngineLoop(self.config, engine, engine_factory, warmup,
+                                [step_callback] if step_callback else [])
         self._info: ModelInfo | None = None
         self._ids = itertools.count()
 
@@ -150,19 +52,11 @@ class AsyncLLM:
 
     def start(self) -> None:
         """Start the engine thread (which loads the model first when none was given)."""
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="kserve-paged-engine", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the engine thread; requests still in flight end with EngineDeadError."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        self._loop.shutdown(timeout)
 
     async def __aenter__(self) -> AsyncLLM:
         self.start()
@@ -175,30 +69,29 @@ class AsyncLLM:
     @property
     def is_ready(self) -> bool:
         """Loaded, warmed up and alive: what a readiness probe should report."""
-        return self._ready.is_set() and self._dead is None and not self._stopping
+        loop = self._loop
+        return loop.ready.is_set() and loop.dead is None and not loop.stopping
 
     def is_healthy(self) -> bool:
         """False once the engine thread died (or was shut down); it never recovers."""
-        return self._dead is None and not self._stopping
+        return self._loop.dead is None and not self._loop.stopping
 
     @property
     def num_unfinished(self) -> int:
-        """Requests accepted or queued and not yet ended: what a graceful shutdown waits for.
-        (Sizes of containers the engine thread mutates; reading them from another thread is
-        safe under the GIL, and a momentarily stale count only delays a drain by a poll.)"""
-        return len(self._streams) + len(self._commands)
+        """Requests accepted or queued and not yet ended: what a graceful shutdown waits for."""
+        return self._loop.num_unfinished
 
     @property
     def error(self) -> BaseException | None:
         """Why the engine is dead, if it is."""
-        return self._dead
+        return self._loop.dead
 
     @property
     def engine(self) -> EngineLike:
         """The wrapped engine (tests and benchmarks; servers read :meth:`model_info`)."""
-        if self._engine is None:
+        if self._loop.engine is None:
             raise RuntimeError("the engine is not loaded yet")
-        return self._engine
+        return self._loop.engine
 
     def model_info(self) -> ModelInfo:
         """The loaded engine's static facts, asked of it once (RuntimeError before it loads).
@@ -211,22 +104,19 @@ class AsyncLLM:
         """Return once the engine can serve; raise EngineDeadError if loading failed."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        with self._cond:
-            if self._dead is None and not self._ready.is_set():
-                self._ready_waiters.append((loop, fut))
-            else:
-                fut.set_result(None)
+        self._loop.wait_ready(loop, fut)
         await fut
-        if self._dead is not None:
-            raise EngineDeadError(f"engine failed: {self._dead!r}") from self._dead
+        dead = self._loop.dead
+        if dead is not None:
+            raise EngineDeadError(f"engine failed: {dead!r}") from dead
 
     def add_step_callback(self, callback: StepCallback) -> None:
         """Called on the engine thread after each iteration (keep it cheap, never raise)."""
-        self._callbacks.append(callback)
+        self._loop.callbacks.append(callback)
 
     def stats(self) -> dict[str, Any]:
         """The engine's stats as of the last iteration (a snapshot; safe from any thread)."""
-        return dict(self._stats)
+        return dict(self._loop.stats)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -242,14 +132,14 @@ class AsyncLLM:
             request_id = f"req-{next(self._ids)}"
         stream = Stream(request_id, asyncio.get_running_loop())
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(_Add(request_id, prompt, params, priority, cache_salt, stream, future,
-                          lora_request))
+        self._loop.add(request_id, prompt, params, priority, cache_salt, lora_request, stream,
+                       future)
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
-            self._abort_nowait([request_id])  # the add may still land: undo it
+            self._loop.abort_nowait([request_id])  # the add may still land: undo it
             raise
-        return RequestStream(self._abort_nowait, stream)
+        return RequestStream(self._loop.abort_nowait, stream)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None, *, priority: int = 0,
@@ -268,7 +158,7 @@ class AsyncLLM:
     async def call_engine(self, fn: Callable[[Any], Any]) -> Any:
         """`fn(engine)` on the engine thread between steps; its exception is raised here."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._submit(_Call(fn, future))
+        self._loop.call(fn, future)
         return await asyncio.wrap_future(future)
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -281,209 +171,5 @@ class AsyncLLM:
     async def abort(self, request_id: str | list[str]) -> None:
         """Free everything the request(s) hold; their generate() streams end. Unknown ids are
         ignored."""
-        self._abort_nowait([request_id] if isinstance(request_id, str) else list(request_id))
-
-    def _abort_nowait(self, request_ids: list[str]) -> None:
-        with self._cond:
-            if self._dead is not None or self._stopping:
-                return
-            self._commands.append(_Abort(request_ids))
-            self._cond.notify()
-
-    def _submit(self, command: _Add | _Call) -> None:
-        with self._cond:
-            if self._dead is not None or self._stopping:
-                reason = self._dead
-                command.future.set_exception(EngineDeadError(
-                    "the engine is shut down" if reason is None else f"the engine died: {reason!r}"))
-                return
-            self._commands.append(command)
-            self._cond.notify()
-
-    # -- engine thread ----------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            if self._engine is None:
-                started = time.monotonic()
-                logger.info("loading the engine (model %s)", self.config.model or "<default>")
-                self._engine = (self._factory() if self._factory is not None
-                                else _build_engine(self.config))
-                logger.info("engine loaded in %.1fs", time.monotonic() - started)
-            if self._warmup and hasattr(self._engine, "warmup"):
-                started = time.monotonic()
-                self._engine.warmup()  # type: ignore[attr-defined]
-                logger.info("engine warm-up done in %.1fs", time.monotonic() - started)
-            on_fatal = getattr(self._engine, "on_fatal", None)
-            if on_fatal is not None:
-                on_fatal(self._fatal)
-            self._stats = dict(self._engine.stats())
-            self._set_ready()
-            self._loop(self._engine)
-        except BaseException as exc:  # noqa: BLE001 - anything kills the engine, report it all
-            logger.exception("the engine thread failed")
-            self._die(exc)
-            return
-        self._die(None)
-
-    def _set_ready(self) -> None:
-        with self._cond:
-            self._ready.set()
-            waiters, self._ready_waiters = self._ready_waiters, []
-        for loop, fut in waiters:
-            _resolve(loop, fut)
-
-    def _loop(self, engine: EngineLike) -> None:
-        last_tokens = _token_count(self._stats)
-        while True:
-            with self._cond:
-                while (not self._commands and not self._stopping
-                       and not engine.has_unfinished_requests()):
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                commands = list(self._commands)
-                self._commands.clear()
-            aborted = self._apply(engine, commands)
-            outputs: list[RequestOutput] = []
-            stepped = False
-            if engine.has_unfinished_requests():
-                outputs = engine.step()
-                stepped = True
-            if not stepped and not aborted:
-                continue  # only adds, or refused adds: nothing changed worth reporting
-            # Stats and metrics first, outputs second: a client that sees its request end and
-            # then reads stats() or /metrics must find it gone from the running count.
-            stats = dict(engine.stats())
-            self._stats = stats
-            tokens = _token_count(stats)
-            # Tokens the step computed (prefill chunks included); engines that do not report it
-            # fall back to the change in the cumulative counts.
-            step_tokens = stats.get("last_step_tokens")
-            if step_tokens is None:
-                step_tokens = max(tokens - last_tokens, 0)
-            idle = stepped and not outputs and step_tokens == 0
-            info = StepInfo(stats, outputs, aborted, step_tokens, stepped, time.monotonic())
-            last_tokens = tokens
-            for callback in self._callbacks:
-                try:
-                    callback(info)
-                except Exception:  # a metrics bug must not take serving down
-                    logger.exception("step callback failed")
-            self._dispatch(outputs)
-            if idle:
-                # Nothing could be scheduled (e.g. waiting on KV space that an abort will free):
-                # back off briefly instead of spinning on the CPU.
-                with self._cond:
-                    if not self._commands and not self._stopping:
-                        self._cond.wait(0.005)
-
-    def _fatal(self, error: BaseException) -> None:
-        """From any thread: the engine thread raises `error` before its next step (one in
-        flight fails by itself), so the engine dies and everything in flight gets an error."""
-        with self._cond:
-            self._commands.appendleft(_Fatal(error))
-            self._cond.notify()
-
-    def _apply(self, engine: EngineLike, commands: list[_Add | _Abort | _Call | _Fatal]
-               ) -> list[str]:
-        aborted: list[str] = []
-        for cmd in commands:
-            if isinstance(cmd, _Fatal):
-                raise cmd.error
-            if isinstance(cmd, _Abort):
-                ids = [rid for rid in cmd.request_ids if rid in self._streams]
-                if ids:
-                    engine.abort_request(ids)
-                    for rid in ids:
-                        self._streams.pop(rid).put(END)
-                    aborted.extend(ids)
-                continue
-            # Claim the future first: once running it can no longer be cancelled by the caller,
-            # so the set_result/set_exception below cannot raise InvalidStateError.
-            if not cmd.future.set_running_or_notify_cancel():
-                continue
-            if isinstance(cmd, _Call):
-                try:
-                    cmd.future.set_result(cmd.fn(engine))
-                except Exception as exc:  # noqa: BLE001 - the caller gets it, the engine goes on
-                    cmd.future.set_exception(exc)
-                continue
-            if cmd.request_id in self._streams:
-                cmd.future.set_exception(
-                    ValueError(f"request id {cmd.request_id!r} is already in use"))
-                continue
-            try:
-                lora = {"lora_request": cmd.lora_request} if cmd.lora_request else {}
-                engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                   priority=cmd.priority, cache_salt=cmd.cache_salt, **lora)
-            except Exception as exc:  # validation: the caller gets it, the engine goes on
-                cmd.future.set_exception(exc)
-                continue
-            self._streams[cmd.request_id] = cmd.stream
-            cmd.future.set_result(None)
-        return aborted
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            stream.put(out)
-
-    def _die(self, exc: BaseException | None) -> None:
-        """Fail everything in flight or queued, and refuse what comes later."""
-        with self._cond:
-            if exc is not None:
-                self._dead = exc
-            else:
-                self._stopping = True
-            commands = list(self._commands)
-            self._commands.clear()
-            waiters, self._ready_waiters = self._ready_waiters, []
-        message = ("the engine was shut down" if exc is None
-                   else f"the engine failed: {type(exc).__name__}: {exc}")
-        in_flight = list(self._streams)
-        for stream in self._streams.values():
-            stream.put(EngineDeadError(message))
-        self._streams.clear()
-        for cmd in commands:
-            if isinstance(cmd, (_Add, _Call)) and not cmd.future.done():
-                cmd.future.set_exception(EngineDeadError(message))
-        for loop, fut in waiters:
-            _resolve(loop, fut)
-        if in_flight and self._engine is not None:
-            with contextlib.suppress(Exception):  # free what dead requests hold, best effort
-                self._engine.abort_request(in_flight)
-        if self._engine is not None and self._ready.is_set():
-            # Publish the final state, so metrics do not claim those requests run forever.
-            with contextlib.suppress(Exception):
-                stats = dict(self._engine.stats())
-                self._stats = stats
-                info = StepInfo(stats, [], in_flight, 0, False, time.monotonic())
-                for callback in self._callbacks:
-                    callback(info)
-        close = getattr(self._engine, "close", None)
-        if close is not None:
-            with contextlib.suppress(Exception):  # the engine's sockets (KV-cache events)
-                close()
-
-
-def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
-    def done() -> None:
-        if not fut.done():
-            fut.set_result(None)
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(done)
-
-
-def _token_count(stats: dict[str, Any]) -> int:
-    return int(stats.get("prompt_tokens", 0) or 0) + int(stats.get("generation_tokens", 0) or 0)
-
-
-def _build_engine(config: EngineConfig) -> EngineLike:
-    from engine.llm_engine import LLMEngine  # imported here: heavy (torch, transformers)
-
-    return LLMEngine(config)
+        self._loop.abort_nowait([request_id] if isinstance(request_id, str)
+                                else list(request_id))

@@ -1,4 +1,5 @@
-"""Engine options: one dataclass shared by LLM, AsyncLLM, the scheduler and the runner."""
+"""Engine options: the one dataclass LLM, AsyncLLM and the server build; the engine hands each
+part its share (the scheduler its SchedulerConfig, the runner its sizes)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from engine.core.block_hash import HASH_ALGOS
 from engine.core.kv_events import KVEventsConfig
+from engine.core.scheduler import SchedulerConfig
 from engine.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -99,3 +101,8 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} "
                              f"(got {self.scheduling_policy!r})")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                               max_num_batched_tokens=self.max_num_batched_tokens,
+                               policy=self.scheduling_policy, max_loras=self.max_loras)

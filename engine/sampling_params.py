@@ -2,11 +2,109 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine import limits as L
-from engine.sample.structured_output import StructuredOutputs
+
+# Blanks allowed between JSON elements: enough for pretty-printed output, too few for a model
+# to fill its whole budget with whitespace.
+MAX_JSON_WHITESPACE = 32
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _clean(exc: Exception) -> str:
+    """xgrammar's message without its timestamp and C++ source location."""
+    text = str(exc).strip()
+    return re.sub(r"^\[[\d:]+\]\s*\S+:\d+:\s*", "", text).strip() or type(exc).__name__
+
+
+@dataclass(slots=True)
+class StructuredOutputs:
+    """One constraint on the output, as vLLM's ``structured_outputs`` spells it: ``json`` (a
+    JSON schema, object or string), ``json_object`` (any JSON object), ``regex``, ``choice``
+    (one of the strings) or ``grammar`` (EBNF, or Lark)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    kind: str = field(init=False, default="")
+    key: str = field(init=False, default="")  # what compiled grammars are cached by
+    _grammar: Any = field(init=False, default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, regex, "
+                             f"choice or grammar (got {', '.join(given) or 'none'})")
+        self.kind = given[0]
+        self._grammar = self._parse()
+        text = {"json": self.json, "regex": self.regex, "grammar": self.grammar,
+                "choice": json.dumps(self.choice), "json_object": ""}[self.kind]
+        self.key = f"{self.kind}:{int(self.disable_any_whitespace)}:{text}"
+
+    def _parse(self) -> Any:
+        import xgrammar as xgr
+
+        kind = self.kind
+        try:
+            if kind == "json":
+                if isinstance(self.json, str):
+                    try:
+                        schema = json.loads(self.json)
+                    except ValueError as exc:
+                        raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+                else:
+                    schema = self.json
+                if not isinstance(schema, dict):
+                    raise ValueError("a JSON schema must be a JSON object")
+                self.json = json.dumps(schema)  # key order kept: it is the output order
+                return xgr.Grammar.from_json_schema(
+                    self.json, any_whitespace=not self.disable_any_whitespace,
+                    max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=True)
+            if kind == "json_object":
+                return xgr.Grammar.builtin_json_grammar()
+            if kind == "regex":
+                if not isinstance(self.regex, str) or not self.regex:
+                    raise ValueError("regex must be a non-empty string")
+                return xgr.Grammar.from_regex(self.regex)
+            if kind == "choice":
+                if (not isinstance(self.choice, list) or not self.choice
+                        or not all(isinstance(c, str) and c for c in self.choice)):
+                    raise ValueError("choice must be a non-empty list of non-empty strings")
+                return xgr.Grammar.from_ebnf(
+                    "root ::= " + " | ".join(json.dumps(c) for c in self.choice))
+            if not isinstance(self.grammar, str) or not self.grammar.strip():
+                raise ValueError("grammar must be a non-empty string")
+            try:
+                return xgr.Grammar.from_ebnf(self.grammar)
+            except RuntimeError as ebnf_error:
+                try:
+                    return xgr.Grammar.from_lark(self.grammar)
+                except Exception:  # noqa: BLE001 - report the EBNF parser's message
+                    raise ebnf_error from None
+        except ValueError as exc:
+            raise ValueError(f"invalid structured output ({kind}): {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and others
+            raise ValueError(f"invalid structured output ({kind}): {_clean(exc)}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {self.kind: True if self.kind == "json_object" else getattr(self, self.kind)}
+
+
+def _bad(msg: str) -> ValueError:
+    return ValueError(f"invalid sampling parameter: {msg}")
+
+
+def _finite(name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise _bad(f"{name} must be a finite number (got {value!r})")
 
 
 @dataclass(slots=True)
@@ -32,8 +130,9 @@ class SamplingParams:
     # Top log-probabilities of each prompt token (given the tokens before it). Such a request
     # computes its whole prompt: cached positions have no logits.
     prompt_logprobs: int | None = None
-    # Holds the output to a JSON schema, regex, choice or grammar (engine/structured_output.py);
-    # a dict is taken as StructuredOutputs' fields.
+    # Holds the output to a JSON schema, regex, choice or grammar (StructuredOutputs above;
+    # compiled and enforced by engine/sample/structured_output.py); a dict is taken as its
+    # fields.
     structured_outputs: StructuredOutputs | None = None
     # Beam search (engine/beam_search.py): `best_of` beams (default n), the n best returned;
     # length_penalty and early_stopping (True, False or "never") as transformers defines them.
@@ -68,81 +167,89 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(msg: str) -> ValueError:
-            return ValueError(f"invalid sampling parameter: {msg}")
+        """ValueError naming the first bad option, checked in this order."""
+        self._validate_lengths()
+        self._validate_sampling()
+        self._validate_stops_and_penalties()
+        self._validate_outputs()
+        self._validate_beam_search(_bad)
 
+    def _validate_lengths(self) -> None:
         if (not isinstance(self.n, int) or isinstance(self.n, bool)
                 or not L.MIN_N <= self.n <= L.MAX_N):
-            raise bad(f"n must be an integer from {L.MIN_N} to {L.MAX_N} (got {self.n!r})")
+            raise _bad(f"n must be an integer from {L.MIN_N} to {L.MAX_N} (got {self.n!r})")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
                                             or isinstance(self.max_tokens, bool)
                                             or self.max_tokens < L.MIN_MAX_TOKENS):
-            raise bad(f"max_tokens must be an integer >= {L.MIN_MAX_TOKENS} "
-                      f"(got {self.max_tokens!r})")
+            raise _bad(f"max_tokens must be an integer >= {L.MIN_MAX_TOKENS} "
+                       f"(got {self.max_tokens!r})")
         if not isinstance(self.min_tokens, int) or self.min_tokens < L.MIN_MIN_TOKENS:
-            raise bad(f"min_tokens must be an integer >= {L.MIN_MIN_TOKENS} "
-                      f"(got {self.min_tokens!r})")
+            raise _bad(f"min_tokens must be an integer >= {L.MIN_MIN_TOKENS} "
+                       f"(got {self.min_tokens!r})")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise _bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                       f"({self.max_tokens})")
+
+    def _validate_sampling(self) -> None:
         for name in ("temperature", "top_p", "min_p"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise bad(f"{name} must be a finite number (got {value!r})")
+            _finite(name, getattr(self, name))
         if self.temperature < L.MIN_TEMPERATURE:
-            raise bad(f"temperature must be >= {L.MIN_TEMPERATURE:g} (got {self.temperature})")
+            raise _bad(f"temperature must be >= {L.MIN_TEMPERATURE:g} (got {self.temperature})")
         low, high = L.TOP_P_RANGE
         if not low < self.top_p <= high:
-            raise bad(f"top_p must be in ({low:g}, {high:g}] (got {self.top_p})")
+            raise _bad(f"top_p must be in ({low:g}, {high:g}] (got {self.top_p})")
         low, high = L.MIN_P_RANGE
         if not low <= self.min_p <= high:
-            raise bad(f"min_p must be in [{low:g}, {high:g}] (got {self.min_p})")
+            raise _bad(f"min_p must be in [{low:g}, {high:g}] (got {self.min_p})")
         # -1 (off) became 0 in __post_init__
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise bad(f"top_k must be -1, 0 (off) or a positive integer (got {self.top_k!r})")
+            raise _bad(f"top_k must be -1, 0 (off) or a positive integer (got {self.top_k!r})")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad(f"seed must be an integer (got {self.seed!r})")
+            raise _bad(f"seed must be an integer (got {self.seed!r})")
+
+    def _validate_stops_and_penalties(self) -> None:
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise bad(f"stop strings must be non-empty strings (got {s!r})")
+                raise _bad(f"stop strings must be non-empty strings (got {s!r})")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise bad(f"stop_token_ids must be non-negative integers (got {t!r})")
+                raise _bad(f"stop_token_ids must be non-negative integers (got {t!r})")
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise bad(f"{name} must be a finite number (got {value!r})")
+            _finite(name, getattr(self, name))
         low, high = L.PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not low <= value <= high:
-                raise bad(f"{name} must be in [{low:g}, {high:g}] (got {value})")
+                raise _bad(f"{name} must be in [{low:g}, {high:g}] (got {value})")
         low, high = L.REPETITION_PENALTY_RANGE
         if not low < self.repetition_penalty <= high:
-            raise bad(f"repetition_penalty must be in ({low:g}, {high:g}] "
-                      f"(got {self.repetition_penalty})")
+            raise _bad(f"repetition_penalty must be in ({low:g}, {high:g}] "
+                       f"(got {self.repetition_penalty})")
         low, high = L.LOGIT_BIAS_RANGE
         for token, bias in (self.logit_bias or {}).items():
             if token < 0:
-                raise bad(f"logit_bias token ids must be non-negative (got {token})")
+                raise _bad(f"logit_bias token ids must be non-negative (got {token})")
             if not math.isfinite(bias) or not low <= bias <= high:
-                raise bad(f"logit_bias values must be in [{low:g}, {high:g}] "
-                          f"(got {bias} for {token})")
+                raise _bad(f"logit_bias values must be in [{low:g}, {high:g}] "
+                           f"(got {bias} for {token})")
+
+    def _validate_outputs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or not L.MIN_LOGPROBS <= value <= L.MAX_LOGPROBS):
-                raise bad(f"{name} must be an integer from {L.MIN_LOGPROBS} to "
-                          f"{L.MAX_LOGPROBS} (got {value!r})")
+                raise _bad(f"{name} must be an integer from {L.MIN_LOGPROBS} to "
+                           f"{L.MAX_LOGPROBS} (got {value!r})")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
-                raise bad("structured_outputs must be a StructuredOutputs or a dict of its fields")
+                raise _bad("structured_outputs must be a StructuredOutputs or a dict of its "
+                           "fields")
             # The grammar ends the output with EOS: without it, or with EOS banned, a
             # completed grammar would leave no token to sample.
             if self.ignore_eos:
-                raise bad("ignore_eos cannot be combined with structured outputs")
+                raise _bad("ignore_eos cannot be combined with structured outputs")
             if self.min_tokens:
-                raise bad("min_tokens cannot be combined with structured outputs")
-        self._validate_beam_search(bad)
+                raise _bad("min_tokens cannot be combined with structured outputs")
 
     def _validate_beam_search(self, bad) -> None:
         b = self.best_of

@@ -3,7 +3,7 @@ and logits (within 1e-5) for tiny random Llama-family configs and the default mo
 prefix caching, chunked prefill and preemption in the same run.
 
 One pair of processes (this one and one spawned worker) serves every engine of the module: the
-pool is kept (`TPWorkers.keep`) and each engine only loads and releases its shard.
+pool is kept (`TPExecutor.keep`) and each engine only loads and releases its shard.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_executor.model_loader import _iter_weights
 from engine.model_executor.tp_layout import TPLayout
 from engine.sampling_params import SamplingParams
-from engine.worker.tp_executor import TPWorkers
+from engine.worker.tp_executor import TPExecutor
 
 LOGITS_ATOL = 1e-5
 VOCAB = 49153  # odd: the last vocabulary shard has a padding row
@@ -55,7 +55,7 @@ PROMPTS = [PREFIX + [5, 17, 40], PREFIX + list(range(900, 930)), PREFIX + [7] * 
 
 @pytest.fixture(scope="module")
 def workers():
-    pool = TPWorkers(2, torch.device("cpu")).keep()
+    pool = TPExecutor(2, torch.device("cpu")).keep()
     yield pool
     pool.stop()
 
@@ -85,14 +85,14 @@ def _run(model: str, tp: int, prompts: list[list[int]], max_tokens: int, **confi
     engine = LLMEngine(EngineConfig(model=model, dtype="float32", tensor_parallel_size=tp,
                                     **config))
     steps: list[torch.Tensor] = []
-    execute = engine.runner.execute
+    execute = engine.executor.execute
 
     def recording(out):
         result = execute(out)
         steps.append(result.logits.clone())
         return result
 
-    engine.runner.execute = recording
+    engine.executor.execute = recording
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         for i, prompt in enumerate(prompts):
@@ -122,7 +122,7 @@ def _assert_same(one, two, *, relative: bool = False) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_tp2_matches_tp1_tiny(name: str, workers: TPWorkers, tmp_path: Path) -> None:
+def test_tp2_matches_tp1_tiny(name: str, workers: TPExecutor, tmp_path: Path) -> None:
     folder = str(_save(name, tmp_path))
     # 4-token blocks, a 16-token step budget (chunked prefill) and too few blocks for all
     # four requests at once (preemption); the shared prefix hits the prefix cache.
@@ -135,7 +135,7 @@ def test_tp2_matches_tp1_tiny(name: str, workers: TPWorkers, tmp_path: Path) -> 
     assert stats["num_preemptions"] == one[2]["num_preemptions"]
 
 
-def test_tp2_matches_tp1_default_model(workers: TPWorkers) -> None:
+def test_tp2_matches_tp1_default_model(workers: TPExecutor) -> None:
     """9 heads and 3 KV heads split 6 + 3 and 2 + 1. Over 30 layers the all-reduce's other
     summation order moves logits of size ~7 by up to ~4e-5: within 1e-5 of the largest."""
     model = str(ensure_default_model(progress=lambda _: None))
@@ -145,7 +145,7 @@ def test_tp2_matches_tp1_default_model(workers: TPWorkers) -> None:
                  relative=True)
 
 
-def test_workers_hold_their_own_kv_share(workers: TPWorkers, tmp_path: Path) -> None:
+def test_workers_hold_their_own_kv_share(workers: TPExecutor, tmp_path: Path) -> None:
     folder = str(_save("qwen2_kv3", tmp_path))
     engine = LLMEngine(EngineConfig(model=folder, dtype="float32", tensor_parallel_size=2,
                                     num_kv_blocks=12, block_size=4))
@@ -176,7 +176,7 @@ def test_layout_refuses_what_does_not_split() -> None:
     assert TPLayout.of(4, 1, 8, 10, 7, 1, 2).kv_heads == (0, 1)
 
 
-def test_unsharded_families_refuse_tp(workers: TPWorkers, tmp_path: Path) -> None:
+def test_unsharded_families_refuse_tp(workers: TPExecutor, tmp_path: Path) -> None:
     from transformers import Gemma2Config
 
     Gemma2Config(**_common(head_dim=12)).save_pretrained(tmp_path)
@@ -185,4 +185,4 @@ def test_unsharded_families_refuse_tp(workers: TPWorkers, tmp_path: Path) -> Non
         LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", tensor_parallel_size=2,
                                num_kv_blocks=8))
     # Refused before any rank loaded: the workers are still there for the next engine.
-    assert TPWorkers._kept is workers and not workers.in_use and workers.failure is None
+    assert TPExecutor._kept is workers and not workers.in_use and workers.failure is None

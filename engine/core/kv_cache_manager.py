@@ -14,48 +14,18 @@ blocks from block 0 and a sliding group's blocks for the window before the hit's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from engine.core.block_hash import BlockHasher
 from engine.core.block_pool import BlockPool, KVBlock
 from engine.core.kv_events import BlockStored
+from engine.core.prefix_hits import (
+    NO_HIT,
+    PrefixHit,
+    cached_hit,
+    extend_block_hashes,
+    first_in_window,
+    sibling_blocks,
+)
 from engine.core.request import Request
-
-
-@dataclass(slots=True)
-class PrefixHit:
-    # Per KV group, the hit's table entries (None: before a sliding group's window, not taken);
-    # empty: no hit in any group.
-    groups: list[list[KVBlock | None]]
-    num_tokens: int
-
-    @property
-    def blocks(self) -> list[KVBlock | None]:
-        """The first group's hit blocks (a one-group model's whole hit)."""
-        return self.groups[0] if self.groups else []
-
-
-NO_HIT = PrefixHit([], 0)
-
-
-def _extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
-    """What besides tokens keys a block, in vLLM's order: the adapter on every block, the
-    cache salt on the first (so on the whole chain); a prefix never hits across either.
-
-    vLLM keys an adapter by its name; here it is `lora_int_id`, which a reload under the same
-    name changes, so blocks computed with the old weights are never hit by the new ones."""
-    keys: list[Any] = []
-    if request.lora_request is not None:
-        keys.append(request.lora_request.lora_int_id)
-    if block_index == 0 and request.cache_salt:
-        keys.append(request.cache_salt)
-    return tuple(keys) if keys else None
-
-
-def _first_in_window(num_tokens: int, window: int | None, block_size: int) -> int:
-    """The first block the token at position `num_tokens` reads (0 without a window)."""
-    return max(0, num_tokens - window + 1) // block_size if window else 0
 
 
 class KVCacheManager:
@@ -97,18 +67,6 @@ class KVCacheManager:
         group's layers. The first group's key is the plain hash (what KV events announce)."""
         return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
 
-    # ---------------------------------------------------------------- hashing
-    def _extend_block_hashes(self, request: Request) -> None:
-        """Grow the request's chain of full-block hashes to cover its known tokens."""
-        hashes = request.block_hashes
-        bs = self.block_size
-        num_full = request.num_tokens // bs
-        while len(hashes) < num_full:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(self.hasher(parent, request.tokens_slice(i * bs, (i + 1) * bs),
-                                      _extra_keys(request, i)))
-
     # ---------------------------------------------------------------- API
     def find_prefix(self, request: Request) -> PrefixHit:
         """Cached blocks matching the request's leading tokens: in every global group from
@@ -120,40 +78,10 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return NO_HIT  # prompt logprobs need logits at every prompt position
-        self._extend_block_hashes(request)
+        extend_block_hashes(self.hasher, request, self.block_size)
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
-        lookup = self.pool.lookup
-        end = len(hashes)
-        found: list[list[KVBlock | None]] = [[] for _ in self.windows]
-        for g, window in enumerate(self.windows):
-            if window is None:  # a run from block 0
-                run = found[g]
-                for h in hashes[:end]:
-                    block = lookup(self._key(g, h))
-                    if block is None:
-                        break
-                    run.append(block)
-                end = len(run)
-        sliding = [g for g, w in enumerate(self.windows) if w is not None]
-        if sliding:
-            for g in sliding:
-                found[g] = [lookup(self._key(g, h)) for h in hashes[:end]]
-            moved = True
-            while moved and end > 0:  # cut the hit back past any missing window block
-                moved = False
-                for g in sliding:
-                    first = _first_in_window(end * self.block_size, self.windows[g],
-                                             self.block_size)
-                    missing = [i for i in range(first, end) if found[g][i] is None]
-                    if missing:
-                        end, moved = missing[-1], True
-        if end == 0:
-            return NO_HIT
-        groups: list[list[KVBlock | None]] = []
-        for g, window in enumerate(self.windows):
-            first = _first_in_window(end * self.block_size, window, self.block_size)
-            groups.append([None] * first + found[g][first:end])
-        return PrefixHit(groups, end * self.block_size)
+        return cached_hit(hashes, self.windows, self.block_size,
+                          lambda g, h: self.pool.lookup(self._key(g, h)))
 
     def sibling_hit(self, request: Request, sibling: Request, num_valid: int) -> PrefixHit:
         """Full blocks of a sibling (a fork of the same group) that `request` can take after
@@ -169,15 +97,8 @@ class KVCacheManager:
         last = min(request.common_prefix_len(sibling), num_valid, request.num_tokens - 1) // bs
         if last <= held:
             return NO_HIT
-        groups: list[list[KVBlock | None]] = []
-        for g, window in enumerate(self.windows):
-            theirs = self._tables[g].get(sibling.request_id, [])
-            first = max(held, _first_in_window(last * bs, window, bs))
-            part = theirs[first:last]
-            if len(part) < last - first or any(b is None for b in part):
-                return NO_HIT  # blocks that left the window
-            groups.append([None] * (first - held) + part)
-        return PrefixHit(groups, (last - held) * bs)
+        return sibling_blocks(held, last, self.windows, bs,
+                              [t.get(sibling.request_id, []) for t in self._tables])
 
     def record_lookup(self, request: Request, hit: PrefixHit) -> None:
         if self.enable_prefix_caching:
@@ -323,7 +244,7 @@ class KVCacheManager:
         num_full = num_tokens // self.block_size
         if num_full <= done:
             return
-        self._extend_block_hashes(request)
+        extend_block_hashes(self.hasher, request, self.block_size)
         hashes = request.block_hashes
         for g in range(1, self.num_groups):
             blocks = self._tables[g][rid]
@@ -400,7 +321,7 @@ class KVCacheManager:
             blocks = self._tables[g].get(rid)
             if window is None or not blocks:
                 continue
-            first_needed = _first_in_window(request.num_computed_tokens, window, self.block_size)
+            first_needed = first_in_window(request.num_computed_tokens, window, self.block_size)
             first_needed = min(first_needed, len(blocks))
             done = self._dropped[g].get(rid, 0)
             if first_needed <= done:

@@ -1,15 +1,20 @@
 """Where the engine runs and how big its KV cache is: device, dtype, number of blocks.
 
-The one home of the sizing rule: the engine sizes its cache with it at start-up, and the
-capacity planner (kserve_paged/plan.py) predicts the same figures from a config.json."""
+The one home of the sizing rule, `size_kv_cache`: the engine sizes its cache with it at
+start-up (from its loaded model's facts), and the capacity planner (kserve_paged/plan.py)
+predicts the same figures from a config.json (from the same facts of a model built on the
+meta device, engine/model_executor/model_facts.py)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
+from engine.core.kv_groups import KVLayout, kv_layout
+from engine.model_executor.model_facts import ModelFacts
 
 # Without an explicit size, the KV cache on CPU takes this share of available RAM, capped.
 CPU_KV_FRACTION = 0.25
@@ -66,17 +71,37 @@ def kv_budget_bytes(kv_cache_memory: float | int | None, device_type: str,
     return min(int(CPU_KV_FRACTION * available), CPU_KV_CAP_BYTES)
 
 
-def size_kv_cache(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
-    """Number of KV blocks: given outright, from a byte budget or fraction, or a default share."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    if device.type == "cpu":  # tensor-parallel ranks on one host share its memory
-        bytes_per_block *= config.tensor_parallel_size
-    needs_free = config.kv_cache_memory is None or config.kv_cache_memory <= 1
-    budget = kv_budget_bytes(config.kv_cache_memory, device.type,
-                             available_memory(device) if needs_free else 0)
-    blocks = budget // bytes_per_block
-    if blocks < 1:
-        raise ValueError(f"kv_cache_memory of {budget} bytes holds no KV block "
-                         f"({bytes_per_block} bytes each)")
-    return blocks
+def kv_bytes_per_block(num_slots: int, num_kv_heads: int, head_dim: int, block_size: int,
+                       dtype_bytes: int) -> int:
+    """Bytes of one block id: its K/V in each of `num_slots` per-slot tensors (a layer each)."""
+    return block_size * kv_bytes_per_token(num_slots, num_kv_heads, head_dim, dtype_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSize:
+    layout: KVLayout  # which layers share a block table (engine/core/kv_groups.py)
+    bytes_per_block: int  # one block id in every slot of one rank (a draft model's included)
+    num_blocks: int  # 0: the budget holds no block
+    budget_bytes: int | None  # what the blocks were cut from (None: their number was given)
+    budget_per_block: int  # what one block takes of it (every rank's share on one CPU host)
+
+
+def size_kv_cache(model: ModelFacts, *, dtype_bytes: int, block_size: int, hybrid: bool,
+                  tp: int, device_type: str, num_kv_blocks: int | None,
+                  kv_cache_memory: float | int | None, free_bytes: Callable[[], int],
+                  extra_bytes_per_block: int = 0) -> KVCacheSize:
+    """The KV cache of `model` (one rank's facts): its layout, and the number of blocks given
+    outright, from a byte budget or fraction, or a default share of `free_bytes()` (what is
+    free once the weights are loaded; asked only when needed). KV groups of their own for
+    global and sliding layers when `hybrid` and not tensor-parallel (one table per step goes
+    to the workers)."""
+    layout = kv_layout(list(model.layer_windows), per_group=hybrid and tp == 1)
+    per_block = extra_bytes_per_block + kv_bytes_per_block(
+        layout.group_size, model.num_kv_heads, model.head_dim, block_size, dtype_bytes)
+    # Tensor-parallel ranks on one host share its memory.
+    shared = per_block * tp if device_type == "cpu" else per_block
+    if num_kv_blocks is not None:
+        return KVCacheSize(layout, per_block, num_kv_blocks, None, shared)
+    needs_free = kv_cache_memory is None or kv_cache_memory <= 1
+    budget = kv_budget_bytes(kv_cache_memory, device_type, free_bytes() if needs_free else 0)
+    return KVCacheSize(layout, per_block, max(budget, 0) // shared, budget, shared)

@@ -1,2 +1,3 @@
-"""Tensor parallelism on torch.distributed (gloo on CPU, NCCL on CUDA): the layout of a
-sharded model, its two parallel layers, and the worker processes beside the engine."""
+"""Communication between tensor-parallel ranks on torch.distributed (gloo on CPU, NCCL on
+CUDA): joining the group and the collectives a sharded layer calls. The sharded layers are
+in engine/model_executor/, the worker processes in engine/worker/."""

@@ -1,17 +1,43 @@
-"""The tensor-parallel group as the model sees it: its rank and the two collectives a layer
-needs (an all-reduce of partial sums, a gather of vocabulary shards onto rank 0).
+"""The tensor-parallel group: how a process joins it, and the two collectives a layer needs
+(an all-reduce of partial sums, a gather of vocabulary shards onto rank 0).
 
-A model built without a group (tensor_parallel_size 1) never calls these: TP = 1 runs the
-same modules with no collective and no check per layer.
+Rank 0 (the engine's process) hosts the rendezvous store; each worker process sets its
+`joined_key` there just before joining, so rank 0 can tell a worker that died on the way
+from one that is slow. A model built without a group (tensor_parallel_size 1) never calls
+the collectives: TP = 1 runs the same modules with no collective and no check per layer.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# How long rank 0 waits for every worker to join the group (a worker imports torch first).
+START_TIMEOUT = timedelta(seconds=300)
+# A collective's limit. Workers wait in a broadcast while the server is idle, so it is long:
+# death is noticed by process sentinels (both ways), not by this.
+COLLECTIVE_TIMEOUT = timedelta(days=30)
+
+
+def joined_key(rank: int) -> str:
+    return f"kserve-paged-tp-joined-{rank}"
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join_group(rank: int, world: int, port: int, device: torch.device) -> TPGroup:
+    """A worker's side of the rendezvous: announce itself in rank 0's store, then join."""
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=START_TIMEOUT)
+    store.set(joined_key(rank), "1")
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT)
+    return TPGroup(rank, world)
 
 
 @dataclass(slots=True)

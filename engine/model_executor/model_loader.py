@@ -103,7 +103,7 @@ def _sliced(weights: Iterable[tuple[str, torch.Tensor]], slicer: Slicer | None
         yield name, tensor if cut is None else tensor.narrow(*cut)
 
 
-def _check_architecture(folder: Path) -> None:
+def check_architecture(folder: Path) -> None:
     """Reject unsupported checkpoints from config.json alone, before transformers parses it
     (transformers would fail on an unknown model_type with a less useful message)."""
     try:
@@ -180,7 +180,7 @@ def check_tensor_parallel_folder(path: StrPath, world: int) -> None:
 
     folder, gguf_file = _resolve(path)
     if gguf_file is None:
-        _check_architecture(folder)
+        check_architecture(folder)
         check_tensor_parallel(AutoConfig.from_pretrained(folder, local_files_only=True), world)
 
 
@@ -208,7 +208,7 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
     if load_format == "dummy":
         if gguf_file is not None:
             raise ValueError("load_format 'dummy' takes a folder with config.json, not a .gguf")
-        _check_architecture(folder)
+        check_architecture(folder)
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         if not getattr(config, "architectures", None):
             config.architectures = [architecture_of(config)]
@@ -230,7 +230,7 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
         model = _build(config, dtype, device, _sliced(state.items(), slicer), tp=tp)
         return model, config
 
-    _check_architecture(folder)
+    check_architecture(folder)
     files = _weight_files(folder)
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     if not getattr(config, "architectures", None):

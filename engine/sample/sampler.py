@@ -30,11 +30,20 @@ Why it is built this way (it runs every engine step, up to 256 rows x ~50k vocab
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from engine.limits import past_min_tokens
+from engine.sample.draw import (
+    MIN_P_OFF,
+    TOP_P_OFF,
+    cutoffs,
+    draw_from_candidates,
+    search,
+    take_rows,
+)
 from engine.sampling_params import SamplingParams
 from kernels import cpu_native
 
@@ -48,9 +57,6 @@ GREEDY_EPS = 1e-5
 _LADDER = (64, 256, 1024, 4096)
 
 _SEED_MASK = (1 << 64) - 1
-# Bounds past which top_p / min_p round to 1.0 / 0.0 in float32, i.e. are no filter at all.
-_TOP_P_OFF = 1.0 - 2.0**-25
-_MIN_P_OFF = 2.0**-150
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -61,83 +67,6 @@ def make_generator(seed: int | None) -> torch.Generator | None:
     return torch.Generator(device="cpu").manual_seed(seed & _SEED_MASK)
 
 
-def _take_rows(src: Tensor, index: Tensor, out: Tensor) -> Tensor:
-    """``src[index]`` written into ``out``.
-
-    ``gather`` with a broadcast index: on CPU ``index_select`` copies large float rows many
-    times slower.
-    """
-    return torch.gather(src, 0, index.unsqueeze(1).expand(-1, src.shape[1]), out=out)
-
-
-def _search(cdf: Tensor, u: Tensor) -> Tensor:
-    """Position in each row of ``cdf`` (non-decreasing) where the mass ``u * total`` falls.
-
-    The first position whose cumulative value exceeds the target has positive weight, so
-    masked-out (zero-weight) entries are never picked.
-    """
-    total = cdf[:, -1]
-    target = (u * total.double()).to(cdf.dtype)
-    # Rounding may lift the target to the total itself; keep it strictly inside.
-    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
-    if cdf.shape[1] <= 4096:
-        # Same answer; cheaper than searchsorted's per-call threading on small rows.
-        pos = (cdf <= target.unsqueeze(1)).sum(1)
-    else:
-        pos = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
-    # Only a row with no mass at all (NaN logits) gets here out of range: stay in bounds.
-    return pos.clamp_(max=cdf.shape[1] - 1)
-
-
-def _cutoffs(vals: Tensor, k: Tensor, p: Tensor, min_p: Tensor,
-             complete: bool) -> tuple[Tensor, Tensor]:
-    """Per-row probability cut-off combining top-k, top-p and min-p, and whether it holds.
-
-    ``vals`` holds each row's largest probabilities in descending order (all of them when
-    ``complete``). Ties at a cut-off are all kept, which makes the kept set independent of how
-    ``topk`` ordered equal values. A row is resolved (``ok``) when everything at or above its
-    cut-off is among ``vals``.
-    """
-    width = vals.shape[1]
-    has_k = k > 0
-    thr_k = vals.gather(1, (k.clamp(1, width) - 1).unsqueeze(1)).squeeze(1)
-    thr_k = torch.where(has_k, thr_k, torch.zeros_like(thr_k))
-    ok = torch.ones_like(has_k)
-    if not complete:
-        # Top-k's mass is only known when its tie run ends inside the candidates.
-        ok &= ~has_k | ((k <= width) & (vals[:, -1] < thr_k))
-    thr = thr_k
-    has_p = p < 1.0
-    if bool(has_p.any()):
-        kept = vals * (vals >= thr_k.unsqueeze(1))
-        cum = kept.cumsum(1)
-        # Without top-k the mass is the softmax's 1 (a sum over the row would cost a pass).
-        mass = torch.where(has_k, cum[:, -1], torch.ones_like(p))
-        # Past the candidates, ``first`` clamps to the last one; the check below then fails.
-        first = (cum < (p * mass).unsqueeze(1)).sum(1)
-        thr_p = vals.gather(1, first.clamp(max=width - 1).unsqueeze(1)).squeeze(1)
-        thr = torch.maximum(thr, torch.where(has_p, thr_p, torch.zeros_like(thr_p)))
-    thr = torch.maximum(thr, min_p * vals[:, 0])
-    if not complete:
-        ok &= vals[:, -1] < thr
-    return thr, ok
-
-
-def _draw_from_candidates(vals: Tensor, idx: Tensor, thr: Tensor, u: Tensor,
-                          vocab: int) -> Tensor:
-    """Draw among the candidates at or above the cut-off, taken in vocabulary order.
-
-    Vocabulary order (not ``topk``'s, which leaves the order of equal values open) makes the
-    drawn token a function of the row's probabilities and ``u`` alone.
-    """
-    kept = vals >= thr.unsqueeze(1)
-    key = torch.where(kept, idx, torch.full_like(idx, vocab))
-    key, order = key.sort(1)
-    weights = vals.gather(1, order) * (key < vocab)
-    pos = _search(weights.cumsum(1), u)
-    return key.gather(1, pos.unsqueeze(1)).squeeze(1).clamp_(max=vocab - 1)
-
-
 def greedy_tokens(logits: Tensor) -> Tensor:
     """Row-wise argmax (int64), torch's tie and NaN rules. On CPU fp32 one native vector pass,
     several times faster than torch's argmax over a large vocabulary (BENCHMARKS.md)."""
@@ -146,6 +75,20 @@ def greedy_tokens(logits: Tensor) -> Tensor:
         if out is not None:
             return out
     return logits.argmax(-1)
+
+
+@dataclass(slots=True)
+class _RowPlan:
+    """How each non-greedy row of a step is drawn (indices: position among those rows)."""
+
+    temps: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+    u: list[float]  # its uniform number
+    plain: list[int]  # no top-k/top-p/min-p: drawn from the whole row
+    ladder: dict[int, list[int]]  # candidate count -> rows starting there
+    bans: list[tuple[int, list[int]]]  # min_tokens: tokens at -inf
 
 
 class Sampler:
@@ -172,7 +115,7 @@ class Sampler:
         if all_rows:
             return src
         index = torch.tensor(rows, dtype=torch.long, device=src.device)
-        return _take_rows(src, index, self._buffer(name, len(rows), src))
+        return take_rows(src, index, self._buffer(name, len(rows), src))
 
     def sample(
         self,
@@ -243,75 +186,106 @@ class Sampler:
         banned: dict[int, list[int]],
         out: Tensor,
     ) -> None:
+        """Draw the non-greedy rows `sampled` into `out`: per-row settings and uniform numbers
+        first (`_plan`), then the probabilities of all of them at once, then each row's draw
+        among its candidates (the ladder) or its whole row."""
         if logits.dtype != torch.float32:
             logits = logits.float()  # half-precision cumulative sums would be too coarse
-        n, vocab = logits.shape
         device = logits.device
+        plan = self._plan(sampled, params, generators, banned, logits.shape[1])
+        w = self._probabilities(logits, sampled, plan)
         s = len(sampled)
-        temps: list[float] = []
-        top_k: list[int] = []
-        top_p: list[float] = []
-        min_p: list[float] = []
-        u: list[float] = [0.0] * s
-        shared: list[int] = []
-        plain: list[int] = []  # no top-k/top-p/min-p: drawn from the whole row
-        ladder: dict[int, list[int]] = {}  # candidate count -> rows starting there
-        bans: list[tuple[int, list[int]]] = []
-        for j, i in enumerate(sampled):
-            p = params[i]
-            temps.append(p.temperature)
-            k = p.top_k if 0 < p.top_k < vocab else 0
-            top_k.append(k)
-            top_p.append(p.top_p)
-            min_p.append(p.min_p)
-            g = generators[i]
-            if g is None:
-                shared.append(j)
-            else:
-                u[j] = torch.rand((), generator=g, dtype=torch.float64).item()
-            if k or p.top_p < _TOP_P_OFF or p.min_p > _MIN_P_OFF:
-                width = next((w for w in _LADDER if w > k and w < vocab), vocab)
-                ladder.setdefault(width, []).append(j)
-            else:
-                plain.append(j)
-            if i in banned:
-                bans.append((j, banned[i]))
-        if shared:
-            draws = torch.rand(len(shared), generator=self.generator, dtype=torch.float64)
-            for j, x in zip(shared, draws.tolist()):
-                u[j] = x
 
         def col(values: list, dtype: torch.dtype) -> Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-        # Probabilities softmax(logits / T) in scratch "w" (scaled logits in "aux" on the way).
-        scaled = self._buffer("aux", s, logits)
-        temp = col(temps, logits.dtype).unsqueeze(1)
-        if s == n:
-            torch.div(logits, temp, out=scaled)
-        else:
-            _take_rows(logits, torch.tensor(sampled, device=device), scaled)
-            scaled.div_(temp)
-        if bans:
-            self._ban(scaled, bans)
-        w = self._buffer("w", s, logits)
-        # The fused softmax kernel (one row per thread) into scratch: about twice as fast as
-        # max/sub/exp passes over the whole tensor, and no 50 MB allocation.
-        torch.ops.aten._softmax.out(scaled, 1, False, out=w)
-
-        k_all = col(top_k, torch.long)
-        p_all = col(top_p, logits.dtype)
-        mp_all = col(min_p, logits.dtype)
-        u_all = col(u, torch.float64)
+        cols = (col(plan.top_k, torch.long), col(plan.top_p, logits.dtype),
+                col(plan.min_p, logits.dtype), col(plan.u, torch.float64))
         picked_rows: list[Tensor] = []
         picked_toks: list[Tensor] = []
         # Rows drawn from the whole row, with their cut-offs (0 keeps everything).
         full_rows: list[Tensor] = []
         full_thr: list[Tensor] = []
-        if plain:
-            full_rows.append(torch.tensor(plain, device=device))
-            full_thr.append(torch.zeros(len(plain), dtype=w.dtype, device=device))
+        if plan.plain:
+            full_rows.append(torch.tensor(plan.plain, device=device))
+            full_thr.append(torch.zeros(len(plan.plain), dtype=w.dtype, device=device))
+        self._draw_ladder(w, plan.ladder, cols, picked_rows, picked_toks, full_rows, full_thr)
+        if full_rows:
+            rows_f = torch.cat(full_rows)
+            thr = torch.cat(full_thr)
+            every = rows_f.numel() == s and bool((rows_f == torch.arange(s, device=device)).all())
+            sub = w if every else take_rows(w, rows_f, self._buffer("aux", rows_f.numel(), w))
+            if bool((thr > 0).any()):
+                # Only rows that needed a full sort have a cut-off here (rare and already slow).
+                sub.masked_fill_(sub < thr.unsqueeze(1), 0.0)
+            picked_rows.append(rows_f)
+            picked_toks.append(search(sub.cumsum_(1), cols[3][rows_f]))
+        rows_all = torch.cat(picked_rows)
+        toks_all = torch.cat(picked_toks)
+        dest = torch.tensor(sampled, device=device)[rows_all]
+        out[dest] = toks_all
 
+    def _plan(self, sampled: list[int], params: Sequence[SamplingParams],
+              generators: Sequence[torch.Generator | None], banned: dict[int, list[int]],
+              vocab: int) -> _RowPlan:
+        """Each sampled row's settings, its uniform number (its own generator's, or one of the
+        shared generator's draws), and where its draw starts."""
+        plan = _RowPlan([], [], [], [], [0.0] * len(sampled), [], {}, [])
+        shared: list[int] = []
+        for j, i in enumerate(sampled):
+            p = params[i]
+            plan.temps.append(p.temperature)
+            k = p.top_k if 0 < p.top_k < vocab else 0
+            plan.top_k.append(k)
+            plan.top_p.append(p.top_p)
+            plan.min_p.append(p.min_p)
+            g = generators[i]
+            if g is None:
+                shared.append(j)
+            else:
+                plan.u[j] = torch.rand((), generator=g, dtype=torch.float64).item()
+            if k or p.top_p < TOP_P_OFF or p.min_p > MIN_P_OFF:
+                width = next((w for w in _LADDER if w > k and w < vocab), vocab)
+                plan.ladder.setdefault(width, []).append(j)
+            else:
+                plan.plain.append(j)
+            if i in banned:
+                plan.bans.append((j, banned[i]))
+        if shared:
+            draws = torch.rand(len(shared), generator=self.generator, dtype=torch.float64)
+            for j, x in zip(shared, draws.tolist()):
+                plan.u[j] = x
+        return plan
+
+    def _probabilities(self, logits: Tensor, sampled: list[int], plan: _RowPlan) -> Tensor:
+        """softmax(logits / T) of the sampled rows, bans applied, in scratch "w" (the scaled
+        logits in "aux" on the way)."""
+        s, n = len(sampled), logits.shape[0]
+        scaled = self._buffer("aux", s, logits)
+        temp = torch.tensor(plan.temps, dtype=logits.dtype).to(
+            logits.device, non_blocking=True).unsqueeze(1)
+        if s == n:
+            torch.div(logits, temp, out=scaled)
+        else:
+            take_rows(logits, torch.tensor(sampled, device=logits.device), scaled)
+            scaled.div_(temp)
+        if plan.bans:
+            self._ban(scaled, plan.bans)
+        w = self._buffer("w", s, logits)
+        # The fused softmax kernel (one row per thread) into scratch: about twice as fast as
+        # max/sub/exp passes over the whole tensor, and no 50 MB allocation.
+        torch.ops.aten._softmax.out(scaled, 1, False, out=w)
+        return w
+
+    def _draw_ladder(self, w: Tensor, ladder: dict[int, list[int]],
+                     cols: tuple[Tensor, Tensor, Tensor, Tensor], picked_rows: list[Tensor],
+                     picked_toks: list[Tensor], full_rows: list[Tensor],
+                     full_thr: list[Tensor]) -> None:
+        """Draw the filtered rows among their top candidates, climbing the ladder for rows
+        whose cut-off lies beyond; rows past its end go to the full-row draw, sorted."""
+        k_all, p_all, mp_all, u_all = cols
+        s, vocab = w.shape
+        device = w.device
         while ladder:
             width = min(ladder)
             rows_l = sorted(ladder.pop(width))
@@ -320,12 +294,12 @@ class Sampler:
             k, p, mp = k_all[idx_rows], p_all[idx_rows], mp_all[idx_rows]
             if width >= vocab:
                 vals = torch.sort(sub, dim=1, descending=True).values
-                thr, _ = _cutoffs(vals, k, p, mp, complete=True)
+                thr, _ = cutoffs(vals, k, p, mp, complete=True)
                 full_rows.append(idx_rows)
                 full_thr.append(thr)
                 continue
             vals, idx = torch.topk(sub, width, dim=1)
-            thr, ok = _cutoffs(vals, k, p, mp, complete=False)
+            thr, ok = cutoffs(vals, k, p, mp, complete=False)
             if bool(ok.all()):
                 done = None
             else:
@@ -335,27 +309,11 @@ class Sampler:
             if done is None:
                 picked_rows.append(idx_rows)
                 picked_toks.append(
-                    _draw_from_candidates(vals, idx, thr, u_all[idx_rows], vocab))
+                    draw_from_candidates(vals, idx, thr, u_all[idx_rows], vocab))
             elif done.numel():
                 picked_rows.append(idx_rows[done])
-                picked_toks.append(_draw_from_candidates(
+                picked_toks.append(draw_from_candidates(
                     vals[done], idx[done], thr[done], u_all[idx_rows[done]], vocab))
-
-        if full_rows:
-            rows_f = torch.cat(full_rows)
-            thr = torch.cat(full_thr)
-            every = rows_f.numel() == s and bool((rows_f == torch.arange(s, device=device)).all())
-            sub = w if every else _take_rows(w, rows_f, self._buffer("aux", rows_f.numel(), w))
-            if bool((thr > 0).any()):
-                # Only rows that needed a full sort have a cut-off here (rare and already slow).
-                sub.masked_fill_(sub < thr.unsqueeze(1), 0.0)
-            picked_rows.append(rows_f)
-            picked_toks.append(_search(sub.cumsum_(1), u_all[rows_f]))
-
-        rows_all = torch.cat(picked_rows)
-        toks_all = torch.cat(picked_toks)
-        dest = torch.tensor(sampled, device=device)[rows_all]
-        out[dest] = toks_all
 
 
 def target_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
@@ -371,9 +329,9 @@ def target_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
                      device=logits.device)
     p_top = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=logits.device)
     mp = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=logits.device)
-    if bool((k > 0).any() | (p_top < _TOP_P_OFF).any() | (mp > _MIN_P_OFF).any()):
+    if bool((k > 0).any() | (p_top < TOP_P_OFF).any() | (mp > MIN_P_OFF).any()):
         vals = torch.sort(probs, dim=1, descending=True).values
-        thr, _ = _cutoffs(vals, k, p_top, mp, complete=True)
+        thr, _ = cutoffs(vals, k, p_top, mp, complete=True)
         probs = probs * (probs >= thr.unsqueeze(1))
         probs = probs / probs.sum(1, keepdim=True)
     return probs

@@ -159,7 +159,7 @@ class SpecDecoder:
                 kept = len(tokens)
                 for _, entry, chosen in sampled_entries(
                         raw[at:at + kept], torch.tensor(tokens, device=raw.device),
-                        [r] * kept, decode):
+                        [p.logprobs] * kept, decode):
                     track.logprobs.append(entry)
                     track.cumulative_logprob += chosen
             self._record(r.request_id, len(spec.drafts), len(tokens) - 1)

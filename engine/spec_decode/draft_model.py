@@ -19,7 +19,7 @@ import torch
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
-from engine.core.scheduler import SchedulerOutput
+from engine.core.scheduler_output import SchedulerOutput
 from engine.model_executor.model_loader import load_model, load_tokenizer
 from engine.sample.logits_processors import apply_penalties
 from engine.sample.sampler import GREEDY_EPS, greedy_tokens, target_probs

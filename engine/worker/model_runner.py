@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -11,15 +10,12 @@ import torch
 import kernels
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_groups import KVLayout, kv_layout
-from engine.core.kv_sizing import kv_bytes_per_token
+from engine.core.kv_sizing import kv_bytes_per_block
 from engine.core.request import Request
-from engine.core.scheduler import SchedulerOutput
+from engine.core.scheduler_output import SchedulerOutput
 from engine.lora import LoRAManager
 from engine.model_executor.attention import Attention, AttentionMetadata, GroupedMetadata
 from engine.worker.cpu_memory import hugepage_zeros, prefault_bytes, prefault_leading_blocks
-
-if TYPE_CHECKING:
-    from engine.worker.tp_executor import TPWorkers
 
 
 @dataclass(slots=True)
@@ -43,6 +39,14 @@ class StepResult:
     sampling: list[Request]
     prompt_logits: torch.Tensor | None  # float32 [len(prompt_rows), vocab]
     prompt_spans: list[tuple[Request, int, int]]
+
+
+def step_result(inputs: StepInputs, prompt_logits: torch.Tensor | None,
+                logits: torch.Tensor | None, device: torch.device) -> StepResult:
+    """A forward's logits as the engine reads them (no sampling rows: an empty tensor)."""
+    if logits is None:
+        logits = torch.empty((0, 0), dtype=torch.float32, device=device)
+    return StepResult(logits, inputs.sampling, prompt_logits, inputs.prompt_spans)
 
 
 class _StepBuffers:
@@ -128,7 +132,8 @@ class ModelRunner:
         slots = self.layout.group_size
         if device.type == "cpu":  # huge pages: decode reads blocks at random offsets
             self.slot_caches = [hugepage_zeros(shape, dtype) for _ in range(slots)]
-            per_block = self.kv_bytes_per_block(model, block_size, dtype, self.layout)
+            per_block = kv_bytes_per_block(slots, model.num_kv_heads, model.head_dim, block_size,
+                                           dtype.itemsize)
             prefault_leading_blocks(self.slot_caches,
                                     min(num_blocks, prefault_bytes() // per_block))
         else:
@@ -143,15 +148,6 @@ class ModelRunner:
         self.buffers = _StepBuffers(max_num_batched_tokens, max_num_seqs,
                                     self.max_blocks_per_seq, device, self.layout.num_groups)
         self.lora: LoRAManager | None = None  # set by the engine when LoRA is on
-        self.workers: TPWorkers | None = None  # set by the engine under tensor parallelism
-
-    @staticmethod
-    def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype,
-                           layout: KVLayout | None = None) -> int:
-        """Bytes of one block: its K/V in every slot (every layer without a `layout`)."""
-        elem = torch.tensor([], dtype=dtype).element_size()
-        layers = layout.group_size if layout is not None else model.num_layers
-        return block_size * kv_bytes_per_token(layers, model.num_kv_heads, model.head_dim, elem)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         assert self.kv is not None, "a tensor-parallel worker's runner gets its steps prepared"
@@ -255,18 +251,14 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run the step: logits for each sampling request (and prompt positions if asked)."""
         inputs = self.prepare(out)
-        if self.workers is None:
-            prompt_logits, logits = self.forward(inputs, out.block_copies)
-        else:  # tensor parallelism: the workers get the step, then every rank runs it
-            prompt_logits, logits = self.workers.run_step(self, inputs, out.block_copies)
-        if logits is None:
-            logits = torch.empty((0, 0), dtype=torch.float32, device=self.device)
-        return StepResult(logits, inputs.sampling, prompt_logits, inputs.prompt_spans)
+        prompt_logits, logits = self.forward(inputs, out.block_copies)
+        return step_result(inputs, prompt_logits, logits, self.device)
 
     def forward(self, inputs: StepInputs, block_copies: list[tuple[int, int]]
                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(prompt-row logits, sampling-row logits) of a prepared step; the part every
-        tensor-parallel rank runs (the others get None logits: rank 0 gathers them)."""
+        tensor-parallel rank runs (the others get None logits: rank 0 gathers them,
+        engine/worker/tp_executor.py)."""
         if block_copies:  # copy-on-write: shared blocks this step writes into
             src, dst = zip(*block_copies)
             kernels.copy_blocks(self.slot_caches, torch.tensor(src, device=self.device),

@@ -1,17 +1,18 @@
-"""Rank 0's side of tensor parallelism: start the worker processes, load and size them, send
-each step, notice when one dies, stop them.
+"""The tensor-parallel executor, rank 0's side: start the worker processes, load and size
+them, send each step, notice when one dies, stop them.
 
 The engine (scheduler, KV-cache manager, sampler) lives on rank 0 only. Workers
-(`engine/distributed/worker.py`) hold their shard of the weights and of the paged KV cache
+(`engine/worker/tp_worker.py`) hold their shard of the weights and of the paged KV cache
 (the same block ids, their own KV heads) and wait for the next broadcast. Every message is a
-header broadcast (`step.py`); LOAD and CACHE carry one pickled dict more and end with a gather
-of each rank's error, if any, so a worker that cannot load fails start-up with its reason.
+header broadcast (`step_wire.py`); LOAD and CACHE carry one pickled dict more and end with a
+gather of each rank's error, if any, so a worker that cannot load fails start-up with its
+reason.
 
 A worker that dies: its process sentinel wakes the watchdog thread, which records why and
 calls `on_death` (AsyncLLM fails the engine: readiness 503, requests get an error); a step in
 flight fails too, since a collective with a dead peer raises (gloo) or times out (NCCL,
 `COLLECTIVE_TIMEOUT`). After any failure inside a step the ranks are out of step, so it is
-`TPWorkerError`, fatal to the engine, never one request's error.
+`TPWorkerError` (an `ExecutorError`), fatal to the engine, never one request's error.
 """
 
 from __future__ import annotations
@@ -21,47 +22,41 @@ import multiprocessing.connection
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from engine.distributed.group import TPGroup
+from engine.core.scheduler_output import SchedulerOutput
+from engine.distributed.group import (
+    COLLECTIVE_TIMEOUT,
+    START_TIMEOUT,
+    TPGroup,
+    backend_for,
+    joined_key,
+)
+from engine.model_executor.model_loader import check_tensor_parallel_folder, load_model
 from engine.worker import step_wire as wire
-
-if TYPE_CHECKING:
-    from engine.worker.model_runner import ModelRunner, StepInputs
+from engine.worker.executor import ExecutorError
+from engine.worker.model_runner import ModelRunner, StepResult, step_result
 
 logger = logging.getLogger("engine")
 
-# How long rank 0 waits for every worker to join the group (a worker imports torch first).
-START_TIMEOUT = timedelta(seconds=300)
-# A collective's limit. Workers wait in a broadcast while the server is idle, so it is long:
-# death is noticed by process sentinels (both ways), not by this.
-COLLECTIVE_TIMEOUT = timedelta(days=30)
 # After a failed collective, how long to wait for a worker's exit to explain it.
 DEATH_GRACE_S = 2.0
 STOP_GRACE_S = 5.0
 
 
-class TPWorkerError(RuntimeError):
+class TPWorkerError(ExecutorError):
     """A tensor-parallel worker died or a step's collectives failed: the engine cannot go on."""
 
 
-def joined_key(rank: int) -> str:
-    return f"kserve-paged-tp-joined-{rank}"
-
-
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-class TPWorkers:
-    """The N-1 worker processes of one engine and the process group they share with it."""
+class TPExecutor:
+    """The N-1 worker processes of one engine, the process group they share with it, and rank
+    0's runner."""
 
     # A pool kept across engines (tests, benchmarks): `acquire` hands it out when it fits.
-    _kept: ClassVar[TPWorkers | None] = None
+    _kept: ClassVar[TPExecutor | None] = None
 
     def __init__(self, world_size: int, device: torch.device) -> None:
         if dist.is_initialized():
@@ -75,6 +70,7 @@ class TPWorkers:
         self.comm_device = device if device.type == "cuda" else torch.device("cpu")
         self.in_use = False
         self.failure: str | None = None
+        self.runner: ModelRunner | None = None
         self.on_death: Callable[[BaseException], None] | None = None
         self._stopping = False
         self._threads = torch.get_num_threads()
@@ -106,7 +102,7 @@ class TPWorkers:
     # -- engines ------------------------------------------------------------------------------
 
     @classmethod
-    def acquire(cls, world_size: int, device: torch.device) -> TPWorkers:
+    def acquire(cls, world_size: int, device: torch.device) -> TPExecutor:
         """Workers for a new engine: the kept pool when it fits and is free, else new ones."""
         kept = cls._kept
         if (kept is not None and kept.world_size == world_size and kept.device == device
@@ -117,14 +113,15 @@ class TPWorkers:
         workers.in_use = True
         return workers
 
-    def keep(self) -> TPWorkers:
+    def keep(self) -> TPExecutor:
         """Keep these workers alive across engines (`close` then only releases the model)."""
-        TPWorkers._kept = self
+        TPExecutor._kept = self
         return self
 
     def close(self) -> None:
         """The engine is done with them: drop the model (kept pool) or stop them."""
-        if TPWorkers._kept is self and self.failure is None and not self._stopping:
+        self.runner = None
+        if TPExecutor._kept is self and self.failure is None and not self._stopping:
             self._send(wire.RELEASE)
             self.on_death = None
             self.in_use = False
@@ -134,8 +131,6 @@ class TPWorkers:
     def load_model(self, path: str, dtype: torch.dtype, device: torch.device,
                    load_format: str = "auto", seed: int = 0) -> tuple[Any, Any]:
         """Every rank loads its shard at once; rank 0's (model, config), or the first error."""
-        from engine.model_executor.model_loader import check_tensor_parallel_folder, load_model
-
         try:  # a model that cannot shard is refused before any rank loads it
             check_tensor_parallel_folder(path, self.world_size)
         except ValueError:
@@ -152,23 +147,27 @@ class TPWorkers:
         assert result is not None
         return result
 
-    def allocate(self, **cache: Any) -> None:
-        """Each worker builds its runner: its KV cache share, the same number of blocks."""
+    def start(self, runner: ModelRunner, **cache: Any) -> None:
+        """Run steps with rank 0's `runner`; each worker builds its own: its share of the KV
+        cache, the same number of blocks (`cache`: the runner's sizes)."""
         self._send(wire.CACHE, spec=cache)
         self._gather_errors(None, "allocating the KV cache")
+        self.runner = runner
 
-    def run_step(self, runner: ModelRunner, inputs: StepInputs,
-                 block_copies: list[tuple[int, int]]
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Broadcast the step, run rank 0's share; logits gathered here."""
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Prepare the step on rank 0, broadcast it, run rank 0's share; logits gathered here."""
+        assert self.runner is not None, "start() the executor first"
+        inputs = self.runner.prepare(out)
         self.check_alive()
         try:
-            head, payload = wire.pack(inputs, block_copies, self.comm_device)
+            head, payload = wire.pack(inputs, out.block_copies, self.comm_device)
             dist.broadcast(head, 0)
             dist.broadcast(payload, 0)
-            return runner.forward(inputs, block_copies)
+            prompt_logits, logits = self.runner.forward(inputs, out.block_copies)
         except Exception as exc:
             raise self._fatal(exc) from exc
+        return step_result(inputs, prompt_logits, logits, self.runner.device)
 
     def check_alive(self) -> None:
         if self.failure is None:
@@ -281,6 +280,6 @@ class TPWorkers:
                 logger.debug("destroy_process_group failed", exc_info=True)
         if self.device.type == "cpu":
             torch.set_num_threads(self._threads)
-        if TPWorkers._kept is self:
-            TPWorkers._kept = None
+        if TPExecutor._kept is self:
+            TPExecutor._kept = None
         self.in_use = False

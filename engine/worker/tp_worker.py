@@ -1,5 +1,5 @@
 """A tensor-parallel worker process (ranks 1..N-1): its shard of the model and of the KV
-cache, and a loop that runs whatever rank 0 broadcasts (`workers.py`, `step.py`).
+cache, and a loop that runs whatever rank 0 broadcasts (`tp_executor.py`, `step_wire.py`).
 
 It has no scheduler and no sampler. It exits with its parent (a thread watches the parent's
 sentinel), on STOP, or on any error (rank 0's watchdog then sees it go).
@@ -18,14 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.distributed.group import TPGroup
+from engine.distributed.group import join_group
 from engine.worker import step_wire as wire
-from engine.worker.tp_executor import (
-    COLLECTIVE_TIMEOUT,
-    START_TIMEOUT,
-    backend_for,
-    joined_key,
-)
 
 
 def _exit_with(sentinel: int) -> None:
@@ -48,11 +42,7 @@ def worker_main(rank: int, world: int, port: int, device_type: str, threads: int
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=START_TIMEOUT)
-    store.set(joined_key(rank), "1")
-    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT)
-    group = TPGroup(rank, world)
+    group = join_group(rank, world, port, device)
     # The loader's imports (transformers) now, while rank 0 is still busy, not at the first LOAD.
     from engine.model_executor.model_loader import load_model
     from engine.worker.model_runner import ModelRunner

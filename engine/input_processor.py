@@ -1,0 +1,142 @@
+"""Requests in: a prompt (text, token ids or vLLM's prompt dict) and its options become queued
+requests, or a refusal (ValueError) before anything is allocated.
+
+One request per prompt; an n > 1 request queues its first sample only (the others fork from it
+once its prompt is computed, engine/parallel_sampling.py); a beam search queues one root that
+its beams fork from (engine/beam_search.py). A request with a structured-output constraint is
+queued at once while its grammar compiles off the engine thread; the scheduler passes it over
+until `start_compiled_grammars` has made its matcher.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+from engine.beam_search import BeamSearches
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.limits import check_prompt_ids
+from engine.lora import LoRAManager, LoRARequest
+from engine.output_processor import OutputProcessor
+from engine.parallel_sampling import SampleGroups
+from engine.sample.structured_output import GrammarCompiler, RequestGrammar
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("engine")
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos: tuple[int | None, list[int]],
+                 scheduler: Scheduler, outputs: OutputProcessor, groups: SampleGroups,
+                 beams: BeamSearches, lora: LoRAManager | None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id, self.extra_eos = eos
+        stop_ids = [t for t in [self.eos_token_id, *self.extra_eos] if t is not None]
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, stop_ids)
+        self.scheduler = scheduler
+        self.outputs = outputs
+        self.groups = groups
+        self.beams = beams
+        self.lora = lora
+        self.compiling: list[Request] = []  # queued, their grammar not compiled yet
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt))
+
+    def add(self, request_id: str, prompt: Prompt, params: SamplingParams, *, priority: int,
+            cache_salt: str | None, arrival_time: float | None,
+            lora_request: LoRARequest | None) -> None:
+        """Queue a request; raises ValueError (nothing allocated) if it can never run."""
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested but LoRA "
+                                 "is not enabled (enable_lora=True)")
+            self.lora.add(lora_request)  # loads and checks it before anything is queued
+        if isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt", cache_salt)
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        # Checked here, not later: a bad salt or priority would raise inside schedule(), outside
+        # any step's fault containment, and kill the engine for every request.
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string (got {type(cache_salt).__name__})")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer (got {priority!r})")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenize(prompt) if text is not None else [int(t) for t in prompt]
+        check_prompt_ids(token_ids, self.vocab_size)
+        if self.extra_eos and not params.ignore_eos:
+            params = _with_stop_ids(params, self.extra_eos)
+        if request_id in self.groups or request_id in self.beams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        common = (token_ids, text, priority, cache_salt, arrival_time, lora_request)
+        if params.use_beam_search:  # one request; beams fork from it (beam_search.py)
+            self.beams.start(self._add_one(request_id, params, *common),
+                             self.scheduler.max_model_len)
+        elif params.n == 1:
+            self._add_one(request_id, params, *common)
+        else:
+            self._add_samples(request_id, params, common)
+
+    def _add_samples(self, request_id: str, params: SamplingParams, common: tuple) -> None:
+        """n parallel samples: the first child computes the prompt, the others fork from it
+        when it samples its first token, sharing every prompt block."""
+        children = SampleGroups.children(request_id, params)
+        if params.max_tokens == 0:  # nothing is sampled, so nothing to fork from: n scorings
+            for child, child_params in children:
+                self._add_one(child, child_params, *common)
+            self.groups.register(request_id, [child for child, _ in children], pending=[])
+            return
+        (first, first_params), rest = children[0], children[1:]
+        self._add_one(first, first_params, *common)
+        self.groups.register(request_id, [child for child, _ in children], pending=rest)
+
+    def _add_one(self, request_id: str, params: SamplingParams, token_ids: list[int],
+                 text: str | None, priority: int, cache_salt: str | None,
+                 arrival_time: float | None, lora_request: LoRARequest | None) -> Request:
+        request = Request(request_id, token_ids, params, eos_token_id=self.eos_token_id,
+                          priority=priority, cache_salt=cache_salt, lora_request=lora_request)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.scheduler.add_request(request)  # raises on duplicates and over-long prompts
+        if params.structured_outputs is not None:
+            request.grammar = RequestGrammar(self.grammars.submit(params.structured_outputs))
+            self.compiling.append(request)
+        self.outputs.track(request, text)
+        return request
+
+    def start_compiled_grammars(self) -> list[tuple[Request, str]]:
+        """Give each request whose grammar finished compiling its matcher (the scheduler then
+        admits it); returns the requests whose compile failed, with why."""
+        if not self.compiling:
+            return []
+        still, broken = [], []
+        for req in self.compiling:
+            if req.is_finished or req.request_id not in self.outputs.live:
+                continue  # aborted while compiling
+            if not req.grammar.future.done():
+                still.append(req)
+                continue
+            try:
+                req.grammar.start()
+            except Exception as exc:  # noqa: BLE001 - this request's grammar only
+                logger.warning("grammar compile failed for %s: %s", req.request_id, exc)
+                broken.append((req, f"the structured-output grammar did not compile: {exc}"))
+        self.compiling = still
+        return broken
+
+
+def _with_stop_ids(params: SamplingParams, extra: list[int]) -> SamplingParams:
+    params = copy.copy(params)
+    params.stop_token_ids = list(params.stop_token_ids) + [t for t in extra
+                                                           if t not in params.stop_token_ids]
+    return params

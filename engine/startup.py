@@ -1,0 +1,118 @@
+"""The engine's start-up decisions, each once: which model folder, its stop ids, how big the KV
+cache is and how long a request may be, and whether KV-cache events are published."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core import kv_sizing
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_event_publisher import ZmqEventPublisher
+from engine.core.kv_events import KVEventsConfig
+from engine.core.kv_groups import KVLayout
+from engine.core.kv_sizing import KVCacheSize, kv_bytes_per_block, size_kv_cache
+from engine.model_executor.model_facts import ModelFacts
+
+logger = logging.getLogger("engine")
+
+
+def resolve_model_path(config: EngineConfig) -> str:
+    """The folder (or .gguf) to load: the default model, a packaged model's id provisioned and
+    converted once (engine/default_model.py), or the path given."""
+    from engine.default_model import PACKAGED_MODELS, ensure_default_model, ensure_model
+
+    if config.model is None:
+        return str(ensure_default_model(progress=logger.info))
+    if config.model in PACKAGED_MODELS and not os.path.exists(config.model):
+        return str(ensure_model(config.model, progress=logger.info))
+    return str(config.model)
+
+
+def eos_ids(model_path: str, tokenizer: Any) -> tuple[int | None, list[int]]:
+    """(EOS id, further ids that also end a request): the tokenizer's EOS first, then those of
+    generation_config.json (Llama 3 lists several)."""
+    ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        gen_eos = GenerationConfig.from_pretrained(model_path, local_files_only=True).eos_token_id
+    except Exception:  # noqa: BLE001 - a folder without generation_config.json is fine
+        gen_eos = None
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if tok_eos is not None:
+        ids.append(int(tok_eos))
+    for e in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
+        if e is not None and int(e) not in ids:
+            ids.append(int(e))
+    if not ids:
+        return None, []
+    return ids[0], ids[1:]
+
+
+def size_cache(config: EngineConfig, model: Any, draft_model: Any | None, dtype: torch.dtype,
+               device: torch.device) -> KVCacheSize:
+    """The engine's KV cache for its loaded model (one budget: a draft model's cache gets as
+    many blocks), by the one sizing rule the capacity planner runs too."""
+    extra = 0
+    if draft_model is not None:
+        extra = kv_bytes_per_block(draft_model.num_layers, draft_model.num_kv_heads,
+                                   draft_model.head_dim, config.block_size, dtype.itemsize)
+    size = size_kv_cache(
+        ModelFacts.of(model), dtype_bytes=dtype.itemsize, block_size=config.block_size,
+        hybrid=not config.disable_hybrid_kv_cache_manager, tp=config.tensor_parallel_size,
+        device_type=device.type, num_kv_blocks=config.num_kv_blocks,
+        kv_cache_memory=config.kv_cache_memory, free_bytes=lambda: kv_sizing.available_memory(device),
+        extra_bytes_per_block=extra)
+    if size.num_blocks < 1:
+        raise ValueError(f"kv_cache_memory of {size.budget_bytes} bytes holds no KV block "
+                         f"({size.budget_per_block} bytes each)")
+    return size
+
+
+def longest_fit(layout: KVLayout, max_len: int, chunk: int, block_size: int,
+                num_blocks: int) -> int:
+    """The longest request (at most `max_len` tokens) a cache of `num_blocks` holds alone."""
+    if layout.blocks_to_hold(max_len, block_size, chunk) <= num_blocks:
+        return max_len
+    lo, hi = 0, max_len  # blocks_to_hold grows with the length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if layout.blocks_to_hold(mid, block_size, chunk) <= num_blocks \
+            else (lo, mid - 1)
+    return lo
+
+
+def log_cache(size: KVCacheSize, config: EngineConfig, model: Any, max_len: int) -> None:
+    tp, bs, layout = config.tensor_parallel_size, config.block_size, size.layout
+    per_request = layout.blocks_to_hold(max_len, bs, config.max_num_batched_tokens)
+    groups = layout.group_windows
+    logger.info("KV cache: %d blocks of %d tokens x %d layers, %.1f MiB%s; %d concurrent "
+                "sequences of max_model_len %d (%d blocks each%s)", size.num_blocks, bs,
+                layout.group_size, size.num_blocks * size.bytes_per_block / 2**20,
+                f" per rank x {tp} ranks ({model.num_kv_heads} KV heads on rank 0)"
+                if tp > 1 else "", size.num_blocks // per_request, max_len, per_request,
+                f" over {len(groups)} KV groups, windows {groups}" if len(groups) > 1 else "")
+
+
+def kv_event_publisher(config: EngineConfig, kv: KVCacheManager, device: torch.device
+                       ) -> ZmqEventPublisher | None:
+    """The publisher of KV-cache events, when --kv_events_config switches them on."""
+    cfg = config.kv_events_config
+    if not isinstance(cfg, KVEventsConfig) or not cfg.publishes:
+        return None
+    if not config.enable_prefix_caching:
+        logger.warning("KV-cache events are on but prefix caching is off: nothing is cached, "
+                       "so only AllBlocksCleared will ever be published")
+    hasher = kv.hasher
+    if hasher.algo != "sha256_cbor" or hasher.seed is None:
+        logger.info("KV-cache events announce %s block hashes (PYTHONHASHSEED %s): a router "
+                    "that recomputes vLLM's keys from prompts needs sha256_cbor and the "
+                    "seed (docs/operations.md)", hasher.algo,
+                    "unset" if hasher.seed is None else "set")
+    kv.pool.record_events()
+    return ZmqEventPublisher(cfg, medium="GPU" if device.type == "cuda" else "CPU")
