@@ -10,10 +10,10 @@ def main(argv: list[str] | None = None) -> int:
 
     The tcmalloc re-exec comes first and engine.worker.cpu_memory imports nothing heavy, so the
     process re-executes before torch (or anything else that allocates much) is loaded.
-    ``kserve-paged plan ...`` is the capacity planner instead (kserve_paged/plan.py)."""
+    ``kserve-paged plan ...`` is the capacity planner instead (kserve_paged/plan_cli.py)."""
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["plan"]:
-        from kserve_paged.plan import main as plan_main
+        from kserve_paged.plan_cli import main as plan_main
 
         return plan_main(args[1:])
     if argv is None:

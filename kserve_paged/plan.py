@@ -1,32 +1,34 @@
-"""``kserve-paged plan``: size a deployment from a model's config.json, before any weights exist.
+"""The capacity planner: size a deployment from a model's config.json, before any weights exist
+(the command, ``kserve-paged plan``, is plan_cli.py).
 
 What a platform engineer would otherwise guess: how much of the device the weights take, how
-many KV blocks the engine will allocate at start-up (engine/kv_sizing.py's rule, the same code
-the engine runs), how many requests fit, and a floor on decode time from memory bandwidth (every
-decode step reads all the weights and every running sequence's KV once). docs/operations.md
-explains each figure; the figures are estimates except the KV block count, which is exact given
-the free memory the engine will see.
+many KV blocks the engine will allocate at start-up, how many requests fit, and a floor on
+decode time from memory bandwidth (every decode step reads all the weights and every running
+sequence's KV once). The model's facts are the engine's own (its model built on the meta device,
+engine/model_executor/model_facts.py) and the KV figures come from the engine's sizing rule
+(engine/core/kv_sizing.py), so the planner derives nothing about a family itself.
+docs/operations.md explains each figure; the figures are estimates except the KV block count,
+which is exact given the free memory the engine will see.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from engine.config import EngineConfig
+from engine.core.kv_groups import KVLayout
 from engine.core.kv_sizing import (
     CUDA_KV_FRACTION,
-    kv_budget_bytes,
     kv_bytes_per_token,
     resolve_dtype,
+    size_kv_cache,
 )
-from engine.model_executor.tp_layout import TP_ARCHITECTURES, TPLayout, kv_heads_per_rank
+from engine.model_executor.model_facts import ModelFacts
+from engine.model_executor.tp_layout import TP_ARCHITECTURES, TPLayout
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -75,64 +77,6 @@ def parse_device(text: str, bandwidth: float | None = None) -> Device:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelShape:
-    """What sizing needs of a Llama-family config.json (the fields engine/models/llama.py reads)."""
-
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-
-    @classmethod
-    def from_config(cls, path: str | Path) -> ModelShape:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ValueError(f"no config.json at {path}")
-        c: dict[str, Any] = json.loads(path.read_text())
-        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
-                               "intermediate_size", "vocab_size") if k not in c]
-        if missing:
-            raise ValueError(f"{path} lacks {missing}: not a Llama-family config.json")
-        arch = (c.get("architectures") or ["LlamaForCausalLM"])[0]
-        heads = c["num_attention_heads"]
-        bias = bool(c.get("attention_bias", False))
-        return cls(
-            architecture=arch, num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
-            num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
-            max_position_embeddings=c.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or (bias and arch != "MistralForCausalLM"),
-            o_bias=bias and arch not in ("Qwen2ForCausalLM", "MistralForCausalLM"),
-            mlp_bias=bool(c.get("mlp_bias", False)) and arch not in (
-                "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"),
-            qk_norm=arch == "Qwen3ForCausalLM")
-
-    @property
-    def num_params(self) -> int:
-        """Parameters of the engine's model for this config (engine/models/llama.py)."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
-        layer += (q + 2 * kv) * self.qkv_bias + h * self.o_bias
-        layer += (2 * self.intermediate_size + h) * self.mlp_bias + 2 * self.head_dim * self.qk_norm
-        embed = self.vocab_size * h
-        return self.num_layers * layer + embed * (1 if self.tie_word_embeddings else 2) + h
-
-
-@dataclass(frozen=True, slots=True)
 class Plan:
     device: Device
     tp: int
@@ -144,7 +88,9 @@ class Plan:
     workload: tuple[int, int]
     weights_bytes: int  # per device
     activation_bytes: int  # per device, peak of one step (estimate)
-    kv_bytes_per_token: int  # per device
+    kv_bytes_per_token: int  # per device, the token held by every layer
+    kv_bytes_per_block: int  # per device: one block id in every KV slot (engine's rule)
+    layout: KVLayout  # which layers share a block table (Gemma's global and sliding groups)
     free_bytes: int  # what the engine sees free once the weights are loaded
     kv_blocks: int  # what the engine's sizing rule allocates
     recommended_blocks: int  # the above, less what the activation peak needs
@@ -152,11 +98,16 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.recommended_blocks * self.block_size >= self.max_model_len
+        return self.recommended_blocks >= self.blocks_per_sequence
+
+    def blocks_to_hold(self, num_tokens: int) -> int:
+        """Blocks one request of `num_tokens` holds at most (over all KV groups)."""
+        return self.layout.blocks_to_hold(num_tokens, self.block_size,
+                                          self.max_num_batched_tokens)
 
     @property
     def blocks_per_sequence(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        return self.blocks_to_hold(self.max_model_len)
 
     @property
     def max_full_length_sequences(self) -> int:
@@ -166,7 +117,7 @@ class Plan:
     def workload_sequences(self) -> int:
         """Requests of the workload's size that fit in the KV cache at once."""
         prompt, out = self.workload
-        return self.recommended_blocks // -(-(prompt + out) // self.block_size)
+        return self.recommended_blocks // self.blocks_to_hold(prompt + out)
 
     @property
     def batch(self) -> int:
@@ -203,17 +154,32 @@ class Plan:
                 *([f"--tensor_parallel_size={self.tp}"] if self.tp > 1 else [])]
 
 
-def activation_peak(shape: ModelShape, tokens: int, seqs: int, dtype_bytes: int, tp: int) -> int:
+def activation_peak(model: ModelFacts, tokens: int, seqs: int, dtype_bytes: int, tp: int) -> int:
     """Largest step's live activations: hidden-size buffers (residual, normed input, attention
     and MLP outputs), q/k/v, the MLP's gate/up and its product, and the float32 logits of the
     sampling rows with the sampler's copies (processed logits, probabilities)."""
-    h, hd = shape.hidden_size, shape.head_dim
-    qkv = (shape.num_heads + 2 * shape.num_kv_heads) * hd // tp
-    mlp = 3 * shape.intermediate_size // tp
-    return tokens * (4 * h + qkv + mlp) * dtype_bytes + 3 * seqs * shape.vocab_size * 4
+    h, hd = model.hidden_size, model.head_dim
+    qkv = (model.num_heads + 2 * model.num_kv_heads) * hd // tp
+    mlp = 3 * model.intermediate_size // tp
+    return tokens * (4 * h + qkv + mlp) * dtype_bytes + 3 * seqs * model.vocab_size * 4
 
 
-def make_plan(shape: ModelShape, device: Device, *, max_model_len: int | None = None,
+def check_tensor_parallel(model: ModelFacts, tp: int) -> None:
+    """The engine's own rule (engine/model_executor/tp_layout.py): ValueError if it would
+    refuse to shard this model over `tp` ranks."""
+    if tp < 1:
+        raise ValueError(f"--tensor_parallel_size must be >= 1 (got {tp})")
+    if tp == 1:
+        return
+    if model.architecture not in TP_ARCHITECTURES:
+        raise ValueError(f"--tensor_parallel_size {tp}: {model.architecture} is not sharded "
+                         f"by this engine (tensor parallelism covers "
+                         f"{', '.join(TP_ARCHITECTURES)})")
+    TPLayout.of(model.num_heads, model.num_kv_heads, model.head_dim, model.intermediate_size,
+                model.vocab_size, 0, tp)
+
+
+def make_plan(model: ModelFacts, device: Device, *, max_model_len: int | None = None,
               tp: int = 1, dtype: str = "auto", block_size: int | None = None,
               workload: tuple[int, int] | None = None, max_num_seqs: int | None = None,
               max_num_batched_tokens: int | None = None,
@@ -224,56 +190,49 @@ def make_plan(shape: ModelShape, device: Device, *, max_model_len: int | None = 
                        max_num_batched_tokens=max_num_batched_tokens
                        or defaults.max_num_batched_tokens,
                        max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, dtype=dtype)
-    if tp < 1:
-        raise ValueError(f"--tensor_parallel_size must be >= 1 (got {tp})")
-    if tp > 1:  # the engine's own rule (engine/distributed/layout.py)
-        if shape.architecture not in TP_ARCHITECTURES:
-            raise ValueError(f"--tensor_parallel_size {tp}: {shape.architecture} is not sharded "
-                             f"by this engine (tensor parallelism covers "
-                             f"{', '.join(TP_ARCHITECTURES)})")
-        TPLayout.of(shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                    shape.intermediate_size, shape.vocab_size, 0, tp)
-    length = cfg.max_model_len or shape.max_position_embeddings
-    if length > shape.max_position_embeddings:
+    check_tensor_parallel(model, tp)
+    length = cfg.max_model_len or model.max_position_embeddings
+    if length > model.max_position_embeddings:
         raise ValueError(f"max_model_len {length} exceeds the model's "
-                         f"max_position_embeddings {shape.max_position_embeddings}")
+                         f"max_position_embeddings {model.max_position_embeddings}")
     torch_dtype = resolve_dtype(cfg.dtype, torch.device(device.kind))
     elem = torch_dtype.itemsize
     # Sharding as the engine does: weights split, each rank's KV heads (rank 0 holds the
     # most: 3 KV heads over 2 ranks are 2 + 1; replicated when fewer than the ranks).
-    weights = -(-shape.num_params * elem // tp)
-    kv_heads = kv_heads_per_rank(shape.num_kv_heads, tp)
-    per_token = kv_bytes_per_token(shape.num_layers, kv_heads, shape.head_dim, elem)
-    per_block = per_token * cfg.block_size
-    if device.kind == "cpu":  # the ranks share the host's memory (engine/kv_sizing.py)
-        per_block *= tp
+    weights = -(-model.num_params * elem // tp)
+    rank = model.rank_share(tp)
+    per_token = kv_bytes_per_token(model.num_layers, rank.num_kv_heads, model.head_dim, elem)
     free = device.memory - weights - RUNTIME_OVERHEAD[device.kind]
     seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-    activation = activation_peak(shape, cfg.max_num_batched_tokens, seqs, elem, tp)
-    needs_free = kv_cache_memory is None or kv_cache_memory <= 1
-    budget = kv_budget_bytes(kv_cache_memory, device.kind, max(free, 0) if needs_free else 0)
-    blocks = max(budget, 0) // per_block if free > 0 else 0
-    room = max(free - activation, 0) // per_block
+    activation = activation_peak(model, cfg.max_num_batched_tokens, seqs, elem, tp)
+
+    size = size_kv_cache(  # the engine's start-up sizing, given what will be free
+        rank, dtype_bytes=elem, block_size=cfg.block_size,
+        hybrid=not cfg.disable_hybrid_kv_cache_manager, tp=tp, device_type=device.kind,
+        num_kv_blocks=None, kv_cache_memory=kv_cache_memory, free_bytes=lambda: max(free, 0))
+    blocks = size.num_blocks if free > 0 else 0
+    room = max(free - activation, 0) // size.budget_per_block
     if workload is None:
         workload = (min(512, length * 3 // 4), min(128, max(1, length // 4)))
     if sum(workload) > length:
         raise ValueError(f"--workload {workload[0]}:{workload[1]} is longer than "
                          f"max_model_len {length}")
     return Plan(device, tp, torch_dtype, cfg.block_size, length, cfg.max_num_seqs,
-                cfg.max_num_batched_tokens, workload, weights, activation, per_token, free,
-                int(blocks), int(min(blocks, room)), kv_cache_memory)
+                cfg.max_num_batched_tokens, workload, weights, activation, per_token,
+                size.bytes_per_block, size.layout, free, int(blocks), int(min(blocks, room)),
+                kv_cache_memory)
 
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def render(plan: Plan, shape: ModelShape) -> str:
+def render(plan: Plan, model: ModelFacts) -> str:
     d = plan.device
     single, full = plan.decode_tokens_per_second(1), plan.decode_tokens_per_second(plan.batch)
     lines = [
-        f"model        {shape.architecture}, {shape.num_params / 1e9:.2f}B parameters, "
-        f"{shape.num_layers} layers, {shape.num_kv_heads} KV heads x {shape.head_dim}",
+        f"model        {model.architecture}, {model.num_params / 1e9:.2f}B parameters, "
+        f"{model.num_layers} layers, {model.num_kv_heads} KV heads x {model.head_dim}",
         f"device       {d.name} x {plan.tp} ({_gib(d.memory)}, {d.bandwidth / 1e9:.0f} GB/s each)",
         f"dtype        {str(plan.dtype).removeprefix('torch.')}",
         f"weights      {_gib(plan.weights_bytes)} per device",
@@ -283,7 +242,7 @@ def render(plan: Plan, shape: ModelShape) -> str:
         f"free after weights  {_gib(plan.free_bytes)} per device "
         f"(runtime overhead {_gib(RUNTIME_OVERHEAD[d.kind])})",
         f"KV per token {plan.kv_bytes_per_token} bytes per device "
-        f"({plan.kv_bytes_per_token * plan.block_size} per block of {plan.block_size})",
+        f"({plan.kv_bytes_per_block} per block of {plan.block_size})",
         f"KV blocks    {plan.kv_blocks} by the engine's sizing rule "
         f"({_kv_rule(plan)}); {plan.recommended_blocks} leaving room for the activations",
         f"sequences    {plan.max_full_length_sequences} at the full max_model_len "
@@ -321,8 +280,8 @@ def resources(plan: Plan) -> dict[str, dict[str, str]]:
         gpus = str(plan.tp)
         return {"requests": {"cpu": "4", "memory": f"{host}Gi", "nvidia.com/gpu": gpus},
                 "limits": {"memory": f"{host + 16}Gi", "nvidia.com/gpu": gpus}}
-    need = (plan.weights_bytes + plan.recommended_blocks * plan.kv_bytes_per_token
-            * plan.block_size + plan.activation_bytes + RUNTIME_OVERHEAD["cpu"])
+    need = (plan.weights_bytes + plan.recommended_blocks * plan.kv_bytes_per_block
+            + plan.activation_bytes + RUNTIME_OVERHEAD["cpu"])
     memory = f"{math.ceil(need / GiB) + 1}Gi"
     return {"requests": {"cpu": "4", "memory": memory}, "limits": {"memory": memory}}
 
@@ -331,63 +290,3 @@ def keda_target(plan: Plan) -> int:
     """Requests in flight per replica to scale at: 80% of what one replica runs at once, so a
     new replica is asked for before the queue builds (tests/test_autoscaling.py)."""
     return max(1, int(0.8 * plan.batch))
-
-
-def _workload(text: str) -> tuple[int, int]:
-    try:
-        prompt, out = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--workload is prompt:output tokens, got {text!r}") \
-            from None
-    if prompt < 1 or out < 1:
-        raise argparse.ArgumentTypeError(f"--workload tokens must be >= 1, got {text!r}")
-    return prompt, out
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from kserve_paged.args import parse_memory
-
-    p = argparse.ArgumentParser(prog="kserve-paged plan", allow_abbrev=False,
-                                description="Size a kserve-paged deployment from a config.json.")
-    p.add_argument("--model", required=True, help="model folder or its config.json (no weights)")
-    p.add_argument("--gpu", required=True, help=f"{', '.join(GPUS)} or cpu:<GiB>")
-    p.add_argument("--max_model_len", type=int, default=None)
-    p.add_argument("--tensor_parallel_size", type=int, default=1)
-    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
-    p.add_argument("--block_size", type=int, default=None)
-    p.add_argument("--max_num_seqs", type=int, default=None)
-    p.add_argument("--max_num_batched_tokens", type=int, default=None)
-    p.add_argument("--kv_cache_memory", type=parse_memory, default=None,
-                   help="as the server's flag; default: the engine's own sizing rule")
-    p.add_argument("--workload", type=_workload, default=None,
-                   help="typical request, prompt:output tokens (default 512:128)")
-    p.add_argument("--memory_bandwidth", type=float, default=None,
-                   help="bytes/s per device, overriding the table (cpu: default 50e9)")
-    p.add_argument("--write-overlay", dest="write_overlay", default=None, metavar="DIR",
-                   help="write a kustomize overlay with these flags and resources to DIR")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        shape = ModelShape.from_config(args.model)
-        plan = make_plan(shape, parse_device(args.gpu, args.memory_bandwidth),
-                         max_model_len=args.max_model_len, tp=args.tensor_parallel_size,
-                         dtype=args.dtype, block_size=args.block_size, workload=args.workload,
-                         max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens,
-                         kv_cache_memory=args.kv_cache_memory)
-    except ValueError as exc:
-        parser.error(str(exc))
-    print(render(plan, shape))
-    if args.write_overlay:
-        from kserve_paged.plan_overlay import write_overlay
-
-        try:
-            written = write_overlay(plan, Path(args.write_overlay))
-        except ValueError as exc:
-            parser.error(str(exc))
-        print(f"overlay      {written} (kubectl apply -k {written})")
-    return 0

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import pytest
 
+from engine.model_executor.model_facts import describe_folder
 from kserve_paged import args as server_args
 from kserve_paged.__main__ import main as cli_main
-from kserve_paged.plan import GPUS, ModelShape, make_plan, parse_device
+from kserve_paged.plan import GPUS, make_plan, parse_device
 from kserve_paged.plan_overlay import write_overlay
-from tests.manifests import helpers as h
+from tests.helpers import manifests as h
+from tests.helpers import monitoring_checks as mon
 
 MODELS = h.REPO / "tests" / "data" / "models"
 GiB, MiB = 2**30, 2**20
 
 
-def shape(name: str) -> ModelShape:
-    return ModelShape.from_config(MODELS / name)
+def shape(name: str):
+    return describe_folder(MODELS / name)
 
 
 def test_parameter_counts_are_the_published_ones():
@@ -91,27 +93,29 @@ def test_the_engine_allocates_what_the_planner_says(monkeypatch):
     import torch
 
     import engine.core.kv_sizing as kv_sizing
+    from engine import startup
     from engine.config import EngineConfig
     from engine.default_model import ensure_default_model
     from engine.llm_engine import LLMEngine
-    from engine.worker.model_runner import ModelRunner
 
     model_dir = ensure_default_model(progress=lambda _: None)
-    cfg = ModelShape.from_config(model_dir)
+    cfg = describe_folder(model_dir)
     plan = make_plan(cfg, parse_device("cpu:2"), max_model_len=1024)
     assert plan.free_bytes > 0 and plan.dtype == torch.float32
     monkeypatch.setattr(kv_sizing, "available_memory", lambda device: plan.free_bytes)
     engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=1024))
     try:
         assert engine.num_kv_blocks == plan.kv_blocks
-        per_block = ModelRunner.kv_bytes_per_block(engine.model, 16, engine.dtype)
-        assert per_block == plan.kv_bytes_per_token * 16
+        held = sum(c.numel() * c.element_size() for c in engine.runner.slot_caches)
+        assert held == plan.kv_bytes_per_block * engine.num_kv_blocks
+        assert plan.kv_bytes_per_block == plan.kv_bytes_per_token * 16
         params = {id(p): p for p in engine.model.parameters()}.values()
         assert sum(p.numel() for p in params) == cfg.num_params
         explicit = make_plan(cfg, parse_device("cpu:2"), max_model_len=1024,
                              kv_cache_memory=64 * MiB)
-        assert kv_sizing.size_kv_cache(EngineConfig(kv_cache_memory=64 * MiB), per_block,
-                                       torch.device("cpu")) == explicit.kv_blocks
+        size = startup.size_cache(EngineConfig(kv_cache_memory=64 * MiB), engine.model, None,
+                                  engine.dtype, torch.device("cpu"))
+        assert size.num_blocks == explicit.kv_blocks
     finally:
         engine.close()
 
@@ -162,7 +166,7 @@ def test_written_overlay_validates_like_the_shipped_ones(gpu, tmp_path):
         elif h.is_core(obj):
             assert h.core_errors(obj) == [], h.describe(obj)
         else:
-            assert h.podmonitor_errors(obj) == []
+            assert mon.podmonitor_errors(obj) == []
     by_kind = {o["kind"]: o for o in objects}
     isvc = by_kind["InferenceService"]
     assert h.deployment_mode_errors(isvc) == []
@@ -171,9 +175,9 @@ def test_written_overlay_validates_like_the_shipped_ones(gpu, tmp_path):
     assert parsed.num_kv_blocks == plan.recommended_blocks
     assert parsed.max_model_len == 4096
     if plan.device.kind == "cuda":
-        assert h.keda_errors(isvc) == []
+        assert mon.keda_errors(isvc) == []
         (metric,) = isvc["spec"]["predictor"]["autoScaling"]["metrics"]
-        assert h.keda_query_scope_errors(isvc, metric["external"]["metric"]["query"]) == []
+        assert mon.keda_query_scope_errors(isvc, metric["external"]["metric"]["query"]) == []
         assert isvc["spec"]["predictor"]["model"]["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
 
@@ -188,7 +192,7 @@ def test_tensor_parallel_plan_shards_as_the_engine_does():
     from engine.default_model import ensure_default_model
     from engine.model_executor.tp_layout import TPLayout
 
-    smol = ModelShape.from_config(ensure_default_model(progress=lambda _: None))
+    smol = describe_folder(ensure_default_model(progress=lambda _: None))
     plan = make_plan(smol, parse_device("h200"), max_model_len=2048, tp=2)
     rank0 = TPLayout.of(smol.num_heads, smol.num_kv_heads, smol.head_dim,
                         smol.intermediate_size, smol.vocab_size, 0, 2)
@@ -208,7 +212,7 @@ def test_tensor_parallel_overlay_validates_with_one_gpu_per_rank(tmp_path):
     objects = h.kustomize_build(directory)
     by_kind = {o["kind"]: o for o in objects}
     isvc = by_kind["InferenceService"]
-    assert h.crd_errors(isvc) == [] and h.keda_errors(isvc) == []
+    assert h.crd_errors(isvc) == [] and mon.keda_errors(isvc) == []
     container = h.rendered_container(by_kind["ClusterServingRuntime"], isvc)
     assert server_args.parse_args(container["args"]).tensor_parallel_size == 4
     resources = isvc["spec"]["predictor"]["model"]["resources"]
