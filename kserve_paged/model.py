@@ -14,6 +14,7 @@ Readiness, and how it fits KServe 0.21:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -31,14 +32,17 @@ from engine.lora import LoRARequest
 from engine.model_info import ModelInfo
 from engine.sampling_params import SamplingParams
 from kserve_paged import v2
+from kserve_paged.lora import AdapterModel, LoRAError
 from kserve_paged.metrics import EngineMetrics, MetricsObserver
 from kserve_paged.sampling import OptionError, make_sampling_params
 
 logger = logging.getLogger("kserve.paged")
 
+_lora_ids = itertools.count(1)  # one id per load: a reloaded adapter never reuses cached prefixes
+
 
 class PagedLLMModel(Model):
-    """``kserve.Model`` serving one LLM with the paged engine.
+    """``kserve.Model`` serving one LLM with the paged engine (a `ServedModel`, served.py).
 
     ``max_prompt_chars`` caps prompt text before it is tokenized (None: derived from the
     context window, see engine.limits.max_prompt_chars)."""
@@ -89,10 +93,8 @@ class PagedLLMModel(Model):
             self.load_error = exc
             logger.error("model %s: loading failed: %s", self.name, exc.__cause__ or exc)
             raise
-        from kserve_paged.lora import load_lora
-
         for name, path in self._lora_modules:  # a bad adapter in a manifest ends the server
-            await load_lora(self, name, path)
+            await self.load_lora(name, path)
             logger.info("model %s: LoRA adapter %s loaded from %s", self.name, name, path)
         info = self.llm.model_info()
         self.metrics.set_cache_config(info.block_size, info.num_kv_blocks)
@@ -206,13 +208,40 @@ class PagedLLMModel(Model):
         except EngineDeadError as exc:
             raise ModelNotReady(self.name, str(exc)) from exc
 
+    # -- LoRA adapters, each served under its own name (lora.py) ----------------------------
+
+    async def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Load an adapter into the engine and serve it as `name`; LoRAError (400) if it
+        cannot."""
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise LoRAError(400, "lora_name and lora_path must be non-empty strings")
+        if name == self.name or name in self.loras:
+            raise LoRAError(400, f"The lora adapter '{name}' has already been loaded.")
+        lora = LoRARequest(name, next(_lora_ids), path)
+        try:
+            await self.llm.add_lora(lora)
+        except ValueError as exc:
+            raise LoRAError(400, str(exc)) from None
+        self.loras[name] = lora
+        if self.repository is not None:
+            self.repository.update(AdapterModel(self, lora))
+        return lora
+
+    async def unload_lora(self, name: str) -> None:
+        lora = self.loras.pop(name, None) if isinstance(name, str) else None
+        if lora is None:
+            raise LoRAError(404, f"The lora adapter '{name}' cannot be found.")
+        if self.repository is not None and self.repository.get_model(name) is not None:
+            self.repository.unload(name)
+        await self.llm.remove_lora(lora.lora_int_id)
+
     # -- v1 / v2 inference (KServe calls these; the protocol is in v2.py) --------------------
 
     def get_input_types(self) -> list[dict[str, Any]]:
-        return [{"name": v2.INPUT_NAME, "datatype": "BYTES", "shape": [-1]}]
+        return v2.input_types()
 
     def get_output_types(self) -> list[dict[str, Any]]:
-        return [{"name": v2.OUTPUT_NAME, "datatype": "BYTES", "shape": [-1]}]
+        return v2.output_types()
 
     async def predict(self, payload: InferRequest | dict[str, Any],
                       headers: dict[str, str] | None = None,

@@ -26,8 +26,8 @@ from engine.config import EngineConfig
 from engine.limits import DEFAULT_MAX_REQUEST_BYTES
 from kserve_paged.args import DEFAULT_MODEL_DIR, engine_kwargs
 from kserve_paged.fault_inject import engine_factory_from_env
-from kserve_paged.lora import register_lora_routes
-from kserve_paged.metrics import render
+from kserve_paged.lora_routes import register_lora_routes
+from kserve_paged.metric_families import render
 from kserve_paged.middleware import (
     DisconnectAbortMiddleware,
     RequestSizeLimitMiddleware,

@@ -14,7 +14,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from kserve.errors import InferenceError, InvalidInput, ModelNotReady
@@ -30,10 +30,8 @@ from kserve_paged.sampling import (
     beam_width_options,
     unsupported_options,
 )
+from kserve_paged.served import ServedModel, submit_all
 from kserve_paged.structured import STRUCTURED_OPTION_NAMES
-
-if TYPE_CHECKING:
-    from kserve_paged.model import PagedLLMModel
 
 logger = logging.getLogger("kserve.paged")
 
@@ -48,7 +46,16 @@ _TRANSPORT_PARAMETERS = frozenset({"binary_data_output", "binary_data_size", "co
 V2_DEFAULT_MAX_TOKENS = 16  # SamplingParams' default, so v2 and LLM.generate agree
 
 
-async def predict(model: PagedLLMModel, payload: InferRequest | dict[str, Any]
+def input_types() -> list[dict[str, Any]]:
+    """A text model's v2 inputs, as KServe's metadata route lists them."""
+    return [{"name": INPUT_NAME, "datatype": "BYTES", "shape": [-1]}]
+
+
+def output_types() -> list[dict[str, Any]]:
+    return [{"name": OUTPUT_NAME, "datatype": "BYTES", "shape": [-1]}]
+
+
+async def predict(model: ServedModel, payload: InferRequest | dict[str, Any]
                   ) -> InferResponse | dict[str, Any]:
     """v2: ``text_input`` BYTES [N] -> ``text_output`` BYTES [N], sampling options in the
     request's ``parameters``. v1: ``{"instances": [str, ...], "parameters": {...}}`` ->
@@ -92,7 +99,7 @@ async def predict(model: PagedLLMModel, payload: InferRequest | dict[str, Any]
         requested_outputs=payload.request_outputs)
 
 
-async def _predict_v1(model: PagedLLMModel, body: dict[str, Any]) -> dict[str, Any]:
+async def _predict_v1(model: ServedModel, body: dict[str, Any]) -> dict[str, Any]:
     instances = body.get("instances")
     if not isinstance(instances, list) or not all(isinstance(i, str) for i in instances):
         raise InvalidInput('expected {"instances": ["prompt", ...]} (a list of strings)')
@@ -110,7 +117,7 @@ async def _predict_v1(model: PagedLLMModel, body: dict[str, Any]) -> dict[str, A
     return answer
 
 
-async def _complete_all(model: PagedLLMModel, texts: list[str], options: dict[str, Any]
+async def _complete_all(model: ServedModel, texts: list[str], options: dict[str, Any]
                         ) -> _Completed:
     try:
         options = beam_width_options(options)
@@ -135,17 +142,15 @@ async def _complete_all(model: PagedLLMModel, texts: list[str], options: dict[st
         salt = request_cache_salt(options.get("cache_salt"))
         for text in texts:  # every prompt's length before any is tokenized
             model.check_prompt_chars(len(text))
-        prepared = []
-        for text in texts:  # validate everything before anything is queued
-            ids = await model.encode(text)
-            prepared.append((ids, model.sampling_params(options, ids, V2_DEFAULT_MAX_TOKENS)))
+        prompts = [await model.encode(text) for text in texts]
+        params, streams = await submit_all(
+            model, prompts, lambda ids: model.sampling_params(options, ids, V2_DEFAULT_MAX_TOKENS),
+            kind="v2", priority=priority, cache_salt=salt)
     except (OptionError, ValueError, TypeError) as exc:
         raise InvalidInput(str(exc)) from None
-    streams: list[RequestStream] = []
+    except EngineDeadError as exc:
+        raise ModelNotReady(model.name, str(exc)) from exc
     try:
-        for ids, params in prepared:
-            streams.append(await model.submit(ids, params, kind="v2", priority=priority,
-                                             cache_salt=salt))
         finals = await asyncio.gather(*(_final(s) for s in streams))
     except ValueError as exc:
         raise InvalidInput(str(exc)) from None
@@ -157,18 +162,18 @@ async def _complete_all(model: PagedLLMModel, texts: list[str], options: dict[st
     for out in finals:
         if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):
             raise InferenceError(f"generation failed: {out.error}")
-    params = prepared[0][1]
+    first = params[0]
     samples = [sorted(out.outputs, key=lambda c: c.index) for out in finals]
-    result = _Completed(params.n, [[c.text for c in row] for row in samples])
+    result = _Completed(first.n, [[c.text for c in row] for row in samples])
     text = TokenText(model.info.tokenizer)
-    if params.logprobs is not None:
+    if first.logprobs is not None:
         result.logprobs = [[v2_logprobs(c.token_ids, c.logprobs or [None] * len(c.token_ids),
-                                        params.logprobs, text) for c in row]
+                                        first.logprobs, text) for c in row]
                            for row in samples]
-    if params.prompt_logprobs is not None:
+    if first.prompt_logprobs is not None:
         result.prompt_logprobs = [
             v2_logprobs(out.prompt_token_ids, out.prompt_logprobs
-                        or [None] * len(out.prompt_token_ids), params.prompt_logprobs, text)
+                        or [None] * len(out.prompt_token_ids), first.prompt_logprobs, text)
             for out in finals]
     return result
 

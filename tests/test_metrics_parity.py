@@ -14,8 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.async_llm import StepInfo
 from engine.core.request import RequestStatus
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kserve_paged import metric_families as mf
 from kserve_paged import metrics as m
-from tests.core_helpers import fake_step, make_request, make_scheduler
+from tests.helpers.core import fake_step, make_request, make_scheduler
 
 VLLM = json.loads((Path(__file__).parent / "data" / "vllm_metrics.json").read_text())["metrics"]
 # vLLM labels every series with its engine index as well (data-parallel ranks in one process);
@@ -83,9 +84,9 @@ def test_each_vllm_metric_has_its_name_type_labels_and_buckets(metric, exposed):
 
 def test_the_vendored_list_is_what_metric_names_says(exposed):
     """Every vLLM name in our contract is in the vendored list, so the test above covers all."""
-    ours = {n for n in m.metric_names() if n.startswith("vllm:")}
+    ours = {n for n in mf.metric_names() if n.startswith("vllm:")}
     assert ours == {v["name"] for v in VLLM}
-    assert set(m.FINISH_REASONS) == {s.value for s in RequestStatus if s.finished}
+    assert set(mf.FINISH_REASONS) == {s.value for s in RequestStatus if s.finished}
 
 
 def test_lora_info_reports_no_adapters_with_a_fresh_timestamp():

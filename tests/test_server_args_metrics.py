@@ -10,34 +10,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
 from kserve_paged import args as server_args
+from kserve_paged import metric_families as mf
 from kserve_paged import metrics as m
+from tests.helpers.metrics_contract import CONTRACT_NAMES, HISTOGRAMS, OWN_NAMES
 
-# docs/kserve.md, "Metrics": the names dashboards and the Gateway API Inference Extension read.
-CONTRACT_NAMES = {
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-    "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-    "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
-    "vllm:iteration_tokens_total", "vllm:cache_config_info",
-    # issue 24: parity with what the gateway and vLLM dashboards read, and the KV waste gauges
-    "vllm:request_success_total", "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
-    "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
-    "vllm:request_inference_time_seconds", "vllm:lora_requests_info",
-    "kserve_paged:kv_slots_reserved", "kserve_paged:kv_slots_holding_tokens",
-    "kserve_paged:kv_blocks_shared",
-    # issue 21: speculative decoding
-    "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-    "vllm:spec_decode_num_accepted_tokens_total",
-    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
-}
-# Ours, beside the contract (no vLLM equivalent): block sharing.
-OWN_NAMES = {"kserve_paged:kv_blocks_shared", "kserve_paged:kv_cow_copies_total"}
-HISTOGRAMS = {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-              "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
-              "vllm:iteration_tokens_total", "vllm:request_prompt_tokens",
-              "vllm:request_generation_tokens", "vllm:request_prefill_time_seconds",
-              "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"}
 # What Prometheus 2.x sends when scraping (it prefers OpenMetrics).
 PROMETHEUS2_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
                       "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
@@ -130,8 +106,8 @@ def _value(samples, name, **labels):
 
 
 def test_metric_names_match_the_contract():
-    assert m.metric_names() == CONTRACT_NAMES | OWN_NAMES
-    exposed = m.exposed_sample_names()
+    assert mf.metric_names() == CONTRACT_NAMES | OWN_NAMES
+    exposed = mf.exposed_sample_names()
     for name in (CONTRACT_NAMES | OWN_NAMES) - HISTOGRAMS:
         assert name in exposed
     for name in HISTOGRAMS:
@@ -156,7 +132,7 @@ def test_exposed_names_in_a_scrape():
     assert names >= CONTRACT_NAMES - HISTOGRAMS
     for name in HISTOGRAMS:
         assert {f"{name}_bucket", f"{name}_sum", f"{name}_count"} <= names
-    assert names <= m.exposed_sample_names()
+    assert names <= mf.exposed_sample_names()
     # No doubled suffix, no colon lost.
     assert not [n for n in names if "_total_total" in n or n.startswith("vllm_")]
     assert _value(samples, "vllm:num_requests_waiting", model_name="paged-llm") == 5
@@ -234,7 +210,7 @@ def test_render_keeps_vllm_names_whatever_the_scraper_asks():
     for accept in (None, "", "text/plain;version=0.0.4", PROMETHEUS2_ACCEPT,
                    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8",
                    "text/plain;version=1.0.0;escaping=underscores"):
-        body, content_type = m.render(accept, registry)
+        body, content_type = mf.render(accept, registry)
         text = body.decode()
         assert "vllm:num_requests_waiting{" in text and "vllm:prompt_tokens_total{" in text, accept
         assert "vllm_" not in text, (accept, content_type)

@@ -11,8 +11,9 @@ import re
 import pytest
 
 from kserve_paged import args as server_args
-from kserve_paged import metrics as server_metrics
-from tests.manifests import helpers as h
+from kserve_paged import metric_families as server_metrics
+from tests.helpers import manifests as h
+from tests.helpers import monitoring_checks as mon
 
 RUNTIMES = {o["metadata"]["name"]: o for o in h.objects_of_kind("ClusterServingRuntime")}
 ISVCS = h.objects_of_kind("InferenceService")
@@ -127,13 +128,13 @@ GPU_ISVCS = _by_mode("Standard")
 
 @pytest.mark.parametrize("isvc", GPU_ISVCS, ids=_isvc_ids(GPU_ISVCS))
 def test_gpu_service_scales_with_keda_on_requests_in_flight(isvc):
-    assert h.keda_errors(isvc) == []
+    assert mon.keda_errors(isvc) == []
     (metric,) = isvc["spec"]["predictor"]["autoScaling"]["metrics"]
     query = metric["external"]["metric"]["query"]
-    assert h.promql_metric_names(query) == {"vllm:num_requests_running",
+    assert mon.promql_metric_names(query) == {"vllm:num_requests_running",
                                             "vllm:num_requests_waiting"}
-    assert h.promql_errors(query, EXPOSED, COUNTER_SAMPLES) == []
-    assert h.keda_query_scope_errors(isvc, query) == []
+    assert mon.promql_errors(query, EXPOSED, COUNTER_SAMPLES) == []
+    assert mon.keda_query_scope_errors(isvc, query) == []
 
 
 @pytest.mark.parametrize("isvc", GPU_ISVCS, ids=_isvc_ids(GPU_ISVCS))
@@ -165,15 +166,15 @@ def test_keda_checks_can_fail():
     target = broken["spec"]["predictor"]["autoScaling"]["metrics"][0]["external"]["target"]
     target.pop("value")
     target["averageValue"] = "4"
-    assert h.keda_errors(broken)
+    assert mon.keda_errors(broken)
     broken = copy.deepcopy(isvc)
     broken["metadata"]["annotations"].pop("serving.kserve.io/autoscalerClass")
-    assert h.keda_errors(broken)
+    assert mon.keda_errors(broken)
     query = 'sum(vllm:num_requests_waiting{pod=~".*"})'
-    assert len(h.keda_query_scope_errors(isvc, query)) == 2
+    assert len(mon.keda_query_scope_errors(isvc, query)) == 2
     wider = 'sum(vllm:num_requests_waiting{namespace="kserve-paged", pod=~"paged-llm.*"})'
-    assert h.keda_query_scope_errors(isvc, wider)
-    assert h.promql_errors("sum(vllm:num_request_waiting)", EXPOSED, COUNTER_SAMPLES)
+    assert mon.keda_query_scope_errors(isvc, wider)
+    assert mon.promql_errors("sum(vllm:num_request_waiting)", EXPOSED, COUNTER_SAMPLES)
 
 
 def test_cpu_service_scales_on_concurrency_to_zero():
@@ -190,14 +191,14 @@ def test_cpu_service_scales_on_concurrency_to_zero():
     # Knative's progress deadline must outlast the runtime's startup probe.
     startup = h.rendered_container(_runtime_for(isvc), isvc)["startupProbe"]
     deadline = pred["annotations"]["serving.knative.dev/progress-deadline"]
-    assert h.duration_seconds(deadline) >= startup["periodSeconds"] * startup["failureThreshold"]
+    assert mon.duration_seconds(deadline) >= startup["periodSeconds"] * startup["failureThreshold"]
 
 
 # --- monitoring --------------------------------------------------------------------------------
 
 def test_podmonitor_shape():
     assert len(PODMONITORS) == 1
-    assert h.podmonitor_errors(PODMONITORS[0]) == []
+    assert mon.podmonitor_errors(PODMONITORS[0]) == []
 
 
 def test_podmonitor_scrapes_every_predictor_pod_on_the_metrics_port():
@@ -221,11 +222,11 @@ def test_podmonitor_scrapes_every_predictor_pod_on_the_metrics_port():
 def test_podmonitor_checks_can_fail():
     broken = copy.deepcopy(PODMONITORS[0])
     broken["spec"]["podMetricEndpoints"] = broken["spec"].pop("podMetricsEndpoints")
-    assert h.podmonitor_errors(broken)
+    assert mon.podmonitor_errors(broken)
     broken = copy.deepcopy(PODMONITORS[0])
     broken["spec"]["podMetricsEndpoints"][0]["interval"] = "15 seconds"
     broken["spec"]["selector"] = {"app": "x"}
-    assert len(h.podmonitor_errors(broken)) == 2
+    assert len(mon.podmonitor_errors(broken)) == 2
 
 
 def _targets():
@@ -238,18 +239,18 @@ def test_dashboard_queries_use_only_metrics_the_server_registers():
     exprs = [t["expr"] for _, t in _targets()]
     for variable in DASHBOARD["templating"]["list"]:
         if variable["type"] == "query":
-            expr = h.grafana_variable_metric_expr(variable["query"])
+            expr = mon.grafana_variable_metric_expr(variable["query"])
             assert expr, variable["name"]
             exprs.append(expr)
     assert exprs
     for expr in exprs:
-        assert h.promql_errors(expr, EXPOSED, COUNTER_SAMPLES) == []
+        assert mon.promql_errors(expr, EXPOSED, COUNTER_SAMPLES) == []
 
 
 def test_dashboard_panels_cover_the_issue():
     used = set()
     for _, target in _targets():
-        used |= h.promql_metric_names(target["expr"])
+        used |= mon.promql_metric_names(target["expr"])
     assert {
         "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
         "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
@@ -279,13 +280,13 @@ def test_dashboard_is_well_formed():
 
 
 def test_dashboard_checks_can_fail():
-    assert h.promql_errors('sum(vllm:num_requests_wating{namespace="x"})', EXPOSED, COUNTER_SAMPLES)
-    assert h.promql_errors("sum(vllm:prompt_tokens_total)", EXPOSED, COUNTER_SAMPLES)
-    assert h.promql_errors(
+    assert mon.promql_errors('sum(vllm:num_requests_wating{namespace="x"})', EXPOSED, COUNTER_SAMPLES)
+    assert mon.promql_errors("sum(vllm:prompt_tokens_total)", EXPOSED, COUNTER_SAMPLES)
+    assert mon.promql_errors(
         "histogram_quantile(0.5, sum(rate(vllm:time_to_first_token_seconds_bucket[5m])))",
         EXPOSED, COUNTER_SAMPLES)
-    assert h.promql_errors("sum(rat(vllm:prompt_tokens_total[5m]))", EXPOSED, COUNTER_SAMPLES)
-    assert h.promql_errors("process_cpu_seconds_total", EXPOSED, COUNTER_SAMPLES)
+    assert mon.promql_errors("sum(rat(vllm:prompt_tokens_total[5m]))", EXPOSED, COUNTER_SAMPLES)
+    assert mon.promql_errors("process_cpu_seconds_total", EXPOSED, COUNTER_SAMPLES)
 
 
 def test_dashboard_configmap_carries_the_dashboard():
@@ -301,7 +302,7 @@ def test_dashboard_panels_cover_issue_24():
     """Request outcomes, per-request token counts, prefill/decode time and the KV waste gauges."""
     used = set()
     for _, target in _targets():
-        used |= h.promql_metric_names(target["expr"])
+        used |= mon.promql_metric_names(target["expr"])
     assert {
         "vllm:request_success_total", "vllm:request_prompt_tokens_bucket",
         "vllm:request_generation_tokens_bucket", "vllm:request_prefill_time_seconds_bucket",

@@ -11,8 +11,8 @@ import copy
 import pytest
 
 from kserve_paged import args as server_args
-from kserve_paged import metrics as server_metrics
-from tests.manifests import helpers as h
+from kserve_paged import metric_families as server_metrics
+from tests.helpers import manifests as h
 
 (LLMISVC,) = h.objects_of_kind("LLMInferenceService")
 (PODMONITOR,) = h.objects_of_kind("PodMonitor")

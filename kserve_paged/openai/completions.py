@@ -1,0 +1,124 @@
+"""``POST /openai/v1/completions``: legacy completions, whole or streamed (SSE)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.async_llm import EngineDeadError, RequestStream
+from engine.outputs import RequestOutput
+from kserve_paged.logprobs import TokenText
+from kserve_paged.openai.errors import APIError, error_body
+from kserve_paged.openai.parse import split_prompts
+from kserve_paged.openai.render import (
+    ChoiceState,
+    CompletionRender,
+    check_output,
+    finish_reason,
+    total_usage,
+)
+from kserve_paged.openai.schemas import CompletionBody, CompletionOut
+from kserve_paged.openai.stream import (
+    DONE_EVENT,
+    ClosingStreamingResponse,
+    final_outputs,
+    merge,
+    sse,
+    until_disconnect,
+)
+from kserve_paged.openai.submit import open_streams
+from kserve_paged.sampling import OptionError
+from kserve_paged.served import ServedModel
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /completions
+
+
+async def completions(model: ServedModel, request: Request, body: CompletionBody) -> Response:
+    """Legacy completions. ``n`` samples per prompt: choice ``index`` is prompt number * n
+    + sample number. ``echo`` puts the prompt in front of each choice's text (and, with
+    ``logprobs``, its tokens in front of the logprobs: the first one has none)."""
+    name = body.model or model.name
+    prompts = split_prompts(body.prompt)
+    tokenizer = model.info.tokenizer
+    try:
+        for p in prompts:  # every prompt's length before any is tokenized
+            if isinstance(p, str):
+                model.check_prompt_chars(len(p))
+        prompt_ids = [await model.encode(p) for p in prompts]
+    except OptionError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    prompt_texts = ([p if isinstance(p, str) else tokenizer.decode(ids)
+                     for p, ids in zip(prompts, prompt_ids)] if body.echo else None)
+    # Echoed logprobs need the prompt's: ask the engine for as many as for the output.
+    prompt_k = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:
+        prompt_k = max(prompt_k or 0, body.logprobs)
+    salt = body.cache_salt or request.headers.get("x-cache-salt")
+    streams = await open_streams(model, prompt_ids, body, body.max_tokens,
+                                 COMPLETIONS_DEFAULT_MAX_TOKENS, salt, "cmpl", prompt_k)
+    render = CompletionRender(body, TokenText(tokenizer), prompt_texts)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return ClosingStreamingResponse(
+            _stream_completion(streams, rid, created, name, include_usage, render),
+            streams)
+    finals = await until_disconnect(request, asyncio.ensure_future(final_outputs(streams)))
+    if finals is None:
+        return Response(status_code=499)
+    choices = []
+    for i, out in enumerate(finals):
+        check_output(out)
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            piece = render.piece(i, out, c, ChoiceState(), delta=False)
+            choices.append({**piece, "finish_reason": finish_reason(c) or "stop"})
+    result = CompletionOut.model_validate({
+        "id": rid, "object": "text_completion", "created": created, "model": name,
+        "choices": choices, "usage": total_usage(finals).model_dump(exclude_unset=True)})
+    return JSONResponse(result.model_dump(mode="json", exclude_unset=True))
+
+async def _stream_completion(streams: list[RequestStream], rid: str, created: int, model: str,
+                             include_usage: bool, render: CompletionRender
+                             ) -> AsyncIterator[str]:
+    finals: dict[int, RequestOutput] = {}
+    states: dict[int, ChoiceState] = {}
+    want_logprobs = render.body.logprobs is not None
+    try:
+        async for i, out in merge(streams):
+            check_output(out)
+            if out.finished:
+                finals[i] = out
+            for c in out.outputs:
+                index = i * render.body.n + c.index
+                state = states.setdefault(index, ChoiceState())
+                if state.done:
+                    continue
+                reason = finish_reason(c)
+                first = not state.started
+                if not (c.delta_text or reason or first and render.echo
+                        or want_logprobs and c.delta_token_ids):
+                    continue
+                piece = render.piece(i, out, c, state, delta=True)
+                state.done = reason is not None
+                chunk = {"id": rid, "object": "text_completion", "created": created,
+                         "model": model, "choices": [{**piece, "finish_reason": reason}]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+        if include_usage:
+            usage = total_usage([finals[i] for i in sorted(finals)])
+            yield sse({"id": rid, "object": "text_completion", "created": created,
+                        "model": model, "choices": [],
+                        "usage": usage.model_dump(exclude_unset=True)})
+    except APIError as exc:
+        yield sse(error_body(exc.message, exc.type, exc.param, exc.code))
+    except EngineDeadError as exc:
+        yield sse(error_body(str(exc), "server_error"))
+    yield DONE_EVENT
+
