@@ -13,8 +13,8 @@ import peft
 import pytest
 import torch
 
-from e2e.conftest import MODEL, running_server, scrape
 from engine.default_model import ensure_default_model
+from tests.helpers.e2e_server import MODEL, running_server, scrape
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when movable type "
           "changed how books were made and read across Europe. Explain why:")

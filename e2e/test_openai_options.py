@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from e2e.conftest import MODEL, Server
 from engine import SamplingParams
+from tests.helpers.e2e_server import MODEL, Server
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e.conftest import MODEL, Server, record, running_server, wait_idle
+from tests.helpers.e2e_server import MODEL, Server, record, running_server, wait_idle
 
 TIMEOUT = httpx.Timeout(60.0)
 V2_BODY = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1],

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e.conftest import MODEL, Server, record, running_server, wait_idle
+from tests.helpers.e2e_server import MODEL, Server, record, running_server, wait_idle
 
 MAX_MODEL_LEN = 64  # small: fuzzed requests without max_tokens generate the rest of it
 CLIENT_TIMEOUT = httpx.Timeout(30.0)

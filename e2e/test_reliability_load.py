@@ -20,7 +20,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from e2e.conftest import (
+from engine import SamplingParams
+from tests.helpers.e2e_server import (
     MODEL,
     Server,
     record,
@@ -29,7 +30,6 @@ from e2e.conftest import (
     scrape,
     wait_idle,
 )
-from engine import SamplingParams
 
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 64  # 1024 token slots: about 7 of the requests below at once

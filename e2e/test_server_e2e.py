@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e.conftest import ENGINE_OPTS, MODEL, Server, wait_idle
 from engine import SamplingParams
-from tests.test_server_args_metrics import CONTRACT_NAMES, HISTOGRAMS
+from tests.helpers.e2e_server import ENGINE_OPTS, MODEL, Server, wait_idle
+from tests.helpers.metrics_contract import CONTRACT_NAMES, HISTOGRAMS
 
 PROMPTS = ["The capital of France is", "1, 2, 3,"]
 MAX_TOKENS = 8

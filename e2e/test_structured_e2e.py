@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from e2e.conftest import MODEL, Server
 from engine import SamplingParams
+from tests.helpers.e2e_server import MODEL, Server
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.conftest import ENGINE_OPTS, MODEL, Server, running_server
 from engine import SamplingParams
+from tests.helpers.e2e_server import ENGINE_OPTS, MODEL, Server, running_server
 
 PROMPTS = ["The capital of France is", "1, 2, 3,"]
 MAX_TOKENS = 8

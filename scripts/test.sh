@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The test command: sets up a fresh machine (scripts/setup.sh), lints, and runs the whole suite.
+# The test command: sets up a fresh machine (scripts/setup.sh), lints, and runs the whole suite,
+# printing its 25 slowest tests at the end. Arguments go to pytest; the inner loop while working
+# is `bash scripts/test.sh -m "not slow and not e2e"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -10,7 +12,7 @@ TRITON_CACHE_DIR="$(mktemp -d)"
 export TRITON_CACHE_DIR
 trap 'rm -rf "$TRITON_CACHE_DIR"' EXIT
 set +e
-"$VENV/bin/python" -m pytest "$@"
+"$VENV/bin/python" -m pytest --durations=25 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

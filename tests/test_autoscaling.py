@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 
 from kserve_paged.plan import ModelShape, Plan, keda_target, make_plan, parse_device
-from tests.manifests import helpers as h
+from tests.helpers import manifests as h
+from tests.helpers import monitoring_checks as mon
 
 DATA = Path(__file__).parent / "data"
 TRACE = json.loads((DATA / "load_trace.json").read_text())["rows"]
@@ -176,7 +177,7 @@ def test_the_gpu_overlays_scale_on_requests_in_flight():
     for isvc in keda:
         (metric,) = isvc["spec"]["predictor"]["autoScaling"]["metrics"]
         query = metric["external"]["metric"]["query"]
-        assert h.promql_metric_names(query) == {"vllm:num_requests_running",
+        assert mon.promql_metric_names(query) == {"vllm:num_requests_running",
                                                 "vllm:num_requests_waiting"}
         # Its target is the planner's rule for the overlay's own batch (--max_num_seqs).
         args = isvc["spec"]["predictor"]["model"]["args"]

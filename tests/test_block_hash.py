@@ -17,7 +17,7 @@ import pytest
 from engine.core.block_hash import BlockHasher, external_block_hash
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.lora.request import LoRARequest
-from tests.core_helpers import make_request
+from tests.helpers.core import make_request
 
 SEED = "42"
 BS = 4

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from engine.core.kv_events import BlockRemoved, BlockStored
 from engine.core.request import RequestStatus
-from tests.core_helpers import make_request, make_scheduler
+from tests.helpers.core import make_request, make_scheduler
 
 BS = 4
 NUM_BLOCKS = 24

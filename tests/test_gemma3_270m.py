@@ -115,7 +115,7 @@ def test_openai_completions_route_equals_transformers(folder, reference) -> None
 
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from tests.test_server_routes import NAME, build, client
+    from tests.helpers.server import NAME, build, client
 
     app, model = build(engine=LLMEngine(EngineConfig(model=MODEL_ID, max_model_len=1024,
                                                      num_kv_blocks=BLOCKS)))

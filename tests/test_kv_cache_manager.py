@@ -3,7 +3,7 @@
 import random
 
 from engine.core.request import RequestStatus
-from tests.core_helpers import fake_step, make_request, make_scheduler, run_to_completion
+from tests.helpers.core import fake_step, make_request, make_scheduler, run_to_completion
 
 BS = 16
 

@@ -20,7 +20,7 @@ import zmq
 from engine.core.block_hash import external_block_hash
 from engine.core.kv_event_publisher import ZmqEventPublisher
 from engine.core.kv_events import KVEventsConfig
-from tests.core_helpers import fake_step, make_request, make_scheduler
+from tests.helpers.core import fake_step, make_request, make_scheduler
 
 TOPIC = "kv@test-pod@smol"
 

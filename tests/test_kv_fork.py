@@ -8,7 +8,7 @@ import torch
 from engine.core.request import RequestStatus
 from kernels import cpu_native
 from kernels.block_copy import copy_blocks, copy_blocks_ref
-from tests.core_helpers import fake_step, make_request, make_scheduler
+from tests.helpers.core import fake_step, make_request, make_scheduler
 
 BS = 16
 

@@ -3,11 +3,10 @@ from one pool; the block accounting of a Gemma-style model serving requests past
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_groups import kv_layout
-from engine.core.scheduler import Scheduler
-from tests.core_helpers import fake_step, make_request
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from tests.helpers.core import fake_step, make_request
 
 GEMMA3 = ([512] * 5 + [None]) * 2  # 5 local : 1 global, 12 layers
 
@@ -16,9 +15,7 @@ def _scheduler(windows: list[int | None], num_blocks: int, bs: int, budget: int,
                per_group: bool = True, caching: bool = True) -> Scheduler:
     layout = kv_layout(windows, per_group)
     kv = KVCacheManager(num_blocks, bs, caching, group_windows=layout.group_windows)
-    config = EngineConfig(block_size=bs, num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
-                          enable_prefix_caching=caching)
-    return Scheduler(config, kv, 8192)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget), kv, 8192)
 
 
 def test_layers_are_grouped_by_type_in_groups_of_equal_size() -> None:

@@ -20,8 +20,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.lora import LoRARequest  # noqa: E402
 from engine.lora.batch import group_rows  # noqa: E402
-from tests.core_helpers import make_request, make_scheduler  # noqa: E402
-from tests.lora_helpers import make_adapter, peft_greedy, tiny_base  # noqa: E402
+from tests.helpers.core import make_request, make_scheduler  # noqa: E402
+from tests.helpers.lora import make_adapter, peft_greedy, tiny_base  # noqa: E402
 
 NEW = 12
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import torch
 
 from engine.worker.model_runner import ModelRunner
-from tests.core_helpers import fake_step, make_request, make_scheduler
+from tests.helpers.core import fake_step, make_request, make_scheduler
 
 BS = 4
 

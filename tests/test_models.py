@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -21,213 +19,31 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
-    Gemma2Config,
-    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
-    MixtralConfig,
-    Phi3Config,
     Qwen2Config,
-    Qwen3Config,
-    Qwen3MoeConfig,
 )
 
-from engine.model_executor.attention import AttentionMetadata  # noqa: E402
 from engine.model_executor.layers import rope_parameters  # noqa: E402
 from engine.model_executor.model_loader import load_model  # noqa: E402
 from engine.model_executor.models import GemmaForCausalLM, LlamaForCausalLM  # noqa: E402
+from tests.helpers.tiny_models import (  # noqa: E402
+    CONFIGS,
+    VOCAB,
+    PagedSim,
+    common_config,
+    randomise,
+    save_checkpoint,
+    save_tokenizer,
+)
 
 ATOL = 1e-4
 RTOL = 1e-4
-BLOCK_SIZE = 4
-NUM_BLOCKS = 48
-VOCAB = 97
-
-
-def _common(**kw: object) -> dict:
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                rms_norm_eps=1e-5, attn_implementation="eager")
-    base.update(kw)
-    return base
-
-
-CONFIGS = {
-    # GQA, untied head, Llama 3.1 rope scaling, old-style rope_scaling kwarg.
-    "llama_gqa_llama3": lambda: LlamaConfig(**_common(
-        tie_word_embeddings=False, rope_theta=50000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
-    # Plain MHA, tied head, attention and MLP biases (Llama puts one on o_proj too), 3 layers.
-    "llama_mha_tied_bias": lambda: LlamaConfig(**_common(
-        num_key_value_heads=4, num_hidden_layers=3, tie_word_embeddings=True,
-        attention_bias=True, mlp_bias=True)),
-    # Mistral with head_dim != hidden/heads, window larger than any test sequence.
-    "mistral_headdim": lambda: MistralConfig(**_common(
-        num_attention_heads=4, num_key_value_heads=1, head_dim=24, sliding_window=None,
-        tie_word_embeddings=False)),
-    # head_dim 64 (the AVX-512 attention loops; the 33-token prompt is a transposed-key prefill
-    # run) and an intermediate size that is not a multiple of 48 (gate/up panels padded).
-    "llama_hd64_inter100": lambda: LlamaConfig(**_common(
-        hidden_size=192, num_attention_heads=3, num_key_value_heads=1, intermediate_size=100,
-        tie_word_embeddings=False)),
-    # Qwen2: q/k/v biases, tied, GQA, transformers-5 rope_parameters with linear scaling.
-    "qwen2_tied": lambda: Qwen2Config(**_common(
-        num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
-    # Qwen3: RMSNorm over each head of q and k before RoPE, head_dim != hidden/heads, untied.
-    "qwen3_qk_norm": lambda: Qwen3Config(**_common(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
-    # Qwen3 with attention biases (q/k/v and o), MHA, tied.
-    "qwen3_bias_tied": lambda: Qwen3Config(**_common(
-        num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True)),
-    # YaRN over a 16-token original context (the test's sequences run past it), with the
-    # attention factor derived from `factor`.
-    "llama_yarn": lambda: LlamaConfig(**_common(
-        tie_word_embeddings=False, rope_parameters={
-            "rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-            "original_max_position_embeddings": 16, "beta_fast": 8.0, "beta_slow": 1.0})),
-    # Mistral with a sliding window smaller than the test's prompts (17 and 33 tokens).
-    "mistral_window": lambda: MistralConfig(**_common(
-        sliding_window=8, tie_word_embeddings=False)),
-    # Gemma 2: window 8 on the even layers, attention and final soft-capping set low enough to
-    # bite, query_pre_attn_scalar != head_dim, tied head, GQA.
-    "gemma2_window_softcap": lambda: Gemma2Config(**_common(
-        head_dim=16, num_hidden_layers=3, sliding_window=8, attn_logit_softcapping=5.0,
-        final_logit_softcapping=3.0, query_pre_attn_scalar=24)),
-    # Gemma 3: q/k norms, local layers with their own RoPE base, a linear-scaled global rope,
-    # window 8, final soft-capping, untied head, head_dim != hidden/heads.
-    "gemma3_window_local_rope": lambda: Gemma3TextConfig(**_common(
-        head_dim=32, num_hidden_layers=4, sliding_window=8, final_logit_softcapping=3.0,
-        query_pre_attn_scalar=32, tie_word_embeddings=False,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention",
-                     "sliding_attention"],
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                         "full_attention": {"rope_type": "linear", "factor": 2.0,
-                                            "rope_theta": 10000.0}})),
-    # Gemma 3, MHA, tied, every layer global but one, default softcaps (none).
-    "gemma3_mha_tied": lambda: Gemma3TextConfig(**_common(
-        num_key_value_heads=4, head_dim=16, num_hidden_layers=2, sliding_window=6,
-        layer_types=["full_attention", "sliding_attention"], rope_local_base_freq=500.0,
-        rope_theta=20000.0)),
-    # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint, LongRoPE (no explicit factor),
-    # GQA, untied.
-    "phi3_longrope": lambda: Phi3Config(**_common(
-        max_position_embeddings=256, original_max_position_embeddings=64, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2, rope_parameters={
-            "rope_type": "longrope", "rope_theta": 10000.0,
-            "short_factor": [1.0 + 0.2 * i for i in range(8)],
-            "long_factor": [3.0 + 0.5 * i for i in range(8)]})),
-    # Phi-3 with a sliding window on every layer (Phi-3-mini's config has one), MHA.
-    "phi3_window_mha": lambda: Phi3Config(**_common(
-        num_key_value_heads=4, sliding_window=10, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2)),
-    # Mixtral: 4 experts, top-2 (renormalised), GQA, untied, a sliding window past the prompts'.
-    "mixtral_4x_top2": lambda: MixtralConfig(**_common(
-        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
-        sliding_window=12)),
-    # Qwen3-MoE: 4 experts top-2 without renormalisation, q/k norms, the first layer dense
-    # (mlp_only_layers), tied, MHA.
-    "qwen3_moe_4x_top2": lambda: Qwen3MoeConfig(**_common(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=False,
-        decoder_sparse_step=1, mlp_only_layers=[0], num_hidden_layers=3, num_key_value_heads=4,
-        head_dim=16, tie_word_embeddings=True)),
-    # Qwen3-MoE with renormalised top-2, every layer sparse, GQA.
-    "qwen3_moe_norm_topk": lambda: Qwen3MoeConfig(**_common(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)),
-    # LongRoPE inside its original context (short factors), attention factor from the ratio
-    # of max_position_embeddings to the original (Phi-3's form, no explicit `factor`).
-    "qwen2_longrope": lambda: Qwen2Config(**_common(
-        tie_word_embeddings=False, max_position_embeddings=256, rope_parameters={
-            "rope_type": "longrope", "rope_theta": 10000.0,
-            "original_max_position_embeddings": 64,
-            "short_factor": [1.0 + 0.1 * i for i in range(8)],
-            "long_factor": [2.0 + 0.5 * i for i in range(8)]})),
-}
-
-
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-    """Weights big enough that attention is far from uniform, biases and norms non-trivial."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-
-
-def _save_checkpoint(config_fn, tmp_path: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
-    torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_config(config_fn()).eval()
-    _randomise(hf, seed)
-    hf.save_pretrained(tmp_path)
-    # Reload so the reference sees exactly the saved checkpoint (ties included).
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True,
-                                               dtype=torch.float32, attn_implementation="eager")
-    return tmp_path, ref.eval()
-
-
-@dataclass
-class PagedSim:
-    """A hand-rolled block allocator: enough of the KV manager to build AttentionMetadata."""
-
-    model: LlamaForCausalLM
-    seed: int = 0
-    num_blocks: int = NUM_BLOCKS
-    block_size: int = BLOCK_SIZE
-    free: list[int] = field(default_factory=list)
-    tables: dict[int, list[int]] = field(default_factory=dict)
-    lens: dict[int, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.free = list(range(self.num_blocks))
-        random.Random(self.seed).shuffle(self.free)
-        shape = (2, self.num_blocks, self.block_size, self.model.num_kv_heads,
-                 self.model.head_dim)
-        # Large finite garbage (as a reused cache holds): a kernel that fails to mask a slot
-        # it reads shows up in the logits. Not NaN: 0 * NaN would poison even masked reads.
-        g = torch.Generator().manual_seed(self.seed)
-        self.kv = [torch.randn(shape, generator=g) * 100 for _ in range(self.model.num_layers)]
-
-    def step(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
-        """Run new tokens of several sequences at once; return float32 logits of every token."""
-        ids, pos, slots, starts, seq_lens = [], [], [], [0], []
-        for sid, new in batch:
-            start = self.lens.get(sid, 0)
-            table = self.tables.setdefault(sid, [])
-            end = start + len(new)
-            bs = self.block_size
-            while len(table) * bs < end:
-                table.append(self.free.pop())
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            ids += new
-            pos += range(start, end)
-            starts.append(starts[-1] + len(new))
-            seq_lens.append(end)
-            self.lens[sid] = end
-        width = max(len(self.tables[sid]) for sid, _ in batch)
-        tables = torch.zeros(len(batch), width, dtype=torch.int32)
-        for i, (sid, _) in enumerate(batch):
-            tables[i, : len(self.tables[sid])] = torch.tensor(self.tables[sid])
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=tables,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            max_seq_len=max(seq_lens),
-            max_query_len=max(len(new) for _, new in batch),
-        )
-        with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv, meta)
-            return self.model.compute_logits(hidden)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_matches_transformers_prefill_chunked_decode(name: str, tmp_path: Path) -> None:
-    path, ref = _save_checkpoint(CONFIGS[name], tmp_path)
+    path, ref = save_checkpoint(CONFIGS[name], tmp_path)
     model, config = load_model(path, torch.float32, torch.device("cpu"))
     assert model.num_layers == config.num_hidden_layers
     assert model.head_dim == (getattr(config, "head_dim", None)
@@ -269,14 +85,14 @@ def test_matches_transformers_prefill_chunked_decode(name: str, tmp_path: Path) 
 
 
 def test_tied_head_shares_storage(tmp_path: Path) -> None:
-    path, _ = _save_checkpoint(CONFIGS["qwen2_tied"], tmp_path)
+    path, _ = save_checkpoint(CONFIGS["qwen2_tied"], tmp_path)
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_llama3", "gemma3_window_local_rope"])
 def test_bfloat16_load_runs(name: str, tmp_path: Path) -> None:
-    path, ref = _save_checkpoint(CONFIGS[name], tmp_path)
+    path, ref = save_checkpoint(CONFIGS[name], tmp_path)
     model, _ = load_model(path, torch.bfloat16, torch.device("cpu"))
     assert model.lm_head.weight.dtype == torch.bfloat16
     sim = PagedSim(model)
@@ -344,7 +160,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 def test_missing_tensor_in_checkpoint(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    path, _ = _save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path)
+    path, _ = save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path)
     state = load_file(path / "model.safetensors")
     del state["model.layers.1.self_attn.k_proj.weight"]
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
@@ -355,7 +171,7 @@ def test_missing_tensor_in_checkpoint(tmp_path: Path) -> None:
 def test_sharded_checkpoint(tmp_path: Path) -> None:
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(CONFIGS["llama_mha_tied_bias"]()).eval()
-    _randomise(hf, 3)
+    randomise(hf, 3)
     hf.save_pretrained(tmp_path, max_shard_size="60KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"))
@@ -364,7 +180,7 @@ def test_sharded_checkpoint(tmp_path: Path) -> None:
 
 
 def test_unsupported_rope_type() -> None:
-    config = LlamaConfig(**_common())
+    config = LlamaConfig(**common_config())
     config.rope_parameters = {"rope_type": "proportional", "rope_theta": 10000.0}
     with pytest.raises(ValueError, match="unsupported rope_type 'proportional'"):
         LlamaForCausalLM(config)
@@ -375,10 +191,10 @@ def test_dynamic_ntk_rope_matches_transformers_over_the_stretched_context(tmp_pa
     x factor, as vLLM serves it): equal to transformers' forward over a sequence of exactly that
     length, which derives the same base, through prefill, a chunk and decodes."""
     factor, orig = 4.0, 24
-    config_fn = lambda: LlamaConfig(**_common(  # noqa: E731
+    config_fn = lambda: LlamaConfig(**common_config(  # noqa: E731
         max_position_embeddings=orig, tie_word_embeddings=False,
         rope_parameters={"rope_type": "dynamic", "factor": factor, "rope_theta": 10000.0}))
-    path, ref = _save_checkpoint(config_fn, tmp_path)
+    path, ref = save_checkpoint(config_fn, tmp_path)
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
     length = int(orig * factor)
     assert model.max_position_embeddings == length
@@ -410,14 +226,14 @@ def test_longrope_long_factors_past_the_original_context() -> None:
 def test_sliding_windows_per_layer() -> None:
     """Windows are served, not refused: any max_model_len the positions cover is accepted, and
     each layer gets its own window (or none) from the config."""
-    model = LlamaForCausalLM(MistralConfig(**_common(sliding_window=64)))
+    model = LlamaForCausalLM(MistralConfig(**common_config(sliding_window=64)))
     assert model.layer_windows == [64, 64]
     model.check_max_model_len(128)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model.check_max_model_len(129)
-    qwen = LlamaForCausalLM(Qwen2Config(**_common(use_sliding_window=False)))
+    qwen = LlamaForCausalLM(Qwen2Config(**common_config(use_sliding_window=False)))
     assert qwen.sliding_window is None and qwen.layer_windows == [None, None]
-    qwen = LlamaForCausalLM(Qwen2Config(**_common(use_sliding_window=True, sliding_window=16,
+    qwen = LlamaForCausalLM(Qwen2Config(**common_config(use_sliding_window=True, sliding_window=16,
                                                   max_window_layers=1)))
     assert qwen.layer_windows == [None, 16]
     gemma = GemmaForCausalLM(CONFIGS["gemma3_window_local_rope"]())
@@ -445,19 +261,6 @@ def test_rope_parameters_old_and_new_config_styles() -> None:
 # --- greedy decoding through the engine, past the sliding window -----------------------------
 
 
-def _save_tokenizer(path: Path) -> None:
-    """A word-level tokenizer over the tiny vocabulary, so the engine can load the folder
-    (prompts go in as token ids)."""
-    import tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0",
-                            eos_token="t1").save_pretrained(path)
-
-
 @pytest.mark.parametrize("name", ["gemma2_window_softcap", "gemma3_window_local_rope",
                                   "mistral_window", "phi3_window_mha", "mixtral_4x_top2",
                                   "qwen3_moe_4x_top2"])
@@ -467,8 +270,8 @@ def test_greedy_equals_generate_past_the_window(name: str, tmp_path: Path) -> No
     with chunked prefill and preemptions."""
     from engine import LLM, SamplingParams
 
-    path, ref = _save_checkpoint(CONFIGS[name], tmp_path)
-    _save_tokenizer(path)
+    path, ref = save_checkpoint(CONFIGS[name], tmp_path)
+    save_tokenizer(path)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (25, 40, 31, 18)]
     prompts.append(prompts[1][:36] + [5, 6])  # shares 9 full blocks with prompt 1
@@ -520,8 +323,8 @@ def test_samples_fork_from_a_table_whose_blocks_left_the_window(tmp_path: Path) 
     transformers' generate, and every block comes back."""
     from engine import LLM, SamplingParams
 
-    path, ref = _save_checkpoint(CONFIGS["mistral_window"], tmp_path)
-    _save_tokenizer(path)
+    path, ref = save_checkpoint(CONFIGS["mistral_window"], tmp_path)
+    save_tokenizer(path)
     prompt = torch.randint(2, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     ref.generation_config.eos_token_id = None
     with torch.inference_mode():
@@ -574,8 +377,8 @@ def test_gemma_kv_groups_with_samples_beams_and_speculation(tmp_path: Path) -> N
     gives (greedy: transformers' tokens), under a small pool, and every block comes back."""
     from engine import LLM, SamplingParams
 
-    path, ref = _save_checkpoint(CONFIGS["gemma3_window_local_rope"], tmp_path)
-    _save_tokenizer(path)
+    path, ref = save_checkpoint(CONFIGS["gemma3_window_local_rope"], tmp_path)
+    save_tokenizer(path)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (21, 30)]
     passage = torch.randint(3, VOCAB, (22,), generator=g).tolist()

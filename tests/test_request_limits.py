@@ -18,7 +18,7 @@ from kserve_paged import args as server_args
 from kserve_paged.openai.openapi import operation_schema
 from kserve_paged.openai.schemas import ChatBody, ChatCompletionOut, CompletionBody, CompletionOut
 from kserve_paged.sampling import OptionError, make_sampling_params
-from tests.test_server_routes import NAME, V2_BODY, FakeEngine, FakeTokenizer, client, ready, run
+from tests.helpers.server import NAME, V2_BODY, FakeEngine, FakeTokenizer, client, ready, run
 
 # -- the numbers, and who reads them -----------------------------------------------------------
 

@@ -23,7 +23,7 @@ from engine.config import EngineConfig  # noqa: E402
 from kserve_paged import server as srv  # noqa: E402
 from kserve_paged.metrics import EngineMetrics  # noqa: E402
 from kserve_paged.model import PagedLLMModel  # noqa: E402
-from tests.lora_helpers import make_adapter, peft_greedy, tiny_base  # noqa: E402
+from tests.helpers.lora import make_adapter, peft_greedy, tiny_base  # noqa: E402
 
 PROMPT = list(range(100, 120))
 NEW = 8

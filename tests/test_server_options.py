@@ -35,7 +35,7 @@ from kserve_paged.sampling import (
     normalize_options,
     unsupported_options,
 )
-from tests.test_server_routes import NAME, build, client, sse
+from tests.helpers.server import NAME, build, client, sse
 
 OPTS = {"max_model_len": 256, "num_kv_blocks": 64}
 PROMPTS = ["The capital of France is", "1, 2, 3,"]

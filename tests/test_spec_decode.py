@@ -11,7 +11,13 @@ import torch
 from engine.spec_decode import SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.rejection import accept_greedy, rejection_sample
-from tests.core_helpers import make_request, make_scheduler
+from tests.helpers.core import make_request, make_scheduler
+from tests.helpers.spec import (
+    repetitive_prompts,
+    run_recording_steps,
+    sample_tokens,
+    total_variation,
+)
 
 # ------------------------------------------------------------------ config and proposer
 
@@ -51,11 +57,6 @@ def test_greedy_acceptance_keeps_the_matching_prefix_and_the_target_token():
     assert accept_greedy([4, 6, 7, 8], [5, 6, 7]) == [4]
 
 
-def _tv(counts: Counter, probs: torch.Tensor, total: int) -> float:
-    return 0.5 * sum(abs(counts.get(t, 0) / total - float(probs[t]))
-                     for t in range(probs.numel()))
-
-
 @pytest.mark.parametrize("draft_model", [False, True])
 def test_rejection_sampling_outputs_follow_the_target_distribution(draft_model):
     """Vocabulary of 6, two positions. Whatever the draft (a fixed point mass, or drafts drawn
@@ -83,10 +84,10 @@ def test_rejection_sampling_outputs_follow_the_target_distribution(draft_model):
         first[out[0]] += 1
         if len(out) >= 2 and out[0] == drafts[0]:
             second[out[1]] += 1
-    assert _tv(first, target[0], n) < 0.025
+    assert total_variation(first, target[0], n) < 0.025
     # Given token 0 was the kept draft, token 1 follows p_1.
     assert sum(second.values()) > 3000
-    assert _tv(second, target[1], sum(second.values())) < 0.04
+    assert total_variation(second, target[1], sum(second.values())) < 0.04
 
 
 def test_a_request_whose_drafts_miss_pauses_proposing_and_tries_again_later():
@@ -184,40 +185,12 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    from tests.test_models import CONFIGS, _save_checkpoint, _save_tokenizer
+    from tests.helpers.tiny_models import CONFIGS, save_checkpoint, save_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-spec")
-    _save_checkpoint(CONFIGS["llama_gqa_llama3"], path)
-    _save_tokenizer(path)
+    save_checkpoint(CONFIGS["llama_gqa_llama3"], path)
+    save_tokenizer(path)
     return str(path)
-
-
-def _repetitive_prompts(n: int = 6) -> list[list[int]]:
-    """Extraction/editing style: a passage, then the start of it again, so the answer repeats
-    the input (a tiny random model also falls into loops, which prompt lookup predicts)."""
-    from tests.test_models import VOCAB
-
-    g = torch.Generator().manual_seed(7)
-    prompts = []
-    for size in (14, 22, 9, 30, 17):
-        passage = torch.randint(3, VOCAB, (size,), generator=g).tolist()
-        prompts.append(passage + [2] + passage[:size // 2])
-    prompts.append(prompts[1][:20] + [5, 6, 7])  # shares prompt 1's leading blocks
-    return prompts[:n]
-
-
-def _run(llm, prompts, params):
-    steps = []
-    schedule = llm.engine.scheduler.schedule
-
-    def recording():
-        out = schedule()
-        steps.append(out)
-        return out
-
-    llm.engine.scheduler.schedule = recording
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return outs, steps
 
 
 class _Oracle:
@@ -237,10 +210,6 @@ class _Oracle:
         return []
 
 
-def _tokens(outs):
-    return [[c.token_ids for c in o.outputs] for o in outs]
-
-
 def _tokens_of(outs):
     return [o.outputs[0].token_ids for o in outs]
 
@@ -252,7 +221,7 @@ def test_greedy_speculation_equals_plain_decoding_with_prefix_cache_and_preempti
     (a request under min_tokens does not speculate)."""
     from engine import LLM, SamplingParams
 
-    prompts = _repetitive_prompts()
+    prompts = repetitive_prompts()
     params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
               for _ in prompts]
     params[2] = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2,
@@ -263,8 +232,8 @@ def test_greedy_speculation_equals_plain_decoding_with_prefix_cache_and_preempti
     cached = LLM(model=tiny_model, block_size=4, num_kv_blocks=128, max_model_len=96,
                  speculative_config=SPEC)
     for _ in range(2):
-        outs, steps = _run(cached, prompts, params)
-        assert _tokens(outs) == _tokens(ref)
+        outs, steps = run_recording_steps(cached, prompts, params)
+        assert sample_tokens(outs) == sample_tokens(ref)
         for o, r in zip(outs, ref):
             got, want = o.outputs[0].logprobs, r.outputs[0].logprobs
             assert [list(e) for e in got] == [list(e) for e in want]
@@ -277,8 +246,8 @@ def test_greedy_speculation_equals_plain_decoding_with_prefix_cache_and_preempti
 
     small = LLM(model=tiny_model, block_size=4, num_kv_blocks=24, max_model_len=96,
                 max_num_batched_tokens=16, speculative_config=SPEC)
-    outs, steps = _run(small, prompts, params)
-    assert _tokens(outs) == _tokens(ref)
+    outs, steps = run_recording_steps(small, prompts, params)
+    assert sample_tokens(outs) == sample_tokens(ref)
     stats = small.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
     assert stats["kv_blocks_free"] == 24
@@ -292,7 +261,7 @@ def _bench_workload_prompts(name: str, n: int) -> list[list[int]]:
     import sys
     from pathlib import Path
 
-    from tests.test_models import VOCAB
+    from tests.helpers.tiny_models import VOCAB
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from benchlib import load_workload
@@ -320,7 +289,7 @@ def test_greedy_speculation_equals_plain_decoding_on_the_benchmark_workloads(tin
                                                   max_num_batched_tokens=32)):
         llm = LLM(model=tiny_model, block_size=4, max_model_len=96, speculative_config=SPEC,
                   **options)
-        assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(ref)
+        assert sample_tokens(llm.generate(prompts, params, use_tqdm=False)) == sample_tokens(ref)
         stats = llm.stats()
         assert stats["spec_decode_num_draft_tokens"] > 0
         assert stats["kv_blocks_in_use"] == 0
@@ -336,7 +305,7 @@ def test_speculation_keeps_stop_strings_stop_tokens_max_tokens_and_n(tiny_model)
     speculate each."""
     from engine import LLM, SamplingParams
 
-    prompts = _repetitive_prompts(3)
+    prompts = repetitive_prompts(3)
     plain = LLM(model=tiny_model, block_size=4, num_kv_blocks=128, max_model_len=96)
     spec = LLM(model=tiny_model, block_size=4, num_kv_blocks=128, max_model_len=96,
                speculative_config=SPEC)
@@ -365,15 +334,15 @@ def test_sampled_speculation_runs_seeded_and_keeps_drafts(tiny_model):
     a seeded request gives the same output twice, and drafts are kept."""
     from engine import LLM, SamplingParams
 
-    prompts = _repetitive_prompts(3)
+    prompts = repetitive_prompts(3)
     spec = LLM(model=tiny_model, block_size=4, num_kv_blocks=128, max_model_len=96,
                enable_prefix_caching=False, speculative_config=SPEC)
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     spec.engine.spec.proposer = _Oracle(prompts, _tokens_of(spec.generate(prompts, greedy,
                                                                           use_tqdm=False)))
     params = SamplingParams(max_tokens=20, temperature=0.3, top_k=8, ignore_eos=True, seed=3)
-    first = _tokens(spec.generate(prompts, params, use_tqdm=False))
-    assert _tokens(spec.generate(prompts, params, use_tqdm=False)) == first
+    first = sample_tokens(spec.generate(prompts, params, use_tqdm=False))
+    assert sample_tokens(spec.generate(prompts, params, use_tqdm=False)) == first
     assert spec.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
@@ -390,7 +359,7 @@ def test_the_server_flag_is_parsed_and_served_outputs_are_unchanged(tiny_model):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from kserve_paged import args as server_args
-    from tests.test_server_routes import build, client
+    from tests.helpers.server import build, client
 
     with pytest.raises(SystemExit):
         server_args.parse_args(["--speculative_config", '{"method": "ngram"}'])
@@ -400,7 +369,7 @@ def test_the_server_flag_is_parsed_and_served_outputs_are_unchanged(tiny_model):
     engine = LLMEngine(EngineConfig(**{**server_args.engine_kwargs(args), **opts,
                                        "model": tiny_model}))
     assert engine.spec is not None
-    prompt = " ".join(f"t{t}" for t in _repetitive_prompts(2)[1])
+    prompt = " ".join(f"t{t}" for t in repetitive_prompts(2)[1])
     want = LLM(model=tiny_model, **opts).generate(
         [prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
         use_tqdm=False)[0].outputs[0].text

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from engine.spec_decode import SpeculativeConfig
-from tests.test_spec_decode import _repetitive_prompts, _run, _tokens, _tv
+from tests.helpers.spec import (
+    repetitive_prompts,
+    run_recording_steps,
+    sample_tokens,
+    total_variation,
+)
 
 OPTS = {"block_size": 4, "num_kv_blocks": 128, "max_model_len": 96}
 
@@ -32,11 +37,11 @@ def _truncate(src: str | Path, dst: Path, num_layers: int) -> str:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[str, str]:
     """(target, draft): the tiny random Llama of test_spec_decode and its first layer."""
-    from tests.test_models import CONFIGS, _save_checkpoint, _save_tokenizer
+    from tests.helpers.tiny_models import CONFIGS, save_checkpoint, save_tokenizer
 
     target = tmp_path_factory.mktemp("draft-target")
-    _save_checkpoint(CONFIGS["llama_gqa_llama3"], target)
-    _save_tokenizer(target)
+    save_checkpoint(CONFIGS["llama_gqa_llama3"], target)
+    save_tokenizer(target)
     return str(target), _truncate(target, tmp_path_factory.mktemp("draft-1layer"), 1)
 
 
@@ -83,15 +88,15 @@ def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused_at_start_up(model
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
     from engine import LLM
-    from tests.test_models import VOCAB, _common
+    from tests.helpers.tiny_models import VOCAB, common_config
 
     target, _ = models
     other = tmp_path / "other-vocab"
-    LlamaConfig(**_common(vocab_size=VOCAB + 3, num_hidden_layers=1)).save_pretrained(other)
+    LlamaConfig(**common_config(vocab_size=VOCAB + 3, num_hidden_layers=1)).save_pretrained(other)
     with pytest.raises(ValueError, match=r"vocab_size \(100\) differs"):
         LLM(model=target, **OPTS, speculative_config=_spec(str(other)))
     renamed = tmp_path / "other-tokens"
-    LlamaConfig(**_common(num_hidden_layers=1)).save_pretrained(renamed)
+    LlamaConfig(**common_config(num_hidden_layers=1)).save_pretrained(renamed)
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"u{i}": i for i in range(VOCAB)},
                                                            unk_token="u0"))
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="u0").save_pretrained(renamed)
@@ -108,11 +113,11 @@ def test_the_target_drafting_for_itself_keeps_every_draft(models):
     from engine import LLM, SamplingParams
 
     target, _ = models
-    prompts = _repetitive_prompts()
+    prompts = repetitive_prompts()
     params = SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True)
     want = LLM(model=target, **OPTS).generate(prompts, params, use_tqdm=False)
     llm = LLM(model=target, **OPTS, speculative_config=_spec(target, 4))
-    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(want)
+    assert sample_tokens(llm.generate(prompts, params, use_tqdm=False)) == sample_tokens(want)
     stats = llm.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
@@ -127,7 +132,7 @@ def test_greedy_with_a_draft_model_equals_plain_decoding(models):
     from engine import LLM, SamplingParams
 
     target, draft = models
-    prompts = _repetitive_prompts()
+    prompts = repetitive_prompts()
     params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
               for _ in prompts]
     params[2] = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2,
@@ -135,8 +140,8 @@ def test_greedy_with_a_draft_model_equals_plain_decoding(models):
     ref = LLM(model=target, **OPTS).generate(prompts, params, use_tqdm=False)
     cached = LLM(model=target, **OPTS, speculative_config=_spec(draft))
     for _ in range(2):
-        outs, steps = _run(cached, prompts, params)
-        assert _tokens(outs) == _tokens(ref)
+        outs, steps = run_recording_steps(cached, prompts, params)
+        assert sample_tokens(outs) == sample_tokens(ref)
         for o, r in zip(outs, ref):
             assert [e[t].logprob for e, t in zip(o.outputs[0].logprobs,
                                                  o.outputs[0].token_ids)] == pytest.approx(
@@ -150,8 +155,8 @@ def test_greedy_with_a_draft_model_equals_plain_decoding(models):
 
     small = LLM(model=target, block_size=4, num_kv_blocks=24, max_model_len=96,
                 max_num_batched_tokens=16, speculative_config=_spec(draft))
-    outs, steps = _run(small, prompts, params)
-    assert _tokens(outs) == _tokens(ref)
+    outs, steps = run_recording_steps(small, prompts, params)
+    assert sample_tokens(outs) == sample_tokens(ref)
     stats = small.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
     assert max(s.total_num_scheduled_tokens for s in steps) <= 16
@@ -164,7 +169,7 @@ def test_draft_model_speculation_keeps_stops_max_tokens_n_and_aborts(models):
     from engine import LLM, SamplingParams
 
     target, _ = models
-    prompts = _repetitive_prompts(3)
+    prompts = repetitive_prompts(3)
     plain = LLM(model=target, **OPTS)
     spec = LLM(model=target, **OPTS, speculative_config=_spec(target, 3))  # drafts are kept
     free = plain.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0,
@@ -198,9 +203,9 @@ def test_a_failing_draft_forward_costs_only_its_drafts(models):
     from engine import LLM, SamplingParams
 
     target, draft = models
-    prompts = _repetitive_prompts(2)
+    prompts = repetitive_prompts(2)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    want = _tokens(LLM(model=target, **OPTS).generate(prompts, params, use_tqdm=False))
+    want = sample_tokens(LLM(model=target, **OPTS).generate(prompts, params, use_tqdm=False))
     llm = LLM(model=target, **OPTS, speculative_config=_spec(draft))
     runner = llm.engine.spec.proposer.runner
     calls = []
@@ -210,7 +215,7 @@ def test_a_failing_draft_forward_costs_only_its_drafts(models):
         raise RuntimeError("draft boom")
 
     runner.execute = broken
-    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert sample_tokens(llm.generate(prompts, params, use_tqdm=False)) == want
     assert calls and llm.stats()["spec_decode_num_draft_tokens"] == 0
     assert llm.engine.spec.num_draft_failures == len(calls)
     llm.engine.spec.num_draft_failures = 0
@@ -226,12 +231,12 @@ def test_sampled_speculation_with_a_draft_model_is_seeded_and_keeps_drafts(model
     from engine import LLM, SamplingParams
 
     target, _ = models
-    prompts = _repetitive_prompts(3)
+    prompts = repetitive_prompts(3)
     llm = LLM(model=target, **OPTS, enable_prefix_caching=False,
               speculative_config=_spec(target, 3))
     params = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, ignore_eos=True, seed=5)
-    first = _tokens(llm.generate(prompts, params, use_tqdm=False))
-    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == first
+    first = sample_tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert sample_tokens(llm.generate(prompts, params, use_tqdm=False)) == first
     stats = llm.stats()
     assert stats["spec_decode_num_accepted_tokens"] >= 0.9 * stats["spec_decode_num_draft_tokens"]
     _assert_no_leak(llm)
@@ -242,15 +247,15 @@ def small_vocab(tmp_path_factory) -> tuple[Path, Path]:
     """A 2-layer target and a different 1-layer draft over a vocabulary of 8."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from tests.test_models import _common, _randomise
+    from tests.helpers.tiny_models import common_config, randomise
 
     paths = []
     for layers, seed in ((2, 0), (1, 9)):
         path = tmp_path_factory.mktemp(f"vocab8-{layers}")
         torch.manual_seed(seed)
-        hf = AutoModelForCausalLM.from_config(LlamaConfig(**_common(
+        hf = AutoModelForCausalLM.from_config(LlamaConfig(**common_config(
             vocab_size=8, num_hidden_layers=layers, tie_word_embeddings=False))).eval()
-        _randomise(hf, seed)
+        randomise(hf, seed)
         hf.save_pretrained(path)
         paths.append(path)
     return paths[0], paths[1]
@@ -315,13 +320,13 @@ def test_draft_model_rejection_sampling_outputs_follow_the_target(small_vocab):
                 second[(out[0], out[1])] += 1
             n += 1
     assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
-    assert _tv(drafted, q0, n) < 0.03  # drafts are drawn from q
-    assert _tv(first, p0, n) < 0.03
+    assert total_variation(drafted, q0, n) < 0.03  # drafts are drawn from q
+    assert total_variation(first, p0, n) < 0.03
     assert kept / n == pytest.approx(float(torch.minimum(p0, q0).sum()), abs=0.02)
     a = max(range(8), key=lambda t: sum(c for (x, _), c in second.items() if x == t))
     given = Counter({b: c for (x, b), c in second.items() if x == a})
     assert sum(given.values()) > 800
-    assert _tv(given, p1[a], sum(given.values())) < 0.05
+    assert total_variation(given, p1[a], sum(given.values())) < 0.05
 
 
 def test_drafts_after_rollbacks_equal_those_of_a_fresh_draft_cache(models):
@@ -351,7 +356,7 @@ def test_drafts_after_rollbacks_equal_those_of_a_fresh_draft_cache(models):
         return drafts, q
 
     proposer.propose = compare
-    prompts = _repetitive_prompts()
+    prompts = repetitive_prompts()
     params = [SamplingParams(max_tokens=20, temperature=0.0 if i % 2 else 0.9, seed=i,
                              ignore_eos=True) for i in range(len(prompts))]
     llm.generate(prompts, params, use_tqdm=False)
@@ -374,7 +379,7 @@ def test_the_server_flag_takes_a_draft_model_and_serves_unchanged_outputs(models
     from engine.llm_engine import LLMEngine
     from engine.spec_decode.draft_model import DraftModelProposer
     from kserve_paged import args as server_args
-    from tests.test_server_routes import build, client
+    from tests.helpers.server import build, client
 
     target, draft = models
     with pytest.raises(SystemExit):
@@ -383,7 +388,7 @@ def test_the_server_flag_takes_a_draft_model_and_serves_unchanged_outputs(models
     engine = LLMEngine(EngineConfig(**{**server_args.engine_kwargs(args), **OPTS,
                                        "model": target}))
     assert isinstance(engine.spec.proposer, DraftModelProposer)
-    prompt = " ".join(f"t{t}" for t in _repetitive_prompts(2)[1])
+    prompt = " ".join(f"t{t}" for t in repetitive_prompts(2)[1])
     want = LLM(model=target, **OPTS).generate(
         [prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
         use_tqdm=False)[0].outputs[0].text
@@ -433,19 +438,19 @@ def test_a_draft_that_never_pays_stops_drafting_for_the_whole_batch(models, tmp_
     target steps and it is almost never right, so the gate pauses drafting for the batch;
     greedy outputs stay those of plain decoding and no block is left behind."""
     from engine import LLM, SamplingParams
-    from tests.test_models import CONFIGS, _save_checkpoint, _save_tokenizer
+    from tests.helpers.tiny_models import CONFIGS, save_checkpoint, save_tokenizer
 
     target, _ = models
     other = tmp_path / "other-draft"
-    _save_checkpoint(CONFIGS["llama_gqa_llama3"], other, seed=7)
-    _save_tokenizer(other)
-    prompts = _repetitive_prompts()
+    save_checkpoint(CONFIGS["llama_gqa_llama3"], other, seed=7)
+    save_tokenizer(other)
+    prompts = repetitive_prompts()
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     want = LLM(model=target, **{**OPTS, "max_model_len": 128}).generate(prompts, params,
                                                                          use_tqdm=False)
     llm = LLM(model=target, **{**OPTS, "max_model_len": 128},
               speculative_config=_spec(str(other), 3))
-    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(want)
+    assert sample_tokens(llm.generate(prompts, params, use_tqdm=False)) == sample_tokens(want)
     stats = llm.stats()
     assert stats["spec_decode_draft_paused_steps"] > 0
     assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"] / 2

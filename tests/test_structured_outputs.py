@@ -12,8 +12,7 @@ import pytest
 
 from engine.default_model import ensure_default_model
 from engine.llm import LLM
-from engine.sample.structured_output import StructuredOutputs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputs
 
 PERSON = {
     "type": "object",

@@ -1,4 +1,4 @@
-"""The e2e fixture: one real server process on the default model per session, on loopback.
+"""Real server processes for the e2e tests (their fixtures are in e2e/conftest.py), on loopback.
 
 ``python -m kserve_paged`` runs on free ports through the shared launcher
 (``kserve_paged.testing.ServerProcess``, which the benchmarks use too): it polls the model's
@@ -120,20 +120,6 @@ def running_server(extra_args: list[str] | None = None, env: dict[str, str] | No
         yield srv
     finally:
         shutdown(srv)
-
-
-@pytest.fixture(scope="session")
-def server() -> Iterator[Server]:
-    with running_server(["--enable_grpc", "true"]) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="session")
-def offline_llm():
-    """The offline engine with the server's options: the reference for greedy outputs."""
-    from engine import LLM
-
-    return LLM(**ENGINE_OPTS)
 
 
 # -- helpers for the reliability suites ------------------------------------------------------

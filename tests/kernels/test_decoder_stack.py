@@ -18,7 +18,7 @@ import torch
 from engine.model_executor.attention import AttentionMetadata
 from engine.model_executor.model_loader import load_model
 from kernels import cpu_native
-from tests.test_models import CONFIGS, VOCAB, PagedSim, _save_checkpoint
+from tests.helpers.tiny_models import CONFIGS, VOCAB, PagedSim, save_checkpoint
 
 needs_stack = pytest.mark.skipif(not cpu_native.gemm_available(),
                                  reason="the decoder stack needs the native GEMM (AVX-512)")
@@ -71,7 +71,7 @@ def test_declined_families_are_served_families() -> None:
 @needs_stack
 @pytest.mark.parametrize("name", sorted(set(CONFIGS) - set(DECLINED)))
 def test_stack_equals_per_layer_modules_bit_for_bit(name: str, tmp_path: Path) -> None:
-    path, _ = _save_checkpoint(CONFIGS[name], tmp_path)
+    path, _ = save_checkpoint(CONFIGS[name], tmp_path)
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
     assert model.native_stack is not None, model.native_stack_declined
     results = {}
@@ -103,7 +103,7 @@ def test_stack_equals_per_layer_modules_bit_for_bit(name: str, tmp_path: Path) -
 @pytest.mark.parametrize("name", sorted(DECLINED))
 def test_stack_declines_what_it_cannot_compute_and_says_why(name: str, tmp_path: Path,
                                                              caplog) -> None:
-    path, _ = _save_checkpoint(CONFIGS[name], tmp_path)
+    path, _ = save_checkpoint(CONFIGS[name], tmp_path)
     with caplog.at_level("INFO", logger="engine"):
         model, _ = load_model(path, torch.float32, torch.device("cpu"))
     assert model.native_stack is None
@@ -113,7 +113,7 @@ def test_stack_declines_what_it_cannot_compute_and_says_why(name: str, tmp_path:
 
 
 def _tiny_stack(tmp_path: Path):
-    path, _ = _save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path)
+    path, _ = save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path)
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
     return model
 

@@ -1,44 +1,32 @@
 """Triton SGMV shrink/expand (kernels/lora_triton.py) against kernels.reference.lora_sgmv_ref.
 
-Without CUDA the kernels run in Triton's interpreter, so TRITON_INTERPRET is set before the
-module defining them is imported (as in test_triton_backend.py); shapes are kept small.
+Without CUDA the kernels run in Triton's interpreter (the `triton_interpreter` fixture);
+shapes are kept small.
 """
 
 from __future__ import annotations
-
-import importlib
-import os
 
 import numpy as np
 import pytest
 import torch
 
+from kernels.reference import lora_sgmv_ref
+from kernels.testing import LORA_CASES, make_lora_case
+
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-try:
-    import triton  # noqa: F401
-
-    import kernels.lora_triton as lt
-
-    if not HAS_CUDA and type(lt._shrink_kernel).__name__ != "InterpretedFunction":
-        lt = importlib.reload(lt)
-    SKIP_REASON = None
-except Exception as exc:  # triton missing or broken on this host
-    SKIP_REASON = f"Triton cannot run here: {type(exc).__name__}: {exc}"
-
-from kernels.reference import lora_sgmv_ref  # noqa: E402
-from kernels.testing import LORA_CASES, make_lora_case  # noqa: E402
-
-pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+pytestmark = pytest.mark.usefixtures("lt")  # every test runs with the kernels loadable
+
+
+@pytest.fixture(scope="module")
+def lt(triton_interpreter):
+    return triton_interpreter.load("kernels.lora_triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("name", "seg_lens", "slots", "ranks", "in_f", "out_f"), LORA_CASES,
                          ids=[c[0] for c in LORA_CASES])
-def test_sgmv_matches_the_reference(name, seg_lens, slots, ranks, in_f, out_f, dtype):
+def test_sgmv_matches_the_reference(lt, name, seg_lens, slots, ranks, in_f, out_f, dtype):
     case = make_lora_case(seg_lens, slots, ranks, in_f, out_f, dtype,
                           total_rows=sum(seg_lens) + 5, device=DEVICE)
     want = {k: v.clone() for k, v in case.items()}
@@ -52,7 +40,7 @@ def test_sgmv_matches_the_reference(name, seg_lens, slots, ranks, in_f, out_f, d
     assert torch.equal(case["out"][untouched].cpu(), want["out"][untouched].cpu())
 
 
-def test_an_empty_step_changes_nothing():
+def test_an_empty_step_changes_nothing(lt):
     case = make_lora_case([2], [0], [8], 32, 32, torch.float32, total_rows=4, device=DEVICE)
     before = case["out"].clone()
     empty = torch.empty(0, dtype=torch.int64, device=DEVICE)

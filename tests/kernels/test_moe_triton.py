@@ -1,37 +1,27 @@
 """Triton fused MoE (kernels/moe_triton.py) against kernels.reference.fused_moe_ref.
 
-Without CUDA the kernels run in Triton's interpreter, so TRITON_INTERPRET is set before the
-module defining them is imported (as in test_lora_triton.py); shapes are kept small so the
+Without CUDA the kernels run in Triton's interpreter (the `triton_interpreter` fixture; the
+kernels call triton_backend's helpers, so both are loaded); shapes are kept small so the
 interpreter finishes in seconds.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
+from kernels.reference import fused_moe_ref
+
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-try:
-    import triton  # noqa: F401
-
-    import kernels.moe_triton as mt
-
-    if not HAS_CUDA and type(mt._gate_up_kernel).__name__ != "InterpretedFunction":
-        mt = importlib.reload(mt)
-    SKIP_REASON = None
-except Exception as exc:  # triton missing or broken on this host
-    SKIP_REASON = f"Triton cannot run here: {type(exc).__name__}: {exc}"
-
-from kernels.reference import fused_moe_ref  # noqa: E402
-
-pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+pytestmark = pytest.mark.usefixtures("mt")  # every test runs with the kernels loadable
+
+
+@pytest.fixture(scope="module")
+def mt(triton_interpreter):
+    return triton_interpreter.load("kernels.triton_backend", "kernels.moe_triton")
+
+
 NUM_EXPERTS = 4
 
 
@@ -68,7 +58,7 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("name", "ids", "hidden", "inter"), CASES, ids=[c[0] for c in CASES])
-def test_fused_moe_matches_the_reference(name, ids, hidden, inter, dtype):
+def test_fused_moe_matches_the_reference(mt, name, ids, hidden, inter, dtype):
     x, w_gate_up, w_down, weights, topk_ids = _case(ids, hidden, inter, dtype)
     got = mt.fused_moe(x, w_gate_up, w_down, weights, topk_ids)
     want = fused_moe_ref(x, w_gate_up, w_down, weights, topk_ids)
@@ -77,7 +67,7 @@ def test_fused_moe_matches_the_reference(name, ids, hidden, inter, dtype):
     torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=atol, rtol=atol)
 
 
-def test_align_pairs_pads_each_expert_to_whole_blocks():
+def test_align_pairs_pads_each_expert_to_whole_blocks(mt):
     """Every pair appears once, in a block of its own expert; padding is the sentinel; an
     expert without pairs owns no block; blocks past the used ones are marked -1."""
     ids = torch.tensor([[0, 1]] * 5 + [[3, 1]] * 2)  # expert 0: 5, 1: 7, 2: 0, 3: 2 pairs
@@ -96,7 +86,7 @@ def test_align_pairs_pads_each_expert_to_whole_blocks():
     assert bool((sorted_pairs[20:] == num_pairs).all())  # unused blocks hold padding only
 
 
-def test_sparse_moe_uses_the_kernel_and_matches_the_grouped_torch_path(monkeypatch):
+def test_sparse_moe_uses_the_kernel_and_matches_the_grouped_torch_path(mt, monkeypatch):
     """engine/models/moe.py's SparseMoE on its CUDA path (forced here, in the interpreter)
     against its own torch grouped path on the same weights, renormalised top-2."""
     from engine.model_executor.models import moe

@@ -1,44 +1,33 @@
 """Triton kernels against the reference.
 
-Without CUDA the kernels run in Triton's interpreter. TRITON_INTERPRET must be set before the
-`@triton.jit` functions are defined, i.e. before `kernels.triton_backend` is imported, so this
-module sets it at import (collection) time; if the backend module was already imported
-compiled, it is reloaded. Note: that leaves TRITON_INTERPRET=1 in this pytest process.
+Without CUDA the kernels run in Triton's interpreter (the `triton_interpreter` fixture,
+tests/helpers/triton.py, which restores TRITON_INTERPRET after this module's tests).
 The interpreted grid is deliberately small (slow interpreter); the `gpu_grid` test is the big
 one, run on CUDA by bench/gpu_check.py.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
 import random
 import sys
 
 import pytest
 import torch
 
+from kernels import paged_attention, store_kv
+from kernels.reference import paged_attention_ref, store_kv_ref
+from kernels.testing import make_case, tolerance
+
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-try:
-    import triton  # noqa: F401
-
-    import kernels.triton_backend as tb
-
-    if not HAS_CUDA and type(tb._paged_attn_kernel).__name__ != "InterpretedFunction":
-        tb = importlib.reload(tb)
-    SKIP_REASON = None
-except Exception as exc:  # triton missing or broken on this host
-    SKIP_REASON = f"Triton cannot run here: {type(exc).__name__}: {exc}"
-
-from kernels import paged_attention, store_kv  # noqa: E402
-from kernels.reference import paged_attention_ref, store_kv_ref  # noqa: E402
-from kernels.testing import make_case, tolerance  # noqa: E402
-
-pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+pytestmark = pytest.mark.usefixtures("tb")  # every test runs with the kernels loadable
+
+
+@pytest.fixture(scope="module")
+def tb(triton_interpreter):
+    return triton_interpreter.load("kernels.triton_backend")
+
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 # (name, seq_lens, q_lens, heads, kv_heads, head_dim, block_size, num_splits)
@@ -57,7 +46,7 @@ def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=atol, rtol=rtol)
 
 
-def _run_case(seq_lens: list[int], q_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+def _run_case(tb, seq_lens: list[int], q_lens: list[int], heads: int, kv_heads: int, head_dim: int,
               block_size: int, num_splits: int | None, dtype: torch.dtype, seed: int) -> None:
     case = make_case(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads,
                      head_dim=head_dim, block_size=block_size, dtype=dtype, device=DEVICE,
@@ -70,13 +59,13 @@ def _run_case(seq_lens: list[int], q_lens: list[int], heads: int, kv_heads: int,
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_attention_matches_reference(case: tuple, dtype: torch.dtype) -> None:
-    _run_case(*case[1:], dtype=dtype, seed=len(case[0]))
+def test_attention_matches_reference(tb, case: tuple, dtype: torch.dtype) -> None:
+    _run_case(tb, *case[1:], dtype=dtype, seed=len(case[0]))
 
 
 @pytest.mark.parametrize("head_dim", [80, 96, 128, 256])
-def test_head_dims(head_dim: int) -> None:
-    _run_case([70, 3], [1, 3], 4, 2, head_dim, 16, None, torch.float16, seed=head_dim)
+def test_head_dims(tb, head_dim: int) -> None:
+    _run_case(tb, [70, 3], [1, 3], 4, 2, head_dim, 16, None, torch.float16, seed=head_dim)
 
 
 def test_dispatch_and_padding_tokens() -> None:
@@ -104,7 +93,7 @@ def test_store_kv_matches_reference_and_skips_negative(dtype: torch.dtype) -> No
     assert torch.equal(cache.cpu(), expected)
 
 
-def test_split_rule() -> None:
+def test_split_rule(tb) -> None:
     rule = tb.choose_num_splits
     assert rule(num_programs=1000, max_seq_len=16384, num_sms=132) == 1  # grid already full
     assert rule(num_programs=8, max_seq_len=300, num_sms=132) == 1  # context too short
@@ -119,7 +108,7 @@ def test_split_rule() -> None:
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (9, 3), (32, 8), (16, 1)],
                          ids=lambda h: f"{h[0]}x{h[1]}")
-def test_gpu_grid(dtype: torch.dtype, block_size: int, heads: tuple[int, int]) -> None:
+def test_gpu_grid(tb, dtype: torch.dtype, block_size: int, heads: tuple[int, int]) -> None:
     """45 configurations x (auto, forced 4-way) splits; head_dim and batch kind rotate so every
     head_dim meets every batch kind without a full product (compile time)."""
     key = DTYPES.index(dtype) * 100 + block_size + heads[0] * 7 + heads[1]
@@ -132,7 +121,7 @@ def test_gpu_grid(dtype: torch.dtype, block_size: int, heads: tuple[int, int]) -
               "chunked": [rng.randint(1, s) for s in seq_lens],
               "mixed": [rng.choice([0, 1, s, rng.randint(1, s)]) for s in seq_lens]}[kind]
     for splits in (None, 4):
-        _run_case(seq_lens, q_lens, heads[0], heads[1], head_dim, block_size, splits, dtype,
+        _run_case(tb, seq_lens, q_lens, heads[0], heads[1], head_dim, block_size, splits, dtype,
                   seed=key)
     # The cpu backend (its SDPA path) on CUDA, same inputs.
     case = make_case(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1],
@@ -163,7 +152,7 @@ WINDOW_CASES = [
 # bf16 rather than fp16: the dtype Gemma checkpoints are served in (fp16 overflows them).
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=[c[0] for c in WINDOW_CASES])
-def test_window_and_softcap_match_reference(case: tuple, dtype: torch.dtype) -> None:
+def test_window_and_softcap_match_reference(tb, case: tuple, dtype: torch.dtype) -> None:
     _, seq_lens, q_lens, window, softcap, splits = case
     c = make_case(seq_lens, q_lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
                   dtype=dtype, device=DEVICE, seed=len(seq_lens), wide_table=True)

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from kserve_paged import args as server_args
-from tests.manifests import helpers as h
+from tests.helpers import manifests as h
 
 DOCKERFILE = h.MANIFESTS / "image" / "Dockerfile"
 README = h.MANIFESTS / "README.md"

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from tests.manifests import helpers as h
+from tests.helpers import manifests as h
+from tests.helpers import monitoring_checks as mon
 
 needs_kubectl = pytest.mark.skipif(
     h.kubectl() is None,
@@ -45,7 +46,7 @@ def test_kustomize_builds_and_validates(directory, builds):
         elif h.is_core(obj):
             assert h.core_errors(obj) == [], h.describe(obj)
         elif obj["kind"] == "PodMonitor":
-            assert h.podmonitor_errors(obj) == []
+            assert mon.podmonitor_errors(obj) == []
         else:
             pytest.fail(f"unexpected object {h.describe(obj)}")
 

@@ -10,13 +10,13 @@ import json
 import pytest
 import yaml
 
-from tests.manifests import helpers as h
+from tests.helpers import manifests as h
 
 OBJECTS = h.all_objects()
 KSERVE = [(p, o) for p, o in OBJECTS if h.is_kserve(o)]
 CORE = [(p, o) for p, o in OBJECTS if h.is_core(o)]
 # PodMonitor: prometheus-operator's CRD is not available offline; checked by hand in
-# test_crosschecks.py (h.podmonitor_errors).
+# test_crosschecks.py (mon.podmonitor_errors).
 HAND_CHECKED_KINDS = {"PodMonitor"}
 KNOWN_KINDS = {"ClusterServingRuntime", "InferenceService", "LLMInferenceService", "Namespace",
                "ConfigMap", "PodMonitor"}
