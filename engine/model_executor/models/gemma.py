@@ -6,7 +6,7 @@ MLP outputs too (pre and post norms); the MLP is GeGLU (tanh GELU); the attentio
 `query_pre_attn_scalar ** -0.5`; layers alternate between sliding-window (`layer_types`) and
 global attention. Gemma 2 soft-caps the attention scores; both soft-cap the final logits.
 Gemma 3 norms each head of q and k (like Qwen3) and gives its local layers their own RoPE base.
-Projections, attention and weight loading are the Llama family's (`engine/models/llama.py`).
+Projections, attention and weight loading are the Llama family's (`engine/model_executor/models/llama.py`).
 """
 
 from __future__ import annotations

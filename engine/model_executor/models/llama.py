@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -28,28 +27,12 @@ from engine.model_executor.layers import (
     rope_parameters,
 )
 from engine.model_executor.models.architectures import architecture_of
+from engine.model_executor.models.hf_checkpoint import TransformersCheckpoint
 from engine.model_executor.parallel_layers import RowParallelLinear, VocabParallelEmbedding
 from engine.model_executor.tp_layout import TPLayout
 from kernels import cpu_native
 
 logger = logging.getLogger("engine")
-
-# Checkpoint entries that carry no weights we need (old checkpoints saved RoPE buffers).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-# Under tensor parallelism: checkpoint tensors cut by vocabulary, and biases added once.
-_VOCAB_SHARDED = ("embed_tokens.weight", "lm_head.weight")
-_ROW_PARALLEL_BIASES = ("o_proj.bias", "down_proj.bias")
-
-# transformers' unfused projection -> (our fused module, shard name).
-_FUSED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
-
 
 def sliding_window_of(config: Any) -> int | None:
     """The attention window if any layer uses one (Mistral v0.1, Qwen2 with use_sliding_window)."""
@@ -77,6 +60,19 @@ def layer_windows(config: Any) -> list[int | None]:
     if types is None:
         return [window] * layers
     return [window if t == "sliding_attention" else None for t in types]
+
+
+def projection_biases(architecture: str, config: Any) -> tuple[bool, bool, bool]:
+    """(q/k/v, o, MLP) biases of a Llama-family architecture, as transformers builds it."""
+    if architecture == "Qwen2ForCausalLM":
+        return True, False, False
+    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        bias = bool(getattr(config, "attention_bias", False))  # q/k/v and o; none in the MLP
+        return bias, bias, False
+    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
+        return False, False, False
+    bias = bool(getattr(config, "attention_bias", False))
+    return bias, bias, bool(getattr(config, "mlp_bias", False))
 
 
 class LlamaAttention(nn.Module):
@@ -163,11 +159,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(TransformersCheckpoint):
     """Paged-cache Llama-family causal LM.
 
     `forward` maps a flat batch of new tokens to final hidden states; `compute_logits` projects
-    only the rows the runner needs (one per sequence) to float32 logits.
+    only the rows the runner needs (one per sequence) to float32 logits. Weights load from
+    transformers' names (`TransformersCheckpoint`, hf_checkpoint.py).
     """
 
     # Tensor parallelism (set in __init__; subclasses that build themselves stay unsharded).
@@ -197,16 +194,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings: bool = bool(getattr(config, "tie_word_embeddings", False))
 
         qk_norm = self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-        if self.architecture == "Qwen2ForCausalLM":
-            qkv_bias, o_bias, mlp_bias = True, False, False
-        elif qk_norm:  # Qwen3: one attention_bias flag for q/k/v and o, none in the MLP
-            qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
-            mlp_bias = False
-        elif self.architecture in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
-            qkv_bias = o_bias = mlp_bias = False
-        else:
-            qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
-            mlp_bias = bool(getattr(config, "mlp_bias", False))
+        qkv_bias, o_bias, mlp_bias = projection_biases(self.architecture, config)
 
         # Tensor parallelism: this rank's heads, MLP columns and vocabulary (None: all of it).
         self.tp = tp
@@ -288,84 +276,6 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).float()
         logits = self.tp.gather_to_first(self.lm_head(hidden))
         return None if logits is None else logits[:, :self.vocab_size].float()
-
-    def expected_weights(self) -> set[str]:
-        """transformers' parameter names this model needs from a checkpoint."""
-        names: set[str] = set()
-        # Phi-3 checkpoints store qkv_proj and gate_up_proj fused, in our layout already.
-        fused_checkpoint = self.architecture == "Phi3ForCausalLM"
-        for name, _ in self.named_parameters():
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            if fused_checkpoint:
-                names.add(name)
-                continue
-            module_path, _, leaf = name.rpartition(".")
-            parent, _, module = module_path.rpartition(".")
-            if module == "qkv_proj":
-                names.update(f"{parent}.{p}.{leaf}" for p in ("q_proj", "k_proj", "v_proj"))
-            elif module == "gate_up_proj":
-                names.update(f"{parent}.{p}.{leaf}" for p in ("gate_proj", "up_proj"))
-            else:
-                names.add(name)
-        return names
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy transformers-named tensors in, fusing q/k/v and gate/up into their shards.
-
-        Raises ValueError for a tensor we have no place for, a shape mismatch, or any needed
-        tensor the checkpoint lacks.
-        """
-        params = dict(self.named_parameters(remove_duplicate=False))
-        expected = self.expected_weights()
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for hf_name, tensor in weights:
-            if hf_name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # tied: transformers ignores a saved copy too
-            if hf_name not in expected:
-                unexpected.append(hf_name)
-                continue
-            target = self._target(hf_name, params)
-            if self.layout is not None and hf_name.endswith(_VOCAB_SHARDED):
-                target = target.narrow(0, 0, tensor.shape[0])  # the last shard's padding
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)} != "
-                                 f"model shape {tuple(target.shape)}")
-            if self.tp is not None and self.tp.rank and hf_name.endswith(_ROW_PARALLEL_BIASES):
-                target.zero_()  # the all-reduce adds rank 0's copy once
-            else:
-                target.copy_(tensor)
-            loaded.add(hf_name)
-        if unexpected:
-            raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) this "
-                             f"{self.architecture} has no place for, e.g. {sorted(unexpected)[:5]}")
-        missing = expected - loaded
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. "
-                             f"{sorted(missing)[:5]}")
-
-    def _target(self, hf_name: str, params: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Where a checkpoint tensor goes: its parameter, or its shard of a fused one."""
-        module_path, _, leaf = hf_name.rpartition(".")
-        parent, _, module = module_path.rpartition(".")
-        if module in _FUSED:
-            fused, shard = _FUSED[module]
-            return self._shard(params[f"{parent}.{fused}.{leaf}"], fused, shard)
-        return params[hf_name]
-
-    def _shard(self, param: torch.Tensor, fused: str, shard: str) -> torch.Tensor:
-        """The rows of a fused weight/bias that one unfused projection fills."""
-        if fused == "qkv_proj":
-            q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
-        else:
-            inter = param.shape[0] // 2
-            start, size = (0, inter) if shard == "gate" else (inter, inter)
-        return param.narrow(0, start, size)
 
     def pack_weights(self) -> int:
         """Pre-pack every projection for the CPU matmul kernels (see `Linear`); call after the
