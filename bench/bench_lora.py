@@ -50,7 +50,7 @@ def make_adapters(base: Path, root: Path, n: int, rank: int) -> list[Path]:
     return out
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -59,7 +59,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--adapters-dir", default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    """Long because the run reads top to bottom as it happens (engines built, warm-up, the
+    timed rounds, the record), its `timed` closure sharing the prompts and the best runs."""
+    args = _parse_args()
 
     from engine.worker.cpu_memory import reexec_with_tcmalloc
 

@@ -47,7 +47,7 @@ class SlotCounter:
         return outs
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=WORKLOAD_NAMES, default="random")
     ap.add_argument("--model", default=None, help="local HF folder (default: the default model)")
@@ -64,7 +64,11 @@ def main() -> None:
                     help="first N requests only (smoke runs)")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap every output at N")
     ap.add_argument("--json-out", default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = _parse_args()
 
     from engine.worker.cpu_memory import reexec_with_tcmalloc
 

@@ -63,34 +63,59 @@ def repetitive_prompts(n: int, seed: int = 0) -> list[str]:
     return prompts
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="local HF folder (default: the default model)")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
-    ap.add_argument("--draft-model", default=None, help="draft folder, or 'self' (the target)")
-    ap.add_argument("--draft-layers", type=int, default=None,
-                    help="draft = the target's first N layers (bench/layer_skip_draft.py)")
-    ap.add_argument("--num-speculative-tokens", type=int, default=4)
-    ap.add_argument("--prompt-lookup-max", type=int, default=4)
-    ap.add_argument("--prompt-lookup-min", type=int, default=2)
-    ap.add_argument("--num-repetitive", type=int, default=8)
-    ap.add_argument("--repetitive-max-tokens", type=int, default=128)
-    ap.add_argument("--max-num-seqs", type=int, default=4)
-    ap.add_argument("--w1-prompts", type=int, default=8, help="first N requests of W1")
-    ap.add_argument("--w1-max-tokens", type=int, default=64, help="cap on W1 outputs")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--json-out", default=None)
-    args = ap.parse_args()
-    load_at_start = os.getloadavg()
+def _run_workload(llm, decoder, steps: list[int], name: str, prompts: list, max_tokens: list[int],
+                  ignore_eos: bool, repeats: int) -> dict:
+    """One workload, speculation off and on in alternating order per repeat; each run's rate,
+    steps and draft figures, and whether the outputs were identical."""
+    from engine import SamplingParams
 
-    from engine.worker.cpu_memory import reexec_with_tcmalloc
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=ignore_eos)
+              for m in max_tokens]
+    runs = {"off": [], "on": []}
+    outputs = {}
+    for rep in range(repeats):
+        for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+            llm.engine.spec = decoder if mode == "on" else None
+            before = decoder.stats()
+            steps[0] = 0
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            after = decoder.stats()
+            n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+            drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+            drafted = (after["spec_decode_num_draft_tokens"]
+                       - before["spec_decode_num_draft_tokens"])
+            kept = (after["spec_decode_num_accepted_tokens"]
+                    - before["spec_decode_num_accepted_tokens"])
+            run = {"rep": rep, "seconds": dt, "output_tokens": n_out,
+                   "output_tok_s": n_out / dt, "steps": steps[0],
+                   "verified_steps_with_drafts": drafts, "draft_tokens": drafted,
+                   "accepted_tokens": kept,
+                   "mean_accepted_length": 1 + kept / drafts if drafts else None,
+                   "acceptance_rate": kept / drafted if drafted else None}
+            runs[mode].append(run)
+            outputs.setdefault(mode, [o.outputs[0].token_ids for o in outs])
+            texts = [o.outputs[0].text for o in outs]
+            print(f"[{name}] {mode} rep {rep}: {dt:.1f} s, {run['output_tok_s']:.1f} "
+                  f"output tok/s, {steps[0]} steps, mean accepted length "
+                  f"{run['mean_accepted_length']}, acceptance {run['acceptance_rate']}",
+                  flush=True)
+    best = {m: max(r["output_tok_s"] for r in rs) for m, rs in runs.items()}
+    result = {"runs": runs, "best_output_tok_s": best,
+              "ratio_on_off": best["on"] / best["off"],
+              "identical_outputs": outputs["on"] == outputs["off"],
+              "num_prompts": len(prompts),
+              "output_tokens": sum(map(len, outputs["off"])),
+              "first_outputs": texts[:2] if name == "repetitive" else None}
+    print(f"[{name}] on/off {result['ratio_on_off']:.2f}x, identical outputs: "
+          f"{result['identical_outputs']}", flush=True)
+    return result
 
-    reexec_with_tcmalloc()
-    import torch
 
-    from engine import LLM, SamplingParams
-
+def _spec_config(args: argparse.Namespace) -> dict:
+    """vLLM's --speculative-config for the chosen method (a draft: a folder, the target
+    itself, or the target's first layers)."""
     spec_config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                    "prompt_lookup_max": args.prompt_lookup_max,
                    "prompt_lookup_min": args.prompt_lookup_min}
@@ -108,6 +133,42 @@ def main() -> None:
             draft = args.draft_model
         spec_config = {"method": "draft_model", "model": draft,
                        "num_speculative_tokens": args.num_speculative_tokens}
+    return spec_config
+
+
+def _parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="local HF folder (default: the default model)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    ap.add_argument("--draft-model", default=None, help="draft folder, or 'self' (the target)")
+    ap.add_argument("--draft-layers", type=int, default=None,
+                    help="draft = the target's first N layers (bench/layer_skip_draft.py)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--prompt-lookup-max", type=int, default=4)
+    ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    ap.add_argument("--num-repetitive", type=int, default=8)
+    ap.add_argument("--repetitive-max-tokens", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--w1-prompts", type=int, default=8, help="first N requests of W1")
+    ap.add_argument("--w1-max-tokens", type=int, default=64, help="cap on W1 outputs")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json-out", default=None)
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = _parse_args()
+    load_at_start = os.getloadavg()
+
+    from engine.worker.cpu_memory import reexec_with_tcmalloc
+
+    reexec_with_tcmalloc()
+    import torch
+
+    from engine import LLM, SamplingParams
+
+    spec_config = _spec_config(args)
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=2048,
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
               speculative_config=spec_config)
@@ -130,49 +191,8 @@ def main() -> None:
         return inner()
 
     engine.step = counted
-    results = {}
-    for name, (prompts, max_tokens, ignore_eos) in workloads.items():
-        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=ignore_eos)
-                  for m in max_tokens]
-        runs = {"off": [], "on": []}
-        outputs = {}
-        for rep in range(args.repeats):
-            for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
-                engine.spec = decoder if mode == "on" else None
-                before = decoder.stats()
-                steps[0] = 0
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                dt = time.perf_counter() - t0
-                after = decoder.stats()
-                n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-                drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
-                drafted = (after["spec_decode_num_draft_tokens"]
-                           - before["spec_decode_num_draft_tokens"])
-                kept = (after["spec_decode_num_accepted_tokens"]
-                        - before["spec_decode_num_accepted_tokens"])
-                run = {"rep": rep, "seconds": dt, "output_tokens": n_out,
-                       "output_tok_s": n_out / dt, "steps": steps[0],
-                       "verified_steps_with_drafts": drafts, "draft_tokens": drafted,
-                       "accepted_tokens": kept,
-                       "mean_accepted_length": 1 + kept / drafts if drafts else None,
-                       "acceptance_rate": kept / drafted if drafted else None}
-                runs[mode].append(run)
-                outputs.setdefault(mode, [o.outputs[0].token_ids for o in outs])
-                texts = [o.outputs[0].text for o in outs]
-                print(f"[{name}] {mode} rep {rep}: {dt:.1f} s, {run['output_tok_s']:.1f} "
-                      f"output tok/s, {steps[0]} steps, mean accepted length "
-                      f"{run['mean_accepted_length']}, acceptance {run['acceptance_rate']}",
-                      flush=True)
-        best = {m: max(r["output_tok_s"] for r in rs) for m, rs in runs.items()}
-        results[name] = {"runs": runs, "best_output_tok_s": best,
-                         "ratio_on_off": best["on"] / best["off"],
-                         "identical_outputs": outputs["on"] == outputs["off"],
-                         "num_prompts": len(prompts),
-                         "output_tokens": sum(map(len, outputs["off"])),
-                         "first_outputs": texts[:2] if name == "repetitive" else None}
-        print(f"[{name}] on/off {results[name]['ratio_on_off']:.2f}x, identical outputs: "
-              f"{results[name]['identical_outputs']}", flush=True)
+    results = {name: _run_workload(llm, decoder, steps, name, *work, args.repeats)
+               for name, work in workloads.items()}
     result = {"engine": "kserve-paged", "bench": "spec_decode", "dtype": args.dtype,
               "speculative_config": spec_config, "threads": torch.get_num_threads(),
               "max_num_seqs": args.max_num_seqs,

@@ -59,13 +59,17 @@ class Timed:
         setattr(owner, name, timed)
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json-out", default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = _parse_args()
 
     from engine.worker.cpu_memory import reexec_with_tcmalloc
 

@@ -2,7 +2,7 @@
 
 Block accounting only (no model runs, so the figures are deterministic): the engine's scheduler
 and KV manager serve 4k-token requests for a Gemma-3-shaped config, once with the sliding
-layers in their own KV groups (engine/kv_groups.py) and once with one block table for every
+layers in their own KV groups (engine/core/kv_groups.py) and once with one block table for every
 layer (`disable_hybrid_kv_cache_manager`). Printed per layout: KV bytes per block, the blocks
 one request holds while decoding (per group) and at its peak (a prefill chunk on top of the
 window), and how many such requests a fixed KV budget serves at once: the most decoding

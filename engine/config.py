@@ -32,16 +32,16 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # One block table for every layer even when global and sliding-window layers mix (Gemma
     # 2/3), as vLLM's --disable-hybrid-kv-cache-manager: nothing leaves the window while a
-    # request runs (engine/kv_groups.py). Tensor parallelism always runs this way.
+    # request runs (engine/core/kv_groups.py). Tensor parallelism always runs this way.
     disable_hybrid_kv_cache_manager: bool = False
-    # How prefix-cache blocks are keyed, as vLLM's --prefix-caching-hash-algo (engine/block_hash.py;
+    # How prefix-cache blocks are keyed, as vLLM's --prefix-caching-hash-algo (engine/core/block_hash.py;
     # the root key comes from PYTHONHASHSEED). sha256 is vLLM's default; sha256_cbor is the one a
     # router outside the pod can recompute (llm-d's precise prefix-cache scorer).
     prefix_caching_hash_algo: str = "sha256"
     scheduling_policy: str = "fcfs"
     seed: int = 0
     load_format: str = "auto"
-    # KV-cache events for cache-aware routers (engine/kv_events.py): a KVEventsConfig, or its
+    # KV-cache events for cache-aware routers (engine/core/kv_events.py): a KVEventsConfig, or its
     # JSON / dict form as vLLM's --kv-events-config takes it. None: off.
     kv_events_config: KVEventsConfig | str | dict[str, Any] | None = None
     # Multi-LoRA (engine/lora/): adapters active in one step, their largest rank, and how many

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import load_workload, warmup_prompts  # noqa: E402
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=os.environ.get("KSERVE_PAGED_PEER_MODEL"))
     ap.add_argument("--adapters-dir", required=True)
@@ -41,6 +41,13 @@ def main() -> None:
     args = ap.parse_args()
     if not args.model:
         ap.error("no --model and no $KSERVE_PAGED_PEER_MODEL (source the peer's env.sh)")
+    return args
+
+
+def main() -> None:
+    """Long because the run reads top to bottom as it happens (engines built, warm-up, the
+    timed rounds, the record), its `timed` closure sharing the prompts and the best runs."""
+    args = _parse_args()
 
     import vllm
     from vllm import LLM, SamplingParams

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import WORKLOAD_NAMES, load_workload, warmup_prompts  # noqa: E402
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=WORKLOAD_NAMES, default="random")
     ap.add_argument("--model", default=os.environ.get("KSERVE_PAGED_PEER_MODEL"),
@@ -42,6 +42,11 @@ def main() -> None:
     args = ap.parse_args()
     if not args.model:
         ap.error("no --model and no $KSERVE_PAGED_PEER_MODEL (source the peer's env.sh)")
+    return args
+
+
+def main() -> None:
+    args = _parse_args()
 
     import torch
     import vllm

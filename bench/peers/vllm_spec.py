@@ -28,7 +28,7 @@ from bench_spec import repetitive_prompts  # noqa: E402
 from benchlib import load_workload, warmup_prompts  # noqa: E402
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=os.environ.get("KSERVE_PAGED_PEER_MODEL"))
     ap.add_argument("--dtype", default="float32")
@@ -43,6 +43,11 @@ def main() -> None:
     args = ap.parse_args()
     if not args.model:
         ap.error("no --model and no $KSERVE_PAGED_PEER_MODEL (source the peer's env.sh)")
+    return args
+
+
+def main() -> None:
+    args = _parse_args()
 
     import vllm
     from vllm import LLM, SamplingParams

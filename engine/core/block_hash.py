@@ -14,7 +14,7 @@ the first block's parent is a root key ``H(seed)`` and ``H`` is the ``--prefix_c
 The seed is the ``PYTHONHASHSEED`` string, as in vLLM; unset, the root is 32 random bytes, so keys
 differ between processes (no scorer can recompute them). Extra keys follow vLLM's order: the LoRA
 adapter on every block of its requests, then the cache salt on the first block only (see
-engine/kv_cache_manager.py). Events announce a key as vLLM does by default: its low 64 bits
+engine/core/kv_cache_manager.py). Events announce a key as vLLM does by default: its low 64 bits
 (the last 8 bytes, big-endian) as an integer.
 """
 

@@ -1,7 +1,7 @@
 """The scheduler's only door to KV memory: prefix lookup, all-or-nothing allocation, forks
 with copy-on-write, free.
 
-A request has one block table per KV group (engine/kv_groups.py): one for a model whose layers
+A request has one block table per KV group (engine/core/kv_groups.py): one for a model whose layers
 are all of one kind, one per group of global or sliding-window layers otherwise (Gemma 2/3).
 Every group allocates from the one pool, so the scheduler's question "are there n free
 blocks?" is answered by summing the groups' needs. A sliding group's leading blocks that its
@@ -35,7 +35,7 @@ class KVCacheManager:
         """`group_windows`: each KV group's sliding window (None: global); without it one
         group, sliding by `sliding_window` (every layer slides) or global."""
         self.block_size = block_size
-        self.hasher = BlockHasher(hash_algo)  # vLLM's block keys (engine/block_hash.py)
+        self.hasher = BlockHasher(hash_algo)  # vLLM's block keys (engine/core/block_hash.py)
         self.enable_prefix_caching = enable_prefix_caching
         self.windows: list[int | None] = list(group_windows or [sliding_window])
         self.sliding_window = self.windows[0] if len(self.windows) == 1 else None

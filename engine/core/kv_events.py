@@ -13,7 +13,7 @@ Wire form (vLLM's msgspec structs with ``array_like`` and ``tag``, so any msgpac
 it): a batch is ``[timestamp, [event, ...]]``, an event is an array whose first item names it:
 ``["BlockStored", hashes, parent_hash, token_ids, block_size, lora_id, medium]``,
 ``["BlockRemoved", hashes, medium]``, ``["AllBlocksCleared"]``. The events hold the prefix
-cache's own 32-byte keys (engine/block_hash.py, vLLM's); on the wire each is its low 64 bits as an
+cache's own 32-byte keys (engine/core/block_hash.py, vLLM's); on the wire each is its low 64 bits as an
 integer, vLLM's default, or the 32 bytes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` as there.
 """
 

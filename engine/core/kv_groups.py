@@ -5,7 +5,7 @@ the same number of layers, `group_size`, so one physical block id names the same
 memory in every group: the block's bytes in `group_size` per-slot tensors, slot j holding layer
 j of whichever group owns the block. One pool of such blocks serves all groups; a request has
 one block table per group, and a sliding group's table holds only the blocks its window still
-reaches (engine/kv_cache_manager.py frees the rest as the request runs). A model of one type
+reaches (engine/core/kv_cache_manager.py frees the rest as the request runs). A model of one type
 (Llama; Mistral, every layer sliding) is one group of all its layers: one tensor per layer and
 one table per request, as before.
 

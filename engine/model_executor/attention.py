@@ -20,7 +20,7 @@ __all__ = ["Attention", "AttentionMetadata", "GroupedMetadata"]
 
 @dataclass(slots=True)
 class GroupedMetadata(AttentionMetadata):
-    """A step's metadata when layers are in several KV groups (engine/kv_groups.py): itself is
+    """A step's metadata when layers are in several KV groups (engine/core/kv_groups.py): itself is
     group 0's; `groups[g - 1]` is group g's, the same step with that group's block tables and
     slots (and its own kernel plan)."""
 

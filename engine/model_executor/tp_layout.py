@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Architectures whose model code shards (engine/models/llama.py without Phi-3's fused
+# Architectures whose model code shards (engine/model_executor/models/llama.py without Phi-3's fused
 # checkpoint tensors); the others refuse tensor_parallel_size > 1.
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                     "Qwen3ForCausalLM")

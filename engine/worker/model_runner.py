@@ -108,7 +108,7 @@ class ModelRunner:
                  block_size: int, dtype: torch.dtype, device: torch.device, *,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  layout: KVLayout | None = None) -> None:
-        """`layout`: how layers share blocks (engine/kv_groups.py); None: one group of every
+        """`layout`: how layers share blocks (engine/core/kv_groups.py); None: one group of every
         layer (one tensor per layer, one block table per request)."""
         self.model = model
         self.kv = kv
@@ -126,7 +126,7 @@ class ModelRunner:
         for attn, group in zip(attns, self.layout.layer_group):
             attn.kv_group = group
         shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        # One tensor per slot (engine/kv_groups.py); layer i reads slot `layer_slot[i]` through
+        # One tensor per slot (engine/core/kv_groups.py); layer i reads slot `layer_slot[i]` through
         # its group's tables. Zeros, not empty: a partly filled last block is read (and
         # masked); NaN garbage there would still poison the softmax.
         slots = self.layout.group_size
@@ -150,6 +150,11 @@ class ModelRunner:
         self.lora: LoRAManager | None = None  # set by the engine when LoRA is on
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """The step as flat tensors and its AttentionMetadata, through the host buffers.
+
+        Long because it is the step's one layout pass: a loop over the scheduled requests,
+        then the fills of the buffers' numpy views that reuse its arrays (offsets, positions,
+        attention rows, each KV group's tables and slots), then the metadata over them."""
         assert self.kv is not None, "a tensor-parallel worker's runner gets its steps prepared"
         bs = self.block_size
         self.buffers.wait_until_free()

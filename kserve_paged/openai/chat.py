@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -49,8 +50,30 @@ async def chat_completions(model: ServedModel, request: Request, body: ChatBody)
     conversation = template_messages(chat_conversation(body.messages))
     plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls,
                      model.tool_call_parser)
+    prompt_ids = await _prompt_ids(model, body, conversation, plan)
+    salt = body.cache_salt or request.headers.get("x-cache-salt")
+    streams = await open_streams(model, [prompt_ids], body, body.output_budget, None, salt,
+                                 "chatcmpl", constraint=plan.constraint() if plan else None)
+    token_text = TokenText(model.info.tokenizer)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return ClosingStreamingResponse(
+            stream_chat(streams[0], rid, created, name, include_usage, body, token_text, plan),
+            streams)
+    finals = await until_disconnect(request, asyncio.ensure_future(final_outputs(streams)))
+    if finals is None:
+        return Response(status_code=499)
+    result = _whole(finals, rid, created, name, body, token_text, plan)
+    return JSONResponse(result.model_dump(mode="json", exclude_unset=True))
+
+
+async def _prompt_ids(model: ServedModel, body: ChatBody, conversation: list[dict[str, Any]],
+                     plan: ToolPlan | None) -> list[int]:
+    """The messages through the chat template (tools passed to it) and the tokenizer, both on
+    a worker thread; their length is checked before either sees them."""
     info = model.info
-    tok = info.tokenizer
     if not info.has_chat_template:
         raise APIError(400, "this model has no chat template; use /completions",
                        param="messages")
@@ -63,7 +86,7 @@ async def chat_completions(model: ServedModel, request: Request, body: ChatBody)
         raise APIError(400, str(exc), param=exc.param) from None
     try:
         text = await asyncio.to_thread(
-            tok.apply_chat_template, conversation, tokenize=False,
+            info.tokenizer.apply_chat_template, conversation, tokenize=False,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             tools=plan.template_tools if plan else None)
@@ -71,24 +94,16 @@ async def chat_completions(model: ServedModel, request: Request, body: ChatBody)
         raise APIError(400, f"the chat template rejected the messages: {exc}",
                        param="messages") from None
     try:
-        prompt_ids = await model.encode(text, add_special_tokens=False)
+        return await model.encode(text, add_special_tokens=False)
     except OptionError as exc:
         raise APIError(400, f"the messages render to an unusable prompt: {exc}",
                        param="messages") from None
-    salt = body.cache_salt or request.headers.get("x-cache-salt")
-    streams = await open_streams(model, [prompt_ids], body, body.output_budget, None, salt,
-                                 "chatcmpl", constraint=plan.constraint() if plan else None)
-    token_text = TokenText(tok)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return ClosingStreamingResponse(
-            stream_chat(streams[0], rid, created, name, include_usage, body, token_text, plan),
-            streams)
-    finals = await until_disconnect(request, asyncio.ensure_future(final_outputs(streams)))
-    if finals is None:
-        return Response(status_code=499)
+
+
+def _whole(finals: list[RequestOutput], rid: str, created: int, name: str, body: ChatBody,
+           token_text: TokenText, plan: ToolPlan | None) -> ChatCompletionOut:
+    """The response of a request that does not stream: every choice's message (tool calls
+    parsed out of its text), logprobs and finish reason."""
     out = finals[0]
     check_output(out)
     k = body.top_logprobs_k()
@@ -107,71 +122,91 @@ async def chat_completions(model: ServedModel, request: Request, body: ChatBody)
                 **({"tool_calls": [call.to_openai() for call in calls]} if calls else {}))))
     extra = ({"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
              if body.prompt_logprobs is not None else {})
-    result = ChatCompletionOut(id=rid, object="chat.completion", created=created,
-                               model=name, choices=choices, usage=total_usage(finals),
-                               **extra)
-    return JSONResponse(result.model_dump(mode="json", exclude_unset=True))
+    return ChatCompletionOut(id=rid, object="chat.completion", created=created, model=name,
+                             choices=choices, usage=total_usage(finals), **extra)
+
+
+@dataclass(slots=True)
+class _ChatStream:
+    """A streamed chat response's state: which choices have ended, each choice's tool calls
+    so far, and whether the prompt logprobs still ride on the next chunk (vLLM's place for
+    them: the first chunk with generated content)."""
+
+    rid: str
+    created: int
+    model: str
+    k: int | None
+    token_text: TokenText
+    plan: ToolPlan | None
+    calls: dict[int, StreamedCalls]
+    prompt_pending: bool
+    done: set[int] = field(default_factory=set)
+
+    def chunk(self, index: int | None, delta: ChoiceDelta | None = None,
+              reason: str | None = None, logprobs: list[dict[str, Any]] | None = None,
+              **extra: Any) -> ChatCompletionChunk:
+        choices = [] if index is None else [ChunkChoice(
+            index=index, delta=delta or ChoiceDelta(), finish_reason=reason,
+            logprobs=None if logprobs is None else {"content": logprobs})]
+        return ChatCompletionChunk(id=self.rid, object="chat.completion.chunk",
+                                   created=self.created, model=self.model, choices=choices,
+                                   **extra)
+
+    def chunks_of(self, out: RequestOutput) -> Iterator[ChatCompletionChunk]:
+        """One output's chunks: per choice that changed, its text delta (or, with tools, the
+        tool-call deltas found in its text so far), logprobs and finish reason."""
+        for c in out.outputs:
+            if c.index in self.done:
+                continue
+            reason = finish_reason(c)
+            logprobs = None
+            if self.k is not None:
+                ids, entries = new_entries(c, delta=True)
+                logprobs = chat_logprobs(ids, entries, self.k, self.token_text)
+            if not c.delta_text and reason is None and not logprobs:
+                continue
+            if reason is not None:
+                self.done.add(c.index)
+            extra = {}
+            if self.prompt_pending:
+                extra["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                self.prompt_pending = False
+            if self.plan is None:
+                yield self.chunk(c.index, ChoiceDelta(content=c.delta_text), reason, logprobs,
+                                 **extra)
+                continue
+            calls = self.calls[c.index]
+            deltas = calls.feed(c.text, finished=reason is not None)
+            if reason is not None:
+                reason = with_calls(reason, calls.calls)
+            if not deltas:
+                deltas = [ChoiceDelta()]
+            for j, delta in enumerate(deltas):
+                last = j == len(deltas) - 1
+                yield self.chunk(c.index, delta, reason if last else None,
+                                 logprobs if last else None, **(extra if j == 0 else {}))
+
 
 async def stream_chat(stream: RequestStream, rid: str, created: int, model: str,
                       include_usage: bool, body: ChatBody, token_text: TokenText,
                       plan: ToolPlan | None = None) -> AsyncIterator[str]:
     """The chat response as server-sent events: a role chunk per choice, then each output's
-    delta (text, logprobs, tool calls), usage if asked, and ``[DONE]``."""
-    k = body.top_logprobs_k()
-    calls_out = {index: StreamedCalls(plan) for index in range(body.n)} if plan else {}
-
-    def chunk(index: int | None, delta: ChoiceDelta | None = None, reason: str | None = None,
-              logprobs: list[dict[str, Any]] | None = None, **extra: Any
-              ) -> ChatCompletionChunk:
-        choices = [] if index is None else [ChunkChoice(
-            index=index, delta=delta or ChoiceDelta(), finish_reason=reason,
-            logprobs=None if logprobs is None else {"content": logprobs})]
-        return ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=created,
-                                   model=model, choices=choices, **extra)
-
+    chunks, usage if asked, and ``[DONE]``."""
+    state = _ChatStream(rid, created, model, body.top_logprobs_k(), token_text, plan,
+                        {index: StreamedCalls(plan) for index in range(body.n)} if plan else {},
+                        body.prompt_logprobs is not None)
     final: RequestOutput | None = None
-    done: set[int] = set()
-    # vLLM's prompt_logprobs ride on the first chunk with generated content.
-    prompt_pending = body.prompt_logprobs is not None
     try:
         for index in range(body.n):
-            yield sse(chunk(index, ChoiceDelta(role="assistant", content="")))
+            yield sse(state.chunk(index, ChoiceDelta(role="assistant", content="")))
         async for out in stream:
             check_output(out)
             if out.finished:
                 final = out
-            for c in out.outputs:
-                if c.index in done:
-                    continue
-                reason = finish_reason(c)
-                logprobs = None
-                if k is not None:
-                    ids, entries = new_entries(c, delta=True)
-                    logprobs = chat_logprobs(ids, entries, k, token_text)
-                if not c.delta_text and reason is None and not logprobs:
-                    continue
-                if reason is not None:
-                    done.add(c.index)
-                extra = {}
-                if prompt_pending:
-                    extra["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
-                    prompt_pending = False
-                if plan is None:
-                    yield sse(chunk(c.index, ChoiceDelta(content=c.delta_text), reason,
-                                     logprobs, **extra))
-                    continue
-                calls = calls_out[c.index]
-                deltas = calls.feed(c.text, finished=reason is not None)
-                if reason is not None:
-                    reason = with_calls(reason, calls.calls)
-                if not deltas:
-                    deltas = [ChoiceDelta()]
-                for j, delta in enumerate(deltas):
-                    last = j == len(deltas) - 1
-                    yield sse(chunk(c.index, delta, reason if last else None,
-                                     logprobs if last else None, **(extra if j == 0 else {})))
+            for piece in state.chunks_of(out):
+                yield sse(piece)
         if include_usage and final is not None:
-            last = chunk(None)
+            last = state.chunk(None)
             last.usage = total_usage([final])
             yield sse(last)
     except APIError as exc:
@@ -181,5 +216,3 @@ async def stream_chat(stream: RequestStream, rid: str, created: int, model: str,
     finally:
         stream.close()
     yield DONE_EVENT
-
-
