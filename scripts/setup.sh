@@ -27,7 +27,7 @@ fi
 if "$PY" -c "import engine.default_model" 2>/dev/null; then
   "$PY" -m engine prepare
 fi
-# tcmalloc for CPU serving (engine/cpu_memory.py re-executes the server with it preloaded):
+# tcmalloc for CPU serving (engine/worker/cpu_memory.py re-executes the server with it preloaded):
 # extracted from Debian's package into the local cache, no root needed. Best effort: without
 # it the engine runs on glibc malloc, a few percent slower.
 TCM_DIR="${KSERVE_PAGED_CACHE:-$HOME/.cache/kserve-paged}/lib"

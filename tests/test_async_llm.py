@@ -231,7 +231,7 @@ def test_engine_failure_fails_requests_and_marks_unhealthy():
 
 
 def test_a_fatal_report_from_another_thread_fails_the_engine_even_while_idle():
-    """What a dead tensor-parallel worker does (engine/distributed/workers.py): the engine's
+    """What a dead tensor-parallel worker does (engine/worker/tp_executor.py): the engine's
     `on_fatal` callback, called from the watchdog thread, fails everything in flight and the
     engine stays unhealthy, whether or not a step is running."""
     class WatchedEngine(FakeEngine):

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from kserve_paged.plan import ModelShape, Plan, keda_target, make_plan, parse_device
+from engine.model_executor.model_facts import describe_folder
+from kserve_paged.plan import Plan, keda_target, make_plan, parse_device
 from tests.helpers import manifests as h
 from tests.helpers import monitoring_checks as mon
 
@@ -114,7 +115,7 @@ def simulate(scaler: Autoscaler, capacity: int, service_s: float,
 @pytest.fixture(scope="module")
 def plan() -> Plan:
     """Llama-3-8B on one L4: a small replica, so the trace needs several."""
-    shape = ModelShape.from_config(DATA / "models" / "llama-3-8b")
+    shape = describe_folder(DATA / "models" / "llama-3-8b")
     return make_plan(shape, parse_device("l4"), max_model_len=4096, workload=(512, 128))
 
 

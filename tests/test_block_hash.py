@@ -1,4 +1,4 @@
-"""Prefix-cache block keys against vLLM's definition (engine/block_hash.py).
+"""Prefix-cache block keys against vLLM's definition (engine/core/block_hash.py).
 
 The expected values are computed here from the definition itself, with hashlib, pickle and cbor2
 (and, for one block, CBOR bytes written out by hand), never with the engine's hasher: a key is

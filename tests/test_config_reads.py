@@ -1,4 +1,4 @@
-"""config.json fields the engine ignores are listed at start-up (engine/config_reads.py)."""
+"""config.json fields the engine ignores are listed at start-up (engine/model_executor/config_reads.py)."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ op_strategy = st.one_of(
 
 
 def apply_events(pool, mirror: dict[bytes, int]) -> None:
-    """A router's index rebuilt from the pool's KV-cache events (engine/kv_events.py): each
+    """A router's index rebuilt from the pool's KV-cache events (engine/core/kv_events.py): each
     hash stored once while not announced, removed once while announced."""
     for event in pool.take_events():
         if isinstance(event, BlockStored):

@@ -1,4 +1,4 @@
-"""KV-cache events (engine/kv_events.py) received by a plain ZMQ subscriber.
+"""KV-cache events (engine/core/kv_events.py) received by a plain ZMQ subscriber.
 
 The subscriber keeps a mirror of the publishing engine's prefix-cache index from nothing but the
 messages: BlockStored adds hashes, BlockRemoved takes them away, AllBlocksCleared empties it.

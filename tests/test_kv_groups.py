@@ -1,4 +1,4 @@
-"""KV groups (engine/kv_groups.py): global and sliding-window layers with their own block tables
+"""KV groups (engine/core/kv_groups.py): global and sliding-window layers with their own block tables
 from one pool; the block accounting of a Gemma-style model serving requests past its window."""
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 16, *, budget: int = 
                    max_model_len: int | None = None,
                    sliding_window: int | None = None,
                    group_windows: list[int | None] | None = None) -> Scheduler:
-    """`group_windows`: one KV group per entry (engine/kv_groups.py), e.g. [None, 8] for a
+    """`group_windows`: one KV group per entry (engine/core/kv_groups.py), e.g. [None, 8] for a
     model whose global and sliding layers have their own tables."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              policy=policy)

@@ -87,7 +87,7 @@ def test_align_pairs_pads_each_expert_to_whole_blocks(mt):
 
 
 def test_sparse_moe_uses_the_kernel_and_matches_the_grouped_torch_path(mt, monkeypatch):
-    """engine/models/moe.py's SparseMoE on its CUDA path (forced here, in the interpreter)
+    """engine/model_executor/models/moe.py's SparseMoE on its CUDA path (forced here, in the interpreter)
     against its own torch grouped path on the same weights, renormalised top-2."""
     from engine.model_executor.models import moe
 
