@@ -10,6 +10,19 @@ from tests.helpers.triton import TritonKernels, prepare_interpreter
 
 prepare_interpreter()  # before any test module imports torch's compiler (which imports Triton)
 
+# Slow tests marked by name rather than in their file: each builds the native library again at
+# another instruction-set level (minutes on two cores).
+SLOW_BY_NAME = frozenset({
+    "tests/kernels/test_isa.py::test_every_level_compiles_without_warnings_and_says_what_it_holds",
+    "tests/kernels/test_isa.py::test_native_kernel_tests_pass_on_the_avx2_build_too",
+})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.split("[")[0] in SLOW_BY_NAME:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="module")
 def triton_interpreter() -> Iterator[TritonKernels]:

@@ -325,6 +325,7 @@ def test_shutdown_fails_in_flight_requests():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_real_engine_matches_offline_llm():
     """The tiny real engine: streamed greedy output equals LLM.generate's."""
     from engine import LLM, EngineConfig

@@ -175,6 +175,7 @@ def test_n_samples_fail_together_when_the_prompt_step_fails(llm):
 
 
 @pytest.mark.parametrize("prompt_len", [400, 390])
+@pytest.mark.slow
 def test_peak_blocks_shared_and_unshared_on_a_400_token_prompt(tiny, prompt_len):
     """Beam width 4 and n = 8 samples, 128 new tokens, block size 16, prefix caching off (all
     sharing is forking): the prompt is held once, each sequence adds only its own blocks."""
@@ -234,6 +235,7 @@ def unpressed(tiny) -> dict:
     dict(num_kv_blocks=18, enable_prefix_caching=False, max_num_batched_tokens=16),
     dict(num_kv_blocks=100, enable_prefix_caching=False, max_num_seqs=2),
 ], ids=["no-prefix-cache", "prefix-cache", "chunked", "width-above-max-num-seqs"])
+@pytest.mark.slow
 def test_a_preempted_or_squeezed_beam_search_finds_the_same_beams(tiny, unpressed, options):
     """Preempted whole, the group is re-admitted whole, its beams sharing their common
     history again (with prefix caching off too, where a recompute used to need the beams'
@@ -284,6 +286,7 @@ def default_model():
 @pytest.mark.slow  # about a minute per case on two CPU cores
 @pytest.mark.parametrize("k,length_penalty,early_stopping",
                          [(2, 1.0, False), (4, 0.5, True), (8, 1.0, "never")])
+@pytest.mark.slow
 def test_default_model_beam_search_equals_transformers(default_model, k, length_penalty,
                                                        early_stopping):
     """The slower check, on SmolLM2 (float32): same hypotheses, order and scores."""

@@ -51,6 +51,7 @@ def test_folder_is_a_clean_float32_llama(model_dir: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_matches_transformers_on_chat_prompts(model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -127,6 +128,7 @@ def test_interrupted_conversion_is_not_taken_for_done(tmp_path: Path,
     assert not list(models.glob(f"{default_model._TMP_PREFIX}*"))
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_gguf_file_loads_directly(model_dir: Path) -> None:
     """load_model on the .gguf itself gives the same weights as the converted folder."""

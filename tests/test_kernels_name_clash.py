@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Runs in the child: transformers' own verdict, plus a tiny Llama built, saved, reloaded, run.
@@ -112,6 +114,7 @@ def test_project_version_is_below_the_window() -> None:
             f"[{import_utils.KERNELS_MIN_VERSION}, {import_utils.KERNELS_MAX_VERSION})")
 
 
+@pytest.mark.slow
 def test_installed_project_is_not_taken_for_hf_kernels(tmp_path: Path) -> None:
     installed = _installed_version()
     extra = None if installed else _fake_install(tmp_path, _pyproject_version())

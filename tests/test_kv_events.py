@@ -233,6 +233,7 @@ def scorer_keys(token_ids: list[int], block_size: int, seed: str) -> list[int]:
     return keys
 
 
+@pytest.mark.slow
 def test_engine_publishes_through_the_server_flag(tmp_path, monkeypatch):
     """The real engine, switched on by --kv_events_config with --prefix_caching_hash_algo
     sha256_cbor and PYTHONHASHSEED: prefix hits, evictions under a small cache, and a reset;

@@ -58,6 +58,7 @@ def assert_same(outs, reference) -> None:
         assert out.outputs[0].token_ids == ref, f"prompt {i} differs from transformers"
 
 
+@pytest.mark.slow
 def test_greedy_equals_transformers_mixed_batch(llm, reference):
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert_same(outs, reference)
@@ -70,6 +71,7 @@ def test_greedy_equals_transformers_mixed_batch(llm, reference):
     assert stats["num_running"] == 0 and stats["kv_blocks_in_use"] == 0
 
 
+@pytest.mark.slow
 def test_prefix_cache_hits_give_identical_outputs(llm, reference):
     # Run the prompts once (the cache may be cold when this test runs alone), then again:
     # every full block of each prompt now hits the cache.
@@ -81,6 +83,7 @@ def test_prefix_cache_hits_give_identical_outputs(llm, reference):
     assert outs[7].num_cached_tokens > 0
 
 
+@pytest.mark.slow
 def test_prefix_caching_off_chunked_prefill_and_preemption(model_dir, reference):
     # Tiny token budget (chunked prefill), no prefix caching, and a pool too small for all
     # eight at once (preemption by recompute): still identical to transformers.
@@ -94,6 +97,7 @@ def test_prefix_caching_off_chunked_prefill_and_preemption(model_dir, reference)
     assert stats["kv_blocks_free"] == 20
 
 
+@pytest.mark.slow
 def test_stop_strings_truncate_and_stop_tokens_finish(llm, reference):
     tok = llm.get_tokenizer()
     full = tok.decode(reference[0], skip_special_tokens=True)
@@ -113,6 +117,7 @@ def test_stop_strings_truncate_and_stop_tokens_finish(llm, reference):
     assert out.outputs[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_seed_reproduces_across_batch_compositions(llm):
     p = SamplingParams(max_tokens=16, temperature=1.5, top_p=0.95, seed=1234)
     alone = llm.generate(PROMPTS[6], p, use_tqdm=False)[0].outputs[0].token_ids
@@ -169,6 +174,7 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
         LLM(model=str(tmp_path))
 
 
+@pytest.mark.slow
 def test_stop_string_on_the_last_allowed_token_and_min_tokens(llm, reference):
     tok = llm.get_tokenizer()
     full = tok.decode(reference[0], skip_special_tokens=True)
@@ -214,6 +220,7 @@ def test_logprobs_equal_transformers_log_softmax(llm, model_dir):
         assert c.cumulative_logprob == pytest.approx(total)
 
 
+@pytest.mark.slow
 def test_penalties_steer_generation(llm, reference):
     base = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     assert llm.generate(PROMPTS[2], base, use_tqdm=False)[0].outputs[0].token_ids == reference[2]
@@ -257,6 +264,7 @@ def test_n_samples_share_the_prompt_blocks(llm, reference):
     assert engine.kv.pool.num_used_blocks == 0
 
 
+@pytest.mark.slow
 def test_n_greedy_gives_identical_samples_and_seeds_differ(llm, reference):
     out = llm.generate(PROMPTS[0], SamplingParams(n=4, max_tokens=NEW_TOKENS, temperature=0,
                                                   ignore_eos=True), use_tqdm=False)[0]
@@ -275,6 +283,7 @@ def test_n_greedy_gives_identical_samples_and_seeds_differ(llm, reference):
     assert llm.engine.kv.pool.num_used_blocks == 0
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(model_dir):
     from transformers import AutoModelForCausalLM
 

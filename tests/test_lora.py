@@ -77,6 +77,7 @@ def _check(outs, pairs, reference) -> None:
         assert out.outputs[0].token_ids == want, f"adapter {name} prompt {PROMPTS.index(prompt)}"
 
 
+@pytest.mark.slow
 def test_adapters_change_the_output(reference):
     # The comparison below is meaningful only if each adapter moves the greedy path.
     for name in ADAPTERS:
@@ -88,6 +89,7 @@ def test_adapters_change_the_output(reference):
     dict(max_num_batched_tokens=16),  # chunked prefill across adapters
     dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=64),  # preemption
 ], ids=["one-step", "chunked", "preemption"])
+@pytest.mark.slow
 def test_mixed_adapter_batch_equals_peft(dirs, reference, options):
     llm = LLM(model=str(dirs["base"]), enable_lora=True, max_loras=3, max_lora_rank=16,
               max_model_len=128, **({"num_kv_blocks": 256} | options))
@@ -98,6 +100,7 @@ def test_mixed_adapter_batch_equals_peft(dirs, reference, options):
         assert llm.stats()["num_preemptions"] > 0
 
 
+@pytest.mark.slow
 def test_prefix_cache_never_hits_across_adapters(dirs, reference):
     llm = LLM(model=str(dirs["base"]), enable_lora=True, max_loras=3, num_kv_blocks=256,
               block_size=4, max_model_len=128)
@@ -140,8 +143,7 @@ def test_max_loras_holds_back_other_adapters_and_stays_exact(dirs, reference):
 
 
 def test_scheduler_counts_active_adapters_against_max_loras():
-    sched = make_scheduler(max_num_seqs=8)
-    sched.config.max_loras = 2
+    sched = make_scheduler(max_num_seqs=8, max_loras=2)
     lora = [LoRARequest(f"a{i}", i, "/nowhere") for i in (1, 2, 3)]
     reqs = [make_request(f"r{i}", 8, max_tokens=3) for i in range(6)]
     for i, req in enumerate(reqs):

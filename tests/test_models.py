@@ -101,6 +101,7 @@ def test_bfloat16_load_runs(name: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", ["gemma2_window_softcap", "gemma3_window_local_rope",
                                   "mistral_window", "phi3_window_mha", "mixtral_4x_top2",
                                   "qwen3_moe_4x_top2"])
+@pytest.mark.slow
 def test_greedy_equals_generate_past_the_window(name: str, tmp_path: Path) -> None:
     """Prompts 3-5x the window, 12 new tokens: the engine's greedy tokens equal transformers'
     generate with prefix caching on (run twice, the second run hitting the cache) and off
@@ -208,6 +209,7 @@ def test_moe_experts_run_grouped_by_expert(monkeypatch: pytest.MonkeyPatch) -> N
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_gemma_kv_groups_with_samples_beams_and_speculation(tmp_path: Path) -> None:
     """A Gemma 3 with its sliding layers in their own KV groups, prompts past the window: n = 2
     greedy samples (forks), beam search and n-gram speculation give what one shared table

@@ -320,6 +320,7 @@ def test_the_server_flag_takes_a_draft_model_and_serves_unchanged_outputs(models
     assert engine.spec.stats()["spec_decode_num_draft_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_a_draft_that_never_pays_stops_drafting_for_the_whole_batch(models, tmp_path):
     """A draft as large as the target with other random weights: its k passes cost about k
     target steps and it is almost never right, so the gate pauses drafting for the batch;

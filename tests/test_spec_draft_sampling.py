@@ -45,6 +45,7 @@ def _probs(path: Path, contexts: list[list[int]], temperature: float) -> torch.T
     return torch.softmax(logits / temperature, dim=-1)
 
 
+@pytest.mark.slow
 def test_draft_model_rejection_sampling_outputs_follow_the_target(small_vocab):
     """Vocabulary of 8, k = 2: the proposer draws each draft from q, the draft model's own
     temperature-scaled distribution (checked against transformers), and rejection sampling

@@ -57,6 +57,7 @@ def _texts(llm: LLM, prompt: str, params: SamplingParams) -> list[tuple[str, str
 
 
 @pytest.mark.parametrize("schema", [PERSON, ORDER], ids=["person", "order"])
+@pytest.mark.slow
 def test_json_schema_holds_for_every_sample_at_temperature_1(llm, schema):
     params = SamplingParams(n=8, temperature=1.0, seed=7, max_tokens=160,
                             structured_outputs={"json": schema})
@@ -84,6 +85,7 @@ def test_regex_and_choice_hold(llm):
     assert len(seen) > 1  # sampling, not one forced answer
 
 
+@pytest.mark.slow
 def test_json_object_and_grammar(llm):
     text, reason = _texts(llm, "A JSON object about a cat:", SamplingParams(
         temperature=0, max_tokens=120, structured_outputs={"json_object": True}))[0]
@@ -95,6 +97,7 @@ def test_json_object_and_grammar(llm):
         assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", text), text
 
 
+@pytest.mark.slow
 def test_length_cut_says_length_and_stop_string_cuts(llm):
     text, reason = _texts(llm, "Write one record as JSON:", SamplingParams(
         temperature=0, max_tokens=5, structured_outputs={"json": ORDER}))[0]
@@ -107,6 +110,7 @@ def test_length_cut_says_length_and_stop_string_cuts(llm):
     assert reason == "stop" and full.startswith(cut) and len(cut) < len(full)
 
 
+@pytest.mark.slow
 def test_constrained_and_free_requests_share_steps_and_greedy_is_deterministic(llm):
     free = SamplingParams(temperature=0, max_tokens=24)
     constrained = SamplingParams(temperature=0, max_tokens=160,
@@ -119,6 +123,7 @@ def test_constrained_and_free_requests_share_steps_and_greedy_is_deterministic(l
     assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_preemption_keeps_the_matcher_in_step():
     """A KV cache too small for all samples at once: requests are preempted and recomputed,
     and every output still validates (the matcher is not reset by a recompute)."""

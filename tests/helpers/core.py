@@ -29,13 +29,13 @@ def make_request(rid: str, tokens: list[int] | int, max_tokens: int = 8, *,
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 16, *, budget: int = 2048,
                    max_num_seqs: int = 256, caching: bool = True, policy: str = "fcfs",
-                   max_model_len: int | None = None,
+                   max_model_len: int | None = None, max_loras: int = 1,
                    sliding_window: int | None = None,
                    group_windows: list[int | None] | None = None) -> Scheduler:
     """`group_windows`: one KV group per entry (engine/core/kv_groups.py), e.g. [None, 8] for a
     model whose global and sliding layers have their own tables."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                             policy=policy)
+                             policy=policy, max_loras=max_loras)
     kv = KVCacheManager(num_blocks, block_size, caching, sliding_window=sliding_window,
                         group_windows=group_windows)
     return Scheduler(config, kv, max_model_len or num_blocks * block_size)

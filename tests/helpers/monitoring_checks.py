@@ -166,7 +166,7 @@ def podmonitor_errors(pm: dict) -> list[str]:
     return errors
 
 
-def _quantity(value: Any) -> float | None:
+def quantity(value: Any) -> float | None:
     match = re.fullmatch(r"([0-9]*\.?[0-9]+)(m|k|M|G|Ki|Mi|Gi)?", str(value))
     if not match:
         return None
@@ -208,7 +208,7 @@ def keda_errors(isvc: dict) -> list[str]:
         # KServe passes target.value (only it) to KEDA as the threshold.
         if target.get("type") != "Value":
             errors.append(f"{where}.external.target.type must be Value")
-        value = _quantity(target.get("value"))
+        value = quantity(target.get("value"))
         if value is None or value <= 0:
             errors.append(f"{where}.external.target.value must be a positive quantity")
     return errors

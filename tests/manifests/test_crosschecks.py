@@ -150,9 +150,9 @@ def test_gpu_count_is_the_tensor_parallel_size(isvc):
     assert parsed.tensor_parallel_size == gpus
     (shm,) = [v for v in runtime["spec"]["volumes"]
               if v.get("emptyDir", {}).get("medium") == "Memory"]
-    shm_bytes = h._quantity(shm["emptyDir"]["sizeLimit"])
+    shm_bytes = mon.quantity(shm["emptyDir"]["sizeLimit"])
     assert shm_bytes >= gpus * 2**30
-    assert shm_bytes < h._quantity(resources["limits"]["memory"])
+    assert shm_bytes < mon.quantity(resources["limits"]["memory"])
 
 
 def test_the_tensor_parallel_overlay_shards_over_several_gpus():
