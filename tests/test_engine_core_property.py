@@ -129,6 +129,60 @@ def run_step(sched, kv_store: dict[int, tuple[int, int]], seed: int) -> None:
     sched.update_from_output(out, sampled)
 
 
+def add(sched, kv_store, counter, op) -> None:
+    _, p, length, max_tokens, salt, prio, lockstep = op
+    rid = f"r{next(counter)}"
+    tokens = PREFIXES[p] + [1000 + (i * 7 + int(rid[1:])) % 50 for i in range(length)]
+    req = make_request(rid, tokens, max_tokens=max_tokens, salt=salt, priority=prio,
+                       ignore_eos=bool(prio % 2))
+    # A beam-search root: its forks are admitted as a group (Scheduler._admit_group).
+    req.sampling_params.use_beam_search = lockstep
+    try:
+        sched.add_request(req)
+    except ValueError:
+        assert len(tokens) >= sched.max_model_len
+
+
+def step(sched, kv_store, counter, op) -> None:
+    run_step(sched, kv_store, op[1])
+
+
+def abort(sched, kv_store, counter, op) -> None:
+    ids = list(sched.requests)
+    if ids:
+        sched.abort(ids[op[1] % len(ids)])
+    sched.abort("no-such-request")
+
+
+def finish(sched, kv_store, counter, op) -> None:
+    running = [r.request_id for r in sched.running]
+    if running:
+        sched.finish_requests([running[op[1] % len(running)]], RequestStatus.FINISHED_STOPPED)
+
+
+def fork(sched, kv_store, counter, op) -> None:
+    """A copy of a running request; if the parent has a token not yet computed, the child's
+    differs, so both write different K/V into the same shared position."""
+    running = [r for r in sched.running if r.num_computed_tokens]
+    if running and len(sched.running) < MAX_SEQS:
+        parent = running[op[1] % len(running)]
+        child = sched.fork(parent, f"r{next(counter)}")
+        if child.num_computed_tokens < child.num_tokens and child.output_token_ids:
+            child.output_token_ids[-1] = 1000 + op[2]
+
+
+def prune(sched, kv_store, counter, op) -> None:
+    """A forked member of a group ends; the others keep its blocks."""
+    grouped = [r for r in sched.running if r.group_id is not None]
+    if grouped:
+        sched.finish_requests([grouped[op[1] % len(grouped)].request_id],
+                              RequestStatus.FINISHED_STOPPED)
+
+
+OPERATIONS = {"add": add, "step": step, "abort": abort, "finish": finish, "fork": fork,
+              "prune": prune}
+
+
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(op_strategy, min_size=OPS_PER_EXAMPLE, max_size=OPS_PER_EXAMPLE),
@@ -148,45 +202,7 @@ def test_random_operations_keep_the_pool_consistent(ops, policy, caching, window
     mirror: dict[bytes, int] = {}
     counter = itertools.count()
     for op in ops:
-        kind = op[0]
-        if kind == "add":
-            _, p, length, max_tokens, salt, prio, lockstep = op
-            rid = f"r{next(counter)}"
-            tokens = PREFIXES[p] + [1000 + (i * 7 + int(rid[1:])) % 50 for i in range(length)]
-            req = make_request(rid, tokens, max_tokens=max_tokens, salt=salt, priority=prio,
-                               ignore_eos=bool(prio % 2))
-            # A beam-search root: its forks are admitted as a group (Scheduler._admit_group).
-            req.sampling_params.use_beam_search = lockstep
-            try:
-                sched.add_request(req)
-            except ValueError:
-                assert len(tokens) >= sched.max_model_len
-        elif kind == "step":
-            run_step(sched, kv_store, op[1])
-        elif kind == "abort":
-            ids = list(sched.requests)
-            if ids:
-                sched.abort(ids[op[1] % len(ids)])
-            sched.abort("no-such-request")
-        elif kind == "finish":
-            running = [r.request_id for r in sched.running]
-            if running:
-                sched.finish_requests([running[op[1] % len(running)]],
-                                      RequestStatus.FINISHED_STOPPED)
-        elif kind == "fork":
-            # A copy of a running request; if the parent has a token not yet computed, the
-            # child's differs, so both write different K/V into the same shared position.
-            running = [r for r in sched.running if r.num_computed_tokens]
-            if running and len(sched.running) < MAX_SEQS:
-                parent = running[op[1] % len(running)]
-                child = sched.fork(parent, f"r{next(counter)}")
-                if child.num_computed_tokens < child.num_tokens and child.output_token_ids:
-                    child.output_token_ids[-1] = 1000 + op[2]
-        elif kind == "prune":  # a forked member of a group ends; the others keep its blocks
-            grouped = [r for r in sched.running if r.group_id is not None]
-            if grouped:
-                sched.finish_requests([grouped[op[1] % len(grouped)].request_id],
-                                      RequestStatus.FINISHED_STOPPED)
+        OPERATIONS[op[0]](sched, kv_store, counter, op)
         check_invariants(sched)
         apply_events(sched.kv.pool, mirror)
     for rid in list(sched.requests):
