@@ -2,9 +2,11 @@
 
 KServe 0.21's own OpenAI routes need vLLM installed (docs/kserve.md), so these are ours. One job per
 module: ``errors`` (OpenAI's error shape), ``schemas`` (request/response bodies and the refusal
-rules of their fields), ``parse`` (body -> validated request), ``render`` (engine outputs ->
-response pieces), ``stream`` (server-sent events, client disconnects), ``handlers`` (the
-routes), ``openapi`` (what /openapi.json publishes).
+rules of their fields), ``parse`` (body -> validated request), ``submit`` (a request's prompts
+to engine streams), ``completions`` and ``chat`` (the two routes), ``render`` (engine outputs ->
+response pieces), ``stream`` (server-sent events, client disconnects), ``tools`` (tool calls),
+``handlers`` (which model a request names, the routes' registration), ``openapi`` (what
+/openapi.json publishes).
 
 Imported as ``kserve_paged.openai``: inside it, ``import openai`` (absolute) is still the
 ``openai`` client package whose types the responses use.
