@@ -193,6 +193,7 @@ def test_stop_string_on_the_last_allowed_token_and_min_tokens(llm, reference):
     assert c.token_ids == reference[0][:len(c.token_ids)]
 
 
+@pytest.mark.slow
 def test_logprobs_equal_transformers_log_softmax(llm, model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -236,6 +237,7 @@ def test_penalties_steer_generation(llm, reference):
     assert banned not in llm.generate(PROMPTS[2], biased, use_tqdm=False)[0].outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_n_samples_share_the_prompt_blocks(llm, reference):
     bs = 16
     prompt = PROMPTS[7]  # the longest: several full blocks
