@@ -159,3 +159,29 @@ def test_forks_share_every_groups_blocks_and_copy_on_write_in_each() -> None:
         sched.update_from_output(out, fake_step(sched, out))
     assert kv.num_free_blocks == kv.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_a_hit_in_a_later_group_is_never_allocated_to_an_earlier_one() -> None:
+    """Free cached blocks of a sliding group's hit sit in the free queue behind other free
+    blocks; the global group's new blocks must not be popped from under the hit (found by
+    tests/test_engine_core_property.py: one block in two groups' tables, its K/V overwritten)."""
+    kv = KVCacheManager(14, 4, True, group_windows=[None, 9])
+
+    def computed(rid: str, tokens: list[int]):
+        req = make_request(rid, tokens)
+        assert kv.allocate_slots(req, len(tokens))
+        req.num_computed_tokens = len(tokens)
+        return req
+
+    a1 = computed("a1", list(range(1, 10)))  # 2 full blocks cached per group, 1 partial
+    a2 = computed("a2", list(range(100, 108)))  # full blocks only: freed to the queue's tail
+    a3 = computed("a3", list(range(200, 208)))
+    for req in (a1, a2, a3):
+        kv.free(req)
+    b = make_request("b", list(range(1, 9)) + list(range(300, 320)))  # a1's prefix, 28 tokens
+    hit = kv.find_prefix(b)
+    assert hit.num_tokens == 8 and all(hit.groups[1])
+    assert kv.allocate_slots(b, b.num_tokens - hit.num_tokens, hit)
+    ids = [kv.block_ids("b", g) for g in range(2)]
+    assert not set(ids[0]) & set(ids[1])
+    assert all(kv.pool.blocks[i].ref_cnt == 1 for i in ids[0] + ids[1])

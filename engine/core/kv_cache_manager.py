@@ -121,13 +121,15 @@ class KVCacheManager:
                 self._tables[g][rid] = []
                 self._ids[g][rid] = []
             self._num_registered[rid] = 0
+        # Every group's hit blocks first: a later group's free hit block must not be popped
+        # as an earlier group's new block (or copy) before it is taken.
+        self.pool.touch([b for taken in hit.groups for b in taken if b is not None])
         for g in range(self.num_groups):
             held, ids = self._tables[g][rid], self._ids[g][rid]
             for i in self._shared_written(request, held, total):
                 self._copy_on_write(held, ids, i)
             if hit.groups and hit.groups[g]:
                 taken = hit.groups[g]
-                self.pool.touch([b for b in taken if b is not None])
                 held.extend(taken)
                 ids.extend(0 if b is None else b.block_id for b in taken)
                 self._num_registered[rid] = len(held)  # the hit's blocks are cached already
