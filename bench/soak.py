@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import soak_report  # noqa: E402
-from soak_run import SoakSettings, run_soak  # noqa: E402
+from soak_run import SoakSettings, run_soak, say  # noqa: E402
 
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                "prompt_lookup_min": 2}
@@ -141,6 +141,7 @@ def run_with_own_server(settings: SoakSettings, out: Path) -> dict[str, Any]:
         return {"settings": {"minutes": settings.minutes, "concurrency": settings.concurrency},
                 "setup_error": str(exc)[:2000], "server": {"command": cmd}}
     assert server.proc is not None
+    say(f"server ready after {server.time_to_ready_s:.0f} s (pid {server.proc.pid})")
     try:
         report = asyncio.run(run_soak(settings, url, server.proc.pid))
     finally:

@@ -70,6 +70,11 @@ def answer_of(route: str, body: dict[str, Any]) -> tuple[list[str], bool]:
     return [c["text"] for c in choices], done
 
 
+def cached_tokens(usage: dict[str, Any] | None) -> int | None:
+    """Prompt tokens the prefix cache served, from an OpenAI usage object (None: not said)."""
+    return ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+
+
 class StreamAssembler:
     """Builds the answer of an SSE stream from its events, in the non-streamed form."""
 
@@ -81,6 +86,7 @@ class StreamAssembler:
         self.done = False
         self.error: str | None = None
         self.events = 0
+        self.usage: dict[str, Any] = {}
 
     def feed(self, line: str) -> None:
         if not line.startswith("data:"):
@@ -91,6 +97,8 @@ class StreamAssembler:
             return
         event = json.loads(payload)
         self.events += 1
+        if event.get("usage"):
+            self.usage = event["usage"]
         if "error" in event:
             self.error = json.dumps(event["error"])[:300]
             return
@@ -160,8 +168,7 @@ async def _exchange(session: aiohttp.ClientSession, url: str, spec: Spec, out: O
             body = json.loads(raw)
             out.answer, complete = answer_of(spec.route, body)
             out.result = FINISHED if complete else INCOMPLETE
-            details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
-            out.cached_tokens = details.get("cached_tokens")
+            out.cached_tokens = cached_tokens(body.get("usage"))
             return
         sse = StreamAssembler(chat=spec.route.endswith("/chat/completions"))
         async for raw_line in resp.content:
@@ -173,4 +180,5 @@ async def _exchange(session: aiohttp.ClientSession, url: str, spec: Spec, out: O
                 return
         out.answer = sse.answer()
         out.error = sse.error
+        out.cached_tokens = cached_tokens(sse.usage)
         out.result = (FINISHED if sse.complete else STREAM_ERROR if sse.error else INCOMPLETE)

@@ -107,8 +107,10 @@ def valid_spec(model: str, kind: str, variant: int, stream: bool) -> Spec:
         body = _chat(model, CHAT_PROMPTS[v], 12)
         return Spec(kind, v, CHAT, _stream(body, stream), stream, compare=EXACT)
     if kind == "prefix":  # 3 documents x 2 questions: blocks shared across requests
-        body = _cmpl(model, prefix(v // 2) + SUFFIXES[v % 2], 8)
-        return Spec(kind, v, CMPL, _stream(body, stream), stream, compare=EXACT)
+        body = _cmpl(model, prefix(v % 3) + SUFFIXES[v // 3], 8)
+        if stream:  # the usage (cached tokens) comes in a last chunk
+            body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        return Spec(kind, v, CMPL, body, stream, compare=EXACT)
     if kind == "repetitive":  # prompt lookup proposes drafts: n-gram speculation at work
         body = _cmpl(model, REPETITIVE_PROMPTS[v], 24, ignore_eos=True)
         return Spec(kind, v, CMPL, _stream(body, stream), stream, compare=EXACT)
@@ -194,11 +196,16 @@ def invalid_specs(model: str, lora: bool = True) -> list[Spec]:
 
 def variants(kind: str, cap: int | None = None) -> int:
     """How many variants of `kind` are sent. `cap` bounds the compared kinds' (so the
-    reference phase is short), never below two adapters' worth of LoRA requests."""
+    reference phase is short), never below MIN_VARIANTS."""
     n = VARIANTS[kind]
     if cap is None or kind not in COMPARED:
         return n
-    return min(n, max(cap, 2 if kind == "lora" else 1))
+    return min(n, max(cap, MIN_VARIANTS.get(kind, 1)))
+
+
+# Below these, a part of the soak would not happen: both adapters in use; more shared
+# documents (3 x 18 blocks) than the pool keeps cached next to the running requests.
+MIN_VARIANTS = {"lora": 2, "prefix": 3}
 
 
 COMPARED = {"completion", "chat", "prefix", "repetitive", "n_greedy", "n_sampled", "beam",

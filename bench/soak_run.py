@@ -41,6 +41,10 @@ class SoakSettings:
         return kinds if self.lora else kinds - {"lora"}
 
 
+def say(line: str) -> None:
+    print(f"[soak {time.strftime('%H:%M:%S')}] {line}", flush=True)
+
+
 def session(concurrency: int) -> aiohttp.ClientSession:
     # No session-wide timeout: each request has its own (soak_client.send).
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 4),
@@ -60,7 +64,10 @@ async def run_soak(s: SoakSettings, url: str, pid: int | None) -> dict[str, Any]
         error = await prepare(client, url, paths, s.request_timeout)
         if error:
             return {**report, "setup_error": error}
+        started = time.monotonic()
         refs, preflight = await references(client, url, s)
+        say(f"references: {len(preflight)} requests alone in "
+            f"{time.monotonic() - started:.0f} s; load for {s.minutes} min")
         report["references"], report["preflight"] = refs, preflight
         bad = [p for p in preflight if not p["ok"]]
         if bad:
@@ -78,6 +85,7 @@ async def run_soak(s: SoakSettings, url: str, pid: int | None) -> dict[str, Any]
                                s.request_timeout, outcomes, events))
         await asyncio.gather(*tasks)
         report["load_seconds"] = round(time.monotonic() - t0, 1)
+        say(f"load done after {report['load_seconds']} s, {len(outcomes)} requests; draining")
         report["drain"] = await drain(client, url, s)
         sampler.cancel()
         samples.append(await sample(client, url, s.model, pid, t0, outcomes, "drained"))
@@ -147,7 +155,13 @@ async def sample_loop(client: aiohttp.ClientSession, url: str, s: SoakSettings,
                       pid: int | None, t0: float, outcomes: list[Outcome],
                       samples: list[dict[str, Any]]) -> None:
     while True:
-        samples.append(await sample(client, url, s.model, pid, t0, outcomes, "load"))
+        row = await sample(client, url, s.model, pid, t0, outcomes, "load")
+        samples.append(row)
+        say(f"t={row['t']:.0f}s sent {row['sent']} answered {row['answered']} rss "
+            f"{row.get('rss_mib', 0):.0f} MiB fds {row.get('fds')} threads {row.get('threads')} "
+            f"kv {row.get('vllm:kv_cache_usage_perc', -1):.2f} running "
+            f"{row.get('vllm:num_requests_running')} waiting "
+            f"{row.get('vllm:num_requests_waiting')}")
         await asyncio.sleep(s.sample_s)
 
 

@@ -22,6 +22,7 @@ from soak_client import (  # noqa: E402
     Outcome,
     StreamAssembler,
     answer_of,
+    cached_tokens,
 )
 
 # One unload/load cycle of a1: unload sent at 10, answered 11; load sent 15, answered 16.
@@ -134,9 +135,10 @@ def test_a_streamed_completion_assembles_to_the_non_streamed_answer():
     chunks = [{"choices": [{"index": 0, "text": "c"}]}, {"choices": [{"index": 1, "text": "a"}]},
               {"choices": [{"index": 1, "text": "b", "finish_reason": "length"}]},
               {"choices": [{"index": 0, "text": "d", "finish_reason": "stop"}]},
-              {"choices": [], "usage": {"completion_tokens": 4}}]
+              {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 32}}}]
     s = _sse(chunks)
     assert s.complete and s.answer() == answer_of(soak_requests.CMPL, body)[0] == ["cd", "ab"]
+    assert cached_tokens(s.usage) == 32
     unfinished = _sse(chunks[:3])
     assert not unfinished.complete  # choice 0 never got its finish_reason
 
@@ -180,6 +182,7 @@ def test_a_variant_cap_keeps_both_adapters_and_every_reference():
     kinds = set(soak_requests.WEIGHTS)
     refs = {s.ref_key for s in soak_requests.reference_specs("smol", kinds, cap=1)}
     assert {"lora/0", "lora/1", "completion/0"} <= refs and "completion/1" not in refs
+    assert {"prefix/0", "prefix/1", "prefix/2"} <= refs and "prefix/3" not in refs
     assert {s.adapter for s in soak_requests.reference_specs("smol", kinds, cap=1)} == \
         {None, *soak_requests.ADAPTERS}
     sent = list(itertools.islice(soak_requests.mix("smol", 3, kinds, cap=1), 600))
@@ -187,7 +190,7 @@ def test_a_variant_cap_keeps_both_adapters_and_every_reference():
 
 
 def _unstreamed(body: dict) -> dict:
-    return {k: x for k, x in body.items() if k != "stream"}
+    return {k: x for k, x in body.items() if k not in ("stream", "stream_options")}
 
 
 def test_every_request_has_one_body_per_key_and_invalid_ones_expect_4xx():
