@@ -129,8 +129,8 @@ def leaks(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     found = {}
     for gauge in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running",
                   "vllm:num_requests_waiting"):
-        if after.get(gauge, 0) != 0:
-            found[gauge] = after[gauge]
+        if after.get(gauge) != 0:  # absent: the server did not answer, nothing is known
+            found[gauge] = after.get(gauge, "not measured")
     for name, slack in (("fds", FD_SLACK), ("threads", THREAD_SLACK)):
         if name in before and name in after and after[name] - before[name] > slack:
             found[name] = after[name] - before[name]

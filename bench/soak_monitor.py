@@ -7,6 +7,7 @@ process's own figures and the metrics a dashboard reads.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -20,8 +21,16 @@ COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
             "vllm:spec_decode_num_accepted_tokens_total", "vllm:generation_tokens_total")
 
 
-def process_figures(pid: int) -> dict[str, float]:
-    """RSS (MiB), peak RSS (MiB), open file descriptors and threads of one process."""
+def process_figures(pid: int | None) -> dict[str, float]:
+    """RSS (MiB), peak RSS (MiB), open file descriptors and threads of one process ({} when
+    there is no such process to read)."""
+    try:
+        return _process_figures(pid) if pid is not None else {}
+    except (OSError, KeyError, ValueError):
+        return {}
+
+
+def _process_figures(pid: int) -> dict[str, float]:
     fields: dict[str, str] = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
@@ -44,9 +53,14 @@ def parse_metrics(text: str, model: str) -> dict[str, float]:
 
 
 async def scrape(session: aiohttp.ClientSession, base_url: str, model: str) -> dict[str, float]:
-    async with session.get(f"{base_url}/metrics",
-                           timeout=aiohttp.ClientTimeout(total=30)) as resp:
-        return parse_metrics(await resp.text(), model)
+    """The metrics above; {} when the server does not answer (the checks then fail, since
+    an absent gauge is not a zero)."""
+    try:
+        async with session.get(f"{base_url}/metrics",
+                               timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            return parse_metrics(await resp.text(), model)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return {}
 
 
 def idle(metrics: dict[str, float]) -> bool:

@@ -140,12 +140,8 @@ async def worker(client: aiohttp.ClientSession, url: str, s: SoakSettings,
 async def sample(client: aiohttp.ClientSession, url: str, model: str, pid: int | None,
                  t0: float, outcomes: list[Outcome], phase: str) -> dict[str, Any]:
     row: dict[str, Any] = {"t": round(time.monotonic() - t0, 1), "phase": phase}
-    if pid is not None:
-        row.update(soak_monitor.process_figures(pid))
-    try:
-        row.update(await soak_monitor.scrape(client, url, model))
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        row["metrics_error"] = f"{type(exc).__name__}: {exc}"
+    row.update(soak_monitor.process_figures(pid))
+    row.update(await soak_monitor.scrape(client, url, model))
     c = soak_checks.counts(list(outcomes))
     row.update(sent=c["sent"], answered=c["answered"], by_route=c["by_route"])
     return row
@@ -184,7 +180,4 @@ async def idle_figures(url: str, model: str, pid: int | None,
     async with session(concurrency) as client:
         metrics = await soak_monitor.scrape(client, url, model)
     await asyncio.sleep(1.0)
-    row: dict[str, Any] = dict(metrics)
-    if pid is not None:
-        row.update(soak_monitor.process_figures(pid))
-    return row
+    return {**metrics, **soak_monitor.process_figures(pid)}

@@ -209,3 +209,23 @@ def test_prefix_hits_tell_full_hits_from_evicted_blocks():
     outs = [_out(kind="prefix", cached_tokens=c) for c in (288, 288, 96, 0)]
     outs.append(_out(kind="prefix", cached_tokens=None))  # streamed: no usage
     assert soak_checks.prefix_hits(outs) == {"requests": 4, "full": 2, "evicted": 1, "none": 1}
+
+
+def test_leaks_count_unanswered_metrics_as_not_measured_rather_than_zero():
+    v = soak_checks.leaks({"fds": 40}, {"fds": 40})
+    assert v["ok"] is False and v["found"]["vllm:kv_cache_usage_perc"] == "not measured"
+
+
+def test_the_pid_behind_a_listening_port_is_found():
+    import os
+    import socket
+
+    from soak_monitor import listening_pid, process_figures
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert listening_pid(s.getsockname()[1]) == os.getpid()
+    figures = process_figures(os.getpid())
+    assert figures["rss_mib"] > 0 and figures["fds"] > 0 and figures["threads"] >= 1
+    assert process_figures(None) == {}
