@@ -54,7 +54,7 @@ def judge(outcomes: list[Outcome], references: dict[str, list[str]],
           events: list[dict[str, Any]]) -> dict[str, Any]:
     """Counts and failures: every valid request finished, every invalid one got its code,
     greedy answers equal their answers alone (seeded sampled ones are only counted)."""
-    failures, mismatches, seeded = [], [], Counter()
+    failures, mismatches, seeded, compared = [], [], Counter(), 0
     for o in outcomes:
         ok_codes = expected_codes(o, events)
         if o.result == DISCONNECTED or (o.kind == "disconnect" and o.result == FINISHED):
@@ -65,12 +65,14 @@ def judge(outcomes: list[Outcome], references: dict[str, list[str]],
         if o.result != FINISHED or o.compare is None or o.ref_key not in references:
             continue
         want = references[o.ref_key] * o.ref_repeat
+        compared += o.compare != REPORT
         if o.compare == REPORT:
             seeded["equal" if o.answer == want else "different"] += 1
         elif o.answer != want:
             mismatches.append({**_brief(o, "differs from the answer alone"),
                                "got": o.answer, "alone": want})
-    return {"failures": failures, "mismatches": mismatches, "seeded_vs_alone": dict(seeded),
+    return {"failures": failures, "mismatches": mismatches, "compared": compared,
+            "seeded_vs_alone": dict(seeded),
             "prefix_cache": prefix_hits(outcomes), **counts(outcomes)}
 
 

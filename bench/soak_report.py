@@ -40,7 +40,8 @@ def verdicts(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
                       f"(5xx {j['server_errors_5xx']}, timeouts {j['timeouts']})"},
         "greedy_equal_alone": {
             "ok": not j["mismatches"],
-            "detail": f"{len(j['mismatches'])} greedy/beam answers differ from alone "
+            "detail": f"{len(j['mismatches'])} of {j['compared']} greedy/beam answers differ "
+                      f"from alone "
                       f"({report['tolerance']})"},
         "drained": {
             "ok": report["drain"]["ok"],

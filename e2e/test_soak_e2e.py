@@ -47,7 +47,7 @@ def test_a_two_minute_soak_loses_nothing_and_leaks_nothing(tmp_path: Path):
 
     judged = report["judged"]
     assert judged["server_errors_5xx"] == 0 and judged["timeouts"] == 0
-    assert judged["answered"] > 0 and judged["refused"] > 0 and judged["disconnected"] > 0
+    assert judged["compared"] > 0 and judged["refused"] > 0 and judged["disconnected"] > 0
     load = [s for s in report["samples"] if s["phase"] == "load"]
     assert len(load) >= 10  # every 10 s for 2 minutes
     for s in load:
@@ -55,7 +55,9 @@ def test_a_two_minute_soak_loses_nothing_and_leaks_nothing(tmp_path: Path):
                 "vllm:num_requests_running", "vllm:num_requests_waiting", "by_route"} <= set(s)
     assert report["server"]["exit_code"] == 0 and report["server"]["log_tracebacks"] == 0
     record("soak_2min", sent=judged["sent"], answered=judged["answered"],
-           refused_by_code=judged["refused_by_code"], server_errors=judged["server_errors_5xx"],
-           disconnected=judged["disconnected"], prefix_cache=judged["prefix_cache"],
-           rss=verdicts["rss_growth"]["detail"], leaks=verdicts["no_leaks"]["detail"],
-           adapter_cycles=len(report["adapter_events"]) // 2)
+           compared=judged["compared"], refused_by_code=judged["refused_by_code"],
+           server_errors=judged["server_errors_5xx"], disconnected=judged["disconnected"],
+           prefix_cache=judged["prefix_cache"], rss=verdicts["rss_growth"]["detail"],
+           leaks=verdicts["no_leaks"]["detail"], adapter_cycles=len(report["adapter_events"]) // 2,
+           seconds_alone=round(sum(p["seconds"] for p in report["preflight"]), 1),
+           load_seconds=report["load_seconds"])

@@ -62,7 +62,7 @@ def test_judge_passes_equal_answers_and_expected_refusals():
                  ref_key="completion/0"),
             _out(kind="disconnect", status=200, result=DISCONNECTED, answer=None)]
     j = soak_checks.judge(outs, {"completion/0": ["x"]}, [])
-    assert j["failures"] == [] and j["mismatches"] == []
+    assert j["failures"] == [] and j["mismatches"] == [] and j["compared"] == 2
     assert j["sent"] == 4 and j["answered"] == 2 and j["refused_by_code"] == {"400": 1}
     assert j["disconnected"] == 1
 
@@ -73,6 +73,7 @@ def test_judge_fails_a_differing_greedy_answer_but_only_reports_a_seeded_one():
     j = soak_checks.judge(outs, {"completion/0": ["x"], "n_sampled/0": ["x"]}, [])
     assert len(j["mismatches"]) == 1 and j["mismatches"][0]["alone"] == ["x"]
     assert j["seeded_vs_alone"] == {"different": 1} and j["failures"] == []
+    assert j["compared"] == 1  # the seeded one is not
 
 
 @pytest.mark.parametrize("bad", [
