@@ -74,7 +74,10 @@ def rope_store_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     """RoPE in place on the q and k heads of fused qkv rows and, with a cache, the K/V store
     (slots < 0 skipped) in one kernel; False (nothing done) when no kernel does both here.
     `kernels.reference.rope_ref` and `store_kv_ref` define the result. CPU's native library
-    rotates but has no fused store, so there the caller keeps its own path."""
+    rotates but has no fused store, so there the caller keeps its own path. In place, so never
+    under autograd."""
+    if torch.is_grad_enabled():
+        return False
     mod = triton_module("rope_triton", qkv.device, backend)
     if mod is None or not mod.usable(qkv, positions, cos, sin, num_heads, num_kv_heads,
                                      kv_cache):
