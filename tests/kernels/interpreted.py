@@ -11,9 +11,8 @@ sets the variable before importing Triton is the only clean way in either order 
 Each call's return value and its positional arguments after the call (for in-place kernels)
 come back through `torch.save` files. Child: `python -m tests.kernels.interpreted IN OUT`.
 
-The child also makes the interpreter round float32 -> bfloat16 casts to nearest even, as GPUs
-do: Triton's interpreter (3.6 to 3.9) truncates them, which would put one-step differences in
-every bf16 result and hide where a kernel rounds.
+The child also makes the interpreter compute what the GPU computes
+(`kernels.testing.faithful_interpreter`): bf16 casts rounded to nearest even, not truncated.
 """
 
 from __future__ import annotations
@@ -28,6 +27,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from kernels.testing import faithful_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -58,30 +59,9 @@ def run_calls(calls: list[Call], tmp_dir: Path, timeout: int = 300) -> list[tupl
     return torch.load(dst, weights_only=False)
 
 
-def round_bf16_to_nearest_even() -> None:
-    """Patch the interpreter's float32 -> bfloat16 cast (truncation) to round to nearest even."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    truncating = builder.cast_impl
-
-    def cast_impl(self, src, dst_type):  # noqa: ANN001, ANN202 - the interpreter's signature
-        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
-            return truncating(self, src, dst_type)
-        bits = np.asarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        nan = (bits & 0x7FFFFFFF) > 0x7F800000
-        out = np.where(nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
-        return interpreter.TensorHandle(out, dst_type.scalar)
-
-    builder.cast_impl = cast_impl
-
-
 def _main(src: str, dst: str) -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
-        round_bf16_to_nearest_even()
+        faithful_interpreter()
     results = []
     for module, name, args, kwargs in torch.load(src, weights_only=False):
         result = getattr(importlib.import_module(module), name)(*args, **kwargs)
