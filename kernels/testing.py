@@ -133,7 +133,7 @@ def faithful_interpreter() -> None:
     builder = interpreter.InterpreterBuilder
     if getattr(builder, "_kp_faithful", False):
         return
-    truncating = builder.cast_impl
+    truncating = interpreter.InterpreterBuilder.cast_impl
 
     def cast_impl(self, src, dst_type):  # noqa: ANN001, ANN202 - the interpreter's signature
         if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
