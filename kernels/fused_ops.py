@@ -80,7 +80,7 @@ def rope_store_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
         return False
     mod = triton_module("rope_triton", qkv.device, backend)
     if mod is None or not mod.usable(qkv, positions, cos, sin, num_heads, num_kv_heads,
-                                     kv_cache):
+                                     kv_cache, slot_mapping):
         return False
     mod.rope_store_triton(qkv, positions, cos, sin, num_heads, num_kv_heads, kv_cache,
                           slot_mapping)

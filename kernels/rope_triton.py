@@ -70,11 +70,16 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, 
 
 
 def usable(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           num_heads: int, num_kv_heads: int, kv_cache: torch.Tensor | None) -> bool:
+           num_heads: int, num_kv_heads: int, kv_cache: torch.Tensor | None,
+           slot_mapping: torch.Tensor | None = None) -> bool:
     """Rows with unit column stride holding q, k and v heads of head_dim = 2 * cos.shape[1]
     (even), one position per row, cos and sin tables of one shape and layout, and (with a
-    cache) a cache of that head_dim and KV head count, contiguous in it."""
+    cache) a cache of that head_dim and KV head count, contiguous in it, and one slot per
+    row."""
     head_dim = 2 * cos.shape[-1]
+    if kv_cache is not None and (slot_mapping is None or slot_mapping.dim() != 1
+                                 or slot_mapping.shape[0] != qkv.shape[0]):
+        return False
     return (qkv.dim() == 2 and qkv.stride(-1) == 1 and cos.stride(-1) == 1
             and sin.shape == cos.shape and sin.stride() == cos.stride()
             and qkv.shape[1] >= (num_heads + 2 * num_kv_heads) * head_dim

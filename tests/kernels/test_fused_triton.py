@@ -110,6 +110,16 @@ def _calls() -> dict[str, Call]:
             (qkv, positions, cos, sin, heads, kv_heads, cache, slots), {})
         calls[f"rope{shape}{dtype}"] = ("kernels.rope_triton", "rope_store_triton",
                                         (qkv.clone(), positions, cos, sin, heads, kv_heads), {})
+    qkv, positions, cos, sin, cache, slots = _rope_inputs(4, 2, 16, torch.float32)
+    for name, args in {  # the layouts the RoPE kernel refuses (the caller then runs eager)
+            "ok": (qkv, positions, cos, sin, 4, 2, cache, slots),
+            "short-slots": (qkv, positions, cos, sin, 4, 2, cache, slots[:-1]),
+            "no-slots": (qkv, positions, cos, sin, 4, 2, cache, None),
+            "narrow-rows": (qkv[:, :100], positions, cos, sin, 4, 2, cache, slots),
+            "cache-heads": (qkv, positions, cos, sin, 4, 2, cache[:, :, :, :1], slots),
+            "column-stride": (torch.cat([qkv, qkv], 1)[:, ::2], positions, cos, sin, 4, 2,
+                              None, None)}.items():
+        calls[f"rope-usable-{name}"] = ("kernels.rope_triton", "usable", args, {})
     for rows, inter, gelu, dtype in ACT_CASES:
         calls[f"act{(rows, inter, gelu, dtype)}"] = (
             "kernels.act_triton", "act_mul_triton", (_act_inputs(rows, inter, dtype),),
@@ -160,6 +170,13 @@ def test_rope_store_matches_reference(results: dict, shape: tuple[int, int, int]
     assert torch.equal(rope_only, want_rows)  # without a cache: the same rotation, no store
     # Stored slots hold the rotated k and the v; padding rows (-1) and other slots keep noise.
     assert torch.equal(got_cache, want_cache)
+
+
+def test_rope_refuses_layouts_it_cannot_take(results: dict) -> None:
+    verdicts = {k.removeprefix("rope-usable-"): v[0] for k, v in results.items()
+                if k.startswith("rope-usable-")}
+    assert verdicts == {"ok": True, "short-slots": False, "no-slots": False,
+                        "narrow-rows": False, "cache-heads": False, "column-stride": False}
 
 
 @pytest.mark.parametrize(("rows", "inter", "gelu", "dtype"), ACT_CASES, ids=str)
