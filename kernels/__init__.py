@@ -3,7 +3,7 @@
 The public functions live in `kernels.dispatch` (backend selection) and are re-exported here
 on first use: importing the package, or `kernels.settings`, loads no torch, so a process entry
 point can read its settings and re-execute itself before anything heavy is imported
-(engine/cpu_memory.py).
+(engine/worker/cpu_memory.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One step's attention metadata: the contract between the model runner and the backends.
 
-The runner builds it once per step (`engine/model_runner.py`) and every layer hands the same
+The runner builds it once per step (`engine/worker/model_runner.py`) and every layer hands the same
 object to the kernels, so what a backend derives from it (the CPU backend's per-row lists and
 gather plan) is derived once per step and kept on the object (`plan`), never in module state.
 Callers that hold only the raw tensors (tests, benchmarks) get one through `build`.

@@ -28,7 +28,7 @@ import triton.language as tl
 from kernels.triton_backend import _f32_dot
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # T * k changes every step
 def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k,
                     hidden, inter, stride_xt, stride_we, stride_wn, stride_at,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -66,7 +66,7 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pai
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # T * k changes every step
 def _down_kernel(act_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs,
                  hidden, inter, stride_at, stride_we, stride_wn, stride_ot,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

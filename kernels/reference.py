@@ -101,3 +101,44 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
             h = torch.nn.functional.silu(w[:inter] @ xt) * (w[inter:] @ xt)
             out[t] += topk_weights[t, j].float().cpu() * (w_down[e].float().cpu() @ h)
     return out.to(device=x.device, dtype=x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float, *, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `kernels.fused_ops.add_rms_norm` computes, out of place: `(norm(s), s)` with
+    `s = x + residual` (or `x`) rounded to x's dtype as torch's add rounds it, the mean square
+    in float32, and transformers' rounding of each family: Llama casts the normalised value
+    back before `weight *`; Gemma multiplies by `(1 + weight)` in float32 and casts once."""
+    s = x if residual is None else x + residual
+    sf = s.float()
+    sf = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (sf * (1.0 + weight.float())).to(x.dtype), s
+    return weight * sf.to(x.dtype), s
+
+
+def rope_ref(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             heads: int) -> torch.Tensor:
+    """What `kernels.fused_ops.rope_store_` does to the rows, out of place: the first `heads`
+    heads of each fused qkv row (q then k; head_dim = 2 * cos.shape[1]) rotated in the
+    rotate-half layout by the row's position, each product and sum rounded to the rows' dtype
+    as torch's elementwise ops (and transformers' RoPE) round them; the other heads unchanged."""
+    half = cos.shape[1]
+    out = qkv.clone()
+    rot = out[:, :heads * 2 * half].view(qkv.shape[0], heads, 2 * half)
+    c = cos[positions].unsqueeze(1).to(qkv.dtype)
+    s = sin[positions].unsqueeze(1).to(qkv.dtype)
+    x1, x2 = rot[..., :half].clone(), rot[..., half:].clone()
+    rot[..., :half] = x1 * c - x2 * s
+    rot[..., half:] = x2 * c + x1 * s
+    return out
+
+
+def act_mul_ref(gate_up: torch.Tensor, *, gelu: bool = False) -> torch.Tensor:
+    """What `kernels.fused_ops.act_mul` computes: `act(gate) * up` over a fused
+    `[rows, 2 * inter]` projection (gate first), act = SiLU, or tanh-GELU with `gelu` (Gemma),
+    rounded as torch rounds the two ops in the rows' dtype."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = (torch.nn.functional.gelu(gate, approximate="tanh") if gelu
+           else torch.nn.functional.silu(gate))
+    return act * up

@@ -3,7 +3,7 @@
 Why here: `kernels` is the bottom layer, so the engine and the server can both read their
 settings from it without breaking the one-way imports (server -> engine -> kernels). The module
 imports only the standard library, so entry points can read it before torch is loaded (the
-tcmalloc re-exec, engine/cpu_memory.py). Each setting is read when its function is called, not
+tcmalloc re-exec, engine/worker/cpu_memory.py). Each setting is read when its function is called, not
 at import, so a test that sets a variable with `monkeypatch.setenv` sees it take effect.
 """
 

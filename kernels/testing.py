@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LORA_CASES", "PagedCase", "make_case", "make_lora_case", "tolerance"]
+__all__ = ["LORA_CASES", "PagedCase", "faithful_interpreter", "make_case", "make_lora_case",
+           "tolerance"]
 
 
 @dataclass
@@ -115,3 +116,40 @@ def make_lora_case(seg_lens: list[int], slots: list[int], ranks: list[int], in_f
                 scales=scales.to(device), rows=rows.to(device), seg_start=starts.to(device),
                 seg_len=torch.tensor(seg_lens, device=device),
                 seg_slot=torch.tensor(slots, device=device))
+
+
+def faithful_interpreter() -> None:
+    """Make Triton's CPU interpreter compute what a GPU computes, where it does not (call once,
+    in a process that interprets; imports Triton):
+    - float32 -> bfloat16 casts round to nearest even (the interpreter, 3.6 to 3.9, truncates,
+      which puts a one-step error in every bf16 result and hides where a kernel rounds);
+    - a one-element block used as a Python int (a loop bound) works with numpy 2 (3.6's
+      interpreter calls `int()` on a 1-d array, which numpy 2 refuses; later versions squeeze).
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_kp_faithful", False):
+        return
+    truncating = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):  # noqa: ANN001, ANN202 - the interpreter's signature
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return truncating(self, src, dst_type)
+        bits = np.asarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        out = np.where(nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
+        return interpreter.TensorHandle(out, dst_type.scalar)
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):  # noqa: ANN001, ANN202
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda t: int(np.asarray(t.handle.data).squeeze()))
+
+    builder.cast_impl = cast_impl
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    builder._kp_faithful = True

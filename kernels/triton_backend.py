@@ -84,7 +84,9 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
         BLOCK_D=triton.next_power_of_2(head_dim))
 
 
-@triton.jit
+# The sequence count and the block table's row stride (its widest row this step) change every
+# step: unspecialized, so a step never waits for a new variant (1 and multiples of 16 would be).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attn_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr,
     scale_log2e, num_seqs, head_dim, window, softcap,

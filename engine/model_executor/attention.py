@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels import fused_ops
 from kernels.metadata import AttentionMetadata
 
 __all__ = ["Attention", "AttentionMetadata", "GroupedMetadata"]
@@ -50,16 +51,31 @@ class Attention(nn.Module):
         self.kv_group = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q `[T, Hq, D]`, k/v `[T, Hk, D]` -> `[T, Hq, D]`."""
+                meta: AttentionMetadata, *, stored: bool = False) -> torch.Tensor:
+        """q `[T, Hq, D]`, k/v `[T, Hk, D]` -> `[T, Hq, D]`; `stored`: `rope_store_` has
+        already written k and v."""
+        meta = self._group_meta(meta)
+        if not stored:
+            kernels.store_kv(k, v, kv_cache, meta.slot_mapping, backend=meta.backend)
+        return kernels.attend(q, kv_cache, meta, self.scale, window=self.window,
+                              softcap=self.softcap)
+
+    def rope_store_(self, positions: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """RoPE in place on fused qkv rows plus the K/V store, in one kernel where this step's
+        backend has one (`kernels.fused_ops.rope_store_`); False: nothing done."""
+        meta = self._group_meta(meta)
+        return fused_ops.rope_store_(qkv, positions, cos, sin, self.num_heads,
+                                     self.num_kv_heads, kv_cache, meta.slot_mapping,
+                                     backend=meta.backend)
+
+    def _group_meta(self, meta: AttentionMetadata) -> AttentionMetadata:
         if self.kv_group:
             if not isinstance(meta, GroupedMetadata):
                 raise TypeError(f"a layer of KV group {self.kv_group} needs GroupedMetadata "
                                 "(the model runner's), not one block table for every layer")
             meta = meta.groups[self.kv_group - 1]
-        kernels.store_kv(k, v, kv_cache, meta.slot_mapping, backend=meta.backend)
-        return kernels.attend(q, kv_cache, meta, self.scale, window=self.window,
-                              softcap=self.softcap)
+        return meta
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_native, settings
+from kernels import cpu_native, fused_ops, settings
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 
@@ -85,14 +85,14 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)`."""
         if x.dim() == 2 and not torch.is_grad_enabled():
-            # One native pass on CPU fp32. The residual is updated in place: the model's first
-            # residual is the embedding output, which nothing else holds.
+            # One fused pass (native on CPU fp32, Triton on CUDA). The residual is updated in
+            # place: the model's first residual is the embedding output, which nothing else holds.
             if residual is not None:
-                fused = cpu_native.add_rms_norm(x, residual, self.weight, self.eps)
+                fused = fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
                 if fused is not None:
                     return fused, residual
             else:
-                fused = cpu_native.add_rms_norm(x, None, self.weight, self.eps)
+                fused = fused_ops.add_rms_norm(x, None, self.weight, self.eps)
                 if fused is not None:
                     return fused
         if residual is None:
@@ -338,7 +338,7 @@ class SwiGLUMLP(nn.Module):
                 return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
         if gate_up.dim() == 2 and not torch.is_grad_enabled():
-            fused = cpu_native.silu_mul(gate_up)
+            fused = fused_ops.act_mul(gate_up)
             if fused is not None:
                 return self.down_proj(fused)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)

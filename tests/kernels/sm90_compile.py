@@ -6,7 +6,8 @@ Why a separate process: once a pytest process has run a kernel in Triton's inter
 hid that (the compile was never redone); a child with a clean interpreter state and its own
 empty cache compiles for real every time.
 
-Usage: python -m tests.kernels.sm90_compile CASE  (CASE: a key of ATTENTION_CASES, store-merge, lora-sgmv or fused-moe)
+Usage: python -m tests.kernels.sm90_compile CASE  (CASE: a key of ATTENTION_CASES, store-merge,
+lora-sgmv, fused-moe or fused-ops)
 Prints {"shared": [bytes, ...]} or {"skip": reason}.
 """
 
@@ -27,7 +28,7 @@ ATTENTION_CASES = {  # dtype, group, BLOCK_M, BLOCK_N, BLOCK_D, splits, f32, one
     "attention-bf16-window-softcap": ("bf16", 4, 64, 64, 256, 1, False, False, True, True),
     "attention-bf16-window-split": ("bf16", 4, 16, 64, 256, 4, False, False, True, False),
 }
-CASES = (*ATTENTION_CASES, "store-merge", "lora-sgmv", "fused-moe")
+CASES = (*ATTENTION_CASES, "store-merge", "lora-sgmv", "fused-moe", "fused-ops")
 
 
 class Skip(Exception):
@@ -124,6 +125,37 @@ def _fused_moe() -> list[int]:
     return [gate_up.metadata.shared, down.metadata.shared]
 
 
+def _fused_ops() -> list[int]:
+    """The layer's fused elementwise kernels at Llama-3-8B's shape (hidden 4096, 32 + 8 heads
+    of 128, block 16), bf16, with every flag of each, plus fp32 rows (the exact-dtype path)."""
+    import kernels.act_triton as at
+    import kernels.norm_triton as nt
+    import kernels.rope_triton as rt
+
+    shared = []
+    for dtype, gemma, residual in (("bf16", False, True), ("bf16", True, True),
+                                   ("fp32", False, False)):
+        sig = {"x_ptr": f"*{dtype}", "res_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
+               "out_ptr": f"*{dtype}", **dict.fromkeys(["stride_x", "stride_r", "stride_o",
+                                                        "hidden"], "i32"), "eps": "fp32"}
+        shared.append(_compile(nt._add_rms_norm_kernel, sig, {
+            "HAS_RESIDUAL": residual, "GEMMA": gemma, "BLOCK": 4096}, warps=8).metadata.shared)
+    for store in (True, False):
+        sig = {"qkv_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+               "cache_ptr": "*bf16", "slot_ptr": "*i64",
+               **dict.fromkeys(["stride_t", "stride_cos", "stride_ckv", "stride_cblk",
+                                "stride_coff", "stride_ch", "num_heads", "num_kv_heads"], "i32")}
+        shared.append(_compile(rt._rope_store_kernel, sig, {
+            "HEAD_DIM": 128, "HALF_P2": 64, "BLOCK_H": 64, "BLOCK_KV": 8, "BLOCK_D": 128,
+            "BLOCK_SIZE": 16, "STORE": store}, warps=8).metadata.shared)
+    for gelu in (False, True):
+        sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32", "stride_o": "i32",
+               "inter": "i32"}
+        shared.append(_compile(at._act_mul_kernel, sig, {"GELU": gelu, "BLOCK": 1024})
+                      .metadata.shared)
+    return shared
+
+
 def main(case: str) -> dict[str, object]:
     try:
         import triton.backends.compiler  # noqa: F401
@@ -133,7 +165,7 @@ def main(case: str) -> dict[str, object]:
     try:
         shared = (_store_merge() if case == "store-merge" else _lora_sgmv()
                   if case == "lora-sgmv" else _fused_moe() if case == "fused-moe"
-                  else _attention(case))
+                  else _fused_ops() if case == "fused-ops" else _attention(case))
     except Skip as exc:
         return {"skip": str(exc)}
     return {"shared": shared}

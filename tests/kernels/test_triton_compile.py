@@ -48,7 +48,6 @@ def test_store_merge_and_block_copy_kernels_compile_for_sm90(tmp_path: Path) -> 
         assert shared <= SHARED_LIMIT
 
 
-
 def test_lora_sgmv_kernels_compile_for_sm90(tmp_path: Path) -> None:
     for shared in _compile_in_child("lora-sgmv", tmp_path):
         assert shared <= SHARED_LIMIT
@@ -57,3 +56,11 @@ def test_lora_sgmv_kernels_compile_for_sm90(tmp_path: Path) -> None:
 def test_fused_moe_kernels_compile_for_sm90(tmp_path: Path) -> None:
     for shared in _compile_in_child("fused-moe", tmp_path):
         assert shared <= SHARED_LIMIT
+
+
+def test_fused_layer_ops_compile_for_sm90(tmp_path: Path) -> None:
+    """add + RMSNorm (Llama, Gemma, fp32), RoPE with and without the store, SiLU / GELU."""
+    shared = _compile_in_child("fused-ops", tmp_path)
+    assert len(shared) == 7
+    for one in shared:
+        assert one <= SHARED_LIMIT

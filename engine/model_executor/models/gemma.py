@@ -28,6 +28,7 @@ from engine.model_executor.layers import (
 )
 from engine.model_executor.models.architectures import architecture_of
 from engine.model_executor.models.llama import LlamaAttention, LlamaForCausalLM, layer_windows
+from kernels import fused_ops
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -42,8 +43,12 @@ class GemmaRMSNorm(RMSNorm):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)` (no native
-        path: the native norm multiplies by the weight itself)."""
+        """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)` (fused on CUDA,
+        residual updated in place; no native path: it multiplies by the weight itself)."""
+        if x.dim() == 2 and not torch.is_grad_enabled():
+            fused = fused_ops.add_rms_norm(x, residual, self.weight, self.eps, gemma=True)
+            if fused is not None:
+                return fused if residual is None else (fused, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -60,7 +65,12 @@ class GeGLUMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        fused = (fused_ops.act_mul(gate_up, gelu=True)
+                 if gate_up.dim() == 2 and not torch.is_grad_enabled() else None)
+        if fused is not None:
+            return self.down_proj(fused)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 

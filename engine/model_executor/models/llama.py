@@ -103,9 +103,12 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        # RoPE in place on the fused rows, unless the heads are normed first (Qwen3).
-        rotated = self.q_norm is None and self.rotary[0].rotate_fused_(
-            positions, qkv, self.num_heads + self.num_kv_heads)
+        # RoPE in place on the fused rows (with the K/V store where one kernel does both),
+        # unless the heads are normed first (Qwen3).
+        stored = self.q_norm is None and self.attn.rope_store_(
+            positions, qkv, self.rotary[0].cos, self.rotary[0].sin, kv_cache, meta)
+        rotated = stored or (self.q_norm is None and self.rotary[0].rotate_fused_(
+            positions, qkv, self.num_heads + self.num_kv_heads))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim))
@@ -115,7 +118,7 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if not rotated:
             q, k = self.rotary[0](positions, q, k)
-        out = self.attn(q, k, v.contiguous(), kv_cache, meta)
+        out = self.attn(q, k, v if stored else v.contiguous(), kv_cache, meta, stored=stored)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -1,0 +1,84 @@
+"""bench/gpu_acceptance.py: its dry run passes every stage on CPU without the packages the
+minimal GPU image lacks, and a failing or hanging stage never stops the stages after it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+# Not on the minimal GPU image (issue 32): the children of the dry run must not need them.
+ABSENT = ("kserve", "gguf", "fastapi", "xgrammar", "zmq", "cbor2", "uvicorn")
+
+
+def _acceptance():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_acceptance
+    finally:
+        sys.path.remove(str(BENCH))
+    return gpu_acceptance
+
+
+def _block_imports(folder: Path) -> Path:
+    """A sitecustomize that makes ABSENT unimportable in every child that puts `folder` on its
+    path (the runner passes PYTHONPATH on)."""
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"ABSENT = {ABSENT!r}\n"
+        "class _Absent:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ABSENT:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r} (minimal image)')\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, _Absent())\n")
+    return folder
+
+
+@pytest.mark.slow
+def test_dry_run_passes_every_stage_without_the_missing_packages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    acceptance = _acceptance()
+    monkeypatch.setenv("PYTHONPATH", str(_block_imports(tmp_path / "site")))
+    out = tmp_path / "out"
+    rc = acceptance.main(["--dry-run", "--out", str(out), "--cache-dir", str(tmp_path / "c")])
+    summary = json.loads((out / "summary.json").read_text())
+    stages = {s.name for s in acceptance.STAGES}
+    assert summary["stages"] == dict.fromkeys(stages, "pass"), summary
+    assert rc == 0 and summary["ok"] and summary["dry_run"]
+    results = {name: json.loads((out / f"{name}.json").read_text()) for name in stages}
+    versions = results["versions"]["data"]
+    assert all(versions["supported"].values())
+    assert versions["importable"] == {"kserve": False, "gguf": False}  # the block held
+    assert "passed" in results["kernel-tests"]["output_tail"]
+    assert results["launch-count"]["data"]["llama"]["layer"]["total"] <= 12
+
+
+def test_a_failing_or_hanging_stage_does_not_stop_the_run(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    acceptance = _acceptance()
+    py = sys.executable
+
+    def stage(name: str, code: str, timeout: int = 60, **kw):
+        return acceptance.Stage(name, lambda a: [py, "-c", code], lambda a: timeout, **kw)
+
+    monkeypatch.setattr(acceptance, "STAGES", [
+        stage("fails", "import sys; sys.exit(3)"),
+        stage("hangs", "import time; time.sleep(30)", timeout=1),
+        stage("bad-json", "print('not json')", parse_json=True),
+        stage("judged", "print('{\"n\": 13}')", parse_json=True,
+              judge=lambda d: "too many" if d["n"] > 12 else None),
+        stage("passes", "print('{\"n\": 1}')", parse_json=True),
+    ])
+    out = tmp_path / "out"
+    assert acceptance.main(["--out", str(out)]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stages"] == {"fails": "fail", "hangs": "timeout", "bad-json": "error",
+                                 "judged": "fail", "passes": "pass"}
+    assert json.loads((out / "passes.json").read_text())["data"] == {"n": 1}
+    assert json.loads((out / "judged.json").read_text())["why"] == "too many"
+    assert acceptance.main(["--out", str(out), "--stages", "nope"]) == 2
