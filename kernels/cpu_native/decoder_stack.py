@@ -7,7 +7,7 @@ import ctypes
 import torch
 
 from kernels.cpu_native import abi
-from kernels.cpu_native.gemm import GEMM_PANEL, gemm_available
+from kernels.cpu_native.gemm import gemm_available, gemm_panel
 from kernels.cpu_native.loader import loaded, sync_threads
 
 _ptrs = ctypes.POINTER(ctypes.c_void_p)
@@ -44,8 +44,11 @@ class DecoderStack:
     def __init__(self, layers: list[dict[str, torch.Tensor | None]], final_norm: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, *, hidden: int, heads: int,
                  kv_heads: int, head_dim: int, inter: int, eps: float, scale: float) -> None:
+        if not gemm_available():
+            raise ValueError("the native GEMM is not available (the library is not loaded)")
+        panel = gemm_panel()
         q, kv = heads * head_dim, kv_heads * head_dim
-        padded = 2 * -(-inter // GEMM_PANEL) * GEMM_PANEL  # gate/up as panel pairs
+        padded = 2 * -(-inter // panel) * panel  # gate/up as panel pairs
         shapes = {"in_norm": hidden, "post_norm": hidden, "qkv_b": q + 2 * kv, "o_b": hidden,
                   "gate_up_b": padded, "down_b": hidden}
         panels = {"qkv_w": (q + 2 * kv, hidden), "o_w": (hidden, q), "gate_up_w": (padded, hidden),
@@ -57,7 +60,7 @@ class DecoderStack:
             for key, (n, k) in panels.items():
                 w = layer[key]
                 if (w is None or w.dtype != torch.float32 or not w.is_contiguous()
-                        or tuple(w.shape) != (-(-n // GEMM_PANEL), k, GEMM_PANEL)):
+                        or tuple(w.shape) != (-(-n // panel), k, panel)):
                     raise ValueError(f"layer {i}: {key} is not a packed [{n}, {k}] weight")
         if not _f32_vector(final_norm, hidden):
             raise ValueError("final_norm is not a contiguous fp32 CPU vector")
@@ -67,12 +70,10 @@ class DecoderStack:
             raise ValueError("the rotary tables must be contiguous fp32 [positions, head_dim / 2]")
         if heads % kv_heads or heads // kv_heads > 32 or head_dim > 256 or head_dim % 2:
             raise ValueError("head layout outside the native attention kernel's limits")
-        if not gemm_available():
-            raise ValueError("the native GEMM is not available (needs AVX-512 and a compiler)")
         self._keep = (layers, final_norm, cos, sin)
         self.num_layers = len(layers)
         self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
-        self.inter = inter
+        self.inter, self._panel = inter, panel
         self._arrays = {key: (ctypes.c_void_p * len(layers))(
             *[(layer[key].data_ptr() if layer.get(key) is not None else None) for layer in layers])
             for key in self._KEYS}
@@ -130,7 +131,7 @@ class DecoderStack:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         # Each activation gets its own contiguous [T, n] block of one allocation.
         sizes = {"residual": self.hidden, "normed": self.hidden, "qkv": q + 2 * kv, "attn": q,
-                 "gate_up": 2 * -(-self.inter // GEMM_PANEL) * GEMM_PANEL, "act": self.inter}
+                 "gate_up": 2 * -(-self.inter // self._panel) * self._panel, "act": self.inter}
         need = t * sum(sizes.values())
         if self._scratch.numel() < need:
             # Kept between steps: a fresh buffer per step would fault all its pages in again.

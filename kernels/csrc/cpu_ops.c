@@ -10,9 +10,7 @@
 #include <string.h>
 
 #include "kp_native.h"
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "kp_vec.h"
 
 #define PAR_MIN_ROWS 32
 
@@ -126,37 +124,29 @@ static inline int is_nan(float f) {
 }
 
 static int64_t argmax_row(const float *x, int64_t n) {
-#ifdef __AVX512F__
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    __m512i best_idx = _mm512_setzero_si512();
-    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i step = _mm512_set1_epi32(16);
-    __mmask16 nan = 0;
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 k = (n - i) >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, x + i);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  /* strict: first wins */
-        best = _mm512_mask_mov_ps(best, gt, v);
-        best_idx = _mm512_mask_mov_epi32(best_idx, gt, idx);
-        idx = _mm512_add_epi32(idx, step);
+    vf best = vset1(-INFINITY);
+    vi best_idx = viota() * 0, idx = viota(), nan = best_idx;  /* zeros, 0 .. KP_VW - 1, zeros */
+    for (int64_t i = 0; i < n; i += KP_VW) {
+        const int left = (n - i) >= KP_VW ? KP_VW : (int)(n - i);
+        const vf v = left == KP_VW ? vload(x + i)
+                                   : vselect(vlanes_below(left), vload_n(x + i, left), vset1(-INFINITY));
+        nan |= ((vi)v & 0x7FFFFFFF) > 0x7F800000;  /* on the bits: -ffast-math drops v != v */
+        const vi gt = v > best;  /* strict: the first of equal values wins */
+        best = vselect(gt, v, best);
+        best_idx = (best_idx & ~gt) | (idx & gt);
+        idx += KP_VW;
     }
-    if (nan) {
-        for (int64_t i = 0; i < n; ++i)
-            if (is_nan(x[i])) return i;
+    for (int l = 0; l < KP_VW; ++l) {
+        if (nan[l]) {
+            for (int64_t i = 0; i < n; ++i)
+                if (is_nan(x[i])) return i;
+        }
     }
-    const float top = _mm512_reduce_max_ps(best);
-    const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-    return _mm512_mask_reduce_min_epi32(at_top, best_idx);
-#else
-    int64_t arg = 0;
-    float top = x[0];
-    for (int64_t i = 0; i < n; ++i) {
-        if (is_nan(x[i])) return i;
-        if (x[i] > top) { top = x[i]; arg = i; }
-    }
+    const float top = vhmax(best);
+    int64_t arg = n;
+    for (int l = 0; l < KP_VW; ++l)
+        if (best[l] == top && best_idx[l] < arg) arg = best_idx[l];
     return arg;
-#endif
 }
 
 void kp_argmax_rows_f32(const float *x, int64_t row_stride, int64_t rows, int64_t cols,

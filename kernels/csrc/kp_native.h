@@ -14,10 +14,17 @@
 
 #include <stdint.h>
 
-#define KP_ABI_VERSION 4
+#define KP_ABI_VERSION 5
 
-/* Output columns per packed GEMM weight panel (cpu_native.GEMM_PANEL). */
+/* Output columns per packed GEMM weight panel: three vectors where the register file holds 32
+ * (AVX-512: an 8 x 48 tile), two where it holds 16 (AVX2: 6 x 16). A packed weight fits only
+ * the level it was packed for: the Python side packs with what the loaded library reports
+ * (kp_gemm_panel). */
+#if defined(__AVX512F__)
 #define KP_GEMM_PANEL 48
+#else
+#define KP_GEMM_PANEL 16
+#endif
 
 #define KP_API __attribute__((visibility("default")))
 
@@ -109,10 +116,10 @@ KP_API int kp_lora_sgmv_f32(const float *x, int64_t x_stride, float *out, int64_
                             const int64_t *rows, int64_t num_rows, const int64_t *seg_start,
                             const int64_t *seg_len, const int64_t *seg_slot, int64_t num_segs);
 
-/* ---- GEMM over packed weights (gemm.c; AVX-512 builds only, else they return -1) ---- */
+/* ---- GEMM over packed weights (gemm.c) ---- */
 
-/* 1 when the GEMM below is compiled in (AVX-512), else 0. */
-KP_API int kp_gemm_available(void);
+/* KP_GEMM_PANEL of this build: the panel width packed weights must have. */
+KP_API int kp_gemm_panel(void);
 
 /* y [M, N] = x [M, K] times a weight packed in KP_GEMM_PANEL-column panels (+ bias). */
 KP_API int kp_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
