@@ -31,8 +31,9 @@ class DecoderStack:
 
     `layers` holds, per layer, the packed weights (`pack_gemm_weight`; gate/up from
     `pack_gate_up_weight`, its bias from `pack_gate_up_bias`) and optional biases of
-    qkv / o / gate_up / down and the two norm weights; the tensors are kept referenced here so
-    the pointers stay valid. `run` takes one step's embeddings and metadata and returns the
+    qkv / o / gate_up / down, the two norm weights and, for Qwen3, the per-head `q_norm` and
+    `k_norm` weights (in every layer or in none); `windows` gives each layer's sliding window
+    (None: global attention). The tensors are kept referenced here so the pointers stay valid. `run` takes one step's embeddings and metadata and returns the
     final normed hidden state, the same values the per-layer modules compute. Its activation
     scratch is reused from step to step, so one stack serves one step at a time (as the engine
     runs them).
@@ -43,7 +44,8 @@ class DecoderStack:
 
     def __init__(self, layers: list[dict[str, torch.Tensor | None]], final_norm: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, *, hidden: int, heads: int,
-                 kv_heads: int, head_dim: int, inter: int, eps: float, scale: float) -> None:
+                 kv_heads: int, head_dim: int, inter: int, eps: float, scale: float,
+                 windows: list[int | None] | None = None) -> None:
         if not gemm_available():
             raise ValueError("the native GEMM is not available (the library is not loaded)")
         panel = gemm_panel()
@@ -62,6 +64,18 @@ class DecoderStack:
                 if (w is None or w.dtype != torch.float32 or not w.is_contiguous()
                         or tuple(w.shape) != (-(-n // panel), k, panel)):
                     raise ValueError(f"layer {i}: {key} is not a packed [{n}, {k}] weight")
+        qk_norm = [layer.get("q_norm") is not None for layer in layers]
+        if any(qk_norm) and not all(qk_norm):
+            raise ValueError("q_norm must be given for every layer or for none")
+        for i, layer in enumerate(layers):
+            for key in ("q_norm", "k_norm"):
+                if any(qk_norm) and (layer.get(key) is None or not _f32_vector(layer[key], head_dim)):
+                    raise ValueError(f"layer {i}: {key} is not a contiguous fp32 CPU vector of "
+                                     f"{head_dim}")
+        windows = windows or [None] * len(layers)
+        if len(windows) != len(layers) or any(w is not None and not 0 < w < 2**31
+                                               for w in windows):
+            raise ValueError("windows: one positive window (or None) per layer")
         if not _f32_vector(final_norm, hidden):
             raise ValueError("final_norm is not a contiguous fp32 CPU vector")
         if (cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_contiguous()
@@ -74,13 +88,16 @@ class DecoderStack:
         self.num_layers = len(layers)
         self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
         self.inter, self._panel = inter, panel
+        keys = self._KEYS + (("q_norm", "k_norm") if any(qk_norm) else ())
         self._arrays = {key: (ctypes.c_void_p * len(layers))(
             *[(layer[key].data_ptr() if layer.get(key) is not None else None) for layer in layers])
-            for key in self._KEYS}
+            for key in keys}
+        self._windows = (ctypes.c_int32 * len(layers))(*[w or 0 for w in windows])
         self._struct = abi.DecoderStackStruct(
             layers=len(layers), hidden=hidden, heads=heads, kv_heads=kv_heads,
             head_dim=head_dim, inter=inter, max_positions=cos.shape[0], eps=eps, scale=scale,
             final_norm=final_norm.data_ptr(), cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
+            window=ctypes.addressof(self._windows) if any(windows) else None,
             **{key: ctypes.cast(arr, _ptrs) for key, arr in self._arrays.items()})
         self._kv_key: tuple | None = None
         self._scratch = torch.empty(0, dtype=torch.float32)

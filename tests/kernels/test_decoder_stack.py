@@ -1,8 +1,9 @@
 """The one-call native decoder stack (kernels/csrc/decoder_stack.c) against the per-layer modules.
 
 Both run the same kernels in the same order, so hidden states and the KV they write must be equal
-bit for bit, on every tiny config of tests/test_models.py (GQA and MHA, biases, head_dim 24 and
-64, tied heads, an intermediate size that is not a multiple of 48), over a prefill + chunked
+bit for bit, on every tiny config of tests/test_models.py the stack takes (GQA and MHA, biases,
+head_dim 24, 32 and 64, tied heads, sliding windows smaller than the prompts, Qwen3's per-head
+q/k norm, an intermediate size that is not a multiple of the panel), over a prefill + chunked
 prefill + decode sequence of steps (with head_dim 64 also prefill runs long enough for the
 transposed-key path, one starting at an odd position). The transformers
 comparison in test_models.py already runs through the stack; this shows the stack is what ran.
@@ -58,10 +59,6 @@ DECLINED = {
     "gemma2_window_softcap": "Gemma's layer",
     "gemma3_mha_tied": "Gemma's layer",
     "gemma3_window_local_rope": "Gemma's layer",
-    "mistral_window": "sliding-window",
-    "phi3_window_mha": "sliding-window",
-    "qwen3_qk_norm": "q/k RMSNorm",
-    "qwen3_bias_tied": "q/k RMSNorm",
     "mixtral_4x_top2": "mixture-of-experts",
     "qwen3_moe_4x_top2": "mixture-of-experts",
     "qwen3_moe_norm_topk": "mixture-of-experts",
@@ -195,6 +192,14 @@ def test_stack_rejects_weights_it_cannot_run(tmp_path: Path) -> None:
                                 **kwargs)
     with pytest.raises(ValueError, match="o_b is not a contiguous fp32"):
         cpu_native.DecoderStack([{**good, "o_b": torch.zeros(3)}], *args, **kwargs)
+    qk = {"q_norm": torch.ones(model.head_dim), "k_norm": torch.ones(model.head_dim)}
+    cpu_native.DecoderStack([{**good, **qk}] * 2, *args, **kwargs, windows=[None, 8])
+    with pytest.raises(ValueError, match="q_norm must be given for every layer"):
+        cpu_native.DecoderStack([{**good, **qk}, good], *args, **kwargs)
+    with pytest.raises(ValueError, match="k_norm is not a contiguous fp32"):
+        cpu_native.DecoderStack([{**good, **qk, "k_norm": torch.ones(3)}], *args, **kwargs)
+    with pytest.raises(ValueError, match="one positive window"):
+        cpu_native.DecoderStack([good], *args, **kwargs, windows=[0])
 
 
 def test_stack_takes_what_the_per_layer_path_takes(tmp_path: Path) -> None:
