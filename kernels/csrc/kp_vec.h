@@ -163,10 +163,11 @@ static inline vf vhsum_lanes(const vf v[KP_VW]) {
 #endif
 }
 
-/* e^x per lane: 2^(x log2 e) split into 2^n (built in the exponent bits) times a degree-6
- * polynomial for 2^f, |f| <= 0.5 (relative error ~1e-7 near 0, where the softmax weights that
- * matter are). Inputs are clamped to [-87, 88]: weights below e^-87 are zero in fp32 sums
- * anyway, and e^88 is finite (SiLU's sigmoid of a large negative input is then ~0, not NaN). */
+/* e^x per lane: 2^(x log2 e) split into 2^n (vscalefps, or built in the exponent bits on AVX2)
+ * times a degree-6 polynomial for 2^f, |f| <= 0.5 (relative error ~1e-7 near 0, where the
+ * softmax weights that matter are). Inputs are clamped to [-87, 88]: weights below e^-87 are
+ * zero in fp32 sums anyway, and e^88 is finite (SiLU's sigmoid of a large negative input is
+ * then ~0, not NaN). */
 static inline vf vexp(vf x) {
     x = vmin(vmax(x, vset1(-87.0f)), vset1(88.0f));
     const vf t = x * 1.44269504088896341f;
@@ -179,8 +180,12 @@ static inline vf vexp(vf x) {
     y = vfma(y, f, vset1(2.4022650695910071e-1f));
     y = vfma(y, f, vset1(6.9314718055994531e-1f));
     y = vfma(y, f, vset1(1.0f));
+#if KP_VW == 16
+    return _mm512_scalef_ps(y, n);  /* y * 2^n in one instruction */
+#else
     const vi scale = (__builtin_convertvector(n, vi) + 127) << 23;  /* 2^n, -126 <= n <= 127 */
     return y * (vf)scale;
+#endif
 }
 
 #endif
