@@ -4,12 +4,13 @@ This is the serving path on CPU (and a correctness fallback on CUDA). Strategy, 
 from the sequence metadata (read once on the host):
 
 * on CPU in fp32 the decode rows go to the native C kernel (`cpu_native.paged_rows`), which
-  reads K/V straight from the paged cache. Prefill rows go there too in AVX-512 builds, whose
-  transposed-key tiles make it faster than SDPA (a prefill token at position p is a row that
-  sees p + 1 keys, which is the causal mask); without AVX-512 (`cpu_native.prefill_tiles()`
-  False) the kernel walks one query row at a time and SDPA below is several times faster for
-  prefill, so prefill sequences take the torch path (measured in BENCHMARKS.md, "Attention on
-  AVX2"). Otherwise (no C compiler, other dtypes, CUDA):
+  reads K/V straight from the paged cache. Prefill rows go there too: its transposed-key
+  tiles (every level's build) make it faster than SDPA (a prefill token at position p is a
+  row that sees p + 1 keys, which is the causal mask). Without them (`cpu_native.
+  prefill_tiles()` False) the kernel would walk one query row at a time, several times slower
+  than SDPA for prefill, so prefill sequences would take the torch path (BENCHMARKS.md,
+  "Attention on AVX2" and "One source for every level"). Otherwise (no C compiler, other
+  dtypes, CUDA):
 * decode rows (q_len == 1) are sorted by context length and cut into chunks whose padded size
   (rows x longest context in the chunk) stays under a token budget. Each chunk is one block
   gather (`index_select` of whole blocks) and one SDPA call with a key-padding mask. GQA costs

@@ -28,7 +28,7 @@ VOCAB = 49152
 
 def main() -> None:
     if not cpu_native.gemm_available():
-        sys.exit("the native GEMM needs AVX-512 and a C compiler")
+        sys.exit("the native GEMM needs the native library (a C compiler and AVX2)")
     torch.manual_seed(0)
     weights = [[torch.randn(n, k) for n, k in SHAPES] for _ in range(LAYERS)]
     lm_head = torch.randn(VOCAB, 576)

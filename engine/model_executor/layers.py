@@ -23,10 +23,11 @@ class Linear(nn.Linear):
     """`nn.Linear` that, once `pack()`ed on CPU, multiplies with a pre-packed weight.
 
     Why: a serving step multiplies 1-128 rows (decode) or a few thousand (prefill) by weights
-    that are read from memory every step. On CPU with AVX-512, `pack()` lays the weight out in
-    column panels for the native GEMM (`kernels/csrc/gemm.c`), faster than oneDNN at decode
-    row counts (bench/probes/linear_gemm.py, figures in BENCHMARKS.md). Without AVX-512,
-    oneDNN's packed weight, faster than torch's default path at serving shapes.
+    that are read from memory every step. On CPU in float32, `pack()` lays the weight out in
+    column panels for the native GEMM (`kernels/csrc/gemm.c`, every instruction-set level),
+    faster than oneDNN at decode row counts (bench/probes/gemm_levels.py, figures in
+    BENCHMARKS.md). Otherwise (bfloat16, no native library) oneDNN's packed weight, faster than
+    torch's default path at serving shapes.
     The packed copy is extra memory (one more copy of the weight); any change to `weight`
     after packing needs a new `pack()`. `KSERVE_PAGED_ONEDNN=0`: no packing, plain `F.linear`
     (`KSERVE_PAGED_NATIVE=0` alone leaves oneDNN).

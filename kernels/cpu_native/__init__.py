@@ -12,7 +12,7 @@ The modules, one job each:
   loads it, refusing a library of another ABI version;
 - `abi`: the ctypes view of `csrc/kp_native.h` (version, signatures, struct mirrors);
 - `ops`: paged attention and the fused elementwise ops;
-- `gemm`: weight packing and the matrix products (AVX-512 builds only);
+- `gemm`: weight packing (in the loaded level's panel width) and the matrix products;
 - `decoder_stack`: `DecoderStack`;
 - `lora`: the LoRA delta of a step's adapters in one call per projection.
 Callers use the names re-exported here (`from kernels import cpu_native`).
@@ -32,9 +32,9 @@ or an allocation failure (MemoryError).
 
 from kernels.cpu_native.decoder_stack import DecoderStack
 from kernels.cpu_native.gemm import (
-    GEMM_PANEL,
     gemm,
     gemm_available,
+    gemm_panel,
     gemm_silu,
     pack_gate_up_bias,
     pack_gate_up_weight,
@@ -48,6 +48,7 @@ from kernels.cpu_native.ops import (
     argmax_rows,
     copy_blocks,
     paged_rows,
+    qk_norm_inplace,
     rope_inplace,
     silu_mul,
     store_kv,
@@ -55,7 +56,6 @@ from kernels.cpu_native.ops import (
 )
 
 __all__ = [
-    "GEMM_PANEL",
     "DecoderStack",
     "add_rms_norm",
     "argmax_rows",
@@ -65,6 +65,7 @@ __all__ = [
     "lora_sgmv_segments",
     "gemm",
     "gemm_available",
+    "gemm_panel",
     "gemm_silu",
     "load",
     "pack_gate_up_bias",
@@ -72,6 +73,7 @@ __all__ = [
     "pack_gemm_weight",
     "paged_rows",
     "prefill_tiles",
+    "qk_norm_inplace",
     "rope_inplace",
     "silu_mul",
     "store_kv",

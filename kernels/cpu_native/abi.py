@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 4  # KP_ABI_VERSION in csrc/kp_native.h
+ABI_VERSION = 6  # KP_ABI_VERSION in csrc/kp_native.h
 LORA_MAX_RANK = 256  # KP_LORA_MAX_RANK in csrc/kp_native.h
 
 _i32, _i64, _int, _f32, _ptr = (ctypes.c_int32, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
@@ -28,7 +28,8 @@ class DecoderStackStruct(ctypes.Structure):
         (name, _ptrs) for name in (
             "in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
             "down_w", "down_b", "kv")] + [
-        (name, _ptr) for name in ("final_norm", "cos_table", "sin_table")]
+        (name, _ptr) for name in ("final_norm", "cos_table", "sin_table", "window")] + [
+        (name, _ptrs) for name in ("q_norm", "k_norm")]
 
 
 class DecoderStepStruct(ctypes.Structure):
@@ -48,6 +49,7 @@ FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "kp_paged_rows_f32": (_int, (_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64,
                                  _ptr, _ptr, _ptr, _i64, _f32, _i32, _f32, _ptr, _i64)),
     "kp_add_rms_norm_f32": (None, (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32)),
+    "kp_qk_norm_f32": (None, (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _f32)),
     "kp_rope_f32": (_int, (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64)),
     "kp_silu_mul_f32": (None, (_ptr, _ptr, _i64, _i64)),
     "kp_store_kv_f32": (_int, (_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64)),
@@ -55,7 +57,7 @@ FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "kp_argmax_rows_f32": (None, (_ptr, _i64, _i64, _i64, _ptr)),
     "kp_lora_sgmv_f32": (_int, (_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                 _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64)),
-    "kp_gemm_available": (_int, ()),
+    "kp_gemm_panel": (_int, ()),
     "kp_gemm_f32": (_int, (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64)),
     "kp_gemm_silu_f32": (_int, (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr,
                                 _i64)),

@@ -7,7 +7,7 @@ import ctypes
 import torch
 
 from kernels.cpu_native import abi
-from kernels.cpu_native.gemm import GEMM_PANEL, gemm_available
+from kernels.cpu_native.gemm import gemm_available, gemm_panel
 from kernels.cpu_native.loader import loaded, sync_threads
 
 _ptrs = ctypes.POINTER(ctypes.c_void_p)
@@ -31,8 +31,9 @@ class DecoderStack:
 
     `layers` holds, per layer, the packed weights (`pack_gemm_weight`; gate/up from
     `pack_gate_up_weight`, its bias from `pack_gate_up_bias`) and optional biases of
-    qkv / o / gate_up / down and the two norm weights; the tensors are kept referenced here so
-    the pointers stay valid. `run` takes one step's embeddings and metadata and returns the
+    qkv / o / gate_up / down, the two norm weights and, for Qwen3, the per-head `q_norm` and
+    `k_norm` weights (in every layer or in none); `windows` gives each layer's sliding window
+    (None: global attention). The tensors are kept referenced here so the pointers stay valid. `run` takes one step's embeddings and metadata and returns the
     final normed hidden state, the same values the per-layer modules compute. Its activation
     scratch is reused from step to step, so one stack serves one step at a time (as the engine
     runs them).
@@ -43,9 +44,13 @@ class DecoderStack:
 
     def __init__(self, layers: list[dict[str, torch.Tensor | None]], final_norm: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, *, hidden: int, heads: int,
-                 kv_heads: int, head_dim: int, inter: int, eps: float, scale: float) -> None:
+                 kv_heads: int, head_dim: int, inter: int, eps: float, scale: float,
+                 windows: list[int | None] | None = None) -> None:
+        if not gemm_available():
+            raise ValueError("the native GEMM is not available (the library is not loaded)")
+        panel = gemm_panel()
         q, kv = heads * head_dim, kv_heads * head_dim
-        padded = 2 * -(-inter // GEMM_PANEL) * GEMM_PANEL  # gate/up as panel pairs
+        padded = 2 * -(-inter // panel) * panel  # gate/up as panel pairs
         shapes = {"in_norm": hidden, "post_norm": hidden, "qkv_b": q + 2 * kv, "o_b": hidden,
                   "gate_up_b": padded, "down_b": hidden}
         panels = {"qkv_w": (q + 2 * kv, hidden), "o_w": (hidden, q), "gate_up_w": (padded, hidden),
@@ -57,8 +62,20 @@ class DecoderStack:
             for key, (n, k) in panels.items():
                 w = layer[key]
                 if (w is None or w.dtype != torch.float32 or not w.is_contiguous()
-                        or tuple(w.shape) != (-(-n // GEMM_PANEL), k, GEMM_PANEL)):
+                        or tuple(w.shape) != (-(-n // panel), k, panel)):
                     raise ValueError(f"layer {i}: {key} is not a packed [{n}, {k}] weight")
+        qk_norm = [layer.get("q_norm") is not None for layer in layers]
+        if any(qk_norm) and not all(qk_norm):
+            raise ValueError("q_norm must be given for every layer or for none")
+        for i, layer in enumerate(layers):
+            for key in ("q_norm", "k_norm"):
+                if any(qk_norm) and (layer.get(key) is None or not _f32_vector(layer[key], head_dim)):
+                    raise ValueError(f"layer {i}: {key} is not a contiguous fp32 CPU vector of "
+                                     f"{head_dim}")
+        windows = windows or [None] * len(layers)
+        if len(windows) != len(layers) or any(w is not None and not 0 < w < 2**31
+                                               for w in windows):
+            raise ValueError("windows: one positive window (or None) per layer")
         if not _f32_vector(final_norm, hidden):
             raise ValueError("final_norm is not a contiguous fp32 CPU vector")
         if (cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_contiguous()
@@ -67,19 +84,20 @@ class DecoderStack:
             raise ValueError("the rotary tables must be contiguous fp32 [positions, head_dim / 2]")
         if heads % kv_heads or heads // kv_heads > 32 or head_dim > 256 or head_dim % 2:
             raise ValueError("head layout outside the native attention kernel's limits")
-        if not gemm_available():
-            raise ValueError("the native GEMM is not available (needs AVX-512 and a compiler)")
         self._keep = (layers, final_norm, cos, sin)
         self.num_layers = len(layers)
         self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
-        self.inter = inter
+        self.inter, self._panel = inter, panel
+        keys = self._KEYS + (("q_norm", "k_norm") if any(qk_norm) else ())
         self._arrays = {key: (ctypes.c_void_p * len(layers))(
             *[(layer[key].data_ptr() if layer.get(key) is not None else None) for layer in layers])
-            for key in self._KEYS}
+            for key in keys}
+        self._windows = (ctypes.c_int32 * len(layers))(*[w or 0 for w in windows])
         self._struct = abi.DecoderStackStruct(
             layers=len(layers), hidden=hidden, heads=heads, kv_heads=kv_heads,
             head_dim=head_dim, inter=inter, max_positions=cos.shape[0], eps=eps, scale=scale,
             final_norm=final_norm.data_ptr(), cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
+            window=ctypes.addressof(self._windows) if any(windows) else None,
             **{key: ctypes.cast(arr, _ptrs) for key, arr in self._arrays.items()})
         self._kv_key: tuple | None = None
         self._scratch = torch.empty(0, dtype=torch.float32)
@@ -130,7 +148,7 @@ class DecoderStack:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         # Each activation gets its own contiguous [T, n] block of one allocation.
         sizes = {"residual": self.hidden, "normed": self.hidden, "qkv": q + 2 * kv, "attn": q,
-                 "gate_up": 2 * -(-self.inter // GEMM_PANEL) * GEMM_PANEL, "act": self.inter}
+                 "gate_up": 2 * -(-self.inter // self._panel) * self._panel, "act": self.inter}
         need = t * sum(sizes.values())
         if self._scratch.numel() < need:
             # Kept between steps: a fresh buffer per step would fault all its pages in again.

@@ -1,9 +1,9 @@
 """Paged attention and the fused elementwise ops of a layer, over the native library.
 
 `csrc/paged_*.c` reads each K/V row once, for all query heads of its group, straight from the
-paged cache. `csrc/cpu_ops.c` fuses a layer's elementwise work (residual add + RMSNorm, RoPE in
-place, SiLU-and-multiply, KV store, greedy argmax) into one pass each. The convention for
-"cannot run here" is the package's (kernels/cpu_native/__init__.py).
+paged cache. `csrc/cpu_ops.c` fuses a layer's elementwise work (residual add + RMSNorm, the
+per-head q/k norm and RoPE in place, SiLU-and-multiply, KV store, greedy argmax) into one pass
+each. The convention for "cannot run here" is the package's (kernels/cpu_native/__init__.py).
 """
 
 from __future__ import annotations
@@ -81,6 +81,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                             residual.data_ptr() if residual is not None else None,
                             weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
     return out
+
+
+def qk_norm_inplace(qkv: torch.Tensor, q_heads: int, k_heads: int, head_dim: int,
+                    q_weight: torch.Tensor, k_weight: torch.Tensor,
+                    eps: float) -> Literal[True] | None:
+    """Qwen3's per-head RMSNorm of q and k in place on fused qkv rows (the first `q_heads`
+    heads times `q_weight`, the next `k_heads` times `k_weight`): True, or None (nothing done)
+    when the tensors are not in the kernel's layout."""
+    lib = load()
+    if (lib is None or not f32_rows(qkv) or qkv.shape[1] < (q_heads + k_heads) * head_dim
+            or any(w.dtype != torch.float32 or not w.is_contiguous() or w.device.type != "cpu"
+                   or w.shape != (head_dim,) for w in (q_weight, k_weight))):
+        return None
+    sync_threads(lib)
+    lib.kp_qk_norm_f32(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], q_heads, k_heads, head_dim,
+                       q_weight.data_ptr(), k_weight.data_ptr(), eps)
+    return True
 
 
 def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,5 +1,5 @@
-/* Fused elementwise ops of a Llama layer on CPU, fp32: residual add + RMSNorm, rotary embedding
- * in place, SiLU-and-multiply, and the KV store. Each PyTorch version of these is 3-8 separate
+/* Fused elementwise ops of a Llama layer on CPU, fp32: residual add + RMSNorm, the per-head q/k
+ * norm and rotary embedding in place, SiLU-and-multiply, and the KV store. Each PyTorch version of these is 3-8 separate
  * passes over the activations (and strided ones for RoPE's half-rotations), or for the store a
  * handful of small ops with their dispatch cost; each of these is one pass.
  *
@@ -10,11 +10,30 @@
 #include <string.h>
 
 #include "kp_native.h"
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "kp_vec.h"
 
 #define PAR_MIN_ROWS 32
+
+/* Sum of squares of n floats in a fixed order (lane sums, then across lanes, then the tail),
+ * whatever the address: the decoder stack and the per-layer modules norm the same values in
+ * different buffers and must agree bit for bit. */
+static inline float sum_squares(const float *x, int64_t n) {
+    vf acc = vzero();
+    int64_t i = 0;
+    for (; i + KP_VW <= n; i += KP_VW) {
+        const vf v = vload(x + i);
+        acc = vfma(v, v, acc);
+    }
+    float ss = vhsum(acc);
+    for (; i < n; ++i) ss += x[i] * x[i];
+    return ss;
+}
+
+/* o = w * (x * rsqrt(mean(x^2) + eps)) for one row (o may be x). */
+static inline void rms_norm_row(const float *x, const float *w, float *o, int64_t n, float eps) {
+    const float inv = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; ++i) o[i] = w[i] * (x[i] * inv);
+}
 
 /* out[t] = w * normalize(x[t] (+ residual[t])); with a residual, residual[t] becomes the sum.
  * The mean of squares is accumulated in float, as transformers does in float32. */
@@ -23,23 +42,25 @@ void kp_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, cons
 #pragma omp parallel for schedule(static) if (rows >= PAR_MIN_ROWS)
     for (int64_t t = 0; t < rows; ++t) {
         const float *xr = x + t * x_stride;
-        float *o = out + t * hidden;
-        float ss = 0.0f;
         if (residual) {
             float *r = residual + t * hidden;
-            for (int64_t i = 0; i < hidden; ++i) {
-                const float s = xr[i] + r[i];
-                r[i] = s;
-                ss += s * s;
-            }
-            const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
-            for (int64_t i = 0; i < hidden; ++i) o[i] = w[i] * (r[i] * inv);
-        } else {
-            for (int64_t i = 0; i < hidden; ++i) ss += xr[i] * xr[i];
-            const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
-            for (int64_t i = 0; i < hidden; ++i) o[i] = w[i] * (xr[i] * inv);
+            for (int64_t i = 0; i < hidden; ++i) r[i] += xr[i];
+            xr = r;
         }
+        rms_norm_row(xr, w, out + t * hidden, hidden, eps);
     }
+}
+
+/* Qwen3's q/k norm: an RMSNorm over each head, in place on fused qkv rows, the first q_heads
+ * heads with q_w, the next k_heads with k_w (each [head_dim]). */
+void kp_qk_norm_f32(float *x, int64_t row_stride, int64_t rows, int64_t q_heads, int64_t k_heads,
+                    int64_t head_dim, const float *q_w, const float *k_w, float eps) {
+#pragma omp parallel for schedule(static) if (rows >= PAR_MIN_ROWS)
+    for (int64_t t = 0; t < rows; ++t)
+        for (int64_t h = 0; h < q_heads + k_heads; ++h) {
+            float *hx = x + t * row_stride + h * head_dim;
+            rms_norm_row(hx, h < q_heads ? q_w : k_w, hx, head_dim, eps);
+        }
 }
 
 /* Rotate, in place, the first `heads` heads of each row (rotate-half layout): for each head,
@@ -126,37 +147,29 @@ static inline int is_nan(float f) {
 }
 
 static int64_t argmax_row(const float *x, int64_t n) {
-#ifdef __AVX512F__
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    __m512i best_idx = _mm512_setzero_si512();
-    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i step = _mm512_set1_epi32(16);
-    __mmask16 nan = 0;
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 k = (n - i) >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, x + i);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  /* strict: first wins */
-        best = _mm512_mask_mov_ps(best, gt, v);
-        best_idx = _mm512_mask_mov_epi32(best_idx, gt, idx);
-        idx = _mm512_add_epi32(idx, step);
+    vf best = vset1(-INFINITY);
+    vi best_idx = viota() * 0, idx = viota(), nan = best_idx;  /* zeros, 0 .. KP_VW - 1, zeros */
+    for (int64_t i = 0; i < n; i += KP_VW) {
+        const int left = (n - i) >= KP_VW ? KP_VW : (int)(n - i);
+        const vf v = left == KP_VW ? vload(x + i)
+                                   : vselect(vlanes_below(left), vload_n(x + i, left), vset1(-INFINITY));
+        nan |= ((vi)v & 0x7FFFFFFF) > 0x7F800000;  /* on the bits: -ffast-math drops v != v */
+        const vi gt = v > best;  /* strict: the first of equal values wins */
+        best = vselect(gt, v, best);
+        best_idx = (best_idx & ~gt) | (idx & gt);
+        idx += KP_VW;
     }
-    if (nan) {
-        for (int64_t i = 0; i < n; ++i)
-            if (is_nan(x[i])) return i;
+    for (int l = 0; l < KP_VW; ++l) {
+        if (nan[l]) {
+            for (int64_t i = 0; i < n; ++i)
+                if (is_nan(x[i])) return i;
+        }
     }
-    const float top = _mm512_reduce_max_ps(best);
-    const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-    return _mm512_mask_reduce_min_epi32(at_top, best_idx);
-#else
-    int64_t arg = 0;
-    float top = x[0];
-    for (int64_t i = 0; i < n; ++i) {
-        if (is_nan(x[i])) return i;
-        if (x[i] > top) { top = x[i]; arg = i; }
-    }
+    const float top = vhmax(best);
+    int64_t arg = n;
+    for (int l = 0; l < KP_VW; ++l)
+        if (best[l] == top && best_idx[l] < arg) arg = best_idx[l];
     return arg;
-#endif
 }
 
 void kp_argmax_rows_f32(const float *x, int64_t row_stride, int64_t rows, int64_t cols,

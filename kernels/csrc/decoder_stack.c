@@ -1,6 +1,7 @@
-/* A whole stack of pre-norm decoder layers (Llama family: RMSNorm, fused qkv with RoPE,
- * paged attention, output projection, RMSNorm, fused gate/up with SiLU, down projection) in one
- * call, on CPU in fp32, out of the other kernels of this library.
+/* A whole stack of pre-norm decoder layers (Llama family: RMSNorm, fused qkv, Qwen3's per-head
+ * q/k norm where present, RoPE, paged attention with the layer's sliding window, output
+ * projection, RMSNorm, fused gate/up with SiLU, down projection) in one call, on CPU in fp32,
+ * out of the other kernels of this library.
  *
  * Why: the same kernels called layer by layer from Python pay for Python and dispatch on every
  * call (module calls, argument checks, tensor allocation: about ten calls a layer), a large
@@ -31,6 +32,9 @@ int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
             memcpy(s->residual, s->x, (size_t)(T * H) * sizeof(float));
         if (kp_gemm_f32(s->normed, H, T, m->qkv_w[l], H, qkv_size, m->qkv_b[l], s->qkv, qkv_size))
             return -4;
+        if (m->q_norm)
+            kp_qk_norm_f32(s->qkv, qkv_size, T, m->heads, m->kv_heads, hd, m->q_norm[l],
+                           m->k_norm[l], m->eps);
         if (kp_rope_f32(s->qkv, qkv_size, s->positions, m->cos_table, m->sin_table,
                         m->max_positions, T, m->heads + m->kv_heads, hd))
             return -1;
@@ -40,7 +44,8 @@ int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
         const int rc = kp_paged_rows_f32(
             s->qkv, qkv_size, m->kv[l], m->num_blocks, (int32_t)m->block_size,
             (int32_t)m->kv_heads, (int32_t)hd, (int32_t)m->heads, s->block_tables, s->bt_stride,
-            s->row_lens, s->tok_idx, s->seq_idx, T, m->scale, 0, 0.0f, s->attn, q_size);
+            s->row_lens, s->tok_idx, s->seq_idx, T, m->scale, m->window ? m->window[l] : 0, 0.0f,
+            s->attn, q_size);
         if (rc) return rc == -2 ? -5 : -3;
         if (kp_gemm_f32(s->attn, q_size, T, m->o_w[l], q_size, H, m->o_b[l], s->x, H))
             return -4;

@@ -5,89 +5,83 @@
  * the weights at about half the memory bandwidth (figures in BENCHMARKS.md).
  * This kernel gives each thread an equal share of column panels and walks them in memory order.
  *
- * The weight is packed once (kernels/cpu_native/gemm.py) into column panels of NR = 48 outputs:
- * packed[p][k][j] = w[p * 48 + j][k], zero for j past N. A panel is read front to back, so the
- * hardware prefetcher streams it; rows are taken MR = 8 at a time with 8 x 3 accumulators in
- * registers (24 of the 32 zmm), the x values broadcast straight from memory into the FMAs.
+ * The weight is packed once (kernels/cpu_native/gemm.py) into column panels of NR =
+ * KP_GEMM_PANEL outputs: packed[p][k][j] = w[p * NR + j][k], zero for j past N. A panel is read
+ * front to back, so the hardware prefetcher streams it; rows are taken MR at a time with MR x NV
+ * accumulators in registers (NV = NR / KP_VW vectors a row), the x values broadcast from memory
+ * into the FMAs. The blocking follows the register file (kp_vec.h): AVX-512, 32 registers:
+ * 8 rows x 3 vectors (48 columns), 24 accumulators; AVX2, 16 registers: 6 rows x 2 vectors
+ * (16 columns), 12 accumulators. Written once over kp_vec.h for every level.
  */
 #include <stdint.h>
 
 #include "kp_native.h"
+#include "kp_vec.h"
 
 #define NR KP_GEMM_PANEL
+#define NV (NR / KP_VW)
+#if KP_VREGS >= 32
 #define MR 8
+#else
+#define MR 6
+#endif
 #define MB 256 /* rows per block of x: a block stays in L2 while every panel passes over it */
+#define LINE 16 /* floats per cache line */
 
-#ifdef __AVX512F__
-#include <immintrin.h>
+_Static_assert(NR % KP_VW == 0, "a panel is whole vectors");
+_Static_assert(MR * NV + NV + 1 <= KP_VREGS, "the register tile fits the register file");
 
-#include "simd_exp.h"
-
-int kp_gemm_available(void) { return 1; }
+int kp_gemm_panel(void) { return NR; }
 
 /* Rows [0, mr) of x times one panel; columns past `ncols` (< NR at the tail) are not stored. */
 static inline __attribute__((always_inline)) void panel_block(
     const float *x, int64_t ldx, const float *panel, int64_t K, const float *bias,
     float *y, int64_t ldy, int ncols, const int mr, const float *prefetch, const int pf_every, float *ynext) {
-    __m512 acc[MR][3];
-    for (int i = 0; i < mr; ++i) {
-        if (bias) {
-            const __mmask16 m0 = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);
-            const __mmask16 m1 = ncols >= 32 ? 0xFFFF
-                                 : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
-            const __mmask16 m2 = ncols >= 48 ? 0xFFFF
-                                 : ncols <= 32 ? 0 : (__mmask16)((1u << (ncols - 32)) - 1);
-            acc[i][0] = _mm512_maskz_loadu_ps(m0, bias);
-            acc[i][1] = _mm512_maskz_loadu_ps(m1, bias + 16);
-            acc[i][2] = _mm512_maskz_loadu_ps(m2, bias + 32);
-        } else {
-            acc[i][0] = _mm512_setzero_ps();
-            acc[i][1] = _mm512_setzero_ps();
-            acc[i][2] = _mm512_setzero_ps();
+    vf acc[MR][NV];
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < NV; ++v) {
+            const int c = ncols - KP_VW * v;  /* columns of this vector that exist */
+            acc[i][v] = !bias || c <= 0 ? vzero()
+                        : c >= KP_VW    ? vload(bias + KP_VW * v)
+                                        : vload_n(bias + KP_VW * v, c);
         }
-    }
-    /* One row of the next panel (3 lines) is prefetched every `pf_every` steps of k, so a
-     * panel used by several row blocks spreads the next panel's fetch over all of them. */
+    /* One row of the next panel is prefetched every `pf_every` steps of k, so a panel used by
+     * several row blocks spreads the next panel's fetch over all of them. */
     const float *pf = prefetch;
     int countdown = pf_every;
+    enum { YLINES = (NR + LINE - 1) / LINE };  /* cache lines of one output row of a panel */
     for (int64_t k = 0; k < K; ++k) {
         const float *wk = panel + k * NR;
         if (pf && --countdown == 0) {
             countdown = pf_every;
-            __builtin_prefetch(pf, 0, 2);
-            __builtin_prefetch(pf + 16, 0, 2);
-            __builtin_prefetch(pf + 32, 0, 2);
+            for (int c = 0; c < NR; c += LINE) __builtin_prefetch(pf + c, 0, 2);
             pf += NR;
         }
-        if (ynext && (k & 15) == 0 && (k >> 4) < 3 * MR) {
-            /* The next block's 8 x 48 outputs, one line every 16 steps of k, for writing: their
+        if (ynext && (k & 15) == 0 && (k >> 4) < YLINES * MR) {
+            /* The next block's MR x NR outputs, one line every 16 steps of k, for writing: their
              * first touch would otherwise stall the stores at the end of that block. */
             const int line = (int)(k >> 4);
-            __builtin_prefetch(ynext + (line / 3) * ldy + (line % 3) * 16, 1, 3);
+            __builtin_prefetch(ynext + (line / YLINES) * ldy + (line % YLINES) * LINE, 1, 3);
         }
-        const __m512 w0 = _mm512_load_ps(wk);
-        const __m512 w1 = _mm512_load_ps(wk + 16);
-        const __m512 w2 = _mm512_load_ps(wk + 32);
+        vf w[NV];
+        for (int v = 0; v < NV; ++v) w[v] = vload(wk + KP_VW * v);
         for (int i = 0; i < mr; ++i) {
-            const __m512 a = _mm512_set1_ps(x[i * ldx + k]);
-            acc[i][0] = _mm512_fmadd_ps(a, w0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(a, w1, acc[i][1]);
-            acc[i][2] = _mm512_fmadd_ps(a, w2, acc[i][2]);
+            const vf a = vset1(x[i * ldx + k]);
+            for (int v = 0; v < NV; ++v) acc[i][v] = vfma(a, w[v], acc[i][v]);
         }
     }
     if (ncols == NR) {
-        for (int i = 0; i < mr; ++i) {
-            _mm512_storeu_ps(y + i * ldy, acc[i][0]);
-            _mm512_storeu_ps(y + i * ldy + 16, acc[i][1]);
-            _mm512_storeu_ps(y + i * ldy + 32, acc[i][2]);
-        }
+        for (int i = 0; i < mr; ++i)
+            for (int v = 0; v < NV; ++v) vstore(y + i * ldy + KP_VW * v, acc[i][v]);
     } else {
         for (int i = 0; i < mr; ++i) {
-            for (int v = 0; v < 3; ++v) {
-                const int c = ncols - 16 * v;
+            for (int v = 0; v < NV; ++v) {
+                const int c = ncols - KP_VW * v;
                 if (c <= 0) break;
-                const __mmask16 m = c >= 16 ? 0xFFFF : (__mmask16)((1u << c) - 1);
-                _mm512_mask_storeu_ps(y + i * ldy + 16 * v, m, acc[i][v]);
+                if (c >= KP_VW)
+                    vstore(y + i * ldy + KP_VW * v, acc[i][v]);
+                else
+                    vstore_n(y + i * ldy + KP_VW * v, acc[i][v], c);
             }
         }
     }
@@ -98,18 +92,15 @@ static inline __attribute__((always_inline)) void panel_block(
  * prefetched by the first `spread` blocks, a slice each. Spreading it matters at 16-64 rows:
  * with the whole fetch in the first block, that block outran the memory system and stalled
  * (bench/probes/linear_gemm.py measures it; figures in BENCHMARKS.md). */
+#define TAIL(R, EVERY) /* a tail of R rows exists only when R < MR */                                    \
+    case R: if ((R) < MR) panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, R, PF(b), EVERY, 0); break;
 #define PANEL_ROWS_BODY(EVERY)                                                                   \
     for (; m + MR <= M; m += MR, ++b)                                                            \
         panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, MR, PF(b), EVERY, \
-                    m + 2 * MR <= M ? y + (m + MR) * ldy : next_panel ? y + NR : 0); \
+                    m + 2 * MR <= M ? y + (m + MR) * ldy : next_panel ? y + NR : 0);             \
     switch (M - m) { /* constant row counts so each tail keeps its accumulators in registers */  \
-    case 1: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 1, PF(b), EVERY, 0); break; \
-    case 2: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 2, PF(b), EVERY, 0); break; \
-    case 3: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 3, PF(b), EVERY, 0); break; \
-    case 4: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 4, PF(b), EVERY, 0); break; \
-    case 5: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 5, PF(b), EVERY, 0); break; \
-    case 6: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 6, PF(b), EVERY, 0); break; \
-    case 7: panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, 7, PF(b), EVERY, 0); break; \
+    TAIL(1, EVERY) TAIL(2, EVERY) TAIL(3, EVERY) TAIL(4, EVERY) TAIL(5, EVERY) TAIL(6, EVERY)        \
+    TAIL(7, EVERY)                                                                               \
     default: break;                                                                              \
     }
 #define MAX_SPREAD 4
@@ -152,12 +143,12 @@ int kp_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int
 }
 
 /* The SwiGLU MLP's first half: act [M, inter] = silu(x Wg^T + bg) * (x Wu^T + bu), with the
- * gate and up weights packed as panel pairs (panel 2q: gate outputs 48q .. 48q + 47, panel
- * 2q + 1: the same up outputs; cpu_native.pack_gate_up_weight). One thread computes both
+ * gate and up weights packed as panel pairs (panel 2q: gate outputs NR q .. NR q + NR - 1,
+ * panel 2q + 1: the same up outputs; cpu_native.pack_gate_up_weight). One thread computes both
  * panels of a pair and applies the SiLU-and-multiply to them at once, while they are in its
  * own cache. Separately, the SiLU pass read half of its input from the other core's cache
  * (the GEMM splits columns, the pass rows), measurably slower.
- * `gu` is scratch of [M, 2 * pairs * 48] (row stride ldgu). */
+ * `gu` is scratch of [M, 2 * pairs * NR] (row stride ldgu). */
 int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
                      int64_t inter, const float *bias, float *gu, int64_t ldgu, float *act,
                      int64_t ldact) {
@@ -176,37 +167,19 @@ int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed
                        up);
             panel_rows(x + m0 * ldx, ldx, mb, up, K, bias ? bias + 2 * c0 + NR : 0, yu, ldgu, NR,
                        q + 1 < pairs ? up + K * NR : 0);
-            const __m512 one = _mm512_set1_ps(1.0f);
             for (int64_t i = 0; i < mb; ++i) {
                 const float *g = yg + i * ldgu, *u = yu + i * ldgu;
                 float *o = act + (m0 + i) * ldact + c0;
-                for (int c = 0; c < ncols; c += 16) {
-                    const __mmask16 k = (ncols - c) >= 16 ? 0xFFFF
-                                        : (__mmask16)((1u << (ncols - c)) - 1);
-                    const __m512 gv = _mm512_loadu_ps(g + c);
-                    const __m512 sig = _mm512_div_ps(
-                        one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-                    _mm512_mask_storeu_ps(o + c, k,
-                                          _mm512_mul_ps(_mm512_mul_ps(gv, sig),
-                                                        _mm512_loadu_ps(u + c)));
+                for (int c = 0; c < ncols; c += KP_VW) {
+                    const vf gv = vload(g + c);
+                    const vf r = gv / (1.0f + vexp(-gv)) * vload(u + c);
+                    if (ncols - c >= KP_VW)
+                        vstore(o + c, r);
+                    else
+                        vstore_n(o + c, r, ncols - c);
                 }
             }
         }
     }
     return 0;
 }
-#else
-int kp_gemm_available(void) { return 0; }
-int kp_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
-                int64_t N, const float *bias, float *y, int64_t ldy) {
-    (void)x; (void)ldx; (void)M; (void)packed; (void)K; (void)N; (void)bias; (void)y; (void)ldy;
-    return -1;
-}
-int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
-                     int64_t inter, const float *bias, float *gu, int64_t ldgu, float *act,
-                     int64_t ldact) {
-    (void)x; (void)ldx; (void)M; (void)packed; (void)K; (void)inter; (void)bias; (void)gu;
-    (void)ldgu; (void)act; (void)ldact;
-    return -1;
-}
-#endif

@@ -14,10 +14,17 @@
 
 #include <stdint.h>
 
-#define KP_ABI_VERSION 4
+#define KP_ABI_VERSION 6
 
-/* Output columns per packed GEMM weight panel (cpu_native.GEMM_PANEL). */
+/* Output columns per packed GEMM weight panel: three vectors where the register file holds 32
+ * (AVX-512: an 8 x 48 tile), two where it holds 16 (AVX2: 6 x 16). A packed weight fits only
+ * the level it was packed for: the Python side packs with what the loaded library reports
+ * (kp_gemm_panel). */
+#if defined(__AVX512F__)
 #define KP_GEMM_PANEL 48
+#else
+#define KP_GEMM_PANEL 16
+#endif
 
 #define KP_API __attribute__((visibility("default")))
 
@@ -67,6 +74,12 @@ KP_API void kp_add_rms_norm_f32(const float *x, int64_t x_stride, float *residua
                                 const float *w, float *out, int64_t rows, int64_t hidden,
                                 float eps);
 
+/* Per-head RMSNorm in place on fused qkv rows (Qwen3's q/k norm): in each row the first q_heads
+ * heads times q_w, the next k_heads times k_w (each [head_dim]). */
+KP_API void kp_qk_norm_f32(float *x, int64_t row_stride, int64_t rows, int64_t q_heads,
+                           int64_t k_heads, int64_t head_dim, const float *q_w, const float *k_w,
+                           float eps);
+
 /* Rotary embedding in place on the first `heads` heads of each row; -1: a position outside
  * the table. */
 KP_API int kp_rope_f32(float *x, int64_t row_stride, const int64_t *positions,
@@ -109,10 +122,10 @@ KP_API int kp_lora_sgmv_f32(const float *x, int64_t x_stride, float *out, int64_
                             const int64_t *rows, int64_t num_rows, const int64_t *seg_start,
                             const int64_t *seg_len, const int64_t *seg_slot, int64_t num_segs);
 
-/* ---- GEMM over packed weights (gemm.c; AVX-512 builds only, else they return -1) ---- */
+/* ---- GEMM over packed weights (gemm.c) ---- */
 
-/* 1 when the GEMM below is compiled in (AVX-512), else 0. */
-KP_API int kp_gemm_available(void);
+/* KP_GEMM_PANEL of this build: the panel width packed weights must have. */
+KP_API int kp_gemm_panel(void);
 
 /* y [M, N] = x [M, K] times a weight packed in KP_GEMM_PANEL-column panels (+ bias). */
 KP_API int kp_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
@@ -128,7 +141,9 @@ KP_API int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float 
 
 /* The model: sizes and, per layer, pointers to packed weights (gemm.c panels), biases
  * (NULL when absent), norm weights and the layer's KV cache [2, num_blocks, block_size,
- * num_kv_heads, head_dim]. Field order matches the ctypes mirror in abi.py. */
+ * num_kv_heads, head_dim]; per layer too, its sliding window in keys (0: none; `window` NULL:
+ * no layer has one) and Qwen3's per-head q/k norm weights [head_dim] (`q_norm`, `k_norm`
+ * NULL: none). Field order matches the ctypes mirror in abi.py. */
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter;
     int64_t num_blocks, block_size, max_positions;
@@ -146,6 +161,8 @@ typedef struct {
     float *const *kv;
     const float *final_norm;
     const float *cos_table, *sin_table;
+    const int32_t *window;
+    const float *const *q_norm, *const *k_norm;
 } kp_decoder_stack;
 
 /* One step: T new tokens (their embeddings in x, which is overwritten) and scratch for each

@@ -12,13 +12,15 @@
  * - paged_rows.c: the row kernel, one query row (all query heads of a KV head group) at a time
  *   over its keys in chunks, online softmax;
  * - paged_key_tile.c: rows that share keys (a prefill run, a shared prefix) over keys laid out
- *   transposed, 16 keys to a vector (AVX-512 only);
+ *   transposed, 16 keys to a group (one vector with AVX-512, two with AVX2);
  * - paged_prefix.c: finding those groups of rows, prefill runs and cascade (shared-prefix)
- *   groups (AVX-512 only);
+ *   groups;
  * - paged_dispatch.c: kp_paged_rows_f32, which spreads rows over threads and picks the path.
  *
  * Layout (docs/kernels.md): kv = [2, num_blocks, block_size, num_kv_heads, head_dim].
- * Functions shared between the files carry the pa_ prefix; none is exported.
+ * Functions shared between the files carry the pa_ prefix; none is exported. The vector paths
+ * are written once over kp_vec.h for every level; head dims 64 and 128 take them, any other
+ * the portable loop.
  */
 #ifndef KP_PAGED_ATTENTION_H
 #define KP_PAGED_ATTENTION_H
@@ -28,12 +30,31 @@
 #include <stdlib.h>
 
 #include "kp_native.h"
+#include "kp_vec.h"
 
 #define MAX_GROUP 32
 #define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
 #define CHUNK 32
+#define KT_KEYS 16 /* keys per group of the transposed layout */
+#define MAX_NV (128 / KP_VW) /* vectors of the longest head the vector paths take */
+
+/* The head dims the vector paths take. */
+static inline int pa_vector_head(int hd) { return hd == 64 || hd == 128; }
+
+/* Vectors of an accumulator row that a V loop over m rows holds at once: the largest power of
+ * two, at most nv, with which the m rows' accumulators (and, for m > 1, the V vectors they
+ * share) stay in registers. AVX-512 holds whole heads of 64 or 128 for the blockings used;
+ * AVX2 goes over a head in slices. */
+static inline __attribute__((always_inline)) int pa_v_slice(int m, int nv) {
+    /* Ternaries, not a loop: the compiler must fold this to a constant before it decides to
+     * keep the accumulator arrays in registers (a loop here left them on the stack). */
+#define PA_FITS(d) ((m + (m > 1)) * (d) + 1 <= KP_VREGS - 1)
+    return PA_FITS(nv) ? nv : PA_FITS(nv / 2) ? nv / 2 : PA_FITS(nv / 4) ? nv / 4
+         : PA_FITS(nv / 8) ? nv / 8 : 1;
+#undef PA_FITS
+}
 
 typedef struct {
     const float *k_base, *v_base;
@@ -55,7 +76,7 @@ static inline void chunk_rows(const kv_layout *kv, const int32_t *table, int32_t
 }
 
 /* Rows first .. last share their first `keys` keys, laid out transposed from kt + off with
- * `ld` (keys rounded up to 16) keys per head dimension. */
+ * `ld` (keys rounded up to KT_KEYS) keys per head dimension. */
 typedef struct {
     int64_t first, last, off, ld;
     int32_t keys;
@@ -68,10 +89,9 @@ void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, 
                      int32_t len, int kvh, int group, int hd, float scale, float softcap,
                      float *out);
 
-#ifdef __AVX512F__
 /* paged_rows.c: KV heads kvh .. kvh + nkv - 1 of one row over keys start .. len - 1, head_dim
  * 64 or 128; `state` (or NULL) is the softmax state to go on from (cascade). */
-void pa_item_avx512(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
+void pa_item_vec(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
                     int32_t len, int kvh, int nkv, int group, int hd, float scale,
                     const float *state, float *out);
 
@@ -79,7 +99,7 @@ void pa_item_avx512(const float *q, const kv_layout *kv, const int32_t *table, i
  * to call), or NULL when it cannot be allocated. */
 float *pa_transposed_keys(int64_t n);
 
-/* paged_key_tile.c: keys t0 .. t0 + 15 of all KV heads into their places in kt. */
+/* paged_key_tile.c: keys t0 .. t0 + KT_KEYS - 1 of all KV heads into their places in kt. */
 void pa_kt_fill(const kv_layout *kv, const int32_t *table, int32_t len, int nkv, int hd,
                 int64_t ld, int32_t t0, float *kt);
 
@@ -95,6 +115,5 @@ int pa_kt_item(const float *const *q, const float *kt, int64_t ld, const kv_layo
 int64_t pa_find_key_groups(const int32_t *row_lens, const int64_t *seq_idx,
                            const int32_t *block_tables, int64_t bt_stride, int32_t bs,
                            int64_t n, int cascade, int32_t *group_of, key_group *grp);
-#endif
 
 #endif

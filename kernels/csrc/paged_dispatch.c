@@ -8,17 +8,15 @@
 #endif
 
 /* KV heads kvh .. kvh + nkv - 1 of one row over keys start .. len - 1; q and out point at
- * the first of their heads. A soft-capped layer takes the portable loop (the AVX-512 passes
+ * the first of their heads. A soft-capped layer takes the portable loop (the vector passes
  * have no cap). */
 static void run_item(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
                      int32_t len, int kvh, int nkv, int group, int hd, float scale,
                      float softcap, float *out) {
-#ifdef __AVX512F__
-    if ((hd == 64 || hd == 128) && nkv * group <= MAX_HEADS && softcap == 0.0f) {
-        pa_item_avx512(q, kv, table, start, len, kvh, nkv, group, hd, scale, 0, out);
+    if (pa_vector_head(hd) && nkv * group <= MAX_HEADS && softcap == 0.0f) {
+        pa_item_vec(q, kv, table, start, len, kvh, nkv, group, hd, scale, 0, out);
         return;
     }
-#endif
     for (int k = 0; k < nkv; ++k)
         pa_item_generic(q + (int64_t)k * group * hd, kv, table, start, len, kvh + k, group, hd,
                         scale, softcap, out + (int64_t)k * group * hd);
@@ -60,8 +58,7 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
     key_group *grp = 0;
     float *kt = 0;
     int64_t groups = 0;
-#ifdef __AVX512F__
-    if ((head_dim == 64 || head_dim == 128) && n >= 2 && window == 0 && softcap == 0.0f) {
+    if (pa_vector_head(head_dim) && n >= 2 && window == 0 && softcap == 0.0f) {
         group_of = malloc((size_t)n * sizeof *group_of);
         grp = malloc((size_t)n * sizeof *grp);
         if (group_of && grp)
@@ -73,7 +70,7 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
         for (int64_t k = 0; k < groups; ++k) {
             grp[k].off = total;
             total += grp[k].ld * layout.tok_stride;
-            slices += grp[k].ld / 16;
+            slices += grp[k].ld / KT_KEYS;
         }
         /* Kept by the calling thread from call to call: a fresh buffer per layer would fault
          * its pages in every time. It grows to the largest step's need. */
@@ -83,17 +80,13 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
 #pragma omp parallel for schedule(static)
             for (int64_t si = 0; si < slices; ++si) {
                 int64_t k = 0, first = 0;
-                while (si >= first + grp[k].ld / 16) first += grp[k++].ld / 16;
+                while (si >= first + grp[k].ld / KT_KEYS) first += grp[k++].ld / KT_KEYS;
                 pa_kt_fill(&layout, block_tables + seq_idx[grp[k].first] * bt_stride,
                            grp[k].keys, num_kv_heads, head_dim, grp[k].ld,
-                           (int32_t)((si - first) * 16), kt + grp[k].off);
+                           (int32_t)((si - first) * KT_KEYS), kt + grp[k].off);
             }
         }
     }
-#else
-    (void)kt;
-    (void)groups;
-#endif
     int failed = 0;
 
 #pragma omp parallel for schedule(dynamic, 2)
@@ -104,7 +97,6 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
         const float *qh = q + tok * q_row_stride + (int64_t)kvh * group * head_dim;
         float *oh = out + tok * out_row_stride + (int64_t)kvh * group * head_dim;
         const int32_t *table = block_tables + seq_idx[row] * bt_stride;
-#ifdef __AVX512F__
         if (groups && group_of[row] >= 0) {
             /* Rows go in pairs from the group's first row: the first of a pair does both. */
             const key_group *g = &grp[group_of[row]];
@@ -125,8 +117,8 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
                                 group, head_dim, scale, orow, st);
                 for (int i = 0; i < R && !rc; ++i) {
                     const int32_t *ti = block_tables + seq_idx[row + i] * bt_stride;
-                    pa_item_avx512(qr[i], &layout, ti, g->keys, row_lens[row + i], kvh,
-                                   per_item, group, head_dim, scale, st[i], orow[i]);
+                    pa_item_vec(qr[i], &layout, ti, g->keys, row_lens[row + i], kvh,
+                                per_item, group, head_dim, scale, st[i], orow[i]);
                 }
             }
             if (rc) {
@@ -135,7 +127,6 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
             }
             continue;
         }
-#endif
         const int32_t len = row_lens[row];
         const int32_t start = (window > 0 && len > window) ? len - window : 0;
         run_item(qh, &layout, table, start, len, kvh, per_item, group, head_dim, scale, softcap,

@@ -1,20 +1,20 @@
 /* Paged attention for rows that share keys: keys in the vector lanes (paged_attention.h).
  * The rows of one prefill chunk all read the same keys, and so do decode rows whose sequences
  * share a prompt prefix. For such a group (paged_prefix.c) the shared keys of each KV head are
- * first laid out transposed, once per call, as [head][group of 16 keys][head_dim][16]; a
- * row's scores then come out 16 keys to a vector (head_dim multiply-adds per 16 scores, no
- * horizontal sums), the softmax is taken over the whole score row (a few KiB), and the V rows
- * are read block by block. Two rows go together, so each K and V load feeds up to 6
- * (row, head) pairs with every accumulator in registers. This is markedly faster than the row
+ * first laid out transposed, once per call, as [head][group of KT_KEYS keys][head_dim][KT_KEYS];
+ * a row's scores then come out KT_KEYS keys at a time (head_dim multiply-adds per vector of
+ * scores, no horizontal sums), the softmax is taken over the whole score row (a few KiB), and
+ * the V rows are read block by block. Two rows go together, so each K and V load feeds several
+ * (row, head) pairs with the accumulators in registers. This is markedly faster than the row
  * kernel for prefill chunks (bench/probes/prefill_attention.py). For a shared prefix (cascade)
  * the tile hands its softmax max and sum on, unnormalised, and the row kernel goes on over the
- * row's own keys from there (pa_item_avx512 with a state). */
+ * row's own keys from there (pa_item_vec with a state). Written once over kp_vec.h: a group
+ * of keys is one vector with AVX-512, two with AVX2, and the V loop holds a slice of the head
+ * where the register file is small (pa_v_slice). */
 #include "paged_attention.h"
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-
-#include "simd_exp.h"
+#define KV_VECS (KT_KEYS / KP_VW) /* vectors per group of keys */
+#define MAX_M 6 /* score rows of one tile: R rows x gb heads */
 
 static float *grow_buffer(float **buf, int64_t *cap, int64_t n) {
     if (n > *cap) {
@@ -26,132 +26,160 @@ static float *grow_buffer(float **buf, int64_t *cap, int64_t n) {
     return *buf;
 }
 
-/* Keys t0 .. t0 + 15 (t0 a multiple of 16) of all KV heads into their places in kt (zero
- * past len). */
+/* Keys t0 .. t0 + KT_KEYS - 1 (t0 a multiple of KT_KEYS) of all KV heads into their places in
+ * kt (zero past len). */
 void pa_kt_fill(const kv_layout *kv, const int32_t *table, int32_t len, int nkv, int hd,
                 int64_t ld, int32_t t0, float *kt) {
     const int32_t bs = kv->block_size;
     for (int h = 0; h < nkv; ++h) {
-        float *dst = kt + (int64_t)h * hd * ld + (int64_t)t0 * hd;  /* [hd][16] for this group */
-        for (int32_t t = t0; t < t0 + 16; ++t) {
+        float *dst = kt + (int64_t)h * hd * ld + (int64_t)t0 * hd;  /* [hd][KT_KEYS] */
+        for (int32_t t = t0; t < t0 + KT_KEYS; ++t) {
             float *col = dst + (t - t0);
             if (t < len) {
                 const float *src = kv->k_base + ((int64_t)table[t / bs] * bs + t % bs) * kv->tok_stride
                                    + (int64_t)h * hd;
-                for (int d = 0; d < hd; ++d) col[d * 16] = src[d];
+                for (int d = 0; d < hd; ++d) col[d * KT_KEYS] = src[d];
             } else {
-                for (int d = 0; d < hd; ++d) col[d * 16] = 0.0f;
+                for (int d = 0; d < hd; ++d) col[d * KT_KEYS] = 0.0f;
             }
         }
     }
 }
 
+/* Softmax of one score row of n keys in place (its keys past n, up to `padded`, zeroed: keys of
+ * the other, longer row of the tile); returns the sum, and the max in *max. */
+static inline float softmax_row(float *sm, int32_t n, int32_t padded, float *max) {
+    const int32_t full = n / KP_VW * KP_VW;
+    const int tail = n - full;
+    vf vmx = vset1(-3.0e38f);
+    for (int32_t t = 0; t < full; t += KP_VW) vmx = vmax(vmx, vload(sm + t));
+    if (tail) vmx = vmax(vmx, vselect(vlanes_below(tail), vload(sm + full), vmx));
+    const float mx = vhmax(vmx);
+    vf vsum = vzero();
+    for (int32_t t = 0; t < full; t += KP_VW) {
+        const vf e = vexp(vload(sm + t) - mx);
+        vstore(sm + t, e);
+        vsum += e;
+    }
+    int32_t t = full;
+    if (tail) {
+        const vf e = vselect(vlanes_below(tail), vexp(vload(sm + full) - mx), vzero());
+        vstore(sm + full, e);
+        vsum += e;
+        t += KP_VW;
+    }
+    for (; t < padded; t += KP_VW) vstore(sm + t, vzero());
+    *max = mx;
+    return vhsum(vsum);
+}
+
 /* Query heads g0 .. g0 + gb - 1 of KV head h for R rows (R = 2: two consecutive rows of the
  * run, sharing every K and V load) over their first lens[r] keys. M = R * gb score rows, each
- * with its own softmax; accumulators for all M stay in registers through the V loop. */
+ * with its own softmax; the V loop keeps DV vectors of each of the M accumulators in registers
+ * and walks the head in slices of DV. */
 static inline __attribute__((always_inline)) void kt_tile(
     const float *const *q, const float *kt, int64_t ld, const kv_layout *kv,
     const int32_t *table, const int32_t *lens, int h, const int R, const int gb, const int NV,
     float scale, float *s, float *const *out, float *const *stats, int stats_heads) {
-    const int hd = 16 * NV;
+    const int hd = KP_VW * NV;
     const int M = R * gb;
     const int32_t bs = kv->block_size;
     const int32_t len = lens[R - 1] > lens[0] ? lens[R - 1] : lens[0];  /* the longer row */
-    float qs[6 * 128] __attribute__((aligned(64)));
+    float qs[MAX_M * 128] __attribute__((aligned(64)));
     for (int m = 0; m < M; ++m)
         for (int d = 0; d < hd; ++d) qs[m * hd + d] = q[m / gb][(int64_t)(m % gb) * hd + d] * scale;
     const float *kh = kt + (int64_t)h * hd * ld;
-    const int32_t groups = (len + 15) / 16;
+    const int32_t groups = (len + KT_KEYS - 1) / KT_KEYS;
     for (int32_t j = 0; j < groups; ++j) {
-        __m512 acc[6];
-        for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-        const float *col = kh + (int64_t)j * 16 * hd;
+        vf acc[MAX_M][KV_VECS];
+        for (int m = 0; m < M; ++m)
+            for (int c = 0; c < KV_VECS; ++c) acc[m][c] = vzero();
+        const float *col = kh + (int64_t)j * KT_KEYS * hd;
         for (int d = 0; d < hd; ++d) {
-            const __m512 k = _mm512_load_ps(col + (int64_t)d * 16);
-            for (int m = 0; m < M; ++m)
-                acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(qs[m * hd + d]), k, acc[m]);
+            vf k[KV_VECS];
+            for (int c = 0; c < KV_VECS; ++c) k[c] = vload(col + (int64_t)d * KT_KEYS + c * KP_VW);
+            for (int m = 0; m < M; ++m) {
+                const vf a = vset1(qs[m * hd + d]);
+                for (int c = 0; c < KV_VECS; ++c) acc[m][c] = vfma(a, k[c], acc[m][c]);
+            }
         }
-        for (int m = 0; m < M; ++m) _mm512_store_ps(s + m * ld + (int64_t)j * 16, acc[m]);
+        for (int m = 0; m < M; ++m)
+            for (int c = 0; c < KV_VECS; ++c)
+                vstore(s + m * ld + (int64_t)j * KT_KEYS + c * KP_VW, acc[m][c]);
     }
-    float inv[6];
+    float inv[MAX_M];
     for (int m = 0; m < M; ++m) {
-        float *sm = s + m * ld;
-        const int32_t n = lens[m / gb];
-        const int32_t full = n / 16 * 16;
-        const __mmask16 tail = (__mmask16)((1u << (n - full)) - 1);
-        __m512 vmax = _mm512_set1_ps(-3.0e38f);
-        for (int32_t t = 0; t < full; t += 16) vmax = _mm512_max_ps(vmax, _mm512_load_ps(sm + t));
-        if (tail) vmax = _mm512_max_ps(vmax, _mm512_mask_load_ps(vmax, tail, sm + full));
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        __m512 vsum = _mm512_setzero_ps();
-        for (int32_t t = 0; t < full; t += 16) {
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(sm + t), mx));
-            _mm512_store_ps(sm + t, e);
-            vsum = _mm512_add_ps(vsum, e);
-        }
-        int32_t t = full;
-        if (tail) {
-            const __m512 e = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_load_ps(sm + full), mx)));
-            _mm512_store_ps(sm + full, e);
-            vsum = _mm512_add_ps(vsum, e);
-            t += 16;
-        }
-        for (; t < groups * 16; t += 16) _mm512_store_ps(sm + t, _mm512_setzero_ps());  /* keys of the longer row only */
-        const float sum = _mm512_reduce_add_ps(vsum);
+        float mx;
+        const float sum = softmax_row(s + m * ld, lens[m / gb], groups * KT_KEYS, &mx);
         if (stats) {  /* cascade: hand on the max and the sum, the output stays unnormalised */
             float *st = stats[m / gb];
-            st[m % gb] = _mm512_reduce_max_ps(mx);
+            st[m % gb] = mx;
             st[stats_heads + m % gb] = sum;
             inv[m] = 1.0f;
         } else {
             inv[m] = 1.0f / sum;
         }
     }
-    __m512 a[6][8];
-    for (int m = 0; m < M; ++m)
-        for (int j = 0; j < NV; ++j) a[m][j] = _mm512_setzero_ps();
-    for (int32_t t0 = 0, b = 0; t0 < len; t0 += bs, ++b) {
-        const float *base = kv->v_base + (int64_t)table[b] * bs * kv->tok_stride + (int64_t)h * hd;
-        const int32_t nu = (len - t0) < bs ? (len - t0) : bs;
-        for (int32_t u = 0; u < nu; ++u) {
-            const float *vt = base + (int64_t)u * kv->tok_stride;
-            __m512 v[8];
-            for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_ps(vt + 16 * j);
-            for (int m = 0; m < M; ++m) {
-                const __m512 w = _mm512_set1_ps(s[m * ld + t0 + u]);
-                for (int j = 0; j < NV; ++j) a[m][j] = _mm512_fmadd_ps(w, v[j], a[m][j]);
+    const int DV = pa_v_slice(M, NV);
+    for (int j0 = 0; j0 < NV; j0 += DV) {
+        vf a[MAX_M][MAX_NV];
+        for (int m = 0; m < M; ++m)
+            for (int j = 0; j < DV; ++j) a[m][j] = vzero();
+        for (int32_t t0 = 0, b = 0; t0 < len; t0 += bs, ++b) {
+            const float *base = kv->v_base + (int64_t)table[b] * bs * kv->tok_stride
+                                + (int64_t)h * hd + KP_VW * j0;
+            const int32_t nu = (len - t0) < bs ? (len - t0) : bs;
+            for (int32_t u = 0; u < nu; ++u) {
+                const float *vt = base + (int64_t)u * kv->tok_stride;
+                vf v[MAX_NV];
+                for (int j = 0; j < DV; ++j) v[j] = vload(vt + KP_VW * j);
+                for (int m = 0; m < M; ++m) {
+                    const vf w = vset1(s[m * ld + t0 + u]);
+                    for (int j = 0; j < DV; ++j) a[m][j] = vfma(w, v[j], a[m][j]);
+                }
             }
         }
-    }
-    for (int m = 0; m < M; ++m) {
-        const __m512 vi = _mm512_set1_ps(inv[m]);
-        float *o = out[m / gb] + (int64_t)(m % gb) * hd;
-        for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(a[m][j], vi));
+        for (int m = 0; m < M; ++m) {
+            float *o = out[m / gb] + (int64_t)(m % gb) * hd + KP_VW * j0;
+            for (int j = 0; j < DV; ++j) vstore(o + KP_VW * j, a[m][j] * inv[m]);
+        }
     }
 }
 
-/* kt_tile with R, gb and the head dim as constants (registers: M * NV accumulators <= 24). */
+/* Query heads per tile for R rows: AVX-512 as many as keep the V accumulators of whole heads
+ * in registers (head_dim 64: 4 for one row, 3 for two; 128: 2 and 1); AVX2 3 (3 or 6 score
+ * rows: enough independent FMAs to hide their latency; its V loop goes over the head in
+ * slices either way), measured faster than 1-2 rows and than 4 (BENCHMARKS.md). */
+static inline int kt_heads(int R, int hd) {
+#if KP_VREGS >= 32
+    return hd == 64 ? (R == 1 ? 4 : 3) : (R == 1 ? 2 : 1);
+#else
+    (void)hd;
+    return R == 1 ? 3 : 3;
+#endif
+}
+
+/* kt_tile with R, gb and the head dim as constants. */
 static void kt_dispatch(const float *const *q, const float *kt, int64_t ld, const kv_layout *kv,
                         const int32_t *table, const int32_t *lens, int h, int R, int gb, int hd,
                         float scale, float *s, float *const *out, float *const *stats,
                         int stats_heads) {
 #define KT(RR, GB, NV) kt_tile(q, kt, ld, kv, table, lens, h, RR, GB, NV, scale, s, out, stats, \
                                stats_heads)
-    if (hd == 64) {
-        if (R == 1) {
-            switch (gb) { case 1: KT(1, 1, 4); break; case 2: KT(1, 2, 4); break;
-                          case 3: KT(1, 3, 4); break; default: KT(1, 4, 4); break; }
-        } else {
-            switch (gb) { case 1: KT(2, 1, 4); break; case 2: KT(2, 2, 4); break;
-                          default: KT(2, 3, 4); break; }
-        }
-    } else {
-        if (R == 1) {
-            if (gb == 1) KT(1, 1, 8); else KT(1, 2, 8);
-        } else {
-            KT(2, 1, 8);
-        }
+#define KT_ROWS(NV)                                                                      \
+    if (R == 1) {                                                                        \
+        switch (gb) { case 1: KT(1, 1, NV); break; case 2: KT(1, 2, NV); break;          \
+                      case 3: KT(1, 3, NV); break; default: KT(1, 4, NV); break; }       \
+    } else {                                                                             \
+        switch (gb) { case 1: KT(2, 1, NV); break; case 2: KT(2, 2, NV); break;          \
+                      default: KT(2, 3, NV); break; }                                    \
     }
+    if (hd == 64) {
+        KT_ROWS(64 / KP_VW)
+    } else {
+        KT_ROWS(128 / KP_VW)
+    }
+#undef KT_ROWS
 #undef KT
 }
 
@@ -165,8 +193,8 @@ static __thread int64_t kt_keys_cap;
 int pa_kt_item(const float *const *q, const float *kt, int64_t ld, const kv_layout *kv,
                const int32_t *table, const int32_t *lens, int R, int kvh, int nkv, int group,
                int hd, float scale, float *const *out, float *const *stats) {
-    const int per_pass = hd == 64 ? (R == 1 ? 4 : 3) : (R == 1 ? 2 : 1);
-    float *s = grow_buffer(&kt_scores, &kt_scores_cap, (int64_t)6 * ld);
+    const int per_pass = kt_heads(R, hd);
+    float *s = grow_buffer(&kt_scores, &kt_scores_cap, (int64_t)MAX_M * ld);
     if (!s) return -1;
     for (int k = 0; k < nkv; ++k)
         for (int g = 0; g < group; g += per_pass) {
@@ -188,4 +216,3 @@ int pa_kt_item(const float *const *q, const float *kt, int64_t ld, const kv_layo
 }
 
 float *pa_transposed_keys(int64_t n) { return grow_buffer(&kt_keys, &kt_keys_cap, n); }
-#endif

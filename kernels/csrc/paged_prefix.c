@@ -12,7 +12,6 @@
 #define KT_MIN_ROWS 32
 #endif
 
-#ifdef __AVX512F__
 /* The groups of rows that share keys, in row order; group_of[r] gets each row's group or -1:
  * - prefill runs: at least KT_MIN_ROWS rows of one sequence at consecutive positions (all
  *   keys of the run's last row);
@@ -60,7 +59,7 @@ int64_t pa_find_key_groups(const int32_t *row_lens, const int64_t *seq_idx,
         ++groups;
         r = e;
     }
-    for (int64_t k = 0; k < groups; ++k) grp[k].ld = ((int64_t)grp[k].keys + 15) / 16 * 16;
+    for (int64_t k = 0; k < groups; ++k)
+        grp[k].ld = ((int64_t)grp[k].keys + KT_KEYS - 1) / KT_KEYS * KT_KEYS;
     return groups;
 }
-#endif

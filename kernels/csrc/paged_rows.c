@@ -5,9 +5,9 @@
  * walked in chunks of CHUNK keys: scores for the chunk, one vectorised exp pass and one rescale
  * of the running sum and accumulator (online softmax), then the weighted V rows, while the next
  * chunk is prefetched. Consecutive rows of one prefill sequence re-read the same K/V, which
- * stays in cache. With AVX-512, head dims 64 and 128 get hand-vectorised copies (q and the
- * accumulators in registers); every other case uses the portable loop. CHUNK = 32 measured
- * best for the prefetch distance, against 16, 64 and 128.
+ * stays in cache. Head dims 64 and 128 take the vector version (kp_vec.h, every level: q and
+ * the accumulators in registers as far as the register file allows); every other case the
+ * portable loop. CHUNK = 32 measured best for the prefetch distance, against 16, 64 and 128.
  */
 #include "paged_attention.h"
 
@@ -86,139 +86,139 @@ static inline void prefetch_l2(const float *const *rows, int n, int64_t nfl) {
         for (int64_t b = 0; b < nfl; b += 16) __builtin_prefetch(rows[t] + b, 0, 2);
 }
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-
-#include "simd_exp.h"
-
-/* Lane i of the result = sum of all 16 lanes of v[i]: a transpose-and-add tree (45 shuffles
- * and adds for 16 sums instead of 16 separate horizontal reductions). */
-static inline __m512 hsum16(const __m512 v[16]) {
-    __m512 x[8], y[4], z[2];
-    for (int i = 0; i < 8; ++i)
-        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) {
-        const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
-        y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+/* softmax_chunk for n <= CHUNK scores, all in registers: no scalar passes over the chunk. */
+#define CHUNK_V (CHUNK / KP_VW)
+static inline float softmax_chunk_vec(float *p, int n, float *m, float *l) {
+    vf s[CHUNK_V];
+    vf top = vset1(-3.0e38f);
+    for (int c = 0; c < CHUNK_V; ++c) {
+        const int left = n - c * KP_VW;
+        s[c] = left >= KP_VW ? vload(p + c * KP_VW)
+               : vselect(vlanes_below(left > 0 ? left : 0), vload_n(p + c * KP_VW, left > 0 ? left : 0),
+                         vset1(-3.0e38f));
+        top = vmax(top, s[c]);
     }
-    for (int i = 0; i < 2; ++i)
-        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88),
-                         _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
-}
-/* softmax_chunk for n <= 32 scores, all in registers: no scalar passes over the chunk. */
-_Static_assert(CHUNK <= 32, "softmax_chunk_avx512 holds a chunk in two registers");
-static inline float softmax_chunk_avx512(float *p, int n, float *m, float *l) {
-    const __mmask16 k0 = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
-    const __mmask16 k1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1);
-    const __m512 lowest = _mm512_set1_ps(-3.0e38f);
-    const __m512 s0 = _mm512_mask_loadu_ps(lowest, k0, p);
-    const __m512 s1 = _mm512_mask_loadu_ps(lowest, k1, p + 16);
-    const float cmax = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+    const float cmax = vhmax(top);
     const float mx = cmax > *m ? cmax : *m;
     const float corr = (*m == -INFINITY) ? 0.0f : expf(*m - mx);
-    const __m512 vmx = _mm512_set1_ps(mx);
-    const __m512 e0 = _mm512_maskz_mov_ps(k0, exp512(_mm512_sub_ps(s0, vmx)));
-    const __m512 e1 = _mm512_maskz_mov_ps(k1, exp512(_mm512_sub_ps(s1, vmx)));
-    _mm512_mask_storeu_ps(p, k0, e0);
-    _mm512_mask_storeu_ps(p + 16, k1, e1);
-    *l = *l * corr + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+    vf sum = vzero();
+    for (int c = 0; c < CHUNK_V; ++c) {
+        const int left = n - c * KP_VW;
+        if (left <= 0) break;
+        const vf e = vexp(s[c] - mx);
+        if (left >= KP_VW) {
+            vstore(p + c * KP_VW, e);
+            sum += e;
+        } else {
+            const vf kept = vselect(vlanes_below(left), e, vzero());
+            vstore_n(p + c * KP_VW, kept, left);
+            sum += kept;
+        }
+    }
+    *l = *l * corr + vhsum(sum);
     *m = mx;
     return corr;
 }
 
-/* AVX-512 version for head_dim = 16 * NV. Per chunk of keys and per KV head, the query heads of
- * the group are taken a few at a time (`gb`, a compile-time constant so q and the accumulators
- * stay in registers): each K row and each V row is loaded once for all of them. While a chunk
- * is processed, the next chunk's K and V rows are prefetched toward L2, a few lines per key, so
- * the memory system keeps fetching the scattered blocks while the core computes (measurably
- * faster than the loop before it, which stalled on every new block). */
+/* Vector version for head_dim = KP_VW * NV. Per chunk of keys and per KV head, the query heads
+ * of the group are taken a few at a time (`gb`, a compile-time constant so q and the
+ * accumulators stay in registers): each K row and each V row is loaded once for all of them.
+ * Scores come KP_VW keys at a time, their horizontal sums taken together (vhsum_lanes). While
+ * a chunk is processed, the next chunk's K and V rows are prefetched toward L2, a few lines
+ * per key, so the memory system keeps fetching the scattered blocks while the core computes
+ * (measurably faster than the loop before it, which stalled on every new block). */
 #define PASS_MAX 4
-static inline __attribute__((always_inline)) void pass_avx512(
+static inline __attribute__((always_inline)) void pass_vec(
     const float *q, const int gb, const int NV, const float *const *krow,
     const float *const *vrow, const float *const *nkrow, const float *const *nvrow, int n,
     int nnext, int64_t koff, float scale, float *p, float *m, float *l, float *accbuf) {
-    const int hd = 16 * NV;
-    __m512 qv[PASS_MAX][8];
-    const __m512 vscale = _mm512_set1_ps(scale);
+    const int hd = KP_VW * NV;
+    vf qv[PASS_MAX][MAX_NV];
     for (int i = 0; i < gb; ++i)
-        for (int j = 0; j < NV; ++j) qv[i][j] = _mm512_mul_ps(_mm512_loadu_ps(q + i * hd + 16 * j), vscale);
+        for (int j = 0; j < NV; ++j) qv[i][j] = vload(q + i * hd + KP_VW * j) * scale;
     int t = 0;
-    for (; t + 16 <= n; t += 16) {
-        __m512 part[PASS_MAX][16];
-        for (int u = 0; u < 16; ++u) {
+    for (; t + KP_VW <= n; t += KP_VW) {
+        vf part[PASS_MAX][KP_VW];
+        for (int u = 0; u < KP_VW; ++u) {
             const float *kt = krow[t + u] + koff;
-            __m512 k[8];
-            for (int j = 0; j < NV; ++j) k[j] = _mm512_loadu_ps(kt + 16 * j);
             for (int i = 0; i < gb; ++i) {
-                __m512 s = _mm512_mul_ps(qv[i][0], k[0]);
-                for (int j = 1; j < NV; ++j) s = _mm512_fmadd_ps(qv[i][j], k[j], s);
+                vf s = qv[i][0] * vload(kt);
+                for (int j = 1; j < NV; ++j) s = vfma(qv[i][j], vload(kt + KP_VW * j), s);
                 part[i][u] = s;
             }
         }
-        for (int i = 0; i < gb; ++i) _mm512_storeu_ps(p + i * CHUNK + t, hsum16(part[i]));
+        for (int i = 0; i < gb; ++i) vstore(p + i * CHUNK + t, vhsum_lanes(part[i]));
     }
     for (; t < n; ++t) {
         const float *kt = krow[t] + koff;
         for (int i = 0; i < gb; ++i) {
-            __m512 s = _mm512_mul_ps(qv[i][0], _mm512_loadu_ps(kt));
-            for (int j = 1; j < NV; ++j) s = _mm512_fmadd_ps(qv[i][j], _mm512_loadu_ps(kt + 16 * j), s);
-            p[i * CHUNK + t] = _mm512_reduce_add_ps(s);
+            vf s = qv[i][0] * vload(kt);
+            for (int j = 1; j < NV; ++j) s = vfma(qv[i][j], vload(kt + KP_VW * j), s);
+            p[i * CHUNK + t] = vhsum(s);
         }
     }
-    __m512 a[PASS_MAX][8];
-    for (int i = 0; i < gb; ++i) {
-        const __m512 corr = _mm512_set1_ps(softmax_chunk_avx512(p + i * CHUNK, n, &m[i], &l[i]));
-        for (int j = 0; j < NV; ++j) a[i][j] = _mm512_mul_ps(_mm512_loadu_ps(accbuf + i * hd + 16 * j), corr);
-    }
-    for (int u = 0; u < n; ++u) {
-        if (u < nnext) {
-            for (int b = 0; b < hd; b += 16) {
-                __builtin_prefetch(nkrow[u] + koff + b, 0, 2);
-                __builtin_prefetch(nvrow[u] + koff + b, 0, 2);
+    float corr[PASS_MAX];
+    for (int i = 0; i < gb; ++i) corr[i] = softmax_chunk_vec(p + i * CHUNK, n, &m[i], &l[i]);
+    /* The weighted V rows, a slice of the head at a time where the register file is small. */
+    const int DV = pa_v_slice(gb, NV);
+    for (int j0 = 0; j0 < NV; j0 += DV) {
+        vf a[PASS_MAX][MAX_NV];
+        for (int i = 0; i < gb; ++i)
+            for (int j = 0; j < DV; ++j)
+                a[i][j] = vload(accbuf + i * hd + KP_VW * (j0 + j)) * corr[i];
+        for (int u = 0; u < n; ++u) {
+            if (j0 == 0 && u < nnext) {
+                for (int b = 0; b < hd; b += 16) {
+                    __builtin_prefetch(nkrow[u] + koff + b, 0, 2);
+                    __builtin_prefetch(nvrow[u] + koff + b, 0, 2);
+                }
+            }
+            const float *vt = vrow[u] + koff + KP_VW * j0;
+            vf v[MAX_NV];
+            for (int j = 0; j < DV; ++j) v[j] = vload(vt + KP_VW * j);
+            for (int i = 0; i < gb; ++i) {
+                const vf w = vset1(p[i * CHUNK + u]);
+                for (int j = 0; j < DV; ++j) a[i][j] = vfma(w, v[j], a[i][j]);
             }
         }
-        const float *vt = vrow[u] + koff;
-        __m512 v[8];
-        for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_ps(vt + 16 * j);
-        for (int i = 0; i < gb; ++i) {
-            const __m512 w = _mm512_set1_ps(p[i * CHUNK + u]);
-            for (int j = 0; j < NV; ++j) a[i][j] = _mm512_fmadd_ps(w, v[j], a[i][j]);
-        }
+        for (int i = 0; i < gb; ++i)
+            for (int j = 0; j < DV; ++j) vstore(accbuf + i * hd + KP_VW * (j0 + j), a[i][j]);
     }
-    for (int i = 0; i < gb; ++i)
-        for (int j = 0; j < NV; ++j) _mm512_storeu_ps(accbuf + i * hd + 16 * j, a[i][j]);
 }
 
 /* One pass over a chunk for `gb` query heads of one KV head; gb is dispatched to a constant so
- * pass_avx512 is specialised per count. */
+ * pass_vec is specialised per count. */
 #define DEFINE_PASS(NAME, NV)                                                                   \
     static void NAME(const float *q, int gb, const float *const *krow,                         \
                      const float *const *vrow, const float *const *nkrow,                       \
                      const float *const *nvrow, int n, int nnext, int64_t koff, float scale,    \
                      float *p, float *m, float *l, float *accbuf) {                             \
         switch (gb) {                                                                           \
-        case 1: pass_avx512(q, 1, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
-        case 2: pass_avx512(q, 2, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
-        case 3: pass_avx512(q, 3, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
-        default: pass_avx512(q, 4, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
+        case 1: pass_vec(q, 1, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
+        case 2: pass_vec(q, 2, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
+        case 3: pass_vec(q, 3, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
+        default: pass_vec(q, 4, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
         }                                                                                       \
     }
-DEFINE_PASS(pass_hd64, 4)
-DEFINE_PASS(pass_hd128, 8)
+DEFINE_PASS(pass_hd64, 64 / KP_VW)
+DEFINE_PASS(pass_hd128, 128 / KP_VW)
+
+/* Query heads per pass: as many as keep their q vectors in half the register file (AVX-512: 4
+ * of head_dim 64, 2 of 128; AVX2: 1). */
+static inline int heads_per_pass(int hd) {
+    const int per = (KP_VREGS / 2) / (hd / KP_VW);
+    return per < 1 ? 1 : per > PASS_MAX ? PASS_MAX : per;
+}
 
 /* KV heads kvh .. kvh + nkv - 1 of one row (q and out at the first of their query heads). */
 /* Keys start .. len - 1; with `state` (m, l per head, then the unnormalised accumulators
  * [heads][hd]) the online softmax goes on from there instead of from nothing: how a row's
  * own keys follow a shared prefix done elsewhere (cascade). */
-void pa_item_avx512(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
-                    int32_t len, int kvh, int nkv, int group, int hd, float scale,
-                    const float *state, float *out) {
+void pa_item_vec(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
+                 int32_t len, int kvh, int nkv, int group, int hd, float scale,
+                 const float *state, float *out) {
     const int heads = nkv * group;
-    const int per_pass = hd == 64 ? 4 : 2;  /* hd 128: 2 heads x 8 vectors of q fit registers */
+    const int per_pass = heads_per_pass(hd);
     float accbuf[MAX_HEADS * MAX_HEAD_DIM];
     float p[PASS_MAX * CHUNK];
     float m[MAX_HEADS], l[MAX_HEADS];
@@ -261,10 +261,8 @@ void pa_item_avx512(const float *q, const kv_layout *kv, const int32_t *table, i
         cur = 1 - cur;
     }
     for (int g = 0; g < heads; ++g) {
-        const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
-        for (int j = 0; j < hd; j += 16)
-            _mm512_storeu_ps(out + (int64_t)g * hd + j,
-                             _mm512_mul_ps(_mm512_loadu_ps(accbuf + (int64_t)g * hd + j), inv));
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int j = 0; j < hd; j += KP_VW)
+            vstore(out + (int64_t)g * hd + j, vload(accbuf + (int64_t)g * hd + j) * inv);
     }
 }
-#endif

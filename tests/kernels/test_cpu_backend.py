@@ -42,8 +42,8 @@ def _batch(rng: random.Random, kind: str, n: int) -> tuple[list[int], list[int]]
 @pytest.fixture(params=["native-decode", "native-all-rows", "torch-decode"])
 def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test through the native C kernel and through pure torch. The native kernel takes
-    the decode rows only (prefill by torch: a build without AVX-512) or every row (an AVX-512
-    build's routing, forced here on any machine: the row kernel serves prefill rows too)."""
+    the decode rows only (prefill by torch: the routing without prefill tiles) or every row
+    (the routing with them, every level's build: the row kernel serves prefill rows too)."""
     if request.param == "torch-decode":
         monkeypatch.setattr(cpu_native, "usable", lambda *args: False)
     else:
@@ -196,8 +196,6 @@ def test_long_prefill_runs_match_reference(head_dim: int, heads: tuple[int, int]
     runs of 31 / 32 / 33 rows, chunks over a cached prefix starting at an even and at an odd
     position (the odd one pairs a row whose keys end on a 16-key boundary with one past it),
     one far longer than a block, next to decode rows, with shuffled blocks."""
-    if not cpu_native.gemm_available():
-        pytest.skip("the transposed-key path is AVX-512 only")
     seq_lens = [31, 32, 33, 150, 151, 290, 77]
     q_lens = [31, 32, 33, 40, 40, 290, 1]
     case = make_case(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1],
@@ -212,8 +210,7 @@ def test_decode_rows_over_a_shared_prefix_match_reference(seed: int) -> None:
     blocks (a shared prompt prefix) go through the cascade path: the prefix once for the group
     with transposed keys, then each row's own keys from the softmax state it left. Groups are
     broken by rows that do not share, and a prefill run sits among them."""
-    if not cpu_native.gemm_available():
-        pytest.skip("the cascade path is AVX-512 only")
+    assert cpu_native.load() is not None
     rng = random.Random(seed)
     heads = rng.choice([(9, 3), (8, 2), (4, 4), (8, 1), (32, 8)])
     head_dim, block_size = rng.choice([64, 128]), rng.choice([4, 16, 32])
@@ -368,7 +365,7 @@ def test_native_kernel_refuses_a_negative_window_or_cap() -> None:
 def test_without_prefill_tiles_only_decode_rows_reach_the_row_kernel(
         window: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step mixing decode rows, a prefill and a chunk over a cached prefix: without the
-    AVX-512 prefill tiles the row kernel gets exactly the decode rows, SDPA the rest, and the
+    prefill tiles the row kernel gets exactly the decode rows, SDPA the rest, and the
     answer is the reference's; with them, one call takes every row."""
     assert cpu_native.load() is not None, "the native kernel did not build"
     calls: list[int] = []

@@ -58,6 +58,28 @@ def test_rmsnorm_module_native_equals_torch_path() -> None:
     torch.testing.assert_close(new_res, ref_res)
 
 
+@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("head_dim", [32, 36])
+def test_qk_norm_inplace_norms_each_q_and_k_head_and_leaves_v(rows: int, head_dim: int) -> None:
+    """Qwen3's per-head norm on fused rows with a row stride past the row (head_dim 36: a
+    tail after whole vectors at every width)."""
+    g = torch.Generator().manual_seed(rows + head_dim)
+    q_heads, k_heads = 4, 2
+    width = (q_heads + 2 * k_heads) * head_dim
+    qkv = (torch.randn(rows, width + 7, generator=g) * 3)[:, :width]
+    qw, kw = torch.rand(head_dim, generator=g) + 0.5, torch.rand(head_dim, generator=g) + 0.5
+    heads = qkv.reshape(rows, -1, head_dim).clone()
+    want_q = _rms_ref(heads[:, :q_heads], qw, 1e-6)
+    want_k = _rms_ref(heads[:, q_heads:q_heads + k_heads], kw, 1e-6)
+    v_before = qkv[:, (q_heads + k_heads) * head_dim:].clone()
+    assert cpu_native.qk_norm_inplace(qkv, q_heads, k_heads, head_dim, qw, kw, 1e-6)
+    got = qkv.reshape(rows, -1, head_dim)
+    torch.testing.assert_close(got[:, :q_heads], want_q)
+    torch.testing.assert_close(got[:, q_heads:q_heads + k_heads], want_k)
+    assert torch.equal(qkv[:, (q_heads + k_heads) * head_dim:], v_before)
+    assert cpu_native.qk_norm_inplace(qkv, q_heads, k_heads, head_dim, qw[:-1], kw, 1e-6) is None
+
+
 @pytest.mark.parametrize("rows", [1, 5, 80])
 def test_rope_inplace_matches_rotate_half(rows: int) -> None:
     class Cfg:

@@ -78,8 +78,26 @@ def test_struct_mirrors_match_the_header(c_name: str, mirror: type) -> None:
 def test_versions_and_constants_agree() -> None:
     text = HEADER.read_text()
     assert int(re.search(r"#define KP_ABI_VERSION (\d+)", text).group(1)) == abi.ABI_VERSION
-    assert int(re.search(r"#define KP_GEMM_PANEL (\d+)", text).group(1)) == cpu_native.GEMM_PANEL
     assert int(re.search(r"#define KP_LORA_MAX_RANK (\d+)", text).group(1)) == abi.LORA_MAX_RANK
+
+
+def _header_macro(level: isa.IsaLevel, name: str) -> int:
+    """A macro of kp_native.h as the compiler sees it for `level`."""
+    compiler = loader.find_compiler()
+    assert compiler is not None, "no C compiler (the native kernels need one; see README)"
+    proc = subprocess.run([compiler, *level.march, "-dM", "-E", str(HEADER)],
+                          capture_output=True, text=True, check=True, timeout=60)
+    return int(re.search(rf"#define {name} (\d+)", proc.stdout).group(1))
+
+
+def test_the_panel_width_follows_the_level_and_python_reads_the_librarys() -> None:
+    """KP_GEMM_PANEL is per level (3 AVX-512 vectors, 2 AVX2 ones); packing takes the loaded
+    library's, which is the header's for the loaded level."""
+    widths = {level.name: _header_macro(level, "KP_GEMM_PANEL") for level in isa.LEVELS}
+    assert widths == {"avx2": 16, "avx512": 48, "avx512_bf16": 48, "amx": 48}
+    lib = cpu_native.load()
+    assert lib is not None, "the native CPU kernels did not build"
+    assert lib.kp_gemm_panel() == cpu_native.gemm_panel() == widths[loader.loaded_level().name]
 
 
 def test_loaded_library_exports_the_table_and_its_version() -> None:

@@ -103,14 +103,16 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        # RoPE in place on the fused rows (with the K/V store where one kernel does both),
-        # unless the heads are normed first (Qwen3).
-        stored = self.q_norm is None and self.attn.rope_store_(
+        # Qwen3's q/k norm in place on the fused rows where the native op runs (the decoder
+        # stack's order), then RoPE in place (with the K/V store where one kernel does both);
+        # otherwise both on the split heads below.
+        normed = self.q_norm is None or self._norm_heads_(qkv)
+        stored = normed and self.attn.rope_store_(
             positions, qkv, self.rotary[0].cos, self.rotary[0].sin, kv_cache, meta)
-        rotated = stored or (self.q_norm is None and self.rotary[0].rotate_fused_(
+        rotated = stored or (normed and self.rotary[0].rotate_fused_(
             positions, qkv, self.num_heads + self.num_kv_heads))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None and self.k_norm is not None:
+        if not normed and self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim))
             k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -120,6 +122,14 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary[0](positions, q, k)
         out = self.attn(q, k, v if stored else v.contiguous(), kv_cache, meta, stored=stored)
         return self.o_proj(out.reshape(t, self.q_size))
+
+    def _norm_heads_(self, qkv: torch.Tensor) -> bool:
+        """The plain-RMSNorm q/k norm in place on fused rows (native); False: not done."""
+        qn, kn = self.q_norm, self.k_norm
+        return (type(qn) is RMSNorm and type(kn) is RMSNorm and not torch.is_grad_enabled()
+                and qn.eps == kn.eps and cpu_native.qk_norm_inplace(
+                    qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight, kn.weight,
+                    qn.eps) is not None)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -297,13 +307,10 @@ class LlamaForCausalLM(TransformersCheckpoint):
         layers = list(self.model.layers)
         if self.tp is not None:
             return "tensor parallelism (one native call leaves no place for the all-reduces)"
-        if any(layer.self_attn.q_norm is not None for layer in layers):
-            return "per-head q/k RMSNorm (Qwen3)"
-        if any(layer.self_attn.attn.window is not None for layer in layers):
-            return "sliding-window attention layers"
         eps = self.model.norm.eps
-        if any(n.eps != eps for layer in layers
-               for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+        if any(n is not None and n.eps != eps for layer in layers
+               for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                         layer.self_attn.q_norm, layer.self_attn.k_norm)):
             return "norms with different epsilons"
         return None
 
@@ -329,6 +336,8 @@ class LlamaForCausalLM(TransformersCheckpoint):
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights.append({
+                **({} if attn.q_norm is None else {"q_norm": attn.q_norm.weight.detach(),
+                                                   "k_norm": attn.k_norm.weight.detach()}),
                 "in_norm": layer.input_layernorm.weight.detach(),
                 "post_norm": layer.post_attention_layernorm.weight.detach(),
                 "qkv_w": attn.qkv_proj._packed, "qkv_b": bias(attn.qkv_proj),
@@ -341,7 +350,8 @@ class LlamaForCausalLM(TransformersCheckpoint):
                 self.rotary_emb.sin, hidden=self.hidden_size, heads=self.num_heads,
                 kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                 inter=layers[0].mlp.intermediate_size, eps=eps,
-                scale=layers[0].self_attn.attn.scale)
+                scale=layers[0].self_attn.attn.scale,
+                windows=[layer.self_attn.attn.window for layer in layers])
         except ValueError as exc:
             self.native_stack_declined = str(exc)
             logger.info("decoder stack stays on per-layer modules: %s", exc)
