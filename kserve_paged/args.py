@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
 from collections.abc import Sequence
@@ -27,7 +28,9 @@ from engine.default_model import PACKAGED_MODELS
 from engine.kv_events import KVEventsConfig
 from engine.limits import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN
 from engine.spec_decode import SpeculativeConfig
+from kserve_paged.openai.reasoning import REASONING_PARSERS
 from kserve_paged.openai.tools import TOOL_CALL_PARSERS
+from kserve_paged.vllm_flags import add_vllm_spellings, negated
 
 DEFAULT_MODEL_DIR = "/mnt/models"
 DEFAULT_HTTP_HOST = "0.0.0.0"  # what KServe's RESTServer binds
@@ -54,6 +57,9 @@ ENGINE_FLAGS = (
     "max_cpu_loras",
     "tensor_parallel_size",
     "speculative_config",
+    "gpu_memory_utilization",
+    "enforce_eager",
+    "kv_cache_dtype",
 )
 
 _TRUE = frozenset({"1", "true", "yes", "y", "on", "t"})
@@ -130,14 +136,14 @@ class _BoolFlag(argparse.Action):
                          metavar="BOOL", **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        negated = option_string is not None and option_string.startswith("--no_")
+        no = negated(option_string)
         if values is None or str(values).lower() in _TRUE:
             value = True
         elif str(values).lower() in _FALSE:
             value = False
         else:
             parser.error(f"{option_string}: expected a boolean, got {values!r}")
-        setattr(namespace, self.dest, (not value) if negated else value)
+        setattr(namespace, self.dest, (not value) if no else value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,14 +262,110 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--enable_auto_tool_choice", action="store_true",
                         help="Accepted for vLLM's command lines; auto tool choice is on "
                              "whenever --tool_call_parser is not none.")
+    add_gateway_flags(parser, d)
+    add_vllm_spellings(parser)
     return parser
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _refused_kv_transfer(text: str) -> None:
+    raise argparse.ArgumentTypeError(
+        "KV offloading (vLLM's --kv-transfer-config, what KServe writes for "
+        "spec.kvCacheOffloading) is not supported by this server yet")
+
+
+def add_gateway_flags(parser: argparse.ArgumentParser, d: dict[str, Any]) -> None:
+    """The flags KServe's LLMInferenceService writes and vLLM users bring: served names,
+    security, tracing, reasoning models, and the engine flags vLLM has and we honour."""
+    engine = next(g for g in parser._action_groups if g.title == "engine")
+    engine.add_argument("--gpu_memory_utilization", type=_fraction,
+                        default=d["gpu_memory_utilization"],
+                        help="On CUDA, the share of device memory the engine may use (weights, "
+                             "activations, KV cache); not read on CPU (--kv_cache_memory).")
+    engine.add_argument("--enforce_eager", action=_BoolFlag, default=d["enforce_eager"],
+                        help="No CUDA graphs (steps run eagerly today, so nothing changes).")
+    engine.add_argument("--kv_cache_dtype", default=d["kv_cache_dtype"],
+                        help="KV-cache dtype; auto (the model's) is the one this engine has.")
+    engine.add_argument("--kv_transfer_config", type=_refused_kv_transfer, default=None,
+                        help="vLLM's KV offloading config: refused, not supported yet.")
+    served = parser.add_argument_group("served names, security, tracing")
+    served.add_argument("--served_model_name", nargs="+", default=None, metavar="NAME",
+                        help="Names the model answers to (vLLM's flag): the first is reported, "
+                             "every one routes. Replaces --model_name.")
+    served.add_argument("--disable_access_log_for_endpoints", default="",
+                        metavar="PATH[,PATH...]",
+                        help="Comma-separated paths whose requests are not access-logged "
+                             "(probes such as /health,/metrics,/ping).")
+    served.add_argument("--api_key", default=None,
+                        help="Bearer token required on every inference, tokenizer and adapter "
+                             "route (or $VLLM_API_KEY); health, readiness and metrics stay open.")
+    served.add_argument("--ssl_ca_certs", default=None,
+                        help="CA bundle: clients must present a certificate it signed (mTLS).")
+    served.add_argument("--enable_ssl_refresh", action=_BoolFlag, default=False,
+                        help="Reload the certificate and key when their files change.")
+    served.add_argument("--otlp_traces_endpoint", default=None, metavar="URL",
+                        help="Export one span per request over OTLP (gRPC, or HTTP as "
+                             "$OTEL_EXPORTER_OTLP_PROTOCOL says); off when unset.")
+    served.add_argument("--collect_detailed_traces", default=None,
+                        help="vLLM's detail switch (model, worker or all): the request span "
+                             "then carries queue, prefill and decode times.")
+    chat = parser.add_argument_group("chat")
+    chat.add_argument("--reasoning_parser", default=None, choices=REASONING_PARSERS,
+                      help="Split a thinking model's output into message.reasoning and "
+                           "message.content.")
+    chat.add_argument("--default_chat_template_kwargs", type=_json_object, default=None,
+                      metavar="JSON",
+                      help="Keyword arguments every chat template render gets (a request's "
+                           "chat_template_kwargs override them), e.g. "
+                           "'{\"enable_thinking\": false}'.")
+    chat.add_argument("--generation_config", default="auto", choices=("auto", "vllm"),
+                      help="auto: default sampling values from the model's "
+                           "generation_config.json; vllm: vLLM's own defaults.")
+
+
 def parse_lora_module(text: str) -> tuple[str, str]:
-    """``--lora_modules`` entry ``name=path``."""
+    """``--lora_modules`` entry: ``NAME=PATH``, or vLLM's JSON object ``{"name": ..., "path":
+    ..., "base_model_name": ...}``, with or without the single quotes KServe's controller
+    wraps it in. ``base_model_name`` is accepted and not used: vLLM shows it as the adapter's
+    parent in /v1/models, and here the parent is always the one served model."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] == "'":
+        text = text[1:-1].strip()
+    if text.startswith("{"):
+        try:
+            entry = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"--lora-modules: not JSON ({exc}): {text!r}") from None
+        unknown = set(entry) - {"name", "path", "base_model_name"} if isinstance(entry, dict) else ()
+        if (not isinstance(entry, dict) or unknown or not isinstance(entry.get("name"), str)
+                or not isinstance(entry.get("path"), str) or not entry["name"].strip()
+                or not entry["path"].strip()):
+            raise argparse.ArgumentTypeError(
+                "--lora-modules: a JSON entry needs string \"name\" and \"path\" (and may "
+                f"have \"base_model_name\"), got {text!r}")
+        return entry["name"].strip(), entry["path"].strip()
     name, sep, path = text.partition("=")
     if not sep or not name.strip() or not path.strip():
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH or a JSON object, got {text!r}")
     return name.strip(), path.strip()
 
 
@@ -281,6 +383,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(None if argv is None else list(argv))
     given = sys.argv[1:] if argv is None else list(argv)
+    if args.served_model_name:
+        args.model_name = args.served_model_name[0]
     if args.model_id is not None and any(a == "--model_dir" or a.startswith("--model_dir=")
                                          for a in given):
         parser.error("--model_id and --model_dir both name a model; give one")
