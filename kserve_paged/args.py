@@ -315,6 +315,8 @@ def add_gateway_flags(parser: argparse.ArgumentParser, d: dict[str, Any]) -> Non
                         metavar="PATH[,PATH...]",
                         help="Comma-separated paths whose requests are not access-logged "
                              "(probes such as /health,/metrics,/ping).")
+    served.add_argument("--disable_uvicorn_access_log", action="store_true",
+                        help="No access log at all (vLLM's older switch).")
     served.add_argument("--api_key", default=None,
                         help="Bearer token required on every inference, tokenizer and adapter "
                              "route (or $VLLM_API_KEY); health, readiness and metrics stay open.")

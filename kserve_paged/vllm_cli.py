@@ -15,6 +15,12 @@ from importlib.metadata import PackageNotFoundError, version
 
 USAGE = "usage: vllm serve MODEL_PATH [flags]   |   vllm --version"
 VLLM_DEFAULT_PORT = 8000
+# The vLLM release whose `serve` flags this command line follows. It ends `vllm --version`'s
+# output because KServe's preset reads that last word to pick its flags: from 0.16
+# --disable-access-log-for-endpoints, from 0.18 --shutdown-timeout, from 0.22
+# --kv-transfer-config for spec.kvCacheOffloading (which this server refuses by name until it
+# has a second KV tier, rather than have the offloading setting dropped silently).
+VLLM_CLI_VERSION = "0.22.0"
 
 
 def package_version() -> str:
@@ -30,7 +36,11 @@ def serve_argv(argv: list[str]) -> list[str]:
         if "-h" in argv or "--help" in argv:
             return ["--help"]
         raise ValueError("vllm serve needs the model path first (" + USAGE + ")")
-    model, flags = argv[0], argv[1:]
+    # KServe's preset template glues a space to the next word where a conditional flag sits
+    # (Go's `{{-` trims the line break before it, not the backslash that escaped it): a blank
+    # word when the flag is off, " --tensor-parallel-size" when on. Both are mended here.
+    model = argv[0]
+    flags = [a.lstrip() if a.lstrip().startswith("--") else a for a in argv[1:] if a.strip()]
     return ["--model_dir", model, "--model_name", model, "--http_port", str(VLLM_DEFAULT_PORT),
             "--enable_grpc", "false", *flags]
 
@@ -38,7 +48,7 @@ def serve_argv(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args in (["--version"], ["-v"]):
-        print(f"kserve-paged {package_version()} (vLLM-compatible command line)")
+        print(f"kserve-paged {package_version()}, vLLM command line {VLLM_CLI_VERSION}")
         return 0
     if not args or args[0] != "serve":
         print(USAGE, file=sys.stderr)
