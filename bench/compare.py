@@ -47,6 +47,7 @@ PEERS = ("vllm", "hf-static", "hf-cb")
 SERVED_NAME = "smol"
 MAX_MODEL_LEN = 2048  # both servers: the workloads need < 800; vLLM sizes buffers by it
 QUICK = {"num_prompts": 4, "max_tokens": 8}
+DTYPES = ("float32", "bfloat16", "default")
 
 
 def default_peer_dir() -> Path:
@@ -96,9 +97,15 @@ def run_json(cmd: list[str], env: dict[str, str] | None, log_path: Path) -> dict
         out.unlink(missing_ok=True)
 
 
+def engine_dtype(engine: str, dtype: str) -> str:
+    """The --dtype one engine gets for a run's dtype: "default" is each engine's own default
+    (ours `auto`: bfloat16 where the CPU computes it natively, else float32; vLLM's `auto`)."""
+    return "auto" if dtype == "default" else dtype
+
+
 def offline_cmd(engine: str, workload: str, args: argparse.Namespace, model: str,
-                vpy: str | None) -> list[str]:
-    common = ["--workload", workload]
+                vpy: str | None, dtype: str = "float32") -> list[str]:
+    common = ["--workload", workload, "--dtype", engine_dtype(engine, dtype)]
     if args.num_prompts:
         common += ["--num-prompts", str(args.num_prompts)]
     if args.max_tokens:
@@ -124,17 +131,17 @@ def median_run(res: dict) -> dict:
 # -- serving -----------------------------------------------------------------------------------
 
 def server_spec(engine: str, model: str, port: int, args: argparse.Namespace,
-                peer_dir: Path) -> tuple[list[str], list[str], str]:
+                peer_dir: Path, dtype: str = "float32") -> tuple[list[str], list[str], str]:
     """(command, readiness URLs in order, completions endpoint) of one server."""
     base = f"http://127.0.0.1:{port}"
     if engine == US:
         cmd = [sys.executable, "-m", "kserve_paged", "--model_name", SERVED_NAME,
                "--model_dir", model, "--http_host", "127.0.0.1", "--http_port", str(port),
-               "--grpc_port", str(free_port()), "--dtype", "float32",
+               "--grpc_port", str(free_port()), "--dtype", engine_dtype(engine, dtype),
                "--max_model_len", str(MAX_MODEL_LEN)]
         return cmd, [f"{base}/v2/models/{SERVED_NAME}/ready"], OURS_ENDPOINT
     cmd = [str(peer_dir / "bin/vllm"), "serve", model, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+           "--dtype", engine_dtype(engine, dtype), "--max-model-len", str(MAX_MODEL_LEN),
            "--served-model-name", SERVED_NAME]
     if args.vllm_eager:
         cmd.append("--enforce-eager")
@@ -144,14 +151,15 @@ def server_spec(engine: str, model: str, port: int, args: argparse.Namespace,
 
 def run_server(engine: str, model: str, args: argparse.Namespace, parts: set[str],
                env: dict[str, str] | None, peer_dir: Path, logs: Path, stamp: str,
-               results: dict) -> None:
+               results: dict, dtype: str = "float32") -> None:
     port = free_port()
-    cmd, ready, endpoint = server_spec(engine, model, port, args, peer_dir)
-    log(f"starting {engine} server on port {port} ...")
+    cmd, ready, endpoint = server_spec(engine, model, port, args, peer_dir, dtype)
+    log(f"starting {engine} server ({dtype}) on port {port} ...")
     with ServerProcess(cmd, ready, env=env, cwd=REPO, timeout_s=args.ready_timeout,
-                       log_path=logs / f"{stamp}-{engine}-server.log") as srv:
+                       log_path=logs / f"{stamp}-{engine}-{dtype}-server.log") as srv:
         log(f"{engine} ready after {srv.time_to_ready_s:.1f} s")
-        results["ready"][engine] = {"seconds": srv.time_to_ready_s, "command": cmd}
+        results["ready"].setdefault(dtype, {})[engine] = {"seconds": srv.time_to_ready_s,
+                                                          "command": cmd}
         if "serve" not in parts:
             return
         for wl in args.serve_workloads:
@@ -164,8 +172,30 @@ def run_server(engine: str, model: str, args: argparse.Namespace, parts: set[str
             results["serve"].setdefault(wl, {})[engine] = res
             print(format_summary(res), flush=True)
             if res["failed"]:
-                results["errors"].append(f"serve {engine} {wl}: {res['failed']} requests failed: "
+                results["errors"].append(f"serve {engine} {wl} {dtype}: {res['failed']} "
+                                         f"requests failed: "
                                          f"{res['errors']}")
+
+
+def run_offline(args: argparse.Namespace, model: str, peers: list[str],
+                venv: dict[str, str] | None, vpy: str | None, logs: Path, stamp: str,
+                results: dict, dtype: str) -> None:
+    for wl in args.workloads:
+        for engine in [US, *peers]:
+            if engine.startswith("hf-") and dtype == "default":
+                continue  # transformers has no default of its own to compare
+            log(f"offline {wl} {dtype}: {engine} ...")
+            env = venv if engine == "vllm" else None
+            try:
+                res = run_json(offline_cmd(engine, wl, args, model, vpy, dtype), env,
+                               logs / f"{stamp}-{engine}-offline-{wl}-{dtype}.log")
+            except Exception as exc:  # one failing peer must not lose the others' figures
+                results["errors"].append(f"offline {engine} {wl} {dtype}: {exc}")
+                log(f"offline {wl} {dtype}: {engine} FAILED: {exc}")
+                continue
+            results["offline"].setdefault(f"{wl} {dtype}", {})[engine] = res
+            log(f"offline {wl} {dtype}: {engine}: "
+                f"{median_run(res)['output_tok_s']:.1f} output tok/s")
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -186,9 +216,9 @@ def rows(results: dict) -> list[tuple[str, str, dict[str, float | None]]]:
             for p in ("p50", "p99"):
                 out.append((f"serve {wl}: {m[:-3].upper()} {p} ms", "lower",
                             {e: r[m][p] for e, r in by.items()}))
-    if results["ready"]:
-        out.append(("time to ready s", "lower",
-                    {e: r["seconds"] for e, r in results["ready"].items()}))
+    for dtype, by in results["ready"].items():
+        out.append((f"time to ready s ({dtype})", "lower",
+                    {e: r["seconds"] for e, r in by.items()}))
     return out
 
 
@@ -291,6 +321,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-ready", action="store_true")
     ap.add_argument("--peers", default=",".join(PEERS), help="comma list (empty: only us)")
     ap.add_argument("--workloads", default="random,shared", help="offline workloads")
+    ap.add_argument("--dtypes", default="float32",
+                    help=f"comma list of {','.join(DTYPES)}; each engine runs each (default: "
+                         "every engine's own default dtype, ours `auto`)")
     ap.add_argument("--serve-workloads", default="random", help="serving workloads")
     ap.add_argument("--request-rate", type=float, default=2.0,
                     help="Poisson arrivals/s in the serving benchmark (inf: all at once)")
@@ -324,6 +357,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad |= set(peers) - set(PEERS)
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.serve_workloads = [w for w in args.serve_workloads.split(",") if w]
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    bad |= set(args.dtypes) - set(DTYPES)
     bad |= (set(args.workloads) | set(args.serve_workloads)) - set(WORKLOAD_NAMES)
     if bad:
         ap.error(f"unknown part/peer/workload: {', '.join(sorted(bad))}")
@@ -354,35 +389,24 @@ def main(argv: list[str] | None = None) -> int:
                      "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
                      "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
                      "repeats": args.repeats, "vllm_eager": args.vllm_eager,
+                     "dtypes": args.dtypes,
                      "quick": args.quick},
         "offline": {}, "serve": {}, "ready": {}, "errors": [],
     }
     vpy = str(args.vllm_dir / "venv/bin/python") if venv else None
 
-    if "offline" in parts:
-        for wl in args.workloads:
-            for engine in [US, *peers]:
-                log(f"offline {wl}: {engine} ...")
-                env = venv if engine == "vllm" else None
+    for dtype in args.dtypes:
+        if "offline" in parts:
+            run_offline(args, model, peers, venv, vpy, logs, stamp, results, dtype)
+        if parts & {"serve", "ready"}:
+            for engine in [US, *(["vllm"] if "vllm" in peers else [])]:
                 try:
-                    res = run_json(offline_cmd(engine, wl, args, model, vpy), env,
-                                   logs / f"{stamp}-{engine}-offline-{wl}.log")
-                except Exception as exc:  # one failing peer must not lose the others' figures
-                    results["errors"].append(f"offline {engine} {wl}: {exc}")
-                    log(f"offline {wl}: {engine} FAILED: {exc}")
-                    continue
-                results["offline"].setdefault(wl, {})[engine] = res
-                log(f"offline {wl}: {engine}: {median_run(res)['output_tok_s']:.1f} output tok/s")
-
-    if parts & {"serve", "ready"}:
-        for engine in [US, *(["vllm"] if "vllm" in peers else [])]:
-            try:
-                run_server(engine, model, args, parts, venv if engine == "vllm" else None,
-                           args.vllm_dir, logs, stamp, results)
-            except Exception as exc:
-                results["errors"].append(f"server {engine}: {exc}")
-                log(f"server {engine} FAILED: {exc}")
-                traceback.print_exc()
+                    run_server(engine, model, args, parts, venv if engine == "vllm" else None,
+                               args.vllm_dir, logs, stamp, results, dtype)
+                except Exception as exc:
+                    results["errors"].append(f"server {engine} {dtype}: {exc}")
+                    log(f"server {engine} {dtype} FAILED: {exc}")
+                    traceback.print_exc()
 
     results["machine"]["loadavg_end"] = os.getloadavg()
     text, data = table(results, [p for p in peers if p in {e for _, _, v in rows(results)
