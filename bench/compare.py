@@ -47,6 +47,7 @@ PEERS = ("vllm", "hf-static", "hf-cb")
 SERVED_NAME = "smol"
 MAX_MODEL_LEN = 2048  # both servers: the workloads need < 800; vLLM sizes buffers by it
 QUICK = {"num_prompts": 4, "max_tokens": 8}
+DTYPES = ("float32", "bfloat16", "default")
 
 
 def default_peer_dir() -> Path:
@@ -92,9 +93,15 @@ def run_json(cmd: list[str], env: dict[str, str] | None, log_path: Path) -> dict
         out.unlink(missing_ok=True)
 
 
+def engine_dtype(engine: str, dtype: str) -> str:
+    """The --dtype one engine gets for a run's dtype: "default" is each engine's own default
+    (ours `auto`: bfloat16 where the CPU computes it natively, else float32; vLLM's `auto`)."""
+    return "auto" if dtype == "default" else dtype
+
+
 def offline_cmd(engine: str, workload: str, args: argparse.Namespace, model: str,
-                vpy: str | None) -> list[str]:
-    common = ["--workload", workload]
+                vpy: str | None, dtype: str = "float32") -> list[str]:
+    common = ["--workload", workload, "--dtype", engine_dtype(engine, dtype)]
     if args.num_prompts:
         common += ["--num-prompts", str(args.num_prompts)]
     if args.max_tokens:
@@ -113,17 +120,17 @@ def offline_cmd(engine: str, workload: str, args: argparse.Namespace, model: str
 # -- serving -----------------------------------------------------------------------------------
 
 def server_spec(engine: str, model: str, port: int, args: argparse.Namespace,
-                peer_dir: Path) -> tuple[list[str], list[str], str]:
+                peer_dir: Path, dtype: str = "float32") -> tuple[list[str], list[str], str]:
     """(command, readiness URLs in order, completions endpoint) of one server."""
     base = f"http://127.0.0.1:{port}"
     if engine == US:
         cmd = [sys.executable, "-m", "kserve_paged", "--model_name", SERVED_NAME,
                "--model_dir", model, "--http_host", "127.0.0.1", "--http_port", str(port),
-               "--grpc_port", str(free_port()), "--dtype", "float32",
+               "--grpc_port", str(free_port()), "--dtype", engine_dtype(engine, dtype),
                "--max_model_len", str(MAX_MODEL_LEN)]
         return cmd, [f"{base}/v2/models/{SERVED_NAME}/ready"], OURS_ENDPOINT
     cmd = [str(peer_dir / "bin/vllm"), "serve", model, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+           "--dtype", engine_dtype(engine, dtype), "--max-model-len", str(MAX_MODEL_LEN),
            "--served-model-name", SERVED_NAME]
     if args.vllm_eager:
         cmd.append("--enforce-eager")
@@ -133,14 +140,15 @@ def server_spec(engine: str, model: str, port: int, args: argparse.Namespace,
 
 def run_server(engine: str, model: str, args: argparse.Namespace, parts: set[str],
                env: dict[str, str] | None, peer_dir: Path, logs: Path, stamp: str,
-               results: dict) -> None:
+               results: dict, dtype: str = "float32") -> None:
     port = free_port()
-    cmd, ready, endpoint = server_spec(engine, model, port, args, peer_dir)
-    log(f"starting {engine} server on port {port} ...")
+    cmd, ready, endpoint = server_spec(engine, model, port, args, peer_dir, dtype)
+    log(f"starting {engine} server ({dtype}) on port {port} ...")
     with ServerProcess(cmd, ready, env=env, cwd=REPO, timeout_s=args.ready_timeout,
-                       log_path=logs / f"{stamp}-{engine}-server.log") as srv:
+                       log_path=logs / f"{stamp}-{engine}-{dtype}-server.log") as srv:
         log(f"{engine} ready after {srv.time_to_ready_s:.1f} s")
-        results["ready"][engine] = {"seconds": srv.time_to_ready_s, "command": cmd}
+        results["ready"].setdefault(dtype, {})[engine] = {"seconds": srv.time_to_ready_s,
+                                                          "command": cmd}
         if "serve" not in parts:
             return
         for wl in args.serve_workloads:
@@ -153,8 +161,31 @@ def run_server(engine: str, model: str, args: argparse.Namespace, parts: set[str
             results["serve"].setdefault(wl, {})[engine] = res
             print(format_summary(res), flush=True)
             if res["failed"]:
-                results["errors"].append(f"serve {engine} {wl}: {res['failed']} requests failed: "
+                results["errors"].append(f"serve {engine} {wl} {dtype}: {res['failed']} "
+                                         f"requests failed: "
                                          f"{res['errors']}")
+
+
+def run_offline(args: argparse.Namespace, model: str, peers: list[str],
+                venv: dict[str, str] | None, vpy: str | None, logs: Path, stamp: str,
+                results: dict, dtype: str) -> None:
+    """Each offline workload at one dtype on our engine and every peer, one process each."""
+    for wl in args.workloads:
+        for engine in [US, *peers]:
+            if engine.startswith("hf-") and dtype == "default":
+                continue  # transformers has no default of its own to compare
+            log(f"offline {wl} {dtype}: {engine} ...")
+            env = venv if engine == "vllm" else None
+            try:
+                res = run_json(offline_cmd(engine, wl, args, model, vpy, dtype), env,
+                               logs / f"{stamp}-{engine}-offline-{wl}-{dtype}.log")
+            except Exception as exc:  # one failing peer must not lose the others' figures
+                results["errors"].append(f"offline {engine} {wl} {dtype}: {exc}")
+                log(f"offline {wl} {dtype}: {engine} FAILED: {exc}")
+                continue
+            results["offline"].setdefault(f"{wl} {dtype}", {})[engine] = res
+            log(f"offline {wl} {dtype}: {engine}: "
+                f"{median_run(res)['output_tok_s']:.1f} output tok/s")
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -172,6 +203,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-ready", action="store_true")
     ap.add_argument("--peers", default=",".join(PEERS), help="comma list (empty: only us)")
     ap.add_argument("--workloads", default="random,shared", help="offline workloads")
+    ap.add_argument("--dtypes", default="float32",
+                    help=f"comma list of {','.join(DTYPES)}; each engine runs each (default: "
+                         "every engine's own default dtype, ours `auto`)")
     ap.add_argument("--serve-workloads", default="random", help="serving workloads")
     ap.add_argument("--request-rate", type=float, default=2.0,
                     help="Poisson arrivals/s in the serving benchmark (inf: all at once)")
@@ -205,30 +239,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad |= set(peers) - set(PEERS)
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.serve_workloads = [w for w in args.serve_workloads.split(",") if w]
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    bad |= set(args.dtypes) - set(DTYPES)
     bad |= (set(args.workloads) | set(args.serve_workloads)) - set(WORKLOAD_NAMES)
     if bad:
         ap.error(f"unknown part/peer/workload: {', '.join(sorted(bad))}")
     args.parts, args.peer_list = parts, peers
     return args
-
-
-def _run_offline(args: argparse.Namespace, peers: list[str], model: str,
-                 venv: dict[str, str] | None, vpy: str | None, logs: Path, stamp: str,
-                 results: dict) -> None:
-    """Each offline workload on our engine and every peer, one process each."""
-    for wl in args.workloads:
-        for engine in [US, *peers]:
-            log(f"offline {wl}: {engine} ...")
-            env = venv if engine == "vllm" else None
-            try:
-                res = run_json(offline_cmd(engine, wl, args, model, vpy), env,
-                               logs / f"{stamp}-{engine}-offline-{wl}.log")
-            except Exception as exc:  # one failing peer must not lose the others' figures
-                results["errors"].append(f"offline {engine} {wl}: {exc}")
-                log(f"offline {wl}: {engine} FAILED: {exc}")
-                continue
-            results["offline"].setdefault(wl, {})[engine] = res
-            log(f"offline {wl}: {engine}: {median_run(res)['output_tok_s']:.1f} output tok/s")
 
 
 def _new_results(args: argparse.Namespace, parts: set[str], peers: list[str], model: str
@@ -242,7 +259,7 @@ def _new_results(args: argparse.Namespace, parts: set[str], peers: list[str], mo
                      "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
                      "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
                      "repeats": args.repeats, "vllm_eager": args.vllm_eager,
-                     "quick": args.quick},
+                     "dtypes": args.dtypes, "quick": args.quick},
         "offline": {}, "serve": {}, "ready": {}, "errors": [],
     }
 
@@ -265,18 +282,18 @@ def main(argv: list[str] | None = None) -> int:
     results = _new_results(args, parts, peers, model)
     vpy = str(args.vllm_dir / "venv/bin/python") if venv else None
 
-    if "offline" in parts:
-        _run_offline(args, peers, model, venv, vpy, logs, stamp, results)
-
-    if parts & {"serve", "ready"}:
-        for engine in [US, *(["vllm"] if "vllm" in peers else [])]:
-            try:
-                run_server(engine, model, args, parts, venv if engine == "vllm" else None,
-                           args.vllm_dir, logs, stamp, results)
-            except Exception as exc:
-                results["errors"].append(f"server {engine}: {exc}")
-                log(f"server {engine} FAILED: {exc}")
-                traceback.print_exc()
+    for dtype in args.dtypes:
+        if "offline" in parts:
+            run_offline(args, model, peers, venv, vpy, logs, stamp, results, dtype)
+        if parts & {"serve", "ready"}:
+            for engine in [US, *(["vllm"] if "vllm" in peers else [])]:
+                try:
+                    run_server(engine, model, args, parts, venv if engine == "vllm" else None,
+                               args.vllm_dir, logs, stamp, results, dtype)
+                except Exception as exc:
+                    results["errors"].append(f"server {engine} {dtype}: {exc}")
+                    log(f"server {engine} {dtype} FAILED: {exc}")
+                    traceback.print_exc()
 
     results["machine"]["loadavg_end"] = os.getloadavg()
     text, data = table(results, [p for p in peers if p in {e for _, _, v in rows(results)

@@ -37,9 +37,9 @@ def rows(results: dict) -> list[tuple[str, str, dict[str, float | None]]]:
             for p in ("p50", "p99"):
                 out.append((f"serve {wl}: {m[:-3].upper()} {p} ms", "lower",
                             {e: r[m][p] for e, r in by.items()}))
-    if results["ready"]:
-        out.append(("time to ready s", "lower",
-                    {e: r["seconds"] for e, r in results["ready"].items()}))
+    for dtype, by in results["ready"].items():
+        out.append((f"time to ready s ({dtype})", "lower",
+                    {e: r["seconds"] for e, r in by.items()}))
     return out
 
 

@@ -16,6 +16,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # without its checkpoint, as vLLM's --load-format dummy); the folder needs only config.json
 # and a tokenizer.
 LOAD_FORMATS = ("auto", "dummy")
+KV_CACHE_DTYPES = ("auto",)
 
 
 @dataclass(slots=True)
@@ -56,6 +57,15 @@ class EngineConfig:
     # Speculative decoding (engine/spec_decode/): a SpeculativeConfig, or vLLM's
     # --speculative-config JSON / dict. None: off.
     speculative_config: SpeculativeConfig | str | dict[str, Any] | None = None
+    # vLLM's --gpu-memory-utilization: on CUDA, the share of the device's memory the engine
+    # (weights, activations and KV cache) may use; an explicit kv_cache_memory wins. Not read
+    # on CPU, where kv_cache_memory sizes the cache.
+    gpu_memory_utilization: float = 0.9
+    # vLLM's --enforce-eager: no CUDA graphs. Steps run eagerly today, so it changes nothing
+    # until graph capture exists (kept so vLLM command lines run unchanged).
+    enforce_eager: bool = False
+    # vLLM's --kv-cache-dtype: "auto" (the model's dtype) is the one this engine has.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -72,6 +82,13 @@ class EngineConfig:
                 f"max_num_batched_tokens must be >= 1 (got {self.max_num_batched_tokens})")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1 (got {self.max_model_len})")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1] "
+                             f"(got {self.gpu_memory_utilization})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: this "
+                             f"engine keeps the KV cache in the model's dtype "
+                             f"({', '.join(KV_CACHE_DTYPES)})")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS} "
                              f"(got {self.load_format!r})")

@@ -33,7 +33,9 @@ from kserve_paged.flag_types import (
     parse_speculative_config,
     positive_int,
 )
+from kserve_paged.gateway_flags import add_gateway_flags
 from kserve_paged.openai.tools import TOOL_CALL_PARSERS
+from kserve_paged.vllm_flags import add_vllm_spellings
 
 DEFAULT_MODEL_DIR = "/mnt/models"
 DEFAULT_HTTP_HOST = "0.0.0.0"  # what KServe's RESTServer binds
@@ -60,6 +62,9 @@ ENGINE_FLAGS = (
     "max_cpu_loras",
     "tensor_parallel_size",
     "speculative_config",
+    "gpu_memory_utilization",
+    "enforce_eager",
+    "kv_cache_dtype",
 )
 
 def _defaults() -> dict[str, Any]:
@@ -88,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_flags(engine)
     _add_lora_flags(parser.add_argument_group("LoRA adapters"))
     _add_server_flags(parser.add_argument_group("server"))
+    add_gateway_flags(parser, _defaults())
+    add_vllm_spellings(parser)
     return parser
 
 
@@ -219,6 +226,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(None if argv is None else list(argv))
     given = sys.argv[1:] if argv is None else list(argv)
+    if args.served_model_name:
+        args.model_name = args.served_model_name[0]
     if args.model_id is not None and any(a == "--model_dir" or a.startswith("--model_dir=")
                                          for a in given):
         parser.error("--model_id and --model_dir both name a model; give one")

@@ -4,10 +4,13 @@ the parser itself, which imports KServe's, so the capacity planner's command can
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from typing import Any
 
 from engine.core.kv_events import KVEventsConfig
 from engine.spec_decode import SpeculativeConfig
+from kserve_paged.vllm_flags import negated
 
 _TRUE = frozenset({"1", "true", "yes", "y", "on", "t"})
 _FALSE = frozenset({"0", "false", "no", "n", "off", "f"})
@@ -79,19 +82,58 @@ class BoolFlag(argparse.Action):
                          metavar="BOOL", **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        negated = option_string is not None and option_string.startswith("--no_")
+        no = negated(option_string)
         if values is None or str(values).lower() in _TRUE:
             value = True
         elif str(values).lower() in _FALSE:
             value = False
         else:
             parser.error(f"{option_string}: expected a boolean, got {values!r}")
-        setattr(namespace, self.dest, (not value) if negated else value)
+        setattr(namespace, self.dest, (not value) if no else value)
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
-    """``--lora_modules`` entry ``name=path``."""
+    """``--lora_modules`` entry: ``NAME=PATH``, or vLLM's JSON object ``{"name": ..., "path":
+    ..., "base_model_name": ...}``, with or without the single quotes KServe's controller
+    wraps it in. ``base_model_name`` is accepted and not used: vLLM shows it as the adapter's
+    parent in /v1/models, and here the parent is always the one served model."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] == "'":
+        text = text[1:-1].strip()
+    if text.startswith("{"):
+        try:
+            entry = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"--lora-modules: not JSON ({exc}): {text!r}") from None
+        unknown = set(entry) - {"name", "path", "base_model_name"} if isinstance(entry, dict) else ()
+        if (not isinstance(entry, dict) or unknown or not isinstance(entry.get("name"), str)
+                or not isinstance(entry.get("path"), str) or not entry["name"].strip()
+                or not entry["path"].strip()):
+            raise argparse.ArgumentTypeError(
+                "--lora-modules: a JSON entry needs string \"name\" and \"path\" (and may "
+                f"have \"base_model_name\"), got {text!r}")
+        return entry["name"].strip(), entry["path"].strip()
     name, sep, path = text.partition("=")
     if not sep or not name.strip() or not path.strip():
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH or a JSON object, got {text!r}")
     return name.strip(), path.strip()

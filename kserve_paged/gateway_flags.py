@@ -1,0 +1,68 @@
+"""The flags KServe's LLMInferenceService writes and vLLM users bring, beyond the engine's own:
+served names, security, tracing, reasoning models, and vLLM's engine flags we honour or refuse
+(kept apart from kserve_paged/args.py, which builds the parser around them)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kserve_paged.flag_types import BoolFlag, fraction, json_object
+from kserve_paged.openai.reasoning import REASONING_PARSERS
+
+
+def refused_kv_transfer(text: str) -> None:
+    raise argparse.ArgumentTypeError(
+        "KV offloading (vLLM's --kv-transfer-config, what KServe writes for "
+        "spec.kvCacheOffloading) is not supported by this server yet")
+
+
+def add_gateway_flags(parser: argparse.ArgumentParser, d: dict[str, Any]) -> None:
+    """The flags KServe's LLMInferenceService writes and vLLM users bring: served names,
+    security, tracing, reasoning models, and the engine flags vLLM has and we honour."""
+    engine = next(g for g in parser._action_groups if g.title == "engine")
+    engine.add_argument("--gpu_memory_utilization", type=fraction,
+                        default=d["gpu_memory_utilization"],
+                        help="On CUDA, the share of device memory the engine may use (weights, "
+                             "activations, KV cache); not read on CPU (--kv_cache_memory).")
+    engine.add_argument("--enforce_eager", action=BoolFlag, default=d["enforce_eager"],
+                        help="No CUDA graphs (steps run eagerly today, so nothing changes).")
+    engine.add_argument("--kv_cache_dtype", default=d["kv_cache_dtype"],
+                        help="KV-cache dtype; auto (the model's) is the one this engine has.")
+    engine.add_argument("--kv_transfer_config", type=refused_kv_transfer, default=None,
+                        help="vLLM's KV offloading config: refused, not supported yet.")
+    served = parser.add_argument_group("served names, security, tracing")
+    served.add_argument("--served_model_name", nargs="+", default=None, metavar="NAME",
+                        help="Names the model answers to (vLLM's flag): the first is reported, "
+                             "every one routes. Replaces --model_name.")
+    served.add_argument("--disable_access_log_for_endpoints", default="",
+                        metavar="PATH[,PATH...]",
+                        help="Comma-separated paths whose requests are not access-logged "
+                             "(probes such as /health,/metrics,/ping).")
+    served.add_argument("--disable_uvicorn_access_log", action="store_true",
+                        help="No access log at all (vLLM's older switch).")
+    served.add_argument("--api_key", default=None,
+                        help="Bearer token required on every inference, tokenizer and adapter "
+                             "route (or $VLLM_API_KEY); health, readiness and metrics stay open.")
+    served.add_argument("--ssl_ca_certs", default=None,
+                        help="CA bundle: clients must present a certificate it signed (mTLS).")
+    served.add_argument("--enable_ssl_refresh", action=BoolFlag, default=False,
+                        help="Reload the certificate and key when their files change.")
+    served.add_argument("--otlp_traces_endpoint", default=None, metavar="URL",
+                        help="Export one span per request over OTLP (gRPC, or HTTP as "
+                             "$OTEL_EXPORTER_OTLP_PROTOCOL says); off when unset.")
+    served.add_argument("--collect_detailed_traces", default=None,
+                        help="vLLM's detail switch (model, worker or all): the request span "
+                             "then carries queue, prefill and decode times.")
+    chat = parser.add_argument_group("chat")
+    chat.add_argument("--reasoning_parser", default=None, choices=REASONING_PARSERS,
+                      help="Split a thinking model's output into message.reasoning and "
+                           "message.content.")
+    chat.add_argument("--default_chat_template_kwargs", type=json_object, default=None,
+                      metavar="JSON",
+                      help="Keyword arguments every chat template render gets (a request's "
+                           "chat_template_kwargs override them), e.g. "
+                           "'{\"enable_thinking\": false}'.")
+    chat.add_argument("--generation_config", default="auto", choices=("auto", "vllm"),
+                      help="auto: default sampling values from the model's "
+                           "generation_config.json; vllm: vLLM's own defaults.")

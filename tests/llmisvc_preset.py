@@ -1,0 +1,87 @@
+"""KServe's LLMInferenceService preset command, rendered and run the way the controller and the
+container do it (tests/data/kserve-llmisvc/README.md): `bash -c SCRIPT -- ARGS...` with the
+LoRA flags in front of the user's args and the tracing flags after them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TEMPLATE = Path(__file__).parent / "data" / "kserve-llmisvc" / "preset_command.sh.tmpl"
+LORA_ROOT = "/mnt/lora"
+
+
+@dataclass
+class Preset:
+    """What of an LLMInferenceService spec reaches the main container's command."""
+
+    name: str
+    namespace: str
+    model_dir: str = "/mnt/models"  # where the storage initializer puts spec.model.uri
+    termination_grace_s: int = 60
+    tensor: int | None = None
+    tls: tuple[str, str] | None = None  # (cert, key) files; the preset's paths otherwise
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> mounted folder
+    max_lora_rank: int | None = None
+    max_loras: int | None = None
+    max_cpu_loras: int | None = None
+    tracing_endpoint: str | None = None
+    user_args: list[str] = field(default_factory=list)
+
+    def script(self) -> str:
+        """The template with its Go fields filled as config_merge.go fills them."""
+        text = TEMPLATE.read_text()
+        text = "\n".join(line for line in text.splitlines() if not line.startswith("# "))
+        shutdown = max(0, self.termination_grace_s - 15 - min(5, self.termination_grace_s))
+        text = text.replace("{{ shutdownTimeout .Spec.Template 15 }}", str(shutdown))
+        text = text.replace("{{ kvTransferConfig .Spec.KVCacheOffloading }}", "")
+        text = text.replace("{{ .Spec.Model.Name }}", self.name)
+        text = text.replace("{{ .ObjectMeta.Namespace }}", self.namespace)
+        tp = f" --tensor-parallel-size {self.tensor}" if self.tensor else ""
+        # `{{-` trims the white space before it, as Go's text/template does.
+        text = re.sub(r"\s*\{\{- if and \.Spec\.Parallelism .*?\{\{- end \}\}",
+                      lambda _: tp, text)
+        cert, key = self.tls or ("", "")
+        for flag, value in (("--enable-ssl-refresh", ""), ("--ssl-certfile", cert),
+                            ("--ssl-keyfile", key)):
+            pattern = re.compile(r"\{\{ if \.GlobalConfig\.EnableTLS \}\}" + re.escape(flag)
+                                 + r"[^{]*\{\{- end \}\}")
+            text = pattern.sub(lambda _, f=flag, v=value: f"{f} {v}".rstrip() if self.tls
+                               else "", text)
+        return text.replace("/mnt/models", self.model_dir)
+
+    def args(self) -> list[str]:
+        """The container's args: LoRA flags (workload_lora.go), the user's, tracing's."""
+        args: list[str] = []
+        if self.adapters:
+            args.append("--enable-lora")
+            for flag, value in (("--max-lora-rank", self.max_lora_rank),
+                                ("--max-loras", self.max_loras),
+                                ("--max-cpu-loras", self.max_cpu_loras)):
+                if value is not None:
+                    args.append(f"{flag}={value}")
+            args.append("--lora-modules")
+            for name, path in self.adapters.items():
+                for served in (name, f"publishers/{self.namespace}/models/{name}"):
+                    module = json.dumps({"name": served, "path": path}, separators=(",", ":"))
+                    args.append(f"'{module}'")
+        args += self.user_args
+        if self.tracing_endpoint:
+            args += ["--otlp-traces-endpoint", self.tracing_endpoint,
+                     "--collect-detailed-traces", "all"]
+        return args
+
+    def command(self) -> list[str]:
+        return ["/bin/bash", "-c", self.script(), "--", *self.args()]
+
+
+def run_with_vllm(preset: Preset, vllm_dir: Path, env: dict[str, str] | None = None,
+                  **popen: object) -> subprocess.Popen:
+    """Start the preset's command with `vllm_dir` first on PATH."""
+    full = {**os.environ, **(env or {}),
+            "PATH": f"{vllm_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return subprocess.Popen(preset.command(), env=full, **popen)  # type: ignore[arg-type]
