@@ -1,5 +1,5 @@
 """The argv KServe's LLMInferenceService preset hands `vllm serve`, through the preset's own bash
-script (tests/llmisvc_preset.py), parsed by our server's parser; and our `vllm --version`
+script (tests/helpers/llmisvc_preset.py), parsed by our server's parser; and our `vllm --version`
 choosing the preset's newest flags."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from kserve_paged.args import parse_args
 from kserve_paged.vllm_cli import VLLM_CLI_VERSION, serve_argv
-from tests.llmisvc_preset import Preset, run_with_vllm
+from tests.helpers.llmisvc_preset import Preset, run_with_vllm
 
 
 def _recording_vllm(folder: Path, version: str) -> Path:

@@ -10,7 +10,7 @@ import pytest
 
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kserve_paged.tracing import RequestTracer, otlp_protocol, request_attributes
-from tests.otlp_receivers import GrpcReceiver, HttpReceiver
+from tests.helpers.otlp_receivers import GrpcReceiver, HttpReceiver
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"

@@ -39,6 +39,22 @@ CASES = [("decode 64x600", [600] * 64, [1] * 64), ("decode 8x2048", [2048] * 8, 
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
+def load_variants(variants: list[str], tmp: Path, threads: int) -> dict[str, ctypes.CDLL]:
+    """Each NAME=CHECKOUT:LEVEL built into tmp and loaded, its row kernel typed."""
+    libs = {}
+    for spec in variants:
+        name, _, where = spec.partition("=")
+        checkout, _, level = where.rpartition(":")
+        lib = build(Path(checkout), isa.BY_NAME[level], tmp / f"{name}.so")
+        lib.kp_paged_rows_f32.restype = ctypes.c_int
+        lib.kp_paged_rows_f32.argtypes = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32,
+                                          _ptr, _i64, _ptr, _ptr, _ptr, _i64, _f32, _i32,
+                                          _f32, _ptr, _i64]
+        lib.kp_set_threads(threads)
+        libs[name] = lib
+    return libs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", action="append", default=[],
@@ -49,18 +65,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     variants = args.variant or [f"avx2={ROOT}:avx2", f"{isa.current().name}={ROOT}:"
                                 f"{isa.current().name}"]
-    libs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for spec in variants:
-            name, _, where = spec.partition("=")
-            checkout, _, level = where.rpartition(":")
-            lib = build(Path(checkout), isa.BY_NAME[level], Path(tmp) / f"{name}.so")
-            lib.kp_paged_rows_f32.restype = ctypes.c_int
-            lib.kp_paged_rows_f32.argtypes = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32,
-                                              _ptr, _i64, _ptr, _ptr, _ptr, _i64, _f32, _i32,
-                                              _f32, _ptr, _i64]
-            lib.kp_set_threads(args.threads)
-            libs[name] = lib
+        libs = load_variants(variants, Path(tmp), args.threads)
         cpu_native.usable = lambda *a: False  # the SDPA variant: the backend's torch path
         for label, seq_lens, q_lens in CASES:
             case = make_case(seq_lens, q_lens, num_heads=9, num_kv_heads=3, head_dim=64,

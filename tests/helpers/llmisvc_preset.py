@@ -11,7 +11,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TEMPLATE = Path(__file__).parent / "data" / "kserve-llmisvc" / "preset_command.sh.tmpl"
+TEMPLATE = Path(__file__).parent.parent / "data" / "kserve-llmisvc" / "preset_command.sh.tmpl"
 LORA_ROOT = "/mnt/lora"
 
 
