@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.conftest import record
+from tests.helpers.e2e_server import record
 
 ROOT = Path(__file__).resolve().parents[1]
 # A hang shows as a request past its client timeout inside the soak; these bound the process
