@@ -35,6 +35,7 @@ from kserve_paged import v2
 from kserve_paged.lora import AdapterModel, LoRAError
 from kserve_paged.metrics import EngineMetrics, MetricsObserver
 from kserve_paged.sampling import OptionError, make_sampling_params
+from kserve_paged.tracing import RequestTracer, request_attributes, request_headers
 
 logger = logging.getLogger("kserve.paged")
 
@@ -69,6 +70,7 @@ class PagedLLMModel(Model):
         # KServe's model repository, where adapters are registered as v2 models (set by the
         # server; None: OpenAI routes only).
         self.repository: Any = None
+        self.tracer: RequestTracer | None = None  # --otlp-traces-endpoint (server.install)
 
     # -- lifecycle (see the module docstring) -----------------------------------------------
 
@@ -202,11 +204,19 @@ class PagedLLMModel(Model):
         """Hand a validated request to the engine; ValueError (e.g. a full queue) -> 400."""
         request_id = f"{kind}-{uuid.uuid4().hex}"
         lora = {"lora_request": lora_request} if lora_request is not None else {}
+        tracer = self.tracer
+        if tracer is not None:  # the span is written when the request ends (tracing.py)
+            name = lora_request.lora_name if lora_request is not None else self.name
+            tracer.start(request_id, request_headers(), request_attributes(params, name))
         try:
             return await self.llm.add(prompt_ids, params, request_id, priority=priority,
                                       cache_salt=cache_salt, **lora)
-        except EngineDeadError as exc:
-            raise ModelNotReady(self.name, str(exc)) from exc
+        except BaseException as exc:
+            if tracer is not None:
+                tracer.discard(request_id)
+            if isinstance(exc, EngineDeadError):
+                raise ModelNotReady(self.name, str(exc)) from exc
+            raise
 
     # -- LoRA adapters, each served under its own name (lora.py) ----------------------------
 

@@ -42,8 +42,8 @@ class OpenAIRoutes:
         self.models = models
 
     def _model(self, name: str | None) -> ServedModel:
-        if name is None:
-            if len(self.models) != 1:
+        if name is None:  # one model (under one or more names) needs no name
+            if len({id(m) for m in self.models.values()}) != 1:
                 raise APIError(400, "model is required", param="model")
             name, model = next(iter(self.models.items()))
         else:
@@ -88,6 +88,8 @@ class OpenAIRoutes:
         body: ChatBody = await parse_body(request, ChatBody)
         return await chat_completions(self._model(body.model), request, body)
 
+    model = _model  # the served model a request names (the root routes, vllm_routes.py)
+
 
 def _in_openai_shape(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
     """Map every failure to OpenAI's error shape (KServe's handlers would answer its own)."""
@@ -105,6 +107,9 @@ def _in_openai_shape(handler: Callable[[Request], Any]) -> Callable[[Request], A
             return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
     route.__name__ = getattr(handler, "__name__", "route")
     return route
+
+
+in_openai_shape = _in_openai_shape  # for the routes registered elsewhere (vllm_routes.py)
 
 
 def register_openai_routes(app: FastAPI, models: dict[str, ServedModel],
