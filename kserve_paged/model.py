@@ -62,6 +62,8 @@ class PagedLLMModel(Model):
         self.load_started: float | None = None
         self.load_error: BaseException | None = None
         self.draining = False  # set on SIGTERM: refuse new work, let in-flight requests finish
+        # True once start_engine finished: weights warm and the start-up adapters loaded.
+        self.started = False
         self._max_prompt_chars = max_prompt_chars
         self.tool_call_parser = tool_call_parser  # read by the chat route (openai/tools.py)
         # Adapters served under their own names (kserve_paged/lora.py), loaded at start-up.
@@ -106,6 +108,7 @@ class PagedLLMModel(Model):
         logger.info("model %s: ready in %.1fs (%s, max_model_len %d, %d KV blocks)", self.name,
                     time.monotonic() - self.load_started, info.model_path, info.max_model_len,
                     info.num_kv_blocks)
+        self.started = True
 
     def stop(self) -> None:
         self.ready = False
@@ -119,8 +122,9 @@ class PagedLLMModel(Model):
 
     @property
     def accepting(self) -> bool:
-        """Loaded, alive and not shutting down: readiness, and whether new requests are taken."""
-        return self.llm.is_ready and not self.draining
+        """Loaded (the start-up adapters too), alive and not shutting down: readiness, and
+        whether new requests are taken."""
+        return self.started and self.llm.is_ready and not self.draining
 
     def not_ready_reason(self) -> str:
         if self.draining:

@@ -33,7 +33,7 @@ def health_status(model: PagedLLMModel) -> tuple[int, dict[str, Any]]:
                               f"{model.llm.error or model.load_error}"}
     if not model.llm.is_healthy():
         return 503, {"error": f"the engine of model {model.name} has stopped"}
-    if not model.llm.is_ready:
+    if not (model.started and model.llm.is_ready):
         return 503, {"error": f"model {model.name} is loading"}
     return 200, {}
 
