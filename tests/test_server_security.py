@@ -141,3 +141,29 @@ def test_coherent_gateway_flags_pass(tmp_path):
                        "--otlp-traces-endpoint", "http://c:4317",
                        "--collect-detailed-traces", "model,worker"])
     assert check_gateway_args(args) is None
+
+
+def test_access_log_flags_reach_uvicorn():
+    import logging
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    from kserve_paged.access_log import ACCESS_LOGGER, SkipPaths
+    from kserve_paged.gateway import RestOptions
+
+    access = logging.getLogger(ACCESS_LOGGER)
+    before = list(access.filters)
+    try:
+        options = RestOptions.from_args(parse_args([
+            "--disable-access-log-for-endpoints", "/health,/metrics",
+            "--disable-uvicorn-access-log"]))
+        (skip,) = [f for f in access.filters if f not in before]
+        assert isinstance(skip, SkipPaths) and skip.paths == {"/health", "/metrics"}
+        config = uvicorn.Config(app=None)
+        rest = SimpleNamespace(config=config, _server=uvicorn.Server(config))
+        options.apply(rest)
+        assert config.access_log is False and config.ssl_ca_certs is None
+        assert RestOptions.from_args(parse_args([])).access_log is True
+    finally:
+        access.filters[:] = before
