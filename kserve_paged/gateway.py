@@ -3,7 +3,8 @@ the access log.
 
 - `--served_model_name A B ...`: every name routes (OpenAI `model`, v1/v2 paths); the first
   is the model's own name, reported in the metrics' `model_name` label.
-- `--api_key` (or `$VLLM_API_KEY`): auth.py's middleware, outermost, over every route.
+- `--api_key` (or `$VLLM_API_KEY`): auth.py's middleware, outermost, over every route;
+  refused with KServe's gRPC server on (it has no authentication: `--enable_grpc false`).
 - `--ssl_certfile` / `--ssl_keyfile` (KServe's flags): HTTPS on the HTTP port;
   `--ssl_ca_certs`: clients must show a certificate that CA signed; `--enable_ssl_refresh`:
   KServe's certificate refresher (kserve/protocol/rest/ssl_cert_refresher.py) reloads the
@@ -59,6 +60,9 @@ def check_gateway_args(args: argparse.Namespace) -> str | None:
         return "--collect-detailed-traces needs --otlp-traces-endpoint"
     if getattr(args, "api_key", None) == "":
         return "--api-key is empty: an empty key would let everyone in"
+    if api_key(args) and getattr(args, "enable_grpc", False):
+        return ("--api-key (or $VLLM_API_KEY) guards the HTTP routes only, and KServe's gRPC "
+                "server has no authentication: add --enable_grpc false")
     return None
 
 

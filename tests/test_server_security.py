@@ -122,21 +122,25 @@ def test_served_names_put_the_models_own_first_once():
     (["--otlp-traces-endpoint", "http://c:4317", "--collect-detailed-traces", "engine"],
      "unknown level"),
     (["--api-key", ""], "empty"),
+    (["--api-key", "k", "--enable_grpc", "true"], "--enable_grpc false"),
 ])
 def test_gateway_flags_that_cannot_work_are_refused_by_name(argv, message, tmp_path,
                                                             monkeypatch):
     monkeypatch.delenv("KSERVE_TLS_CERT_FILE", raising=False)
     monkeypatch.delenv("KSERVE_TLS_KEY_FILE", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     cert = tmp_path / "c.pem"
     cert.write_text("x")
     args = parse_args([a.format(cert=cert) for a in argv])
     assert message in (check_gateway_args(args) or "")
 
 
-def test_coherent_gateway_flags_pass(tmp_path):
+def test_coherent_gateway_flags_pass(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "k")  # fine with gRPC off
     cert = tmp_path / "c.pem"
     cert.write_text("x")
-    args = parse_args(["--ssl-certfile", str(cert), "--ssl-keyfile", str(cert),
+    args = parse_args(["--enable_grpc", "false",
+                       "--ssl-certfile", str(cert), "--ssl-keyfile", str(cert),
                        "--ssl-ca-certs", str(cert), "--enable-ssl-refresh",
                        "--otlp-traces-endpoint", "http://c:4317",
                        "--collect-detailed-traces", "model,worker"])
