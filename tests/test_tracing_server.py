@@ -36,6 +36,14 @@ def test_one_span_per_request_with_the_callers_trace(monkeypatch):
                 r = await c.post("/v1/completions", json={"model": NAME, "prompt": "",
                                                           "max_tokens": 1})
                 assert r.status_code == 400  # refused before submission: no span
+
+                async def refuse(*args, **kwargs):
+                    raise ValueError("the queue is full")
+                model.llm.add = refuse  # the engine refuses it: the entry is dropped
+                r = await c.post("/v1/completions", json={"model": NAME, "prompt": "one",
+                                                          "max_tokens": 1})
+                assert r.status_code == 400 and "queue is full" in r.text
+            assert tracer._pending == {}  # every started entry ended or was dropped
             model.stop_engine()
         run(main())
         tracer.shutdown()
