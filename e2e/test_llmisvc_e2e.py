@@ -63,7 +63,7 @@ def _preset(folders: dict[str, Path], port: int, cert, endpoint: str) -> Preset:
         NAME, NAMESPACE, model_dir=str(folders["model"]), termination_grace_s=30,
         tls=(str(cert.cert), str(cert.key)),
         adapters={"sql": str(folders["sql"]), "chat": str(folders["chat"])},
-        max_lora_rank=8, max_loras=4, tracing_endpoint=endpoint,
+        max_lora_rank=8, max_loras=2, tracing_endpoint=endpoint,
         # The port and host a test on a shared machine needs; the last value wins.
         user_args=["--port", str(port), "--host", "127.0.0.1", "--max-model-len", "128",
                    "--num-kv-blocks", "64"])

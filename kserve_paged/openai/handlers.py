@@ -61,7 +61,7 @@ class OpenAIRoutes:
         for model in self.models.values():
             lora = model.loras.get(name)
             if lora is not None:
-                return AdapterView(model, lora)
+                return AdapterView(model, lora, name)
         return None
 
     async def list_models(self) -> dict[str, Any]:
@@ -74,10 +74,10 @@ class OpenAIRoutes:
                          "root": info.model_path if info else None,
                          "max_model_len": info.max_model_len if info else None,
                          "ready": model.accepting})
-            data.extend({"id": lora.lora_name, "object": "model", "created": int(model.created),
+            data.extend({"id": served, "object": "model", "created": int(model.created),
                          "owned_by": "kserve-paged", "root": lora.lora_path, "parent": name,
                          "max_model_len": info.max_model_len if info else None,
-                         "ready": model.accepting} for lora in model.loras.values())
+                         "ready": model.accepting} for served, lora in model.loras.items())
         return {"object": "list", "data": data}
 
     async def completions(self, request: Request) -> Response:
