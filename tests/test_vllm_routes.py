@@ -137,3 +137,28 @@ def test_bad_tokenizer_requests_are_4xx_with_a_message(path, body, where):
             assert where in r.json()["error"]["message"]
         model.stop_engine()
     run(main())
+
+
+def test_v1_models_carries_exactly_what_kserves_own_route_answers():
+    """KServe's v1 handler over a repository holding the model under its served names (as
+    server.serve registers them) answers {"models": [...]}: our body carries that key and
+    value unchanged."""
+    from kserve.model_repository import ModelRepository
+    from kserve.protocol.dataplane import DataPlane
+    from kserve.protocol.model_repository_extension import ModelRepositoryExtension
+    from kserve.protocol.rest.v1_endpoints import V1Endpoints
+
+    async def main() -> None:
+        names = [NAME, "m-alias"]
+        app, model, _ = await ready(names=names)
+        registry = ModelRepository()
+        for name in names:
+            registry.update(model, name)
+        kserve_body = await V1Endpoints(DataPlane(model_registry=registry),
+                                        ModelRepositoryExtension(model_registry=registry)
+                                        ).models()
+        async with client(app) as c:
+            ours = (await c.get("/v1/models")).json()
+        assert {k: ours[k] for k in kserve_body} == kserve_body
+        model.stop_engine()
+    run(main())
