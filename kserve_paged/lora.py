@@ -3,7 +3,9 @@
 The registry lives on the base model (``PagedLLMModel.loras``: name -> LoRARequest, loaded by
 ``PagedLLMModel.load_lora``); an :class:`AdapterView` is the base model seen through one
 adapter, a `ServedModel` the OpenAI handlers serve unchanged, and an :class:`AdapterModel` in
-KServe's model repository serves v1/v2 under the adapter's name. Runtime loads and unloads
+KServe's model repository serves v1/v2 under the adapter's name. One loaded adapter may be served
+under several names (``PagedLLMModel.alias_lora``: the start-up adapters of one folder, as
+KServe's LLMInferenceService lists each twice). Runtime loads and unloads
 (vLLM's ``/load_lora_adapter`` and ``/unload_lora_adapter``, lora_routes.py) run on the engine
 thread between steps.
 """
@@ -28,10 +30,10 @@ class AdapterView:
     """The base model under one adapter's name: everything is the base model's, except the
     name and that requests run with the adapter."""
 
-    def __init__(self, base: ServedModel, lora: LoRARequest) -> None:
+    def __init__(self, base: ServedModel, lora: LoRARequest, name: str | None = None) -> None:
         self.base = base
         self.lora = lora
-        self.name = lora.lora_name
+        self.name = name or lora.lora_name  # one adapter may be served under several names
         self.created = base.created
         self.tool_call_parser = base.tool_call_parser
         self.loras: dict[str, LoRARequest] = {}  # an adapter serves no adapters of its own
@@ -68,16 +70,17 @@ class AdapterView:
     async def submit(self, prompt_ids: list[int], params: SamplingParams, *, kind: str,
                      priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         return await self.base.submit(prompt_ids, params, kind=kind, priority=priority,
-                                      cache_salt=cache_salt, lora_request=self.lora)
+                                      cache_salt=cache_salt, lora_request=self.lora,
+                                      served_name=self.name)
 
 
 class AdapterModel(Model):
     """The adapter as a model of KServe's repository: ``/v2/models/{adapter}/infer``, its
     ready route and metadata, all answered by the base model's engine with the adapter."""
 
-    def __init__(self, base: ServedModel, lora: LoRARequest) -> None:
-        super().__init__(lora.lora_name)
-        self.view = AdapterView(base, lora)
+    def __init__(self, base: ServedModel, lora: LoRARequest, name: str | None = None) -> None:
+        super().__init__(name or lora.lora_name)
+        self.view = AdapterView(base, lora, name)
         self.ready = True
 
     async def healthy(self) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 import uuid
 from collections.abc import Mapping
@@ -35,6 +36,7 @@ from kserve_paged import v2
 from kserve_paged.lora import AdapterModel, LoRAError
 from kserve_paged.metrics import EngineMetrics, MetricsObserver
 from kserve_paged.sampling import OptionError, make_sampling_params
+from kserve_paged.tracing import RequestTracer, request_attributes, request_headers
 
 logger = logging.getLogger("kserve.paged")
 
@@ -61,6 +63,8 @@ class PagedLLMModel(Model):
         self.load_started: float | None = None
         self.load_error: BaseException | None = None
         self.draining = False  # set on SIGTERM: refuse new work, let in-flight requests finish
+        # True once start_engine finished: weights warm and the start-up adapters loaded.
+        self.started = False
         self._max_prompt_chars = max_prompt_chars
         self.tool_call_parser = tool_call_parser  # read by the chat route (openai/tools.py)
         # Adapters served under their own names (kserve_paged/lora.py), loaded at start-up.
@@ -69,6 +73,7 @@ class PagedLLMModel(Model):
         # KServe's model repository, where adapters are registered as v2 models (set by the
         # server; None: OpenAI routes only).
         self.repository: Any = None
+        self.tracer: RequestTracer | None = None  # --otlp-traces-endpoint (server.install)
 
     # -- lifecycle (see the module docstring) -----------------------------------------------
 
@@ -93,9 +98,7 @@ class PagedLLMModel(Model):
             self.load_error = exc
             logger.error("model %s: loading failed: %s", self.name, exc.__cause__ or exc)
             raise
-        for name, path in self._lora_modules:  # a bad adapter in a manifest ends the server
-            await self.load_lora(name, path)
-            logger.info("model %s: LoRA adapter %s loaded from %s", self.name, name, path)
+        await self._load_lora_modules()
         info = self.llm.model_info()
         self.metrics.set_cache_config(info.block_size, info.num_kv_blocks)
         # Gauges only: counters come from the engine thread's step callback alone, so an
@@ -104,6 +107,22 @@ class PagedLLMModel(Model):
         logger.info("model %s: ready in %.1fs (%s, max_model_len %d, %d KV blocks)", self.name,
                     time.monotonic() - self.load_started, info.model_path, info.max_model_len,
                     info.num_kv_blocks)
+        self.started = True
+
+    async def _load_lora_modules(self) -> None:
+        """The start-up adapters (a bad one in a manifest ends the server). Names of one folder
+        share one engine adapter: KServe's LLMInferenceService lists every adapter twice
+        (`NAME` and `publishers/NS/models/NAME`), which would double its memory and its
+        share of --max_loras."""
+        loaded: dict[str, LoRARequest] = {}
+        for name, path in self._lora_modules:
+            twin = loaded.get(os.path.realpath(path))
+            if twin is not None:
+                self.alias_lora(name, twin)
+                logger.info("model %s: LoRA adapter %s is %s", self.name, name, twin.lora_name)
+                continue
+            loaded[os.path.realpath(path)] = await self.load_lora(name, path)
+            logger.info("model %s: LoRA adapter %s loaded from %s", self.name, name, path)
 
     def stop(self) -> None:
         self.ready = False
@@ -117,8 +136,9 @@ class PagedLLMModel(Model):
 
     @property
     def accepting(self) -> bool:
-        """Loaded, alive and not shutting down: readiness, and whether new requests are taken."""
-        return self.llm.is_ready and not self.draining
+        """Loaded (the start-up adapters too), alive and not shutting down: readiness, and
+        whether new requests are taken."""
+        return self.started and self.llm.is_ready and not self.draining
 
     def not_ready_reason(self) -> str:
         if self.draining:
@@ -198,15 +218,25 @@ class PagedLLMModel(Model):
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, *, kind: str,
                      priority: int = 0, cache_salt: str | None = None,
-                     lora_request: LoRARequest | None = None) -> RequestStream:
-        """Hand a validated request to the engine; ValueError (e.g. a full queue) -> 400."""
+                     lora_request: LoRARequest | None = None,
+                     served_name: str | None = None) -> RequestStream:
+        """Hand a validated request to the engine; ValueError (e.g. a full queue) -> 400.
+        `served_name`: the name the request was sent to (an adapter's, for its span)."""
         request_id = f"{kind}-{uuid.uuid4().hex}"
         lora = {"lora_request": lora_request} if lora_request is not None else {}
+        tracer = self.tracer
+        if tracer is not None:  # the span is written when the request ends (tracing.py)
+            name = served_name or (lora_request.lora_name if lora_request else self.name)
+            tracer.start(request_id, request_headers(), request_attributes(params, name))
         try:
             return await self.llm.add(prompt_ids, params, request_id, priority=priority,
                                       cache_salt=cache_salt, **lora)
-        except EngineDeadError as exc:
-            raise ModelNotReady(self.name, str(exc)) from exc
+        except BaseException as exc:
+            if tracer is not None:
+                tracer.discard(request_id)
+            if isinstance(exc, EngineDeadError):
+                raise ModelNotReady(self.name, str(exc)) from exc
+            raise
 
     # -- LoRA adapters, each served under its own name (lora.py) ----------------------------
 
@@ -222,10 +252,16 @@ class PagedLLMModel(Model):
             await self.llm.add_lora(lora)
         except ValueError as exc:
             raise LoRAError(400, str(exc)) from None
+        self.alias_lora(name, lora)
+        return lora
+
+    def alias_lora(self, name: str, lora: LoRARequest) -> None:
+        """Serve the loaded adapter `lora` under `name` too (v1/v2 in KServe's repository)."""
+        if name == self.name or name in self.loras:
+            raise LoRAError(400, f"The lora adapter '{name}' has already been loaded.")
         self.loras[name] = lora
         if self.repository is not None:
-            self.repository.update(AdapterModel(self, lora))
-        return lora
+            self.repository.update(AdapterModel(self, lora, name), name)
 
     async def unload_lora(self, name: str) -> None:
         lora = self.loras.pop(name, None) if isinstance(name, str) else None
@@ -233,7 +269,8 @@ class PagedLLMModel(Model):
             raise LoRAError(404, f"The lora adapter '{name}' cannot be found.")
         if self.repository is not None and self.repository.get_model(name) is not None:
             self.repository.unload(name)
-        await self.llm.remove_lora(lora.lora_int_id)
+        if all(other is not lora for other in self.loras.values()):  # its last name
+            await self.llm.remove_lora(lora.lora_int_id)
 
     # -- v1 / v2 inference (KServe calls these; the protocol is in v2.py) --------------------
 

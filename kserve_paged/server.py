@@ -25,7 +25,15 @@ from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.limits import DEFAULT_MAX_REQUEST_BYTES
 from kserve_paged.args import DEFAULT_MODEL_DIR, engine_kwargs
+from kserve_paged.auth import APIKeyMiddleware
 from kserve_paged.fault_inject import engine_factory_from_env
+from kserve_paged.gateway import (
+    RestOptions,
+    api_key,
+    check_gateway_args,
+    make_tracer,
+    served_names,
+)
 from kserve_paged.lora_routes import register_lora_routes
 from kserve_paged.metric_families import render
 from kserve_paged.middleware import (
@@ -37,6 +45,8 @@ from kserve_paged.middleware import (
 from kserve_paged.model import PagedLLMModel
 from kserve_paged.openai import register_openai_routes
 from kserve_paged.shutdown import PagedModelServer
+from kserve_paged.tracing import RequestTracer, TraceContextMiddleware
+from kserve_paged.vllm_routes import register_vllm_routes
 
 logger = logging.getLogger("kserve.paged")
 
@@ -119,12 +129,21 @@ def build_model(args: argparse.Namespace, argv: list[str]) -> PagedLLMModel:
 
 def install(app: FastAPI, model: PagedLLMModel, *,
             max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-            lora_runtime_updates: bool = False) -> None:
-    """Our routes and middleware on KServe's app (before ModelServer.start adds its own)."""
+            lora_runtime_updates: bool = False, names: list[str] | None = None,
+            api_key: str | None = None, tracer: RequestTracer | None = None) -> None:
+    """Our routes and middleware on KServe's app (before ModelServer.start adds its own):
+    the model served under `names` (default: its own name), every route behind `api_key`
+    when one is given, a span per request to `tracer` when one is given (gateway.py)."""
     app.add_middleware(DisconnectAbortMiddleware)
     app.add_middleware(V2BinaryGuardMiddleware)
     app.add_middleware(V2ContentTypeMiddleware)
-    app.add_middleware(RequestSizeLimitMiddleware, max_bytes=max_request_bytes)  # outermost
+    app.add_middleware(RequestSizeLimitMiddleware, max_bytes=max_request_bytes)
+    if tracer is not None:
+        model.tracer = tracer
+        model.llm.add_step_callback(tracer)
+        app.add_middleware(TraceContextMiddleware)
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: deny by default
     app.add_exception_handler(RequestValidationError, validation_error_route)
     app.add_exception_handler(StarletteHTTPException, http_error_route)
     logging.getLogger("kserve").addFilter(_QuietClientErrors())
@@ -132,7 +151,8 @@ def install(app: FastAPI, model: PagedLLMModel, *,
     app.add_api_route("/v2/health/live", _live_route([model]), methods=["GET"],
                       include_in_schema=False)
     register_lora_routes(app, model, runtime_updates=lora_runtime_updates)
-    register_openai_routes(app, {model.name: model})
+    routes = register_openai_routes(app, {name: model for name in names or [model.name]})
+    register_vllm_routes(app, model, routes)
 
 
 def _live_route(models: list[PagedLLMModel]) -> Any:
@@ -155,11 +175,18 @@ def serve(args: argparse.Namespace, argv: list[str]) -> None:
     if args.workers != 1:
         raise SystemExit("--workers must be 1: each worker would load its own copy of the model "
                          "and KV cache (scale with replicas instead)")
+    if (problem := check_gateway_args(args)) is not None:
+        raise SystemExit(f"error: {problem}")
     model = build_model(args, argv)
+    names = served_names(args)
+    tracer = make_tracer(args)
     install(app, model, max_request_bytes=args.max_request_bytes,
-            lora_runtime_updates=args.enable_lora_runtime_updates)
+            lora_runtime_updates=args.enable_lora_runtime_updates, names=names,
+            api_key=api_key(args), tracer=tracer)
     server = PagedModelServer(
         http_host=args.http_host, shutdown_grace_s=args.shutdown_grace_s, models=[model],
+        rest_options=RestOptions.from_args(args),
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         # uvicorn's own wait, after the drain: responses still flushing their last bytes.
         grace_period=5,
         http_port=args.http_port, grpc_port=args.grpc_port, workers=1,
@@ -169,12 +196,18 @@ def serve(args: argparse.Namespace, argv: list[str]) -> None:
         access_log_format=args.access_log_format, event_loop=args.event_loop,
         timeout_keep_alive=args.timeout_keep_alive)
     model.repository = server.registered_models  # adapters become v2 models there
+    for alias in names[1:]:  # v1/v2 under every served name (KServe's own model aliases)
+        server.register_model(model, name=alias)
     _share_kserve_logging("engine")  # load progress, KV sizing, engine-thread failures
     logger.info("serving model %r from %s on :%d (gRPC %s)", model.name,
                 model.config.model or "the default model", args.http_port,
                 f":{args.grpc_port}" if args.enable_grpc else "off")
     model.load()
-    server.start([model])
+    try:
+        server.start([model])
+    finally:
+        if tracer is not None:
+            tracer.shutdown()  # the spans still queued
 
 
 def _share_kserve_logging(name: str) -> None:

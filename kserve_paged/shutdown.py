@@ -29,9 +29,10 @@ class PagedModelServer(ModelServer):
     (and KServe's after it) run, and the process exits 0. A second signal skips the drain."""
 
     def __init__(self, *, http_host: str, shutdown_grace_s: float,
-                 models: list[PagedLLMModel], **kwargs: Any) -> None:
+                 models: list[PagedLLMModel], rest_options: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.http_host = http_host
+        self.rest_options = rest_options  # gateway.RestOptions: mTLS, refresh, access log
         self.shutdown_grace_s = shutdown_grace_s
         self._models = models
         self._draining = False
@@ -42,6 +43,8 @@ class PagedModelServer(ModelServer):
         rest = self._rest_server
         if rest is not None:
             rest.config.host = self.http_host
+            if self.rest_options is not None:
+                self.rest_options.apply(rest)
             uvicorn_server = rest._server
             exit_now = uvicorn_server.handle_exit
             # uvicorn installs ``self.handle_exit`` as its signal handler when it starts serving;

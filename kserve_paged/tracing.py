@@ -19,7 +19,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -28,6 +29,46 @@ logger = logging.getLogger("kserve.paged")
 
 SPAN_NAME = "llm_request"
 DETAIL_LEVELS = ("model", "worker", "all")
+_TRACE_HEADERS = (b"traceparent", b"tracestate")
+# The trace-context headers of the HTTP request being handled (set by TraceContextMiddleware,
+# installed only when tracing is on), read where the request is submitted.
+_request_headers: ContextVar[Mapping[str, str] | None] = ContextVar(
+    "kserve_paged_trace_headers", default=None)
+
+
+def detail_levels(text: str | None) -> frozenset[str]:
+    """`--collect-detailed-traces` (`all`, or a comma list of model, worker): ValueError for
+    anything else."""
+    levels = frozenset(p.strip() for p in (text or "").split(",") if p.strip())
+    unknown = sorted(levels - set(DETAIL_LEVELS))
+    if unknown:
+        raise ValueError(f"--collect-detailed-traces: unknown level(s) {unknown} (choose from "
+                         f"{', '.join(DETAIL_LEVELS)})")
+    return levels
+
+
+def request_headers() -> Mapping[str, str]:
+    """The trace-context headers of the request being handled ({} outside one)."""
+    return _request_headers.get() or {}
+
+
+class TraceContextMiddleware:
+    """ASGI middleware: keeps the request's `traceparent` / `tracestate` for its span."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            found = {k.decode(): v.decode("latin-1") for k, v in scope["headers"]
+                     if k in _TRACE_HEADERS}
+            token = _request_headers.set(found)
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                _request_headers.reset(token)
+            return
+        await self.app(scope, receive, send)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +137,11 @@ class RequestTracer:
                                    **{k: v for k, v in attributes.items() if v is not None}})
         with self._lock:
             self._pending[request_id] = entry
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request the engine refused (no span)."""
+        with self._lock:
+            self._pending.pop(request_id, None)
 
     def __call__(self, info: Any) -> None:
         for out in info.outputs:

@@ -11,23 +11,11 @@ console script of the package: on a user's machine it would shadow a real vLLM.
 from __future__ import annotations
 
 import sys
-from importlib.metadata import PackageNotFoundError, version
+
+from kserve_paged.vllm_flags import VLLM_CLI_VERSION, package_version
 
 USAGE = "usage: vllm serve MODEL_PATH [flags]   |   vllm --version"
 VLLM_DEFAULT_PORT = 8000
-# The vLLM release whose `serve` flags this command line follows. It ends `vllm --version`'s
-# output because KServe's preset reads that last word to pick its flags: from 0.16
-# --disable-access-log-for-endpoints, from 0.18 --shutdown-timeout, from 0.22
-# --kv-transfer-config for spec.kvCacheOffloading (which this server refuses by name until it
-# has a second KV tier, rather than have the offloading setting dropped silently).
-VLLM_CLI_VERSION = "0.22.0"
-
-
-def package_version() -> str:
-    try:
-        return version("kserve-paged")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def serve_argv(argv: list[str]) -> list[str]:

@@ -10,6 +10,22 @@ ours. `--help` lists both spellings. A flag neither spelling knows stays an erro
 from __future__ import annotations
 
 import argparse
+from importlib.metadata import PackageNotFoundError, version
+
+# The vLLM release whose `serve` flags this command line follows. It ends `vllm --version`'s
+# output because KServe's preset reads that last word to pick its flags: from 0.16
+# --disable-access-log-for-endpoints, from 0.18 --shutdown-timeout, from 0.22
+# --kv-transfer-config for spec.kvCacheOffloading (which this server refuses by name until it
+# has a second KV tier, rather than have the offloading setting dropped silently).
+VLLM_CLI_VERSION = "0.22.0"
+
+
+def package_version() -> str:
+    try:
+        return version("kserve-paged")
+    except PackageNotFoundError:
+        return "0+unknown"
+
 
 # vLLM's flag -> our flag, where the names differ beyond '-' versus '_'.
 VLLM_FLAGS: dict[str, str] = {

@@ -4,40 +4,17 @@ choosing the preset's newest flags."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kserve_paged.args import parse_args
 from kserve_paged.vllm_cli import VLLM_CLI_VERSION, serve_argv
-from tests.helpers.llmisvc_preset import Preset, run_with_vllm
-
-
-def _recording_vllm(folder: Path, version: str) -> Path:
-    """A `vllm` that answers --version like ours and records the argv of `serve`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    script = folder / "vllm"
-    script.write_text(
-        f"#!{sys.executable}\n"
-        "import json, sys\n"
-        "if sys.argv[1:] == ['--version']:\n"
-        f"    print('kserve-paged 0.1.0, vLLM command line {version}')\n"
-        "else:\n"
-        "    print('ARGV=' + json.dumps(sys.argv[1:]))\n")
-    script.chmod(0o755)
-    return folder
+from tests.helpers.llmisvc_preset import Preset, preset_argv
 
 
 def _argv(preset: Preset, tmp_path: Path, version: str = VLLM_CLI_VERSION) -> list[str]:
-    proc = run_with_vllm(preset, _recording_vllm(tmp_path / "bin", version),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    (line,) = [x for x in out.splitlines() if x.startswith("ARGV=")]
-    return json.loads(line[len("ARGV="):])
+    return preset_argv(preset, tmp_path / "bin", version)
 
 
 def test_the_preset_argv_with_lora_tracing_and_tls_parses(tmp_path: Path) -> None:

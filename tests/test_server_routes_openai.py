@@ -150,8 +150,8 @@ def test_openai_malformed_and_models():
 
 def test_vllm_paths_serve_completions_and_chat():
     """An LLMInferenceService's route rewrites to vLLM's /v1/completions and
-    /v1/chat/completions (manifests/llmisvc): the same handlers answer there; /v1/models stays
-    KServe's v1-protocol model list."""
+    /v1/chat/completions (manifests/llmisvc): the same handlers answer there; /v1/models
+    answers both KServe v1's model list and OpenAI's (tests/test_vllm_routes.py)."""
     async def main() -> None:
         app, model, _ = await ready()
         async with client(app) as c:
@@ -165,7 +165,7 @@ def test_vllm_paths_serve_completions_and_chat():
             assert r.status_code == 200 and r.json()["object"] == "chat.completion"
             r = await c.post("/v1/completions", json={"model": "other", "prompt": "x"})
             assert r.status_code == 404 and r.json()["error"]["message"]  # OpenAI's shape
-            assert (await c.get("/v1/models")).json() == {"models": [NAME]}
+            assert (await c.get("/v1/models")).json()["models"] == [NAME]
         model.stop_engine()
     run(main())
 

@@ -42,8 +42,8 @@ class OpenAIRoutes:
         self.models = models
 
     def _model(self, name: str | None) -> ServedModel:
-        if name is None:
-            if len(self.models) != 1:
+        if name is None:  # one model (under one or more names) needs no name
+            if len({id(m) for m in self.models.values()}) != 1:
                 raise APIError(400, "model is required", param="model")
             name, model = next(iter(self.models.items()))
         else:
@@ -61,7 +61,7 @@ class OpenAIRoutes:
         for model in self.models.values():
             lora = model.loras.get(name)
             if lora is not None:
-                return AdapterView(model, lora)
+                return AdapterView(model, lora, name)
         return None
 
     async def list_models(self) -> dict[str, Any]:
@@ -74,10 +74,10 @@ class OpenAIRoutes:
                          "root": info.model_path if info else None,
                          "max_model_len": info.max_model_len if info else None,
                          "ready": model.accepting})
-            data.extend({"id": lora.lora_name, "object": "model", "created": int(model.created),
+            data.extend({"id": served, "object": "model", "created": int(model.created),
                          "owned_by": "kserve-paged", "root": lora.lora_path, "parent": name,
                          "max_model_len": info.max_model_len if info else None,
-                         "ready": model.accepting} for lora in model.loras.values())
+                         "ready": model.accepting} for served, lora in model.loras.items())
         return {"object": "list", "data": data}
 
     async def completions(self, request: Request) -> Response:
@@ -87,6 +87,8 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request) -> Response:
         body: ChatBody = await parse_body(request, ChatBody)
         return await chat_completions(self._model(body.model), request, body)
+
+    model = _model  # the served model a request names (the root routes, vllm_routes.py)
 
 
 def _in_openai_shape(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
@@ -105,6 +107,9 @@ def _in_openai_shape(handler: Callable[[Request], Any]) -> Callable[[Request], A
             return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
     route.__name__ = getattr(handler, "__name__", "route")
     return route
+
+
+in_openai_shape = _in_openai_shape  # for the routes registered elsewhere (vllm_routes.py)
 
 
 def register_openai_routes(app: FastAPI, models: dict[str, ServedModel],

@@ -8,8 +8,10 @@ import json
 import os
 import re
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 TEMPLATE = Path(__file__).parent.parent / "data" / "kserve-llmisvc" / "preset_command.sh.tmpl"
 LORA_ROOT = "/mnt/lora"
@@ -77,6 +79,50 @@ class Preset:
 
     def command(self) -> list[str]:
         return ["/bin/bash", "-c", self.script(), "--", *self.args()]
+
+    @classmethod
+    def of(cls, llmisvc: dict[str, Any], **overrides: Any) -> Preset:
+        """What the controller takes from an LLMInferenceService object: the model's name, the
+        namespace, spec.model.lora, spec.tracing and the main container's args."""
+        spec = llmisvc["spec"]
+        lora = spec["model"].get("lora") or {}
+        (main,) = [c for c in spec.get("template", {}).get("containers", [])
+                   if c["name"] == "main"]
+        values: dict[str, Any] = dict(
+            name=spec["model"]["name"], namespace=llmisvc["metadata"]["namespace"],
+            adapters={a["name"]: f"{LORA_ROOT}/{a['name']}" for a in lora.get("adapters", [])},
+            max_lora_rank=lora.get("maxRank"), max_loras=lora.get("maxAdapters"),
+            max_cpu_loras=lora.get("maxCpuAdapters"),
+            tracing_endpoint=(spec.get("tracing") or {}).get("exporterEndpoint"),
+            user_args=list(main.get("args", [])))
+        return cls(**{**values, **overrides})
+
+
+def recording_vllm(folder: Path, version: str) -> Path:
+    """A folder with a `vllm` that answers --version like ours and prints the argv of
+    `serve` as `ARGV=<json>`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "vllm"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import json, sys\n"
+        "if sys.argv[1:] == ['--version']:\n"
+        f"    print('kserve-paged 0.1.0, vLLM command line {version}')\n"
+        "else:\n"
+        "    print('ARGV=' + json.dumps(sys.argv[1:]))\n")
+    script.chmod(0o755)
+    return folder
+
+
+def preset_argv(preset: Preset, folder: Path, version: str) -> list[str]:
+    """The argv the preset's script hands `vllm` (after `vllm`), run with bash."""
+    proc = run_with_vllm(preset, recording_vllm(folder, version), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=60)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the preset's script failed: {err}")
+    (line,) = [x for x in out.splitlines() if x.startswith("ARGV=")]
+    return json.loads(line[len("ARGV="):])
 
 
 def run_with_vllm(preset: Preset, vllm_dir: Path, env: dict[str, str] | None = None,

@@ -48,22 +48,40 @@ def test_broken_llmisvc_fails_validation(breakage):
     assert h.crd_errors(broken)
 
 
-def test_the_server_flags_and_port_fit_the_presets():
+def test_the_presets_own_command_runs_our_server_with_lora_tracing_and_tls(tmp_path):
+    """No command or probes of our own: the preset's script (tests/helpers/llmisvc_preset.py)
+    runs `vllm serve` with this spec's adapters, tracing and args, and our `vllm` parses it;
+    TLS as the preset adds it where the cluster turns it on."""
+    from kserve_paged.vllm_cli import serve_argv
+    from kserve_paged.vllm_flags import VLLM_CLI_VERSION
+    from tests.helpers.llmisvc_preset import Preset, preset_argv
+
     container = main_container()
-    assert container["command"] == ["python", "-m", "kserve_paged"]
-    parsed = server_args.parse_args(container["args"])
-    assert parsed.model_name == LLMISVC["spec"]["model"]["name"]  # what clients send as model
-    assert parsed.model_dir == "/mnt/models"  # where the storage initializer puts spec.model.uri
-    assert parsed.http_port == PRESET_PORT
+    assert "command" not in container and container["image"] == "kserve-paged"
+    assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(container)
     assert [p["containerPort"] for p in container["ports"]] == [PRESET_PORT]
-    name = parsed.model_name
-    for probe, path in (("startupProbe", f"/v2/models/{name}/ready"),
-                        ("readinessProbe", f"/v2/models/{name}/ready"),
-                        ("livenessProbe", "/v2/health/live")):
-        get = container[probe]["httpGet"]
-        assert (get["path"], get["port"], get["scheme"]) == (path, PRESET_PORT, "HTTP"), probe
-    startup = container["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
+    spec = LLMISVC["spec"]
+    preset = Preset.of(LLMISVC, tls=("/var/run/kserve/tls/tls.crt",
+                                     "/var/run/kserve/tls/tls.key"))
+    argv = preset_argv(preset, tmp_path, VLLM_CLI_VERSION)
+    parsed = server_args.parse_args(serve_argv(argv[1:]))
+    name, namespace = spec["model"]["name"], LLMISVC["metadata"]["namespace"]
+    assert parsed.served_model_name == [name, f"publishers/{namespace}/models/{name}"]
+    assert parsed.model_name == name and parsed.model_dir == "/mnt/models"
+    assert parsed.http_port == PRESET_PORT
+    adapters = [a["name"] for a in spec["model"]["lora"]["adapters"]]
+    assert len(adapters) == 2
+    assert parsed.lora_modules == [
+        (served, f"/mnt/lora/{a}") for a in adapters
+        for served in (a, f"publishers/{namespace}/models/{a}")]
+    assert parsed.max_loras >= len(adapters)  # the two names of an adapter are one
+    assert parsed.max_lora_rank == spec["model"]["lora"]["maxRank"]
+    assert parsed.otlp_traces_endpoint == spec["tracing"]["exporterEndpoint"]
+    assert parsed.collect_detailed_traces == "all"
+    assert parsed.enable_ssl_refresh and parsed.ssl_certfile.endswith("tls.crt")
+    assert parsed.max_num_seqs == 128
+    env = {e["name"] for e in container["env"]}
+    assert "VLLM_API_KEY" in env
 
 
 def test_the_routed_paths_are_served():
