@@ -34,6 +34,8 @@ class AdapterView:
         self.name = lora.lora_name
         self.created = base.created
         self.tool_call_parser = base.tool_call_parser
+        self.reasoning_parser = base.reasoning_parser
+        self.default_chat_template_kwargs = base.default_chat_template_kwargs
         self.loras: dict[str, LoRARequest] = {}  # an adapter serves no adapters of its own
 
     @property

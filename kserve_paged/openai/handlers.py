@@ -20,19 +20,21 @@ from kserve.errors import InferenceError, ModelNotReady
 from openai.types import Model as OpenAIModel
 
 from engine.async_llm import EngineDeadError
+from kserve_paged.anthropic.messages import register_messages_routes
 from kserve_paged.lora import AdapterView
 from kserve_paged.openai.chat import chat_completions
 from kserve_paged.openai.completions import completions
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.openapi import operation_schema
-from kserve_paged.openai.parse import parse_body
+from kserve_paged.openai.parse import parse_body, read_json
+from kserve_paged.openai.responses import create_response, parse_responses
 from kserve_paged.openai.schemas import ChatBody, ChatCompletionOut, CompletionBody, CompletionOut
 from kserve_paged.served import ServedModel
 
 logger = logging.getLogger("kserve.paged.openai")
 
 PREFIX = "/openai/v1"
-VLLM_PREFIX = "/v1"  # completions and chat only (see register_openai_routes)
+VLLM_PREFIX = "/v1"  # not /v1/models: see register_openai_routes
 
 
 class OpenAIRoutes:
@@ -88,6 +90,10 @@ class OpenAIRoutes:
         body: ChatBody = await parse_body(request, ChatBody)
         return await chat_completions(self._model(body.model), request, body)
 
+    async def responses(self, request: Request) -> Response:
+        body, chat = parse_responses(await read_json(request))
+        return await create_response(self._model(body.model), request, body, chat)
+
 
 def _in_openai_shape(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
     """Map every failure to OpenAI's error shape (KServe's handlers would answer its own)."""
@@ -110,9 +116,11 @@ def _in_openai_shape(handler: Callable[[Request], Any]) -> Callable[[Request], A
 def register_openai_routes(app: FastAPI, models: dict[str, ServedModel],
                            prefixes: tuple[str, ...] = (PREFIX,),
                            aliases: tuple[str, ...] = (VLLM_PREFIX,)) -> OpenAIRoutes:
-    """Add ``models``, ``completions`` and ``chat/completions`` under each prefix, and the
-    last two under each alias (vLLM's paths, where an LLMInferenceService's route sends them;
-    ``/v1/models`` stays KServe's v1 protocol route)."""
+    """Add ``models``, ``completions``, ``chat/completions`` and ``responses`` under each
+    prefix, and all but ``models`` under each alias (vLLM's paths, where an
+    LLMInferenceService's route sends them; ``/v1/models`` stays KServe's v1 protocol route);
+    Anthropic's ``messages`` (and ``messages/count_tokens``) under each alias, as vLLM has
+    them (kserve_paged/anthropic/messages.py)."""
     routes = OpenAIRoutes(models)
     for prefix in (*prefixes, *aliases):
         alias = prefix not in prefixes
@@ -127,5 +135,9 @@ def register_openai_routes(app: FastAPI, models: dict[str, ServedModel],
                              methods=["POST"], response_model=None,
                              openapi_extra=operation_schema(ChatBody, ChatCompletionOut,
                                                             list(models)))
+        router.add_api_route("/responses", _in_openai_shape(routes.responses),
+                             methods=["POST"], response_model=None)
         app.include_router(router)
+    for alias in aliases:
+        register_messages_routes(app, routes._model, alias)
     return routes
