@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -61,7 +60,7 @@ def chat(app: Any, stream: bool, **extra: Any) -> tuple[str | None, str | None]:
         args = {"model": "m", "messages": ASK, "temperature": 0, "extra_body": extra}
         if not stream:
             message = (await oai.chat.completions.create(**args)).choices[0].message
-            assert getattr(message, "reasoning_content", None) == getattr(message, "reasoning")
+            assert getattr(message, "reasoning_content", None) == message.reasoning
             return message.reasoning, message.content
         thought, said = [], []
         async for chunk in await oai.chat.completions.create(stream=True, **args):
