@@ -188,3 +188,30 @@ def test_generation_config_defaults(tmp_path: Path, mode, temperature, max_token
     r, eng = post("/v1/completions", {"prompt": "a", "temperature": 0.5, "max_tokens": 9},
                   engine, choose)
     assert (eng.added[-1][2].temperature, eng.added[-1][2].max_tokens) == (0.5, 9)
+
+
+def test_a_constraint_waits_for_the_end_of_thinking_unless_the_prompt_closed_it():
+    """openai/chat_turn.reasoning_gate on the fake tokenizer (a word, a token)."""
+    from types import SimpleNamespace
+
+    from kserve_paged.openai.chat_turn import reasoning_gate
+
+    tok = FakeEngine().tokenizer
+    model = SimpleNamespace(info=SimpleNamespace(tokenizer=tok))
+    end = tok.encode("</think>")[0]
+    assert reasoning_gate(model, tok.encode("<user> hi <assistant>")) == end
+    assert reasoning_gate(model, tok.encode("<assistant> <think>")) == end
+    assert reasoning_gate(model, tok.encode("<assistant> <think> </think>")) is None
+
+
+def test_a_reasoning_server_gates_the_requests_constraint():
+    def parser(model):
+        model.reasoning_parser = "qwen3"
+    r, eng = post("/v1/chat/completions", {"messages": ASK, "max_tokens": 2,
+                                           "response_format": {"type": "json_object"}},
+                  setup=parser)
+    assert r.status_code == 200, r.text
+    spec = eng.added[0][2].structured_outputs
+    assert spec.start_after_token_id == eng.tokenizer.encode("</think>")[0]
+    r, eng = post("/v1/messages", {"messages": ASK, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
