@@ -43,7 +43,9 @@ class OpenAIRoutes:
     def __init__(self, models: dict[str, ServedModel]) -> None:
         self.models = models
 
-    def _model(self, name: str | None) -> ServedModel:
+    def model_named(self, name: str | None) -> ServedModel:
+        """The served model (or adapter) a request names; an APIError (400, 404, 503) when
+        there is none to use."""
         if name is None:
             if len(self.models) != 1:
                 raise APIError(400, "model is required", param="model")
@@ -84,15 +86,15 @@ class OpenAIRoutes:
 
     async def completions(self, request: Request) -> Response:
         body: CompletionBody = await parse_body(request, CompletionBody)
-        return await completions(self._model(body.model), request, body)
+        return await completions(self.model_named(body.model), request, body)
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatBody = await parse_body(request, ChatBody)
-        return await chat_completions(self._model(body.model), request, body)
+        return await chat_completions(self.model_named(body.model), request, body)
 
     async def responses(self, request: Request) -> Response:
         body, chat = parse_responses(await read_json(request))
-        return await create_response(self._model(body.model), request, body, chat)
+        return await create_response(self.model_named(body.model), request, body, chat)
 
 
 def _in_openai_shape(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
@@ -139,5 +141,5 @@ def register_openai_routes(app: FastAPI, models: dict[str, ServedModel],
                              methods=["POST"], response_model=None)
         app.include_router(router)
     for alias in aliases:
-        register_messages_routes(app, routes._model, alias)
+        register_messages_routes(app, routes.model_named, alias)
     return routes
