@@ -21,6 +21,7 @@ from engine.limits import check_prompt_ids
 from engine.lora import LoRAManager, LoRARequest
 from engine.output_processor import OutputProcessor
 from engine.parallel_sampling import SampleGroups
+from engine.sample.logits_processors import bad_words_token_ids
 from engine.sample.structured_output import GrammarCompiler, RequestGrammar
 from engine.sampling_params import SamplingParams
 
@@ -74,6 +75,7 @@ class InputProcessor:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if text is not None else [int(t) for t in prompt]
         check_prompt_ids(token_ids, self.vocab_size)
+        token_ids, text = self._filters(params, token_ids, text)
         if self.extra_eos and not params.ignore_eos:
             params = _with_stop_ids(params, self.extra_eos)
         if request_id in self.groups or request_id in self.beams:
@@ -86,6 +88,27 @@ class InputProcessor:
             self._add_one(request_id, params, *common)
         else:
             self._add_samples(request_id, params, common)
+
+    def _filters(self, params: SamplingParams, token_ids: list[int], text: str | None
+                 ) -> tuple[list[int], str | None]:
+        """vLLM's prompt cut (truncate_prompt_tokens: the last k tokens; the text no longer
+        matches them) and token filters: allowed ids checked against the vocabulary, bad
+        words turned into token sequences (set on `params`, as vLLM does)."""
+        k = params.truncate_prompt_tokens
+        if k is not None:
+            keep = self.scheduler.max_model_len if k == -1 else k
+            if keep > self.scheduler.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens ({k}) exceeds the context window "
+                                 f"({self.scheduler.max_model_len})")
+            if len(token_ids) > keep:
+                token_ids, text = token_ids[-keep:], None
+        bad = [t for t in params.allowed_token_ids or [] if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids: {bad[:5]} out of the vocabulary "
+                             f"({self.vocab_size} tokens)")
+        if params.bad_words and not params.bad_words_token_ids:
+            params.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
+        return token_ids, text
 
     def _add_samples(self, request_id: str, params: SamplingParams, common: tuple) -> None:
         """n parallel samples: the first child computes the prompt, the others fork from it
@@ -109,7 +132,8 @@ class InputProcessor:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)  # raises on duplicates and over-long prompts
         if params.structured_outputs is not None:
-            request.grammar = RequestGrammar(self.grammars.submit(params.structured_outputs))
+            spec = params.structured_outputs
+            request.grammar = RequestGrammar(self.grammars.submit(spec), spec.start_after_token_id)
             self.compiling.append(request)
         self.outputs.track(request, text)
         return request

@@ -34,6 +34,9 @@ class StructuredOutputs:
     choice: list[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    # The constraint starts once the output has this token (a reasoning model's `</think>`):
+    # what comes before it is free, and the grammar holds from the token after it on.
+    start_after_token_id: int | None = None
     kind: str = field(init=False, default="")
     key: str = field(init=False, default="")  # what compiled grammars are cached by
     _grammar: Any = field(init=False, default=None, repr=False)
@@ -140,6 +143,14 @@ class SamplingParams:
     best_of: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # vLLM's token filters: only `allowed_token_ids` may be sampled; no word of `bad_words` is
+    # ever completed (the input processor finds each word's token sequences with the model's
+    # tokenizer, into `bad_words_token_ids`: engine/sample/logits_processors.py).
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # Keep only the prompt's last k tokens (-1: the context window), cut by the input processor.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -149,6 +160,10 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(
+            self.bad_words or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias:
@@ -172,7 +187,25 @@ class SamplingParams:
         self._validate_sampling()
         self._validate_stops_and_penalties()
         self._validate_outputs()
+        self._validate_filters()
         self._validate_beam_search(_bad)
+
+    def _validate_filters(self) -> None:
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not ids:
+                raise _bad("allowed_token_ids must not be empty (nothing could be sampled)")
+            for t in ids:
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise _bad(f"allowed_token_ids must be non-negative integers (got {t!r})")
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                raise _bad(f"bad_words must be non-empty strings (got {w!r})")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool)
+                              or (k < 1 and k != -1)):
+            raise _bad(f"truncate_prompt_tokens must be -1 (the context window) or an integer "
+                       f">= 1 (got {k!r})")
 
     def _validate_lengths(self) -> None:
         if (not isinstance(self.n, int) or isinstance(self.n, bool)
@@ -272,7 +305,8 @@ class SamplingParams:
         unsupported = [name for name, off in (
             ("stop", []), ("logprobs", None), ("prompt_logprobs", None), ("min_tokens", 0),
             ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-            ("logit_bias", None), ("structured_outputs", None)) if getattr(self, name) != off]
+            ("logit_bias", None), ("structured_outputs", None), ("allowed_token_ids", None),
+            ("bad_words", [])) if getattr(self, name) != off]
         if unsupported:
             raise bad(f"{', '.join(unsupported)} cannot be combined with use_beam_search")
 
@@ -287,4 +321,5 @@ class SamplingParams:
     @property
     def needs_logits_processing(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0 or self.logit_bias)
+                    or self.repetition_penalty != 1.0 or self.logit_bias
+                    or self.allowed_token_ids is not None or self.bad_words_token_ids)

@@ -107,7 +107,8 @@ class SamplingPipeline:
         params = [r.sampling_params for r in sampling]
         processed = apply_penalties(logits, params, [r.prompt_token_ids for r in sampling],
                                     [r.output_token_ids for r in sampling])
-        processed = self.bitmask.apply(processed, [r.grammar for r in sampling])
+        processed = self.bitmask.apply(processed, [
+            r.grammar if r.grammar is not None and r.grammar.active else None for r in sampling])
         token_tensor = self.sampler.sample(
             processed, params, [s.generator for s in states],
             [r.num_output_tokens for r in sampling], [r.eos_token_id for r in sampling])
@@ -138,7 +139,9 @@ class SamplingPipeline:
         for child_id, params in pending:
             child = self.scheduler.fork(parent, child_id, params, num_computed=computed)
             if parent.grammar is not None:  # forked before any output: a fresh matcher
-                child.grammar = RequestGrammar(parent.grammar.future)
+                spec = parent.sampling_params.structured_outputs
+                child.grammar = RequestGrammar(parent.grammar.future,
+                                               spec.start_after_token_id if spec else None)
                 child.grammar.start()
             self.outputs.track_fork(child, parent)
             children.append(child)
@@ -151,8 +154,7 @@ class SamplingPipeline:
         sampled = {r.request_id: t for r, t in zip(step.sampling, step.tokens)}
         rejected = []
         for req in step.sampling:
-            if req.grammar is not None and not req.grammar.matcher.accept_token(
-                    sampled[req.request_id]):
+            if req.grammar is not None and not req.grammar.accept(sampled[req.request_id]):
                 rejected.append(req)
                 del sampled[req.request_id]
         for spec in step.spec_rows:

@@ -36,6 +36,8 @@ class AdapterView:
         self.name = name or lora.lora_name  # one adapter may be served under several names
         self.created = base.created
         self.tool_call_parser = base.tool_call_parser
+        self.reasoning_parser = base.reasoning_parser
+        self.default_chat_template_kwargs = base.default_chat_template_kwargs
         self.loras: dict[str, LoRARequest] = {}  # an adapter serves no adapters of its own
 
     @property

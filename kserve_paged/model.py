@@ -35,7 +35,12 @@ from engine.sampling_params import SamplingParams
 from kserve_paged import v2
 from kserve_paged.lora import AdapterModel, LoRAError
 from kserve_paged.metrics import EngineMetrics, MetricsObserver
-from kserve_paged.sampling import OptionError, make_sampling_params
+from kserve_paged.sampling import (
+    OptionError,
+    generation_defaults,
+    make_sampling_params,
+    with_defaults,
+)
 from kserve_paged.tracing import RequestTracer, request_attributes, request_headers
 
 logger = logging.getLogger("kserve.paged")
@@ -52,7 +57,10 @@ class PagedLLMModel(Model):
     def __init__(self, name: str, config: EngineConfig, *, llm: AsyncLLM | None = None,
                  metrics: EngineMetrics | None = None,
                  max_prompt_chars: int | None = None, tool_call_parser: str = "hermes",
-                 lora_modules: list[tuple[str, str]] | None = None) -> None:
+                 lora_modules: list[tuple[str, str]] | None = None,
+                 reasoning_parser: str | None = None,
+                 default_chat_template_kwargs: dict[str, Any] | None = None,
+                 generation_config: str = "auto") -> None:
         super().__init__(name)
         self.engine = True  # KServe awaits start_engine() next to the HTTP server
         self.config = config
@@ -67,6 +75,14 @@ class PagedLLMModel(Model):
         self.started = False
         self._max_prompt_chars = max_prompt_chars
         self.tool_call_parser = tool_call_parser  # read by the chat route (openai/tools.py)
+        # Thinking models (openai/reasoning.py): how the output splits into reasoning and
+        # answer, and what every chat template render gets (a request's kwargs override).
+        self.reasoning_parser = reasoning_parser
+        self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
+        if generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be auto or vllm (got {generation_config!r})")
+        self.generation_config = generation_config
+        self._generation_defaults: dict[str, Any] | None = None
         # Adapters served under their own names (kserve_paged/lora.py), loaded at start-up.
         self.loras: dict[str, LoRARequest] = {}
         self._lora_modules = list(lora_modules or [])
@@ -208,9 +224,24 @@ class PagedLLMModel(Model):
             raise OptionError(str(exc), "prompt") from None
         return ids
 
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """Default sampling values: the model folder's generation_config.json under
+        `--generation_config auto` (vLLM's meaning), none under `vllm`."""
+        if self._generation_defaults is None:
+            self._generation_defaults = (generation_defaults(self.info.model_path)
+                                         if self.generation_config == "auto" else {})
+        return self._generation_defaults
+
     def sampling_params(self, options: Mapping[str, Any], prompt_ids: list[int],
                         default_max_tokens: int | None) -> SamplingParams:
         info = self.info
+        defaults = dict(self.generation_defaults)
+        max_new = defaults.pop("max_tokens", None)  # a default budget, never the client's
+        if isinstance(max_new, int) and max_new > 0:
+            default_max_tokens = (max_new if default_max_tokens is None
+                                  else min(max_new, default_max_tokens))
+        options = with_defaults(options, defaults)
         return make_sampling_params(options, prompt_len=len(prompt_ids),
                                     max_model_len=info.max_model_len,
                                     default_max_tokens=default_max_tokens,

@@ -21,9 +21,10 @@ SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "see
                     "ignore_eos", "min_tokens", "stop_token_ids", "n", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
                     "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens",
-                    "use_beam_search", "best_of", "length_penalty", "early_stopping")
+                    "use_beam_search", "best_of", "length_penalty", "early_stopping",
+                    "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
 _INTS = ("max_tokens", "top_k", "seed", "min_tokens", "n", "logprobs", "prompt_logprobs",
-         "best_of")
+         "best_of", "truncate_prompt_tokens")
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "length_penalty")
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "use_beam_search")
@@ -99,17 +100,17 @@ def beam_width_options(options: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _as_stop(value: Any) -> list[str]:
+def _as_stop(value: Any, name: str = "stop") -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
         return [value]
     if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
         return list(value)
-    raise OptionError(f"stop must be a string or a list of strings (got {value!r})", "stop")
+    raise OptionError(f"{name} must be a string or a list of strings (got {value!r})", name)
 
 
-def _as_token_ids(value: Any) -> list[int]:
+def _as_token_ids(value: Any, name: str = "stop_token_ids") -> list[int]:
     if value is None:
         return []
     if isinstance(value, str):
@@ -118,9 +119,8 @@ def _as_token_ids(value: Any) -> list[int]:
     elif isinstance(value, int) and not isinstance(value, bool):
         value = [value]
     if isinstance(value, (list, tuple)):
-        return [_as_int("stop_token_ids", v) for v in value]
-    raise OptionError(f"stop_token_ids must be a list of integers (got {value!r})",
-                      "stop_token_ids")
+        return [_as_int(name, v) for v in value]
+    raise OptionError(f"{name} must be a list of integers (got {value!r})", name)
 
 
 def _as_logit_bias(value: Any, vocab_size: int | None) -> dict[int, float]:
@@ -163,7 +163,6 @@ def _as_logit_bias(value: Any, vocab_size: int | None) -> dict[int, float]:
 # OpenAI bodies' extra fields (vLLM's extras: beam search, guided decoding, ...).
 UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
     "beam_width": (1,), "num_beams": (1,),
-    "allowed_token_ids": (), "bad_words": (), "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,), "logits_processors": (),
 }
 # Known to v2 only as refusals: OpenAI bodies declare and check these themselves.
@@ -225,14 +224,14 @@ def normalize_options(options: Mapping[str, Any], vocab_size: int | None = None
             out[name] = _as_float(name, value)
         elif name in _BOOLS:
             out[name] = _as_bool(name, value)
-        elif name == "stop":
-            out[name] = _as_stop(value)
+        elif name in ("stop", "bad_words"):
+            out[name] = _as_stop(value, name)
         elif name == "logit_bias":
             out[name] = _as_logit_bias(value, vocab_size)
         elif name == "early_stopping":
             out[name] = _as_early_stopping(value)
         else:
-            out[name] = _as_token_ids(value)
+            out[name] = _as_token_ids(value, name)
     return out
 
 
@@ -262,6 +261,9 @@ def make_sampling_params(options: Mapping[str, Any], *, prompt_len: int, max_mod
                          ) -> SamplingParams:
     """SamplingParams for one prompt; raises OptionError with the offending option."""
     opts = normalize_options(options, vocab_size)
+    cut = opts.get("truncate_prompt_tokens")
+    if cut is not None and cut >= 1:  # the engine keeps the last `cut` tokens
+        prompt_len = min(prompt_len, cut)
     requested = opts.pop("max_tokens", None)
     if requested is None and default_max_tokens is not None and prompt_len < max_model_len:
         # A default budget (not the client's) shrinks to what the context window leaves.
@@ -280,3 +282,36 @@ def make_sampling_params(options: Mapping[str, Any], *, prompt_len: int, max_mod
         named = re.search(r"parameter: (\w+)", message)
         param = named.group(1) if named and named.group(1) in SAMPLING_OPTIONS else None
         raise OptionError(message, param) from None
+
+
+# generation_config.json's sampling fields that become defaults (vLLM's list), by our names.
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                            "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                            "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_path: str | None) -> dict[str, Any]:
+    """`--generation_config auto`: the sampling defaults the model's folder ships in
+    generation_config.json (none when it has none); a request's own values override them."""
+    if not model_path:
+        return {}
+    from pathlib import Path
+
+    path = Path(model_path) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    return {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items()
+            if config.get(theirs) is not None}
+
+
+def with_defaults(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The request's options over the defaults (an option given as null counts as absent)."""
+    merged = dict(options)
+    for name, value in defaults.items():
+        if merged.get(name) is None:
+            merged[name] = value
+    return merged

@@ -24,6 +24,8 @@ class ServedModel(Protocol):
     name: str
     created: float  # when it was registered (time.time())
     tool_call_parser: str  # how chat output is read for tool calls (openai/tools.py)
+    reasoning_parser: str | None  # how a thinking model's output splits (openai/reasoning.py)
+    default_chat_template_kwargs: dict[str, Any]  # every chat template render gets them
     loras: dict[str, LoRARequest]  # adapters served under their own names
 
     @property

@@ -124,7 +124,11 @@ def build_model(args: argparse.Namespace, argv: list[str]) -> PagedLLMModel:
     llm = AsyncLLM(config, engine_factory=factory) if factory is not None else None
     return PagedLLMModel(args.model_name, config, llm=llm, max_prompt_chars=args.max_prompt_chars,
                          tool_call_parser=args.tool_call_parser,
-                         lora_modules=getattr(args, "lora_modules", None))
+                         lora_modules=getattr(args, "lora_modules", None),
+                         reasoning_parser=getattr(args, "reasoning_parser", None),
+                         default_chat_template_kwargs=getattr(
+                             args, "default_chat_template_kwargs", None),
+                         generation_config=getattr(args, "generation_config", "auto"))
 
 
 def install(app: FastAPI, model: PagedLLMModel, *,

@@ -73,13 +73,30 @@ class GrammarCompiler:
 
 
 class RequestGrammar:
-    """One request's constraint: its compile future, then its matcher."""
+    """One request's constraint: its compile future, then its matcher; with `start_after`
+    (a reasoning model's end-of-thinking token), inactive until that token is sampled."""
 
-    __slots__ = ("future", "matcher")
+    __slots__ = ("future", "matcher", "start_after")
 
-    def __init__(self, future: concurrent.futures.Future) -> None:
+    def __init__(self, future: concurrent.futures.Future, start_after: int | None = None
+                 ) -> None:
         self.future = future
         self.matcher: Any = None
+        self.start_after = start_after
+
+    @property
+    def active(self) -> bool:
+        """The mask applies (no start token to wait for, or it was sampled)."""
+        return self.start_after is None
+
+    def accept(self, token: int) -> bool:
+        """Advance on a sampled token; False when the active grammar refuses it. While
+        inactive every token is fine, and the start token activates the grammar."""
+        if self.start_after is not None:
+            if token == self.start_after:
+                self.start_after = None
+            return True
+        return bool(self.matcher.accept_token(token))
 
     @property
     def compiling(self) -> bool:

@@ -26,7 +26,7 @@ class MessagesBody(BaseModel):
 
     model: str | None = None
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int
+    max_tokens: int = Field(ge=1)
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = None

@@ -3,8 +3,11 @@
 KServe 0.21's own OpenAI routes need vLLM installed (docs/kserve.md), so these are ours. One job per
 module: ``errors`` (OpenAI's error shape), ``schemas`` (request/response bodies and the refusal
 rules of their fields), ``parse`` (body -> validated request), ``submit`` (a request's prompts
-to engine streams), ``completions`` and ``chat`` (the two routes), ``render`` (engine outputs ->
-response pieces), ``stream`` (server-sent events, client disconnects), ``tools`` (tool calls),
+to engine streams), ``completions``, ``chat`` and ``responses`` (the routes; ``chat_turn`` the chat turn they
+share, ``responses_convert`` / ``responses_stream`` the Responses API's shapes), ``render``
+(engine outputs -> response pieces), ``stream`` (server-sent events, client disconnects),
+``tools`` (tool calls), ``reasoning`` (reasoning parsers), ``turn`` (a streamed turn as
+reasoning, answer and tool-call pieces),
 ``handlers`` (which model a request names, the routes' registration), ``openapi`` (what
 /openapi.json publishes).
 

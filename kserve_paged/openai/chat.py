@@ -1,5 +1,5 @@
-"""``POST /openai/v1/chat/completions``: the chat template, tool calls, and the response whole
-or streamed (SSE chunks of deltas)."""
+"""``POST /openai/v1/chat/completions``: the response whole or streamed (SSE chunks of deltas),
+tool calls and a reasoning model's thinking split out (the turn itself: chat_turn.py)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,17 @@ from fastapi.responses import JSONResponse, Response
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
-from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.chat.chat_completion_chunk import (
+    ChoiceDelta,
+    ChoiceDeltaToolCall,
+    ChoiceDeltaToolCallFunction,
+)
 
 from engine.async_llm import EngineDeadError, RequestStream
 from engine.outputs import RequestOutput
 from kserve_paged.logprobs import TokenText, chat_logprobs, prompt_logprobs_json
+from kserve_paged.openai.chat_turn import split_turn, start_turn
 from kserve_paged.openai.errors import APIError, error_body
-from kserve_paged.openai.parse import chat_conversation, conversation_chars
 from kserve_paged.openai.render import check_output, finish_reason, new_entries, total_usage
 from kserve_paged.openai.schemas import ChatBody, ChatCompletionOut
 from kserve_paged.openai.stream import (
@@ -31,77 +35,37 @@ from kserve_paged.openai.stream import (
     sse,
     until_disconnect,
 )
-from kserve_paged.openai.submit import open_streams
-from kserve_paged.openai.tools import (
-    StreamedCalls,
-    ToolPlan,
-    template_messages,
-    tool_plan,
-    with_calls,
-)
-from kserve_paged.sampling import OptionError
+from kserve_paged.openai.tools import StreamedCalls, ToolPlan, with_calls
+from kserve_paged.openai.turn import TurnPiece, TurnStream
 from kserve_paged.served import ServedModel
 
 
 async def chat_completions(model: ServedModel, request: Request, body: ChatBody) -> Response:
     """Chat completions: ``n`` choices, ``logprobs``/``top_logprobs`` in OpenAI's chat shape,
-    ``max_completion_tokens`` (see :class:`ChatBody`)."""
+    ``max_completion_tokens`` (see :class:`ChatBody`); with a reasoning parser, the thinking
+    in ``message.reasoning`` (and vLLM's older ``reasoning_content``)."""
     name = body.model or model.name
-    conversation = template_messages(chat_conversation(body.messages))
-    plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls,
-                     model.tool_call_parser)
-    prompt_ids = await _prompt_ids(model, body, conversation, plan)
-    salt = body.cache_salt or request.headers.get("x-cache-salt")
-    streams = await open_streams(model, [prompt_ids], body, body.output_budget, None, salt,
-                                 "chatcmpl", constraint=plan.constraint() if plan else None)
+    turn = await start_turn(model, request, body, "chatcmpl")
+    streams, plan = turn.streams, turn.plan
     token_text = TokenText(model.info.tokenizer)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return ClosingStreamingResponse(
-            stream_chat(streams[0], rid, created, name, include_usage, body, token_text, plan),
+            stream_chat(streams[0], rid, created, name, include_usage, body, token_text, plan,
+                        turn.reasoning_parser),
             streams)
     finals = await until_disconnect(request, asyncio.ensure_future(final_outputs(streams)))
     if finals is None:
         return Response(status_code=499)
-    result = _whole(finals, rid, created, name, body, token_text, plan)
+    result = _whole(finals, rid, created, name, body, token_text, plan, turn.reasoning_parser)
     return JSONResponse(result.model_dump(mode="json", exclude_unset=True))
 
 
-async def _prompt_ids(model: ServedModel, body: ChatBody, conversation: list[dict[str, Any]],
-                     plan: ToolPlan | None) -> list[int]:
-    """The messages through the chat template (tools passed to it) and the tokenizer, both on
-    a worker thread; their length is checked before either sees them."""
-    info = model.info
-    if not info.has_chat_template:
-        raise APIError(400, "this model has no chat template; use /completions",
-                       param="messages")
-    if body.continue_final_message and body.add_generation_prompt:
-        raise APIError(400, "continue_final_message and add_generation_prompt cannot both "
-                       "be true", param="continue_final_message")
-    try:  # the length of the messages before the template and the tokenizer see them
-        model.check_prompt_chars(conversation_chars(conversation), "messages")
-    except OptionError as exc:
-        raise APIError(400, str(exc), param=exc.param) from None
-    try:
-        text = await asyncio.to_thread(
-            info.tokenizer.apply_chat_template, conversation, tokenize=False,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            tools=plan.template_tools if plan else None)
-    except Exception as exc:  # template errors are the request's fault (bad roles, ...)
-        raise APIError(400, f"the chat template rejected the messages: {exc}",
-                       param="messages") from None
-    try:
-        return await model.encode(text, add_special_tokens=False)
-    except OptionError as exc:
-        raise APIError(400, f"the messages render to an unusable prompt: {exc}",
-                       param="messages") from None
-
-
 def _whole(finals: list[RequestOutput], rid: str, created: int, name: str, body: ChatBody,
-           token_text: TokenText, plan: ToolPlan | None) -> ChatCompletionOut:
+           token_text: TokenText, plan: ToolPlan | None,
+           parser: str | None = None) -> ChatCompletionOut:
     """The response of a request that does not stream: every choice's message (tool calls
     parsed out of its text), logprobs and finish reason."""
     out = finals[0]
@@ -113,17 +77,18 @@ def _whole(finals: list[RequestOutput], rid: str, created: int, name: str, body:
         if k is not None:
             ids, entries = new_entries(c, delta=False)
             logprobs = {"content": chat_logprobs(ids, entries, k, token_text)}
-        content, calls = plan.parse(c.text) if plan else (c.text, [])
+        reasoning, content, calls = split_turn(c.text, plan, parser)
         reason = finish_reason(c) or "stop"
+        extra: dict[str, Any] = {"tool_calls": [call.to_openai() for call in calls]} if calls else {}
+        if parser:
+            extra.update(reasoning=reasoning, reasoning_content=reasoning)
         choices.append(ChatChoice(
             index=c.index, finish_reason=with_calls(reason, calls), logprobs=logprobs,
-            message=ChatCompletionMessage(
-                role="assistant", content=content,
-                **({"tool_calls": [call.to_openai() for call in calls]} if calls else {}))))
-    extra = ({"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
-             if body.prompt_logprobs is not None else {})
+            message=ChatCompletionMessage(role="assistant", content=content, **extra)))
+    more = ({"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
+            if body.prompt_logprobs is not None else {})
     return ChatCompletionOut(id=rid, object="chat.completion", created=created, model=name,
-                             choices=choices, usage=total_usage(finals), **extra)
+                             choices=choices, usage=total_usage(finals), **more)
 
 
 @dataclass(slots=True)
@@ -141,6 +106,7 @@ class _ChatStream:
     calls: dict[int, StreamedCalls]
     prompt_pending: bool
     done: set[int] = field(default_factory=set)
+    turns: dict[int, TurnStream] = field(default_factory=dict)  # with a reasoning parser
 
     def chunk(self, index: int | None, delta: ChoiceDelta | None = None,
               reason: str | None = None, logprobs: list[dict[str, Any]] | None = None,
@@ -171,14 +137,20 @@ class _ChatStream:
             if self.prompt_pending:
                 extra["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
                 self.prompt_pending = False
-            if self.plan is None:
+            if self.plan is None and not self.turns:
                 yield self.chunk(c.index, ChoiceDelta(content=c.delta_text), reason, logprobs,
                                  **extra)
                 continue
-            calls = self.calls[c.index]
-            deltas = calls.feed(c.text, finished=reason is not None)
-            if reason is not None:
-                reason = with_calls(reason, calls.calls)
+            if self.turns:
+                turn = self.turns[c.index]
+                deltas = [_piece_delta(p) for p in turn.feed(c.delta_text, reason is not None)]
+                if reason is not None:
+                    reason = turn.finish_reason(reason)
+            else:
+                calls = self.calls[c.index]
+                deltas = calls.feed(c.text, finished=reason is not None)
+                if reason is not None:
+                    reason = with_calls(reason, calls.calls)
             if not deltas:
                 deltas = [ChoiceDelta()]
             for j, delta in enumerate(deltas):
@@ -187,14 +159,33 @@ class _ChatStream:
                                  logprobs if last else None, **(extra if j == 0 else {}))
 
 
+def _piece_delta(piece: TurnPiece) -> ChoiceDelta:
+    """A turn piece (openai/turn.py) as a chat delta: reasoning in vLLM's `reasoning` (and
+    its older `reasoning_content`), answer text, tool-call parts."""
+    fields: dict[str, Any] = {}
+    if piece.reasoning:
+        fields.update(reasoning=piece.reasoning, reasoning_content=piece.reasoning)
+    if piece.content:
+        fields["content"] = piece.content
+    if piece.calls:
+        fields["tool_calls"] = [ChoiceDeltaToolCall(
+            index=call.index, id=call.id, type="function" if call.id else None,
+            function=ChoiceDeltaToolCallFunction(name=call.name, arguments=call.arguments))
+            for call in piece.calls]
+    return ChoiceDelta(**fields)
+
+
 async def stream_chat(stream: RequestStream, rid: str, created: int, model: str,
                       include_usage: bool, body: ChatBody, token_text: TokenText,
-                      plan: ToolPlan | None = None) -> AsyncIterator[str]:
+                      plan: ToolPlan | None = None, parser: str | None = None
+                      ) -> AsyncIterator[str]:
     """The chat response as server-sent events: a role chunk per choice, then each output's
     chunks, usage if asked, and ``[DONE]``."""
     state = _ChatStream(rid, created, model, body.top_logprobs_k(), token_text, plan,
                         {index: StreamedCalls(plan) for index in range(body.n)} if plan else {},
-                        body.prompt_logprobs is not None)
+                        body.prompt_logprobs is not None,
+                        turns={index: TurnStream(plan, parser) for index in range(body.n)}
+                        if parser else {})
     final: RequestOutput | None = None
     try:
         for index in range(body.n):

@@ -20,19 +20,21 @@ from kserve.errors import InferenceError, ModelNotReady
 from openai.types import Model as OpenAIModel
 
 from engine.async_llm import EngineDeadError
+from kserve_paged.anthropic.messages import register_messages_routes
 from kserve_paged.lora import AdapterView
 from kserve_paged.openai.chat import chat_completions
 from kserve_paged.openai.completions import completions
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.openapi import operation_schema
-from kserve_paged.openai.parse import parse_body
+from kserve_paged.openai.parse import parse_body, read_json
+from kserve_paged.openai.responses import create_response, parse_responses
 from kserve_paged.openai.schemas import ChatBody, ChatCompletionOut, CompletionBody, CompletionOut
 from kserve_paged.served import ServedModel
 
 logger = logging.getLogger("kserve.paged.openai")
 
 PREFIX = "/openai/v1"
-VLLM_PREFIX = "/v1"  # completions and chat only (see register_openai_routes)
+VLLM_PREFIX = "/v1"  # not /v1/models: see register_openai_routes
 
 
 class OpenAIRoutes:
@@ -41,7 +43,9 @@ class OpenAIRoutes:
     def __init__(self, models: dict[str, ServedModel]) -> None:
         self.models = models
 
-    def _model(self, name: str | None) -> ServedModel:
+    def model_named(self, name: str | None) -> ServedModel:
+        """The served model (or adapter) a request names; an APIError (400, 404, 503) when
+        there is none to use."""
         if name is None:  # one model (under one or more names) needs no name
             if len({id(m) for m in self.models.values()}) != 1:
                 raise APIError(400, "model is required", param="model")
@@ -82,13 +86,17 @@ class OpenAIRoutes:
 
     async def completions(self, request: Request) -> Response:
         body: CompletionBody = await parse_body(request, CompletionBody)
-        return await completions(self._model(body.model), request, body)
+        return await completions(self.model_named(body.model), request, body)
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatBody = await parse_body(request, ChatBody)
-        return await chat_completions(self._model(body.model), request, body)
+        return await chat_completions(self.model_named(body.model), request, body)
 
-    model = _model  # the served model a request names (the root routes, vllm_routes.py)
+    async def responses(self, request: Request) -> Response:
+        body, chat = parse_responses(await read_json(request))
+        return await create_response(self.model_named(body.model), request, body, chat)
+
+    model = model_named  # the root routes' name for it (vllm_routes.py)
 
 
 def _in_openai_shape(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
@@ -115,9 +123,11 @@ in_openai_shape = _in_openai_shape  # for the routes registered elsewhere (vllm_
 def register_openai_routes(app: FastAPI, models: dict[str, ServedModel],
                            prefixes: tuple[str, ...] = (PREFIX,),
                            aliases: tuple[str, ...] = (VLLM_PREFIX,)) -> OpenAIRoutes:
-    """Add ``models``, ``completions`` and ``chat/completions`` under each prefix, and the
-    last two under each alias (vLLM's paths, where an LLMInferenceService's route sends them;
-    ``/v1/models`` stays KServe's v1 protocol route)."""
+    """Add ``models``, ``completions``, ``chat/completions`` and ``responses`` under each
+    prefix, and all but ``models`` under each alias (vLLM's paths, where an
+    LLMInferenceService's route sends them; ``/v1/models`` stays KServe's v1 protocol route);
+    Anthropic's ``messages`` (and ``messages/count_tokens``) under each alias, as vLLM has
+    them (kserve_paged/anthropic/messages.py)."""
     routes = OpenAIRoutes(models)
     for prefix in (*prefixes, *aliases):
         alias = prefix not in prefixes
@@ -132,5 +142,9 @@ def register_openai_routes(app: FastAPI, models: dict[str, ServedModel],
                              methods=["POST"], response_model=None,
                              openapi_extra=operation_schema(ChatBody, ChatCompletionOut,
                                                             list(models)))
+        router.add_api_route("/responses", _in_openai_shape(routes.responses),
+                             methods=["POST"], response_model=None)
         app.include_router(router)
+    for alias in aliases:
+        register_messages_routes(app, routes.model_named, alias)
     return routes

@@ -9,7 +9,7 @@ import logging
 from typing import Any, TypeVar
 
 from fastapi import Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.schemas import SamplingBody
@@ -17,6 +17,7 @@ from kserve_paged.openai.schemas import SamplingBody
 logger = logging.getLogger("kserve.paged.openai")
 
 Body = TypeVar("Body", bound=SamplingBody)
+Model = TypeVar("Model", bound=BaseModel)
 # Bodies above this are decoded on a worker thread: decoding megabytes of JSON on the event loop
 # would stall every other connection for as long.
 DECODE_OFF_LOOP_BYTES = 256 << 10
@@ -29,9 +30,8 @@ def _decode(raw: bytes) -> Any:
     return data
 
 
-async def parse_body(request: Request, cls: type[Body]) -> Body:
-    """The request's body as ``cls``; malformed JSON, bad fields and unsupported options are
-    400s naming the field."""
+async def read_json(request: Request) -> dict[str, Any]:
+    """The request's body as a JSON object; malformed JSON is a 400."""
     try:
         raw = await request.body()
         data = (await asyncio.to_thread(_decode, raw) if len(raw) > DECODE_OFF_LOOP_BYTES
@@ -44,6 +44,11 @@ async def parse_body(request: Request, cls: type[Body]) -> Body:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    return data
+
+
+def validate(cls: type[Model], data: dict[str, Any]) -> Model:
+    """`data` as `cls`: a bad field, or an option `cls.unsupported()` names, is a 400."""
     try:
         body = cls.model_validate(data)
     except ValidationError as exc:
@@ -53,8 +58,15 @@ async def parse_body(request: Request, cls: type[Body]) -> Body:
             param = param.split("[")[0]
         raise APIError(400, f"invalid request: {param}: {err.get('msg')}" if param
                        else f"invalid request: {err.get('msg')}", param=param) from None
-    for param, message in body.unsupported():
+    for param, message in getattr(body, "unsupported", list)():
         raise APIError(400, message, param=param, code="unsupported_parameter")
+    return body
+
+
+async def parse_body(request: Request, cls: type[Body]) -> Body:
+    """The request's body as ``cls``; malformed JSON, bad fields and unsupported options are
+    400s naming the field."""
+    body = validate(cls, await read_json(request))
     if body.model_extra:
         # vLLM's behaviour, which OpenAI clients rely on (they send vendor extras): ignore
         # unknown fields, but leave a trace for the operator.

@@ -139,6 +139,10 @@ class ResponsesEvents:
             events += self._delta("response.function_call_arguments.delta", call.arguments)
         return events
 
+    def error(self, message: str) -> str:
+        """An `error` event: the stream failed after it started."""
+        return self._event("error", code="server_error", message=message, param=None)
+
     def finish(self, status: str, usage: dict[str, Any] | None,
                incomplete_reason: str | None) -> list[str]:
         events = self._close()

@@ -59,6 +59,10 @@ class SamplingBody(BaseModel):
     best_of: int | None = None
     length_penalty: float | None = None
     early_stopping: bool | str | None = None
+    # vLLM's token filters and prompt cut (engine/sampling_params.py)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def sampling_options(self) -> dict[str, Any]:
         """The options that go to SamplingParams as given (``logprobs`` is per endpoint)."""
@@ -67,7 +71,8 @@ class SamplingBody(BaseModel):
             "min_tokens", "stop_token_ids", "n", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "logit_bias", "prompt_logprobs", "include_stop_str_in_output",
             "skip_special_tokens", "response_format", "use_beam_search", "best_of",
-            "length_penalty", "early_stopping")}
+            "length_penalty", "early_stopping", "allowed_token_ids", "bad_words",
+            "truncate_prompt_tokens")}
         extra = self.model_extra or {}
         options.update({name: extra[name] for name in STRUCTURED_OPTION_NAMES if name in extra})
         return options
@@ -115,7 +120,7 @@ class CompletionBody(SamplingBody):
 # Chat extras of vLLM and OpenAI that change what is generated, beyond the shared table; any
 # value but the harmless one is a 400.
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (False,), "chat_template": (), "chat_template_kwargs": (), "documents": (),
+    "echo": (False,), "chat_template": (), "documents": (),
     "audio": (), "prediction": (), "web_search_options": (),
 }
 
@@ -136,6 +141,7 @@ class ChatBody(SamplingBody):
     function_call: Any = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # over --default_chat_template_kwargs
 
     def top_logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.async_llm import RequestStream
+from engine.sampling_params import SamplingParams
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.schemas import SamplingBody
 from kserve_paged.sampling import OptionError
@@ -16,9 +17,11 @@ from kserve_paged.structured import structured_outputs_given
 async def open_streams(model: ServedModel, prompt_ids: list[list[int]], body: SamplingBody,
                        max_tokens: int | None, default_max: int | None, cache_salt: str | None,
                        kind: str, prompt_logprobs: int | None = None,
-                       constraint: dict[str, Any] | None = None) -> list[RequestStream]:
+                       constraint: dict[str, Any] | None = None,
+                       reasoning_gate: int | None = None) -> list[RequestStream]:
     """One stream per prompt, the body's options validated for every prompt before any is
-    queued (served.submit_all); refusals as OpenAI's 400."""
+    queued (served.submit_all); refusals as OpenAI's 400. `reasoning_gate`: the token after
+    which a structured-output constraint starts (openai/chat_turn.py)."""
     options = {**body.sampling_options(), "max_tokens": max_tokens,
                "logprobs": body.top_logprobs_k()}
     if constraint is not None:  # the tools' own: no other constraint may be given
@@ -29,10 +32,15 @@ async def open_streams(model: ServedModel, prompt_ids: list[list[int]], body: Sa
         options["structured_outputs"] = constraint
     if prompt_logprobs is not None:
         options["prompt_logprobs"] = prompt_logprobs
+    def params_for(ids: list[int]) -> SamplingParams:
+        params = model.sampling_params(options, ids, default_max)
+        if reasoning_gate is not None and params.structured_outputs is not None:
+            params.structured_outputs.start_after_token_id = reasoning_gate
+        return params
+
     try:
-        _, streams = await submit_all(
-            model, prompt_ids, lambda ids: model.sampling_params(options, ids, default_max),
-            kind=kind, priority=body.priority, cache_salt=cache_salt)
+        _, streams = await submit_all(model, prompt_ids, params_for, kind=kind,
+                                      priority=body.priority, cache_salt=cache_salt)
     except OptionError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
     except ValueError as exc:

@@ -1,0 +1,145 @@
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic's Messages API):
+the request becomes a chat turn (convert.py), runs through the chat path
+(openai/chat_turn.py), and comes back as a Message, whole or as Anthropic's events
+(stream.py). Every failure is answered in Anthropic's error shape."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from kserve.errors import ModelNotReady
+
+from engine.async_llm import EngineDeadError
+from engine.outputs import CompletionOutput, RequestOutput
+from kserve_paged.anthropic.convert import (
+    ERROR_TYPES,
+    CountTokensBody,
+    MessagesBody,
+    chat_request,
+    count_request,
+    error_body,
+    new_message_id,
+    stop_reason,
+)
+from kserve_paged.anthropic.stream import MessageEvents, sse_event
+from kserve_paged.openai.chat_turn import ChatTurn, render_prompt, split_turn, start_turn
+from kserve_paged.openai.errors import APIError
+from kserve_paged.openai.parse import read_json, validate
+from kserve_paged.openai.render import check_output, finish_reason
+from kserve_paged.openai.schemas import ChatBody
+from kserve_paged.openai.stream import ClosingStreamingResponse, final_outputs, until_disconnect
+from kserve_paged.openai.tools import tool_plan
+from kserve_paged.openai.turn import CallPiece, TurnPiece, TurnStream
+from kserve_paged.served import ServedModel
+
+logger = logging.getLogger("kserve.paged.anthropic")
+
+ModelLookup = Callable[[str | None], ServedModel]
+
+
+def _stop(c: CompletionOutput, has_calls: bool, body: MessagesBody
+          ) -> tuple[str, str | None]:
+    return stop_reason(finish_reason(c), c.stop_reason, has_calls, body.stop_sequences)
+
+
+async def create_message(model: ServedModel, request: Request, body: MessagesBody
+                         ) -> Response:
+    chat = validate(ChatBody, chat_request(body))
+    turn = await start_turn(model, request, chat, "msg")
+    events = MessageEvents(new_message_id(), body.model or model.name, turn.prompt_len)
+    if body.stream:
+        return ClosingStreamingResponse(_events(turn, events, body), turn.streams)
+    finals = await until_disconnect(request, asyncio.ensure_future(final_outputs(turn.streams)))
+    if finals is None:
+        return Response(status_code=499)
+    out = finals[0]
+    check_output(out)
+    c = out.outputs[0]
+    reasoning, content, calls = split_turn(c.text, turn.plan, turn.reasoning_parser)
+    events.piece(TurnPiece(reasoning=reasoning or "", content=content or ""))
+    for i, call in enumerate(calls):
+        events.piece(TurnPiece(calls=[CallPiece(i, call.id, call.name, call.arguments)]))
+    reason, sequence = _stop(c, bool(calls), body)
+    events.finish(reason, sequence, len(c.token_ids))  # closes the last block
+    return JSONResponse(events.message(reason, sequence, len(c.token_ids)))
+
+
+async def _events(turn: ChatTurn, events: MessageEvents, body: MessagesBody
+                  ) -> AsyncIterator[str]:
+    """message_start, each piece's block events, message_delta and message_stop; a failure
+    mid-stream is an `error` event."""
+    stream = turn.streams[0]
+    pieces = TurnStream(turn.plan, turn.reasoning_parser)
+    try:
+        for text in events.start():
+            yield text
+        final: RequestOutput | None = None
+        async for out in stream:
+            check_output(out)
+            c = out.outputs[0]
+            for piece in pieces.feed(c.delta_text, finish_reason(c) is not None):
+                for text in events.piece(piece):
+                    yield text
+            if out.finished:
+                final = out
+        if final is None:
+            raise APIError(500, "the request was aborted")
+        c = final.outputs[0]
+        reason, sequence = _stop(c, bool(pieces.calls), body)
+        for text in events.finish(reason, sequence, len(c.token_ids)):
+            yield text
+    except (APIError, EngineDeadError) as exc:
+        message = exc.message if isinstance(exc, APIError) else str(exc)
+        yield sse_event(error_body(message, "api_error"))
+    finally:
+        stream.close()
+
+
+async def count_tokens(model: ServedModel, body: CountTokensBody) -> dict[str, int]:
+    """The prompt's length in tokens as the chat template renders it (tools included)."""
+    chat = validate(ChatBody, count_request(body))
+    plan = tool_plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
+                     model.tool_call_parser)
+    return {"input_tokens": len(await render_prompt(model, chat, plan))}
+
+
+def _in_anthropic_shape(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+    """Every failure in Anthropic's error shape, `{"type": "error", "error": {...}}`."""
+    async def route(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            status, message = exc.status, exc.message
+        except (ModelNotReady, EngineDeadError) as exc:
+            status, message = 503, str(exc)
+        except Exception as exc:
+            logger.exception("Messages route failed")
+            status, message = 500, f"internal error: {type(exc).__name__}: {exc}"
+        return JSONResponse(status_code=status,
+                            content=error_body(message, ERROR_TYPES.get(status, "api_error")))
+    route.__name__ = getattr(handler, "__name__", "route")
+    return route
+
+
+def register_messages_routes(app: FastAPI, lookup: ModelLookup, prefix: str = "/v1") -> None:
+    """`/v1/messages` and `/v1/messages/count_tokens`, where vLLM serves them; `lookup`
+    finds the served model a request names (an APIError when it cannot)."""
+    async def messages(request: Request) -> Response:
+        body = validate(MessagesBody, await read_json(request))
+        return await create_message(lookup(body.model), request, body)
+
+    async def count(request: Request) -> Response:
+        body = validate(CountTokensBody, await read_json(request))
+        return JSONResponse(await count_tokens(lookup(body.model), body))
+
+    router = APIRouter(prefix=prefix, tags=["Anthropic"])
+    router.add_api_route("/messages", _in_anthropic_shape(messages), methods=["POST"],
+                         response_model=None)
+    router.add_api_route("/messages/count_tokens", _in_anthropic_shape(count),
+                         methods=["POST"], response_model=None)
+    app.include_router(router)

@@ -1,0 +1,138 @@
+"""One chat turn from a ChatBody to engine streams, shared by chat completions, Responses and
+Messages: the chat template (tools, `chat_template_kwargs` over the server's defaults), the
+tokenizer, the tool plan, and, for a reasoning model, where a constraint may start.
+
+Structured outputs and reasoning: a JSON schema (or a tool call's constraint) holds the answer,
+not the thinking. The engine's grammar can wait (`StructuredOutputs.start_after_token_id`,
+engine/sample/structured_output.py): it is inactive until the model samples the end-of-thinking
+token, and holds from the next token on. When the prompt already closed the thinking (Qwen3 with
+`enable_thinking` false), the grammar holds from the first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from engine.async_llm import RequestStream
+from kserve_paged.openai.errors import APIError
+from kserve_paged.openai.parse import chat_conversation, conversation_chars
+from kserve_paged.openai.reasoning import END, START, split_reasoning
+from kserve_paged.openai.schemas import ChatBody
+from kserve_paged.openai.submit import open_streams
+from kserve_paged.openai.tools import ToolCall, ToolPlan, template_messages, tool_plan
+from kserve_paged.sampling import OptionError
+from kserve_paged.served import ServedModel
+from kserve_paged.structured import structured_outputs_given
+
+# apply_chat_template's own arguments: chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+    "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+    "tokenizer_kwargs", "padding", "truncation", "max_length"})
+
+
+@dataclass(slots=True)
+class ChatTurn:
+    """A submitted chat request: its streams, tool plan, reasoning parser, prompt length."""
+
+    streams: list[RequestStream]
+    plan: ToolPlan | None
+    reasoning_parser: str | None
+    prompt_len: int
+
+
+def template_kwargs(model: ServedModel, body: ChatBody) -> dict[str, Any]:
+    """The server's --default_chat_template_kwargs under the request's chat_template_kwargs."""
+    given = body.chat_template_kwargs or {}
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(given))
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)} (the "
+                       "request's own fields say that)", param="chat_template_kwargs")
+    return {**model.default_chat_template_kwargs, **given}
+
+
+async def render_prompt(model: ServedModel, body: ChatBody, plan: ToolPlan | None
+                        ) -> list[int]:
+    """The messages through the chat template (tools and template kwargs passed to it) and
+    the tokenizer, both on a worker thread; their length is checked before either sees them."""
+    info = model.info
+    if not info.has_chat_template:
+        raise APIError(400, "this model has no chat template; use /completions",
+                       param="messages")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both "
+                       "be true", param="continue_final_message")
+    conversation = template_messages(chat_conversation(body.messages))
+    extra = template_kwargs(model, body)
+    try:  # the length of the messages before the template and the tokenizer see them
+        model.check_prompt_chars(conversation_chars(conversation), "messages")
+    except OptionError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    try:
+        text = await asyncio.to_thread(
+            info.tokenizer.apply_chat_template, conversation, tokenize=False,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            tools=plan.template_tools if plan else None, **extra)
+    except Exception as exc:  # template errors are the request's fault (bad roles, ...)
+        raise APIError(400, f"the chat template rejected the messages: {exc}",
+                       param="messages") from None
+    try:
+        return await model.encode(text, add_special_tokens=False)
+    except OptionError as exc:
+        raise APIError(400, f"the messages render to an unusable prompt: {exc}",
+                       param="messages") from None
+
+
+def _single_token(tokenizer: Any, tag: str) -> int | None:
+    ids = tokenizer.encode(tag, add_special_tokens=False)
+    return int(ids[0]) if len(ids) == 1 else None
+
+
+def reasoning_gate(model: ServedModel, prompt_ids: list[int]) -> int | None:
+    """The token a constraint waits for (the end of thinking), or None when the thinking is
+    already over in the prompt (its last end tag comes after its last start tag)."""
+    tokenizer = model.info.tokenizer
+    start, end = _single_token(tokenizer, START), _single_token(tokenizer, END)
+    if end is None:
+        raise APIError(400, f"structured outputs with a reasoning parser need {END} to be one "
+                       "token, and it is not one for this model", param="response_format")
+    last_end = max((i for i, t in enumerate(prompt_ids) if t == end), default=-1)
+    last_start = max((i for i, t in enumerate(prompt_ids) if t == start), default=-1)
+    return None if last_end > last_start else end
+
+
+async def start_turn(model: ServedModel, request: Request, body: ChatBody, kind: str
+                     ) -> ChatTurn:
+    """Render, tokenize and submit the body's turn (every refusal a 400 before any work)."""
+    plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls,
+                     model.tool_call_parser)
+    prompt_ids = await render_prompt(model, body, plan)
+    constraint = plan.constraint() if plan else None
+    parser = model.reasoning_parser
+    gate = None
+    if parser and (constraint is not None
+                   or structured_outputs_given({**body.sampling_options()})):
+        gate = reasoning_gate(model, prompt_ids)
+    salt = body.cache_salt or request.headers.get("x-cache-salt")
+    streams = await open_streams(model, [prompt_ids], body, body.output_budget, None, salt,
+                                 kind, constraint=constraint, reasoning_gate=gate)
+    return ChatTurn(streams, plan, parser, len(prompt_ids))
+
+
+def split_turn(text: str, plan: ToolPlan | None, parser: str | None
+               ) -> tuple[str | None, str | None, list[ToolCall]]:
+    """A whole output's (reasoning, answer, tool calls): the reasoning parser first, then
+    the tool-call parser on the answer alone."""
+    reasoning, content = None, text
+    if parser:
+        split = split_reasoning(text, parser)
+        reasoning, content = split.reasoning, split.content or ""
+    if plan is None:
+        return reasoning, content, []
+    content, calls = plan.parse(content)
+    return reasoning, content, calls

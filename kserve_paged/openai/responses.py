@@ -1,0 +1,116 @@
+"""``POST /v1/responses`` (OpenAI's Responses API, stateless): the request becomes a chat turn
+(responses_convert.py), runs through the chat path (chat_turn.py), and its output comes back
+as Response items, whole or as the Responses events (responses_stream.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.async_llm import EngineDeadError, RequestStream
+from engine.outputs import CompletionOutput, RequestOutput
+from kserve_paged.openai.chat_turn import ChatTurn, split_turn, start_turn
+from kserve_paged.openai.errors import APIError
+from kserve_paged.openai.parse import validate
+from kserve_paged.openai.render import check_output, finish_reason
+from kserve_paged.openai.responses_convert import (
+    ResponsesBody,
+    chat_request,
+    function_call_item,
+    message_item,
+    new_id,
+    now,
+    reasoning_item,
+    response_object,
+    status_of,
+    usage_object,
+)
+from kserve_paged.openai.responses_stream import ResponseBuilder, ResponsesEvents
+from kserve_paged.openai.schemas import ChatBody
+from kserve_paged.openai.stream import ClosingStreamingResponse, final_outputs, until_disconnect
+from kserve_paged.openai.turn import TurnStream
+from kserve_paged.served import ServedModel
+
+
+def parse_responses(data: dict[str, Any]) -> tuple[ResponsesBody, ChatBody]:
+    """The Responses body and the chat request it is; every refusal a 400 naming the field."""
+    body = validate(ResponsesBody, data)
+    return body, validate(ChatBody, chat_request(body))
+
+
+def _usage(model: ServedModel, out: RequestOutput, reasoning: str | None) -> dict[str, Any]:
+    c = out.outputs[0]
+    thought = (len(model.info.tokenizer.encode(reasoning, add_special_tokens=False))
+               if reasoning else 0)
+    return usage_object(len(out.prompt_token_ids), len(c.token_ids),
+                        min(thought, len(c.token_ids)), out.num_cached_tokens)
+
+
+def _items(c: CompletionOutput, turn: ChatTurn) -> tuple[list[dict[str, Any]], str | None]:
+    """A finished output's Response items (reasoning, message, function calls) and its
+    reasoning text."""
+    reasoning, content, calls = split_turn(c.text, turn.plan, turn.reasoning_parser)
+    items = [reasoning_item(reasoning)] if reasoning else []
+    if content:
+        items.append(message_item(content))
+    items.extend(function_call_item(call.id, call.name, call.arguments) for call in calls)
+    return items, reasoning
+
+
+async def create_response(model: ServedModel, request: Request, body: ResponsesBody,
+                          chat: ChatBody) -> Response:
+    turn = await start_turn(model, request, chat, "resp")
+    name, rid, created = body.model or model.name, new_id("resp"), now()
+
+    def build(output: list[dict[str, Any]], status: str, usage: dict[str, Any] | None,
+              reason: str | None) -> dict[str, Any]:
+        return response_object(body, response_id=rid, model=name, created=created,
+                               output=output, status=status, usage=usage,
+                               incomplete_reason=reason)
+
+    if body.stream:
+        return ClosingStreamingResponse(_events(model, turn, build), turn.streams)
+    finals = await until_disconnect(request, asyncio.ensure_future(final_outputs(turn.streams)))
+    if finals is None:
+        return Response(status_code=499)
+    out = finals[0]
+    check_output(out)
+    items, reasoning = _items(out.outputs[0], turn)
+    status, reason = status_of(finish_reason(out.outputs[0]))
+    return JSONResponse(build(items, status, _usage(model, out, reasoning), reason))
+
+
+async def _events(model: ServedModel, turn: ChatTurn, build: ResponseBuilder
+                  ) -> AsyncIterator[str]:
+    """The streamed Response: created, each piece's item events, completed (or incomplete);
+    a failure mid-stream is an `error` event."""
+    stream: RequestStream = turn.streams[0]
+    events = ResponsesEvents(build)
+    pieces = TurnStream(turn.plan, turn.reasoning_parser)
+    try:
+        for text in events.start():
+            yield text
+        final: RequestOutput | None = None
+        async for out in stream:
+            check_output(out)
+            c = out.outputs[0]
+            for piece in pieces.feed(c.delta_text, finish_reason(c) is not None):
+                for text in events.piece(piece):
+                    yield text
+            if out.finished:
+                final = out
+        if final is None:
+            raise APIError(500, "the request was aborted")
+        status, reason = status_of(finish_reason(final.outputs[0]))
+        for text in events.finish(status, _usage(model, final, pieces.reasoning or None),
+                                  reason):
+            yield text
+    except (APIError, EngineDeadError) as exc:
+        message = exc.message if isinstance(exc, APIError) else str(exc)
+        yield events.error(message)
+    finally:
+        stream.close()
