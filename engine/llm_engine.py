@@ -133,7 +133,8 @@ class LLMEngine:
             groups, self.beams, self.lora)
         self.grammars = self.inputs.grammars
         self.sampling = SamplingPipeline(
-            Sampler(config.seed), GrammarBitmask(self.model.vocab_size), self.spec,
+            Sampler(config.seed, ladder=self.runner.attention_backend == "cpu"),
+            GrammarBitmask(self.model.vocab_size), self.spec,
             self.scheduler, self.outputs, groups, self.beams, self.tokenizer.decode)
 
     def _publish_kv_events(self) -> None:

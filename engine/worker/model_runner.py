@@ -15,6 +15,7 @@ from engine.core.request import Request
 from engine.core.scheduler_output import SchedulerOutput
 from engine.lora import LoRAManager
 from engine.model_executor.attention import Attention, AttentionMetadata, GroupedMetadata
+from engine.model_executor.host_io import upload
 from engine.worker.cpu_memory import hugepage_zeros, prefault_bytes, prefault_leading_blocks
 
 
@@ -265,9 +266,10 @@ class ModelRunner:
         tensor-parallel rank runs (the others get None logits: rank 0 gathers them,
         engine/worker/tp_executor.py)."""
         if block_copies:  # copy-on-write: shared blocks this step writes into
-            src, dst = zip(*block_copies)
-            kernels.copy_blocks(self.slot_caches, torch.tensor(src, device=self.device),
-                                torch.tensor(dst, device=self.device))
+            n = len(block_copies)  # one upload: the sources, then the destinations
+            ids = upload([s for s, _ in block_copies] + [d for _, d in block_copies],
+                         torch.long, self.device)
+            kernels.copy_blocks(self.slot_caches, ids[:n], ids[n:])
         try:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         finally:
@@ -275,7 +277,7 @@ class ModelRunner:
                 self.lora.end_step()
         prompt_logits = logits = None
         if inputs.prompt_rows:
-            rows = torch.tensor(inputs.prompt_rows, dtype=torch.long, device=hidden.device)
+            rows = upload(inputs.prompt_rows, torch.long, hidden.device)
             prompt_logits = self.model.compute_logits(hidden.index_select(0, rows))
         if inputs.logits_indices.numel():
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
