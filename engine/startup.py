@@ -116,3 +116,18 @@ def kv_event_publisher(config: EngineConfig, kv: KVCacheManager, device: torch.d
                     "unset" if hasher.seed is None else "set")
     kv.pool.record_events()
     return ZmqEventPublisher(cfg, medium="GPU" if device.type == "cuda" else "CPU")
+
+
+def capture_graphs(config: EngineConfig, runner: Any, device: torch.device, *,
+                   tp: bool) -> None:
+    """CUDA graphs for decode steps, after the KV cache is sized and allocated (counted in the
+    time to ready); off with `enforce_eager`, off the GPU, and under tensor parallelism."""
+    why = ("--enforce_eager" if config.enforce_eager else
+           "not on CUDA" if device.type != "cuda" else
+           "tensor parallelism" if tp else None)
+    if why is None:
+        from engine.worker.cuda_graphs import CudaCapture
+
+        why = runner.capture_graphs(config.max_num_seqs, CudaCapture())
+    if why is not None and device.type == "cuda":
+        logger.info("decode runs eagerly (no CUDA graphs): %s", why)
