@@ -125,7 +125,7 @@ class LLMEngine:
             draft_model, spec.num_speculative_tokens, self.num_kv_blocks, bs, self.dtype,
             self.device, **sizes)
         self.spec = SpecDecoder(spec, draft) if spec is not None else None
-        startup.capture_graphs(config, self.runner, self.device,
+        startup.warm_up_and_capture(config, self.runner, self.device,
                                tp=isinstance(self.executor, TPExecutor))
         groups, self.beams = SampleGroups(), BeamSearches()
         self.outputs = OutputProcessor(self.tokenizer, groups)

@@ -139,16 +139,31 @@ def kv_event_publisher(config: EngineConfig, kv: KVCacheManager, device: torch.d
     return ZmqEventPublisher(cfg, medium="GPU" if device.type == "cuda" else "CPU")
 
 
-def capture_graphs(config: EngineConfig, runner: Any, device: torch.device, *,
+def warm_up_and_capture(config: EngineConfig, runner: Any, device: torch.device, *,
                    tp: bool) -> None:
-    """CUDA graphs for decode steps, after the KV cache is sized and allocated (counted in the
-    time to ready); off with `enforce_eager`, off the GPU, and under tensor parallelism."""
+    """On CUDA, before readiness and after the KV cache is sized and allocated: the warm-up
+    that compiles every Triton variant (not under tensor parallelism: its forward needs every
+    rank), then CUDA graphs for decode steps (off with `enforce_eager` and under tensor
+    parallelism); both count in the time to ready."""
     why = ("--enforce_eager" if config.enforce_eager else
            "not on CUDA" if device.type != "cuda" else
            "tensor parallelism" if tp else None)
+    if device.type == "cuda" and not tp and runner.attention_backend != "cpu":
+        warm_up(config, runner)
     if why is None:
         from engine.worker.cuda_graphs import CudaCapture
 
         why = runner.capture_graphs(config.max_num_seqs, CudaCapture())
     if why is not None and device.type == "cuda":
         logger.info("decode runs eagerly (no CUDA graphs): %s", why)
+
+
+def warm_up(config: EngineConfig, runner: Any) -> Any:
+    """Compile every Triton variant serving will launch, before readiness
+    (engine/worker/warmup.py); returns its report."""
+    from engine.worker.warmup import warm_up as run
+
+    return run(runner.model, runner.kv_caches, runner.max_blocks_per_seq, runner.device,
+               runner.attention_backend, max_num_batched_tokens=config.max_num_batched_tokens,
+               max_num_seqs=config.max_num_seqs, max_model_len=runner.max_model_len,
+               num_groups=runner.layout.num_groups)
