@@ -86,8 +86,9 @@ class Model:
 
     def expected(self, prompts: list[list[int]], new: int = NEW) -> list[list[int]]:
         with torch.inference_mode():
-            return [self.ref.generate(torch.tensor([p]), max_new_tokens=new,
-                                      min_new_tokens=new, do_sample=False,
+            # The mask given: generate would take the pad id (0) in a prompt for padding.
+            return [self.ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
+                                      max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                       pad_token_id=0)[0, len(p):].tolist() for p in prompts]
 
     def llm(self, **kw: Any):
@@ -164,7 +165,8 @@ def run_beam(m: Model) -> dict[str, Any]:
     outs = llm.beam_search(prompts, 2, NEW, ignore_eos=True)
     for p, o in zip(prompts, outs):
         with torch.inference_mode():
-            ref = m.ref.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW,
+            ref = m.ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
+                                 max_new_tokens=NEW, min_new_tokens=NEW,
                                  do_sample=False, num_beams=2, num_return_sequences=2,
                                  pad_token_id=0)
         want = [s[len(p):].tolist() for s in ref]
@@ -177,13 +179,14 @@ def run_ngram(m: Model) -> dict[str, Any]:
     """n-gram speculation (3 drafts): greedy equal, some drafts accepted."""
     from tests.helpers.tiny_models import VOCAB
 
-    g = torch.Generator().manual_seed(5)
-    passage = torch.randint(3, VOCAB, (14,), generator=g).tolist()
-    prompts = [passage + [2] + passage[:7], m.prompts[0]]
+    # Every token of the vocabulary is in the first prompt, so whatever the random model
+    # emits has a match to draft from.
+    every = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5)).tolist()
+    prompts = [every, m.prompts[0]]
     want = m.expected(prompts)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
             "prompt_lookup_min": 1}
-    llm = m.llm(speculative_config=spec)
+    llm = m.llm(speculative_config=spec, max_model_len=128)
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     m.same([o.outputs[0].token_ids for o in outs], want, "ngram")
     stats = llm.stats()

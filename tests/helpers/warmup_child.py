@@ -19,8 +19,7 @@ os.environ["KSERVE_PAGED_ATTENTION_BACKEND"] = "triton"
 
 
 def main() -> int:
-    from engine import LLM, SamplingParams
-    from engine import startup
+    from engine import LLM, SamplingParams, startup
     from kernels.launches import counting
     from tests.helpers.tiny_models import CONFIGS, save_checkpoint, save_tokenizer
 
