@@ -1,7 +1,8 @@
 """The engine end to end on the Triton backend, greedy equal to transformers in fp32 (issue 32,
 item 1): tiny Llama, Qwen3, Gemma 3 (windows, soft-capping) and Mixtral checkpoints through
 chunked prefill, preemption and prefix hits, n=2 forks with copy-on-write, beam search, n-gram
-speculation and a LoRA batch, with the fused layer ops in the path.
+speculation, a LoRA batch and decode through the CUDA-graph runner's padded buffers (the
+recording stand-in on CPU), with the fused layer ops in the path.
 
 `bench/engine_equality.py --json` runs each model's scenarios in one child process (Triton
 interpreted without CUDA; tests/kernels/interpreted.py says why a child). Llama's scenarios but
@@ -19,9 +20,9 @@ import pytest
 
 from tests.kernels.interpreted import REPO, child_env
 
-FAST = ("llama", "basic,forks,beam,ngram")
-SLOW = [("llama", "lora"), ("qwen3", "basic,forks,beam,ngram"),
-        ("gemma3", "basic,forks,beam,ngram"), ("mixtral", "basic,forks,beam,ngram")]
+FAST = ("llama", "basic,forks,beam,ngram,graphs")
+SLOW = [("llama", "lora"), ("qwen3", "basic,forks,beam,ngram,graphs"),
+        ("gemma3", "basic,forks,beam,ngram"), ("mixtral", "basic,forks,beam,ngram,graphs")]
 _RUNS: dict[tuple[str, str], dict] = {}
 
 
@@ -60,6 +61,8 @@ def test_llama_on_triton_equals_transformers(scenario: str) -> None:
         assert res["cow_copies"] > 0
     if scenario == "ngram":
         assert res["drafted"] > 0
+    if scenario == "graphs":  # replays of size 4 (a padded row), 2 and 1
+        assert set(res["replays"]) == {"4", "2", "1"}
 
 
 @pytest.mark.slow
