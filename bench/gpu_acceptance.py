@@ -29,9 +29,12 @@ is warm for the next. Stages today:
   built at run time) decoding at batch 1/16/64/256, each step timed between syncs, graphs off
   and on, against its memory floor (figures: recorded, not judged).
 
-Not yet stages (issue 32, item 7, pending): W1 twice, launches and the GPU-busy fraction of a
-profiled step (bench/gpu_engine.py runs W1 with the default model's tokenizer), and the
-attention bandwidth of bench/gpu_check.py; neither is folded in yet. `--dry-run` runs every stage on
+- `attention-bw`: bench/gpu_check.py: paged decode attention of an 8B layer at batch
+  1/16/64/256 x 512/4k context against the copy bandwidth (figures: recorded, not judged).
+
+Not yet stages (issue 32, item 7, pending): W1 twice, and the launches and GPU-busy fraction
+of a profiled step (bench/gpu_engine.py runs W1 with the default model's tokenizer, which the
+minimal image does not have). `--dry-run` runs every stage on
 CPU, Triton in its interpreter, at tiny sizes (tests/test_gpu_acceptance.py runs it). Exit
 status 0 when every stage passed; `DIR/summary.json` lists each stage's status.
 """
@@ -135,6 +138,11 @@ def _decode_cmd(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "bench/decode_8b.py", "--json"] + (["--tiny"] if args.dry_run else [])
 
 
+def _attention_bw_cmd(args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "bench/gpu_check.py", "--json"] + (
+        ["--dry-run"] if args.dry_run else ["--contexts", "512,4096"])
+
+
 def _judge_ok(data: dict[str, Any]) -> str | None:
     if data.get("ok"):
         return None
@@ -168,6 +176,8 @@ STAGES = [
           judge=_judge_ok),
     Stage("decode-8b", _decode_cmd, lambda a: 300 if a.dry_run else 240, parse_json=True,
           judge=_judge_ok),
+    Stage("attention-bw", _attention_bw_cmd, lambda a: 240 if a.dry_run else 150,
+          parse_json=True),
 ]
 
 
