@@ -188,7 +188,7 @@ def run_ngram(m: Model) -> dict[str, Any]:
     want = m.expected(prompts)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
             "prompt_lookup_min": 1}
-    llm = m.llm(speculative_config=spec, max_model_len=128)
+    llm = m.llm(speculative_config=spec, max_model_len=128, num_kv_blocks=160)  # Gemma: 4 groups
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     m.same([o.outputs[0].token_ids for o in outs], want, "ngram")
     stats = llm.stats()
