@@ -17,8 +17,24 @@ is warm for the next. Stages today:
 - `launch-count`: bench/launch_count.py: kernel launches per decoder layer of a decode step
   (Llama, Gemma 3) and the fused step against the eager one; fails above 12 per Llama layer.
 
-The engine-level stages (greedy equality with transformers on CUDA, CUDA graphs, the
-8B-shaped decode figures) come with the items that build them. `--dry-run` runs every stage on
+- `engine-equality`, `engine-equality-bf16`: bench/engine_equality.py: tiny Llama, Qwen3,
+  Gemma 3 and Mixtral served by the engine on the Triton backend through chunked prefill,
+  preemption, prefix hits, n=2 forks, beam search, n-gram speculation and a LoRA batch
+  (with peft), greedy equal to transformers in fp32; bf16 held to the script's stated bound.
+- `host-syncs`: bench/host_syncs.py: one host read per engine step (the sampled ids).
+- `big-kv`: bench/big_kv_check.py: attention and the KV store over a cache of more than 2^31
+  elements (mixed decode, chunked prefill, a shared prefix, padded rows; splits 1, 4, 32).
+
+- `decode-8b`: bench/decode_8b.py: a Llama-3-8B-shaped model (dummy weights, a tokenizer
+  built at run time) decoding at batch 1/16/64/256, each step timed between syncs, graphs off
+  and on, against its memory floor (figures: recorded, not judged).
+
+- `attention-bw`: bench/gpu_check.py: paged decode attention of an 8B layer at batch
+  1/16/64/256 x 512/4k context against the copy bandwidth (figures: recorded, not judged).
+
+Not yet stages (issue 32, item 7, pending): W1 twice, and the launches and GPU-busy fraction
+of a profiled step (bench/gpu_engine.py runs W1 with the default model's tokenizer, which the
+minimal image does not have). `--dry-run` runs every stage on
 CPU, Triton in its interpreter, at tiny sizes (tests/test_gpu_acceptance.py runs it). Exit
 status 0 when every stage passed; `DIR/summary.json` lists each stage's status.
 """
@@ -101,6 +117,45 @@ def _judge_launches(data: dict[str, Any]) -> str | None:
     return None
 
 
+def _equality_cmd(dtype: str) -> Callable[[argparse.Namespace], list[str]]:
+    def cmd(args: argparse.Namespace) -> list[str]:
+        base = [sys.executable, "bench/engine_equality.py", "--json", "--dtype", dtype]
+        return base + (["--models", "llama", "--scenarios", "basic"] if args.dry_run else [])
+    return cmd
+
+
+def _host_syncs_cmd(args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "bench/host_syncs.py", "--json"] + (
+        ["--cases", "decode"] if args.dry_run else [])
+
+
+def _big_kv_cmd(args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "bench/big_kv_check.py", "--json"] + (
+        ["--tiny"] if args.dry_run else [])
+
+
+def _decode_cmd(args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "bench/decode_8b.py", "--json"] + (["--tiny"] if args.dry_run else [])
+
+
+def _attention_bw_cmd(args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "bench/gpu_check.py", "--json"] + (
+        ["--dry-run"] if args.dry_run else ["--contexts", "512,4096"])
+
+
+def _judge_ok(data: dict[str, Any]) -> str | None:
+    if data.get("ok"):
+        return None
+    failed = [k for k, r in data.get("results", data.get("splits", {})).items()
+              if isinstance(r, dict) and r.get("ok") is False]
+    return f"failed: {failed}" if failed else "not ok"
+
+
+def _judge_syncs(data: dict[str, Any]) -> str | None:
+    over = {k: v["sites"] for k, v in data.items() if isinstance(v, dict) and v["total"] != 1}
+    return f"more than one host read per step: {over}" if over else None
+
+
 def _judge_versions(data: dict[str, Any]) -> str | None:
     outside = [n for n in SUPPORTED if not data["supported"].get(n)]
     return f"outside pyproject's ranges: {outside}" if outside else None
@@ -111,6 +166,18 @@ STAGES = [
     Stage("kernel-tests", _kernel_tests_cmd, lambda a: 240 if a.dry_run else 330),
     Stage("launch-count", _launch_cmd, lambda a: 240 if a.dry_run else 120, parse_json=True,
           judge=_judge_launches),
+    Stage("engine-equality", _equality_cmd("float32"), lambda a: 300 if a.dry_run else 150,
+          parse_json=True, judge=_judge_ok),
+    Stage("engine-equality-bf16", _equality_cmd("bfloat16"),
+          lambda a: 300 if a.dry_run else 120, parse_json=True, judge=_judge_ok),
+    Stage("host-syncs", _host_syncs_cmd, lambda a: 300 if a.dry_run else 90, parse_json=True,
+          judge=_judge_syncs),
+    Stage("big-kv", _big_kv_cmd, lambda a: 300 if a.dry_run else 90, parse_json=True,
+          judge=_judge_ok),
+    Stage("decode-8b", _decode_cmd, lambda a: 300 if a.dry_run else 240, parse_json=True,
+          judge=_judge_ok),
+    Stage("attention-bw", _attention_bw_cmd, lambda a: 240 if a.dry_run else 150,
+          parse_json=True),
 ]
 
 

@@ -125,6 +125,8 @@ class LLMEngine:
             draft_model, spec.num_speculative_tokens, self.num_kv_blocks, bs, self.dtype,
             self.device, **sizes)
         self.spec = SpecDecoder(spec, draft) if spec is not None else None
+        startup.warm_up_and_capture(config, self.runner, self.device,
+                               tp=isinstance(self.executor, TPExecutor))
         groups, self.beams = SampleGroups(), BeamSearches()
         self.outputs = OutputProcessor(self.tokenizer, groups)
         self.inputs = InputProcessor(
@@ -133,7 +135,8 @@ class LLMEngine:
             groups, self.beams, self.lora)
         self.grammars = self.inputs.grammars
         self.sampling = SamplingPipeline(
-            Sampler(config.seed), GrammarBitmask(self.model.vocab_size), self.spec,
+            Sampler(config.seed, ladder=self.runner.attention_backend == "cpu"),
+            GrammarBitmask(self.model.vocab_size), self.spec,
             self.scheduler, self.outputs, groups, self.beams, self.tokenizer.decode)
 
     def _publish_kv_events(self) -> None:

@@ -19,6 +19,7 @@ from engine.beam_search import BeamGroup, BeamSearches
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
+from engine.model_executor.host_io import ReadBack, upload
 from engine.output_processor import OutputProcessor
 from engine.parallel_sampling import SampleGroups
 from engine.sample.logits_processors import apply_penalties
@@ -53,6 +54,7 @@ class SamplingPipeline:
         self.groups = groups
         self.beams = beams
         self.decode = decode
+        self.read_back = ReadBack()  # the step's one host sync: the sampled ids
 
     def generator_of(self, request: Request) -> torch.Generator:
         """The request's own generator, or the sampler's shared one (no seed)."""
@@ -102,7 +104,7 @@ class SamplingPipeline:
         if not sampling:
             return []
         if rows != list(range(len(logits))):
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            logits = logits.index_select(0, upload(rows, torch.long, logits.device))
         states = [self.outputs.live[r.request_id] for r in sampling]
         params = [r.sampling_params for r in sampling]
         processed = apply_penalties(logits, params, [r.prompt_token_ids for r in sampling],
@@ -116,7 +118,7 @@ class SamplingPipeline:
                                                 [p.logprobs for p in params], self.decode):
             states[i].logprobs.append(entry)
             states[i].cumulative_logprob += chosen
-        return token_tensor.tolist()
+        return self.read_back.tokens(token_tensor)
 
     def _verify(self, logits: torch.Tensor, spec_rows: list[SpecRow]) -> dict[str, list[int]]:
         """Each speculating request's tokens this step: kept drafts, then one more."""

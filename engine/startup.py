@@ -62,16 +62,37 @@ def size_cache(config: EngineConfig, model: Any, draft_model: Any | None, dtype:
     if draft_model is not None:
         extra = kv_bytes_per_block(draft_model.num_layers, draft_model.num_kv_heads,
                                    draft_model.head_dim, config.block_size, dtype.itemsize)
+    kv_memory = config.kv_cache_memory
+    if device.type == "cuda" and kv_memory is None and config.num_kv_blocks is None:
+        kv_memory = profiled_kv_memory(config, model, dtype, device)
+        if kv_memory < 2:  # a budget in bytes: 0 or 1 would read as a fraction
+            raise ValueError("the profile run leaves no device memory for the KV cache: lower "
+                             "max_num_batched_tokens or raise gpu_memory_utilization")
     size = size_kv_cache(
         ModelFacts.of(model), dtype_bytes=dtype.itemsize, block_size=config.block_size,
         hybrid=not config.disable_hybrid_kv_cache_manager, tp=config.tensor_parallel_size,
         device_type=device.type, num_kv_blocks=config.num_kv_blocks,
-        kv_cache_memory=config.kv_cache_memory, free_bytes=lambda: kv_sizing.available_memory(device),
+        kv_cache_memory=kv_memory, free_bytes=lambda: kv_sizing.available_memory(device),
         extra_bytes_per_block=extra)
     if size.num_blocks < 1:
         raise ValueError(f"kv_cache_memory of {size.budget_bytes} bytes holds no KV block "
                          f"({size.budget_per_block} bytes each)")
     return size
+
+
+def profiled_kv_memory(config: EngineConfig, model: Any, dtype: torch.dtype,
+                       device: torch.device) -> int:
+    """KV bytes by a profile run of the largest step (engine/worker/profile_run.py)."""
+    from engine.worker.profile_run import largest_step, profile_memory
+
+    prof = profile_memory(largest_step(model, dtype, device, config.max_num_batched_tokens,
+                                       config.max_num_seqs, config.block_size))
+    budget = prof.kv_budget(config.gpu_memory_utilization)
+    logger.info("profile run: %.2f GiB non-KV peak (torch %.2f, other %.2f) of %.2f GiB; "
+                "gpu_memory_utilization %.2f leaves %.2f GiB for the KV cache",
+                prof.non_kv_peak / 2**30, prof.torch_peak / 2**30, prof.non_torch / 2**30,
+                prof.total / 2**30, config.gpu_memory_utilization, budget / 2**30)
+    return budget
 
 
 def longest_fit(layout: KVLayout, max_len: int, chunk: int, block_size: int,
@@ -116,3 +137,33 @@ def kv_event_publisher(config: EngineConfig, kv: KVCacheManager, device: torch.d
                     "unset" if hasher.seed is None else "set")
     kv.pool.record_events()
     return ZmqEventPublisher(cfg, medium="GPU" if device.type == "cuda" else "CPU")
+
+
+def warm_up_and_capture(config: EngineConfig, runner: Any, device: torch.device, *,
+                   tp: bool) -> None:
+    """On CUDA, before readiness and after the KV cache is sized and allocated: the warm-up
+    that compiles every Triton variant (not under tensor parallelism: its forward needs every
+    rank), then CUDA graphs for decode steps (off with `enforce_eager` and under tensor
+    parallelism); both count in the time to ready."""
+    why = ("--enforce_eager" if config.enforce_eager else
+           "not on CUDA" if device.type != "cuda" else
+           "tensor parallelism" if tp else None)
+    if device.type == "cuda" and not tp and runner.attention_backend != "cpu":
+        warm_up(config, runner)
+    if why is None:
+        from engine.worker.cuda_graphs import CudaCapture
+
+        why = runner.capture_graphs(config.max_num_seqs, CudaCapture())
+    if why is not None and device.type == "cuda":
+        logger.info("decode runs eagerly (no CUDA graphs): %s", why)
+
+
+def warm_up(config: EngineConfig, runner: Any) -> Any:
+    """Compile every Triton variant serving will launch, before readiness
+    (engine/worker/warmup.py); returns its report."""
+    from engine.worker.warmup import warm_up as run
+
+    return run(runner.model, runner.kv_caches, runner.max_blocks_per_seq, runner.device,
+               runner.attention_backend, max_num_batched_tokens=config.max_num_batched_tokens,
+               max_num_seqs=config.max_num_seqs, max_model_len=runner.max_model_len,
+               num_groups=runner.layout.num_groups)

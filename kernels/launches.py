@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LaunchCount", "count_launches", "counting"]
+__all__ = ["LaunchCount", "count_launches", "counting", "variant"]
 
 _aten = torch.ops.aten
 # Not views, and yet no kernel: allocations and metadata-only reshapes.
@@ -45,6 +45,8 @@ class LaunchCount:
     triton: Counter[str] = field(default_factory=Counter)
     aten: Counter[str] = field(default_factory=Counter)
     syncs: int = 0
+    # Triton compile keys seen (`variant`): what a warm-up must have compiled before serving.
+    variants: set[tuple] = field(default_factory=set)
 
     @property
     def total(self) -> int:
@@ -100,6 +102,7 @@ def counting() -> Iterator[LaunchCount]:
 
         def run(*args: Any, **kwargs: Any) -> Any:
             count.triton[getattr(getattr(self, "fn", None), "__name__", repr(self))] += 1
+            count.variants.add(variant(self, args, kwargs))
             inside[0] += 1
             try:
                 return launch(*args, **kwargs)
@@ -114,6 +117,35 @@ def counting() -> Iterator[LaunchCount]:
             yield count
     finally:
         KernelInterface.__getitem__ = original
+
+
+def variant(kernel: Any, args: tuple, kwargs: dict) -> tuple:
+    """A Triton launch's compile key, as Triton specializes: the kernel, each tensor's dtype
+    and 16-byte alignment, each integer's `== 1` and `% 16 == 0` (not for `do_not_specialize`
+    arguments), and the keyword arguments (constexprs, `num_warps`) exactly."""
+    names = list(getattr(kernel, "arg_names", None) or [])
+    params = getattr(kernel, "params", None)
+    if params:
+        fixed = {p.name for p in params if p.do_not_specialize}
+    else:  # the interpreter's function keeps its decorator's keywords
+        raw = getattr(kernel, "kwargs", {}).get("do_not_specialize") or ()
+        fixed = {names[i] if isinstance(i, int) else i for i in raw}
+    key: list[Any] = [getattr(getattr(kernel, "fn", None), "__name__", repr(kernel))]
+    for name, a in zip(names, args):
+        if name in fixed:
+            continue
+        if isinstance(a, torch.Tensor):
+            key.append((name, str(a.dtype), a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool) or a is None:
+            key.append((name, a))
+        elif isinstance(a, int):
+            key.append((name, a == 1, a % 16 == 0))
+        elif isinstance(a, float):
+            key.append((name, "float"))
+        else:
+            key.append((name, repr(a)))
+    key += sorted((k, repr(v)) for k, v in kwargs.items())
+    return tuple(key)
 
 
 def count_launches(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, LaunchCount]:

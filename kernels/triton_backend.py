@@ -215,6 +215,9 @@ def _merge_splits_kernel(part_ptr, ml_ptr, out_ptr, num_heads, head_dim, stride_
     d_ok = offs_d < head_dim
     acc = tl.load(part_ptr + (base + sp)[:, None] * BLOCK_D + offs_d[None, :],
                   mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
+    # A split that saw no key (a padded row's, all of them) never wrote its partial: select,
+    # not multiply, so its uninitialised memory (NaN, inf) cannot reach the output.
+    acc = tl.where((m != float("-inf"))[:, None], acc, 0.0)
     o = tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=d_ok)

@@ -42,13 +42,14 @@ def search(cdf: Tensor, u: Tensor) -> Tensor:
 
 
 def cutoffs(vals: Tensor, k: Tensor, p: Tensor, min_p: Tensor,
-             complete: bool) -> tuple[Tensor, Tensor]:
+             complete: bool, any_p: bool | None = None) -> tuple[Tensor, Tensor]:
     """Per-row probability cut-off combining top-k, top-p and min-p, and whether it holds.
 
     ``vals`` holds each row's largest probabilities in descending order (all of them when
     ``complete``). Ties at a cut-off are all kept, which makes the kept set independent of how
     ``topk`` ordered equal values. A row is resolved (``ok``) when everything at or above its
-    cut-off is among ``vals``.
+    cut-off is among ``vals``. ``any_p``: whether some row has top-p, when the caller knows
+    it on the host (else it is read from ``p``: a device sync).
     """
     width = vals.shape[1]
     has_k = k > 0
@@ -60,7 +61,7 @@ def cutoffs(vals: Tensor, k: Tensor, p: Tensor, min_p: Tensor,
         ok &= ~has_k | ((k <= width) & (vals[:, -1] < thr_k))
     thr = thr_k
     has_p = p < 1.0
-    if bool(has_p.any()):
+    if any_p if any_p is not None else bool(has_p.any()):
         kept = vals * (vals >= thr_k.unsqueeze(1))
         cum = kept.cumsum(1)
         # Without top-k the mass is the softmax's 1 (a sum over the row would cost a pass).

@@ -23,6 +23,10 @@ Why it is built this way (it runs every engine step, up to 256 rows x ~50k vocab
   back in vocabulary order before the cumulative sum, so tie order inside ``topk`` does not
   matter. Rows without a seed share the sampler's generator. Checked on CPU; CUDA kernels
   may reduce differently for different batch sizes.
+* On the GPU path (`ladder=False`) filtered rows skip the ladder for the full sort: the
+  ladder's climb reads on the host which rows are resolved, a device sync per rung, and the
+  step's one sync is the read-back of its tokens (engine/model_executor/host_io.py). Lists
+  reach the device through pinned memory (`upload`), uniform numbers included.
 * Big scratch tensors are kept between calls: allocating 50 MB every step costs more in page
   faults than the arithmetic on it.
 """
@@ -36,6 +40,7 @@ import torch
 from torch import Tensor
 
 from engine.limits import past_min_tokens
+from engine.model_executor.host_io import upload
 from engine.sample.draw import (
     MIN_P_OFF,
     TOP_P_OFF,
@@ -85,7 +90,7 @@ class _RowPlan:
     top_k: list[int]
     top_p: list[float]
     min_p: list[float]
-    u: list[float]  # its uniform number
+    u: Tensor  # float64 on the host: its uniform number
     plain: list[int]  # no top-k/top-p/min-p: drawn from the whole row
     ladder: dict[int, list[int]]  # candidate count -> rows starting there
     bans: list[tuple[int, list[int]]]  # min_tokens: tokens at -inf
@@ -94,7 +99,10 @@ class _RowPlan:
 class Sampler:
     """Batched sampler; one per engine, called once per step."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, ladder: bool = True) -> None:
+        # False on the GPU path: filtered rows go straight to the full sort, whose draw needs
+        # no host read (the ladder's climb asks the host which rows are done: a sync).
+        self.ladder = ladder
         # Shared by every row that has no seed of its own.
         self.generator = torch.Generator(device="cpu").manual_seed(seed & _SEED_MASK)
         self._scratch: dict[str, Tensor] = {}
@@ -114,7 +122,7 @@ class Sampler:
         """``src[rows]`` copied into scratch ``name``, or ``src`` itself when it is every row."""
         if all_rows:
             return src
-        index = torch.tensor(rows, dtype=torch.long, device=src.device)
+        index = upload(rows, torch.long, src.device)
         return take_rows(src, index, self._buffer(name, len(rows), src))
 
     def sample(
@@ -165,7 +173,7 @@ class Sampler:
                 self._ban(rows, bans)
             if len(greedy) == n:
                 return greedy_tokens(rows)
-            out[torch.tensor(greedy, device=device)] = greedy_tokens(rows)
+            out[upload(greedy, torch.long, device)] = greedy_tokens(rows)
 
         self._sample_rows(logits, sampled, params, generators, banned, out)
         return out
@@ -174,7 +182,7 @@ class Sampler:
     def _ban(rows: Tensor, bans: list[tuple[int, list[int]]]) -> None:
         r = [j for j, toks in bans for _ in toks]
         t = [tok for _, toks in bans for tok in toks]
-        rows[torch.tensor(r, device=rows.device), torch.tensor(t, device=rows.device)] = (
+        rows[upload(r, torch.long, rows.device), upload(t, torch.long, rows.device)] = (
             float("-inf"))
 
     def _sample_rows(
@@ -197,32 +205,35 @@ class Sampler:
         s = len(sampled)
 
         def col(values: list, dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            return upload(values, dtype, device)
 
         cols = (col(plan.top_k, torch.long), col(plan.top_p, logits.dtype),
-                col(plan.min_p, logits.dtype), col(plan.u, torch.float64))
+                col(plan.min_p, logits.dtype), upload(plan.u, torch.float64, device))
         picked_rows: list[Tensor] = []
         picked_toks: list[Tensor] = []
         # Rows drawn from the whole row, with their cut-offs (0 keeps everything).
         full_rows: list[Tensor] = []
         full_thr: list[Tensor] = []
         if plan.plain:
-            full_rows.append(torch.tensor(plan.plain, device=device))
+            full_rows.append(upload(plan.plain, torch.long, device))
             full_thr.append(torch.zeros(len(plan.plain), dtype=w.dtype, device=device))
-        self._draw_ladder(w, plan.ladder, cols, picked_rows, picked_toks, full_rows, full_thr)
+        from_plain = len(full_rows)
+        self._draw_ladder(w, plan.ladder, cols, plan.top_p, picked_rows, picked_toks, full_rows,
+                          full_thr)
         if full_rows:
             rows_f = torch.cat(full_rows)
             thr = torch.cat(full_thr)
-            every = rows_f.numel() == s and bool((rows_f == torch.arange(s, device=device)).all())
+            sorted_rows = len(full_rows) > from_plain  # rows the ladder sent to a full sort
+            every = not sorted_rows and plan.plain == list(range(s))
             sub = w if every else take_rows(w, rows_f, self._buffer("aux", rows_f.numel(), w))
-            if bool((thr > 0).any()):
+            if sorted_rows:
                 # Only rows that needed a full sort have a cut-off here (rare and already slow).
                 sub.masked_fill_(sub < thr.unsqueeze(1), 0.0)
             picked_rows.append(rows_f)
             picked_toks.append(search(sub.cumsum_(1), cols[3][rows_f]))
         rows_all = torch.cat(picked_rows)
         toks_all = torch.cat(picked_toks)
-        dest = torch.tensor(sampled, device=device)[rows_all]
+        dest = upload(sampled, torch.long, device)[rows_all]
         out[dest] = toks_all
 
     def _plan(self, sampled: list[int], params: Sequence[SamplingParams],
@@ -230,7 +241,8 @@ class Sampler:
               vocab: int) -> _RowPlan:
         """Each sampled row's settings, its uniform number (its own generator's, or one of the
         shared generator's draws), and where its draw starts."""
-        plan = _RowPlan([], [], [], [], [0.0] * len(sampled), [], {}, [])
+        plan = _RowPlan([], [], [], [], torch.zeros(len(sampled), dtype=torch.float64), [],
+                        {}, [])
         shared: list[int] = []
         for j, i in enumerate(sampled):
             p = params[i]
@@ -243,9 +255,10 @@ class Sampler:
             if g is None:
                 shared.append(j)
             else:
-                plan.u[j] = torch.rand((), generator=g, dtype=torch.float64).item()
+                plan.u[j] = torch.rand((), generator=g, dtype=torch.float64)
             if k or p.top_p < TOP_P_OFF or p.min_p > MIN_P_OFF:
-                width = next((w for w in _LADDER if w > k and w < vocab), vocab)
+                width = (next((w for w in _LADDER if w > k and w < vocab), vocab)
+                         if self.ladder else vocab)
                 plan.ladder.setdefault(width, []).append(j)
             else:
                 plan.plain.append(j)
@@ -253,8 +266,7 @@ class Sampler:
                 plan.bans.append((j, banned[i]))
         if shared:
             draws = torch.rand(len(shared), generator=self.generator, dtype=torch.float64)
-            for j, x in zip(shared, draws.tolist()):
-                plan.u[j] = x
+            plan.u[shared] = draws
         return plan
 
     def _probabilities(self, logits: Tensor, sampled: list[int], plan: _RowPlan) -> Tensor:
@@ -262,12 +274,11 @@ class Sampler:
         logits in "aux" on the way)."""
         s, n = len(sampled), logits.shape[0]
         scaled = self._buffer("aux", s, logits)
-        temp = torch.tensor(plan.temps, dtype=logits.dtype).to(
-            logits.device, non_blocking=True).unsqueeze(1)
+        temp = upload(plan.temps, logits.dtype, logits.device).unsqueeze(1)
         if s == n:
             torch.div(logits, temp, out=scaled)
         else:
-            take_rows(logits, torch.tensor(sampled, device=logits.device), scaled)
+            take_rows(logits, upload(sampled, torch.long, logits.device), scaled)
             scaled.div_(temp)
         if plan.bans:
             self._ban(scaled, plan.bans)
@@ -278,7 +289,8 @@ class Sampler:
         return w
 
     def _draw_ladder(self, w: Tensor, ladder: dict[int, list[int]],
-                     cols: tuple[Tensor, Tensor, Tensor, Tensor], picked_rows: list[Tensor],
+                     cols: tuple[Tensor, Tensor, Tensor, Tensor], top_p: list[float],
+                     picked_rows: list[Tensor],
                      picked_toks: list[Tensor], full_rows: list[Tensor],
                      full_thr: list[Tensor]) -> None:
         """Draw the filtered rows among their top candidates, climbing the ladder for rows
@@ -289,17 +301,18 @@ class Sampler:
         while ladder:
             width = min(ladder)
             rows_l = sorted(ladder.pop(width))
-            idx_rows = torch.tensor(rows_l, device=device)
+            idx_rows = upload(rows_l, torch.long, device)
             sub = self._rows("aux", w, rows_l, len(rows_l) == s)
             k, p, mp = k_all[idx_rows], p_all[idx_rows], mp_all[idx_rows]
+            any_p = any(top_p[j] < TOP_P_OFF for j in rows_l)
             if width >= vocab:
                 vals = torch.sort(sub, dim=1, descending=True).values
-                thr, _ = cutoffs(vals, k, p, mp, complete=True)
+                thr, _ = cutoffs(vals, k, p, mp, complete=True, any_p=any_p)
                 full_rows.append(idx_rows)
                 full_thr.append(thr)
                 continue
             vals, idx = torch.topk(sub, width, dim=1)
-            thr, ok = cutoffs(vals, k, p, mp, complete=False)
+            thr, ok = cutoffs(vals, k, p, mp, complete=False, any_p=any_p)
             if bool(ok.all()):
                 done = None
             else:
@@ -321,17 +334,17 @@ def target_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     top-p and min-p applied by the cut-off rule `Sampler` draws with, renormalised. What
     speculative verification compares drafts against (rows are sorted in full: few rows)."""
     logits = logits.float()
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32,
-                         device=logits.device).unsqueeze(1)
+    temps = upload([p.temperature for p in params], torch.float32, logits.device).unsqueeze(1)
     probs = torch.softmax(logits / temps, dim=1)
     vocab = logits.shape[1]
-    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params],
-                     device=logits.device)
-    p_top = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=logits.device)
-    mp = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=logits.device)
-    if bool((k > 0).any() | (p_top < TOP_P_OFF).any() | (mp > MIN_P_OFF).any()):
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    k = upload(ks, torch.long, logits.device)
+    p_top = upload([p.top_p for p in params], torch.float32, logits.device)
+    mp = upload([p.min_p for p in params], torch.float32, logits.device)
+    if any(ks) or any(p.top_p < TOP_P_OFF or p.min_p > MIN_P_OFF for p in params):
         vals = torch.sort(probs, dim=1, descending=True).values
-        thr, _ = cutoffs(vals, k, p_top, mp, complete=True)
+        thr, _ = cutoffs(vals, k, p_top, mp, complete=True,
+                         any_p=any(p.top_p < TOP_P_OFF for p in params))
         probs = probs * (probs >= thr.unsqueeze(1))
         probs = probs / probs.sum(1, keepdim=True)
     return probs

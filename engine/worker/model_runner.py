@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,7 +16,9 @@ from engine.core.request import Request
 from engine.core.scheduler_output import SchedulerOutput
 from engine.lora import LoRAManager
 from engine.model_executor.attention import Attention, AttentionMetadata, GroupedMetadata
+from engine.model_executor.host_io import upload
 from engine.worker.cpu_memory import hugepage_zeros, prefault_bytes, prefault_leading_blocks
+from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 
 
 @dataclass(slots=True)
@@ -148,6 +151,22 @@ class ModelRunner:
         self.buffers = _StepBuffers(max_num_batched_tokens, max_num_seqs,
                                     self.max_blocks_per_seq, device, self.layout.num_groups)
         self.lora: LoRAManager | None = None  # set by the engine when LoRA is on
+        self.max_model_len = max_model_len
+        self.graphs: DecodeGraphs | None = None  # captured decode steps (capture_graphs)
+
+    def capture_graphs(self, max_num_seqs: int, capturer: Any) -> str | None:
+        """Capture the decode graphs (engine/worker/cuda_graphs.py) over the sized cache;
+        returns why not when this runner cannot use them."""
+        if self.layout.num_groups > 1:
+            return "the model's layers are in several KV groups"
+        if self.lora is not None:
+            return "LoRA is on (per-token adapter rows)"
+        graphs = DecodeGraphs(self.model, self.kv_caches, capture_sizes(max_num_seqs),
+                              self.max_blocks_per_seq, self.max_model_len, self.device,
+                              self.attention_backend)
+        graphs.capture(capturer)
+        self.graphs = graphs
+        return None
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step as flat tensors and its AttentionMetadata, through the host buffers.
@@ -265,17 +284,24 @@ class ModelRunner:
         tensor-parallel rank runs (the others get None logits: rank 0 gathers them,
         engine/worker/tp_executor.py)."""
         if block_copies:  # copy-on-write: shared blocks this step writes into
-            src, dst = zip(*block_copies)
-            kernels.copy_blocks(self.slot_caches, torch.tensor(src, device=self.device),
-                                torch.tensor(dst, device=self.device))
+            n = len(block_copies)  # one upload: the sources, then the destinations
+            ids = upload([s for s, _ in block_copies] + [d for _, d in block_copies],
+                         torch.long, self.device)
+            kernels.copy_blocks(self.slot_caches, ids[:n], ids[n:])
+        size = (None if self.graphs is None or self.lora is not None
+                else self.graphs.size_for(inputs.input_ids.shape[0], inputs.meta))
         try:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            if size is not None:
+                hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta, size)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                    inputs.meta)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
         prompt_logits = logits = None
         if inputs.prompt_rows:
-            rows = torch.tensor(inputs.prompt_rows, dtype=torch.long, device=hidden.device)
+            rows = upload(inputs.prompt_rows, torch.long, hidden.device)
             prompt_logits = self.model.compute_logits(hidden.index_select(0, rows))
         if inputs.logits_indices.numel():
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))

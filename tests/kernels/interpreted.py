@@ -59,6 +59,17 @@ def run_calls(calls: list[Call], tmp_dir: Path, timeout: int = 300) -> list[tupl
     return torch.load(dst, weights_only=False)
 
 
+def poison_empty() -> None:
+    """From now on in this child, float32 `torch.empty` is NaN-filled: a kernel that reads
+    scratch memory it never wrote shows it (a call to put before the calls it guards)."""
+    real = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real(*args, **kwargs)
+        return out.fill_(float("nan")) if out.dtype == torch.float32 else out
+    torch.empty = empty
+
+
 def _main(src: str, dst: str) -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         faithful_interpreter()

@@ -3,7 +3,7 @@
 Without CUDA the kernels run in Triton's interpreter (the `triton_interpreter` fixture,
 tests/helpers/triton.py, which restores TRITON_INTERPRET after this module's tests).
 The interpreted grid is deliberately small (slow interpreter); the `gpu_grid` test is the big
-one, run on CUDA by bench/gpu_check.py.
+one, run on CUDA by bench/gpu_acceptance.py's kernel-tests stage.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_split_rule(tb) -> None:
 
 
 @pytest.mark.gpu_grid
-@pytest.mark.skipif(not HAS_CUDA, reason="the large grid needs CUDA (run by bench/gpu_check.py)")
+@pytest.mark.skipif(not HAS_CUDA, reason="the large grid needs CUDA (bench/gpu_acceptance.py)")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (9, 3), (32, 8), (16, 1)],

@@ -7,8 +7,9 @@ experts grouped by expert: tokens are sorted by the expert they picked, so each 
 gate/up matmul and one down matmul over all of its tokens, not a loop over tokens. Expert
 weights are stacked per layer (`[experts, 2 * inter, hidden]` and `[experts, hidden, inter]`)
 and loaded from the checkpoint's per-expert tensors. On CUDA the experts run as one Triton
-fused-MoE call (`kernels/moe_triton.py`: grouped GEMMs over blocks of one expert's tokens);
-elsewhere the torch loop over experts below serves.
+fused-MoE call (`kernels/moe_triton.py`: grouped GEMMs over blocks of one expert's tokens,
+routed on the device; also in Triton's interpreter with the triton backend forced); elsewhere
+the torch loop over experts below serves (its per-expert counts are read on the host).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 from engine.model_executor.layers import Linear
 from engine.model_executor.models.llama import LlamaForCausalLM
+from kernels import fused_ops
 
 # Checkpoint expert names -> (our stacked parameter, shard): Mixtral's w1/w3/w2, Qwen3-MoE's
 # gate/up/down projections.
@@ -33,12 +35,11 @@ _EXPERT_RE = re.compile(r"^(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.exper
 
 
 def _fused_moe_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
-    """The Triton fused-MoE function on CUDA, else None (the torch grouped path)."""
-    if device.type != "cuda":
-        return None
-    from kernels.moe_triton import fused_moe
-
-    return fused_moe
+    """The Triton fused-MoE function on CUDA (and in Triton's interpreter with the triton
+    backend forced, as the other fused ops), else None (the torch grouped path). Its routing
+    (`kernels.moe_triton.align_pairs`) stays on the device: no host bincount."""
+    module = fused_ops.triton_module("moe_triton", device)
+    return None if module is None else module.fused_moe
 
 
 class SparseMoE(nn.Module):

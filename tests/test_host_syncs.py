@@ -1,0 +1,89 @@
+"""One host sync per engine step on the GPU path (issue 32, item 4).
+
+`bench/host_syncs.py --json` runs engine steps on the Triton backend (a child process: Triton
+interpreted without CUDA) and counts, by call site, every host read of a tensor
+(`.item()`, `.tolist()`, `bool()`, ...) and pageable `torch.tensor(list, device=)` the
+project's code makes in the device part of one step (tests/helpers/host_reads.py). The count
+is held at one: the read-back of the sampled ids (engine/model_executor/host_io.py), in
+prefill, decode, an n=2 fork's copy-on-write, Mixtral's routed experts and top-p sampling.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.model_executor.host_io import ReadBack, upload
+from engine.sample.sampler import Sampler, make_generator
+from engine.sampling_params import SamplingParams
+from tests.helpers.host_reads import host_reads
+from tests.kernels.interpreted import REPO, child_env
+
+READ_BACK = "engine/model_executor/host_io.py"
+
+
+@pytest.fixture(scope="module")
+def counts() -> dict:
+    pytest.importorskip("transformers")
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    proc = subprocess.run([sys.executable, "bench/host_syncs.py", "--json"], cwd=REPO,
+                          env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["prefill", "decode", "fork", "moe", "sampled"])
+def test_one_host_read_per_step(counts: dict, case: str) -> None:
+    result = counts[case]
+    assert result["total"] == 1, result["sites"]
+    (site,) = result["sites"]
+    assert site.startswith(READ_BACK) and site.endswith("tolist")
+
+
+def test_the_counter_sees_project_reads_and_uploads_only() -> None:
+    t = torch.arange(4)
+    with host_reads() as reads:
+        assert ReadBack().tokens(t) == [0, 1, 2, 3]  # a project file's tolist: counted
+        assert int(t.sum()) == 6 and t.tolist()  # this test's own reads: not counted
+        import engine.sample.draw as draw
+
+        vals = torch.tensor([[0.5, 0.3, 0.2]])
+        one = torch.ones(1)
+        draw.cutoffs(vals, torch.zeros(1, dtype=torch.long), one * 0.5, one * 0, True)
+        draw.cutoffs(vals, torch.zeros(1, dtype=torch.long), one * 0.5, one * 0, True,
+                     any_p=True)  # told on the host: no read
+    where = sorted((site.split(":")[0], site.split()[-1]) for site in reads.sites)
+    assert where == [("engine/model_executor/host_io.py", "tolist"),
+                     ("engine/sample/draw.py", "bool")]
+
+
+def test_upload_keeps_values_and_dtype() -> None:
+    t = upload([3, 1, 2], torch.long, "cpu")
+    assert t.dtype == torch.long and t.tolist() == [3, 1, 2]
+    assert upload([0.5], torch.float32, torch.device("cpu")).dtype == torch.float32
+
+
+def test_full_sort_draws_the_ladders_tokens() -> None:
+    """The GPU path's sampler (`ladder=False`: filtered rows sorted in full, no host read)
+    draws what the ladder draws for the same seeds: the cut-off and the cumulative sums over
+    the kept tokens in vocabulary order are the same numbers."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 300, generator=g) * 3
+    params = [SamplingParams(temperature=0.9, top_p=0.8), SamplingParams(temperature=1.0,
+                                                                          top_k=7),
+              SamplingParams(temperature=0.7, min_p=0.05), SamplingParams(temperature=1.2),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.5, top_p=0.95,
+                                                              top_k=100)]
+    got = []
+    for ladder in (True, False):
+        for _ in range(2):
+            gens = [make_generator(10 + i) for i in range(6)]
+            got.append(Sampler(0, ladder=ladder).sample(logits, params, gens, [5] * 6,
+                                                        [None] * 6).tolist())
+    assert got[0] == got[1] == got[2] == got[3]
