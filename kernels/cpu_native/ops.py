@@ -17,11 +17,13 @@ from kernels.cpu_native.loader import load, loaded, sync_threads
 
 
 def usable(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """fp32 CPU tensors in the contract's contiguous layout, within the kernel's limits."""
+    """fp32 or bf16 CPU tensors (query and cache of one dtype) in the contract's contiguous
+    layout, within the kernel's limits. bf16 goes to `kp_paged_rows_bf16` (fp32 softmax and
+    sums), which has the row kernel only: no transposed-key prefill tiles."""
     heads, head_dim = query.shape[1], query.shape[2]
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     return (query.device.type == "cpu" and kv_cache.device.type == "cpu"
-            and query.dtype == torch.float32 and kv_cache.dtype == torch.float32
+            and query.dtype in (torch.float32, torch.bfloat16) and kv_cache.dtype == query.dtype
             and kv_cache.is_contiguous() and query.stride(2) == 1 and query.stride(1) == head_dim
             and heads // kv_heads <= 32 and head_dim <= 256 and block_size <= 256
             and load() is not None)
@@ -36,7 +38,8 @@ def paged_rows(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     sequence whose block-table row is `seq_idx[r]` and attends to its first `row_lens[r]` keys:
     the whole context for a decode token, `position + 1` keys for a prefill token (causality).
     `window`: only the last `window` of them (a sliding-window layer; the blocks before are not
-    read). `softcap`: scaled scores s become `softcap * tanh(s / softcap)` before the softmax."""
+    read). `softcap`: scaled scores s become `softcap * tanh(s / softcap)` before the softmax.
+    Tensors all fp32, or all bf16 (fp32 softmax and sums inside, outputs rounded once)."""
     lib = loaded()
     bt = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
     lens = row_lens if row_lens.dtype == torch.int32 else row_lens.int()
@@ -45,8 +48,12 @@ def paged_rows(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     seq = seq_idx.long().contiguous()
     if not (tok.numel() == seq.numel() == lens.numel()):
         raise ValueError("token_idx, seq_idx and row_lens must have one entry per row")
+    if not query.dtype == kv_cache.dtype == out.dtype or query.dtype not in (torch.float32,
+                                                                                torch.bfloat16):
+        raise ValueError("query, kv_cache and out must be all float32 or all bfloat16")
     sync_threads(lib)
-    rc = lib.kp_paged_rows_f32(
+    fn = lib.kp_paged_rows_f32 if query.dtype == torch.float32 else lib.kp_paged_rows_bf16
+    rc = fn(
         query.data_ptr(), query.stride(0), kv_cache.data_ptr(), kv_cache.shape[1],
         kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4], query.shape[1],
         bt.data_ptr(), bt.stride(0), lens.data_ptr(), tok.data_ptr(), seq.data_ptr(),

@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define KP_ABI_VERSION 6
+#define KP_ABI_VERSION 7
 
 /* Output columns per packed GEMM weight panel: three vectors where the register file holds 32
  * (AVX-512: an 8 x 48 tile), two where it holds 16 (AVX2: 6 x 16). A packed weight fits only
@@ -66,6 +66,17 @@ KP_API int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *
                              int64_t bt_stride, const int32_t *row_lens, const int64_t *tok_idx,
                              const int64_t *seq_idx, int64_t n, float scale, int32_t window,
                              float softcap, float *out, int64_t out_row_stride);
+
+/* kp_paged_rows_f32 over a bfloat16 cache (paged_bf16.c): q, kv and out hold bf16 bits;
+ * scores, softmax and sums are fp32, each output rounded to bf16 once (nearest even). Same
+ * arguments, limits and return codes. */
+KP_API int kp_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *kv,
+                              int64_t num_blocks, int32_t block_size, int32_t num_kv_heads,
+                              int32_t head_dim, int32_t num_heads, const int32_t *block_tables,
+                              int64_t bt_stride, const int32_t *row_lens,
+                              const int64_t *tok_idx, const int64_t *seq_idx, int64_t n,
+                              float scale, int32_t window, float softcap, uint16_t *out,
+                              int64_t out_row_stride);
 
 /* ---- fused elementwise ops (cpu_ops.c) ---- */
 
