@@ -116,3 +116,18 @@ def kv_event_publisher(config: EngineConfig, kv: KVCacheManager, device: torch.d
                     "unset" if hasher.seed is None else "set")
     kv.pool.record_events()
     return ZmqEventPublisher(cfg, medium="GPU" if device.type == "cuda" else "CPU")
+
+
+def log_dtype(requested: str, dtype: torch.dtype, device: torch.device) -> None:
+    """The dtype chosen (and why, for `auto`) and, on CPU, the kernels it takes."""
+    from kernels import cpu_dtype
+    from kernels.cpu_native import isa
+
+    why = ""
+    if requested == "auto":
+        why = (f" ({cpu_dtype.describe(isa.cpu_flags())})" if device.type == "cpu"
+               else " (the checkpoint's dtype; float32 checkpoints in bfloat16)")
+    logger.info("dtype %s -> %s%s", requested, str(dtype).removeprefix("torch."), why)
+    if device.type == "cpu":
+        logger.info("CPU kernels for %s: %s", str(dtype).removeprefix("torch."),
+                    cpu_dtype.kernels_taken(dtype))

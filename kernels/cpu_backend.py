@@ -209,6 +209,12 @@ def _plan_for(meta: AttentionMetadata, block_size: int, budget: int | None,
     return plan
 
 
+def _prefill_native(query: torch.Tensor) -> bool:
+    """Whether prefill rows go to the native kernel too: fp32 with the transposed-key tiles
+    (bf16 has the row kernel only, so its prefill rows go to SDPA)."""
+    return query.dtype == torch.float32 and cpu_native.prefill_tiles()
+
+
 def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float, *, decode_token_budget: int | None = None,
                         window: int | None = None, softcap: float | None = None) -> torch.Tensor:
@@ -228,9 +234,7 @@ def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
     plan = _plan_for(meta, block_size, decode_token_budget)
     if plan.num_valid_tokens < num_tokens:
         out[plan.num_valid_tokens:].zero_()
-    # bf16 has the row kernel only: its prefill rows go to SDPA, below.
-    tiles = query.dtype == torch.float32 and cpu_native.prefill_tiles()
-    if native and (not plan.prefill or tiles):
+    if native and (not plan.prefill or _prefill_native(query)):
         if plan.num_valid_tokens:
             # The runner's rows: every valid token, in order (padding rows come last).
             row_lens, row_seq_idx = meta.rows(plan.num_valid_tokens)
