@@ -71,22 +71,33 @@ def f32_rows(t: torch.Tensor) -> bool:
         t.stride(1) == 1 or t.shape[1] == 1)
 
 
+def rows_of(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """CPU rows of `dtype` with unit stride inside a row (the C kernels' layout)."""
+    return t.device.type == "cpu" and t.dtype == dtype and t.dim() == 2 and (
+        t.stride(1) == 1 or t.shape[1] == 1)
+
+
+_BF16_OR_F32 = (torch.float32, torch.bfloat16)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor | None:
     """`weight * rmsnorm(x (+ residual))` in one pass, `residual` updated in place to the sum;
-    None (nothing done) when the tensors are not in the kernel's layout."""
+    None (nothing done) when the tensors are not in the kernel's layout. fp32, or bf16 (every
+    tensor; fp32 inside, rounded where transformers rounds)."""
     lib = load()
-    if (lib is None or not f32_rows(x) or not weight.is_contiguous()
-            or weight.dtype != torch.float32 or x.shape[1] != weight.shape[0]
+    dt = x.dtype
+    if (lib is None or dt not in _BF16_OR_F32 or not rows_of(x, dt) or not weight.is_contiguous()
+            or weight.dtype != dt or x.shape[1] != weight.shape[0]
             or (residual is not None and (not residual.is_contiguous()
-                                          or residual.dtype != torch.float32
+                                          or residual.dtype != dt
                                           or residual.shape != x.shape))):
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
     sync_threads(lib)
-    lib.kp_add_rms_norm_f32(x.data_ptr(), x.stride(0),
-                            residual.data_ptr() if residual is not None else None,
-                            weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    fn = lib.kp_add_rms_norm_f32 if dt == torch.float32 else lib.kp_add_rms_norm_bf16
+    fn(x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
+       weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
     return out
 
 
@@ -130,11 +141,12 @@ def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> Literal[True] | None:
     """Copy rows of key/value (`[tokens, kv_heads, head_dim]`, each row contiguous) into their
-    slots of the fp32 paged cache (slots < 0 skipped): True, or None (nothing done) when the
-    tensors are not in that layout; IndexError for a slot past the cache."""
+    slots of the fp32 or bf16 paged cache (slots < 0 skipped): True, or None (nothing done)
+    when the tensors are not in that layout; IndexError for a slot past the cache."""
     lib = load()
-    if (lib is None or kv_cache.dtype != torch.float32 or key.dtype != torch.float32
-            or value.dtype != torch.float32 or kv_cache.device.type != "cpu"
+    dt = kv_cache.dtype
+    if (lib is None or dt not in _BF16_OR_F32 or key.dtype != dt
+            or value.dtype != dt or kv_cache.device.type != "cpu"
             or not kv_cache.is_contiguous() or slot_mapping.dtype != torch.int64
             or not slot_mapping.is_contiguous() or key.dim() != 3 or value.shape != key.shape
             or key.shape[1:] != kv_cache.shape[3:]):
@@ -144,9 +156,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
             or value.stride(1) != value.shape[2] or slot_mapping.numel() != key.shape[0]):
         return None
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    rc = lib.kp_store_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                             slot_mapping.data_ptr(), key.shape[0], kv_cache.data_ptr(),
-                             num_slots, row)
+    fn = lib.kp_store_kv_f32 if dt == torch.float32 else lib.kp_store_kv_bf16
+    rc = fn(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+            slot_mapping.data_ptr(), key.shape[0], kv_cache.data_ptr(), num_slots, row)
     if rc != 0:
         raise IndexError(f"a KV slot is outside the cache of {num_slots} slots")
     return True
@@ -180,14 +192,18 @@ def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor,
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """`silu(gate) * up` for a fused `[rows, 2 * inter]` projection; None when not applicable."""
+    """`silu(gate) * up` for a fused `[rows, 2 * inter]` projection (fp32, or bf16 with SiLU
+    rounded before the multiply, as in eager bf16); None when not applicable."""
     lib = load()
-    if lib is None or not f32_rows(gate_up) or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+    dt = gate_up.dtype
+    if (lib is None or dt not in _BF16_OR_F32 or not rows_of(gate_up, dt)
+            or not gate_up.is_contiguous() or gate_up.shape[1] % 2):
         return None
     inter = gate_up.shape[1] // 2
     out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
     sync_threads(lib)
-    lib.kp_silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+    fn = lib.kp_silu_mul_f32 if dt == torch.float32 else lib.kp_silu_mul_bf16
+    fn(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
     return out
 
 

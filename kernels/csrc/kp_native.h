@@ -117,6 +117,19 @@ KP_API int kp_copy_blocks(void *const *caches, int64_t layers, int64_t num_block
 KP_API void kp_argmax_rows_f32(const float *x, int64_t row_stride, int64_t rows, int64_t cols,
                                int64_t *out);
 
+/* ---- fused elementwise ops over bf16 (cpu_ops_bf16.c): the _f32 ops' arguments with bf16
+ * tensors; fp32 inside, rounded where transformers rounds in bf16 ---- */
+
+KP_API void kp_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual,
+                                 const uint16_t *w, uint16_t *out, int64_t rows, int64_t hidden,
+                                 float eps);
+
+KP_API void kp_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t inter);
+
+KP_API int kp_store_kv_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v,
+                            int64_t v_stride, const int64_t *slots, int64_t n, uint16_t *cache,
+                            int64_t num_slots, int64_t row_elems);
+
 /* ---- LoRA (lora_sgmv.c) ---- */
 
 /* Largest adapter rank (after zero padding to the slot stack's rank) the kernel takes. */

@@ -17,6 +17,7 @@
  * exact in fp32, so only the order of the fp32 sum differs from the widened path. Any head_dim
  * up to MAX_HEAD_DIM: a multiple of the vector width takes the vector loops, others the
  * scalar ones. */
+#include "kp_bf16.h"
 #include "paged_attention.h"
 
 #ifdef _OPENMP
@@ -28,30 +29,6 @@ typedef struct {
     int64_t tok_stride;
     int32_t block_size;
 } kv16_layout;
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } c = {(uint32_t)h << 16};
-    return c.f;
-}
-
-/* Round to nearest even; NaN stays a (quiet) NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    union { float f; uint32_t u; } c = {f};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
-    c.u += 0x7fffu + ((c.u >> 16) & 1u);
-    return (uint16_t)(c.u >> 16);
-}
-
-/* KP_VW bf16 values from p, widened to fp32. */
-static inline vf vload_bf16(const uint16_t *p) {
-#if KP_VW == 16
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-#else
-    const __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-#endif
-}
 
 /* hd bf16 values to fp32. */
 static inline void widen(const uint16_t *src, float *dst, int hd) {

@@ -121,7 +121,8 @@ def test_the_loaded_library_is_this_machines_level() -> None:
 
 _NATIVE_TESTS = ("tests/kernels/test_cpu_ops.py", "tests/kernels/test_gemm.py",
                  "tests/kernels/test_cpu_backend.py", "tests/kernels/test_lora_native.py",
-                 "tests/kernels/test_decoder_stack.py", "tests/kernels/test_paged_bf16.py")
+                 "tests/kernels/test_decoder_stack.py", "tests/kernels/test_paged_bf16.py",
+                 "tests/kernels/test_cpu_ops_bf16.py")
 # What differs by level is the native code (the GEMM, the attention paths, the fused ops, the
 # stack): the CPU backend's torch-only cases (other dtypes, native off) do not change with it,
 # and its decode-rows-only routing covers a subset of the all-rows one; the default run has them.
