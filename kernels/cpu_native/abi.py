@@ -60,6 +60,7 @@ FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "kp_add_rms_norm_bf16": (None, (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32)),
     "kp_silu_mul_bf16": (None, (_ptr, _ptr, _i64, _i64)),
     "kp_store_kv_bf16": (_int, (_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64)),
+    "kp_rope_bf16": (_int, (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64)),
     "kp_lora_sgmv_f32": (_int, (_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                 _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64)),
     "kp_gemm_panel": (_int, ()),

@@ -122,17 +122,20 @@ def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
                  heads: int, head_dim: int) -> Literal[True] | None:
     """Rotate the first `heads` heads of each row of `x` in place: True, or None (nothing
     done) when the tensors are not in the kernel's layout; IndexError for a position past the
-    rotary table."""
+    rotary table. fp32, or bf16 rows with a bf16 table (each product and sum rounded)."""
     lib = load()
-    if (lib is None or not f32_rows(x) or x.shape[1] < heads * head_dim or head_dim % 2
+    dt = x.dtype
+    if (lib is None or dt not in _BF16_OR_F32 or not rows_of(x, dt)
+            or x.shape[1] < heads * head_dim or head_dim % 2
             or positions.dtype != torch.int64 or not positions.is_contiguous()
-            or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or cos.dtype != dt or sin.dtype != dt
             or not cos.is_contiguous() or not sin.is_contiguous()
             or cos.shape[-1] * 2 != head_dim or positions.numel() != x.shape[0]):
         return None
     sync_threads(lib)
-    rc = lib.kp_rope_f32(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
-                         sin.data_ptr(), cos.shape[0], x.shape[0], heads, head_dim)
+    fn = lib.kp_rope_f32 if dt == torch.float32 else lib.kp_rope_bf16
+    rc = fn(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            cos.shape[0], x.shape[0], heads, head_dim)
     if rc != 0:
         raise IndexError(f"a position is outside the rotary table of {cos.shape[0]} positions")
     return True

@@ -1,12 +1,13 @@
 /* Fused elementwise ops of a Llama layer on CPU over bf16 activations: residual add + RMSNorm,
- * SiLU-and-multiply and the KV store (kp_native.h). In PyTorch each is 3-8 passes over the
+ * RoPE in place, SiLU-and-multiply and the KV store (kp_native.h). In PyTorch each is 3-8 passes over the
  * activations with a dtype conversion in most of them (a bf16 profile had them at ~15% of a
  * step); here one pass each, in fp32 registers.
  *
  * Rounding is where transformers rounds in bf16, so the result is the eager layer's up to the
  * order of the fp32 sum of squares: the residual sum is rounded to bf16 (and stored), the mean
  * of squares is taken in fp32, the normed value is rounded before the weight multiply and the
- * product rounded again; SiLU's result is rounded before the multiply by `up`.
+ * product rounded again; each RoPE product and sum is rounded; SiLU's result is rounded
+ * before the multiply by `up`.
  */
 #include <math.h>
 #include <stdint.h>
@@ -68,6 +69,32 @@ int kp_store_kv_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int
         if (slots[t] < 0) continue;
         memcpy(cache + slots[t] * row_elems, k + t * k_stride, (size_t)row_elems * 2);
         memcpy(vc + slots[t] * row_elems, v + t * v_stride, (size_t)row_elems * 2);
+    }
+    return 0;
+}
+
+/* Rotary embedding in place over bf16 rows with a bf16 table, each product and each sum
+ * rounded to bf16 as eager bf16 (transformers' rotate-half) rounds them. */
+int kp_rope_bf16(uint16_t *x, int64_t row_stride, const int64_t *positions,
+                 const uint16_t *cos_table, const uint16_t *sin_table, int64_t max_positions,
+                 int64_t rows, int64_t heads, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t t = 0; t < rows; ++t)
+        if (positions[t] < 0 || positions[t] >= max_positions) return -1;
+#pragma omp parallel for schedule(static) if (rows >= PAR_MIN_ROWS)
+    for (int64_t t = 0; t < rows; ++t) {
+        const uint16_t *c = cos_table + positions[t] * half;
+        const uint16_t *s = sin_table + positions[t] * half;
+        uint16_t *row = x + t * row_stride;
+        for (int64_t h = 0; h < heads; ++h) {
+            uint16_t *x1 = row + h * head_dim, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+                const float ci = bf16_to_f32(c[i]), si = bf16_to_f32(s[i]);
+                x1[i] = f32_to_bf16(rbf(a * ci) - rbf(b * si));
+                x2[i] = f32_to_bf16(rbf(b * ci) + rbf(a * si));
+            }
+        }
     }
     return 0;
 }

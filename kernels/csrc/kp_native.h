@@ -130,6 +130,10 @@ KP_API int kp_store_kv_bf16(const uint16_t *k, int64_t k_stride, const uint16_t 
                             int64_t v_stride, const int64_t *slots, int64_t n, uint16_t *cache,
                             int64_t num_slots, int64_t row_elems);
 
+KP_API int kp_rope_bf16(uint16_t *x, int64_t row_stride, const int64_t *positions,
+                        const uint16_t *cos_table, const uint16_t *sin_table,
+                        int64_t max_positions, int64_t rows, int64_t heads, int64_t head_dim);
+
 /* ---- LoRA (lora_sgmv.c) ---- */
 
 /* Largest adapter rank (after zero padding to the slot stack's rank) the kernel takes. */

@@ -1,6 +1,6 @@
 """The native fused ops over bf16 (csrc/cpu_ops_bf16.c) against their definitions in
 kernels/reference.py evaluated by torch in bf16: residual add + RMSNorm, SiLU-and-multiply and
-the KV store. They round where eager bf16 rounds, so they agree with it value for value but for
+the KV store, RoPE. They round where eager bf16 rounds, so they agree with it value for value but for
 the order of an fp32 sum (and exp's last fp32 bit): a bf16 step or two anywhere, and almost
 everywhere exactly. tests/kernels/test_isa.py runs this file again at avx2."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import cpu_native, fused_ops
-from kernels.reference import act_mul_ref, add_rms_norm_ref, store_kv_ref
+from kernels.reference import act_mul_ref, add_rms_norm_ref, rope_ref, store_kv_ref
 
 BF16 = torch.bfloat16
 
@@ -55,6 +55,22 @@ def test_silu_mul_bf16_is_eager_bf16(rows: int, inter: int) -> None:
     out = fused_ops.act_mul(gate_up)
     assert out is not None
     _as_eager(out, act_mul_ref(gate_up))
+
+
+@pytest.mark.parametrize("rows, heads, head_dim", [(1, 12, 64), (37, 3, 128), (4, 2, 6)])
+def test_rope_bf16_is_eager_bf16(rows: int, heads: int, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(rows + head_dim)
+    qkv = (torch.randn(rows, (heads + 1) * head_dim, generator=gen) * 2).to(BF16)
+    angles = torch.rand(50, head_dim // 2, generator=gen) * 6
+    cos, sin = angles.cos().to(BF16), angles.sin().to(BF16)
+    positions = torch.randint(0, 50, (rows,), generator=gen)
+    want = rope_ref(qkv, positions, cos, sin, heads)
+    got = qkv.clone()
+    assert cpu_native.rope_inplace(got, positions, cos, sin, heads, head_dim)
+    _as_eager(got, want)  # the last head (v) untouched, the others rotated
+    assert torch.equal(got[:, heads * head_dim:], qkv[:, heads * head_dim:])
+    assert cpu_native.rope_inplace(got, positions, cos.float(), sin.float(), heads,
+                                   head_dim) is None  # a table of another dtype: eager
 
 
 def test_store_kv_bf16_copies_rows_and_skips_negative_slots() -> None:
