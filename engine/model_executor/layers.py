@@ -53,7 +53,8 @@ class Linear(nn.Linear):
         if w.dtype == torch.bfloat16 and not onednn_bf16():
             # oneDNN packs bf16 only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT. On the
             # others (AVX2) the weight is widened once to fp32 panels for the native GEMM:
-            # 4-5x torch's own bf16 matmul at 16-256 rows (BENCHMARKS.md, "bfloat16 on CPU").
+            # 4-5x torch's own bf16 matmul at 16-256 rows (BENCHMARKS.md, "bfloat16 on CPU");
+            # a single row still takes F.linear.
             if not cpu_native.gemm_available():
                 return False
             self._packed, self._widened = cpu_native.pack_gemm_weight(w.float()), True
@@ -69,7 +70,10 @@ class Linear(nn.Linear):
         if packed is not None and x.dim() == 2 and x.dtype == self.weight.dtype and not (
                 torch.is_grad_enabled() and self.weight.requires_grad):
             if self._widened:
-                out = cpu_native.gemm(x.float(), packed, self.out_features, self._bias32)
+                # One row reads the bf16 weight faster through torch (half the bytes): 0.6x
+                # for the widened GEMM there, 4-5x from 16 rows on (BENCHMARKS.md).
+                out = None if x.shape[0] <= 1 else cpu_native.gemm(
+                    x.float(), packed, self.out_features, self._bias32)
                 if out is not None:
                     return out.to(x.dtype)
             elif not self._native:
