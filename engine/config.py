@@ -22,7 +22,7 @@ KV_CACHE_DTYPES = ("auto",)
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: engine/core/kv_sizing.resolve_dtype (CPU: by native bf16)
     device: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None

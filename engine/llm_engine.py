@@ -19,7 +19,7 @@ from engine import startup
 from engine.beam_search import BeamSearches
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_sizing import resolve_device, resolve_dtype
+from engine.core.kv_sizing import checkpoint_dtype, resolve_device, resolve_dtype
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
@@ -49,10 +49,11 @@ class LLMEngine:
         config = config or EngineConfig(**kwargs)
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             tune_glibc_malloc()  # no-op under tcmalloc (see engine.worker.cpu_memory)
         self.model_path = startup.resolve_model_path(config)
+        self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(self.model_path))
+        startup.log_dtype(config.dtype, self.dtype, self.device)
         draft_model = self._load()
         self._size_cache(draft_model)
         self._build(draft_model)

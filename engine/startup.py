@@ -167,3 +167,18 @@ def warm_up(config: EngineConfig, runner: Any) -> Any:
                runner.attention_backend, max_num_batched_tokens=config.max_num_batched_tokens,
                max_num_seqs=config.max_num_seqs, max_model_len=runner.max_model_len,
                num_groups=runner.layout.num_groups)
+
+
+def log_dtype(requested: str, dtype: torch.dtype, device: torch.device) -> None:
+    """The dtype chosen (and why, for `auto`) and, on CPU, the kernels it takes."""
+    from kernels import cpu_dtype
+    from kernels.cpu_native import isa
+
+    why = ""
+    if requested == "auto":
+        why = (f" ({cpu_dtype.describe(isa.cpu_flags())})" if device.type == "cpu"
+               else " (the checkpoint's dtype; float32 checkpoints in bfloat16)")
+    logger.info("dtype %s -> %s%s", requested, str(dtype).removeprefix("torch."), why)
+    if device.type == "cpu":
+        logger.info("CPU kernels for %s: %s", str(dtype).removeprefix("torch."),
+                    cpu_dtype.kernels_taken(dtype))

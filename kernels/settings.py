@@ -46,11 +46,14 @@ ISA = EnvVar("KSERVE_PAGED_ISA", "auto",
              "Highest instruction-set level the native kernels are built for: auto (the CPU's "
              "best), avx2, avx512, avx512_bf16 or amx; a cap, so a lower path runs on a higher "
              "machine.")
+CPU_AUTO_DTYPE = EnvVar("KSERVE_PAGED_CPU_AUTO_DTYPE", "",
+                        "What --dtype auto means on CPU: empty: by the CPU (bfloat16 with "
+                        "native bf16, else float32); float32 or bfloat16 pins it.")
 FAULT_INJECT = EnvVar("KSERVE_PAGED_FAULT_INJECT", "",
                       "TEST ONLY: a control file through which e2e tests make steps fail.")
 
 ALL = (CACHE, NATIVE, ONEDNN, TCMALLOC, KV_PREFAULT_MIB, ATTENTION_BACKEND, TORCH_DECODE_BUDGET,
-       ISA, FAULT_INJECT)
+       ISA, CPU_AUTO_DTYPE, FAULT_INJECT)
 
 _OFF = ("0", "false", "no")
 
@@ -103,6 +106,16 @@ def isa_cap() -> str | None:
     """The level named by `KSERVE_PAGED_ISA`, lower-cased; None for auto (or empty)."""
     raw = ISA.raw().strip().lower()
     return None if raw in ("", "auto") else raw
+
+
+def cpu_auto_dtype() -> str | None:
+    """`KSERVE_PAGED_CPU_AUTO_DTYPE` (float32 or bfloat16), or None: the CPU decides."""
+    raw = CPU_AUTO_DTYPE.raw().strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw not in ("float32", "bfloat16"):
+        raise ValueError(f"{CPU_AUTO_DTYPE.name} must be float32 or bfloat16 (got {raw!r})")
+    return raw
 
 
 def fault_inject_path() -> str | None:

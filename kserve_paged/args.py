@@ -102,7 +102,9 @@ def _add_size_flags(engine: argparse._ArgumentGroup) -> None:
     """How big the engine is: dtype, step budget, context, KV cache, tensor parallelism."""
     d = _defaults()
     engine.add_argument("--dtype", default=d["dtype"], choices=DTYPES,
-                        help="Weights and activations dtype; auto: float32 on CPU, bfloat16 on CUDA.")
+                        help="Weights and activations dtype; auto: on CPU bfloat16 where it "
+                        "is native (AVX512-BF16 or AMX), else float32; on CUDA the "
+                        "checkpoint's dtype (float32 checkpoints in bfloat16).")
     engine.add_argument("--block_size", type=positive_int, default=d["block_size"],
                         help="Tokens per KV-cache block.")
     engine.add_argument("--max_model_len", type=positive_int, default=d["max_model_len"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -9,6 +10,11 @@ import pytest
 from tests.helpers.triton import TritonKernels, prepare_interpreter
 
 prepare_interpreter()  # before any test module imports torch's compiler (which imports Triton)
+
+# The suite's engines (and the servers it starts) run `--dtype auto` as float32 on every machine
+# type, so a test means the same on a CPU with native bf16 (where auto is bfloat16) as on one
+# without; tests/kernels/test_cpu_dtype.py checks the rule itself, with this unset.
+os.environ.setdefault("KSERVE_PAGED_CPU_AUTO_DTYPE", "float32")
 
 # Slow tests marked by name rather than in their file: each builds the native library again at
 # another instruction-set level (minutes on two cores).

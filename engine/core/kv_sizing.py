@@ -7,6 +7,7 @@ meta device, engine/model_executor/model_facts.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,9 @@ import torch
 
 from engine.core.kv_groups import KVLayout, kv_layout
 from engine.model_executor.model_facts import ModelFacts
+from kernels import settings
+from kernels.cpu_dtype import cpu_auto_dtype
+from kernels.cpu_native import isa
 
 # Without an explicit size, the KV cache on CPU takes this share of available RAM, capped.
 CPU_KV_FRACTION = 0.25
@@ -31,12 +35,37 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None = None,
+                  cpu_flags: frozenset[str] | None = None) -> torch.dtype:
+    """The one home of the dtype rule. `auto` on CUDA is vLLM's: the checkpoint's dtype
+    (`checkpoint_dtype`, config.json's `dtype` / `torch_dtype`), float32 checkpoints (and
+    unknown ones) served in bfloat16. `auto` on CPU is ours (kernels/cpu_dtype.py): bfloat16
+    where the CPU has native bf16 (AVX512-BF16 or AMX), else float32; `cpu_flags` defaults to
+    this machine's, and `KSERVE_PAGED_CPU_AUTO_DTYPE` pins it."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            ckpt = _DTYPES.get(checkpoint_dtype or "")
+            return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+        pinned = settings.cpu_auto_dtype()
+        if pinned is not None:
+            return _DTYPES[pinned]
+        return cpu_auto_dtype(cpu_flags if cpu_flags is not None else isa.cpu_flags())
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)} (got {name!r})")
     return _DTYPES[name]
+
+
+def checkpoint_dtype(model_path: str | os.PathLike[str] | None) -> str | None:
+    """config.json's `dtype` (transformers 5) or `torch_dtype` in a model folder, or None."""
+    if model_path is None:
+        return None
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    value = config.get("dtype") or config.get("torch_dtype")
+    return value if isinstance(value, str) else None
 
 
 def available_memory(device: torch.device) -> int:

@@ -26,7 +26,9 @@ class Linear(nn.Linear):
     that are read from memory every step. On CPU in float32, `pack()` lays the weight out in
     column panels for the native GEMM (`kernels/csrc/gemm.c`, every instruction-set level),
     faster than oneDNN at decode row counts (bench/probes/gemm_levels.py, figures in
-    BENCHMARKS.md). Otherwise (bfloat16, no native library) oneDNN's packed weight, faster than
+    BENCHMARKS.md). In bfloat16, oneDNN's packed bf16 weight (AMX where the CPU has it); where
+    torch refuses oneDNN bf16 (AVX2-only CPUs), the weight widened once to fp32 panels for the
+    native GEMM. Without the native library in fp32, oneDNN's packed weight. All faster than
     torch's default path at serving shapes.
     The packed copy is extra memory (one more copy of the weight); any change to `weight`
     after packing needs a new `pack()`. `KSERVE_PAGED_ONEDNN=0`: no packing, plain `F.linear`
@@ -35,20 +37,31 @@ class Linear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     _native: bool = False
+    _widened: bool = False  # bf16 weight packed as fp32 for the native GEMM (no oneDNN bf16)
+    _bias32: torch.Tensor | None = None
 
     def pack(self, rows_hint: int = 64) -> bool:
         """Pre-pack for inference (CPU, float32 or bfloat16); True if packed."""
         w = self.weight
-        self._packed, self._native = None, False
+        self._packed, self._native, self._widened, self._bias32 = None, False, False, None
         if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16)
                 or not settings.onednn_enabled()):
             return False
         if w.dtype == torch.float32 and cpu_native.gemm_available():
             self._packed, self._native = cpu_native.pack_gemm_weight(w), True
             return True
-        if not torch.backends.mkldnn.is_available() or (
-                w.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-            return False  # oneDNN packs bf16 only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
+        if w.dtype == torch.bfloat16 and not onednn_bf16():
+            # oneDNN packs bf16 only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT. On the
+            # others (AVX2) the weight is widened once to fp32 panels for the native GEMM:
+            # 4-5x torch's own bf16 matmul at 16-256 rows (BENCHMARKS.md, "bfloat16 on CPU");
+            # a single row still takes F.linear.
+            if not cpu_native.gemm_available():
+                return False
+            self._packed, self._widened = cpu_native.pack_gemm_weight(w.float()), True
+            self._bias32 = None if self.bias is None else self.bias.detach().float()
+            return True
+        if not torch.backends.mkldnn.is_available():
+            return False
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows_hint)
         return True
 
@@ -56,12 +69,27 @@ class Linear(nn.Linear):
         packed = self._packed
         if packed is not None and x.dim() == 2 and x.dtype == self.weight.dtype and not (
                 torch.is_grad_enabled() and self.weight.requires_grad):
-            if not self._native:
+            if self._widened:
+                # One row reads the bf16 weight faster through torch (half the bytes): 0.6x
+                # for the widened GEMM there, 4-5x from 16 rows on (BENCHMARKS.md).
+                out = None if x.shape[0] <= 1 else cpu_native.gemm(
+                    x.float(), packed, self.out_features, self._bias32)
+                if out is not None:
+                    return out.to(x.dtype)
+            elif not self._native:
                 return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
-            out = cpu_native.gemm(x, packed, self.out_features, self.bias)
-            if out is not None:
-                return out
+            else:
+                out = cpu_native.gemm(x, packed, self.out_features, self.bias)
+                if out is not None:
+                    return out
         return F.linear(x, self.weight, self.bias)
+
+
+def onednn_bf16() -> bool:
+    """Whether torch's oneDNN takes bf16 linear layers on this CPU (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT; torch refuses it on AVX2-only CPUs)."""
+    return (torch.backends.mkldnn.is_available()
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 class RMSNorm(nn.Module):

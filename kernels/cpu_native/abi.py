@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 6  # KP_ABI_VERSION in csrc/kp_native.h
+ABI_VERSION = 7  # KP_ABI_VERSION in csrc/kp_native.h
 LORA_MAX_RANK = 256  # KP_LORA_MAX_RANK in csrc/kp_native.h
 
 _i32, _i64, _int, _f32, _ptr = (ctypes.c_int32, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
@@ -48,6 +48,8 @@ FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "kp_set_threads": (None, (_int,)),
     "kp_paged_rows_f32": (_int, (_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64,
                                  _ptr, _ptr, _ptr, _i64, _f32, _i32, _f32, _ptr, _i64)),
+    "kp_paged_rows_bf16": (_int, (_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64,
+                                  _ptr, _ptr, _ptr, _i64, _f32, _i32, _f32, _ptr, _i64)),
     "kp_add_rms_norm_f32": (None, (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32)),
     "kp_qk_norm_f32": (None, (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _f32)),
     "kp_rope_f32": (_int, (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64)),
@@ -55,6 +57,10 @@ FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "kp_store_kv_f32": (_int, (_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64)),
     "kp_copy_blocks": (_int, (_ptrs, _i64, _i64, _i64, _ptr, _ptr, _i64)),
     "kp_argmax_rows_f32": (None, (_ptr, _i64, _i64, _i64, _ptr)),
+    "kp_add_rms_norm_bf16": (None, (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32)),
+    "kp_silu_mul_bf16": (None, (_ptr, _ptr, _i64, _i64)),
+    "kp_store_kv_bf16": (_int, (_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64)),
+    "kp_rope_bf16": (_int, (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64)),
     "kp_lora_sgmv_f32": (_int, (_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                 _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64)),
     "kp_gemm_panel": (_int, ()),

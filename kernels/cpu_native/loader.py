@@ -30,8 +30,9 @@ logger = logging.getLogger("kernels")
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = tuple(CSRC / name for name in (
     "library.c", "paged_rows.c", "paged_key_tile.c", "paged_prefix.c", "paged_dispatch.c",
-    "cpu_ops.c", "gemm.c", "decoder_stack.c", "lora_sgmv.c"))
-HEADERS = tuple(CSRC / name for name in ("kp_native.h", "kp_vec.h", "paged_attention.h"))
+    "paged_bf16.c", "cpu_ops.c", "cpu_ops_bf16.c", "gemm.c", "decoder_stack.c", "lora_sgmv.c"))
+HEADERS = tuple(CSRC / name for name in ("kp_native.h", "kp_vec.h", "kp_bf16.h",
+                                          "paged_attention.h"))
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wextra", "-shared",
          "-fPIC")  # plus the level's -march (isa.LEVELS)
 ISA_TAG = b"kp-native-isa="  # library.c embeds this, then KP_ISA, then ";"

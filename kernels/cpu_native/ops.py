@@ -17,11 +17,13 @@ from kernels.cpu_native.loader import load, loaded, sync_threads
 
 
 def usable(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """fp32 CPU tensors in the contract's contiguous layout, within the kernel's limits."""
+    """fp32 or bf16 CPU tensors (query and cache of one dtype) in the contract's contiguous
+    layout, within the kernel's limits. bf16 goes to `kp_paged_rows_bf16` (fp32 softmax and
+    sums), which has the row kernel only: no transposed-key prefill tiles."""
     heads, head_dim = query.shape[1], query.shape[2]
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     return (query.device.type == "cpu" and kv_cache.device.type == "cpu"
-            and query.dtype == torch.float32 and kv_cache.dtype == torch.float32
+            and query.dtype in (torch.float32, torch.bfloat16) and kv_cache.dtype == query.dtype
             and kv_cache.is_contiguous() and query.stride(2) == 1 and query.stride(1) == head_dim
             and heads // kv_heads <= 32 and head_dim <= 256 and block_size <= 256
             and load() is not None)
@@ -36,7 +38,8 @@ def paged_rows(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     sequence whose block-table row is `seq_idx[r]` and attends to its first `row_lens[r]` keys:
     the whole context for a decode token, `position + 1` keys for a prefill token (causality).
     `window`: only the last `window` of them (a sliding-window layer; the blocks before are not
-    read). `softcap`: scaled scores s become `softcap * tanh(s / softcap)` before the softmax."""
+    read). `softcap`: scaled scores s become `softcap * tanh(s / softcap)` before the softmax.
+    Tensors all fp32, or all bf16 (fp32 softmax and sums inside, outputs rounded once)."""
     lib = loaded()
     bt = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
     lens = row_lens if row_lens.dtype == torch.int32 else row_lens.int()
@@ -45,8 +48,12 @@ def paged_rows(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     seq = seq_idx.long().contiguous()
     if not (tok.numel() == seq.numel() == lens.numel()):
         raise ValueError("token_idx, seq_idx and row_lens must have one entry per row")
+    if not query.dtype == kv_cache.dtype == out.dtype or query.dtype not in (torch.float32,
+                                                                                torch.bfloat16):
+        raise ValueError("query, kv_cache and out must be all float32 or all bfloat16")
     sync_threads(lib)
-    rc = lib.kp_paged_rows_f32(
+    fn = lib.kp_paged_rows_f32 if query.dtype == torch.float32 else lib.kp_paged_rows_bf16
+    rc = fn(
         query.data_ptr(), query.stride(0), kv_cache.data_ptr(), kv_cache.shape[1],
         kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4], query.shape[1],
         bt.data_ptr(), bt.stride(0), lens.data_ptr(), tok.data_ptr(), seq.data_ptr(),
@@ -64,22 +71,33 @@ def f32_rows(t: torch.Tensor) -> bool:
         t.stride(1) == 1 or t.shape[1] == 1)
 
 
+def rows_of(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """CPU rows of `dtype` with unit stride inside a row (the C kernels' layout)."""
+    return t.device.type == "cpu" and t.dtype == dtype and t.dim() == 2 and (
+        t.stride(1) == 1 or t.shape[1] == 1)
+
+
+_BF16_OR_F32 = (torch.float32, torch.bfloat16)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor | None:
     """`weight * rmsnorm(x (+ residual))` in one pass, `residual` updated in place to the sum;
-    None (nothing done) when the tensors are not in the kernel's layout."""
+    None (nothing done) when the tensors are not in the kernel's layout. fp32, or bf16 (every
+    tensor; fp32 inside, rounded where transformers rounds)."""
     lib = load()
-    if (lib is None or not f32_rows(x) or not weight.is_contiguous()
-            or weight.dtype != torch.float32 or x.shape[1] != weight.shape[0]
+    dt = x.dtype
+    if (lib is None or dt not in _BF16_OR_F32 or not rows_of(x, dt) or not weight.is_contiguous()
+            or weight.dtype != dt or x.shape[1] != weight.shape[0]
             or (residual is not None and (not residual.is_contiguous()
-                                          or residual.dtype != torch.float32
+                                          or residual.dtype != dt
                                           or residual.shape != x.shape))):
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
     sync_threads(lib)
-    lib.kp_add_rms_norm_f32(x.data_ptr(), x.stride(0),
-                            residual.data_ptr() if residual is not None else None,
-                            weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    fn = lib.kp_add_rms_norm_f32 if dt == torch.float32 else lib.kp_add_rms_norm_bf16
+    fn(x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
+       weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
     return out
 
 
@@ -104,17 +122,20 @@ def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
                  heads: int, head_dim: int) -> Literal[True] | None:
     """Rotate the first `heads` heads of each row of `x` in place: True, or None (nothing
     done) when the tensors are not in the kernel's layout; IndexError for a position past the
-    rotary table."""
+    rotary table. fp32, or bf16 rows with a bf16 table (each product and sum rounded)."""
     lib = load()
-    if (lib is None or not f32_rows(x) or x.shape[1] < heads * head_dim or head_dim % 2
+    dt = x.dtype
+    if (lib is None or dt not in _BF16_OR_F32 or not rows_of(x, dt)
+            or x.shape[1] < heads * head_dim or head_dim % 2
             or positions.dtype != torch.int64 or not positions.is_contiguous()
-            or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or cos.dtype != dt or sin.dtype != dt
             or not cos.is_contiguous() or not sin.is_contiguous()
             or cos.shape[-1] * 2 != head_dim or positions.numel() != x.shape[0]):
         return None
     sync_threads(lib)
-    rc = lib.kp_rope_f32(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
-                         sin.data_ptr(), cos.shape[0], x.shape[0], heads, head_dim)
+    fn = lib.kp_rope_f32 if dt == torch.float32 else lib.kp_rope_bf16
+    rc = fn(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            cos.shape[0], x.shape[0], heads, head_dim)
     if rc != 0:
         raise IndexError(f"a position is outside the rotary table of {cos.shape[0]} positions")
     return True
@@ -123,11 +144,12 @@ def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> Literal[True] | None:
     """Copy rows of key/value (`[tokens, kv_heads, head_dim]`, each row contiguous) into their
-    slots of the fp32 paged cache (slots < 0 skipped): True, or None (nothing done) when the
-    tensors are not in that layout; IndexError for a slot past the cache."""
+    slots of the fp32 or bf16 paged cache (slots < 0 skipped): True, or None (nothing done)
+    when the tensors are not in that layout; IndexError for a slot past the cache."""
     lib = load()
-    if (lib is None or kv_cache.dtype != torch.float32 or key.dtype != torch.float32
-            or value.dtype != torch.float32 or kv_cache.device.type != "cpu"
+    dt = kv_cache.dtype
+    if (lib is None or dt not in _BF16_OR_F32 or key.dtype != dt
+            or value.dtype != dt or kv_cache.device.type != "cpu"
             or not kv_cache.is_contiguous() or slot_mapping.dtype != torch.int64
             or not slot_mapping.is_contiguous() or key.dim() != 3 or value.shape != key.shape
             or key.shape[1:] != kv_cache.shape[3:]):
@@ -137,9 +159,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
             or value.stride(1) != value.shape[2] or slot_mapping.numel() != key.shape[0]):
         return None
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    rc = lib.kp_store_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                             slot_mapping.data_ptr(), key.shape[0], kv_cache.data_ptr(),
-                             num_slots, row)
+    fn = lib.kp_store_kv_f32 if dt == torch.float32 else lib.kp_store_kv_bf16
+    rc = fn(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+            slot_mapping.data_ptr(), key.shape[0], kv_cache.data_ptr(), num_slots, row)
     if rc != 0:
         raise IndexError(f"a KV slot is outside the cache of {num_slots} slots")
     return True
@@ -173,14 +195,18 @@ def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor,
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """`silu(gate) * up` for a fused `[rows, 2 * inter]` projection; None when not applicable."""
+    """`silu(gate) * up` for a fused `[rows, 2 * inter]` projection (fp32, or bf16 with SiLU
+    rounded before the multiply, as in eager bf16); None when not applicable."""
     lib = load()
-    if lib is None or not f32_rows(gate_up) or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+    dt = gate_up.dtype
+    if (lib is None or dt not in _BF16_OR_F32 or not rows_of(gate_up, dt)
+            or not gate_up.is_contiguous() or gate_up.shape[1] % 2):
         return None
     inter = gate_up.shape[1] // 2
     out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
     sync_threads(lib)
-    lib.kp_silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+    fn = lib.kp_silu_mul_f32 if dt == torch.float32 else lib.kp_silu_mul_bf16
+    fn(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
     return out
 
 

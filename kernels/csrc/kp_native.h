@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define KP_ABI_VERSION 6
+#define KP_ABI_VERSION 7
 
 /* Output columns per packed GEMM weight panel: three vectors where the register file holds 32
  * (AVX-512: an 8 x 48 tile), two where it holds 16 (AVX2: 6 x 16). A packed weight fits only
@@ -67,6 +67,17 @@ KP_API int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *
                              const int64_t *seq_idx, int64_t n, float scale, int32_t window,
                              float softcap, float *out, int64_t out_row_stride);
 
+/* kp_paged_rows_f32 over a bfloat16 cache (paged_bf16.c): q, kv and out hold bf16 bits;
+ * scores, softmax and sums are fp32, each output rounded to bf16 once (nearest even). Same
+ * arguments, limits and return codes. */
+KP_API int kp_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *kv,
+                              int64_t num_blocks, int32_t block_size, int32_t num_kv_heads,
+                              int32_t head_dim, int32_t num_heads, const int32_t *block_tables,
+                              int64_t bt_stride, const int32_t *row_lens,
+                              const int64_t *tok_idx, const int64_t *seq_idx, int64_t n,
+                              float scale, int32_t window, float softcap, uint16_t *out,
+                              int64_t out_row_stride);
+
 /* ---- fused elementwise ops (cpu_ops.c) ---- */
 
 /* out[t] = w * rmsnorm(x[t] (+ residual[t])); with a residual, residual[t] becomes the sum. */
@@ -105,6 +116,23 @@ KP_API int kp_copy_blocks(void *const *caches, int64_t layers, int64_t num_block
 /* out[r] = argmax of row r, with torch.argmax's tie and NaN rules. */
 KP_API void kp_argmax_rows_f32(const float *x, int64_t row_stride, int64_t rows, int64_t cols,
                                int64_t *out);
+
+/* ---- fused elementwise ops over bf16 (cpu_ops_bf16.c): the _f32 ops' arguments with bf16
+ * tensors; fp32 inside, rounded where transformers rounds in bf16 ---- */
+
+KP_API void kp_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual,
+                                 const uint16_t *w, uint16_t *out, int64_t rows, int64_t hidden,
+                                 float eps);
+
+KP_API void kp_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t inter);
+
+KP_API int kp_store_kv_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v,
+                            int64_t v_stride, const int64_t *slots, int64_t n, uint16_t *cache,
+                            int64_t num_slots, int64_t row_elems);
+
+KP_API int kp_rope_bf16(uint16_t *x, int64_t row_stride, const int64_t *positions,
+                        const uint16_t *cos_table, const uint16_t *sin_table,
+                        int64_t max_positions, int64_t rows, int64_t heads, int64_t head_dim);
 
 /* ---- LoRA (lora_sgmv.c) ---- */
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.model_executor import layers
 from engine.model_executor.layers import Linear, SwiGLUMLP
 from kernels import cpu_native
 from kernels.cpu_native import loader
@@ -74,6 +75,30 @@ def test_packed_linear_equals_f_linear(bias: bool) -> None:
     # Any other input (3-D, another dtype) falls back to F.linear rather than failing.
     torch.testing.assert_close(layer(x.view(3, 7, 72)), expected.view(3, 7, 130),
                                rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("onednn", [False, True], ids=["no-onednn-bf16", "onednn-bf16"])
+def test_bf16_linear_packs_for_the_cpu_it_is_on(onednn: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch refuses oneDNN bf16 (AVX2-only CPUs, stubbed here), a bf16 weight is widened
+    to fp32 panels for the native GEMM; elsewhere oneDNN packs it. Either way the layer is
+    F.linear in fp32 over the same bf16 values, rounded to bf16 once (give or take a step)."""
+    if onednn and not layers.onednn_bf16():
+        pytest.skip("this CPU has no oneDNN bf16 (AVX2): the widened case covers it")
+    monkeypatch.setattr(layers, "onednn_bf16", lambda: onednn)
+    torch.manual_seed(1)
+    layer = Linear(72, 130, bias=True).to(torch.bfloat16)
+    x = torch.randn(21, 72).bfloat16()
+    expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    assert layer.pack()
+    assert layer._widened is not onednn and not layer._native
+    assert layer._packed.dtype == (torch.bfloat16 if onednn else torch.float32)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -7, atol=1e-2)
+    one = layer(x[:1])  # one row: F.linear in bf16 where widened (faster there), same values
+    torch.testing.assert_close(one.float(), expected[:1], rtol=2 ** -7, atol=1e-2)
 
 
 def _swiglu_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -20,6 +20,7 @@ import pytest
 
 from kernels import cpu_native
 from kernels.cpu_native import isa, loader
+from tests.helpers.cpu_flags import MACHINES
 
 # gcc's predefined macro for an instruction family -> the /proc/cpuinfo flag of that family.
 _MACRO_FLAG = {
@@ -41,41 +42,6 @@ _MACRO_FLAG = {
 _FAMILY = re.compile(r"#define __((?:SSE|SSSE|AVX|AMX|FMA|F16C|BMI|LZCNT|MOVBE|POPCNT|AES|"
                      r"PCLMUL|SHA|GFNI|VAES|VPCLMULQDQ)[A-Z0-9_]*)__ 1")
 
-_ZEN3 = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx "
-         "fxsr sse sse2 ht syscall nx mmxext fxsr_opt pdpe1gb rdtscp lm rep_good nopl cpuid "
-         "extd_apicid tsc_known_freq pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic "
-         "movbe popcnt aes xsave avx f16c rdrand hypervisor lahf_lm cmp_legacy cr8_legacy abm "
-         "sse4a misalignsse 3dnowprefetch osvw topoext invpcid_single ssbd ibrs ibpb stibp "
-         "vmmcall fsgsbase bmi1 avx2 smep bmi2 erms invpcid rdseed adx smap clflushopt clwb "
-         "sha_ni xsaveopt xsavec xgetbv1 xsaves clzero xsaveerptr rdpru wbnoinvd arat npt "
-         "nrip_save umip pku ospke vaes vpclmulqdq rdpid fsrm")
-_ICELAKE = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush "
-            "mmx fxsr sse sse2 ss ht syscall nx pdpe1gb rdtscp lm constant_tsc rep_good nopl "
-            "xtopology nonstop_tsc cpuid tsc_known_freq pni pclmulqdq ssse3 fma cx16 pcid "
-            "sse4_1 sse4_2 x2apic movbe popcnt tsc_deadline_timer aes xsave avx f16c rdrand "
-            "hypervisor lahf_lm abm 3dnowprefetch invpcid_single ssbd ibrs ibpb stibp "
-            "ibrs_enhanced fsgsbase tsc_adjust bmi1 avx2 smep bmi2 erms invpcid avx512f "
-            "avx512dq rdseed adx smap avx512ifma clflushopt clwb avx512cd sha_ni avx512bw "
-            "avx512vl xsaveopt xsavec xgetbv1 xsaves wbnoinvd arat avx512vbmi umip pku ospke "
-            "avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg avx512_vpopcntdq rdpid "
-            "md_clear arch_capabilities")
-_COOPERLAKE = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 "
-               "clflush mmx fxsr sse sse2 ss ht syscall nx pdpe1gb rdtscp lm constant_tsc "
-               "rep_good nopl xtopology nonstop_tsc cpuid tsc_known_freq pni pclmulqdq ssse3 "
-               "fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt tsc_deadline_timer aes xsave "
-               "avx f16c rdrand hypervisor lahf_lm abm 3dnowprefetch invpcid_single ssbd ibrs "
-               "ibpb stibp ibrs_enhanced fsgsbase tsc_adjust bmi1 avx2 smep bmi2 erms invpcid "
-               "avx512f avx512dq rdseed adx smap clflushopt clwb avx512cd avx512bw avx512vl "
-               "xsaveopt xsavec xgetbv1 xsaves avx512_bf16 arat pku ospke avx512_vnni md_clear "
-               "arch_capabilities")
-_SAPPHIRE_RAPIDS = _ICELAKE + (" avx_vnni avx512_bf16 cldemote movdiri movdir64b serialize "
-                               "tsxldtrk amx_bf16 avx512_fp16 amx_tile amx_int8")
-MACHINES = {  # machine types this project has landed on -> the level each must get
-    "AMD EPYC Zen 3": (_ZEN3, "avx2"),
-    "Intel Xeon Ice Lake": (_ICELAKE, "avx512"),
-    "Intel Xeon with AVX512-BF16, no AMX": (_COOPERLAKE, "avx512_bf16"),
-    "Intel Xeon Sapphire Rapids (AMX)": (_SAPPHIRE_RAPIDS, "amx"),
-}
 
 
 def _gcc() -> str:
@@ -125,7 +91,8 @@ def test_a_cpu_below_avx2_gets_no_native_level_and_a_bad_cap_is_named() -> None:
 
 
 def test_the_cap_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(_SAPPHIRE_RAPIDS.split()))
+    spr = frozenset(MACHINES["Intel Xeon Sapphire Rapids (AMX)"][0].split())
+    monkeypatch.setattr(isa, "cpu_flags", lambda: spr)
     monkeypatch.setenv("KSERVE_PAGED_ISA", "AVX512")
     assert isa.current().name == "avx512"
     monkeypatch.setenv("KSERVE_PAGED_ISA", "auto")
@@ -154,7 +121,8 @@ def test_the_loaded_library_is_this_machines_level() -> None:
 
 _NATIVE_TESTS = ("tests/kernels/test_cpu_ops.py", "tests/kernels/test_gemm.py",
                  "tests/kernels/test_cpu_backend.py", "tests/kernels/test_lora_native.py",
-                 "tests/kernels/test_decoder_stack.py")
+                 "tests/kernels/test_decoder_stack.py", "tests/kernels/test_paged_bf16.py",
+                 "tests/kernels/test_cpu_ops_bf16.py")
 # What differs by level is the native code (the GEMM, the attention paths, the fused ops, the
 # stack): the CPU backend's torch-only cases (other dtypes, native off) do not change with it,
 # and its decode-rows-only routing covers a subset of the all-rows one; the default run has them.
@@ -167,6 +135,7 @@ _AVX2_MUST_PASS = (
     "test_decoder_stack.py::test_stack_equals_per_layer_modules_bit_for_bit[llama_hd64_inter100]",
     "test_decoder_stack.py::test_stack_equals_per_layer_modules_bit_for_bit[mistral_window]",
     "test_decoder_stack.py::test_stack_equals_per_layer_modules_bit_for_bit[qwen3_qk_norm]",
+    "test_paged_bf16.py::test_bf16_rows_equal_fp32_attention_over_the_same_values[h4x4-d72-bs16]",
 )
 
 

@@ -1,0 +1,71 @@
+"""bf16 attention on CPU: the native bf16-KV row kernel against the SDPA path, fp32 beside.
+
+A probe for BENCHMARKS.md (not part of the engine). One attention layer of SmolLM2's shape (9
+query heads over 3 KV heads of 64, blocks of 16 in shuffled order) through the CPU backend:
+bf16 with the native kernel (`kp_paged_rows_bf16` for decode rows), bf16 with the native
+library off (gather + SDPA, what bf16 ran before), and fp32 native; interleaved round by round,
+median (min-max) in ms. `KSERVE_PAGED_ISA` picks the level as for the engine.
+
+    python bench/probes/attention_bf16.py [--threads N] [--rounds R] [--head-dim D]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from kernels import cpu_native  # noqa: E402
+from kernels.cpu_backend import paged_attention_cpu  # noqa: E402
+from kernels.cpu_native import loader  # noqa: E402
+from kernels.metadata import AttentionMetadata  # noqa: E402
+from kernels.testing import make_case  # noqa: E402
+
+CASES = [("decode 64x600", [600] * 64, [1] * 64), ("decode 8x2048", [2048] * 8, [1] * 8),
+         ("decode 1x4096", [4096], [1])]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--head-dim", type=int, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    assert cpu_native.load() is not None
+    real_usable = cpu_native.usable
+    results: dict[str, dict[str, list[float]]] = {}
+    for name, seq_lens, q_lens in CASES:
+        cases = {dt: make_case(seq_lens, q_lens, num_heads=9, num_kv_heads=3,
+                               head_dim=args.head_dim, dtype=dt, seed=1)
+                 for dt in (torch.float32, torch.bfloat16)}
+        variants = {"bf16 native": (torch.bfloat16, True), "bf16 SDPA": (torch.bfloat16, False),
+                    "fp32 native": (torch.float32, True)}
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(args.rounds):
+            for v, (dt, native) in variants.items():
+                case = cases[dt]
+                cpu_native.usable = real_usable if native else (lambda *a: False)
+                meta = AttentionMetadata.build(*case.args()[2:5])
+                paged_attention_cpu(case.query, case.kv_cache, meta, case.scale)  # warm, plan
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    paged_attention_cpu(case.query, case.kv_cache, meta, case.scale)
+                times[v].append((time.perf_counter() - t0) / 5 * 1e3)
+        cpu_native.usable = real_usable
+        results[name] = times
+        row = ", ".join(f"{v} {statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f})"
+                        for v, t in times.items())
+        print(f"{name}: {row}", flush=True)
+    print(json.dumps({"level": loader.loaded_level().name, "threads": args.threads,
+                      "head_dim": args.head_dim, "ms": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+/* Paged attention over a bfloat16 KV cache: kp_paged_rows_bf16 (kp_native.h).
+ *
+ * Why: a bf16 model on CPU gathered each decode row's blocks into a contiguous copy and ran
+ * SDPA on it (about 40% of a bf16 step). This reads the bf16 keys and values once, straight
+ * from the paged cache, as the fp32 row kernel (paged_rows.c) does: half the bytes.
+ *
+ * Queries, keys and values are bf16; scores, the online softmax and the weighted sums are fp32,
+ * and each output is rounded to bf16 once, at the end (round to nearest even, as torch's
+ * `.to(torch.bfloat16)`). Work item = (row, KV head): the query heads of the group share each
+ * K/V row. Per chunk of CHUNK keys the V rows (and, without the dot instruction, the K rows)
+ * are widened once into an fp32 scratch that stays in L1, so every query head of the group
+ * reads them at fp32 speed; the next chunk's rows are prefetched meanwhile.
+ *
+ * Widening is exact (a bf16 is the top half of an fp32): zero-extend the 16 bits and shift
+ * them up, one portable sequence for every level. Where the level has AVX512-BF16
+ * (avx512_bf16, amx), q.k is `vdpbf16ps` straight from the bf16 rows: products of two bf16 are
+ * exact in fp32, so only the order of the fp32 sum differs from the widened path. Any head_dim
+ * up to MAX_HEAD_DIM: a multiple of the vector width takes the vector loops, others the
+ * scalar ones. */
+#include "kp_bf16.h"
+#include "paged_attention.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef struct {
+    const uint16_t *k_base, *v_base;
+    int64_t tok_stride;
+    int32_t block_size;
+} kv16_layout;
+
+/* hd bf16 values to fp32. */
+static inline void widen(const uint16_t *src, float *dst, int hd) {
+    int d = 0;
+    for (; d + KP_VW <= hd; d += KP_VW) vstore(dst + d, vload_bf16(src + d));
+    for (; d < hd; ++d) dst[d] = bf16_to_f32(src[d]);
+}
+
+static inline float dot_f32(const float *a, const float *b, int hd) {
+    int d = 0;
+    float s = 0.0f;
+    if (hd >= KP_VW) {
+        vf acc = vload(a) * vload(b);
+        for (d = KP_VW; d + KP_VW <= hd; d += KP_VW) acc = vfma(vload(a + d), vload(b + d), acc);
+        s = vhsum(acc);
+    }
+    for (; d < hd; ++d) s += a[d] * b[d];
+    return s;
+}
+
+#if defined(__AVX512BF16__)
+/* q.k over hd (a multiple of 32) bf16 values, in fp32, by the BF16 dot instruction. */
+static inline float dot_bf16(const uint16_t *q, const uint16_t *k, int hd) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d),
+                               (__m512bh)_mm512_loadu_si512(k + d));
+    return _mm512_reduce_add_ps(acc);
+}
+#endif
+
+/* p[t] = scale * q.k_t for the n <= CHUNK widened keys in kbuf (rows of hd): KP_VW keys'
+ * partial sums at a time, their horizontal sums taken together (vhsum_lanes). */
+static inline void scores_f32(const float *q, const float *kbuf, int n, int hd, float scale,
+                              float *p) {
+    int t = 0;
+    if (hd % KP_VW == 0) {
+        for (; t + KP_VW <= n; t += KP_VW) {
+            vf part[KP_VW];
+            for (int u = 0; u < KP_VW; ++u) {
+                const float *k = kbuf + (int64_t)(t + u) * hd;
+                vf s = vload(q) * vload(k);
+                for (int d = KP_VW; d < hd; d += KP_VW) s = vfma(vload(q + d), vload(k + d), s);
+                part[u] = s;
+            }
+            vstore(p + t, vhsum_lanes(part) * scale);
+        }
+    }
+    for (; t < n; ++t) p[t] = dot_f32(q, kbuf + (int64_t)t * hd, hd) * scale;
+}
+
+#if defined(__AVX512BF16__)
+/* scores_f32 straight from the bf16 key rows by the BF16 dot instruction (hd a multiple of
+ * 32, at most MAX_HEAD_DIM). */
+static inline void scores_bf16(const uint16_t *q, const uint16_t *const *krow, int n, int hd,
+                               float scale, float *p) {
+    __m512bh qv[MAX_HEAD_DIM / 32];
+    const int nq = hd / 32;
+    for (int j = 0; j < nq; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
+    int t = 0;
+    for (; t + 16 <= n; t += 16) {
+        vf part[16];
+        for (int u = 0; u < 16; ++u) {
+            __m512 s = _mm512_setzero_ps();
+            for (int j = 0; j < nq; ++j)
+                s = _mm512_dpbf16_ps(s, qv[j], (__m512bh)_mm512_loadu_si512(krow[t + u] + 32 * j));
+            part[u] = s;
+        }
+        vstore(p + t, vhsum_lanes(part) * scale);
+    }
+    for (; t < n; ++t) p[t] = dot_bf16(q, krow[t], hd) * scale;
+}
+#endif
+
+/* Online softmax over n <= CHUNK scores in p (replaced by exp(s - new max)); `first`: no
+ * earlier chunk. Returns the factor that rescales the old sum and accumulator. */
+static inline float softmax_step(float *p, int n, int first, float *m, float *l) {
+    float mx = p[0];
+    for (int t = 1; t < n; ++t) mx = p[t] > mx ? p[t] : mx;
+    if (!first && *m > mx) mx = *m;
+    const float corr = first ? 0.0f : expf(*m - mx);
+    vf sum = vzero();
+    int t = 0;
+    for (; t + KP_VW <= n; t += KP_VW) {
+        const vf e = vexp(vload(p + t) - mx);
+        vstore(p + t, e);
+        sum += e;
+    }
+    if (t < n) {
+        const vf e = vselect(vlanes_below(n - t), vexp(vload_n(p + t, n - t) - mx), vzero());
+        vstore_n(p + t, e, n - t);
+        sum += e;
+    }
+    *l = *l * corr + vhsum(sum);
+    *m = mx;
+    return corr;
+}
+
+/* The query heads of KV head kvh (q, out: the first of them) over keys start .. len - 1. */
+static void item_bf16(const uint16_t *q, const kv16_layout *kv, const int32_t *table,
+                      int32_t start, int32_t len, int kvh, int group, int hd, float scale,
+                      float softcap, uint16_t *out) {
+    float qf[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM];
+    float kbuf[CHUNK * MAX_HEAD_DIM], vbuf[CHUNK * MAX_HEAD_DIM];
+    float p[CHUNK], m[MAX_GROUP], l[MAX_GROUP];
+    const uint16_t *krow[CHUNK], *vrow[CHUNK];
+    const int32_t bs = kv->block_size;
+#if defined(__AVX512BF16__)
+    const int use_dp = hd % 32 == 0;
+#else
+    const int use_dp = 0;
+#endif
+    for (int g = 0; g < group; ++g) {
+        widen(q + (int64_t)g * hd, qf + (int64_t)g * hd, hd);
+        for (int d = 0; d < hd; ++d) acc[g * hd + d] = 0.0f;
+        m[g] = 0.0f;
+        l[g] = 0.0f;
+    }
+    const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
+    for (int32_t c0 = start; c0 < len; c0 += CHUNK) {
+        const int n = (len - c0) < CHUNK ? (len - c0) : CHUNK;
+        for (int t = 0; t < n; ++t) {
+            const int32_t pos = c0 + t;
+            const int64_t off = ((int64_t)table[pos / bs] * bs + pos % bs) * kv->tok_stride
+                                + (int64_t)kvh * hd;
+            krow[t] = kv->k_base + off;
+            vrow[t] = kv->v_base + off;
+        }
+        /* Pull the next chunk's rows toward L2 while this one is computed (scattered blocks:
+         * the hardware prefetchers cannot guess them). */
+        for (int32_t pos = c0 + CHUNK; pos < len && pos < c0 + 2 * CHUNK; ++pos) {
+            const int64_t off = ((int64_t)table[pos / bs] * bs + pos % bs) * kv->tok_stride
+                                + (int64_t)kvh * hd;
+            for (int b = 0; b < hd; b += 32) {
+                __builtin_prefetch(kv->k_base + off + b, 0, 2);
+                __builtin_prefetch(kv->v_base + off + b, 0, 2);
+            }
+        }
+        if (!use_dp)
+            for (int t = 0; t < n; ++t) widen(krow[t], kbuf + (int64_t)t * hd, hd);
+        for (int t = 0; t < n; ++t) widen(vrow[t], vbuf + (int64_t)t * hd, hd);
+        for (int g = 0; g < group; ++g) {
+#if defined(__AVX512BF16__)
+            if (use_dp)
+                scores_bf16(q + (int64_t)g * hd, krow, n, hd, scale, p);
+            else
+#endif
+                scores_f32(qf + (int64_t)g * hd, kbuf, n, hd, scale, p);
+            if (softcap > 0.0f)
+                for (int t = 0; t < n; ++t) p[t] = softcap * tanhf(p[t] * inv_cap);
+            const float corr = softmax_step(p, n, c0 == start, &m[g], &l[g]);
+            float *a = acc + (int64_t)g * hd;
+            int d = 0;
+            for (; d + KP_VW <= hd; d += KP_VW) {
+                vf x = vload(a + d) * corr;
+                for (int t = 0; t < n; ++t) x = vfma(vset1(p[t]), vload(vbuf + t * hd + d), x);
+                vstore(a + d, x);
+            }
+            for (; d < hd; ++d) {
+                float x = a[d] * corr;
+                for (int t = 0; t < n; ++t) x += p[t] * vbuf[t * hd + d];
+                a[d] = x;
+            }
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int d = 0; d < hd; ++d) out[(int64_t)g * hd + d] = f32_to_bf16(acc[g * hd + d] * inv);
+    }
+}
+
+int kp_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *kv,
+                       int64_t num_blocks, int32_t block_size, int32_t num_kv_heads,
+                       int32_t head_dim, int32_t num_heads, const int32_t *block_tables,
+                       int64_t bt_stride, const int32_t *row_lens, const int64_t *tok_idx,
+                       const int64_t *seq_idx, int64_t n, float scale, int32_t window,
+                       float softcap, uint16_t *out, int64_t out_row_stride) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0) return -1;
+    const int group = num_heads / num_kv_heads;
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || window < 0 ||
+        !(softcap >= 0.0f))
+        return -1;
+    kv16_layout layout;
+    layout.tok_stride = (int64_t)num_kv_heads * head_dim;
+    layout.k_base = kv;
+    layout.v_base = kv + num_blocks * (int64_t)block_size * layout.tok_stride;
+    layout.block_size = block_size;
+    const int64_t items = n * num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 2)
+    for (int64_t item = 0; item < items; ++item) {
+        const int64_t row = item / num_kv_heads;
+        const int kvh = (int)(item % num_kv_heads);
+        const int64_t tok = tok_idx[row];
+        const int64_t head0 = (int64_t)kvh * group * head_dim;
+        const int32_t len = row_lens[row];
+        const int32_t start = (window > 0 && len > window) ? len - window : 0;
+        item_bf16(q + tok * q_row_stride + head0, &layout, block_tables + seq_idx[row] * bt_stride,
+                  start, len, kvh, group, head_dim, scale, softcap,
+                  out + tok * out_row_stride + head0);
+    }
+    return 0;
+}

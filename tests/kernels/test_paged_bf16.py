@@ -1,0 +1,112 @@
+"""The native paged attention over a bf16 KV cache (`kp_paged_rows_bf16`, csrc/paged_bf16.c).
+
+What must hold at every level (tests/kernels/test_isa.py runs this file again at avx2 on a
+higher machine): the kernel equals attention computed in fp32 over the same bf16 values, up to
+the final rounding to bf16 and the order of fp32 sums; windows, soft caps, GQA ratios and head
+dims that are not a multiple of the vector width included. The CPU backend sends bf16 decode
+rows to it and prefill rows to SDPA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_native
+from kernels.cpu_backend import paged_attention_cpu
+from kernels.metadata import AttentionMetadata
+from kernels.reference import paged_attention_ref
+from kernels.testing import make_case
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _native() -> None:
+    assert cpu_native.load() is not None, "the native kernels did not build"
+
+
+def _fp32_truth(case, **kw) -> torch.Tensor:  # noqa: ANN001 - a PagedCase
+    """Attention in fp32 over the bf16 case's own values (widening is exact)."""
+    q, kv, *rest = case.args()
+    return paged_attention_ref(q.float(), kv.float(), *rest, **kw)
+
+
+def _rows(case, **kw) -> torch.Tensor:  # noqa: ANN001 - a PagedCase
+    """Every valid token through the native kernel directly."""
+    q, kv, bt, seq_lens, starts, scale = case.args()
+    meta = AttentionMetadata.build(bt, seq_lens, starts)
+    n = int(starts[-1])
+    row_lens, row_seq = meta.rows(n)
+    out = torch.zeros_like(q)
+    cpu_native.paged_rows(q, kv, bt, row_lens, torch.arange(n), row_seq, scale, out, **kw)
+    return out
+
+
+def _close_to_one_rounding(out: torch.Tensor, truth: torch.Tensor) -> None:
+    """The fp32 truth rounded to bf16 once, give or take one bf16 step (sum order)."""
+    assert out.dtype == BF16
+    torch.testing.assert_close(out.float(), truth, atol=2e-3, rtol=2 ** -7)
+
+
+CASES = [  # (seq_lens, q_lens, heads, kv_heads, head_dim, block_size)
+    ([1, 17, 300, 64], [1, 1, 1, 1], 9, 3, 64, 16),     # SmolLM2's shape, decode
+    ([5, 40, 129], [5, 40, 1], 8, 2, 128, 32),           # prefill rows and decode
+    ([33, 200], [1, 7], 4, 1, 256, 16),                  # Gemma-3-270M's head
+    ([70, 3], [2, 1], 4, 4, 72, 16),                     # head_dim not a multiple of 16
+    ([45], [1], 2, 1, 20, 8),                            # nor of 8
+    ([500, 1], [1, 1], 32, 1, 64, 64),                   # the largest group, one-key row
+]
+
+
+@pytest.mark.parametrize("case_def", CASES, ids=lambda c: f"h{c[2]}x{c[3]}-d{c[4]}-bs{c[5]}")
+def test_bf16_rows_equal_fp32_attention_over_the_same_values(case_def: tuple) -> None:
+    seq_lens, q_lens, heads, kv_heads, head_dim, block_size = case_def
+    case = make_case(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=head_dim, block_size=block_size, dtype=BF16, seed=head_dim,
+                     wide_table=True)
+    _close_to_one_rounding(_rows(case), _fp32_truth(case))
+
+
+@pytest.mark.parametrize("window,softcap", [(7, None), (None, 5.0), (16, 2.0), (1, None)])
+def test_bf16_rows_window_and_softcap(window: int | None, softcap: float | None) -> None:
+    case = make_case([1, 33, 300, 64], [1, 1, 1, 1], num_heads=8, num_kv_heads=2, head_dim=64,
+                     block_size=16, dtype=BF16, seed=5, wide_table=True)
+    case.query.mul_(4)  # large scores, so the cap bites
+    out = _rows(case, window=window, softcap=softcap)
+    truth = _fp32_truth(case, window=window, softcap=softcap)
+    _close_to_one_rounding(out, truth)
+    assert not torch.allclose(truth, _fp32_truth(case), atol=1e-2)  # the shaping mattered
+
+
+def test_bf16_rows_leave_other_rows_alone_and_refuse_mixed_dtypes() -> None:
+    case = make_case([40, 9], [1, 1], num_heads=4, num_kv_heads=2, head_dim=64, dtype=BF16,
+                     seed=1)
+    q, kv, bt, seq_lens, _, scale = case.args()
+    out = torch.full_like(q, 7.0)
+    cpu_native.paged_rows(q, kv, bt, seq_lens[1:], torch.tensor([1]), torch.tensor([1]), scale,
+                          out)
+    assert bool((out[0] == 7.0).all())  # row 0 not asked for
+    _close_to_one_rounding(out[1:], _fp32_truth(case)[1:])
+    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
+        cpu_native.paged_rows(q, kv, bt, seq_lens, torch.arange(2), torch.arange(2), scale,
+                              out.float())
+
+
+def test_backend_sends_bf16_decode_rows_native_and_prefill_to_sdpa(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make_case([50, 30, 90], [1, 30, 1], num_heads=8, num_kv_heads=2, head_dim=64,
+                     block_size=16, dtype=BF16, seed=9, wide_table=True)
+    calls: list[list[int]] = []
+    real = cpu_native.paged_rows
+
+    def spy(query, kv_cache, block_tables, row_lens, token_idx, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(token_idx.tolist())
+        return real(query, kv_cache, block_tables, row_lens, token_idx, *args, **kw)
+
+    monkeypatch.setattr(cpu_native, "paged_rows", spy)
+    monkeypatch.setattr(cpu_native, "prefill_tiles", lambda: True)  # fp32 would take all rows
+    meta = AttentionMetadata.build(*case.args()[2:5])
+    out = paged_attention_cpu(case.query, case.kv_cache, meta, case.scale)
+    assert sorted(sum(calls, [])) == [0, 31]  # the two decode tokens; the prefill by SDPA
+    torch.testing.assert_close(out.float(), _fp32_truth(case), atol=3e-2, rtol=2e-2)
