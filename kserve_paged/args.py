@@ -34,6 +34,7 @@ from kserve_paged.flag_types import (
     positive_int,
 )
 from kserve_paged.gateway_flags import add_gateway_flags
+from kserve_paged.lora_paths import DEFAULT_LORA_ROOTS
 from kserve_paged.openai.tools import TOOL_CALL_PARSERS
 from kserve_paged.vllm_flags import add_vllm_spellings
 
@@ -179,6 +180,11 @@ def _add_lora_flags(lora: argparse._ArgumentGroup) -> None:
                       help="Adapters kept loaded in memory (an LRU); default: --max_loras.")
     lora.add_argument("--enable_lora_runtime_updates", action="store_true",
                       help="Allow POST /openai/v1/load_lora_adapter and /unload_lora_adapter.")
+    lora.add_argument("--lora_roots", nargs="*", default=list(DEFAULT_LORA_ROOTS),
+                      metavar="FOLDER",
+                      help="Folders a runtime-loaded adapter (load_lora_adapter) must lie "
+                           "under, symbolic links resolved; any other path is a 400. "
+                           "--lora_modules (the operator's) are not confined.")
 
 
 def _add_server_flags(server: argparse._ArgumentGroup) -> None:

@@ -5,19 +5,25 @@ started with ``--enable_lora_runtime_updates``."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kserve_paged.lora import LoRAError
+from kserve_paged.lora_paths import DEFAULT_LORA_ROOTS, AdapterPathError, confine
 from kserve_paged.model import PagedLLMModel
 
 
 def register_lora_routes(app: FastAPI, model: PagedLLMModel, *, runtime_updates: bool,
-                         prefix: str = "/openai/v1") -> None:
+                         prefix: str = "/openai/v1",
+                         roots: Sequence[str] = DEFAULT_LORA_ROOTS) -> None:
     """``POST {prefix}/load_lora_adapter`` and ``/unload_lora_adapter`` with
-    ``{"lora_name", "lora_path"}``; 404 with a message while runtime updates are off."""
+    ``{"lora_name", "lora_path"}``; 404 with a message while runtime updates are off. A
+    ``lora_path`` must resolve under one of ``roots`` (lora_paths.py), else 400."""
+    roots = tuple(roots)
 
     async def body_of(request: Request) -> dict[str, Any]:
         try:
@@ -40,7 +46,12 @@ def register_lora_routes(app: FastAPI, model: PagedLLMModel, *, runtime_updates:
         try:
             body = await body_of(request)
             name = body.get("lora_name")
-            await model.load_lora(name, body.get("lora_path"))
+            if not isinstance(name, str) or not name:
+                raise LoRAError(400, "lora_name must be a non-empty string")
+            path = await asyncio.to_thread(confine, body.get("lora_path"), roots)
+            await model.load_lora(name, path)
+        except AdapterPathError as exc:
+            return _error(400, str(exc))
         except LoRAError as exc:
             return _error(exc.status, str(exc))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")

@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from engine.config import EngineConfig
 from engine.limits import DEFAULT_MAX_REQUEST_BYTES
 from kserve_paged.args import DEFAULT_MODEL_DIR, engine_kwargs
 from kserve_paged.fault_inject import engine_factory_from_env
+from kserve_paged.lora_paths import DEFAULT_LORA_ROOTS
 from kserve_paged.lora_routes import register_lora_routes
 from kserve_paged.metric_families import render
 from kserve_paged.middleware import (
@@ -119,7 +121,8 @@ def build_model(args: argparse.Namespace, argv: list[str]) -> PagedLLMModel:
 
 def install(app: FastAPI, model: PagedLLMModel, *,
             max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-            lora_runtime_updates: bool = False) -> None:
+            lora_runtime_updates: bool = False,
+            lora_roots: Sequence[str] = DEFAULT_LORA_ROOTS) -> None:
     """Our routes and middleware on KServe's app (before ModelServer.start adds its own)."""
     app.add_middleware(DisconnectAbortMiddleware)
     app.add_middleware(V2BinaryGuardMiddleware)
@@ -131,7 +134,7 @@ def install(app: FastAPI, model: PagedLLMModel, *,
     app.add_api_route("/metrics", metrics_route, methods=["GET"], include_in_schema=False)
     app.add_api_route("/v2/health/live", _live_route([model]), methods=["GET"],
                       include_in_schema=False)
-    register_lora_routes(app, model, runtime_updates=lora_runtime_updates)
+    register_lora_routes(app, model, runtime_updates=lora_runtime_updates, roots=lora_roots)
     register_openai_routes(app, {model.name: model})
 
 
@@ -157,7 +160,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> None:
                          "and KV cache (scale with replicas instead)")
     model = build_model(args, argv)
     install(app, model, max_request_bytes=args.max_request_bytes,
-            lora_runtime_updates=args.enable_lora_runtime_updates)
+            lora_runtime_updates=args.enable_lora_runtime_updates, lora_roots=args.lora_roots)
     server = PagedModelServer(
         http_host=args.http_host, shutdown_grace_s=args.shutdown_grace_s, models=[model],
         # uvicorn's own wait, after the drain: responses still flushing their last bytes.
