@@ -155,6 +155,12 @@ class EngineLoop:
         stale count only delays a drain by a poll.)"""
         return len(self._streams) + len(self._commands)
 
+    @property
+    def num_waiting(self) -> int:
+        """Adds not applied yet plus the engine's waiting requests at the last step."""
+        pending = sum(1 for c in list(self._commands) if isinstance(c, _Add))
+        return pending + int(self.stats.get("num_waiting", 0) or 0)
+
     def wait_ready(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
         """Resolve `fut` (on `loop`) once the engine can serve or has died."""
         with self._cond:

@@ -32,6 +32,7 @@ from engine.lora import LoRARequest
 from engine.model_info import ModelInfo
 from engine.sampling_params import SamplingParams
 from kserve_paged import v2
+from kserve_paged.admission import queue_full, request_deadline
 from kserve_paged.lora import AdapterModel, LoRAError
 from kserve_paged.metrics import EngineMetrics, MetricsObserver
 from kserve_paged.sampling import OptionError, make_sampling_params
@@ -50,7 +51,8 @@ class PagedLLMModel(Model):
     def __init__(self, name: str, config: EngineConfig, *, llm: AsyncLLM | None = None,
                  metrics: EngineMetrics | None = None,
                  max_prompt_chars: int | None = None, tool_call_parser: str = "hermes",
-                 lora_modules: list[tuple[str, str]] | None = None) -> None:
+                 lora_modules: list[tuple[str, str]] | None = None,
+                 max_waiting_requests: int | None = None) -> None:
         super().__init__(name)
         self.engine = True  # KServe awaits start_engine() next to the HTTP server
         self.config = config
@@ -63,6 +65,7 @@ class PagedLLMModel(Model):
         self.draining = False  # set on SIGTERM: refuse new work, let in-flight requests finish
         self._max_prompt_chars = max_prompt_chars
         self.tool_call_parser = tool_call_parser  # read by the chat route (openai/tools.py)
+        self.max_waiting_requests = max_waiting_requests  # None: unbounded (admission.py)
         # Adapters served under their own names (kserve_paged/lora.py), loaded at start-up.
         self.loras: dict[str, LoRARequest] = {}
         self._lora_modules = list(lora_modules or [])
@@ -199,12 +202,19 @@ class PagedLLMModel(Model):
     async def submit(self, prompt_ids: list[int], params: SamplingParams, *, kind: str,
                      priority: int = 0, cache_salt: str | None = None,
                      lora_request: LoRARequest | None = None) -> RequestStream:
-        """Hand a validated request to the engine; ValueError (e.g. a full queue) -> 400."""
+        """Hand a validated request to the engine, with the request's deadline
+        (admission.py); ValueError -> 400, RequestRefused (429) when the waiting queue is at
+        ``max_waiting_requests``."""
+        limit = self.max_waiting_requests
+        if limit is not None and (waiting := self.llm.num_waiting) >= limit:
+            self.metrics.count_rejected("queue_full")
+            raise queue_full(waiting, limit)
         request_id = f"{kind}-{uuid.uuid4().hex}"
         lora = {"lora_request": lora_request} if lora_request is not None else {}
         try:
             return await self.llm.add(prompt_ids, params, request_id, priority=priority,
-                                      cache_salt=cache_salt, **lora)
+                                      cache_salt=cache_salt, deadline=request_deadline.get(),
+                                      on_deadline=self.metrics.count_timed_out, **lora)
         except EngineDeadError as exc:
             raise ModelNotReady(self.name, str(exc)) from exc
 

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.limits import DEFAULT_MAX_REQUEST_BYTES
+from kserve_paged.admission import DeadlineMiddleware, RequestRefused, refused_route
 from kserve_paged.args import DEFAULT_MODEL_DIR, engine_kwargs
 from kserve_paged.fault_inject import engine_factory_from_env
 from kserve_paged.lora_paths import DEFAULT_LORA_ROOTS
@@ -116,20 +117,24 @@ def build_model(args: argparse.Namespace, argv: list[str]) -> PagedLLMModel:
     llm = AsyncLLM(config, engine_factory=factory) if factory is not None else None
     return PagedLLMModel(args.model_name, config, llm=llm, max_prompt_chars=args.max_prompt_chars,
                          tool_call_parser=args.tool_call_parser,
-                         lora_modules=getattr(args, "lora_modules", None))
+                         lora_modules=getattr(args, "lora_modules", None),
+                         max_waiting_requests=args.max_waiting_requests)
 
 
 def install(app: FastAPI, model: PagedLLMModel, *,
             max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
             lora_runtime_updates: bool = False,
-            lora_roots: Sequence[str] = DEFAULT_LORA_ROOTS) -> None:
+            lora_roots: Sequence[str] = DEFAULT_LORA_ROOTS,
+            request_timeout_s: float | None = None) -> None:
     """Our routes and middleware on KServe's app (before ModelServer.start adds its own)."""
     app.add_middleware(DisconnectAbortMiddleware)
+    app.add_middleware(DeadlineMiddleware, default_timeout_s=request_timeout_s)
     app.add_middleware(V2BinaryGuardMiddleware)
     app.add_middleware(V2ContentTypeMiddleware)
     app.add_middleware(RequestSizeLimitMiddleware, max_bytes=max_request_bytes)  # outermost
     app.add_exception_handler(RequestValidationError, validation_error_route)
     app.add_exception_handler(StarletteHTTPException, http_error_route)
+    app.add_exception_handler(RequestRefused, refused_route)
     logging.getLogger("kserve").addFilter(_QuietClientErrors())
     app.add_api_route("/metrics", metrics_route, methods=["GET"], include_in_schema=False)
     app.add_api_route("/v2/health/live", _live_route([model]), methods=["GET"],
@@ -160,7 +165,8 @@ def serve(args: argparse.Namespace, argv: list[str]) -> None:
                          "and KV cache (scale with replicas instead)")
     model = build_model(args, argv)
     install(app, model, max_request_bytes=args.max_request_bytes,
-            lora_runtime_updates=args.enable_lora_runtime_updates, lora_roots=args.lora_roots)
+            lora_runtime_updates=args.enable_lora_runtime_updates, lora_roots=args.lora_roots,
+            request_timeout_s=args.request_timeout_s)
     server = PagedModelServer(
         http_host=args.http_host, shutdown_grace_s=args.shutdown_grace_s, models=[model],
         # uvicorn's own wait, after the drain: responses still flushing their last bytes.

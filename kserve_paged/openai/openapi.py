@@ -86,6 +86,8 @@ _PUBLISHED: dict[str, dict[str, Any]] = {
                                       "enum": ["text", "json_object", "json_schema"]}}},
                                   {"type": "null"}]},
     "suffix": {"anyOf": [{"const": ""}, {"type": "null"}]},
+    "timeout": {"anyOf": [{"type": "number", "exclusiveMinimum": 0,
+                           "maximum": _number(L.MAX_REQUEST_TIMEOUT_S)}, {"type": "null"}]},
     "functions": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
     "function_call": {"anyOf": [{"const": "none"}, {"type": "null"}]},
     "messages": {"type": "array", "minItems": 1, "items": {

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.async_llm import RequestStream
+from kserve_paged.admission import parse_timeout, tighten
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.schemas import SamplingBody
 from kserve_paged.sampling import OptionError
@@ -30,6 +31,8 @@ async def open_streams(model: ServedModel, prompt_ids: list[list[int]], body: Sa
     if prompt_logprobs is not None:
         options["prompt_logprobs"] = prompt_logprobs
     try:
+        if body.timeout is not None:  # the header's and the server's may be earlier
+            tighten(parse_timeout(body.timeout, "timeout"))
         _, streams = await submit_all(
             model, prompt_ids, lambda ids: model.sampling_params(options, ids, default_max),
             kind=kind, priority=body.priority, cache_salt=cache_salt)
