@@ -4,17 +4,20 @@ xgrammar's compile cannot be interrupted inside a thread, and some valid constra
 (a counted repetition such as ``[a-z]{1,1000}`` compiles in seconds, and the time grows with the
 count). So with a deadline set, compiles run in a child process (``python -m
 engine.sample.grammar_worker``, which imports xgrammar and nothing of the server): the parent
-sends the parsed grammar (xgrammar's JSON), the child answers the compiled grammar (JSON again,
+sends the constraint as the request gave it (``StructuredOutputs.to_dict``; a parsed grammar
+sent as xgrammar's JSON loses its optimizations and compiles 100x slower), the child parses
+it again and answers the compiled grammar (JSON again,
 ~64 KB for a small schema, deserialized in milliseconds). A compile past the deadline kills the
 child, fails that one constraint, and the next compile starts a fresh child.
 
 Wire: each message is a 4-byte little-endian length and that many bytes of UTF-8; the first
-message to the child is the tokenizer's info, each later one a grammar; the child answers each
-grammar with ``"ok" + json`` or ``"er" + message``.
+message to the child is the tokenizer's info, each later one a constraint; the child answers each
+one with ``"ok" + json`` or ``"er" + message``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import struct
@@ -84,7 +87,7 @@ class CompileWorker:
             raise ValueError("the grammar compiler process did not start")
         return proc
 
-    def compile(self, grammar: Any) -> Any:
+    def compile(self, spec: Any) -> Any:
         """The compiled grammar, or ValueError: GrammarCompileTimeout past the deadline (the
         child is killed), or the compiler's own message."""
         import xgrammar as xgr
@@ -92,7 +95,8 @@ class CompileWorker:
         proc = self._start()
         assert proc.stdin is not None and proc.stdout is not None
         try:
-            _send(proc.stdin, grammar.serialize_json())
+            _send(proc.stdin, json.dumps({**spec.to_dict(),
+                                          "disable_any_whitespace": spec.disable_any_whitespace}))
         except (BrokenPipeError, OSError):
             self.kill()
             raise ValueError("the grammar compiler process died") from None
@@ -127,15 +131,18 @@ class CompileWorker:
 def main() -> None:
     import xgrammar as xgr
 
+    from engine.sampling_params import StructuredOutputs
+
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     info_json = _recv(stdin)
     if info_json is None:
         return
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1)
-    _send(stdout, "ready")
+    compiler.compile_builtin_json_grammar()  # one-time costs (the vocabulary's tables) now,
+    _send(stdout, "ready")  # outside any request's deadline
     while (job := _recv(stdin)) is not None:
         try:
-            compiled = compiler.compile_grammar(xgr.Grammar.deserialize_json(job))
+            compiled = compiler.compile_grammar(StructuredOutputs(**json.loads(job))._grammar)
             _send(stdout, "ok" + compiled.serialize_json())
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the request
             _send(stdout, "er" + (str(exc).strip() or type(exc).__name__))

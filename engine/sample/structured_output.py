@@ -99,7 +99,7 @@ class GrammarCompiler:
                 self._worker = CompileWorker(info, self.timeout_s)
         start = time.perf_counter()
         if self._worker is not None:
-            compiled = self._worker.compile(spec._grammar)
+            compiled = self._worker.compile(spec)
         else:
             compiled = self._compiler.compile_grammar(spec._grammar)
         self.compile_seconds.append(time.perf_counter() - start)
