@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from kserve_paged.lora import LoRAError
 from kserve_paged.lora_paths import DEFAULT_LORA_ROOTS, AdapterPathError, confine
 from kserve_paged.model import PagedLLMModel
+from kserve_paged.openai.errors import ERROR_SCHEMA
 
 
 def register_lora_routes(app: FastAPI, model: PagedLLMModel, *, runtime_updates: bool,
@@ -28,7 +29,7 @@ def register_lora_routes(app: FastAPI, model: PagedLLMModel, *, runtime_updates:
     async def body_of(request: Request) -> dict[str, Any]:
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):
             raise LoRAError(400, "the body must be JSON") from None
         if not isinstance(body, dict):
             raise LoRAError(400, "the body must be a JSON object")
@@ -68,9 +69,29 @@ def register_lora_routes(app: FastAPI, model: PagedLLMModel, *, runtime_updates:
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     app.add_api_route(f"{prefix}/load_lora_adapter", load, methods=["POST"],
-                      include_in_schema=False)
+                      tags=["LoRA"], openapi_extra=_operation(with_path=True))
     app.add_api_route(f"{prefix}/unload_lora_adapter", unload, methods=["POST"],
-                      include_in_schema=False)
+                      tags=["LoRA"], openapi_extra=_operation(with_path=False))
+
+
+def _operation(with_path: bool) -> dict[str, Any]:
+    """What a LoRA route publishes in /openapi.json (the handler parses its body itself)."""
+    props: dict[str, Any] = {"lora_name": {"type": "string", "minLength": 1}}
+    if with_path:
+        props["lora_path"] = {"type": "string", "minLength": 1,
+                              "description": "An adapter folder under one of --lora_roots"}
+    error = {"content": {"application/json": {"schema": ERROR_SCHEMA}}}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": list(props), "properties": props}}}},
+        "responses": {
+            "200": {"description": "Done", "content": {"text/plain": {
+                "schema": {"type": "string"}}}},
+            "400": {"description": "A malformed body, a path outside --lora_roots, or an "
+                           "adapter that cannot be read", **error},
+            "404": {"description": "Runtime updates are off, or no such adapter", **error},
+            "413": {"description": "The request body is too large", **error},
+        }}
 
 
 def _error(status: int, message: str) -> JSONResponse:

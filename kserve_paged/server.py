@@ -39,6 +39,7 @@ from kserve_paged.middleware import (
 )
 from kserve_paged.model import PagedLLMModel
 from kserve_paged.openai import register_openai_routes
+from kserve_paged.openapi_doc import document_errors
 from kserve_paged.shutdown import PagedModelServer
 
 logger = logging.getLogger("kserve.paged")
@@ -141,6 +142,7 @@ def install(app: FastAPI, model: PagedLLMModel, *,
                       include_in_schema=False)
     register_lora_routes(app, model, runtime_updates=lora_runtime_updates, roots=lora_roots)
     register_openai_routes(app, {model.name: model})
+    document_errors(app)
 
 
 def _live_route(models: list[PagedLLMModel]) -> Any:
@@ -152,7 +154,7 @@ def _live_route(models: list[PagedLLMModel]) -> Any:
         if dead:
             return JSONResponse(status_code=503,
                                 content={"error": f"engine of model(s) {dead} died"})
-        return JSONResponse({"status": "alive"})
+        return JSONResponse({"live": True})  # the v2 protocol's ServerLiveResponse
     return live
 
 

@@ -144,8 +144,12 @@ def operation_schema(body: type[BaseModel], result: type[BaseModel], model_names
             "400": {"description": "Invalid or unsupported request (or a prompt too long to "
                            "tokenize, --max_prompt_chars)", **error},
             "404": {"description": "Unknown model", **error},
+            "408": {"description": "The request's deadline passed (timeout, x-request-timeout, "
+                           "--request_timeout_s)", **error},
             "413": {"description": "The request body is too large (--max_request_bytes)",
                     **error},
+            "429": {"description": "The waiting queue is full (--max_waiting_requests); "
+                           "see Retry-After", **error},
             "500": {"description": "Generation failed", **error},
             "503": {"description": "Not ready: loading, failed or shutting down", **error},
         },
