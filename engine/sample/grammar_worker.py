@@ -67,7 +67,7 @@ class CompileWorker:
         self._proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0  # children killed at the deadline (or dead)
 
-    def _start(self) -> subprocess.Popen[bytes]:
+    def start(self) -> subprocess.Popen[bytes]:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
         if self._info_json is None:
@@ -92,7 +92,7 @@ class CompileWorker:
         child is killed), or the compiler's own message."""
         import xgrammar as xgr
 
-        proc = self._start()
+        proc = self.start()
         assert proc.stdin is not None and proc.stdout is not None
         try:
             _send(proc.stdin, json.dumps({**spec.to_dict(),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,8 @@ class GrammarCompiler:
             collections.OrderedDict())
         self._sizes: dict[str, int] = {}  # key -> bytes, of compiled grammars in the cache
         self.compile_seconds: list[float] = []  # per compiled constraint (benchmarks read it)
+        if timeout_s is not None:  # start the worker now, not on the first request's time
+            self._pool.submit(self._start)
 
     @property
     def cached_bytes(self) -> int:
@@ -86,17 +89,25 @@ class GrammarCompiler:
                 self._cache.pop(oldest)
                 self._sizes.pop(oldest, None)
 
-    def _compile(self, spec: StructuredOutputs) -> Any:
-        import time
-
+    def _start(self) -> None:
+        """The tokenizer's table, once; with a deadline, the worker process too."""
         import xgrammar as xgr
 
-        if self._compiler is None:  # the tokenizer's table: built once, on first use
+        if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(
                 self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             if self.timeout_s is not None:
                 self._worker = CompileWorker(info, self.timeout_s)
+        if self._worker is not None:
+            # On failure the first compile tries again, and fails its request with the reason.
+            with contextlib.suppress(ValueError):
+                self._worker.start()
+
+    def _compile(self, spec: StructuredOutputs) -> Any:
+        import time
+
+        self._start()
         start = time.perf_counter()
         if self._worker is not None:
             compiled = self._worker.compile(spec)
