@@ -23,7 +23,7 @@ from tests.helpers.e2e_server import MODEL, Server, record, running_server, scra
 CMPL = "/openai/v1/completions"
 CHAT = "/openai/v1/chat/completions"
 LOAD = "/openai/v1/load_lora_adapter"
-TIMEOUT = httpx.Timeout(120.0)
+TIMEOUT = httpx.Timeout(300.0)  # a shared 2-core machine with LoRA on: slow steps
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,7 @@ def test_a_full_queue_is_429_and_deadlines_are_408_leaving_nothing_behind(server
     async def main() -> tuple[Counter[int], list[str], httpx.Response, str]:
         async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as c:
             burst = [c.post(CMPL, json={"model": MODEL, "prompt": f"Count {i}:",
-                                        "max_tokens": 24, "ignore_eos": True})
+                                        "max_tokens": 12, "ignore_eos": True})
                      for i in range(12)]
             answers = await asyncio.gather(*burst)
             codes = Counter(r.status_code for r in answers)

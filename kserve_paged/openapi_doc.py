@@ -44,6 +44,9 @@ def document_errors(app: FastAPI) -> None:
                 if not isinstance(op, dict) or "responses" not in op:
                     continue
                 responses = op["responses"]
+                if path == "/metrics":  # ours shadows KServe's (server.py): Prometheus text
+                    responses["200"] = {"description": "Prometheus text exposition",
+                                        "content": {"text/plain": {"schema": {"type": "string"}}}}
                 responses.pop("422", None)
                 codes = _BODILESS_GET if method == "get" else tuple(V2_ERRORS)
                 for code in codes:
