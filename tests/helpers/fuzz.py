@@ -86,7 +86,7 @@ def fuzz_every_route(url: str, model: str) -> dict[str, Any]:
 
             _run(operation.as_strategy(generation_mode=mode), examples, label, calls, per_op,
                  lambda case: case.call_and_validate(base_url=url, session=session,
-                                                     checks=checks, timeout=60))
+                                                     checks=checks, timeout=180))
     return {"codes": {str(c): n for c, n in sorted(calls.items())}, "operations": dict(per_op),
             "excluded": [f"{m} {p}" for m, p in EXCLUDED]}
 
