@@ -42,12 +42,14 @@ ENGINE_FLAGS = {"max_model_len": 512, "block_size": 16, "num_kv_blocks": 64,
                 "max_loras": 2, "max_lora_rank": 8}
 
 
-def server_command(model: str, port: int) -> list[str]:
+def server_command(model: str, port: int, adapters_dir: Path) -> list[str]:
     """Our server on loopback with everything the mix needs: speculation, LoRA with runtime
-    updates, a KV pool too small to keep every shared prefix cached."""
+    updates (from ``adapters_dir``, under --out: the one --lora_roots entry), a KV pool too
+    small to keep every shared prefix cached."""
     cmd = [sys.executable, "-m", "kserve_paged", "--model_name", model,
            "--http_host", "127.0.0.1", "--http_port", str(port), "--enable_grpc", "false",
-           "--speculative_config", json.dumps(SPECULATIVE), "--enable_lora_runtime_updates"]
+           "--speculative_config", json.dumps(SPECULATIVE), "--enable_lora_runtime_updates",
+           "--lora_roots", str(adapters_dir.resolve())]
     for name, value in ENGINE_FLAGS.items():
         cmd += [f"--{name}", str(value)]
     return cmd
@@ -124,7 +126,8 @@ def run_with_own_server(settings: SoakSettings, out: Path) -> dict[str, Any]:
 
     base = Path(ensure_default_model(progress=lambda _: None))
     port = free_port()
-    cmd = server_command(settings.model, port)
+    settings.adapters_dir.mkdir(parents=True, exist_ok=True)
+    cmd = server_command(settings.model, port, settings.adapters_dir)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     url = f"http://127.0.0.1:{port}"
     server = ServerProcess(cmd, [f"{url}/v2/models/{settings.model}/ready"], env=env,

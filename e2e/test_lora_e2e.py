@@ -70,7 +70,7 @@ def reference(adapters) -> dict[str | None, str]:
 def test_two_adapters_and_the_base_concurrently_with_runtime_load(adapters, reference):
     assert len(set(reference.values())) == 3
     extra = ["--lora_modules", f"a1={adapters['a1']}", "--enable_lora_runtime_updates",
-             "--max_loras", "2"]
+             "--max_loras", "2", "--lora_roots", str(adapters["a2"].parent)]
     with running_server(extra) as srv:
         def client() -> openai.AsyncOpenAI:  # one per asyncio.run: its pool is loop-bound
             return openai.AsyncOpenAI(base_url=f"{srv.url}/openai/v1", api_key="unused",

@@ -114,6 +114,12 @@ class AsyncLLM:
         """Called on the engine thread after each iteration (keep it cheap, never raise)."""
         self._loop.callbacks.append(callback)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting: queued for the engine thread, or in its waiting queue as of the
+        last step (what --max_waiting_requests bounds)."""
+        return self._loop.num_waiting
+
     def stats(self) -> dict[str, Any]:
         """The engine's stats as of the last iteration (a snapshot; safe from any thread)."""
         return dict(self._loop.stats)
@@ -123,8 +129,11 @@ class AsyncLLM:
     async def add(self, prompt: str | list[int], params: SamplingParams,
                   request_id: str | None = None, *, priority: int = 0,
                   cache_salt: str | None = None,
-                  lora_request: LoRARequest | None = None) -> RequestStream:
-        """Queue a request and return its output stream once the engine accepted it.
+                  lora_request: LoRARequest | None = None, deadline: float | None = None,
+                  on_deadline: Callable[[], None] | None = None) -> RequestStream:
+        """Queue a request and return its output stream once the engine accepted it. With a
+        ``deadline`` (``time.monotonic()``), the stream aborts the request when it passes and
+        ends with an error output (RequestStream).
 
         Raises ValueError (the engine's message) for a request it refuses, so a server can
         answer 400 before it commits to a streaming response."""
@@ -139,7 +148,7 @@ class AsyncLLM:
         except asyncio.CancelledError:
             self._loop.abort_nowait([request_id])  # the add may still land: undo it
             raise
-        return RequestStream(self._loop.abort_nowait, stream)
+        return RequestStream(self._loop.abort_nowait, stream, deadline, on_deadline)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None, *, priority: int = 0,

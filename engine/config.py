@@ -66,6 +66,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # vLLM's --kv-cache-dtype: "auto" (the model's dtype) is the one this engine has.
     kv_cache_dtype: str = "auto"
+    # Compile each structured-output grammar in a worker process killed after this many
+    # seconds (engine/sample/grammar_worker.py); None: in a thread, unbounded (offline use).
+    max_grammar_compile_s: float | None = None
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -85,6 +88,9 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1] "
                              f"(got {self.gpu_memory_utilization})")
+        if self.max_grammar_compile_s is not None and not 0 < self.max_grammar_compile_s < 1e6:
+            raise ValueError("max_grammar_compile_s must be a positive number of seconds "
+                             f"(got {self.max_grammar_compile_s})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: this "
                              f"engine keeps the KV cache in the model's dtype "

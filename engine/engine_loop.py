@@ -133,6 +133,7 @@ class EngineLoop:
         self.ready = threading.Event()
         self._ready_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self.stats: dict[str, Any] = {}
+        self._applied_adds = 0  # adds applied since the last stats (num_waiting)
 
     def start(self) -> None:
         if self._thread is not None:
@@ -154,6 +155,14 @@ class EngineLoop:
         mutates; reading them from another thread is safe under the GIL, and a momentarily
         stale count only delays a drain by a poll.)"""
         return len(self._streams) + len(self._commands)
+
+    @property
+    def num_waiting(self) -> int:
+        """Adds not applied yet plus the engine's waiting requests at the last step."""
+        with self._cond:  # the deque is appended to and drained from other threads
+            pending = sum(1 for c in self._commands if isinstance(c, _Add))
+            return (pending + self._applied_adds
+                    + int(self.stats.get("num_waiting", 0) or 0))
 
     def wait_ready(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
         """Resolve `fut` (on `loop`) once the engine can serve or has died."""
@@ -235,6 +244,9 @@ class EngineLoop:
                     return
                 commands = list(self._commands)
                 self._commands.clear()
+                # Adds taken off the queue count as waiting until the next stats say where
+                # they are (num_waiting; at worst one step of over-count, never under).
+                self._applied_adds += sum(1 for c in commands if isinstance(c, _Add))
             aborted = self._apply(engine, commands)
             outputs: list[RequestOutput] = []
             stepped = False
@@ -246,7 +258,9 @@ class EngineLoop:
             # Stats and metrics first, outputs second: a client that sees its request end and
             # then reads stats() or /metrics must find it gone from the running count.
             stats = dict(engine.stats())
-            self.stats = stats
+            with self._cond:
+                self.stats = stats
+                self._applied_adds = 0
             tokens = _token_count(stats)
             # Tokens the step computed (prefill chunks included); engines that do not report it
             # fall back to the change in the cumulative counts.

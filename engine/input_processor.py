@@ -33,12 +33,14 @@ Prompt = str | list[int] | dict[str, Any]
 class InputProcessor:
     def __init__(self, tokenizer: Any, vocab_size: int, eos: tuple[int | None, list[int]],
                  scheduler: Scheduler, outputs: OutputProcessor, groups: SampleGroups,
-                 beams: BeamSearches, lora: LoRAManager | None) -> None:
+                 beams: BeamSearches, lora: LoRAManager | None,
+                 grammar_compile_s: float | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id, self.extra_eos = eos
         stop_ids = [t for t in [self.eos_token_id, *self.extra_eos] if t is not None]
-        self.grammars = GrammarCompiler(tokenizer, vocab_size, stop_ids)
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, stop_ids,
+                                        timeout_s=grammar_compile_s)
         self.scheduler = scheduler
         self.outputs = outputs
         self.groups = groups

@@ -60,3 +60,49 @@ def past_min_tokens(num_output_tokens: int, min_tokens: int) -> bool:
     tokens and stop strings may end it. The sampler asks before a step (with the outputs so
     far: under it, EOS and stop tokens are banned), the stop checks after it."""
     return num_output_tokens >= min_tokens
+
+
+# -- structured outputs and tools (issue 37 part 2): refused before anything is compiled -------
+# Each bound is far above what a real request needs and well below what makes xgrammar slow:
+# compiling a schema costs about the square of its nesting (60 levels: 0.3 s, 500: 10 s and
+# a RecursionError), a repetition about its count ([a-z]{1,1000}: 2.5 s).
+MAX_SCHEMA_DEPTH = 64  # nested objects/arrays in a JSON schema document (~30 object levels)
+MAX_SCHEMA_BYTES = 256 << 10  # a JSON schema, serialized; also a tool's parameters
+MAX_ENUM_VALUES = 4096  # one enum; also the choices of a choice constraint
+MAX_REGEX_CHARS = 16 << 10
+MAX_GRAMMAR_CHARS = 64 << 10  # EBNF or Lark text
+MAX_TOOLS = 128  # OpenAI's own limit on tools per request
+# Compiling one grammar against the tokenizer runs in a worker process killed at this many
+# seconds (the server's default; --max_grammar_compile_s); offline, unbounded.
+DEFAULT_MAX_GRAMMAR_COMPILE_S = 10.0
+# Compiled grammars kept for reuse, by their size in memory (one simple JSON schema compiled
+# for a 49k vocabulary takes ~4 MB: its token-mask cache).
+GRAMMAR_CACHE_BYTES = 256 << 20
+
+
+def check_schema_shape(schema: object, what: str = "the JSON schema") -> None:
+    """Refuse (ValueError) a schema nested deeper than MAX_SCHEMA_DEPTH or with an enum over
+    MAX_ENUM_VALUES, walking it without recursion (a deep one must not overflow the stack)."""
+    stack: list[tuple[object, int]] = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"{what} is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+        if isinstance(node, dict):
+            enum = node.get("enum")
+            if isinstance(enum, list) and len(enum) > MAX_ENUM_VALUES:
+                raise ValueError(f"{what} has an enum of {len(enum)} values, more than "
+                                 f"{MAX_ENUM_VALUES}")
+            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
+
+
+def check_text_size(text: str, limit: int, what: str) -> None:
+    if len(text) > limit:
+        raise ValueError(f"{what} has {len(text)} characters, more than {limit}")
+GRAMMAR_CACHE_ENTRIES = 1024  # and at most this many entries (failures and compiles in flight)
+
+# -- admission (issue 37 part 3) -----------------------------------------------------------------
+MAX_REQUEST_TIMEOUT_S = 86400.0  # the longest deadline a request may ask for (a day)
+QUEUE_FULL_RETRY_AFTER_S = 1  # Retry-After of a 429 for a full waiting queue

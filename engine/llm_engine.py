@@ -133,7 +133,7 @@ class LLMEngine:
         self.inputs = InputProcessor(
             self.tokenizer, self.model.vocab_size,
             startup.eos_ids(self.model_path, self.tokenizer), self.scheduler, self.outputs,
-            groups, self.beams, self.lora)
+            groups, self.beams, self.lora, grammar_compile_s=config.max_grammar_compile_s)
         self.grammars = self.inputs.grammars
         self.sampling = SamplingPipeline(
             Sampler(config.seed, ladder=self.runner.attention_backend == "cpu"),
@@ -153,6 +153,7 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.close()
             self.executor = None
+        self.grammars.shutdown()  # and its compile process, if any
 
     def on_fatal(self, callback: Callable[[BaseException], None]) -> None:
         """`callback(error)`, from another thread, when the engine can no longer step (a
@@ -234,7 +235,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         failed: list[RequestOutput] = []
         for req, why in self.inputs.start_compiled_grammars():
-            failed += self._fail([req], why)
+            failed += self._fail([req], why, status=400)  # the request's own constraint
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self.beams.is_beam,
                               self.sampling.generator_of)
@@ -285,7 +286,8 @@ class LLMEngine:
                     outputs.append(self.outputs.beam_output(group, now))
         return outputs
 
-    def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
+    def _fail(self, requests: list[Request], message: str,
+              status: int | None = None) -> list[RequestOutput]:
         """End requests with an error; a failing beam fails its whole search (one error output
         under the group's id)."""
         ids = [r.request_id for r in requests if not r.is_finished]
@@ -294,7 +296,7 @@ class LLMEngine:
         self.scheduler.finish_requests(self.beams.expand(list(groups)),
                                        RequestStatus.FINISHED_ERROR)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-        return self.outputs.error_outputs(ids + sorted(groups), message)
+        return self.outputs.error_outputs(ids + sorted(groups), message, status)
 
     # ------------------------------------------------------------ state
     def warmup(self) -> None:

@@ -149,7 +149,8 @@ class OutputProcessor:
                              True, max(req.num_cached_tokens, 0),
                              dataclasses.replace(state.metrics))
 
-    def error_outputs(self, request_ids: list[str], message: str) -> list[RequestOutput]:
+    def error_outputs(self, request_ids: list[str], message: str,
+                      status: int | None = None) -> list[RequestOutput]:
         """The last outputs of requests that failed (already finished in the scheduler); the
         samples of theirs not forked yet end with them (their group waits for every one)."""
         now = time.monotonic()
@@ -159,12 +160,13 @@ class OutputProcessor:
             if state is None:
                 continue
             out = self.make_output(state, now)
-            out.error = message
+            out.error, out.error_status = message, status
             outputs.append(out)
             for child_id, _ in self.groups.take_pending(rid):
                 outputs.append(RequestOutput(
                     child_id, out.prompt, out.prompt_token_ids,
-                    [CompletionOutput(0, "", [], finish_reason="error")], True, error=message))
+                    [CompletionOutput(0, "", [], finish_reason="error")], True, error=message,
+                    error_status=status))
         return outputs
 
     def merge(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -56,5 +56,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when finish_reason is "error"
+    # The HTTP status the error is (400: the request's own input, e.g. its grammar; 408: its
+    # deadline passed); None: a server fault (500).
+    error_status: int | None = None
     # Only when SamplingParams.prompt_logprobs is set: None for the first prompt token.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

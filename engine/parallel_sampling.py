@@ -26,6 +26,7 @@ class _Parent:
     latest: dict[int, CompletionOutput] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
     error: str | None = None
+    error_status: int | None = None
 
 
 class SampleGroups:
@@ -106,7 +107,7 @@ class SampleGroups:
                 parent.finished.add(index)
                 del self._child_of[out.request_id]
             if out.error and parent.error is None:
-                parent.error = out.error
+                parent.error, parent.error_status = out.error, out.error_status
             agg = by_parent.get(parent_id)
             if agg is None:
                 agg = by_parent[parent_id] = RequestOutput(
@@ -124,6 +125,6 @@ class SampleGroups:
                             completion, delta_text="", delta_token_ids=[]))
                 agg.outputs.sort(key=lambda c: c.index)
                 agg.finished = True
-                agg.error = parent.error
+                agg.error, agg.error_status = parent.error, parent.error_status
                 del self._parents[parent_id]
         return merged

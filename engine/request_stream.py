@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 
 END = object()  # stream sentinel: the request was aborted, end iteration
 
@@ -34,11 +35,19 @@ class RequestStream:
     """The outputs of one accepted request, as an async iterator.
 
     Stopping early aborts the request: on cancellation inside ``__anext__``, on ``close()`` /
-    ``aclose()``, and as a last resort when the object is garbage-collected unfinished."""
+    ``aclose()``, and as a last resort when the object is garbage-collected unfinished.
 
-    def __init__(self, abort: Callable[[list[str]], None], stream: Stream) -> None:
+    With a ``deadline`` (``time.monotonic()``), the request is aborted when it passes, wherever
+    it is, and the stream ends with an error output (``error_status`` 408); ``on_deadline``
+    is called then."""
+
+    def __init__(self, abort: Callable[[list[str]], None], stream: Stream,
+                 deadline: float | None = None,
+                 on_deadline: Callable[[], None] | None = None) -> None:
         self._abort = abort  # the engine's non-blocking abort
         self._stream = stream
+        self.deadline = deadline
+        self._on_deadline = on_deadline
 
     @property
     def request_id(self) -> str:
@@ -56,7 +65,13 @@ class RequestStream:
         if stream.finished:
             raise StopAsyncIteration
         try:
-            item = await stream.queue.get()
+            if self.deadline is None or not stream.queue.empty():
+                item = await stream.queue.get()
+            else:
+                item = await asyncio.wait_for(stream.queue.get(),
+                                              max(self.deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            return self._timed_out()
         except BaseException:
             self.close()
             raise
@@ -69,6 +84,17 @@ class RequestStream:
         if item.finished:
             stream.finished = True
         return item
+
+    def _timed_out(self) -> RequestOutput:
+        """Abort at the deadline; the last output says why (408)."""
+        self.close()
+        if self._on_deadline is not None:
+            self._on_deadline()
+        message = ("the request's deadline passed (timeout, x-request-timeout or "
+                   "--request_timeout_s): it was aborted")
+        return RequestOutput(self._stream.request_id, None, [],
+                             [CompletionOutput(0, "", [], finish_reason="error")], True,
+                             error=message, error_status=408)
 
     def close(self) -> None:
         """Abort the request unless it already finished (idempotent, never blocks)."""

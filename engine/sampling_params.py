@@ -67,7 +67,9 @@ class StructuredOutputs:
                     schema = self.json
                 if not isinstance(schema, dict):
                     raise ValueError("a JSON schema must be a JSON object")
+                L.check_schema_shape(schema)  # before json.dumps: it recurses
                 self.json = json.dumps(schema)  # key order kept: it is the output order
+                L.check_text_size(self.json, L.MAX_SCHEMA_BYTES, "the JSON schema")
                 return xgr.Grammar.from_json_schema(
                     self.json, any_whitespace=not self.disable_any_whitespace,
                     max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=True)
@@ -76,15 +78,21 @@ class StructuredOutputs:
             if kind == "regex":
                 if not isinstance(self.regex, str) or not self.regex:
                     raise ValueError("regex must be a non-empty string")
+                L.check_text_size(self.regex, L.MAX_REGEX_CHARS, "the regex")
                 return xgr.Grammar.from_regex(self.regex)
             if kind == "choice":
                 if (not isinstance(self.choice, list) or not self.choice
                         or not all(isinstance(c, str) and c for c in self.choice)):
                     raise ValueError("choice must be a non-empty list of non-empty strings")
+                if len(self.choice) > L.MAX_ENUM_VALUES:
+                    raise ValueError(f"choice has {len(self.choice)} strings, more than "
+                                     f"{L.MAX_ENUM_VALUES}")
+                L.check_text_size("".join(self.choice), L.MAX_SCHEMA_BYTES, "choice")
                 return xgr.Grammar.from_ebnf(
                     "root ::= " + " | ".join(json.dumps(c) for c in self.choice))
             if not isinstance(self.grammar, str) or not self.grammar.strip():
                 raise ValueError("grammar must be a non-empty string")
+            L.check_text_size(self.grammar, L.MAX_GRAMMAR_CHARS, "the grammar")
             try:
                 return xgr.Grammar.from_ebnf(self.grammar)
             except RuntimeError as ebnf_error:

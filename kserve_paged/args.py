@@ -23,7 +23,11 @@ from kserve.model_server import parser as kserve_parser
 from engine.config import SCHEDULING_POLICIES, EngineConfig
 from engine.core.block_hash import HASH_ALGOS
 from engine.default_model import PACKAGED_MODELS
-from engine.limits import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN
+from engine.limits import (
+    DEFAULT_MAX_GRAMMAR_COMPILE_S,
+    DEFAULT_MAX_REQUEST_BYTES,
+    PROMPT_CHARS_PER_TOKEN,
+)
 from kserve_paged.flag_types import (
     BoolFlag,
     non_negative_float,
@@ -31,9 +35,11 @@ from kserve_paged.flag_types import (
     parse_lora_module,
     parse_memory,
     parse_speculative_config,
+    positive_float,
     positive_int,
 )
 from kserve_paged.gateway_flags import add_gateway_flags
+from kserve_paged.lora_paths import DEFAULT_LORA_ROOTS
 from kserve_paged.openai.tools import TOOL_CALL_PARSERS
 from kserve_paged.vllm_flags import add_vllm_spellings
 
@@ -181,6 +187,11 @@ def _add_lora_flags(lora: argparse._ArgumentGroup) -> None:
                       help="Adapters kept loaded in memory (an LRU); default: --max_loras.")
     lora.add_argument("--enable_lora_runtime_updates", action="store_true",
                       help="Allow POST /openai/v1/load_lora_adapter and /unload_lora_adapter.")
+    lora.add_argument("--lora_roots", nargs="*", default=list(DEFAULT_LORA_ROOTS),
+                      metavar="FOLDER",
+                      help="Folders a runtime-loaded adapter (load_lora_adapter) must lie "
+                           "under, symbolic links resolved; any other path is a 400. "
+                           "--lora_modules (the operator's) are not confined.")
 
 
 def _add_server_flags(server: argparse._ArgumentGroup) -> None:
@@ -209,6 +220,22 @@ def _add_server_flags(server: argparse._ArgumentGroup) -> None:
              "(<tool_call>{...}</tool_call>, Qwen and Hermes templates), llama3_json (Llama "
              "3.x's bare JSON), or none (then tool_choice \"auto\" is a 400, as in vLLM "
              "without --enable-auto-tool-choice).")
+    server.add_argument(
+        "--max_waiting_requests", type=positive_int, default=None,
+        help="Bound on requests waiting for the engine; a request beyond it gets 429 with "
+             "Retry-After before it is queued (vllm:num_requests_rejected_total, ours). "
+             "Default: unbounded.")
+    server.add_argument(
+        "--request_timeout_s", type=positive_float, default=None,
+        help="Default deadline of every inference request, from its arrival; a request past "
+             "it is aborted (its KV blocks freed) and answers 408, or its stream ends with an "
+             "error event. A request may ask for less: the body's timeout (OpenAI routes) or "
+             "the x-request-timeout header (ours). Default: none.")
+    server.add_argument(
+        "--max_grammar_compile_s", type=positive_float, default=DEFAULT_MAX_GRAMMAR_COMPILE_S,
+        help="Each structured-output constraint (JSON schema, regex, grammar, tools) is "
+             "compiled in a worker process killed after this many seconds; that request "
+             "alone then fails with 400.")
     server.add_argument("--enable_auto_tool_choice", action="store_true",
                         help="Accepted for vLLM's command lines; auto tool choice is on "
                              "whenever --tool_call_parser is not none.")
@@ -219,6 +246,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS if hasattr(args, name)}
     if getattr(args, "lora_modules", None) or getattr(args, "enable_lora_runtime_updates", False):
         kwargs["enable_lora"] = True
+    if getattr(args, "max_grammar_compile_s", None) is not None:  # a server default, not
+        kwargs["max_grammar_compile_s"] = args.max_grammar_compile_s  # the engine's (None)
     return kwargs
 
 

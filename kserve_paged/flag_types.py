@@ -39,6 +39,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite number of seconds (or other amount) > 0."""
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def parse_memory(text: str) -> float | int:
     """``--kv_cache_memory``: a fraction of free device memory (``0 < x <= 1``) or bytes (``> 1``,
     optionally with a unit: ``8e9``, ``16GiB``, ``512Mi``). Fractions stay floats, bytes are ints."""

@@ -5,24 +5,31 @@ started with ``--enable_lora_runtime_updates``."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kserve_paged.lora import LoRAError
+from kserve_paged.lora_paths import DEFAULT_LORA_ROOTS, AdapterPathError, confine
 from kserve_paged.model import PagedLLMModel
+from kserve_paged.openai.errors import ERROR_SCHEMA
 
 
 def register_lora_routes(app: FastAPI, model: PagedLLMModel, *, runtime_updates: bool,
-                         prefix: str = "/openai/v1") -> None:
+                         prefix: str = "/openai/v1",
+                         roots: Sequence[str] = DEFAULT_LORA_ROOTS) -> None:
     """``POST {prefix}/load_lora_adapter`` and ``/unload_lora_adapter`` with
-    ``{"lora_name", "lora_path"}``; 404 with a message while runtime updates are off."""
+    ``{"lora_name", "lora_path"}``; 404 with a message while runtime updates are off. A
+    ``lora_path`` must resolve under one of ``roots`` (lora_paths.py), else 400."""
+    roots = tuple(roots)
 
     async def body_of(request: Request) -> dict[str, Any]:
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):
             raise LoRAError(400, "the body must be JSON") from None
         if not isinstance(body, dict):
             raise LoRAError(400, "the body must be a JSON object")
@@ -40,7 +47,12 @@ def register_lora_routes(app: FastAPI, model: PagedLLMModel, *, runtime_updates:
         try:
             body = await body_of(request)
             name = body.get("lora_name")
-            await model.load_lora(name, body.get("lora_path"))
+            if not isinstance(name, str) or not name:
+                raise LoRAError(400, "lora_name must be a non-empty string")
+            path = await asyncio.to_thread(confine, body.get("lora_path"), roots)
+            await model.load_lora(name, path)
+        except AdapterPathError as exc:
+            return _error(400, str(exc))
         except LoRAError as exc:
             return _error(exc.status, str(exc))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -57,9 +69,29 @@ def register_lora_routes(app: FastAPI, model: PagedLLMModel, *, runtime_updates:
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     app.add_api_route(f"{prefix}/load_lora_adapter", load, methods=["POST"],
-                      include_in_schema=False)
+                      tags=["LoRA"], openapi_extra=_operation(with_path=True))
     app.add_api_route(f"{prefix}/unload_lora_adapter", unload, methods=["POST"],
-                      include_in_schema=False)
+                      tags=["LoRA"], openapi_extra=_operation(with_path=False))
+
+
+def _operation(with_path: bool) -> dict[str, Any]:
+    """What a LoRA route publishes in /openapi.json (the handler parses its body itself)."""
+    props: dict[str, Any] = {"lora_name": {"type": "string", "minLength": 1}}
+    if with_path:
+        props["lora_path"] = {"type": "string", "minLength": 1,
+                              "description": "An adapter folder under one of --lora_roots"}
+    error = {"content": {"application/json": {"schema": ERROR_SCHEMA}}}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": list(props), "properties": props}}}},
+        "responses": {
+            "200": {"description": "Done", "content": {"text/plain": {
+                "schema": {"type": "string"}}}},
+            "400": {"description": "A malformed body, a path outside --lora_roots, or an "
+                           "adapter that cannot be read", **error},
+            "404": {"description": "Runtime updates are off, or no such adapter", **error},
+            "413": {"description": "The request body is too large", **error},
+        }}
 
 
 def _error(status: int, message: str) -> JSONResponse:

@@ -27,6 +27,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client import exposition as _exposition
 
 LABELS = ("model_name",)
+# Ours, named in vLLM's style for the dashboards that read vllm:*; vLLM has no such metric.
+OWN_VLLM_STYLE = frozenset({"vllm:num_requests_rejected_total", "vllm:num_requests_timed_out_total"})
 
 # Bucket bounds follow vLLM's, so its dashboards' quantiles read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -97,6 +99,16 @@ class _Families:
         self.kv_cow_copies = self.counter(
             "kserve_paged:kv_cow_copies_total",
             "KV blocks copied on write (a shared block about to be written).")
+        # Ours in vLLM's style (vLLM has neither; OWN_VLLM_STYLE): requests refused with 429
+        # for a full waiting queue (--max_waiting_requests), and requests ended at their
+        # deadline (timeout, x-request-timeout, --request_timeout_s).
+        self.num_requests_rejected = self.counter(
+            "vllm:num_requests_rejected_total",
+            "Requests refused before they were queued (429), by reason (queue_full).",
+            (*LABELS, "reason"))
+        self.num_requests_timed_out = self.counter(
+            "vllm:num_requests_timed_out_total",
+            "Requests aborted at their deadline (408, or a stream's error event).")
 
     def _tokens_and_latencies(self) -> None:
         self.prompt_tokens = self.counter(

@@ -62,6 +62,8 @@ class EngineMetrics:
         self._prefill_time = f.request_prefill_time.labels(model_name)
         self._decode_time = f.request_decode_time.labels(model_name)
         f.spec_decode_num_accepted_tokens_per_pos.labels(model_name, "0")  # shown from the start
+        f.num_requests_rejected.labels(model_name, "queue_full")
+        f.num_requests_timed_out.labels(model_name)
         self._lora_labels = (str(MAX_LORA), "", "")
         self._lora_info = f.lora_requests_info.labels(*self._lora_labels)
         self._lora_info.set_to_current_time()
@@ -97,6 +99,14 @@ class EngineMetrics:
                     self._f.spec_decode_num_accepted_tokens_per_pos.labels(
                         self.model_name, str(pos)).inc(increase)
                 self._last[key] = float(value)
+
+    def count_rejected(self, reason: str) -> None:
+        """A request refused before it was queued (``reason``: queue_full)."""
+        self._f.num_requests_rejected.labels(self.model_name, reason).inc()
+
+    def count_timed_out(self) -> None:
+        """A request aborted at its deadline."""
+        self._f.num_requests_timed_out.labels(self.model_name).inc()
 
     def set_cache_config(self, block_size: int, num_gpu_blocks: int) -> None:
         """``vllm:cache_config_info{block_size, num_gpu_blocks}`` = 1 (one series per model)."""

@@ -33,6 +33,7 @@ from engine.lora import LoRARequest
 from engine.model_info import ModelInfo
 from engine.sampling_params import SamplingParams
 from kserve_paged import v2
+from kserve_paged.admission import queue_full, request_deadline
 from kserve_paged.lora import AdapterModel, LoRAError
 from kserve_paged.metrics import EngineMetrics, MetricsObserver
 from kserve_paged.sampling import (
@@ -60,7 +61,8 @@ class PagedLLMModel(Model):
                  lora_modules: list[tuple[str, str]] | None = None,
                  reasoning_parser: str | None = None,
                  default_chat_template_kwargs: dict[str, Any] | None = None,
-                 generation_config: str = "auto") -> None:
+                 generation_config: str = "auto",
+                 max_waiting_requests: int | None = None) -> None:
         super().__init__(name)
         self.engine = True  # KServe awaits start_engine() next to the HTTP server
         self.config = config
@@ -83,6 +85,7 @@ class PagedLLMModel(Model):
             raise ValueError(f"generation_config must be auto or vllm (got {generation_config!r})")
         self.generation_config = generation_config
         self._generation_defaults: dict[str, Any] | None = None
+        self.max_waiting_requests = max_waiting_requests  # None: unbounded (admission.py)
         # Adapters served under their own names (kserve_paged/lora.py), loaded at start-up.
         self.loras: dict[str, LoRARequest] = {}
         self._lora_modules = list(lora_modules or [])
@@ -251,8 +254,14 @@ class PagedLLMModel(Model):
                      priority: int = 0, cache_salt: str | None = None,
                      lora_request: LoRARequest | None = None,
                      served_name: str | None = None) -> RequestStream:
-        """Hand a validated request to the engine; ValueError (e.g. a full queue) -> 400.
-        `served_name`: the name the request was sent to (an adapter's, for its span)."""
+        """Hand a validated request to the engine, with the request's deadline
+        (admission.py); ValueError -> 400, RequestRefused (429) when the waiting queue is at
+        ``max_waiting_requests``. `served_name`: the name the request was sent to (an
+        adapter's, for its span)."""
+        limit = self.max_waiting_requests
+        if limit is not None and (waiting := self.llm.num_waiting) >= limit:
+            self.metrics.count_rejected("queue_full")
+            raise queue_full(waiting, limit)
         request_id = f"{kind}-{uuid.uuid4().hex}"
         lora = {"lora_request": lora_request} if lora_request is not None else {}
         tracer = self.tracer
@@ -261,7 +270,8 @@ class PagedLLMModel(Model):
             tracer.start(request_id, request_headers(), request_attributes(params, name))
         try:
             return await self.llm.add(prompt_ids, params, request_id, priority=priority,
-                                      cache_salt=cache_salt, **lora)
+                                      cache_salt=cache_salt, deadline=request_deadline.get(),
+                                      on_deadline=self.metrics.count_timed_out, **lora)
         except BaseException as exc:
             if tracer is not None:
                 tracer.discard(request_id)

@@ -232,6 +232,9 @@ def normalize_options(options: Mapping[str, Any], vocab_size: int | None = None
             out[name] = _as_early_stopping(value)
         else:
             out[name] = _as_token_ids(value, name)
+            if vocab_size is not None and any(t >= vocab_size for t in out[name]):
+                raise OptionError(f"{name}: token ids must be below the vocabulary size "
+                                  f"({vocab_size})", name)
     return out
 
 

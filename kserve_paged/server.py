@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.limits import DEFAULT_MAX_REQUEST_BYTES
+from kserve_paged.admission import DeadlineMiddleware, RequestRefused, refused_route
 from kserve_paged.args import DEFAULT_MODEL_DIR, engine_kwargs
 from kserve_paged.auth import APIKeyMiddleware
 from kserve_paged.fault_inject import engine_factory_from_env
@@ -34,6 +36,7 @@ from kserve_paged.gateway import (
     make_tracer,
     served_names,
 )
+from kserve_paged.lora_paths import DEFAULT_LORA_ROOTS
 from kserve_paged.lora_routes import register_lora_routes
 from kserve_paged.metric_families import render
 from kserve_paged.middleware import (
@@ -44,6 +47,7 @@ from kserve_paged.middleware import (
 )
 from kserve_paged.model import PagedLLMModel
 from kserve_paged.openai import register_openai_routes
+from kserve_paged.openapi_doc import document_errors
 from kserve_paged.shutdown import PagedModelServer
 from kserve_paged.tracing import RequestTracer, TraceContextMiddleware
 from kserve_paged.vllm_routes import register_vllm_routes
@@ -128,17 +132,22 @@ def build_model(args: argparse.Namespace, argv: list[str]) -> PagedLLMModel:
                          reasoning_parser=getattr(args, "reasoning_parser", None),
                          default_chat_template_kwargs=getattr(
                              args, "default_chat_template_kwargs", None),
-                         generation_config=getattr(args, "generation_config", "auto"))
+                         generation_config=getattr(args, "generation_config", "auto"),
+                         max_waiting_requests=args.max_waiting_requests)
 
 
 def install(app: FastAPI, model: PagedLLMModel, *,
             max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
             lora_runtime_updates: bool = False, names: list[str] | None = None,
-            api_key: str | None = None, tracer: RequestTracer | None = None) -> None:
+            api_key: str | None = None, tracer: RequestTracer | None = None,
+            lora_roots: Sequence[str] = DEFAULT_LORA_ROOTS,
+            request_timeout_s: float | None = None) -> None:
     """Our routes and middleware on KServe's app (before ModelServer.start adds its own):
     the model served under `names` (default: its own name), every route behind `api_key`
-    when one is given, a span per request to `tracer` when one is given (gateway.py)."""
+    when one is given, a span per request to `tracer` when one is given (gateway.py),
+    adapters loaded at run time only from `lora_roots`, a default deadline per request."""
     app.add_middleware(DisconnectAbortMiddleware)
+    app.add_middleware(DeadlineMiddleware, default_timeout_s=request_timeout_s)
     app.add_middleware(V2BinaryGuardMiddleware)
     app.add_middleware(V2ContentTypeMiddleware)
     app.add_middleware(RequestSizeLimitMiddleware, max_bytes=max_request_bytes)
@@ -150,13 +159,15 @@ def install(app: FastAPI, model: PagedLLMModel, *,
         app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: deny by default
     app.add_exception_handler(RequestValidationError, validation_error_route)
     app.add_exception_handler(StarletteHTTPException, http_error_route)
+    app.add_exception_handler(RequestRefused, refused_route)
     logging.getLogger("kserve").addFilter(_QuietClientErrors())
     app.add_api_route("/metrics", metrics_route, methods=["GET"], include_in_schema=False)
     app.add_api_route("/v2/health/live", _live_route([model]), methods=["GET"],
                       include_in_schema=False)
-    register_lora_routes(app, model, runtime_updates=lora_runtime_updates)
+    register_lora_routes(app, model, runtime_updates=lora_runtime_updates, roots=lora_roots)
     routes = register_openai_routes(app, {name: model for name in names or [model.name]})
     register_vllm_routes(app, model, routes)
+    document_errors(app)
 
 
 def _live_route(models: list[PagedLLMModel]) -> Any:
@@ -168,7 +179,7 @@ def _live_route(models: list[PagedLLMModel]) -> Any:
         if dead:
             return JSONResponse(status_code=503,
                                 content={"error": f"engine of model(s) {dead} died"})
-        return JSONResponse({"status": "alive"})
+        return JSONResponse({"live": True})  # the v2 protocol's ServerLiveResponse
     return live
 
 
@@ -186,7 +197,8 @@ def serve(args: argparse.Namespace, argv: list[str]) -> None:
     tracer = make_tracer(args)
     install(app, model, max_request_bytes=args.max_request_bytes,
             lora_runtime_updates=args.enable_lora_runtime_updates, names=names,
-            api_key=api_key(args), tracer=tracer)
+            api_key=api_key(args), tracer=tracer, lora_roots=args.lora_roots,
+            request_timeout_s=args.request_timeout_s)
     server = PagedModelServer(
         http_host=args.http_host, shutdown_grace_s=args.shutdown_grace_s, models=[model],
         rest_options=RestOptions.from_args(args),

@@ -22,6 +22,7 @@ from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 
 from engine.async_llm import EngineDeadError, RequestStream
 from engine.outputs import RequestOutput
+from kserve_paged.admission import RequestRefused
 from kserve_paged.logprobs import TokenText, v2_logprobs
 from kserve_paged.sampling import (
     SAMPLING_OPTIONS,
@@ -117,6 +118,17 @@ async def _predict_v1(model: ServedModel, body: dict[str, Any]) -> dict[str, Any
     return answer
 
 
+def _check_final(out: Any) -> None:
+    """A failed request's error: 400 for its own input (its grammar), 408 when its deadline
+    passed, 500 for a fault of the server."""
+    if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):
+        if out.error_status == 400:
+            raise InvalidInput(str(out.error))
+        if out.error_status is not None:
+            raise RequestRefused(out.error_status, str(out.error))
+        raise InferenceError(f"generation failed: {out.error}")
+
+
 async def _complete_all(model: ServedModel, texts: list[str], options: dict[str, Any]
                         ) -> _Completed:
     try:
@@ -160,8 +172,7 @@ async def _complete_all(model: ServedModel, texts: list[str], options: dict[str,
         for s in streams:
             s.close()
     for out in finals:
-        if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):
-            raise InferenceError(f"generation failed: {out.error}")
+        _check_final(out)
     first = params[0]
     samples = [sorted(out.outputs, key=lambda c: c.index) for out in finals]
     result = _Completed(first.n, [[c.text for c in row] for row in samples])

@@ -37,7 +37,7 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
                  target_modules=["q_proj", "v_proj", "down_proj"])
     make_adapter(root / "base", root / "a2", seed=2, r=8, lora_alpha=8,
                  target_modules=["o_proj", "up_proj"])
-    return {"base": root / "base", "a1": root / "a1", "a2": root / "a2"}
+    return {"root": root, "base": root / "base", "a1": root / "a1", "a2": root / "a2"}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def _build(dirs, runtime_updates: bool) -> tuple[FastAPI, PagedLLMModel]:
     registry.update(model)
     model.repository = registry
     app = FastAPI()
-    srv.install(app, model, lora_runtime_updates=runtime_updates)
+    srv.install(app, model, lora_runtime_updates=runtime_updates, lora_roots=[str(dirs["root"])])
     rest = RESTServer("kserve.model_server:app", DataPlane(model_registry=registry),
                       ModelRepositoryExtension(model_registry=registry), 0)
     rest._register_endpoints(app)

@@ -9,7 +9,6 @@ alpha / sqrt(r) with rsLoRA) is folded into B at load time.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine.lora.safe_read import DTYPE_BYTES, MAX_HEADER_BYTES, read_config, read_safetensors
 
 # PEFT's target name -> (our fused module, shard).
 TARGETS = {
@@ -50,13 +51,10 @@ class LoRAAdapter:
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
-    path = folder / "adapter_config.json"
-    if not path.is_file():
-        raise ValueError(f"LoRA adapter {folder}: no adapter_config.json")
     try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"LoRA adapter {folder}: adapter_config.json is not JSON ({exc})") from None
+        cfg = read_config(folder)
+    except ValueError as exc:
+        raise ValueError(f"LoRA adapter {folder}: {exc}") from None
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter {folder}: peft_type {cfg.get('peft_type')!r} is not LORA")
     unsupported = [k for k in ("use_dora", "fan_in_fan_out") if cfg.get(k)]
@@ -79,10 +77,22 @@ def _shard_rows(model: Any, module: str, shard: str | None, out_features: int) -
     return (0, inter) if shard == "gate" else (inter, inter)
 
 
-def load_adapter(name: str, path: str | Path, model: Any, max_rank: int) -> LoRAAdapter:
-    """Load and check an adapter for `model` (a LlamaForCausalLM); ValueError says what is wrong."""
-    from safetensors.torch import load_file
+def max_adapter_bytes(model: Any, max_rank: int) -> int:
+    """The largest adapter_model.safetensors an adapter of ``model`` can need: every
+    supported projection of every layer at ``max_rank``, in float32, plus a header."""
+    per_layer = 0
+    layer = model.model.layers[0]
+    for module, shard in TARGETS.values():
+        linear = layer.get_submodule(module)
+        _, out = _shard_rows(model, module, shard, linear.out_features)
+        per_layer += linear.in_features + out
+    return model.num_layers * max_rank * per_layer * max(DTYPE_BYTES.values()) + MAX_HEADER_BYTES
 
+
+def load_adapter(name: str, path: str | Path, model: Any, max_rank: int) -> LoRAAdapter:
+    """Load and check an adapter for `model` (a LlamaForCausalLM); ValueError says what is
+    wrong. Only safetensors weights are read (never a pickle), no larger than any adapter of
+    this model at ``max_rank`` could be (engine/lora/safe_read.py)."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"LoRA adapter {name!r}: {folder} is not a folder")
@@ -92,9 +102,13 @@ def load_adapter(name: str, path: str | Path, model: Any, max_rank: int) -> LoRA
         raise ValueError(f"LoRA adapter {name!r}: rank {r} exceeds max_lora_rank {max_rank}")
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     weights_file = folder / "adapter_model.safetensors"
-    if not weights_file.is_file():
-        raise ValueError(f"LoRA adapter {name!r}: no adapter_model.safetensors in {folder}")
-    tensors = load_file(str(weights_file))
+    if not weights_file.exists() and (folder / "adapter_model.bin").exists():
+        raise ValueError(f"LoRA adapter {name!r}: only adapter_model.safetensors is read; "
+                         "adapter_model.bin (a pickle) never is: convert it to safetensors")
+    try:
+        tensors = read_safetensors(weights_file, max_adapter_bytes(model, max_rank))
+    except ValueError as exc:
+        raise ValueError(f"LoRA adapter {name!r}: {exc} in {folder}") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.search(key)

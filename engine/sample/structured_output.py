@@ -16,60 +16,110 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import threading
 from typing import TYPE_CHECKING, Any
 
+from engine import limits
+from engine.sample.grammar_worker import CompileWorker, GrammarCompileTimeout
 from engine.sampling_params import StructuredOutputs
 
 if TYPE_CHECKING:  # torch and xgrammar load on first use
     import torch
 
-# Compiled grammars kept for reuse (an agent sends the same few schemas again and again).
-COMPILED_CACHE_ENTRIES = 256
-
 
 class GrammarCompiler:
-    """Compiles constraints against one tokenizer on a worker thread, cached by their text."""
+    """Compiles constraints against one tokenizer on a worker thread, cached by their text.
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    With ``timeout_s``, each compile runs in a child process killed at the deadline
+    (grammar_worker.py); a constraint that timed out stays failed in the cache, so sending it
+    again is refused at once. The cache keeps compiled grammars up to ``cache_bytes`` of
+    memory (xgrammar's own count), least recently used out first."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *,
+                 timeout_s: float | None = None,
+                 cache_bytes: int = limits.GRAMMAR_CACHE_BYTES) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
+        self.timeout_s = timeout_s
+        self.cache_bytes = cache_bytes
         self._compiler: Any = None
+        self._worker: CompileWorker | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[str, concurrent.futures.Future] = (
             collections.OrderedDict())
+        self._sizes: dict[str, int] = {}  # key -> bytes, of compiled grammars in the cache
         self.compile_seconds: list[float] = []  # per compiled constraint (benchmarks read it)
+        if timeout_s is not None:  # start the worker now, not on the first request's time
+            self._pool.submit(self._start)
+
+    @property
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return sum(self._sizes.values())
 
     def submit(self, spec: StructuredOutputs) -> concurrent.futures.Future:
         with self._lock:
             future = self._cache.get(spec.key)
-            if future is not None and not (future.done() and future.exception()):
+            if future is not None and not (future.done() and future.exception() is not None
+                                           and not isinstance(future.exception(),
+                                                              GrammarCompileTimeout)):
                 self._cache.move_to_end(spec.key)
                 return future
             future = self._pool.submit(self._compile, spec)
             self._cache[spec.key] = future
-            while len(self._cache) > COMPILED_CACHE_ENTRIES:
-                self._cache.popitem(last=False)
+            self._sizes.pop(spec.key, None)
+            future.add_done_callback(lambda f, key=spec.key: self._sized(key, f))
             return future
+
+    def _sized(self, key: str, future: concurrent.futures.Future) -> None:
+        """Count a finished compile's bytes, then evict the least recently used to fit."""
+        with self._lock:
+            if self._cache.get(key) is not future:
+                return
+            if future.exception() is None:
+                self._sizes[key] = int(future.result().memory_size_bytes)
+            while sum(self._sizes.values()) > self.cache_bytes and len(self._sizes) > 1:
+                oldest = next(k for k in self._cache if k in self._sizes and k != key)
+                del self._cache[oldest], self._sizes[oldest]
+            while len(self._cache) > limits.GRAMMAR_CACHE_ENTRIES:  # failures, in flight
+                oldest = next(iter(self._cache))
+                self._cache.pop(oldest)
+                self._sizes.pop(oldest, None)
+
+    def _start(self) -> None:
+        """The tokenizer's table, once; with a deadline, the worker process too."""
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            if self.timeout_s is not None:
+                self._worker = CompileWorker(info, self.timeout_s)
+        if self._worker is not None:
+            # On failure the first compile tries again, and fails its request with the reason.
+            with contextlib.suppress(ValueError):
+                self._worker.start()
 
     def _compile(self, spec: StructuredOutputs) -> Any:
         import time
 
-        import xgrammar as xgr
-
-        if self._compiler is None:  # the tokenizer's table: built once, on first use
-            info = xgr.TokenizerInfo.from_huggingface(
-                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._start()
         start = time.perf_counter()
-        compiled = self._compiler.compile_grammar(spec._grammar)
+        if self._worker is not None:
+            compiled = self._worker.compile(spec)
+        else:
+            compiled = self._compiler.compile_grammar(spec._grammar)
         self.compile_seconds.append(time.perf_counter() - start)
         return compiled
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._worker is not None:
+            self._worker.close()
 
 
 class RequestGrammar:
@@ -109,7 +159,13 @@ class RequestGrammar:
         if self.matcher is None:
             import xgrammar as xgr
 
-            self.matcher = xgr.GrammarMatcher(self.future.result())
+            compiled = self.future.result()
+            matcher = xgr.GrammarMatcher(compiled)
+            mask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+            matcher.fill_next_token_bitmask(mask, 0)
+            if not bool(mask.any()):  # not even an end: no output could ever satisfy it
+                raise ValueError("the grammar matches no text (a rule that never ends?)")
+            self.matcher = matcher
 
 
 class GrammarBitmask:

@@ -12,8 +12,10 @@ class APIError(Exception):
     """An error answered in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 type_: str | None = None, code: str | None = None) -> None:
+                 type_: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -24,7 +26,7 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content=self.body())
+        return JSONResponse(status_code=self.status, content=self.body(), headers=self.headers)
 
 
 def error_body(message: str, type_: str, param: str | None = None,

@@ -20,6 +20,7 @@ from kserve.errors import InferenceError, ModelNotReady
 from openai.types import Model as OpenAIModel
 
 from engine.async_llm import EngineDeadError
+from kserve_paged.admission import RequestRefused
 from kserve_paged.anthropic.messages import register_messages_routes
 from kserve_paged.lora import AdapterView
 from kserve_paged.openai.chat import chat_completions
@@ -106,6 +107,9 @@ def _in_openai_shape(handler: Callable[[Request], Any]) -> Callable[[Request], A
             return await handler(request)
         except APIError as exc:
             return exc.response()
+        except RequestRefused as exc:  # 429: the waiting queue is full (admission.py)
+            return APIError(exc.status, str(exc), type_="rate_limit_error",
+                            headers=exc.headers).response()
         except (ModelNotReady, EngineDeadError) as exc:
             return APIError(503, str(exc), type_="service_unavailable_error").response()
         except InferenceError as exc:

@@ -86,6 +86,8 @@ _PUBLISHED: dict[str, dict[str, Any]] = {
                                       "enum": ["text", "json_object", "json_schema"]}}},
                                   {"type": "null"}]},
     "suffix": {"anyOf": [{"const": ""}, {"type": "null"}]},
+    "timeout": {"anyOf": [{"type": "number", "exclusiveMinimum": 0,
+                           "maximum": _number(L.MAX_REQUEST_TIMEOUT_S)}, {"type": "null"}]},
     "functions": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
     "function_call": {"anyOf": [{"const": "none"}, {"type": "null"}]},
     "messages": {"type": "array", "minItems": 1, "items": {
@@ -142,8 +144,12 @@ def operation_schema(body: type[BaseModel], result: type[BaseModel], model_names
             "400": {"description": "Invalid or unsupported request (or a prompt too long to "
                            "tokenize, --max_prompt_chars)", **error},
             "404": {"description": "Unknown model", **error},
+            "408": {"description": "The request's deadline passed (timeout, x-request-timeout, "
+                           "--request_timeout_s)", **error},
             "413": {"description": "The request body is too large (--max_request_bytes)",
                     **error},
+            "429": {"description": "The waiting queue is full (--max_waiting_requests); "
+                           "see Retry-After", **error},
             "500": {"description": "Generation failed", **error},
             "503": {"description": "Not ready: loading, failed or shutting down", **error},
         },

@@ -24,7 +24,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> Completion
 
 def check_output(out: RequestOutput) -> None:
     if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):
-        raise APIError(500, f"generation failed: {out.error}")
+        status = out.error_status or 500
+        raise APIError(status, out.error if status < 500 else f"generation failed: {out.error}")
 
 
 def finish_reason(completion: CompletionOutput) -> str | None:

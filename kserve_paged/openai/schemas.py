@@ -50,6 +50,7 @@ class SamplingBody(BaseModel):
     response_format: dict[str, Any] | None = None
     cache_salt: str | None = None
     priority: int = 0
+    timeout: float | None = None  # ours: seconds to the deadline (kserve_paged/admission.py)
     # vLLM's extras
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool | None = None

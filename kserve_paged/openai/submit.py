@@ -7,6 +7,7 @@ from typing import Any
 
 from engine.async_llm import RequestStream
 from engine.sampling_params import SamplingParams
+from kserve_paged.admission import parse_timeout, tighten
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.schemas import SamplingBody
 from kserve_paged.sampling import OptionError
@@ -39,6 +40,8 @@ async def open_streams(model: ServedModel, prompt_ids: list[list[int]], body: Sa
         return params
 
     try:
+        if body.timeout is not None:  # the header's and the server's may be earlier
+            tighten(parse_timeout(body.timeout, "timeout"))
         _, streams = await submit_all(model, prompt_ids, params_for, kind=kind,
                                       priority=body.priority, cache_salt=cache_salt)
     except OptionError as exc:

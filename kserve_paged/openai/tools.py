@@ -21,6 +21,7 @@ from typing import Any
 
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
+from engine import limits
 from kserve_paged.openai.errors import APIError
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "none")
@@ -108,6 +109,8 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
         return None
     if not isinstance(tools, list):
         raise _bad("tools must be a list")
+    if len(tools) > limits.MAX_TOOLS:
+        raise _bad(f"{len(tools)} tools, more than {limits.MAX_TOOLS} per request")
     names: set[str] = set()
     checked = []
     for i, tool in enumerate(tools):
@@ -123,6 +126,10 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise _bad(f"tools[{i}].function.parameters must be a JSON schema object")
+        try:
+            limits.check_schema_shape(params, f"tools[{i}].function.parameters")
+        except ValueError as exc:
+            raise _bad(str(exc)) from None
         names.add(name)
         checked.append({"type": "function", "function": fn})
     if tool_choice == "none":

@@ -23,7 +23,9 @@ CONTRACT_NAMES = {
 
 
 # Ours, beside the contract (no vLLM equivalent): block sharing.
-OWN_NAMES = {"kserve_paged:kv_blocks_shared", "kserve_paged:kv_cow_copies_total"}
+OWN_NAMES = {"kserve_paged:kv_blocks_shared", "kserve_paged:kv_cow_copies_total",
+             # issue 37: the queue bound and deadlines (vLLM's style, not vLLM's)
+             "vllm:num_requests_rejected_total", "vllm:num_requests_timed_out_total"}
 
 
 HISTOGRAMS = {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
