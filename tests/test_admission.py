@@ -81,19 +81,21 @@ def _metric(model, name: str) -> float:
                if line.startswith(name + "{"))
 
 
-@pytest.mark.xfail(strict=False, reason="flaky since 07:00 UTC 2026-12-02: after a few 429s a "
-                   "later request is sometimes accepted and waits behind the shut gate; the "
-                   "waiting count seems to drop (queued requests aborted by the in-process "
-                   "transport?), not investigated before the stop")
 def test_a_full_waiting_queue_answers_429_with_retry_after_and_counts_it():
     async def main() -> None:
         engine = GatedEngine(capacity=1)
         app, model, _ = await ready(engine)
         model.max_waiting_requests = 2
         async with client(app) as c:
+            # One at a time, each seen by the engine before the next: which request runs and
+            # which wait must not depend on the order the three tasks reach the engine.
             first = asyncio.ensure_future(c.post(CMPL, json=_body()))
-            queued = [asyncio.ensure_future(c.post(CMPL, json=_body())) for _ in range(2)]
-            await _until(lambda: model.llm.num_waiting >= 2)
+            await _until(lambda: model.llm.stats().get("num_running") == 1
+                         and model.llm.num_waiting == 0)
+            queued = []
+            for n in (1, 2):
+                queued.append(asyncio.ensure_future(c.post(CMPL, json=_body())))
+                await _until(lambda n=n: model.llm.num_waiting == n)
             r = await c.post(CMPL, json=_body())
             assert r.status_code == 429, r.text
             assert r.headers["retry-after"] == "1"
