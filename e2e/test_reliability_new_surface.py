@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from tests.helpers.e2e_server import MODEL, Server, record, running_server, scrape, wait_idle
+from tests.helpers.hostile_requests import SLOW_REGEX
 
 CMPL = "/openai/v1/completions"
 CHAT = "/openai/v1/chat/completions"
@@ -107,7 +108,7 @@ HOSTILE: dict[str, tuple[str, dict[str, Any]]] = {
     "enum-100k": (CMPL, {"guided_json": {"enum": [f"v{i}" for i in range(100_000)]}}),
     "choice-100k": (CMPL, {"guided_choice": [f"c{i}" for i in range(100_000)]}),
     "regex-megabyte": (CMPL, {"guided_regex": "a" * (1 << 20)}),
-    "regex-slow-to-compile": (CMPL, {"guided_regex": "[a-z]{1,20000}"}),
+    "regex-slow-to-compile": (CMPL, {"guided_regex": SLOW_REGEX}),
     "grammar-matches-nothing": (CMPL, {"structured_outputs": {"grammar": "root ::= root"}}),
     "tools-10000": (CHAT, {"tools": TOOLS_10K, "tool_choice": "required"}),
     "tool-schema-300-deep": (CHAT, {"tools": [{"type": "function", "function": {

@@ -12,6 +12,7 @@ import pytest
 
 from engine import limits
 from engine.sampling_params import SamplingParams, StructuredOutputs
+from tests.helpers.hostile_requests import SLOW_REGEX
 
 
 def _deep(levels: int) -> dict:
@@ -88,7 +89,7 @@ def test_a_compile_past_the_deadline_is_killed_and_fails_only_itself(tokenizer):
     try:
         warm = compiler.submit(StructuredOutputs(json={"type": "object"}))
         assert warm.result(timeout=300) is not None  # the worker started (not timed)
-        slow = StructuredOutputs(regex="[a-z]{1,20000}")  # minutes to compile
+        slow = StructuredOutputs(regex=SLOW_REGEX)
         start = time.perf_counter()
         future = compiler.submit(slow)
         with pytest.raises(GrammarCompileTimeout, match="did not compile within 3 s"):

@@ -26,7 +26,7 @@ from kserve_paged.lora import AdapterView
 from kserve_paged.openai.chat import chat_completions
 from kserve_paged.openai.completions import completions
 from kserve_paged.openai.errors import APIError
-from kserve_paged.openai.openapi import operation_schema
+from kserve_paged.openai.openapi import loose_operation_schema, operation_schema
 from kserve_paged.openai.parse import parse_body, read_json
 from kserve_paged.openai.responses import create_response, parse_responses
 from kserve_paged.openai.schemas import ChatBody, ChatCompletionOut, CompletionBody, CompletionOut
@@ -147,7 +147,9 @@ def register_openai_routes(app: FastAPI, models: dict[str, ServedModel],
                              openapi_extra=operation_schema(ChatBody, ChatCompletionOut,
                                                             list(models)))
         router.add_api_route("/responses", _in_openai_shape(routes.responses),
-                             methods=["POST"], response_model=None)
+                             methods=["POST"], response_model=None,
+                             openapi_extra=loose_operation_schema(
+                                 "A Responses API response, or with stream=true its events"))
         app.include_router(router)
     for alias in aliases:
         register_messages_routes(app, routes.model_named, alias)

@@ -155,3 +155,24 @@ def operation_schema(body: type[BaseModel], result: type[BaseModel], model_names
         },
     }
 
+
+
+def loose_operation_schema(what: str) -> dict[str, Any]:
+    """The Responses and Messages routes in /openapi.json: any JSON object in, the codes they
+    answer out (their bodies are the OpenAI and Anthropic SDKs' types, validated by the
+    handlers and documented in docs/kserve.md, not restated here)."""
+    error = {"content": {"application/json": {"schema": {"type": "object"}}}}
+    codes = {"400": "Invalid or unsupported request", "404": "Unknown model",
+             "408": "The request's deadline passed", "413": "The request body is too large",
+             "429": "The waiting queue is full; see Retry-After", "500": "Generation failed",
+             "503": "Not ready: loading, failed or shutting down"}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"type": "object"}}}},
+        "responses": {
+            "200": {"description": what, "content": {
+                "application/json": {"schema": {"type": "object"}},
+                "text/event-stream": {"schema": _SSE_EVENT}}},
+            **{code: {"description": text, **error} for code, text in codes.items()},
+        },
+    }

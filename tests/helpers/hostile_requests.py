@@ -13,6 +13,10 @@ CMPL = "/openai/v1/completions"
 CHAT = "/openai/v1/chat/completions"
 MB = 1 << 20
 MAX_MODEL_LEN = 64  # the server's, small: fuzzed requests without max_tokens generate the rest
+# A legal regex (under the size limit) that xgrammar 0.2.9 takes ~25 s to compile on a quiet
+# Sapphire Rapids core: 39 overlapping counted repetitions. ("[a-z]{1,20000}" compiles in
+# under a second there: it was slow only on a loaded machine.)
+SLOW_REGEX = "(" + "|".join(f"[a-z]{{{i},{i + 300}}}" for i in range(1, 40)) + ")"
 
 
 def v2(data: Any = None, parameters: dict[str, Any] | None = None, **tensor: Any
