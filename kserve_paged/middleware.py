@@ -283,3 +283,24 @@ async def _send_json(send: Any, status: int, content: dict[str, Any]) -> None:
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})
+
+
+class V2VersionGuardMiddleware:
+    """KServe answers a v2 request naming a model version (``/versions/V`` in the path or a
+    ``model_version`` query) with 501 "not supported yet": a server error for what is the
+    client's choice. Served models have no versions, so answer 400 with v2's error shape."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path.startswith("/v2/models/") and (
+                "/versions/" in path or b"model_version=" in scope.get("query_string", b"")):
+            body = json.dumps({"error": "model versions are not supported: served models have "
+                                        "none (leave out /versions/... and model_version)"})
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": body.encode()})
+            return
+        await self.app(scope, receive, send)

@@ -15,6 +15,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from kserve_paged.openai.errors import ERROR_SCHEMA as OPENAI_ERROR_SCHEMA
+
 V2_ERROR_SCHEMA = {"type": "object", "required": ["error"],
                    "properties": {"error": {"type": "string"}}}
 V2_ERRORS = {
@@ -29,6 +31,13 @@ V2_ERRORS = {
 _BODILESS_GET = ("400", "404", "503")  # a GET reads no body and queues nothing
 
 
+# vLLM's root routes that answer in OpenAI's error shape (kserve_paged/openai/tokenize.py).
+_OPENAI_SHAPED = frozenset({"/tokenize", "/detokenize"})
+_MODELS = {"type": "object", "required": ["object", "data", "models"], "properties": {
+    "object": {"type": "string"}, "data": {"type": "array", "items": {"type": "object"}},
+    "models": {"type": "array", "items": {"type": "string"}}}}
+
+
 def document_errors(app: FastAPI) -> None:
     """Post-process ``app.openapi()`` as the module docstring says (idempotent)."""
     generate = app.openapi
@@ -38,8 +47,9 @@ def document_errors(app: FastAPI) -> None:
             return app.openapi_schema
         doc = generate()
         for path, ops in doc.get("paths", {}).items():
-            if path.startswith("/openai/"):
-                continue
+            if path.startswith(("/openai/", "/v1/messages")):
+                continue  # documented where they are registered, in their protocols' shapes
+            openai_shaped = path in _OPENAI_SHAPED
             for method, op in ops.items():
                 if not isinstance(op, dict) or "responses" not in op:
                     continue
@@ -47,12 +57,17 @@ def document_errors(app: FastAPI) -> None:
                 if path == "/metrics":  # ours shadows KServe's (server.py): Prometheus text
                     responses["200"] = {"description": "Prometheus text exposition",
                                         "content": {"text/plain": {"schema": {"type": "string"}}}}
+                if path == "/v1/models":  # ours shadows KServe's (vllm_routes.py): both shapes
+                    responses["200"] = {"description": "OpenAI's model list with KServe v1's "
+                                        "`models` names in the same body",
+                                        "content": {"application/json": {"schema": _MODELS}}}
                 responses.pop("422", None)
                 codes = _BODILESS_GET if method == "get" else tuple(V2_ERRORS)
+                schema = OPENAI_ERROR_SCHEMA if openai_shaped else V2_ERROR_SCHEMA
                 for code in codes:
                     responses.setdefault(code, {
                         "description": V2_ERRORS[code],
-                        "content": {"application/json": {"schema": V2_ERROR_SCHEMA}}})
+                        "content": {"application/json": {"schema": schema}}})
         app.openapi_schema = doc
         return doc
 

@@ -44,6 +44,7 @@ from kserve_paged.middleware import (
     RequestSizeLimitMiddleware,
     V2BinaryGuardMiddleware,
     V2ContentTypeMiddleware,
+    V2VersionGuardMiddleware,
 )
 from kserve_paged.model import PagedLLMModel
 from kserve_paged.openai import register_openai_routes
@@ -150,6 +151,7 @@ def install(app: FastAPI, model: PagedLLMModel, *,
     app.add_middleware(DeadlineMiddleware, default_timeout_s=request_timeout_s)
     app.add_middleware(V2BinaryGuardMiddleware)
     app.add_middleware(V2ContentTypeMiddleware)
+    app.add_middleware(V2VersionGuardMiddleware)
     app.add_middleware(RequestSizeLimitMiddleware, max_bytes=max_request_bytes)
     if tracer is not None:
         model.tracer = tracer
