@@ -5,7 +5,6 @@ the request becomes a chat turn (convert.py), runs through the chat path
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -15,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from kserve.errors import ModelNotReady
 
 from engine.async_llm import EngineDeadError
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput
 from kserve_paged.anthropic.convert import (
     ERROR_TYPES,
     CountTokensBody,
@@ -31,11 +30,12 @@ from kserve_paged.openai.chat_turn import ChatTurn, render_prompt, split_turn, s
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.openapi import loose_operation_schema
 from kserve_paged.openai.parse import read_json, validate
-from kserve_paged.openai.render import check_output, finish_reason
+from kserve_paged.openai.render import finish_reason
 from kserve_paged.openai.schemas import ChatBody
-from kserve_paged.openai.stream import ClosingStreamingResponse, final_outputs, until_disconnect
+from kserve_paged.openai.stream import ClosingStreamingResponse
 from kserve_paged.openai.tools import tool_plan
-from kserve_paged.openai.turn import CallPiece, TurnPiece, TurnStream
+from kserve_paged.openai.turn import CallPiece, TurnPiece
+from kserve_paged.openai.turn_feed import TurnFeed, failure_message, whole_output
 from kserve_paged.served import ServedModel
 
 logger = logging.getLogger("kserve.paged.anthropic")
@@ -55,11 +55,9 @@ async def create_message(model: ServedModel, request: Request, body: MessagesBod
     events = MessageEvents(new_message_id(), body.model or model.name, turn.prompt_len)
     if body.stream:
         return ClosingStreamingResponse(_events(turn, events, body), turn.streams)
-    finals = await until_disconnect(request, asyncio.ensure_future(final_outputs(turn.streams)))
-    if finals is None:
+    out = await whole_output(request, turn)
+    if out is None:
         return Response(status_code=499)
-    out = finals[0]
-    check_output(out)
     c = out.outputs[0]
     reasoning, content, calls = split_turn(c.text, turn.plan, turn.reasoning_parser)
     events.piece(TurnPiece(reasoning=reasoning or "", content=content or ""))
@@ -74,31 +72,22 @@ async def _events(turn: ChatTurn, events: MessageEvents, body: MessagesBody
                   ) -> AsyncIterator[str]:
     """message_start, each piece's block events, message_delta and message_stop; a failure
     mid-stream is an `error` event."""
-    stream = turn.streams[0]
-    pieces = TurnStream(turn.plan, turn.reasoning_parser)
+    feed = TurnFeed(turn)
     try:
         for text in events.start():
             yield text
-        final: RequestOutput | None = None
-        async for out in stream:
-            check_output(out)
-            c = out.outputs[0]
-            for piece in pieces.feed(c.delta_text, finish_reason(c) is not None):
-                for text in events.piece(piece):
-                    yield text
-            if out.finished:
-                final = out
-        if final is None:
-            raise APIError(500, "the request was aborted")
-        c = final.outputs[0]
-        reason, sequence = _stop(c, bool(pieces.calls), body)
+        async for piece in feed.pieces():
+            for text in events.piece(piece):
+                yield text
+        assert feed.final is not None  # pieces() raises otherwise
+        c = feed.final.outputs[0]
+        reason, sequence = _stop(c, bool(feed.split.calls), body)
         for text in events.finish(reason, sequence, len(c.token_ids)):
             yield text
     except (APIError, EngineDeadError) as exc:
-        message = exc.message if isinstance(exc, APIError) else str(exc)
-        yield sse_event(error_body(message, "api_error"))
+        yield sse_event(error_body(failure_message(exc), "api_error"))
     finally:
-        stream.close()
+        feed.close()
 
 
 async def count_tokens(model: ServedModel, body: CountTokensBody) -> dict[str, int]:

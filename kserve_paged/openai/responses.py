@@ -4,19 +4,18 @@ as Response items, whole or as the Responses events (responses_stream.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.async_llm import EngineDeadError, RequestStream
+from engine.async_llm import EngineDeadError
 from engine.outputs import CompletionOutput, RequestOutput
 from kserve_paged.openai.chat_turn import ChatTurn, split_turn, start_turn
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.parse import validate
-from kserve_paged.openai.render import check_output, finish_reason
+from kserve_paged.openai.render import finish_reason
 from kserve_paged.openai.responses_convert import (
     ResponsesBody,
     chat_request,
@@ -31,8 +30,8 @@ from kserve_paged.openai.responses_convert import (
 )
 from kserve_paged.openai.responses_stream import ResponseBuilder, ResponsesEvents
 from kserve_paged.openai.schemas import ChatBody
-from kserve_paged.openai.stream import ClosingStreamingResponse, final_outputs, until_disconnect
-from kserve_paged.openai.turn import TurnStream
+from kserve_paged.openai.stream import ClosingStreamingResponse
+from kserve_paged.openai.turn_feed import TurnFeed, failure_message, whole_output
 from kserve_paged.served import ServedModel
 
 
@@ -74,11 +73,9 @@ async def create_response(model: ServedModel, request: Request, body: ResponsesB
 
     if body.stream:
         return ClosingStreamingResponse(_events(model, turn, build), turn.streams)
-    finals = await until_disconnect(request, asyncio.ensure_future(final_outputs(turn.streams)))
-    if finals is None:
+    out = await whole_output(request, turn)
+    if out is None:
         return Response(status_code=499)
-    out = finals[0]
-    check_output(out)
     items, reasoning = _items(out.outputs[0], turn)
     status, reason = status_of(finish_reason(out.outputs[0]))
     return JSONResponse(build(items, status, _usage(model, out, reasoning), reason))
@@ -88,29 +85,21 @@ async def _events(model: ServedModel, turn: ChatTurn, build: ResponseBuilder
                   ) -> AsyncIterator[str]:
     """The streamed Response: created, each piece's item events, completed (or incomplete);
     a failure mid-stream is an `error` event."""
-    stream: RequestStream = turn.streams[0]
     events = ResponsesEvents(build)
-    pieces = TurnStream(turn.plan, turn.reasoning_parser)
+    feed = TurnFeed(turn)
     try:
         for text in events.start():
             yield text
-        final: RequestOutput | None = None
-        async for out in stream:
-            check_output(out)
-            c = out.outputs[0]
-            for piece in pieces.feed(c.delta_text, finish_reason(c) is not None):
-                for text in events.piece(piece):
-                    yield text
-            if out.finished:
-                final = out
-        if final is None:
-            raise APIError(500, "the request was aborted")
+        async for piece in feed.pieces():
+            for text in events.piece(piece):
+                yield text
+        final = feed.final
+        assert final is not None  # pieces() raises otherwise
         status, reason = status_of(finish_reason(final.outputs[0]))
-        for text in events.finish(status, _usage(model, final, pieces.reasoning or None),
+        for text in events.finish(status, _usage(model, final, feed.split.reasoning or None),
                                   reason):
             yield text
     except (APIError, EngineDeadError) as exc:
-        message = exc.message if isinstance(exc, APIError) else str(exc)
-        yield events.error(message)
+        yield events.error(failure_message(exc))
     finally:
-        stream.close()
+        feed.close()
