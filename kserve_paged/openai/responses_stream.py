@@ -27,6 +27,15 @@ def sse_event(payload: dict[str, Any]) -> str:
     return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def _text_part(item_type: str, text: str) -> dict[str, Any] | None:
+    """The one content part of a reasoning or message item; None for a function call."""
+    if item_type == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    if item_type == "message":
+        return {"type": "output_text", "text": text, "annotations": []}
+    return None
+
+
 class ResponsesEvents:
     """The event text of one streamed Response, piece by piece."""
 
@@ -54,21 +63,13 @@ class ResponsesEvents:
         self._open, self._text = item, ""
         index = len(self.output) - 1
         shown = {**item, "status": "in_progress"}
-        if item["type"] == "reasoning":
+        part = _text_part(item["type"], "")
+        if part is not None:  # reasoning or message: an item with one text part
             shown["content"] = []
             events.append(self._event("response.output_item.added", output_index=index,
                                       item=shown))
             events.append(self._event("response.content_part.added", output_index=index,
-                                      item_id=item["id"], content_index=0,
-                                      part={"type": "reasoning_text", "text": ""}))
-        elif item["type"] == "message":
-            shown["content"] = []
-            events.append(self._event("response.output_item.added", output_index=index,
-                                      item=shown))
-            events.append(self._event("response.content_part.added", output_index=index,
-                                      item_id=item["id"], content_index=0,
-                                      part={"type": "output_text", "text": "",
-                                            "annotations": []}))
+                                      item_id=item["id"], content_index=0, part=part))
         else:
             events.append(self._event("response.output_item.added", output_index=index,
                                       item={**shown, "arguments": ""}))
@@ -81,15 +82,14 @@ class ResponsesEvents:
         self._open = None
         index, text = len(self.output) - 1, self._text
         events = []
+        part = _text_part(item["type"], text)
         if item["type"] == "reasoning":
-            part = {"type": "reasoning_text", "text": text}
             item["content"] = [part]
             events += [self._event("response.reasoning_text.done", output_index=index,
                                    item_id=item["id"], content_index=0, text=text),
                        self._event("response.content_part.done", output_index=index,
                                    item_id=item["id"], content_index=0, part=part)]
         elif item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": []}
             item["content"] = [part]
             events += [self._event("response.output_text.done", output_index=index,
                                    item_id=item["id"], content_index=0, text=text, logprobs=[]),
