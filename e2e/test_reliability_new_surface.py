@@ -153,7 +153,8 @@ def test_hostile_grammars_and_tools_fail_only_themselves(server: Server):
     wait_idle(server, timeout=10)
     record("issue37_grammars", sent=len(HOSTILE) + 1, refused_400=len(results),
            slowest=[slowest[0], round(slowest[1][1], 2)],
-           slow_regex_s=round(results["regex-slow-to-compile"][1], 2))
+           slow_regex_s=round(results["regex-slow-to-compile"][1], 2),
+           took_s={n: round(t, 2) for n, (_, t) in results.items()})
 
 
 def test_a_full_queue_is_429_and_deadlines_are_408_leaving_nothing_behind(server: Server):
