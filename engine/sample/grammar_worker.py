@@ -73,8 +73,9 @@ class CompileWorker:
         self._info_json: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._spare: concurrent.futures.Future | None = None  # of a started child
+        # Two: at the first start, the spare starts beside the first child, not after it.
         self._launcher = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="grammar-spare")
+            2, thread_name_prefix="grammar-start")
         self._lock = threading.Lock()
         self._children: set[subprocess.Popen[bytes]] = set()  # every child not yet ended
         self._closed = False
