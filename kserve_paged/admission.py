@@ -6,8 +6,8 @@
 - A deadline per request, the earliest of: the server's ``--request_timeout_s``, the header
   ``x-request-timeout: <seconds>`` (ours; any route), the OpenAI body's ``timeout`` (vLLM
   has none of the three) and the v1/v2 ``parameters.timeout`` (microseconds: Triton's
-  schedule-policy parameter, which tritonclient's ``infer(timeout=...)`` sends). The clock starts when the request arrives. At the deadline the
-  request is aborted wherever it is (waiting, compiling its grammar, running), its KV blocks
+  schedule-policy parameter, which tritonclient's ``infer(timeout=...)`` sends). The clock
+  starts when the request arrives. At the deadline the request is aborted wherever it is (waiting, compiling its grammar, running), its KV blocks
   freed, and it answers 408, or, once a stream has started, ends the stream with an error
   event; ``vllm:num_requests_timed_out_total`` counts it.
 
