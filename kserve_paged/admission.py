@@ -7,9 +7,10 @@
   ``x-request-timeout: <seconds>`` (ours; any route), the OpenAI body's ``timeout`` (vLLM
   has none of the three) and the v1/v2 ``parameters.timeout`` (microseconds: Triton's
   schedule-policy parameter, which tritonclient's ``infer(timeout=...)`` sends). The clock
-  starts when the request arrives. At the deadline the request is aborted wherever it is (waiting, compiling its grammar, running), its KV blocks
-  freed, and it answers 408, or, once a stream has started, ends the stream with an error
-  event; ``vllm:num_requests_timed_out_total`` counts it.
+  starts when the request arrives. At the deadline the request is aborted wherever it is
+  (waiting, compiling its grammar, running), its KV blocks freed, and it answers 408, or,
+  once a stream has started, ends the stream with an error event;
+  ``vllm:num_requests_timed_out_total`` counts it.
 
 The deadline travels with the request's context (a context variable set by
 :class:`DeadlineMiddleware`, tightened by the body), so every route and every served model
