@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.helpers.e2e_server import MODEL, Server, record, running_server, scrape, wait_idle
@@ -152,15 +153,17 @@ def test_hostile_grammars_and_tools_fail_only_themselves(server: Server):
     wait_idle(server, timeout=10)
     record("issue37_grammars", sent=len(HOSTILE) + 1, refused_400=len(results),
            slowest=[slowest[0], round(slowest[1][1], 2)],
-           slow_regex_s=round(results["regex-slow-to-compile"][1], 2))
+           slow_regex_s=round(results["regex-slow-to-compile"][1], 2),
+           took_s={n: round(t, 2) for n, (_, t) in results.items()})
 
 
 def test_a_full_queue_is_429_and_deadlines_are_408_leaving_nothing_behind(server: Server):
-    """Long because it checks the bound and the three kinds of deadline on one server, then
-    that the metrics counted each refusal and the engine holds nothing."""
+    """Long because it checks the bound and the four kinds of deadline (the OpenAI body's, the
+    header on a stream and on v2, v2's ``parameters.timeout``) on one server, then that the
+    metrics counted each refusal and the engine holds nothing."""
     before = scrape(server)
 
-    async def main() -> tuple[Counter[int], list[str], httpx.Response, str]:
+    async def main() -> tuple[Counter[int], list[str], tuple[httpx.Response, float], str]:
         async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as c:
             burst = [c.post(CMPL, json={"model": MODEL, "prompt": f"Count {i}:",
                                         "max_tokens": 12, "ignore_eos": True})
@@ -168,33 +171,63 @@ def test_a_full_queue_is_429_and_deadlines_are_408_leaving_nothing_behind(server
             answers = await asyncio.gather(*burst)
             codes = Counter(r.status_code for r in answers)
             retry = [r.headers.get("retry-after", "") for r in answers if r.status_code == 429]
+            start = time.monotonic()
             timed = await c.post(CMPL, json={"model": MODEL, "prompt": "Tell a long story",
                                              "max_tokens": 200, "ignore_eos": True,
                                              "timeout": 0.5})
+            timed_s = round(time.monotonic() - start, 2)
             stream = await c.post(CMPL, json={"model": MODEL, "prompt": "Tell a story",
                                               "max_tokens": 200, "ignore_eos": True,
                                               "stream": True},
                                   headers={"x-request-timeout": "1"})
-            return codes, retry, timed, stream.text
+            return codes, retry, (timed, timed_s), stream.text
 
-    codes, retry, timed, stream = asyncio.run(main())
+    codes, retry, (timed, timed_s), stream = asyncio.run(main())
     assert codes[429] >= 1 and codes[200] >= 4 and set(codes) <= {200, 429}, codes
     assert set(retry) == {"1"}
     assert timed.status_code == 408 and "deadline" in timed.json()["error"]["message"]
     assert "deadline" in stream and stream.rstrip().endswith("data: [DONE]")
+    v2_took = {}
     with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
-        r = c.post(f"/v2/models/{MODEL}/infer", headers={"x-request-timeout": "0.3"}, json={
-            "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1],
-                        "data": ["Tell a long story"]}],
-            "parameters": {"max_tokens": 200, "ignore_eos": True}})
-        assert r.status_code == 408 and "deadline" in r.json()["error"]
+        for how, headers, parameters in (
+                ("header", {"x-request-timeout": "0.3"}, {}),
+                ("parameter", {}, {"timeout": 300_000}),  # Triton's unit: microseconds
+                ("malformed-parameter", {}, {"timeout": 0.3})):
+            start = time.monotonic()
+            r = c.post(f"/v2/models/{MODEL}/infer", headers=headers, json={
+                "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1],
+                            "data": ["Tell a long story"]}],
+                "parameters": {"max_tokens": 200, "ignore_eos": True, **parameters}})
+            v2_took[how] = round(time.monotonic() - start, 2)
+            if how == "malformed-parameter":
+                assert r.status_code == 400 and "microseconds" in r.json()["error"], r.text
+            else:
+                assert r.status_code == 408 and "deadline" in r.json()["error"], r.text
+    v2_took["tritonclient"] = _tritonclient_timeout(server)
     took, after = wait_idle(server, timeout=10)
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     rejected = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("vllm:num_requests_rejected_total{"))
     timed_out = (after["vllm:num_requests_timed_out_total"]
                  - before.get("vllm:num_requests_timed_out_total", 0))
-    assert rejected == codes[429] and timed_out == 3
+    assert rejected == codes[429] and timed_out == 5
     record("issue37_admission", burst=12, codes={str(k): v for k, v in codes.items()},
            rejected_metric=rejected, timed_out_metric=timed_out, idle_after_s=round(took, 2),
-           pid=os.getpid())
+           openai_timeout_s=timed_s, v2_s=v2_took, pid=os.getpid())
+
+
+def _tritonclient_timeout(server: Server) -> float:
+    """tritonclient's own ``infer(timeout=...)`` (microseconds, sent as ``parameters.timeout``)
+    is the request's deadline: 408 after 0.3 s. Returns how long it took."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    client = httpclient.InferenceServerClient(server.http_host, network_timeout=300)
+    tensor = httpclient.InferInput("text_input", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([b"Tell a long story"], dtype=object))
+    start = time.monotonic()
+    with pytest.raises(InferenceServerException) as exc:
+        client.infer(MODEL, [tensor], timeout=300_000,
+                     parameters={"max_tokens": 200, "ignore_eos": True})
+    assert exc.value.status() == "408" and "deadline" in exc.value.message(), exc.value
+    return round(time.monotonic() - start, 2)

@@ -4,11 +4,13 @@
   is refused with 429 and ``Retry-After`` before it is queued, and counted in
   ``vllm:num_requests_rejected_total{reason="queue_full"}`` (ours, in vLLM's style).
 - A deadline per request, the earliest of: the server's ``--request_timeout_s``, the header
-  ``x-request-timeout: <seconds>`` (ours; any route), and the OpenAI body's ``timeout`` (vLLM
-  has none of the three). The clock starts when the request arrives. At the deadline the
-  request is aborted wherever it is (waiting, compiling its grammar, running), its KV blocks
-  freed, and it answers 408, or, once a stream has started, ends the stream with an error
-  event; ``vllm:num_requests_timed_out_total`` counts it.
+  ``x-request-timeout: <seconds>`` (ours; any route), the OpenAI body's ``timeout`` (vLLM
+  has none of the three) and the v1/v2 ``parameters.timeout`` (microseconds: Triton's
+  schedule-policy parameter, which tritonclient's ``infer(timeout=...)`` sends). The clock
+  starts when the request arrives. At the deadline the request is aborted wherever it is
+  (waiting, compiling its grammar, running), its KV blocks freed, and it answers 408, or,
+  once a stream has started, ends the stream with an error event;
+  ``vllm:num_requests_timed_out_total`` counts it.
 
 The deadline travels with the request's context (a context variable set by
 :class:`DeadlineMiddleware`, tightened by the body), so every route and every served model
@@ -28,6 +30,7 @@ from fastapi.responses import JSONResponse
 from engine import limits
 
 TIMEOUT_HEADER = "x-request-timeout"
+MICROSECONDS = 1_000_000  # per second: the unit of v1/v2 ``parameters.timeout``
 request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "request_deadline", default=None)
 
@@ -53,6 +56,21 @@ def parse_timeout(value: Any, source: str) -> float:
         raise ValueError(f"{source} must be a number of seconds in (0, "
                          f"{limits.MAX_REQUEST_TIMEOUT_S:g}] (got {str(value)[:40]!r})")
     return seconds
+
+
+def parse_timeout_us(value: Any, source: str) -> float | None:
+    """Seconds from a v1/v2 ``parameters.timeout``: a whole number of microseconds, as Triton
+    reserves the parameter (a string of one too, as gRPC may carry it); 0 is Triton's "no
+    deadline of its own" (None). ValueError naming ``source`` otherwise."""
+    limit = int(limits.MAX_REQUEST_TIMEOUT_S * MICROSECONDS)
+    number = value.strip() if isinstance(value, str) else value
+    if isinstance(number, str) and number.isdigit():
+        number = int(number)
+    if not isinstance(number, int) or isinstance(number, bool) or not 0 <= number <= limit:
+        raise ValueError(f"{source} must be a whole number of microseconds in [0, {limit}] "
+                         f"(Triton's schedule-policy timeout; 0: none) (got "
+                         f"{str(value)[:40]!r})")
+    return number / MICROSECONDS if number else None
 
 
 def tighten(timeout_s: float, start: float | None = None) -> None:

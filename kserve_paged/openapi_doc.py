@@ -22,7 +22,8 @@ V2_ERROR_SCHEMA = {"type": "object", "required": ["error"],
 V2_ERRORS = {
     "400": "Invalid request",
     "404": "Unknown model",
-    "408": "The request's deadline passed (x-request-timeout, --request_timeout_s)",
+    "408": "The request's deadline passed (parameters.timeout, x-request-timeout, "
+           "--request_timeout_s)",
     "413": "The request body is too large (--max_request_bytes)",
     "429": "The waiting queue is full (--max_waiting_requests); see Retry-After",
     "500": "Generation failed",

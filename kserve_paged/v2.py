@@ -22,7 +22,7 @@ from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 
 from engine.async_llm import EngineDeadError, RequestStream
 from engine.outputs import RequestOutput
-from kserve_paged.admission import RequestRefused
+from kserve_paged.admission import RequestRefused, parse_timeout_us, tighten
 from kserve_paged.logprobs import TokenText, v2_logprobs
 from kserve_paged.sampling import (
     SAMPLING_OPTIONS,
@@ -42,8 +42,8 @@ LOGPROBS_NAME = "logprobs"  # only when the parameters ask for logprobs
 PROMPT_LOGPROBS_NAME = "prompt_logprobs"  # only when they ask for prompt_logprobs
 # v2 request parameters that tritonclient or KServe set for transport, not sampling.
 _TRANSPORT_PARAMETERS = frozenset({"binary_data_output", "binary_data_size", "content_type",
-                                   "headers", "timeout", "sequence_id", "sequence_start",
-                                   "sequence_end"})
+                                   "headers", "sequence_id", "sequence_start", "sequence_end"})
+TIMEOUT_PARAMETER = "timeout"  # the request's deadline, in microseconds (admission.py)
 V2_DEFAULT_MAX_TOKENS = 16  # SamplingParams' default, so v2 and LLM.generate agree
 
 
@@ -129,24 +129,35 @@ def _check_final(out: Any) -> None:
         raise InferenceError(f"generation failed: {out.error}")
 
 
-async def _complete_all(model: ServedModel, texts: list[str], options: dict[str, Any]
-                        ) -> _Completed:
+def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The request's parameters as sampling options, refused (400) when the engine cannot
+    honour them; its ``parameters.timeout``, first of all, tightens its deadline."""
+    timeout = options.get(TIMEOUT_PARAMETER)
     try:
+        seconds = None if timeout is None else parse_timeout_us(timeout, "parameters.timeout")
+        if seconds is not None:  # the header's and the server's may be earlier
+            tighten(seconds)
         options = beam_width_options(options)
-    except OptionError as exc:
+    except ValueError as exc:
         raise InvalidInput(str(exc)) from None
     refused = unsupported_options(options, V2_UNSUPPORTED_OPTIONS)
     if refused:
         raise InvalidInput(f"unsupported parameter(s) {refused}: this engine cannot honour "
                            f"them; supported: {', '.join(SAMPLING_OPTIONS)}, beam_width, "
-                           "priority, cache_salt")
+                           "priority, cache_salt, timeout")
     unknown = sorted(k for k in options
                      if k not in SAMPLING_OPTIONS and k not in _TRANSPORT_PARAMETERS
                      and k not in V2_UNSUPPORTED_OPTIONS and k not in STRUCTURED_OPTION_NAMES
-                     and k not in ("priority", "cache_salt", "best_of"))
+                     and k not in ("priority", "cache_salt", "best_of", TIMEOUT_PARAMETER))
     if unknown:
         # As vLLM (and the OpenAI routes here) do with unknown fields: ignore, but say so.
         logger.warning("ignoring unknown v2 parameter(s) %s", unknown)
+    return options
+
+
+async def _complete_all(model: ServedModel, texts: list[str], options: dict[str, Any]
+                        ) -> _Completed:
+    options = _checked_options(options)
     if not texts:
         raise InvalidInput(f"input '{INPUT_NAME}' is empty")
     try:

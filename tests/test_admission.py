@@ -17,6 +17,7 @@ from tests.helpers.server import FakeEngine, client, ready, run, sse
 
 CMPL = "/openai/v1/completions"
 V2 = "/v2/models/m/infer"
+V1 = "/v1/models/m:predict"
 
 
 class GatedEngine(FakeEngine):
@@ -63,9 +64,15 @@ def _body(**fields: Any) -> dict[str, Any]:
     return {"model": "m", "prompt": "a b", "max_tokens": 4, **fields}
 
 
-def _v2(text: str = "a b") -> dict[str, Any]:
+def _v2(text: str = "a b", **parameters: Any) -> dict[str, Any]:
     return {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1],
-                        "data": [text]}], "parameters": {"max_tokens": 2}}
+                        "data": [text]}], "parameters": {"max_tokens": 2, **parameters}}
+
+
+def _v1_or_v2(route: str, **parameters: Any) -> dict[str, Any]:
+    if route == V2:
+        return _v2(**parameters)
+    return {"instances": ["a b"], "parameters": {"max_tokens": 2, **parameters}}
 
 
 async def _until(check, timeout: float = 10.0) -> None:
@@ -177,6 +184,48 @@ def test_a_malformed_timeout_is_a_400(bad):
             r = await c.post(CMPL, json=_body(timeout=value))
             assert r.status_code == 400 and "timeout" in r.json()["error"]["message"]
             assert not engine.added  # refused before anything was queued
+        model.stop_engine()
+    run(main())
+
+
+@pytest.mark.parametrize("route", [V2, V1])
+def test_the_v2_timeout_parameter_aborts_a_request_and_answers_408(route):
+    """Triton's ``parameters.timeout`` (microseconds), the deadline of KServe's v1/v2 routes;
+    the earliest deadline wins, so a longer header does not extend it."""
+    async def main() -> None:
+        engine = GatedEngine(capacity=1)
+        app, model, _ = await ready(engine)
+        async with client(app) as c:
+            start = time.monotonic()
+            r = await c.post(route, json=_v1_or_v2(route, timeout=300_000),
+                             headers={"x-request-timeout": "30"})  # the gate stays shut
+            took = time.monotonic() - start
+            assert r.status_code == 408, r.text
+            assert "deadline" in r.json()["error"]
+            assert 0.25 < took < 5
+            await _until(lambda: not engine.reqs)  # aborted in the engine: nothing held
+            assert len(engine.aborted) == 1
+            assert _metric(model, "vllm:num_requests_timed_out_total") == 1
+            engine.gate.set()
+            for timeout in (30_000_000, "30000000", 0):  # time to spare; 0: none (Triton's)
+                r = await c.post(route, json=_v1_or_v2(route, timeout=timeout))
+                assert r.status_code == 200, r.text
+            assert _metric(model, "vllm:num_requests_timed_out_total") == 1
+        model.stop_engine()
+    run(main())
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "0.5", "abc", True, 86_400_000_001])
+def test_a_malformed_v2_timeout_parameter_is_a_400_before_anything_is_queued(bad):
+    async def main() -> None:
+        app, model, engine = await ready(GatedEngine())
+        async with client(app) as c:
+            for route in (V2, V1):
+                r = await c.post(route, json=_v1_or_v2(route, timeout=bad))
+                assert r.status_code == 400, r.text
+                message = r.json()["error"]
+                assert "parameters.timeout" in message and "microseconds" in message
+            assert not engine.added
         model.stop_engine()
     run(main())
 

@@ -8,7 +8,8 @@ sends the constraint as the request gave it (``StructuredOutputs.to_dict``; a pa
 sent as xgrammar's JSON loses its optimizations and compiles 100x slower), the child parses
 it again and answers the compiled grammar (JSON again,
 ~64 KB for a small schema, deserialized in milliseconds). A compile past the deadline kills the
-child, fails that one constraint, and the next compile starts a fresh child.
+child and fails that one constraint; the next compile takes a spare child started beforehand,
+and another spare starts in the background.
 
 Wire: each message is a 4-byte little-endian length and that many bytes of UTF-8; the first
 message to the child is the tokenizer's info, each later one a constraint; the child answers each
@@ -17,12 +18,15 @@ one with ``"ok" + json`` or ``"er" + message``.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import os
 import select
 import struct
 import subprocess
 import sys
+import threading
 import time
 from typing import IO, Any
 
@@ -58,32 +62,76 @@ def _recv(pipe: IO[bytes]) -> str | None:
 
 
 class CompileWorker:
-    """One child process compiling for one tokenizer; used from one thread at a time."""
+    """A child process compiling for one tokenizer, and a spare one started beside it, so a
+    child killed at the deadline is replaced at once (a start imports xgrammar and torch:
+    seconds, tens of seconds on a loaded machine) while the next spare starts in the
+    background. ``compile`` is called from one thread at a time; spares start on their own."""
 
     def __init__(self, tokenizer_info: Any, timeout_s: float) -> None:
         self.tokenizer_info = tokenizer_info
         self.timeout_s = timeout_s
         self._info_json: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._spare: concurrent.futures.Future | None = None  # of a started child
+        # Two: at the first start, the spare starts beside the first child, not after it.
+        self._launcher = concurrent.futures.ThreadPoolExecutor(
+            2, thread_name_prefix="grammar-start")
+        self._lock = threading.Lock()
+        self._children: set[subprocess.Popen[bytes]] = set()  # every child not yet ended
+        self._closed = False
         self.restarts = 0  # children killed at the deadline (or dead)
 
+    @property
+    def pid(self) -> int | None:
+        """The compiling child's pid (None before the first start, or after a kill)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def spare(self) -> concurrent.futures.Future | None:
+        """The spare child (a future of its process: done once it is ready)."""
+        return self._spare
+
     def start(self) -> subprocess.Popen[bytes]:
-        if self._proc is not None and self._proc.poll() is None:
-            return self._proc
+        """The compiling child: the one alive, else the spare (waiting for it only if it is
+        still starting), a new spare launched at once in either case of replacement."""
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                return self._proc
+            self.kill()  # it died idle
+        for attempt in range(2):  # a spare that died idle: the next one
+            taken = self._spare or self._launcher.submit(self._launch)
+            self._spare = self._launcher.submit(self._launch)
+            try:
+                proc = taken.result()
+            except ValueError:
+                if attempt:
+                    raise
+                continue
+            if proc.poll() is None:
+                self._proc = proc
+                return proc
+            self._end(proc)
+        raise ValueError("the grammar compiler process did not start")
+
+    def _launch(self) -> subprocess.Popen[bytes]:
+        """A child that has read the tokenizer and is ready to compile; ValueError if not."""
         if self._info_json is None:
             self._info_json = self.tokenizer_info.serialize_json()
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen([sys.executable, "-m", "engine.sample.grammar_worker"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         assert proc.stdin is not None and proc.stdout is not None
-        self._proc = proc
+        with self._lock:
+            self._children.add(proc)
+            closed = self._closed
         try:
             _send(proc.stdin, self._info_json)
-            ready = _wait(proc.stdout, STARTUP_TIMEOUT_S) and _recv(proc.stdout) == "ready"
+            ready = (not closed and _wait(proc.stdout, STARTUP_TIMEOUT_S)
+                     and _recv(proc.stdout) == "ready")
         except OSError:
             ready = False
-        if not ready:  # the deadline is for compiling, not for starting the child
-            self.kill()
+        if not ready or self._closed:  # the deadline is for compiling, not for starting
+            self._end(proc)
             raise ValueError("the grammar compiler process did not start")
         return proc
 
@@ -114,18 +162,32 @@ class CompileWorker:
         return xgr.CompiledGrammar.deserialize_json(answer[2:], self.tokenizer_info)
 
     def kill(self) -> None:
+        """End the compiling child; the next compile takes the spare."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
         if proc is not None:
+            self._end(proc)
             self.restarts += 1
 
-    def close(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
+    def _end(self, proc: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._children.discard(proc)
+        if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+    def close(self) -> None:
+        """End every child, the spare and one still starting included."""
+        with self._lock:
+            self._closed = True
+            children = list(self._children)
+        self._proc = self._spare = None
+        self._launcher.shutdown(wait=False, cancel_futures=True)
+        for proc in children:
+            self._end(proc)
 
 
 def main() -> None:
