@@ -13,8 +13,8 @@ figure. Both must return every requested token; whether the second pass's tokens
 first's is recorded (greedy over the same weights: they should). transformers `generate`
 (left-padded static batches of 16, bench/peers/hf_offline.py) runs W1 once on the same model
 shape for the ratio. `--tiny` (and any run without CUDA: Triton interpreted, float32) uses the
-tiny shape (with W1's vocabulary), W1's first 4 requests cut to 24 prompt
-tokens and 8 output tokens each. The last stdout line is JSON.
+tiny shape (with W1's vocabulary), W1's first 3 requests cut to 16 prompt
+tokens and 6 output tokens each. The last stdout line is JSON.
 """
 
 from __future__ import annotations
@@ -107,10 +107,10 @@ def run(tiny: bool, peer: bool, num_prompts: int | None = None,
     tiny = tiny or device == "cpu"
     shape = TINY_W1 if tiny else LLAMA3_8B
     dtype = "bfloat16" if device == "cuda" else "float32"
-    reqs = load_workload("random", num_prompts or (4 if tiny else None),
-                         max_tokens or (8 if tiny else None))
-    if tiny:  # interpreted prefill costs seconds per row: the first 24 tokens of each prompt
-        reqs = [{**r, "prompt_token_ids": r["prompt_token_ids"][:24]} for r in reqs]
+    reqs = load_workload("random", num_prompts or (3 if tiny else None),
+                         max_tokens or (6 if tiny else None))
+    if tiny:  # interpreted prefill costs a fraction of a second per row: 16 tokens a prompt
+        reqs = [{**r, "prompt_token_ids": r["prompt_token_ids"][:16]} for r in reqs]
     out: dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda"
                            else "cpu (Triton interpreted)", "shape": "tiny" if tiny
                            else "llama3-8b", "dtype": dtype, "requests": len(reqs),

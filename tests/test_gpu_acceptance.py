@@ -57,7 +57,8 @@ def test_dry_run_passes_every_stage_without_the_missing_packages(
     assert versions["importable"] == {"kserve": False, "gguf": False}  # the block held
     assert "passed" in results["kernel-tests"]["output_tail"]
     assert results["launch-count"]["data"]["llama"]["layer"]["total"] <= 12
-    assert results["engine-equality"]["data"]["results"]["llama/basic"]["ok"]
+    assert results["engine-equality"]["data"]["results"]["llama/graphs"]["ok"]
+    assert results["engine-equality-bf16"]["data"]["results"]["llama/graphs"]["ok"]
     assert results["host-syncs"]["data"]["decode"]["total"] == 1
     assert results["big-kv"]["data"]["splits"]["32"]["padded_zero"]
     assert results["decode-8b"]["data"]["runs"]["eager"]["steps"][0]["batch"] == 1
