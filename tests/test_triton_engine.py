@@ -5,8 +5,9 @@ speculation, a LoRA batch and decode through the CUDA-graph runner's padded buff
 recording stand-in on CPU), with the fused layer ops in the path.
 
 `bench/engine_equality.py`'s `run` serves each model's scenarios in the session's GPU-path
-worker (tests/helpers/gpu_path_worker.py: one child process, Triton interpreted without CUDA). Llama's scenarios but
-LoRA are the unmarked part (about 40 s here); the other families and LoRA are `slow`.
+worker (tests/helpers/gpu_path_worker.py: one child process, Triton interpreted without
+CUDA). Llama's scenarios but LoRA are the unmarked part; the other families and LoRA are
+`slow`.
 """
 
 from __future__ import annotations
