@@ -28,23 +28,30 @@ is warm for the next. Stages today:
 - `decode-8b`: bench/decode_8b.py: a Llama-3-8B-shaped model (dummy weights, a tokenizer
   built at run time) decoding at batch 1/16/64/256, each step timed between syncs, graphs off
   and on, against its memory floor (figures: recorded, not judged).
-
+- `w1-8b`: bench/w1_8b.py: W1 twice through the engine on the same 8B shape (every token
+  returned both times), transformers on W1 for the ratio (figures: recorded, not judged).
+- `profile-step`: bench/profile_step.py: one decode step of the 8B shape at batch 64 under
+  torch.profiler, eager and graphed: kernel launches and the GPU-busy fraction.
 - `attention-bw`: bench/gpu_check.py: paged decode attention of an 8B layer at batch
   1/16/64/256 x 512/4k context against the copy bandwidth (figures: recorded, not judged).
 
-Not yet stages (issue 32, item 7, pending): W1 twice, and the launches and GPU-busy fraction
-of a profiled step (bench/gpu_engine.py runs W1 with the default model's tokenizer, which the
-minimal image does not have). `--dry-run` runs every stage on
-CPU, Triton in its interpreter, at tiny sizes (tests/test_gpu_acceptance.py runs it). Exit
+Time: the whole run fits 8 minutes on one H200. Each stage has a budget (`Stage.budget`, an
+estimate for a cold Triton cache; they sum to `TOTAL_BUDGET_S`); a stage may also use what the
+stages before it left unused, never what the stages after it are owed, so the run never
+passes the total and a stage that ends early does not waste its time. `--dry-run` runs every
+stage on CPU, Triton in its interpreter, at tiny sizes, with budgets of its own
+(tests/test_gpu_acceptance.py runs it). Exit
 status 0 when every stage passed; `DIR/summary.json` lists each stage's status.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -78,14 +85,19 @@ SUPPORTED = ("torch", "triton", "transformers")
 
 @dataclass
 class Stage:
-    """One stage: its command, its time limit, and how its output becomes data and a verdict
-    (`judge` returns None when the data pass, else why not)."""
+    """One stage: its command, its time budget in seconds on the GPU (`budget`) and in the dry
+    run (`dry_budget`; default the same), and how its output becomes data and a verdict (`judge`
+    returns None when the data pass, else why not)."""
 
     name: str
     cmd: Callable[[argparse.Namespace], list[str]]
-    timeout: Callable[[argparse.Namespace], int]
+    budget: int
+    dry_budget: int | None = None
     parse_json: bool = False
     judge: Callable[[Any], str | None] | None = None
+
+    def seconds(self, dry_run: bool) -> int:
+        return self.dry_budget if dry_run and self.dry_budget is not None else self.budget
 
 
 def _versions_cmd(args: argparse.Namespace) -> list[str]:
@@ -120,7 +132,9 @@ def _judge_launches(data: dict[str, Any]) -> str | None:
 def _equality_cmd(dtype: str) -> Callable[[argparse.Namespace], list[str]]:
     def cmd(args: argparse.Namespace) -> list[str]:
         base = [sys.executable, "bench/engine_equality.py", "--json", "--dtype", dtype]
-        return base + (["--models", "llama", "--scenarios", "basic"] if args.dry_run else [])
+        # The dry run checks the stage's plumbing; the scenarios themselves are
+        # tests/test_triton_engine.py's. `graphs` is the cheapest interpreted (short prompts).
+        return base + (["--models", "llama", "--scenarios", "graphs"] if args.dry_run else [])
     return cmd
 
 
@@ -136,6 +150,15 @@ def _big_kv_cmd(args: argparse.Namespace) -> list[str]:
 
 def _decode_cmd(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "bench/decode_8b.py", "--json"] + (["--tiny"] if args.dry_run else [])
+
+
+def _w1_cmd(args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "bench/w1_8b.py", "--json"] + (["--tiny"] if args.dry_run else [])
+
+
+def _profile_cmd(args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "bench/profile_step.py", "--json"] + (
+        ["--tiny"] if args.dry_run else [])
 
 
 def _attention_bw_cmd(args: argparse.Namespace) -> list[str]:
@@ -161,24 +184,32 @@ def _judge_versions(data: dict[str, Any]) -> str | None:
     return f"outside pyproject's ranges: {outside}" if outside else None
 
 
+# Budgets (seconds on one H200, a cold Triton cache; dry run on 2 shared CPU cores): estimates
+# from the work each stage does (compiles, model loads, steps), to be replaced by the first GPU
+# run's `seconds` (summary.json). The GPU budgets sum to TOTAL_BUDGET_S.
 STAGES = [
-    Stage("versions", _versions_cmd, lambda a: 120, parse_json=True, judge=_judge_versions),
-    Stage("kernel-tests", _kernel_tests_cmd, lambda a: 240 if a.dry_run else 330),
-    Stage("launch-count", _launch_cmd, lambda a: 240 if a.dry_run else 120, parse_json=True,
-          judge=_judge_launches),
-    Stage("engine-equality", _equality_cmd("float32"), lambda a: 300 if a.dry_run else 150,
-          parse_json=True, judge=_judge_ok),
-    Stage("engine-equality-bf16", _equality_cmd("bfloat16"),
-          lambda a: 300 if a.dry_run else 120, parse_json=True, judge=_judge_ok),
-    Stage("host-syncs", _host_syncs_cmd, lambda a: 300 if a.dry_run else 90, parse_json=True,
-          judge=_judge_syncs),
-    Stage("big-kv", _big_kv_cmd, lambda a: 300 if a.dry_run else 90, parse_json=True,
+    Stage("versions", _versions_cmd, 10, 120, parse_json=True, judge=_judge_versions),
+    Stage("kernel-tests", _kernel_tests_cmd, 100, 240),
+    Stage("launch-count", _launch_cmd, 15, 240, parse_json=True, judge=_judge_launches),
+    Stage("engine-equality", _equality_cmd("float32"), 45, 300, parse_json=True,
           judge=_judge_ok),
-    Stage("decode-8b", _decode_cmd, lambda a: 300 if a.dry_run else 240, parse_json=True,
+    Stage("engine-equality-bf16", _equality_cmd("bfloat16"), 35, 300, parse_json=True,
           judge=_judge_ok),
-    Stage("attention-bw", _attention_bw_cmd, lambda a: 240 if a.dry_run else 150,
-          parse_json=True),
+    Stage("host-syncs", _host_syncs_cmd, 20, 300, parse_json=True, judge=_judge_syncs),
+    Stage("big-kv", _big_kv_cmd, 25, 300, parse_json=True, judge=_judge_ok),
+    Stage("decode-8b", _decode_cmd, 70, 300, parse_json=True, judge=_judge_ok),
+    Stage("w1-8b", _w1_cmd, 80, 300, parse_json=True, judge=_judge_ok),
+    Stage("profile-step", _profile_cmd, 30, 240, parse_json=True, judge=_judge_ok),
+    Stage("attention-bw", _attention_bw_cmd, 40, 240, parse_json=True),
 ]
+TOTAL_BUDGET_S = 470  # 8 minutes less the parent's own start and the JSON writing
+
+
+def time_limit(budgets: list[int], spent: list[float]) -> int:
+    """The next stage's limit: its own budget, plus what the stages before it left unused
+    (`spent`: their seconds), never what the stages after it are owed."""
+    i = len(spent)
+    return max(1, int(sum(budgets[:i + 1]) - sum(spent)))
 
 
 def stage_versions() -> dict[str, Any]:
@@ -235,20 +266,34 @@ def _child_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def run_stage(stage: Stage, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one stage's child; never raises for the stage's own failure."""
-    cmd, limit = stage.cmd(args), stage.timeout(args)
-    result: dict[str, Any] = {"stage": stage.name, "cmd": " ".join(cmd), "timeout_s": limit}
+def _run(cmd: list[str], env: dict[str, str], limit: int) -> tuple[int | None, str, str]:
+    """(exit status or None on timeout, stdout, stdout + stderr). The child leads its own
+    process group, killed whole at the limit: pytest-xdist workers or a compiler left behind
+    would hold the pipes open and the run past its budget."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err,
+                                start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            rc = None
+        with contextlib.suppress(ProcessLookupError):  # at the limit, or what it left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout = out.read().decode(errors="replace")
+        return rc, stdout, stdout + err.read().decode(errors="replace")
+
+
+def run_stage(stage: Stage, args: argparse.Namespace, limit: int) -> dict[str, Any]:
+    """Run one stage's child for at most `limit` seconds; never raises for the stage's own
+    failure."""
+    cmd = stage.cmd(args)
+    result: dict[str, Any] = {"stage": stage.name, "cmd": " ".join(cmd), "timeout_s": limit,
+                              "budget_s": stage.seconds(args.dry_run)}
     t0 = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(args), capture_output=True,
-                              text=True, timeout=limit)
-        rc, text = proc.returncode, proc.stdout + proc.stderr
-        stdout = proc.stdout
-    except subprocess.TimeoutExpired as exc:
-        rc, stdout = None, ""
-        text = "".join(x.decode() if isinstance(x, bytes) else (x or "")
-                       for x in (exc.stdout, exc.stderr))
+    rc, stdout, text = _run(cmd, _child_env(args), limit)
     result["seconds"] = round(time.monotonic() - t0, 1)
     result["rc"] = rc
     result["output_tail"] = text[-6000:]
@@ -301,8 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"dry_run": args.dry_run, "stages": {}, "left_out": LEFT_OUT}
     t0 = time.monotonic()
-    for stage in (s for s in STAGES if s.name in names):
-        result = run_stage(stage, args)
+    chosen = [s for s in STAGES if s.name in names]
+    budgets, spent = [s.seconds(args.dry_run) for s in chosen], []
+    summary["budget_s"] = sum(budgets)
+    for stage in chosen:
+        result = run_stage(stage, args, time_limit(budgets, spent))
+        spent.append(result["seconds"])
         (args.out / f"{stage.name}.json").write_text(json.dumps(result, indent=1))
         summary["stages"][stage.name] = result["status"]
         print(f"{stage.name}: {result['status']} in {result['seconds']} s"

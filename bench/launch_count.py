@@ -142,6 +142,12 @@ def count_decode_step(name: str = "llama", batch: int = 3, padded: int = 1, laye
     }
 
 
+def count_steps(names: list[str], batch: int = 3, padded: int = 1, layers: int = 2,
+                unfused: bool = False) -> dict[str, Any]:
+    """`count_decode_step` for each model of `names`: what --json prints."""
+    return {n: count_decode_step(n, batch, padded, layers, unfused) for n in names}
+
+
 def _as_dict(count: LaunchCount) -> dict[str, Any]:
     return {"total": count.total, "syncs": count.syncs, "triton": dict(count.triton),
             "aten": dict(count.aten), "table": count.table()}
@@ -159,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.models.split(",")
     if any(n not in MODELS for n in names):
         parser.error(f"--models: choose from {MODELS}")
-    results = {n: count_decode_step(n, args.batch, args.padded, args.layers, args.unfused)
-               for n in names}
+    results = count_steps(names, args.batch, args.padded, args.layers, args.unfused)
     if args.json:
         print(json.dumps(results))
         return 0

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.helpers.gpu_path_worker import GpuPathWorker
 from tests.helpers.triton import TritonKernels, prepare_interpreter
 
 prepare_interpreter()  # before any test module imports torch's compiler (which imports Triton)
@@ -40,3 +41,20 @@ def triton_interpreter() -> Iterator[TritonKernels]:
         yield kernels
     finally:
         kernels.close()
+
+
+@pytest.fixture(scope="session")
+def gpu_path() -> Iterator[GpuPathWorker]:
+    """`gpu_path.call("host_syncs", "run", cases=[...])`: a bench script's function run on the
+    GPU path (the Triton backend, interpreted without CUDA) in the session's one child process
+    (tests/helpers/gpu_path_worker.py); skips without transformers or Triton."""
+    import importlib.util
+
+    pytest.importorskip("transformers")
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    worker = GpuPathWorker()
+    try:
+        yield worker
+    finally:
+        worker.close()

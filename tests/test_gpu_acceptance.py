@@ -57,10 +57,16 @@ def test_dry_run_passes_every_stage_without_the_missing_packages(
     assert versions["importable"] == {"kserve": False, "gguf": False}  # the block held
     assert "passed" in results["kernel-tests"]["output_tail"]
     assert results["launch-count"]["data"]["llama"]["layer"]["total"] <= 12
-    assert results["engine-equality"]["data"]["results"]["llama/basic"]["ok"]
+    assert results["engine-equality"]["data"]["results"]["llama/graphs"]["ok"]
+    assert results["engine-equality-bf16"]["data"]["results"]["llama/graphs"]["ok"]
     assert results["host-syncs"]["data"]["decode"]["total"] == 1
     assert results["big-kv"]["data"]["splits"]["32"]["padded_zero"]
     assert results["decode-8b"]["data"]["runs"]["eager"]["steps"][0]["batch"] == 1
+    w1 = results["w1-8b"]["data"]
+    assert w1["engine"]["complete"] and len(w1["engine"]["passes"]) == 2 and w1["ratio"] > 0
+    step = results["profile-step"]["data"]
+    assert step["eager"]["triton_launches"] > 0 and step["graphs"]["launches_counted"] > 0
+    assert step["eager"]["gpu_busy_fraction"] is None and "no CUDA" in step["measured"]
 
 
 def test_a_failing_or_hanging_stage_does_not_stop_the_run(tmp_path: Path,
@@ -68,12 +74,14 @@ def test_a_failing_or_hanging_stage_does_not_stop_the_run(tmp_path: Path,
     acceptance = _acceptance()
     py = sys.executable
 
-    def stage(name: str, code: str, timeout: int = 60, **kw):
-        return acceptance.Stage(name, lambda a: [py, "-c", code], lambda a: timeout, **kw)
+    def stage(name: str, code: str, budget: int = 20, **kw):
+        return acceptance.Stage(name, lambda a: [py, "-c", code], budget, **kw)
 
     monkeypatch.setattr(acceptance, "STAGES", [
-        stage("fails", "import sys; sys.exit(3)"),
-        stage("hangs", "import time; time.sleep(30)", timeout=1),
+        stage("fails", "import sys; sys.exit(3)", budget=1),
+        # Its grandchild holds stdout open past the kill: the run must not wait for it.
+        stage("hangs", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+                       "'import time; time.sleep(60)']); time.sleep(60)", budget=2),
         stage("bad-json", "print('not json')", parse_json=True),
         stage("judged", "print('{\"n\": 13}')", parse_json=True,
               judge=lambda d: "too many" if d["n"] > 12 else None),
@@ -84,6 +92,22 @@ def test_a_failing_or_hanging_stage_does_not_stop_the_run(tmp_path: Path,
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stages"] == {"fails": "fail", "hangs": "timeout", "bad-json": "error",
                                  "judged": "fail", "passes": "pass"}
+    assert summary["seconds"] < 20 and summary["budget_s"] == 63
+    hangs = json.loads((out / "hangs.json").read_text())
+    assert 2 <= hangs["timeout_s"] <= 3  # its budget and what "fails" left unused
     assert json.loads((out / "passes.json").read_text())["data"] == {"n": 1}
     assert json.loads((out / "judged.json").read_text())["why"] == "too many"
     assert acceptance.main(["--out", str(out), "--stages", "nope"]) == 2
+
+
+def test_stage_budgets_fit_eight_minutes_and_pass_on_what_is_unused() -> None:
+    acceptance = _acceptance()
+    budgets = [s.budget for s in acceptance.STAGES]
+    assert sum(budgets) == acceptance.TOTAL_BUDGET_S <= 8 * 60 - 10
+    assert len({s.name for s in acceptance.STAGES}) == len(budgets) and min(budgets) > 0
+    limit = acceptance.time_limit
+    assert limit([10, 20, 30], []) == 10
+    assert limit([10, 20, 30], [4]) == 26  # 6 s left by the first
+    assert limit([10, 20, 30], [4, 26]) == 30  # none left: the third keeps its own
+    assert limit([10, 20], [12]) == 18  # a stage killed a little late: the next pays
+    assert limit([10, 20], [40]) == 1

@@ -1,7 +1,7 @@
 """One host sync per engine step on the GPU path (issue 32, item 4).
 
-`bench/host_syncs.py --json` runs engine steps on the Triton backend (a child process: Triton
-interpreted without CUDA) and counts, by call site, every host read of a tensor
+`bench/host_syncs.py`'s `run` steps the engine on the Triton backend (in the session's GPU-path
+worker, tests/helpers/gpu_path_worker.py: Triton interpreted without CUDA) and counts, by call site, every host read of a tensor
 (`.item()`, `.tolist()`, `bool()`, ...) and pageable `torch.tensor(list, device=)` the
 project's code makes in the device part of one step (tests/helpers/host_reads.py). The count
 is held at one: the read-back of the sampled ids (engine/model_executor/host_io.py), in
@@ -10,35 +10,27 @@ prefill, decode, an n=2 fork's copy-on-write, Mixtral's routed experts and top-p
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from engine.model_executor.host_io import ReadBack, upload
 from engine.sample.sampler import Sampler, make_generator
 from engine.sampling_params import SamplingParams
+from tests.helpers.gpu_path_worker import GpuPathWorker
 from tests.helpers.host_reads import host_reads
-from tests.kernels.interpreted import REPO, child_env
 
 READ_BACK = "engine/model_executor/host_io.py"
 
 
-@pytest.fixture(scope="module")
-def counts() -> dict:
-    pytest.importorskip("transformers")
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed")
-    proc = subprocess.run([sys.executable, "bench/host_syncs.py", "--json"], cwd=REPO,
-                          env=child_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+CASES = ["prefill", "decode", "fork", "moe", "sampled"]
 
 
-@pytest.mark.parametrize("case", ["prefill", "decode", "fork", "moe", "sampled"])
+@pytest.fixture
+def counts(gpu_path: GpuPathWorker) -> dict:
+    return gpu_path.call("host_syncs", "run", cases=CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_one_host_read_per_step(counts: dict, case: str) -> None:
     result = counts[case]
     assert result["total"] == 1, result["sites"]

@@ -1,37 +1,27 @@
 """A decode step on the Triton backend with the fused layer ops launches at most 12 kernels per
 Llama decoder layer (issue 32), and computes what the eager path computes, for Llama and Gemma 3.
 
-`bench/launch_count.py --json` runs in a child process (Triton's interpreter without CUDA:
-tests/kernels/interpreted.py says why a child), counting with `kernels.launches`.
+`bench/launch_count.py`'s `count_steps` runs in the session's GPU-path worker
+(tests/helpers/gpu_path_worker.py: Triton's interpreter without CUDA), counting with
+`kernels.launches`.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 import torch
 
 from kernels.launches import counting
-from tests.kernels.interpreted import REPO, child_env
+from tests.helpers.gpu_path_worker import GpuPathWorker
 
 MAX_PER_LAYER = 12
 
 
-@pytest.fixture(scope="module")
-def step() -> dict:
-    pytest.importorskip("transformers")
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed")
-    proc = subprocess.run([sys.executable, "bench/launch_count.py", "--json",
-                           "--models", "llama,gemma3"], cwd=REPO,
-                          env=child_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.fixture
+def step(gpu_path: GpuPathWorker) -> dict:
+    return gpu_path.call("launch_count", "count_steps", names=["llama", "gemma3"])
 
 
 def test_one_decoder_layer_launches_at_most_a_dozen_kernels(step: dict) -> None:

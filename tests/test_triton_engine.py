@@ -4,45 +4,31 @@ chunked prefill, preemption and prefix hits, n=2 forks with copy-on-write, beam 
 speculation, a LoRA batch and decode through the CUDA-graph runner's padded buffers (the
 recording stand-in on CPU), with the fused layer ops in the path.
 
-`bench/engine_equality.py --json` runs each model's scenarios in one child process (Triton
-interpreted without CUDA; tests/kernels/interpreted.py says why a child). Llama's scenarios but
-LoRA are the unmarked part (about 40 s here); the other families and LoRA are `slow`.
+`bench/engine_equality.py`'s `run` serves each model's scenarios in the session's GPU-path
+worker (tests/helpers/gpu_path_worker.py: one child process, Triton interpreted without
+CUDA). Llama's scenarios but LoRA are the unmarked part; the other families and LoRA are
+`slow`.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import subprocess
 import sys
 
 import pytest
 
-from tests.kernels.interpreted import REPO, child_env
+from tests.helpers.gpu_path_worker import GpuPathWorker
+from tests.kernels.interpreted import REPO
 
 FAST = ("llama", "basic,forks,beam,ngram,graphs")
 SLOW = [("llama", "lora"), ("qwen3", "basic,forks,beam,ngram,graphs"),
         ("gemma3", "basic,forks,beam,ngram"), ("mixtral", "basic,forks,beam,ngram,graphs")]
-_RUNS: dict[tuple[str, str], dict] = {}
 
 
-def _results(model: str, scenarios: str) -> dict:
-    """The child's results for one model (run once per module)."""
-    pytest.importorskip("transformers")
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed")
-    key = (model, scenarios)
-    if key not in _RUNS:
-        proc = subprocess.run([sys.executable, "bench/engine_equality.py", "--json",
-                               "--models", model, "--scenarios", scenarios], cwd=REPO,
-                              env=child_env(), capture_output=True, text=True, timeout=600)
-        assert proc.stdout.strip(), proc.stderr[-4000:]
-        _RUNS[key] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return _RUNS[key]
-
-
-def _assert_ok(model: str, scenarios: str, scenario: str) -> dict:
-    data = _results(model, scenarios)
+def _assert_ok(gpu_path: GpuPathWorker, model: str, scenarios: str, scenario: str) -> dict:
+    """One scenario's result from the script's run of `model` over `scenarios` (run once per
+    session in the GPU-path worker, the same code as `bench/engine_equality.py --json`)."""
+    data = gpu_path.call("engine_equality", "run", models=[model],
+                         scenarios=scenarios.split(","), dtype="float32")
     assert data["dtype"] == "float32"
     res = data["results"][f"{model}/{scenario}"]
     if res["ok"] is None:
@@ -52,8 +38,8 @@ def _assert_ok(model: str, scenarios: str, scenario: str) -> dict:
 
 
 @pytest.mark.parametrize("scenario", FAST[1].split(","))
-def test_llama_on_triton_equals_transformers(scenario: str) -> None:
-    res = _assert_ok(FAST[0], FAST[1], scenario)
+def test_llama_on_triton_equals_transformers(gpu_path: GpuPathWorker, scenario: str) -> None:
+    res = _assert_ok(gpu_path, FAST[0], FAST[1], scenario)
     # What each scenario claims to cover happened (the child checks these too).
     if scenario == "basic":
         assert res["prefix_cache_hits"] > 0 and res["num_preemptions"] > 0
@@ -67,9 +53,10 @@ def test_llama_on_triton_equals_transformers(scenario: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,scenarios", SLOW)
-def test_families_on_triton_equal_transformers(model: str, scenarios: str) -> None:
+def test_families_on_triton_equal_transformers(gpu_path: GpuPathWorker, model: str,
+                                               scenarios: str) -> None:
     for scenario in scenarios.split(","):
-        _assert_ok(model, scenarios, scenario)
+        _assert_ok(gpu_path, model, scenarios, scenario)
 
 
 def test_a_wrong_token_is_reported() -> None:
