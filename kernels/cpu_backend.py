@@ -217,10 +217,12 @@ def _prefill_native(query: torch.Tensor) -> bool:
 
 def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float, *, decode_token_budget: int | None = None,
-                        window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                        window: int | None = None, softcap: float | None = None,
+                        causal: bool = True) -> torch.Tensor:
     """Varlen paged attention (contract in docs/kernels.md) with batched gathers + SDPA, or
     the native row kernel on CPU. The plan is derived from `meta` once per step (per window).
-    `window` / `softcap`: a sliding-window or soft-capped layer (see the module docstring)."""
+    `window` / `softcap`: a sliding-window or soft-capped layer (see the module docstring).
+    `causal` False: bidirectional (encoders), one SDPA per sequence over its whole context."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -229,6 +231,10 @@ def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
     out = torch.empty_like(query)
     if query.dtype != kv_cache.dtype:
         query = query.to(kv_cache.dtype)
+    if not causal:
+        _attend_bidirectional(query, kv_cache, _plan_for(meta, block_size, decode_token_budget),
+                              meta.block_tables, scale, out)
+        return out
     native = cpu_native.usable(query, kv_cache)
     shaped = window is not None or bool(softcap)  # a windowed / soft-capped layer
     plan = _plan_for(meta, block_size, decode_token_budget)
@@ -301,3 +307,26 @@ def _attend_windowed(query: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, s
         else:
             o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=item.mask, scale=scale)
         out[item.q_start:item.q_end] = o.reshape(num_heads, q_len, head_dim).transpose(0, 1)
+
+
+def _attend_bidirectional(query: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan,
+                          block_tables: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """Each sequence's new tokens over every key of its context, no mask: the prefill items
+    of the step's plan, and its one-token sequences (decode rows) each as a sequence too."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    items = [(p.q_start, p.q_end, p.seq_len, p.block_idx) for p in plan.prefill]
+    if plan.decode_rows is not None:
+        tok, lens, seq = (t.tolist() for t in plan.decode_rows)
+        items += [(t, t + 1, n, block_tables[s, :-(-n // block_size)].long())
+                  for t, n, s in zip(tok, lens, seq)]
+    out[plan.num_valid_tokens:].zero_()
+    for q_start, q_end, seq_len, block_idx in items:
+        q_len = q_end - q_start
+        kv = kv_cache.index_select(1, block_idx).view(2, -1, num_kv_heads, head_dim)[:, :seq_len]
+        kv = kv.permute(0, 2, 1, 3).unsqueeze(2).expand(2, num_kv_heads, group, seq_len,
+                                                       head_dim)
+        q = query[q_start:q_end].transpose(0, 1).reshape(num_kv_heads, group, q_len, head_dim)
+        o = F.scaled_dot_product_attention(q, kv[0], kv[1], scale=scale)
+        out[q_start:q_end] = o.reshape(num_heads, q_len, head_dim).transpose(0, 1)
