@@ -133,7 +133,9 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} "
                              f"(got {self.scheduling_policy!r})")
 
-    def scheduler_config(self) -> SchedulerConfig:
+    def scheduler_config(self, chunked_prefill: bool = True) -> SchedulerConfig:
+        """`chunked_prefill` False: the model computes a prompt whole (encoders)."""
         return SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                max_num_batched_tokens=self.max_num_batched_tokens,
-                               policy=self.scheduling_policy, max_loras=self.max_loras)
+                               policy=self.scheduling_policy, max_loras=self.max_loras,
+                               chunked_prefill=chunked_prefill)

@@ -10,6 +10,7 @@ Start-up decisions (model folder, KV-cache size): `startup.py`.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from engine.lora import LoRAManager, LoRARequest
 from engine.model_executor.model_loader import load_tokenizer
 from engine.model_executor.models import architecture_of
 from engine.model_info import ModelInfo
-from engine.model_job import pooler_config, resolve_job
+from engine.model_job import ENCODER_ARCHITECTURES, pooler_config, resolve_job
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.parallel_sampling import SampleGroups
@@ -81,6 +82,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         logger.info("weights loaded in %.1f s", time.monotonic() - t0)
         arch = architecture_of(self.hf_config)
+        self.encoder = arch in ENCODER_ARCHITECTURES  # whole prompts, bidirectional
+        if self.encoder:  # token types from [SEP] (engine/model_executor/models/bert.py)
+            self.model.sep_token_id = getattr(self.tokenizer, "sep_token_id", None)
         self.job = resolve_job(config.runner, config.convert, arch, self.model_path)
         self.pooling = None if self.job == "generate" else PoolingPipeline(
             self.model, pooler_config(self.job, arch, self.model_path))
@@ -96,9 +100,14 @@ class LLMEngine:
         """KV blocks by the sizing rule (engine/core/kv_sizing.py), and max_model_len capped
         to the longest request the cache holds alone."""
         config = self.config
+        if self.encoder and config.num_kv_blocks is None and config.kv_cache_memory is None:
+            # Nothing outlives a step: room for one step's tokens, a partial block per seq.
+            config = dataclasses.replace(config, num_kv_blocks=-(
+                -config.max_num_batched_tokens // config.block_size) + config.max_num_seqs)
         size = startup.size_cache(config, self.model, draft_model, self.dtype, self.device)
         self.kv_layout, self.num_kv_blocks = size.layout, size.num_blocks
-        max_len = config.max_model_len or self.model.max_position_embeddings
+        max_len = (config.max_model_len or startup.encoder_max_len(self.model_path)
+                   or self.model.max_position_embeddings)
         fits = startup.longest_fit(size.layout, max_len, config.max_num_batched_tokens,
                                    config.block_size, size.num_blocks)
         if fits < max_len:
@@ -122,7 +131,8 @@ class LLMEngine:
                                  hash_algo=config.prefix_caching_hash_algo,
                                  group_windows=self.kv_layout.group_windows)
         self.kv_events = startup.kv_event_publisher(config, self.kv, self.device)
-        self.scheduler = Scheduler(config.scheduler_config(), self.kv, max_len)
+        self.scheduler = Scheduler(config.scheduler_config(chunked_prefill=not self.encoder),
+                                   self.kv, max_len)
         self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,
                                   self.device, layout=self.kv_layout, **sizes)
         # Tensor parallelism: each worker its share of every block, the same ids.

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.model_executor.models.architectures import BERT_FAMILY as ENCODER_ARCHITECTURES
 from engine.model_executor.pooler import PoolerConfig, read_pooler_config
 
 # vLLM's --runner and --convert (its old --task is gone).
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
-# Architectures that only encode (no LM head, bidirectional): pooling models only.
-ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification")
 
 
 def _classifies(architecture: str) -> bool:

@@ -33,6 +33,19 @@ def resolve_model_path(config: EngineConfig) -> str:
     return str(config.model)
 
 
+def encoder_max_len(model_path: str) -> int | None:
+    """The longest input a sentence-transformers model was trained on (`max_seq_length` of
+    sentence_bert_config.json), its context window as vLLM reads it; None without one."""
+    import json
+    from pathlib import Path
+
+    file = Path(model_path) / "sentence_bert_config.json"
+    if not file.is_file():
+        return None
+    value = json.loads(file.read_text()).get("max_seq_length")
+    return int(value) if value else None
+
+
 def eos_ids(model_path: str, tokenizer: Any) -> tuple[int | None, list[int]]:
     """(EOS id, further ids that also end a request): the tokenizer's EOS first, then those of
     generation_config.json (Llama 3 lists several)."""

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from kernels import cpu_native, settings
 from kernels.metadata import AttentionMetadata
 
-__all__ = ["paged_attention_cpu", "store_kv_cpu"]
+__all__ = ["bidirectional_attention_cpu", "paged_attention_cpu", "store_kv_cpu"]
 
 
 
@@ -217,12 +217,10 @@ def _prefill_native(query: torch.Tensor) -> bool:
 
 def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float, *, decode_token_budget: int | None = None,
-                        window: int | None = None, softcap: float | None = None,
-                        causal: bool = True) -> torch.Tensor:
+                        window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Varlen paged attention (contract in docs/kernels.md) with batched gathers + SDPA, or
     the native row kernel on CPU. The plan is derived from `meta` once per step (per window).
-    `window` / `softcap`: a sliding-window or soft-capped layer (see the module docstring).
-    `causal` False: bidirectional (encoders), one SDPA per sequence over its whole context."""
+    `window` / `softcap`: a sliding-window or soft-capped layer (see the module docstring)."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -231,10 +229,6 @@ def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
     out = torch.empty_like(query)
     if query.dtype != kv_cache.dtype:
         query = query.to(kv_cache.dtype)
-    if not causal:
-        _attend_bidirectional(query, kv_cache, _plan_for(meta, block_size, decode_token_budget),
-                              meta.block_tables, scale, out)
-        return out
     native = cpu_native.usable(query, kv_cache)
     shaped = window is not None or bool(softcap)  # a windowed / soft-capped layer
     plan = _plan_for(meta, block_size, decode_token_budget)
@@ -309,13 +303,17 @@ def _attend_windowed(query: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, s
         out[item.q_start:item.q_end] = o.reshape(num_heads, q_len, head_dim).transpose(0, 1)
 
 
-def _attend_bidirectional(query: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan,
-                          block_tables: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """Each sequence's new tokens over every key of its context, no mask: the prefill items
-    of the step's plan, and its one-token sequences (decode rows) each as a sequence too."""
+def bidirectional_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor,
+                                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Non-causal varlen paged attention (encoders): each sequence's new tokens over every
+    key of its context, one SDPA per sequence with no mask, from the step's plan (its prefill
+    items, and its one-token sequences each as a sequence too)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    query = query.to(kv_cache.dtype)
+    plan, block_tables = _plan_for(meta, block_size, None), meta.block_tables
     items = [(p.q_start, p.q_end, p.seq_len, p.block_idx) for p in plan.prefill]
     if plan.decode_rows is not None:
         tok, lens, seq = (t.tolist() for t in plan.decode_rows)
@@ -330,3 +328,4 @@ def _attend_bidirectional(query: torch.Tensor, kv_cache: torch.Tensor, plan: _Pl
         q = query[q_start:q_end].transpose(0, 1).reshape(num_kv_heads, group, q_len, head_dim)
         o = F.scaled_dot_product_attention(q, kv[0], kv[1], scale=scale)
         out[q_start:q_end] = o.reshape(num_heads, q_len, head_dim).transpose(0, 1)
+    return out

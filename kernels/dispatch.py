@@ -25,7 +25,7 @@ import torch
 import kernels
 from kernels import settings
 from kernels.block_copy import copy_blocks  # noqa: F401 - re-exported by the package
-from kernels.cpu_backend import paged_attention_cpu, store_kv_cpu
+from kernels.cpu_backend import bidirectional_attention_cpu, paged_attention_cpu, store_kv_cpu
 from kernels.metadata import AttentionMetadata
 
 __all__ = list(kernels.__all__)  # the package re-exports exactly these
@@ -143,8 +143,9 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
     name = resolve_backend(query.device, meta.backend, block_size=kv_cache.shape[2],
                            head_dim=query.shape[-1], dtype=query.dtype)
     if name == "cpu":
-        return paged_attention_cpu(query, kv_cache, meta, scale, window=window, softcap=softcap,
-                                   causal=causal)
+        if not causal:
+            return bidirectional_attention_cpu(query, kv_cache, meta, scale)
+        return paged_attention_cpu(query, kv_cache, meta, scale, window=window, softcap=softcap)
     hints = {"max_seq_len": meta.max_seq_len, "max_query_len": meta.max_query_len,
              "window": window, "softcap": softcap}
     if not causal:
