@@ -190,7 +190,13 @@ class LLMEngine:
                          max_model_len=self.max_model_len, vocab_size=self.model.vocab_size,
                          block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks,
                          has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
-                         job=self.job)
+                         job=self.job, labels=self._labels())
+
+    def _labels(self) -> tuple[str, ...]:
+        if self.job != "classify":
+            return ()
+        names = getattr(self.hf_config, "id2label", None) or {}
+        return tuple(str(names.get(i, f"LABEL_{i}")) for i in range(self.hf_config.num_labels))
 
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:

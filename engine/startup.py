@@ -25,9 +25,12 @@ def resolve_model_path(config: EngineConfig) -> str:
     """The folder (or .gguf) to load: the default model, a packaged model's id provisioned and
     converted once (engine/default_model.py), or the path given."""
     from engine.default_model import PACKAGED_MODELS, ensure_default_model, ensure_model
+    from engine.packaged_folders import FOLDER_MODELS, ensure_folder_model
 
     if config.model is None:
         return str(ensure_default_model(progress=logger.info))
+    if config.model in FOLDER_MODELS and not os.path.exists(config.model):
+        return str(ensure_folder_model(config.model, progress=logger.info))
     if config.model in PACKAGED_MODELS and not os.path.exists(config.model):
         return str(ensure_model(config.model, progress=logger.info))
     return str(config.model)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLM
+from tests.helpers.tiny_models import save_cross_encoder
 
 SENTENCES = [
     "A man is eating food.",
@@ -57,26 +58,8 @@ def test_minilm_embeddings_equal_sentence_transformers():
 
 @pytest.fixture(scope="module")
 def cross_encoder(tmp_path_factory):
-    """A tiny random BertForSequenceClassification (3 labels) with a WordPiece tokenizer."""
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
-
     path = tmp_path_factory.mktemp("xenc")
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "cat", "dog", "sat",
-             "on", "mat", "is", "blue", "red", "what", "where", "ran", "fast", "slow", "##s",
-             "##ed"]
-    (path / "vocab.txt").write_text("\n".join(words) + "\n")
-    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
-    config = BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=4, intermediate_size=48, num_labels=3,
-                        max_position_embeddings=64, architectures=[
-                            "BertForSequenceClassification"])
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(path)
-    return path, model
+    return path, save_cross_encoder(path)
 
 
 def test_cross_encoder_logits_equal_transformers_on_pairs(cross_encoder):
