@@ -54,6 +54,17 @@ def test_openai_client_embeddings_float_and_base64(embedder, reference):
     assert abs(np.linalg.norm(short.data[0].embedding) - 1) < 1e-5
 
 
+def test_v2_infer_answers_an_fp32_embedding_tensor(embedder, reference):
+    body = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [3],
+                        "data": SENTENCES}], "parameters": {"dimensions": 384}}
+    r = httpx.post(f"{embedder.url}/v2/models/{MODEL}/infer", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()["outputs"][0]
+    assert (out["name"], out["datatype"], out["shape"]) == ("embedding", "FP32", [3, 384])
+    got = np.array(out["data"], dtype=np.float32).reshape(3, 384)
+    assert ((got * reference).sum(1) >= 0.9999).all()
+
+
 def test_rerank_and_score_order_by_relevance(embedder):
     docs = ["Paris is the capital of France.", "Bananas are yellow.",
             "France's capital city is Paris."]

@@ -42,7 +42,7 @@ class PoolingPipeline:
         """The results (float32, on the CPU) of the pooling requests that ended with their
         prompt computed; forgets every ended request's pool."""
         done = [r for r in ended if r.pooling_params is not None]
-        ready = [r for r in done if r.status is RequestStatus.FINISHED_LENGTH]
+        ready = [r for r in done if r.status is RequestStatus.FINISHED_STOPPED]
         pooled = [self.pools[r.request_id].result() for r in ready]
         self.forget(r.request_id for r in done)
         if not ready:

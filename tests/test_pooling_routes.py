@@ -9,7 +9,7 @@ import torch
 
 from engine.llm_engine import LLMEngine
 from kserve_paged.args import engine_kwargs, parse_args
-from tests.helpers.server import build, client, run
+from tests.helpers.server import NAME, build, client, run
 from tests.helpers.tiny_models import save_cross_encoder
 
 DOCS = ["the cat sat on the mat", "a dog ran fast", "the blue cats"]
@@ -67,8 +67,34 @@ def test_rerank_score_and_classify_equal_transformers(cross_encoder):
                 r = await c.post(route, json=body)
                 assert r.status_code == 400 and why in r.json()["error"]["message"], (route, r.text)
             assert model.llm.engine.kv.num_free_blocks == model.llm.engine.num_kv_blocks
+            await v2_logits_and_metrics(c, model, path, ref)
         model.stop_engine()
     run(main())
+
+
+async def v2_logits_and_metrics(c, model, path, ref) -> None:
+    """v2: an FP32 `logits` tensor [N, num_labels] equal to transformers'; a generation
+    parameter is a 400. Pooling requests count under vLLM's metric names, finished "stop"."""
+    from prometheus_client import generate_latest
+    from transformers import AutoTokenizer
+
+    texts = ["the cat sat", "a red dog"]
+    body = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [2], "data": texts}]}
+    r = await c.post(f"/v2/models/{NAME}/infer", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()["outputs"][0]
+    assert (out["name"], out["datatype"], out["shape"]) == ("logits", "FP32", [2, 3])
+    tok = AutoTokenizer.from_pretrained(path)
+    with torch.inference_mode():
+        want = ref(**tok(texts, return_tensors="pt", padding=True)).logits
+    torch.testing.assert_close(torch.tensor(out["data"]).view(2, 3), want, atol=1e-4, rtol=1e-4)
+    r = await c.post(f"/v2/models/{NAME}/infer", json={**body, "parameters": {"max_tokens": 3}})
+    assert r.status_code == 400 and "max_tokens" in r.text
+    text = generate_latest(model.test_registry).decode()
+    # 3 routes x 3 documents + 2 x 3 scores + 2 classified + 2 through v2
+    assert f'vllm:request_success_total{{finished_reason="stop",model_name="{NAME}"}} 19.0' \
+        in text, text
+    assert f'vllm:request_prompt_tokens_count{{model_name="{NAME}"}} 19.0' in text
 
 
 @pytest.mark.parametrize("argv,runner,convert", [

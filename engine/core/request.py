@@ -132,6 +132,14 @@ class Request:
         return self.num_output_tokens < self.max_tokens
 
     @property
+    def prompt_done_status(self) -> RequestStatus:
+        """How a request that samples nothing ends once its prompt is computed: a pooling
+        request "stop" (as vLLM reports them), prompt scoring (max_tokens=0) "length"."""
+        if self.pooling_params is not None:
+            return RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_LENGTH
+
+    @property
     def is_finished(self) -> bool:
         return self.status.finished
 

@@ -307,7 +307,7 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 if not request.wants_token and request.num_computed_tokens >= request.num_tokens:
-                    self.finish(request, RequestStatus.FINISHED_LENGTH)  # max_tokens=0: scored
+                    self.finish(request, request.prompt_done_status)  # max_tokens=0: scored
                     finished.append(request)
                 continue
             if self.accept_token(request, token, stop_strings):
