@@ -19,6 +19,7 @@ from engine.engine_loop import EngineDeadError, EngineLike, EngineLoop, StepCall
 from engine.lora import LoRARequest
 from engine.model_info import ModelInfo
 from engine.outputs import RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.request_stream import RequestStream, Stream
 from engine.sampling_params import SamplingParams
 
@@ -130,7 +131,8 @@ class AsyncLLM:
                   request_id: str | None = None, *, priority: int = 0,
                   cache_salt: str | None = None,
                   lora_request: LoRARequest | None = None, deadline: float | None = None,
-                  on_deadline: Callable[[], None] | None = None) -> RequestStream:
+                  on_deadline: Callable[[], None] | None = None,
+                  pooling_params: PoolingParams | None = None) -> RequestStream:
         """Queue a request and return its output stream once the engine accepted it. With a
         ``deadline`` (``time.monotonic()``), the stream aborts the request when it passes and
         ends with an error output (RequestStream).
@@ -142,7 +144,7 @@ class AsyncLLM:
         stream = Stream(request_id, asyncio.get_running_loop())
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._loop.add(request_id, prompt, params, priority, cache_salt, lora_request, stream,
-                       future)
+                       future, pooling_params)
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:

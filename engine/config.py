@@ -9,6 +9,7 @@ from typing import Any
 from engine.core.block_hash import HASH_ALGOS
 from engine.core.kv_events import KVEventsConfig
 from engine.core.scheduler import SchedulerConfig
+from engine.model_job import CONVERTS, RUNNERS
 from engine.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -69,6 +70,10 @@ class EngineConfig:
     # Compile each structured-output grammar in a worker process killed after this many
     # seconds (engine/sample/grammar_worker.py); None: in a thread, unbounded (offline use).
     max_grammar_compile_s: float | None = None
+    # The model's one job, as vLLM's --runner (auto, generate, pooling) and --convert (auto,
+    # none, embed, classify) choose it; auto: from the checkpoint (engine/model_job.py).
+    runner: str = "auto"
+    convert: str = "auto"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -121,11 +126,16 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.enable_lora:
             raise ValueError("LoRA adapters are not sharded: enable_lora needs "
                              "tensor_parallel_size 1")
+        if self.runner not in RUNNERS or self.convert not in CONVERTS:
+            raise ValueError(f"runner must be one of {RUNNERS} and convert one of {CONVERTS} "
+                             f"(got {self.runner!r}, {self.convert!r})")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} "
                              f"(got {self.scheduling_policy!r})")
 
-    def scheduler_config(self) -> SchedulerConfig:
+    def scheduler_config(self, chunked_prefill: bool = True) -> SchedulerConfig:
+        """`chunked_prefill` False: the model computes a prompt whole (encoders)."""
         return SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                max_num_batched_tokens=self.max_num_batched_tokens,
-                               policy=self.scheduling_policy, max_loras=self.max_loras)
+                               policy=self.scheduling_policy, max_loras=self.max_loras,
+                               chunked_prefill=chunked_prefill)

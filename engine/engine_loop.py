@@ -35,6 +35,7 @@ from engine.config import EngineConfig
 from engine.lora import LoRARequest
 from engine.model_info import ModelInfo
 from engine.outputs import RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.request_stream import END, Stream
 from engine.sampling_params import SamplingParams
 
@@ -90,6 +91,7 @@ class _Add:
     stream: Stream
     future: concurrent.futures.Future[None]
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -181,10 +183,11 @@ class EngineLoop:
 
     def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
             priority: int, cache_salt: str | None, lora_request: LoRARequest | None,
-            stream: Stream, future: concurrent.futures.Future[None]) -> None:
+            stream: Stream, future: concurrent.futures.Future[None],
+            pooling_params: PoolingParams | None = None) -> None:
         """Queue an add; `future` resolves once the engine accepted (or refused) it."""
         self._submit(_Add(request_id, prompt, params, priority, cache_salt, stream, future,
-                          lora_request))
+                          lora_request, pooling_params))
 
     def call(self, fn: Callable[[Any], Any], future: concurrent.futures.Future[Any]) -> None:
         """Queue `fn(engine)` for the engine thread, between steps; `future` gets its result."""
@@ -319,7 +322,10 @@ class EngineLoop:
                     ValueError(f"request id {cmd.request_id!r} is already in use"))
                 continue
             try:
-                lora = {"lora_request": cmd.lora_request} if cmd.lora_request else {}
+                lora: dict[str, Any] = {"lora_request": cmd.lora_request} \
+                    if cmd.lora_request else {}
+                if cmd.pooling_params is not None:
+                    lora["pooling_params"] = cmd.pooling_params
                 engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                    priority=cmd.priority, cache_salt=cmd.cache_salt, **lora)
             except Exception as exc:  # validation: the caller gets it, the engine goes on

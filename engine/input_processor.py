@@ -21,6 +21,7 @@ from engine.limits import check_prompt_ids
 from engine.lora import LoRAManager, LoRARequest
 from engine.output_processor import OutputProcessor
 from engine.parallel_sampling import SampleGroups
+from engine.pooling_params import PoolingParams, WrongJobError
 from engine.sample.logits_processors import bad_words_token_ids
 from engine.sample.structured_output import GrammarCompiler, RequestGrammar
 from engine.sampling_params import SamplingParams
@@ -34,8 +35,10 @@ class InputProcessor:
     def __init__(self, tokenizer: Any, vocab_size: int, eos: tuple[int | None, list[int]],
                  scheduler: Scheduler, outputs: OutputProcessor, groups: SampleGroups,
                  beams: BeamSearches, lora: LoRAManager | None,
-                 grammar_compile_s: float | None = None) -> None:
+                 grammar_compile_s: float | None = None, job: str = "generate",
+                 hidden_size: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.job, self.hidden_size = job, hidden_size  # the model's one job (model_job.py)
         self.vocab_size = vocab_size
         self.eos_token_id, self.extra_eos = eos
         stop_ids = [t for t in [self.eos_token_id, *self.extra_eos] if t is not None]
@@ -53,8 +56,15 @@ class InputProcessor:
 
     def add(self, request_id: str, prompt: Prompt, params: SamplingParams, *, priority: int,
             cache_salt: str | None, arrival_time: float | None,
-            lora_request: LoRARequest | None) -> None:
-        """Queue a request; raises ValueError (nothing allocated) if it can never run."""
+            lora_request: LoRARequest | None,
+            pooling_params: PoolingParams | None = None) -> None:
+        """Queue a request; raises ValueError (nothing allocated) if it can never run, and
+        WrongJobError for a request of another kind than the model's job."""
+        if pooling_params is not None:  # prompt only: computed, pooled, nothing sampled
+            pooling_params.check(self.job, self.hidden_size)
+            params = SamplingParams(max_tokens=0)
+        elif self.job != "generate":
+            raise WrongJobError(self.job, "generate")
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested but LoRA "
@@ -83,7 +93,9 @@ class InputProcessor:
         if request_id in self.groups or request_id in self.beams:
             raise ValueError(f"request id {request_id!r} is already in use")
         common = (token_ids, text, priority, cache_salt, arrival_time, lora_request)
-        if params.use_beam_search:  # one request; beams fork from it (beam_search.py)
+        if pooling_params is not None:
+            self._add_one(request_id, params, *common).pooling_params = pooling_params
+        elif params.use_beam_search:  # one request; beams fork from it (beam_search.py)
             self.beams.start(self._add_one(request_id, params, *common),
                              self.scheduler.max_model_len)
         elif params.n == 1:

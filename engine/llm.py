@@ -9,6 +9,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.lora import LoRARequest
 from engine.outputs import RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -31,10 +32,7 @@ class LLM:
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in prompt order."""
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -59,6 +57,32 @@ class LLM:
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)  # all or nothing: bad input leaves nothing queued
+            raise
+        return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = False
+              ) -> list[RequestOutput]:
+        """Embed every prompt (an embedding model's job); each output's `pooled` is its
+        embedding, in prompt order."""
+        return self._pool(prompts, pooling_params or PoolingParams(task="embed"), use_tqdm)
+
+    def classify(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False
+                 ) -> list[RequestOutput]:
+        """Classify every prompt (a classification model's job); each output's `pooled` is
+        its logits over the model's labels."""
+        return self._pool(prompts, PoolingParams(task="classify"), use_tqdm)
+
+    def _pool(self, prompts: Prompt | Sequence[Prompt], params: PoolingParams,
+              use_tqdm: bool) -> list[RequestOutput]:
+        ids: list[str] = []
+        try:
+            for prompt in _prompt_list(prompts):
+                rid = self.engine.next_request_id()
+                self.engine.add_request(rid, prompt, pooling_params=params)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)  # all or nothing, as generate
             raise
         return self._run(ids, use_tqdm)
 
@@ -127,3 +151,11 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text, token ids, prompt dict) or a list of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)

@@ -10,6 +10,7 @@ Start-up decisions (model folder, KV-cache size): `startup.py`.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -26,10 +27,14 @@ from engine.core.scheduler_output import SchedulerOutput
 from engine.input_processor import InputProcessor, Prompt
 from engine.lora import LoRAManager, LoRARequest
 from engine.model_executor.model_loader import load_tokenizer
+from engine.model_executor.models import architecture_of
 from engine.model_info import ModelInfo
+from engine.model_job import ENCODER_ARCHITECTURES, pooler_config, resolve_job
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.parallel_sampling import SampleGroups
+from engine.pooling import PoolingPipeline
+from engine.pooling_params import PoolingParams
 from engine.sample.sampler import Sampler
 from engine.sample.structured_output import GrammarBitmask
 from engine.sampling_params import SamplingParams
@@ -76,6 +81,15 @@ class LLMEngine:
             self.model_path, self.dtype, self.device, config.load_format, config.seed)
         self.tokenizer = load_tokenizer(self.model_path)
         logger.info("weights loaded in %.1f s", time.monotonic() - t0)
+        arch = architecture_of(self.hf_config)
+        self.encoder = arch in ENCODER_ARCHITECTURES  # whole prompts, bidirectional
+        if self.encoder:  # token types from [SEP] (engine/model_executor/models/bert.py)
+            self.model.sep_token_id = getattr(self.tokenizer, "sep_token_id", None)
+        self.job = resolve_job(config.runner, config.convert, arch, self.model_path)
+        self.pooling = None if self.job == "generate" else PoolingPipeline(
+            self.model, pooler_config(self.job, arch, self.model_path))
+        if self.job != "generate":
+            logger.info("job %s (%s pooling)", self.job, self.pooling.config.kind)
         spec = config.speculative_config
         if spec is None or spec.method != "draft_model":
             return None
@@ -86,9 +100,14 @@ class LLMEngine:
         """KV blocks by the sizing rule (engine/core/kv_sizing.py), and max_model_len capped
         to the longest request the cache holds alone."""
         config = self.config
+        if self.encoder and config.num_kv_blocks is None and config.kv_cache_memory is None:
+            # Nothing outlives a step: room for one step's tokens, a partial block per seq.
+            config = dataclasses.replace(config, num_kv_blocks=-(
+                -config.max_num_batched_tokens // config.block_size) + config.max_num_seqs)
         size = startup.size_cache(config, self.model, draft_model, self.dtype, self.device)
         self.kv_layout, self.num_kv_blocks = size.layout, size.num_blocks
-        max_len = config.max_model_len or self.model.max_position_embeddings
+        max_len = (config.max_model_len or startup.encoder_max_len(self.model_path)
+                   or self.model.max_position_embeddings)
         fits = startup.longest_fit(size.layout, max_len, config.max_num_batched_tokens,
                                    config.block_size, size.num_blocks)
         if fits < max_len:
@@ -106,11 +125,14 @@ class LLMEngine:
         config, bs, max_len = self.config, self.config.block_size, self.max_model_len
         sizes = {"max_num_batched_tokens": config.max_num_batched_tokens,
                  "max_num_seqs": config.max_num_seqs, "max_model_len": max_len}
-        self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching,
+        # Pooling reads every prompt row it pools: no prefix hits skip them.
+        caching = config.enable_prefix_caching and self.pooling is None
+        self.kv = KVCacheManager(self.num_kv_blocks, bs, caching,
                                  hash_algo=config.prefix_caching_hash_algo,
                                  group_windows=self.kv_layout.group_windows)
         self.kv_events = startup.kv_event_publisher(config, self.kv, self.device)
-        self.scheduler = Scheduler(config.scheduler_config(), self.kv, max_len)
+        self.scheduler = Scheduler(config.scheduler_config(chunked_prefill=not self.encoder),
+                                   self.kv, max_len)
         self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,
                                   self.device, layout=self.kv_layout, **sizes)
         # Tensor parallelism: each worker its share of every block, the same ids.
@@ -133,7 +155,8 @@ class LLMEngine:
         self.inputs = InputProcessor(
             self.tokenizer, self.model.vocab_size,
             startup.eos_ids(self.model_path, self.tokenizer), self.scheduler, self.outputs,
-            groups, self.beams, self.lora, grammar_compile_s=config.max_grammar_compile_s)
+            groups, self.beams, self.lora, grammar_compile_s=config.max_grammar_compile_s,
+            job=self.job, hidden_size=self.model.hidden_size)
         self.grammars = self.inputs.grammars
         self.sampling = SamplingPipeline(
             Sampler(config.seed, ladder=self.runner.attention_backend == "cpu"),
@@ -166,7 +189,14 @@ class LLMEngine:
         return ModelInfo(model_path=self.model_path, tokenizer=self.tokenizer,
                          max_model_len=self.max_model_len, vocab_size=self.model.vocab_size,
                          block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks,
-                         has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)))
+                         has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
+                         job=self.job, labels=self._labels())
+
+    def _labels(self) -> tuple[str, ...]:
+        if self.job != "classify":
+            return ()
+        names = getattr(self.hf_config, "id2label", None) or {}
+        return tuple(str(names.get(i, f"LABEL_{i}")) for i in range(self.hf_config.num_labels))
 
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:
@@ -175,11 +205,13 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     *, priority: int = 0, cache_salt: str | None = None,
                     arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
-        """Queue a request; raises ValueError (nothing allocated) if it can never run."""
+                    lora_request: LoRARequest | None = None,
+                    pooling_params: PoolingParams | None = None) -> None:
+        """Queue a request (a pooling request with `pooling_params`); raises ValueError
+        (nothing allocated) if it can never run, WrongJobError if the model's job is another."""
         self.inputs.add(request_id, prompt, params or SamplingParams(), priority=priority,
                         cache_salt=cache_salt, arrival_time=arrival_time,
-                        lora_request=lora_request)
+                        lora_request=lora_request, pooling_params=pooling_params)
 
     def next_request_id(self) -> str:
         self._counter += 1
@@ -191,6 +223,8 @@ class LLMEngine:
         expanded = self.beams.expand(self.outputs.groups.expand(request_ids))
         self.scheduler.finish_requests(expanded, RequestStatus.FINISHED_ABORTED)
         self.outputs.forget(expanded + request_ids)
+        if self.pooling is not None:
+            self.pooling.forget(expanded)
         if self.spec is not None:
             self.spec.release(self.scheduler.running)
         self._publish_kv_events()  # what the aborts evicted, before the next step's events
@@ -253,7 +287,10 @@ class LLMEngine:
         try:
             if self.fault_hook is not None:
                 self.fault_hook([r.request_id for r in out.scheduled])
-            step = self.sampling.run(out, self.executor.execute(out), forked)
+            result = self.executor.execute(out)
+            if self.pooling is not None:
+                self.pooling.collect(result)
+            step = self.sampling.run(out, result, forked)
         except ExecutorError:
             raise  # the ranks are out of step: fatal to the engine, not to these requests
         except Exception as exc:  # noqa: BLE001 - contain the fault to this step's requests
@@ -269,6 +306,9 @@ class LLMEngine:
         self.generation_tokens += len(sampled) + sum(map(len, step.verified.values()))
         observe = self.outputs.observe_token
         ended = self.scheduler.update_from_output(out, sampled, observe, step.verified)
+        if self.pooling is not None:
+            for rid, vec in self.pooling.finish(ended).items():
+                self.outputs.live[rid].pooled = vec
         for child in step.forked:  # forked after the step: not in its schedule
             if child.request_id in sampled:
                 self.scheduler.accept_token(child, sampled[child.request_id], observe)
@@ -296,13 +336,18 @@ class LLMEngine:
         self.scheduler.finish_requests(self.beams.expand(list(groups)),
                                        RequestStatus.FINISHED_ERROR)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        if self.pooling is not None:
+            self.pooling.forget(ids)
         return self.outputs.error_outputs(ids + sorted(groups), message, status)
 
     # ------------------------------------------------------------ state
     def warmup(self) -> None:
         """Run one tiny request end to end so the first user request pays no first-call costs."""
         rid = "__warmup__"
-        self.add_request(rid, [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
+        if self.pooling is not None:
+            self.add_request(rid, [1, 2, 3, 4], pooling_params=PoolingParams(task=self.job))
+        else:
+            self.add_request(rid, [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
         while self.has_unfinished_requests():
             self.step()
         self.reset_prefix_cache()  # AllBlocksCleared: a router forgets what it knew of this pod

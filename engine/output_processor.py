@@ -37,6 +37,7 @@ class RequestState:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
+    pooled: torch.Tensor | None = None  # a pooling request's result, once its prompt is done
 
 
 class OutputProcessor:
@@ -123,7 +124,7 @@ class OutputProcessor:
             completion.cumulative_logprob = state.cumulative_logprob
         out = RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, [completion],
                             finished, max(req.num_cached_tokens, 0),
-                            dataclasses.replace(state.metrics))
+                            dataclasses.replace(state.metrics), pooled=state.pooled)
         if req.sampling_params.prompt_logprobs is not None:
             # vLLM's shape: None for the first prompt token, then one dict per token.
             out.prompt_logprobs = [None] + [state.prompt_logprobs.get(p)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -61,3 +65,6 @@ class RequestOutput:
     error_status: int | None = None
     # Only when SamplingParams.prompt_logprobs is set: None for the first prompt token.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # A pooling request's result (float32, CPU): its embedding, or its classification logits
+    # (engine/pooling.py); None for generation.
+    pooled: torch.Tensor | None = None

@@ -25,12 +25,28 @@ def resolve_model_path(config: EngineConfig) -> str:
     """The folder (or .gguf) to load: the default model, a packaged model's id provisioned and
     converted once (engine/default_model.py), or the path given."""
     from engine.default_model import PACKAGED_MODELS, ensure_default_model, ensure_model
+    from engine.packaged_folders import FOLDER_MODELS, ensure_folder_model
 
     if config.model is None:
         return str(ensure_default_model(progress=logger.info))
+    if config.model in FOLDER_MODELS and not os.path.exists(config.model):
+        return str(ensure_folder_model(config.model, progress=logger.info))
     if config.model in PACKAGED_MODELS and not os.path.exists(config.model):
         return str(ensure_model(config.model, progress=logger.info))
     return str(config.model)
+
+
+def encoder_max_len(model_path: str) -> int | None:
+    """The longest input a sentence-transformers model was trained on (`max_seq_length` of
+    sentence_bert_config.json), its context window as vLLM reads it; None without one."""
+    import json
+    from pathlib import Path
+
+    file = Path(model_path) / "sentence_bert_config.json"
+    if not file.is_file():
+        return None
+    value = json.loads(file.read_text()).get("max_seq_length")
+    return int(value) if value else None
 
 
 def eos_ids(model_path: str, tokenizer: Any) -> tuple[int | None, list[int]]:

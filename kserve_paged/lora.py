@@ -21,6 +21,7 @@ from kserve.protocol.infer_type import InferRequest, InferResponse
 from engine.async_llm import RequestStream
 from engine.lora import LoRARequest
 from engine.model_info import ModelInfo
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from kserve_paged import v2
 from kserve_paged.served import ServedModel
@@ -70,10 +71,11 @@ class AdapterView:
         return self.base.sampling_params(options, prompt_ids, default_max_tokens)
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, *, kind: str,
-                     priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+                     priority: int = 0, cache_salt: str | None = None,
+                     pooling_params: PoolingParams | None = None) -> RequestStream:
         return await self.base.submit(prompt_ids, params, kind=kind, priority=priority,
                                       cache_salt=cache_salt, lora_request=self.lora,
-                                      served_name=self.name)
+                                      served_name=self.name, pooling_params=pooling_params)
 
 
 class AdapterModel(Model):

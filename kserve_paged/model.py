@@ -31,6 +31,7 @@ from engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from engine.config import EngineConfig
 from engine.lora import LoRARequest
 from engine.model_info import ModelInfo
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from kserve_paged import v2
 from kserve_paged.admission import queue_full, request_deadline
@@ -253,7 +254,8 @@ class PagedLLMModel(Model):
     async def submit(self, prompt_ids: list[int], params: SamplingParams, *, kind: str,
                      priority: int = 0, cache_salt: str | None = None,
                      lora_request: LoRARequest | None = None,
-                     served_name: str | None = None) -> RequestStream:
+                     served_name: str | None = None,
+                     pooling_params: PoolingParams | None = None) -> RequestStream:
         """Hand a validated request to the engine, with the request's deadline
         (admission.py); ValueError -> 400, RequestRefused (429) when the waiting queue is at
         ``max_waiting_requests``. `served_name`: the name the request was sent to (an
@@ -263,7 +265,9 @@ class PagedLLMModel(Model):
             self.metrics.count_rejected("queue_full")
             raise queue_full(waiting, limit)
         request_id = f"{kind}-{uuid.uuid4().hex}"
-        lora = {"lora_request": lora_request} if lora_request is not None else {}
+        lora: dict[str, Any] = {"lora_request": lora_request} if lora_request is not None else {}
+        if pooling_params is not None:  # an embedding or classification (openai/pooling.py)
+            lora["pooling_params"] = pooling_params
         tracer = self.tracer
         if tracer is not None:  # the span is written when the request ends (tracing.py)
             name = served_name or (lora_request.lora_name if lora_request else self.name)

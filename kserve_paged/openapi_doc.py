@@ -33,7 +33,7 @@ _BODILESS_GET = ("400", "404", "503")  # a GET reads no body and queues nothing
 
 
 # vLLM's root routes that answer in OpenAI's error shape (kserve_paged/openai/tokenize.py).
-_OPENAI_SHAPED = frozenset({"/tokenize", "/detokenize"})
+_OPENAI_SHAPED = frozenset({"/tokenize", "/detokenize", "/rerank", "/score", "/classify"})
 _MODELS = {"type": "object", "required": ["object", "data", "models"], "properties": {
     "object": {"type": "string"}, "data": {"type": "array", "items": {"type": "object"}},
     "models": {"type": "array", "items": {"type": "string"}}}}

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from engine.async_llm import RequestStream
 from engine.lora import LoRARequest
 from engine.model_info import ModelInfo
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -57,8 +58,10 @@ class ServedModel(Protocol):
         """A request's options as SamplingParams, validated (OptionError)."""
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, *, kind: str,
-                     priority: int = 0, cache_salt: str | None = None) -> RequestStream:
-        """Hand a validated request to the engine (ValueError: refused; ModelNotReady)."""
+                     priority: int = 0, cache_salt: str | None = None,
+                     pooling_params: PoolingParams | None = None) -> RequestStream:
+        """Hand a validated request to the engine (ValueError: refused; ModelNotReady); with
+        `pooling_params`, a pooling request (kserve_paged/openai/pooling.py)."""
 
 
 async def submit_all(model: ServedModel, prompts: Sequence[list[int]],

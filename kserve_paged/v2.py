@@ -33,6 +33,7 @@ from kserve_paged.sampling import (
 )
 from kserve_paged.served import ServedModel, submit_all
 from kserve_paged.structured import STRUCTURED_OPTION_NAMES
+from kserve_paged.v2_pooling import predict_pooled
 
 logger = logging.getLogger("kserve.paged")
 
@@ -84,6 +85,8 @@ async def predict(model: ServedModel, payload: InferRequest | dict[str, Any]
         raise InvalidInput(f"input '{INPUT_NAME}' must be BYTES (got {tensor.datatype})")
     texts = _texts(tensor)
     options = v2_parameters(payload.parameters)
+    if model.info.job != "generate":  # an FP32 tensor out (kserve_paged/v2_pooling.py)
+        return await predict_pooled(model, payload, texts, options, _TRANSPORT_PARAMETERS)
     result = await _complete_all(model, texts, options)
     outputs = [_bytes_output(OUTPUT_NAME, result.texts, result.n)]
     if result.logprobs is not None:

@@ -10,6 +10,7 @@
   client and a KServe v1 client each find their keys. Registered before KServe's own route,
   which it shadows.
 - ``POST /tokenize``, ``POST /detokenize``: openai/tokenize.py.
+- ``POST /rerank``, ``/score``, ``/classify``: a pooling model's routes (openai/pooling.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from fastapi.responses import JSONResponse, Response
 
 from kserve_paged.model import PagedLLMModel
 from kserve_paged.openai.handlers import OpenAIRoutes, in_openai_shape
+from kserve_paged.openai.openapi import pooling_operation_schema
 from kserve_paged.openai.parse import parse_body
+from kserve_paged.openai.pooling_schemas import ClassifyBody, RerankBody, ScoreBody
 from kserve_paged.openai.tokenize import DetokenizeBody, TokenizeBody, detokenize, tokenize
 from kserve_paged.vllm_flags import VLLM_CLI_VERSION, package_version
 
@@ -70,3 +73,11 @@ def register_vllm_routes(app: FastAPI, model: PagedLLMModel, routes: OpenAIRoute
                       response_model=None, tags=["OpenAI"])
     app.add_api_route("/detokenize", in_openai_shape(detokenize_route), methods=["POST"],
                       response_model=None, tags=["OpenAI"])
+    names = list(routes.models)
+    for path, handler, body, what in (
+            ("/rerank", routes.rerank, RerankBody, "Ranked documents"),
+            ("/score", routes.score, ScoreBody, "One score per pair"),
+            ("/classify", routes.classify, ClassifyBody, "Each input's label and probabilities")):
+        app.add_api_route(path, in_openai_shape(handler), methods=["POST"], response_model=None,
+                          tags=["OpenAI"], openapi_extra=pooling_operation_schema(body, names,
+                                                                                  what))

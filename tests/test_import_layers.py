@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("engine/core/",)),
     ("sample", ("engine/sample/",)),
     ("model_executor", ("engine/model_executor/", "engine/lora/")),
-    ("shared", ("engine/distributed/", "engine/sampling_params.py", "engine/limits.py",
+    ("shared", ("engine/distributed/", "engine/sampling_params.py", "engine/pooling_params.py",
+                "engine/limits.py",
                 "engine/outputs.py")),
     ("kernels", ("kernels/",)),
 ]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.limits import EMPTY_PROMPT, past_min_tokens
 from engine.lora.request import LoRARequest
+from engine.pooling_params import PoolingParams
 from engine.sample.structured_output import RequestGrammar
 from engine.sampling_params import SamplingParams
 
@@ -67,6 +68,9 @@ class Request:
     # Draft tokens proposed for the next step (speculative decoding); never part of the
     # request's tokens until verified.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A pooling request (embedding, classification): its prompt is computed and pooled, nothing
+    # sampled (its sampling params say max_tokens=0).
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:  # an invariant of every request the scheduler holds
@@ -126,6 +130,14 @@ class Request:
         """Whether computing to the end samples a token: not for max_tokens=0 (prompt
         scoring), which ends once its prompt is computed."""
         return self.num_output_tokens < self.max_tokens
+
+    @property
+    def prompt_done_status(self) -> RequestStatus:
+        """How a request that samples nothing ends once its prompt is computed: a pooling
+        request "stop" (as vLLM reports them), prompt scoring (max_tokens=0) "length"."""
+        if self.pooling_params is not None:
+            return RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_LENGTH
 
     @property
     def is_finished(self) -> bool:

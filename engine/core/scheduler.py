@@ -33,6 +33,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"  # or "priority"
     max_loras: int = 1  # adapters that may run in one step
+    # False for encoders (bidirectional): a prompt is computed whole in one step, or waits.
+    chunked_prefill: bool = True
 
 
 class Scheduler:
@@ -56,6 +58,9 @@ class Scheduler:
             raise ValueError(
                 f"the prompt has {n} tokens, but the maximum context length is "
                 f"{self.max_model_len} tokens (prompt plus at least one generated token)")
+        if not self.config.chunked_prefill and n > self.config.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {n} tokens, more than this model's one step "
+                             f"computes (max_num_batched_tokens {self.config.max_num_batched_tokens})")
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
         self.waiting.push(request)
@@ -185,6 +190,8 @@ class Scheduler:
         it must wait. (Waiting requests hold no blocks: preemption resets them.)"""
         hit = best_hit(self.kv, request, self.running, step.scheduled)
         num_new = min(request.num_tokens - hit.num_tokens, step.budget)
+        if not self.config.chunked_prefill and num_new < request.num_tokens - hit.num_tokens:
+            return False  # whole or not at all: it waits for the next step's budget
         while not self.kv.allocate_slots(request, num_new, hit):
             victim = victim_for(self.running, step, request, self._policy_key)
             room = self.kv.num_free_blocks + reclaimable(
@@ -300,7 +307,7 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 if not request.wants_token and request.num_computed_tokens >= request.num_tokens:
-                    self.finish(request, RequestStatus.FINISHED_LENGTH)  # max_tokens=0: scored
+                    self.finish(request, request.prompt_done_status)  # max_tokens=0: scored
                     finished.append(request)
                 continue
             if self.accept_token(request, token, stop_strings):

@@ -37,7 +37,8 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, *,
-                 window: int | None = None, softcap: float | None = None) -> None:
+                 window: int | None = None, softcap: float | None = None,
+                 causal: bool = True) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of "
@@ -48,6 +49,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.window = window
         self.softcap = softcap
+        self.causal = causal  # False: bidirectional (encoders), every key of the sequence
         self.kv_group = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -58,7 +60,7 @@ class Attention(nn.Module):
         if not stored:
             kernels.store_kv(k, v, kv_cache, meta.slot_mapping, backend=meta.backend)
         return kernels.attend(q, kv_cache, meta, self.scale, window=self.window,
-                              softcap=self.softcap)
+                              softcap=self.softcap, causal=self.causal)
 
     def rope_store_(self, positions: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,10 @@ class StepInputs:
     # flat rows of those positions (position p's logits score prompt token p + 1).
     prompt_spans: list[tuple[Request, int, int]]
     prompt_rows: list[int]
+    # Pooling requests: (request, first prompt position, count) and the flat rows whose hidden
+    # states they pool (engine/pooling.py).
+    pool_spans: list[tuple[Request, int, int]] = field(default_factory=list)
+    pool_rows: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -42,14 +46,19 @@ class StepResult:
     sampling: list[Request]
     prompt_logits: torch.Tensor | None  # float32 [len(prompt_rows), vocab]
     prompt_spans: list[tuple[Request, int, int]]
+    pool_hidden: torch.Tensor | None = None  # [len(pool_rows), hidden] final hidden states
+    pool_spans: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
-def step_result(inputs: StepInputs, prompt_logits: torch.Tensor | None,
-                logits: torch.Tensor | None, device: torch.device) -> StepResult:
-    """A forward's logits as the engine reads them (no sampling rows: an empty tensor)."""
+def step_result(inputs: StepInputs, outs: tuple[torch.Tensor | None, ...],
+                device: torch.device) -> StepResult:
+    """A forward's (prompt logits, logits, pooled rows) as the engine reads them (no
+    sampling rows: an empty tensor)."""
+    prompt_logits, logits, pool_hidden = outs
     if logits is None:
         logits = torch.empty((0, 0), dtype=torch.float32, device=device)
-    return StepResult(logits, inputs.sampling, prompt_logits, inputs.prompt_spans)
+    return StepResult(logits, inputs.sampling, prompt_logits, inputs.prompt_spans,
+                      pool_hidden, inputs.pool_spans)
 
 
 class _StepBuffers:
@@ -188,6 +197,8 @@ class ModelRunner:
         last_rows: list[int] = []
         prompt_spans: list[tuple[Request, int, int]] = []
         prompt_rows: list[int] = []
+        pool_spans: list[tuple[Request, int, int]] = []
+        pool_rows: list[int] = []
         offset = 0
         for i, req in enumerate(out.scheduled):
             n = out.num_scheduled_tokens[req.request_id]
@@ -204,6 +215,9 @@ class ModelRunner:
                 if end > start:
                     prompt_spans.append((req, start, end - start))
                     prompt_rows.extend(range(offset, offset + end - start))
+            if req.pooling_params is not None:
+                pool_spans.append((req, start, n))
+                pool_rows.extend(range(offset, offset + n))
             offset += n
             if start + n - d == req.num_tokens and req.wants_token:
                 sampling.append(req)
@@ -267,6 +281,8 @@ class ModelRunner:
             sampling=sampling,
             prompt_spans=prompt_spans,
             prompt_rows=prompt_rows,
+            pool_spans=pool_spans,
+            pool_rows=pool_rows,
         )
         b.mark_copied()
         return inputs
@@ -275,14 +291,13 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run the step: logits for each sampling request (and prompt positions if asked)."""
         inputs = self.prepare(out)
-        prompt_logits, logits = self.forward(inputs, out.block_copies)
-        return step_result(inputs, prompt_logits, logits, self.device)
+        return step_result(inputs, self.forward(inputs, out.block_copies), self.device)
 
     def forward(self, inputs: StepInputs, block_copies: list[tuple[int, int]]
-                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(prompt-row logits, sampling-row logits) of a prepared step; the part every
-        tensor-parallel rank runs (the others get None logits: rank 0 gathers them,
-        engine/worker/tp_executor.py)."""
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(prompt-row logits, sampling-row logits, pooling rows' hidden states) of a
+        prepared step; the part every tensor-parallel rank runs (the others get None logits:
+        rank 0 gathers them, engine/worker/tp_executor.py)."""
         if block_copies:  # copy-on-write: shared blocks this step writes into
             n = len(block_copies)  # one upload: the sources, then the destinations
             ids = upload([s for s, _ in block_copies] + [d for _, d in block_copies],
@@ -299,10 +314,12 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.end_step()
-        prompt_logits = logits = None
+        prompt_logits = logits = pooled = None
+        if inputs.pool_rows:
+            pooled = hidden.index_select(0, upload(inputs.pool_rows, torch.long, hidden.device))
         if inputs.prompt_rows:
             rows = upload(inputs.prompt_rows, torch.long, hidden.device)
             prompt_logits = self.model.compute_logits(hidden.index_select(0, rows))
         if inputs.logits_indices.numel():
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        return prompt_logits, logits
+        return prompt_logits, logits, pooled

@@ -164,10 +164,10 @@ class TPExecutor:
             head, payload = wire.pack(inputs, out.block_copies, self.comm_device)
             dist.broadcast(head, 0)
             dist.broadcast(payload, 0)
-            prompt_logits, logits = self.runner.forward(inputs, out.block_copies)
+            outs = self.runner.forward(inputs, out.block_copies)
         except Exception as exc:
             raise self._fatal(exc) from exc
-        return step_result(inputs, prompt_logits, logits, self.runner.device)
+        return step_result(inputs, outs, self.runner.device)
 
     def check_alive(self) -> None:
         if self.failure is None:

@@ -9,7 +9,8 @@ share, ``responses_convert`` / ``responses_stream`` the Responses API's shapes),
 ``tools`` (tool calls), ``reasoning`` (reasoning parsers), ``turn`` (a streamed turn as
 reasoning, answer and tool-call pieces),
 ``handlers`` (which model a request names, the routes' registration), ``openapi`` (what
-/openapi.json publishes).
+/openapi.json publishes), ``pooling`` and ``pooling_schemas`` (embeddings, rerank, score,
+classify: a pooling model's routes and their bodies).
 
 Imported as ``kserve_paged.openai``: inside it, ``import openai`` (absolute) is still the
 ``openai`` client package whose types the responses use.

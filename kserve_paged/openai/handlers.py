@@ -23,11 +23,17 @@ from engine.async_llm import EngineDeadError
 from kserve_paged.admission import RequestRefused
 from kserve_paged.anthropic.messages import register_messages_routes
 from kserve_paged.lora import AdapterView
+from kserve_paged.openai import pooling
 from kserve_paged.openai.chat import chat_completions
 from kserve_paged.openai.completions import completions
 from kserve_paged.openai.errors import APIError
-from kserve_paged.openai.openapi import loose_operation_schema, operation_schema
+from kserve_paged.openai.openapi import (
+    loose_operation_schema,
+    operation_schema,
+    pooling_operation_schema,
+)
 from kserve_paged.openai.parse import parse_body, read_json
+from kserve_paged.openai.pooling_schemas import ClassifyBody, EmbeddingBody, RerankBody, ScoreBody
 from kserve_paged.openai.responses import create_response, parse_responses
 from kserve_paged.openai.schemas import ChatBody, ChatCompletionOut, CompletionBody, CompletionOut
 from kserve_paged.served import ServedModel
@@ -85,17 +91,41 @@ class OpenAIRoutes:
                          "ready": model.accepting} for served, lora in model.loras.items())
         return {"object": "list", "data": data}
 
+    def generator(self, name: str | None, route: str) -> ServedModel:
+        """The named model, or a 400 naming its job when it does not generate."""
+        model = self.model_named(name)
+        pooling.require_job(model, ("generate",), route)
+        return model
+
     async def completions(self, request: Request) -> Response:
         body: CompletionBody = await parse_body(request, CompletionBody)
-        return await completions(self.model_named(body.model), request, body)
+        return await completions(self.generator(body.model, "/completions"), request, body)
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatBody = await parse_body(request, ChatBody)
-        return await chat_completions(self.model_named(body.model), request, body)
+        return await chat_completions(self.generator(body.model, "/chat/completions"),
+                                      request, body)
 
     async def responses(self, request: Request) -> Response:
         body, chat = parse_responses(await read_json(request))
-        return await create_response(self.model_named(body.model), request, body, chat)
+        return await create_response(self.generator(body.model, "/responses"), request, body,
+                                     chat)
+
+    async def embeddings(self, request: Request) -> Response:
+        body: EmbeddingBody = await parse_body(request, EmbeddingBody)
+        return await pooling.embeddings(self.model_named(body.model), body)
+
+    async def rerank(self, request: Request) -> Response:
+        body: RerankBody = await parse_body(request, RerankBody)
+        return await pooling.rerank(self.model_named(body.model), body)
+
+    async def score(self, request: Request) -> Response:
+        body: ScoreBody = await parse_body(request, ScoreBody)
+        return await pooling.score(self.model_named(body.model), body)
+
+    async def classify(self, request: Request) -> Response:
+        body: ClassifyBody = await parse_body(request, ClassifyBody)
+        return await pooling.classify(self.model_named(body.model), body)
 
     model = model_named  # the root routes' name for it (vllm_routes.py)
 
@@ -150,6 +180,14 @@ def register_openai_routes(app: FastAPI, models: dict[str, ServedModel],
                              methods=["POST"], response_model=None,
                              openapi_extra=loose_operation_schema(
                                  "A Responses API response, or with stream=true its events"))
+        pooled = [("/embeddings", routes.embeddings, EmbeddingBody, "OpenAI's embeddings"),
+                  ("/rerank", routes.rerank, RerankBody, "Ranked documents")]
+        if alias:
+            pooled.append(("/score", routes.score, ScoreBody, "One score per pair"))
+        for path, handler, body_type, what in pooled:
+            router.add_api_route(path, _in_openai_shape(handler), methods=["POST"],
+                                 response_model=None, openapi_extra=pooling_operation_schema(
+                                     body_type, list(models), what))
         app.include_router(router)
     for alias in aliases:
         register_messages_routes(app, routes.model_named, alias)

@@ -157,6 +157,17 @@ def operation_schema(body: type[BaseModel], result: type[BaseModel], model_names
 
 
 
+def pooling_operation_schema(body: type[BaseModel], model_names: list[str], what: str
+                             ) -> dict[str, Any]:
+    """A pooling route (embeddings, rerank, score, classify, openai/pooling.py): its body's
+    schema, a JSON object out (no streaming)."""
+    op = loose_operation_schema(what)
+    op["requestBody"]["content"]["application/json"]["schema"] = _request_schema(body,
+                                                                                 model_names)
+    del op["responses"]["200"]["content"]["text/event-stream"]
+    return op
+
+
 def loose_operation_schema(what: str) -> dict[str, Any]:
     """The Responses and Messages routes in /openapi.json: any JSON object in, the codes they
     answer out (their bodies are the OpenAI and Anthropic SDKs' types, validated by the

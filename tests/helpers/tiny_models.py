@@ -231,3 +231,26 @@ def save_tokenizer(path: Path) -> None:
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0",
                             eos_token="t1").save_pretrained(path)
+
+
+def save_cross_encoder(path: Path, num_labels: int = 3) -> torch.nn.Module:
+    """A tiny random BertForSequenceClassification with a WordPiece tokenizer in `path`;
+    returns the transformers model (the reference)."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "cat", "dog", "sat",
+             "on", "mat", "is", "blue", "red", "what", "where", "ran", "fast", "slow", "##s",
+             "##ed", "and"]
+    (path / "vocab.txt").write_text("\n".join(words) + "\n")
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    config = BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=48, num_labels=num_labels,
+                        max_position_embeddings=64,
+                        architectures=["BertForSequenceClassification"])
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path)
+    return model

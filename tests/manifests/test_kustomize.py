@@ -32,7 +32,7 @@ def builds():
 
 
 def test_overlays_exist():
-    assert {p.name for p in OVERLAYS} == {"gpu", "gpu-tp", "cpu", "cpu-lora"}
+    assert {p.name for p in OVERLAYS} == {"gpu", "gpu-tp", "cpu", "cpu-lora", "cpu-embed"}
 
 
 @needs_kubectl

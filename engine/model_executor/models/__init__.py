@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 from engine.model_executor.models.architectures import (
+    BERT_FAMILY,
     GEMMA_FAMILY,
     LLAMA_FAMILY,
     MOE_FAMILY,
     SUPPORTED_ARCHITECTURES,
     architecture_of,
 )
+from engine.model_executor.models.bert import BertEncoder
 from engine.model_executor.models.gemma import GemmaForCausalLM
 from engine.model_executor.models.llama import LlamaForCausalLM
 from engine.model_executor.models.moe import MoEForCausalLM
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM] | type[BertEncoder]] = {
     **{arch: LlamaForCausalLM for arch in LLAMA_FAMILY},
     **{arch: GemmaForCausalLM for arch in GEMMA_FAMILY},
     **{arch: MoEForCausalLM for arch in MOE_FAMILY},
+    **{arch: BertEncoder for arch in BERT_FAMILY},
 }
 
 __all__ = ["MODEL_REGISTRY", "SUPPORTED_ARCHITECTURES", "GemmaForCausalLM", "LlamaForCausalLM",

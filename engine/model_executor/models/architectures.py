@@ -9,14 +9,16 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "Phi3ForCausalLM")
 GEMMA_FAMILY = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GEMMA_FAMILY + MOE_FAMILY
+# Encoders: pooling models only (embeddings, cross-encoder classification).
+BERT_FAMILY = ("BertModel", "BertForSequenceClassification")
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GEMMA_FAMILY + MOE_FAMILY + BERT_FAMILY
 
 # config.json without `architectures` (GGUF-derived configs): model_type -> architecture.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "bert": "BertModel"}
 
 
 def architecture_of(config: Any) -> str:
