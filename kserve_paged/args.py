@@ -28,6 +28,7 @@ from engine.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     PROMPT_CHARS_PER_TOKEN,
 )
+from engine.model_executor.quant_methods import QUANTIZATION_METHODS
 from kserve_paged.flag_types import (
     BoolFlag,
     non_negative_float,
@@ -71,6 +72,7 @@ ENGINE_FLAGS = (
     "gpu_memory_utilization",
     "enforce_eager",
     "kv_cache_dtype",
+    "quantization",
 )
 
 def _defaults() -> dict[str, Any]:
@@ -111,6 +113,12 @@ def _add_size_flags(engine: argparse._ArgumentGroup) -> None:
                         help="Weights and activations dtype; auto: on CPU bfloat16 where it "
                         "is native (AVX512-BF16 or AMX), else float32; on CUDA the "
                         "checkpoint's dtype (float32 checkpoints in bfloat16).")
+    engine.add_argument("--quantization", default=d["quantization"], choices=QUANTIZATION_METHODS,
+                        help="Weight quantization, vLLM's flag: gguf keeps a .gguf model's 4-bit "
+                        "projections packed (int4, exact) and Q8_0 as int8 per channel; int4 "
+                        "and int8 are ours: a float checkpoint quantized at load (int4 in "
+                        "groups of 32, int8 per channel). CPU only; awq, gptq and fp8 are not "
+                        "built yet. Default: float weights (docs/quantization.md).")
     engine.add_argument("--block_size", type=positive_int, default=d["block_size"],
                         help="Tokens per KV-cache block.")
     engine.add_argument("--max_model_len", type=positive_int, default=d["max_model_len"],
