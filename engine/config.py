@@ -9,6 +9,7 @@ from typing import Any
 from engine.core.block_hash import HASH_ALGOS
 from engine.core.kv_events import KVEventsConfig
 from engine.core.scheduler import SchedulerConfig
+from engine.model_executor.quant_methods import method_error
 from engine.model_job import CONVERTS, RUNNERS
 from engine.spec_decode.config import SpeculativeConfig
 
@@ -67,6 +68,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # vLLM's --kv-cache-dtype: "auto" (the model's dtype) is the one this engine has.
     kv_cache_dtype: str = "auto"
+    # vLLM's --quantization (engine/model_executor/quantization.py): gguf keeps a GGUF's 4-bit
+    # projections packed; int4/int8 (ours) quantize a float checkpoint at load. None: float.
+    quantization: str | None = None
     # Compile each structured-output grammar in a worker process killed after this many
     # seconds (engine/sample/grammar_worker.py); None: in a thread, unbounded (offline use).
     max_grammar_compile_s: float | None = None
@@ -100,6 +104,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: this "
                              f"engine keeps the KV cache in the model's dtype "
                              f"({', '.join(KV_CACHE_DTYPES)})")
+        quantization_error = method_error(self.quantization)
+        if quantization_error is not None:
+            raise ValueError(quantization_error)
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise ValueError("quantized weights are not sharded: quantization needs "
+                             "tensor_parallel_size 1")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS} "
                              f"(got {self.load_format!r})")

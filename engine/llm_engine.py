@@ -78,7 +78,8 @@ class LLMEngine:
         self.executor: LocalExecutor | TPExecutor | None = (
             TPExecutor.acquire(tp, self.device) if tp > 1 else LocalExecutor())
         self.model, self.hf_config = self.executor.load_model(
-            self.model_path, self.dtype, self.device, config.load_format, config.seed)
+            self.model_path, self.dtype, self.device, config.load_format, config.seed,
+            config.quantization)
         self.tokenizer = load_tokenizer(self.model_path)
         logger.info("weights loaded in %.1f s", time.monotonic() - t0)
         arch = architecture_of(self.hf_config)

@@ -28,6 +28,7 @@ from engine.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     PROMPT_CHARS_PER_TOKEN,
 )
+from engine.model_executor.quant_methods import QUANTIZATION_METHODS
 from engine.model_job import CONVERTS, RUNNERS
 from engine.packaged_folders import FOLDER_MODELS
 from kserve_paged.flag_types import (
@@ -75,6 +76,7 @@ ENGINE_FLAGS = (
     "kv_cache_dtype",
     "runner",
     "convert",
+    "quantization",
 )
 # KServe huggingfaceserver's --task -> (runner, convert): the model's one job.
 HF_TASKS = {"text_generation": ("generate", "auto"), "text_embedding": ("pooling", "embed"),
@@ -119,6 +121,12 @@ def _add_size_flags(engine: argparse._ArgumentGroup) -> None:
                         help="Weights and activations dtype; auto: on CPU bfloat16 where it "
                         "is native (AVX512-BF16 or AMX), else float32; on CUDA the "
                         "checkpoint's dtype (float32 checkpoints in bfloat16).")
+    engine.add_argument("--quantization", default=d["quantization"], choices=QUANTIZATION_METHODS,
+                        help="Weight quantization, vLLM's flag: gguf keeps a .gguf model's 4-bit "
+                        "projections packed (int4, exact) and Q8_0 as int8 per channel; int4 "
+                        "and int8 are ours: a float checkpoint quantized at load (int4 in "
+                        "groups of 32, int8 per channel). CPU only; awq, gptq and fp8 are not "
+                        "built yet. Default: float weights (docs/quantization.md).")
     engine.add_argument("--block_size", type=positive_int, default=d["block_size"],
                         help="Tokens per KV-cache block.")
     engine.add_argument("--max_model_len", type=positive_int, default=d["max_model_len"],

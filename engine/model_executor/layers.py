@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_native, fused_ops, settings
+from kernels import cpu_native, fused_ops, quant_linear, settings
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 
@@ -36,6 +36,7 @@ class Linear(nn.Linear):
     """
 
     _packed: torch.Tensor | None = None
+    quant: quant_linear.QuantWeight | None = None  # set by `quantize`: weight-only quantized
     _native: bool = False
     _widened: bool = False  # bf16 weight packed as fp32 for the native GEMM (no oneDNN bf16)
     _bias32: torch.Tensor | None = None
@@ -44,6 +45,8 @@ class Linear(nn.Linear):
         """Pre-pack for inference (CPU, float32 or bfloat16); True if packed."""
         w = self.weight
         self._packed, self._native, self._widened, self._bias32 = None, False, False, None
+        if self.quant is not None:
+            return False
         if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16)
                 or not settings.onednn_enabled()):
             return False
@@ -65,7 +68,19 @@ class Linear(nn.Linear):
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows_hint)
         return True
 
+    def quantize(self, weight: quant_linear.QuantWeight) -> None:
+        """Multiply with `weight` from now on and free the float weight (its dtype and device
+        stay, on an empty tensor)."""
+        if (weight.out_features, weight.in_features) != tuple(self.weight.shape):
+            raise ValueError(f"a [{weight.out_features}, {weight.in_features}] quantized weight "
+                             f"for a {list(self.weight.shape)} projection")
+        self.quant, self._packed, self._native = weight, None, False
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            out = quant_linear.matmul(x, self.quant)
+            return out if self.bias is None else out + self.bias
         packed = self._packed
         if packed is not None and x.dim() == 2 and x.dtype == self.weight.dtype and not (
                 torch.is_grad_enabled() and self.weight.requires_grad):

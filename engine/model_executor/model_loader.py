@@ -17,8 +17,12 @@ from typing import Any
 import torch
 
 from engine.distributed.group import TPGroup
+from engine.model_executor import gguf_quant
 from engine.model_executor.config_reads import ignored_fields, recording_reads
 from engine.model_executor.models import MODEL_REGISTRY, LlamaForCausalLM, architecture_of
+from engine.model_executor.quant_methods import check_method as quantization_check
+from engine.model_executor.quantization import apply as quantization_apply
+from engine.model_executor.quantization import on_the_fly as on_the_fly_picker
 from engine.model_executor.tp_layout import TP_ARCHITECTURES, TPLayout
 
 StrPath = str | os.PathLike[str]
@@ -121,11 +125,13 @@ def _raw_config(folder: Path) -> dict[str, Any]:
 def _build(config: Any, dtype: torch.dtype, device: torch.device,
            weights: Iterator[tuple[str, torch.Tensor]] | None, seed: int = 0,
            tp: TPGroup | None = None,
-           raw_config: dict[str, Any] | None = None) -> LlamaForCausalLM:
+           raw_config: dict[str, Any] | None = None,
+           quantize: Callable[[LlamaForCausalLM], object] | None = None) -> LlamaForCausalLM:
     """Construct on the meta device (no wasted random init), allocate on `device`, fill: from
     `weights`, or with random values (`_fill_dummy`) when there are none. With `tp`, this
     rank's shard (the weights already cut by `_iter_weights`). With `raw_config`
-    (config.json), the fields the model's constructor did not read are logged (rank 0 only)."""
+    (config.json), the fields the model's constructor did not read are logged (rank 0 only).
+    `quantize` runs on the loaded weights before they are packed (`--quantization`)."""
     arch = architecture_of(config)
     cls = MODEL_REGISTRY[arch]
     with recording_reads(config) as reads, torch.device("meta"):
@@ -143,6 +149,8 @@ def _build(config: Any, dtype: torch.dtype, device: torch.device,
     else:
         model.load_weights(weights)
     model = model.eval().requires_grad_(False)
+    if quantize is not None:
+        quantize(model)
     model.pack_weights()
     return model
 
@@ -192,8 +200,8 @@ def _layout(config: Any, tp: TPGroup) -> TPLayout:
 
 
 def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0, tp: TPGroup | None = None
-               ) -> tuple[LlamaForCausalLM, Any]:
+               load_format: str = "auto", seed: int = 0, tp: TPGroup | None = None,
+               quantization: str | None = None) -> tuple[LlamaForCausalLM, Any]:
     """Load a local HF folder (config.json + safetensors/bin) or a .gguf file.
 
     Returns (model, transformers PretrainedConfig). Raises FileNotFoundError for a missing path,
@@ -201,10 +209,16 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
     GGUF goes through transformers, which dequantizes it to `dtype`-castable float tensors.
     `load_format="dummy"` reads only config.json and draws random weights (`_fill_dummy`).
     With `tp` (tensor parallelism), this rank's shard, reading only its slices.
+    `quantization` (`--quantization`): the decoder projections' weights quantized
+    (engine/model_executor/quantization.py).
     """
     from transformers import AutoConfig
 
     folder, gguf_file = _resolve(path)
+    quantization_check(quantization, gguf=gguf_file is not None,
+                       device_type=torch.device(device).type, tp=tp is not None)
+    on_the_fly = None if quantization in (None, "gguf") else (
+        lambda m: quantization_apply(m, on_the_fly_picker(quantization, dtype), quantization))
     if load_format == "dummy":
         if gguf_file is not None:
             raise ValueError("load_format 'dummy' takes a folder with config.json, not a .gguf")
@@ -214,7 +228,8 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
             config.architectures = [architecture_of(config)]
         if tp is not None:
             _layout(config, tp)
-        return _build(config, dtype, device, None, seed, tp, _raw_config(folder)), config
+        return _build(config, dtype, device, None, seed, tp, _raw_config(folder),
+                      on_the_fly), config
     if gguf_file is not None:
         from transformers import AutoModelForCausalLM
 
@@ -227,7 +242,12 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
         state = hf_model.state_dict()
         del hf_model
         slicer = _layout(config, tp).weight_slice if tp is not None else None
-        model = _build(config, dtype, device, _sliced(state.items(), slicer), tp=tp)
+        keep = None
+        if quantization == "gguf":
+            keep = gguf_quant.keeper(gguf_quant.read(folder / gguf_file, state, config), dtype,
+                                     gguf_file)
+        model = _build(config, dtype, device, _sliced(state.items(), slicer), tp=tp,
+                       quantize=keep)
         return model, config
 
     check_architecture(folder)
@@ -237,7 +257,7 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
         config.architectures = [architecture_of(config)]
     slicer = _layout(config, tp).weight_slice if tp is not None else None
     return _build(config, dtype, device, _iter_weights(files, slicer), tp=tp,
-                  raw_config=_raw_config(folder)), config
+                  raw_config=_raw_config(folder), quantize=on_the_fly), config
 
 
 def load_tokenizer(path: StrPath) -> Any:

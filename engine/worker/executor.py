@@ -30,8 +30,9 @@ class LocalExecutor:
         self.on_death: Callable[[BaseException], None] | None = None
 
     def load_model(self, path: str, dtype: torch.dtype, device: torch.device,
-                   load_format: str = "auto", seed: int = 0) -> tuple[Any, Any]:
-        return load_model(path, dtype, device, load_format, seed)
+                   load_format: str = "auto", seed: int = 0,
+                   quantization: str | None = None) -> tuple[Any, Any]:
+        return load_model(path, dtype, device, load_format, seed, quantization=quantization)
 
     def start(self, runner: ModelRunner, **cache: Any) -> None:
         """Run steps with `runner` (its KV cache is allocated already)."""

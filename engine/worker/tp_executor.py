@@ -129,9 +129,13 @@ class TPExecutor:
             self.stop()
 
     def load_model(self, path: str, dtype: torch.dtype, device: torch.device,
-                   load_format: str = "auto", seed: int = 0) -> tuple[Any, Any]:
-        """Every rank loads its shard at once; rank 0's (model, config), or the first error."""
+                   load_format: str = "auto", seed: int = 0,
+                   quantization: str | None = None) -> tuple[Any, Any]:
+        """Every rank loads its shard at once; rank 0's (model, config), or the first error.
+        Quantized weights are not sharded (EngineConfig refuses them first)."""
         try:  # a model that cannot shard is refused before any rank loads it
+            if quantization is not None:
+                raise ValueError(f"quantization {quantization!r} needs tensor_parallel_size 1")
             check_tensor_parallel_folder(path, self.world_size)
         except ValueError:
             self.close()

@@ -1,0 +1,124 @@
+"""Which layout each projection of a loaded model gets under `--quantization` (the engine picks;
+kernels/quant_linear.py packs and multiplies).
+
+Methods (their names: engine/model_executor/quant_methods.py): `gguf` (a GGUF's 4-bit tensors
+kept as they are, engine/model_executor/gguf_quant.py), and two of ours for a float checkpoint,
+quantized at load: `int4` (asymmetric 4-bit, groups of 32) and `int8` (symmetric, one scale per
+output channel). The decoder layers' projections are quantized; the embedding and the LM head
+stay in the model's dtype, except a GGUF's quantized embedding, served as int8 rows. CPU only,
+no tensor parallelism (the packed kernels are PyTorch's CPU ones).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.model_executor.layers import Linear
+from kernels import quant_linear
+
+logger = logging.getLogger("engine")
+
+INT4_GROUP = 32  # `--quantization int4`'s group size (GGUF's blocks are 32 weights too)
+
+# Our fused projections and the transformers projections whose rows they stack, in order.
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@dataclass(slots=True)
+class QuantSummary:
+    """What format each projection runs in: format -> module names (for the start-up log)."""
+
+    formats: dict[str, list[str]] = field(default_factory=dict)
+    weight_bytes: int = 0
+
+    def add(self, fmt: str, name: str) -> None:
+        self.formats.setdefault(fmt, []).append(name)
+
+    vocab: str = "embedding and LM head stay float"
+
+    def describe(self) -> str:
+        parts = [f"{len(names)} {fmt}" for fmt, names in self.formats.items()]
+        return f"{', '.join(parts)} ({self.weight_bytes / 2**20:.1f} MiB); {self.vocab}"
+
+
+def projections(model: nn.Module) -> list[tuple[str, Linear]]:
+    """The decoder layers' projections (`model.layers.*`), by module name."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, Linear) and name.startswith("model.layers.")]
+
+
+def hf_parts(name: str) -> list[str]:
+    """transformers' names of the projections one of ours stacks (qkv -> q, k, v)."""
+    parent, _, leaf = name.rpartition(".")
+    return [f"{parent}.{p}" for p in FUSED_PARTS.get(leaf, (leaf,))]
+
+
+# (module name, projection) -> (format named in the log, weight; None: kept as it is).
+Picker = Callable[[str, Linear], "tuple[str, quant_linear.QuantWeight | None]"]
+
+
+def on_the_fly(method: str, dtype: torch.dtype) -> Picker:
+    """`--quantization int4|int8`: each projection's float weight quantized as it is."""
+    def pick(name: str, linear: Linear) -> tuple[str, quant_linear.QuantWeight | None]:
+        w = linear.weight
+        if method == "int8":
+            return "int8 per-channel", quant_linear.quantize_int8(w, dtype)
+        if w.shape[1] % INT4_GROUP:
+            return f"{str(w.dtype).removeprefix('torch.')} (in_features not whole groups)", None
+        codes, scale, minimum = quant_linear.quantize_int4(w, INT4_GROUP)
+        return (f"int4 g{INT4_GROUP}",
+                quant_linear.pack_int4(codes, scale, minimum, INT4_GROUP, dtype))
+    return pick
+
+
+class Int8Embedding(nn.Module):
+    """An embedding looked up from int8 rows with one scale each; the tied LM head multiplies
+    by the same codes (`Linear.quantize` with the same `Int8Weight`)."""
+
+    def __init__(self, weight: quant_linear.Int8Weight) -> None:
+        super().__init__()
+        self.weight_q = weight
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return quant_linear.int8_rows(ids, self.weight_q)
+
+
+def quantize_vocab(model: nn.Module, dtype: torch.dtype, source: str) -> str:
+    """The embedding (and the LM head, tied or not) as int8 per row; returns the log's words.
+    Each weight moves by at most half its row's step (max |row| / 254)."""
+    inner: Any = model.model
+    embedding = quant_linear.quantize_int8(inner.embed_tokens.weight, dtype)
+    head: Any = model.lm_head
+    tied = head.weight is inner.embed_tokens.weight
+    head.quantize(embedding if tied else quant_linear.quantize_int8(head.weight, dtype))
+    inner.embed_tokens = Int8Embedding(embedding)
+    return (f"embedding{' and tied LM head' if tied else ' and LM head'}: int8 per row "
+            f"({source} re-quantized)")
+
+
+def apply(model: nn.Module, pick: Picker, label: str, vocab: str | None = None
+          ) -> QuantSummary:
+    """Quantize each decoder projection `pick` gives a layout for, and with `vocab` (the
+    quantized type the embedding was stored in) the embedding and LM head as int8 rows; log
+    what runs in which format. Call after the weights are loaded, before `pack_weights`."""
+    summary = QuantSummary()
+    if vocab is not None:
+        inner: Any = model.model
+        summary.vocab = quantize_vocab(model, inner.embed_tokens.weight.dtype, vocab)
+    for name, linear in projections(model):
+        fmt, weight = pick(name, linear)
+        summary.add(fmt, name)
+        if weight is None:
+            summary.weight_bytes += linear.weight.nbytes
+            continue
+        linear.quantize(weight)
+        summary.weight_bytes += weight.nbytes()
+    logger.info("quantization %s: decoder projections %s", label, summary.describe())
+    return summary

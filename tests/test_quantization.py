@@ -1,0 +1,83 @@
+"""`--quantization`: vLLM's values recognised (the ones not built are a clear error naming those
+that are), and our int4/int8 for a float checkpoint quantized at load, checked against the
+float model on tiny random Llamas."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.model_executor.model_loader import load_model  # noqa: E402
+from engine.model_executor.quant_methods import BUILT_METHODS  # noqa: E402
+from engine.model_executor.quantization import projections  # noqa: E402
+from kernels import quant_linear  # noqa: E402
+from kserve_paged.args import parse_args  # noqa: E402
+from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint  # noqa: E402
+
+CPU = torch.device("cpu")
+PROMPT = [3, 17, 42, 5, 88, 61, 9, 23]
+
+
+@pytest.mark.parametrize(("method", "says"), [("awq", "not built yet"),
+                                              ("gptq", "not built yet"),
+                                              ("fp8", "not built yet"), ("int3", "unknown")])
+def test_methods_not_built_fail_at_config_naming_the_built_ones(method: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says) as exc:
+        EngineConfig(quantization=method)
+    assert all(m in str(exc.value) for m in BUILT_METHODS)
+
+
+def test_quantization_is_not_sharded() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        EngineConfig(quantization="int4", tensor_parallel_size=2)
+
+
+def test_server_flag(capsys: pytest.CaptureFixture) -> None:
+    assert parse_args(["--quantization", "int4"]).quantization == "int4"
+    assert parse_args([]).quantization is None
+    with pytest.raises(SystemExit):
+        parse_args(["--quantization", "awq"])
+    assert "not built yet" in capsys.readouterr().err
+
+
+def test_loader_refuses_mismatched_methods(tmp_path: Path) -> None:
+    folder, _ = save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path)
+    with pytest.raises(ValueError, match=r"needs a \.gguf"):
+        load_model(folder, torch.float32, CPU, quantization="gguf")
+    with pytest.raises(ValueError, match="CPU only"):
+        load_model(folder, torch.float32, torch.device("meta"), quantization="int8")
+
+
+@pytest.mark.parametrize(("method", "layout"), [("int4", quant_linear.Int4Weight),
+                                                ("int8", quant_linear.Int8Weight)])
+def test_on_the_fly_quantization_of_a_float_checkpoint(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, method: str, layout: type) -> None:
+    """Each weight within half a quantization step of the float one, and the model computes
+    what the float model does with those dequantized weights put in its place."""
+    folder, _ = save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path)
+    dense, _ = load_model(folder, torch.float32, CPU)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        quantized, _ = load_model(folder, torch.float32, CPU, quantization=method)
+    assert f"quantization {method}: decoder projections" in caplog.text
+    floats = dict(projections(dense))
+    assert floats and set(floats) == {name for name, _ in projections(quantized)}
+    for name, linear in projections(quantized):
+        assert isinstance(linear.quant, layout), name
+        assert linear.weight.numel() == 0
+        deq = quant_linear.dequant(linear.quant)
+        err = (deq - floats[name].weight).abs()
+        step = float(floats[name].weight.abs().max()) / (127 if method == "int8" else 7.5)
+        assert 0 < float(err.max()) <= step / 2 + 1e-6
+        floats[name].weight.copy_(deq)  # the reference: float model, dequantized weights
+    assert quantized.lm_head.quant is None  # the embedding and LM head stay float
+    dense.pack_weights()  # re-pack the float projections after the copy
+    ours = PagedSim(quantized).step([(0, PROMPT)])
+    ref = PagedSim(dense).step([(0, PROMPT)])
+    assert float((ours - ref).abs().max()) < 1e-3
