@@ -5,9 +5,10 @@ from the sequence metadata (read once on the host):
 
 * on CPU in fp32 or bf16 the decode rows go to the native C kernel (`cpu_native.paged_rows`;
   in bf16 `kp_paged_rows_bf16`, fp32 softmax and sums), which reads K/V straight from the
-  paged cache. In bf16 prefill rows take SDPA (the bf16 kernel has no prefill tiles). Prefill rows go there too: its transposed-key
-  tiles (every level's build) make it faster than SDPA (a prefill token at position p is a
-  row that sees p + 1 keys, which is the causal mask). Without them (`cpu_native.
+  paged cache. Prefill rows go there too: its transposed-key tiles (every level's build, fp32
+  and bf16) make it faster than SDPA (a prefill token at position p is a row that sees p + 1
+  keys, which is the causal mask). The bf16 tiles take head dims 64 and 128 and layers
+  without window or cap; other bf16 prefill rows take SDPA. Without them (`cpu_native.
   prefill_tiles()` False) the kernel would walk one query row at a time, several times slower
   than SDPA for prefill, so prefill sequences would take the torch path (BENCHMARKS.md,
   "Attention on AVX2" and "One source for every level"). Otherwise (no C compiler, other
@@ -209,10 +210,14 @@ def _plan_for(meta: AttentionMetadata, block_size: int, budget: int | None,
     return plan
 
 
-def _prefill_native(query: torch.Tensor) -> bool:
-    """Whether prefill rows go to the native kernel too: fp32 with the transposed-key tiles
-    (bf16 has the row kernel only, so its prefill rows go to SDPA)."""
-    return query.dtype == torch.float32 and cpu_native.prefill_tiles()
+def _prefill_native(query: torch.Tensor, shaped: bool) -> bool:
+    """Whether prefill rows go to the native kernel too: where its transposed-key tiles take
+    them (fp32: every layer; bf16: head dims 64 and 128 without window or cap, the others'
+    prefill rows would run the row kernel, slower than SDPA)."""
+    if query.dtype == torch.bfloat16 and (shaped or not cpu_native.bf16_prefill_tiles(
+            query.shape[2])):
+        return False
+    return cpu_native.prefill_tiles()
 
 
 def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -234,7 +239,7 @@ def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
     plan = _plan_for(meta, block_size, decode_token_budget)
     if plan.num_valid_tokens < num_tokens:
         out[plan.num_valid_tokens:].zero_()
-    if native and (not plan.prefill or _prefill_native(query)):
+    if native and (not plan.prefill or _prefill_native(query, shaped)):
         if plan.num_valid_tokens:
             # The runner's rows: every valid token, in order (padding rows come last).
             row_lens, row_seq_idx = meta.rows(plan.num_valid_tokens)

@@ -44,6 +44,7 @@ def kernels_taken(dtype: torch.dtype) -> str:
     """The CPU kernels a model in `dtype` runs (projections; attention), for the start-up log."""
     from kernels import settings
     from kernels.cpu_native import gemm_available, isa, loader
+    from kernels.cpu_native.ops import TILE_HEAD_DIMS
 
     lib = loader.load()
     level = isa.current()
@@ -61,8 +62,11 @@ def kernels_taken(dtype: torch.dtype) -> str:
             proj = "bf16 weights widened once to fp32, native GEMM (no oneDNN bf16 here)"
         else:
             proj = "F.linear in bf16"
-        attn = ("native paged attention over the bf16 KV cache (fp32 softmax and sums)"
-                if lib is not None else "SDPA in bf16")
+        dot = "vdpbf16ps" if level and isa.bf16_dot(level) else "exact widening + FMA"
+        dims = " and ".join(map(str, TILE_HEAD_DIMS))
+        attn = (f"native paged attention over the bf16 KV cache (fp32 softmax and sums; q.k by "
+                f"{dot}; prefill tiles for head dims {dims})" if lib is not None
+                else "SDPA in bf16")
     else:
         proj, attn = "F.linear", "SDPA"
     return f"{native}; projections: {proj}; attention: {attn}"

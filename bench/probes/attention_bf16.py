@@ -1,12 +1,14 @@
-"""bf16 attention on CPU: the native bf16-KV row kernel against the SDPA path, fp32 beside.
+"""bf16 attention on CPU: the native bf16-KV kernel against the SDPA path, fp32 beside.
 
 A probe for BENCHMARKS.md (not part of the engine). One attention layer of SmolLM2's shape (9
 query heads over 3 KV heads of 64, blocks of 16 in shuffled order) through the CPU backend:
-bf16 with the native kernel (`kp_paged_rows_bf16` for decode rows), bf16 with the native
-library off (gather + SDPA, what bf16 ran before), and fp32 native; interleaved round by round,
-median (min-max) in ms. `KSERVE_PAGED_ISA` picks the level as for the engine.
+bf16 with the native kernel (`kp_paged_rows_bf16`: the row kernel for decode rows, the
+transposed-key tiles for prefill runs), bf16 with the native library off (gather + SDPA, what
+bf16 decode ran before the row kernel and bf16 prefill before the tiles), and fp32 native;
+interleaved round by round, median (min-max) in ms. `KSERVE_PAGED_ISA` picks the level as for
+the engine. `--only prefill` / `decode` picks the cases.
 
-    python bench/probes/attention_bf16.py [--threads N] [--rounds R] [--head-dim D]
+    python bench/probes/attention_bf16.py [--threads N] [--rounds R] [--head-dim D] [--only K]
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ from kernels.cpu_native import loader  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 from kernels.testing import make_case  # noqa: E402
 
+W1_STEP = [512, 400, 300, 200, 100, 64, 472]  # 7 prompts, as bench/probes/prefill_attention.py
 CASES = [("decode 64x600", [600] * 64, [1] * 64), ("decode 8x2048", [2048] * 8, [1] * 8),
-         ("decode 1x4096", [4096], [1])]
+         ("decode 1x4096", [4096], [1]),
+         ("prefill W1 step", W1_STEP, W1_STEP),
+         ("prefill 1x2048", [2048], [2048]), ("prefill 8x64", [64] * 8, [64] * 8)]
 
 
 def main() -> None:
@@ -36,12 +41,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--only", choices=("decode", "prefill"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     assert cpu_native.load() is not None
     real_usable = cpu_native.usable
     results: dict[str, dict[str, list[float]]] = {}
     for name, seq_lens, q_lens in CASES:
+        if args.only and not name.startswith(args.only):
+            continue
         cases = {dt: make_case(seq_lens, q_lens, num_heads=9, num_kv_heads=3,
                                head_dim=args.head_dim, dtype=dt, seed=1)
                  for dt in (torch.float32, torch.bfloat16)}

@@ -46,6 +46,7 @@ from kernels.cpu_native.lora import LoRASegments, lora_sgmv, lora_sgmv_segments
 from kernels.cpu_native.ops import (
     add_rms_norm,
     argmax_rows,
+    bf16_prefill_tiles,
     copy_blocks,
     paged_rows,
     qk_norm_inplace,
@@ -59,6 +60,7 @@ __all__ = [
     "DecoderStack",
     "add_rms_norm",
     "argmax_rows",
+    "bf16_prefill_tiles",
     "copy_blocks",
     "LoRASegments",
     "lora_sgmv",

@@ -59,6 +59,13 @@ LEVELS: tuple[IsaLevel, ...] = (
 BY_NAME = {level.name: level for level in LEVELS}
 
 
+def bf16_dot(level: IsaLevel) -> bool:
+    """Whether `level`'s build takes bf16 q.k products with `vdpbf16ps` (its -march enables
+    AVX512-BF16: csrc/paged_bf16.c, paged_bf16_tile.c); the other levels widen bf16 exactly to
+    fp32 and use FMAs."""
+    return "avx512_bf16" in level.needs
+
+
 def cpu_flags() -> frozenset[str]:
     """The `flags` line of /proc/cpuinfo; empty where there is none (not Linux on x86)."""
     try:

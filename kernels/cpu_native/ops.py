@@ -19,7 +19,7 @@ from kernels.cpu_native.loader import load, loaded, sync_threads
 def usable(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """fp32 or bf16 CPU tensors (query and cache of one dtype) in the contract's contiguous
     layout, within the kernel's limits. bf16 goes to `kp_paged_rows_bf16` (fp32 softmax and
-    sums), which has the row kernel only: no transposed-key prefill tiles."""
+    sums; prefill tiles for the head dims of `bf16_prefill_tiles`)."""
     heads, head_dim = query.shape[1], query.shape[2]
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     return (query.device.type == "cpu" and kv_cache.device.type == "cpu"
@@ -27,6 +27,15 @@ def usable(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
             and kv_cache.is_contiguous() and query.stride(2) == 1 and query.stride(1) == head_dim
             and heads // kv_heads <= 32 and head_dim <= 256 and block_size <= 256
             and load() is not None)
+
+
+TILE_HEAD_DIMS = (64, 128)  # pa_vector_head in csrc/paged_attention.h
+
+
+def bf16_prefill_tiles(head_dim: int) -> bool:
+    """Whether bf16 prefill runs of this head dim get the transposed-key tiles
+    (csrc/paged_bf16_tile.c; without a window or cap); other rows run the row kernel."""
+    return head_dim in TILE_HEAD_DIMS and load() is not None
 
 
 def paged_rows(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -15,7 +15,8 @@
  *   transposed, 16 keys to a group (one vector with AVX-512, two with AVX2);
  * - paged_prefix.c: finding those groups of rows, prefill runs and cascade (shared-prefix)
  *   groups;
- * - paged_dispatch.c: kp_paged_rows_f32, which spreads rows over threads and picks the path.
+ * - paged_dispatch.c: kp_paged_rows_f32, which spreads rows over threads and picks the path;
+ * - paged_bf16.c, paged_bf16_tile.c: the same over a bf16 cache (row kernel and prefill tiles).
  *
  * Layout (docs/kernels.md): kv = [2, num_blocks, block_size, num_kv_heads, head_dim].
  * Functions shared between the files carry the pa_ prefix; none is exported. The vector paths
@@ -39,6 +40,8 @@
 #define CHUNK 32
 #define KT_KEYS 16 /* keys per group of the transposed layout */
 #define MAX_NV (128 / KP_VW) /* vectors of the longest head the vector paths take */
+#define KV_VECS (KT_KEYS / KP_VW) /* vectors per group of transposed keys */
+#define MAX_M 6 /* score rows of one key tile: R rows x gb heads */
 
 /* The head dims the vector paths take. */
 static inline int pa_vector_head(int hd) { return hd == 64 || hd == 128; }
@@ -54,6 +57,46 @@ static inline __attribute__((always_inline)) int pa_v_slice(int m, int nv) {
     return PA_FITS(nv) ? nv : PA_FITS(nv / 2) ? nv / 2 : PA_FITS(nv / 4) ? nv / 4
          : PA_FITS(nv / 8) ? nv / 8 : 1;
 #undef PA_FITS
+}
+
+/* Softmax of one score row of n keys in place (its keys past n, up to `padded`, zeroed: keys of
+ * the other, longer row of the tile); returns the sum, and the max in *max. */
+static inline float pa_softmax_row(float *sm, int32_t n, int32_t padded, float *max) {
+    const int32_t full = n / KP_VW * KP_VW;
+    const int tail = n - full;
+    vf vmx = vset1(-3.0e38f);
+    for (int32_t t = 0; t < full; t += KP_VW) vmx = vmax(vmx, vload(sm + t));
+    if (tail) vmx = vmax(vmx, vselect(vlanes_below(tail), vload(sm + full), vmx));
+    const float mx = vhmax(vmx);
+    vf vsum = vzero();
+    for (int32_t t = 0; t < full; t += KP_VW) {
+        const vf e = vexp(vload(sm + t) - mx);
+        vstore(sm + t, e);
+        vsum += e;
+    }
+    int32_t t = full;
+    if (tail) {
+        const vf e = vselect(vlanes_below(tail), vexp(vload(sm + full) - mx), vzero());
+        vstore(sm + full, e);
+        vsum += e;
+        t += KP_VW;
+    }
+    for (; t < padded; t += KP_VW) vstore(sm + t, vzero());
+    *max = mx;
+    return vhsum(vsum);
+}
+
+/* Query heads per tile for R rows: AVX-512 as many as keep the V accumulators of whole heads
+ * in registers (head_dim 64: 4 for one row, 3 for two; 128: 2 and 1); AVX2 3 (3 or 6 score
+ * rows: enough independent FMAs to hide their latency; its V loop goes over the head in
+ * slices either way), measured faster than 1-2 rows and than 4 (BENCHMARKS.md). */
+static inline int pa_kt_heads(int R, int hd) {
+#if KP_VREGS >= 32
+    return hd == 64 ? (R == 1 ? 4 : 3) : (R == 1 ? 2 : 1);
+#else
+    (void)hd;
+    return R == 1 ? 3 : 3;
+#endif
 }
 
 typedef struct {
@@ -95,6 +138,10 @@ void pa_item_vec(const float *q, const kv_layout *kv, const int32_t *table, int3
                     int32_t len, int kvh, int nkv, int group, int hd, float scale,
                     const float *state, float *out);
 
+/* paged_key_tile.c: *buf grown to at least n floats (64-byte aligned; the old contents are
+ * not kept), *cap its size; NULL (and *cap 0) when it cannot be allocated. */
+float *pa_grow_buffer(float **buf, int64_t *cap, int64_t n);
+
 /* paged_key_tile.c: the calling thread's scratch for n transposed-key floats (kept from call
  * to call), or NULL when it cannot be allocated. */
 float *pa_transposed_keys(int64_t n);
@@ -115,5 +162,26 @@ int pa_kt_item(const float *const *q, const float *kt, int64_t ld, const kv_layo
 int64_t pa_find_key_groups(const int32_t *row_lens, const int64_t *seq_idx,
                            const int32_t *block_tables, int64_t bt_stride, int32_t bs,
                            int64_t n, int cascade, int32_t *group_of, key_group *grp);
+
+/* A bf16 cache (paged_bf16.c, paged_bf16_tile.c): kv_layout over bf16 bits. */
+typedef struct {
+    const uint16_t *k_base, *v_base;
+    int64_t tok_stride;
+    int32_t block_size;
+} kv16_layout;
+
+/* paged_bf16_tile.c: the prefill runs among n rows (pa_find_key_groups without cascade) with
+ * their keys laid out transposed in bf16 pairs; returns how many (0: none, or no memory), with
+ * the layout in *kt. Head dims 64 and 128, no window or cap (the caller checks). */
+int64_t pa_kt16_groups(const kv16_layout *kv, const int32_t *row_lens, const int64_t *seq_idx,
+                       const int32_t *block_tables, int64_t bt_stride, int64_t n, int nkv, int hd,
+                       int32_t *group_of, key_group *grp, const uint32_t **kt);
+
+/* paged_bf16_tile.c: the query heads of KV head kvh for R (1 or 2) rows of a prefill run over
+ * the transposed bf16 keys; q[r] and out[r] point at the first of those heads. -1: the score
+ * scratch could not be allocated. */
+int pa_kt16_item(const uint16_t *const *q, const uint32_t *kt, int64_t ld,
+                 const kv16_layout *kv, const int32_t *table, const int32_t *lens, int R, int kvh,
+                 int group, int hd, float scale, uint16_t *const *out);
 
 #endif

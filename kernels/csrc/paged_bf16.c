@@ -24,12 +24,6 @@
 #include <omp.h>
 #endif
 
-typedef struct {
-    const uint16_t *k_base, *v_base;
-    int64_t tok_stride;
-    int32_t block_size;
-} kv16_layout;
-
 /* hd bf16 values to fp32. */
 static inline void widen(const uint16_t *src, float *dst, int hd) {
     int d = 0;
@@ -216,6 +210,20 @@ int kp_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *
     layout.k_base = kv;
     layout.v_base = kv + num_blocks * (int64_t)block_size * layout.tok_stride;
     layout.block_size = block_size;
+    /* Prefill runs go through the transposed keys (paged_bf16_tile.c); group_of[r] is row r's
+     * run, or -1. Windowed and capped layers do not: the tiles have neither. */
+    int32_t *group_of = 0;
+    key_group *grp = 0;
+    const uint32_t *kt = 0;
+    int64_t groups = 0;
+    if (pa_vector_head(head_dim) && n >= 2 && window == 0 && softcap == 0.0f) {
+        group_of = malloc((size_t)n * sizeof *group_of);
+        grp = malloc((size_t)n * sizeof *grp);
+        if (group_of && grp)
+            groups = pa_kt16_groups(&layout, row_lens, seq_idx, block_tables, bt_stride, n,
+                                    num_kv_heads, head_dim, group_of, grp, &kt);
+    }
+    int failed = 0;
     const int64_t items = n * num_kv_heads;
 #pragma omp parallel for schedule(dynamic, 2)
     for (int64_t item = 0; item < items; ++item) {
@@ -223,11 +231,28 @@ int kp_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *
         const int kvh = (int)(item % num_kv_heads);
         const int64_t tok = tok_idx[row];
         const int64_t head0 = (int64_t)kvh * group * head_dim;
+        const int32_t *table = block_tables + seq_idx[row] * bt_stride;
+        if (groups && group_of[row] >= 0) {  /* rows in pairs: the first of a pair does both */
+            const key_group *g = &grp[group_of[row]];
+            if ((row - g->first) % 2) continue;
+            const int R = row + 1 <= g->last ? 2 : 1;
+            const uint16_t *qr[2] = {q + tok * q_row_stride + head0,
+                                     R > 1 ? q + tok_idx[row + 1] * q_row_stride + head0 : 0};
+            uint16_t *orow[2] = {out + tok * out_row_stride + head0,
+                                 R > 1 ? out + tok_idx[row + 1] * out_row_stride + head0 : 0};
+            if (pa_kt16_item(qr, kt + g->off, g->ld, &layout, table, row_lens + row, R, kvh,
+                             group, head_dim, scale, orow)) {
+#pragma omp atomic write
+                failed = 1;
+            }
+            continue;
+        }
         const int32_t len = row_lens[row];
         const int32_t start = (window > 0 && len > window) ? len - window : 0;
-        item_bf16(q + tok * q_row_stride + head0, &layout, block_tables + seq_idx[row] * bt_stride,
-                  start, len, kvh, group, head_dim, scale, softcap,
-                  out + tok * out_row_stride + head0);
+        item_bf16(q + tok * q_row_stride + head0, &layout, table, start, len, kvh, group,
+                  head_dim, scale, softcap, out + tok * out_row_stride + head0);
     }
-    return 0;
+    free(group_of);
+    free(grp);
+    return failed ? -2 : 0;
 }

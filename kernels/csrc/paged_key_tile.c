@@ -13,10 +13,7 @@
  * where the register file is small (pa_v_slice). */
 #include "paged_attention.h"
 
-#define KV_VECS (KT_KEYS / KP_VW) /* vectors per group of keys */
-#define MAX_M 6 /* score rows of one tile: R rows x gb heads */
-
-static float *grow_buffer(float **buf, int64_t *cap, int64_t n) {
+float *pa_grow_buffer(float **buf, int64_t *cap, int64_t n) {
     if (n > *cap) {
         free(*buf);
         const size_t bytes = ((size_t)n * sizeof(float) + 63) & ~(size_t)63;
@@ -44,33 +41,6 @@ void pa_kt_fill(const kv_layout *kv, const int32_t *table, int32_t len, int nkv,
             }
         }
     }
-}
-
-/* Softmax of one score row of n keys in place (its keys past n, up to `padded`, zeroed: keys of
- * the other, longer row of the tile); returns the sum, and the max in *max. */
-static inline float softmax_row(float *sm, int32_t n, int32_t padded, float *max) {
-    const int32_t full = n / KP_VW * KP_VW;
-    const int tail = n - full;
-    vf vmx = vset1(-3.0e38f);
-    for (int32_t t = 0; t < full; t += KP_VW) vmx = vmax(vmx, vload(sm + t));
-    if (tail) vmx = vmax(vmx, vselect(vlanes_below(tail), vload(sm + full), vmx));
-    const float mx = vhmax(vmx);
-    vf vsum = vzero();
-    for (int32_t t = 0; t < full; t += KP_VW) {
-        const vf e = vexp(vload(sm + t) - mx);
-        vstore(sm + t, e);
-        vsum += e;
-    }
-    int32_t t = full;
-    if (tail) {
-        const vf e = vselect(vlanes_below(tail), vexp(vload(sm + full) - mx), vzero());
-        vstore(sm + full, e);
-        vsum += e;
-        t += KP_VW;
-    }
-    for (; t < padded; t += KP_VW) vstore(sm + t, vzero());
-    *max = mx;
-    return vhsum(vsum);
 }
 
 /* Query heads g0 .. g0 + gb - 1 of KV head h for R rows (R = 2: two consecutive rows of the
@@ -110,7 +80,7 @@ static inline __attribute__((always_inline)) void kt_tile(
     float inv[MAX_M];
     for (int m = 0; m < M; ++m) {
         float mx;
-        const float sum = softmax_row(s + m * ld, lens[m / gb], groups * KT_KEYS, &mx);
+        const float sum = pa_softmax_row(s + m * ld, lens[m / gb], groups * KT_KEYS, &mx);
         if (stats) {  /* cascade: hand on the max and the sum, the output stays unnormalised */
             float *st = stats[m / gb];
             st[m % gb] = mx;
@@ -144,19 +114,6 @@ static inline __attribute__((always_inline)) void kt_tile(
             for (int j = 0; j < DV; ++j) vstore(o + KP_VW * j, a[m][j] * inv[m]);
         }
     }
-}
-
-/* Query heads per tile for R rows: AVX-512 as many as keep the V accumulators of whole heads
- * in registers (head_dim 64: 4 for one row, 3 for two; 128: 2 and 1); AVX2 3 (3 or 6 score
- * rows: enough independent FMAs to hide their latency; its V loop goes over the head in
- * slices either way), measured faster than 1-2 rows and than 4 (BENCHMARKS.md). */
-static inline int kt_heads(int R, int hd) {
-#if KP_VREGS >= 32
-    return hd == 64 ? (R == 1 ? 4 : 3) : (R == 1 ? 2 : 1);
-#else
-    (void)hd;
-    return R == 1 ? 3 : 3;
-#endif
 }
 
 /* kt_tile with R, gb and the head dim as constants. */
@@ -193,8 +150,8 @@ static __thread int64_t kt_keys_cap;
 int pa_kt_item(const float *const *q, const float *kt, int64_t ld, const kv_layout *kv,
                const int32_t *table, const int32_t *lens, int R, int kvh, int nkv, int group,
                int hd, float scale, float *const *out, float *const *stats) {
-    const int per_pass = kt_heads(R, hd);
-    float *s = grow_buffer(&kt_scores, &kt_scores_cap, (int64_t)MAX_M * ld);
+    const int per_pass = pa_kt_heads(R, hd);
+    float *s = pa_grow_buffer(&kt_scores, &kt_scores_cap, (int64_t)MAX_M * ld);
     if (!s) return -1;
     for (int k = 0; k < nkv; ++k)
         for (int g = 0; g < group; g += per_pass) {
@@ -215,4 +172,4 @@ int pa_kt_item(const float *const *q, const float *kt, int64_t ld, const kv_layo
     return 0;
 }
 
-float *pa_transposed_keys(int64_t n) { return grow_buffer(&kt_keys, &kt_keys_cap, n); }
+float *pa_transposed_keys(int64_t n) { return pa_grow_buffer(&kt_keys, &kt_keys_cap, n); }

@@ -112,6 +112,21 @@ def test_every_level_compiles_without_warnings_and_says_what_it_holds(
     assert loader.built_level(out) == level.name
 
 
+@pytest.mark.parametrize("machine", sorted(MACHINES))
+def test_each_machine_type_takes_bf16_dot_products_exactly_where_it_has_them(
+        machine: str, tmp_path: Path) -> None:
+    """The bf16 attention kernels' q.k path for each machine type's level (flags stubbed):
+    `vdpbf16ps` in the compiled code iff the CPU has AVX512-BF16, as `isa.bf16_dot` says."""
+    flags = frozenset(MACHINES[machine][0].split())
+    level = isa.select(flags)
+    assert isa.bf16_dot(level) == ("avx512_bf16" in flags)
+    for name in ("paged_bf16.c", "paged_bf16_tile.c"):
+        asm = tmp_path / f"{name}.s"
+        subprocess.run([_gcc(), *loader.FLAGS[:3], *level.march, "-S", "-o", str(asm),
+                        str(loader.CSRC / name)], check=True, capture_output=True, timeout=120)
+        assert ("vdpbf16ps" in asm.read_text()) == isa.bf16_dot(level), (machine, name)
+
+
 def test_the_loaded_library_is_this_machines_level() -> None:
     assert cpu_native.load() is not None, "the native CPU kernels did not build"
     level = loader.loaded_level()

@@ -3,8 +3,10 @@
 What must hold at every level (tests/kernels/test_isa.py runs this file again at avx2 on a
 higher machine): the kernel equals attention computed in fp32 over the same bf16 values, up to
 the final rounding to bf16 and the order of fp32 sums; windows, soft caps, GQA ratios and head
-dims that are not a multiple of the vector width included. The CPU backend sends bf16 decode
-rows to it and prefill rows to SDPA.
+dims that are not a multiple of the vector width included; prefill runs through the
+transposed-key tiles (csrc/paged_bf16_tile.c: `vdpbf16ps` at the levels with AVX512-BF16, exact
+widening elsewhere) included. The CPU backend sends bf16 decode rows to it, and prefill rows
+where the tiles take them (head dims 64 and 128, no window or cap); other prefill rows to SDPA.
 """
 
 from __future__ import annotations
@@ -93,9 +95,53 @@ def test_bf16_rows_leave_other_rows_alone_and_refuse_mixed_dtypes() -> None:
                               out.float())
 
 
-def test_backend_sends_bf16_decode_rows_native_and_prefill_to_sdpa(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    case = make_case([50, 30, 90], [1, 30, 1], num_heads=8, num_kv_heads=2, head_dim=64,
+PREFILL_CASES = [  # (seq_lens, q_lens, heads, kv_heads, head_dim, block_size)
+    ([200], [200], 9, 3, 64, 16),                    # SmolLM2's shape, one whole prompt
+    ([300, 41, 90], [100, 1, 33], 8, 2, 128, 32),    # a chunk after a cached prefix, a decode
+                                                     # row, a run of odd length (a lone last row)
+    ([64, 70], [64, 70], 32, 1, 64, 16),             # the largest group, two prompts
+    ([120], [120], 6, 6, 128, 64),                   # one query head per KV head
+    ([40, 33], [40, 33], 5, 1, 64, 16),              # a group that the passes split unevenly
+]
+
+
+@pytest.mark.parametrize("case_def", PREFILL_CASES,
+                         ids=lambda c: f"h{c[2]}x{c[3]}-d{c[4]}-q{sum(c[1])}")
+def test_bf16_prefill_tiles_equal_fp32_attention_over_the_same_values(case_def: tuple) -> None:
+    """Runs of 32 rows or more take the tiles (KT_MIN_ROWS); causality is each row's length."""
+    seq_lens, q_lens, heads, kv_heads, head_dim, block_size = case_def
+    case = make_case(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=head_dim, block_size=block_size, dtype=BF16, seed=len(seq_lens),
+                     wide_table=True)
+    case.query.mul_(3)  # peaked softmax rows: a wrong key or row would show
+    truth = _fp32_truth(case)
+    _close_to_one_rounding(_rows(case), truth)
+    causal = truth[:q_lens[0]]  # the first prompt's rows differ from one another (causality)
+    assert not torch.allclose(causal[0], causal[-1], atol=1e-2)
+
+
+def test_bf16_prefill_tiles_keep_their_rows_apart_and_repeat_bit_for_bit() -> None:
+    """The tiles write only the rows asked for, and a second run gives the same bits."""
+    case = make_case([96], [96], num_heads=9, num_kv_heads=3, head_dim=64, dtype=BF16, seed=4)
+    q, kv, bt, seq_lens, starts, scale = case.args()
+    meta = AttentionMetadata.build(bt, seq_lens, starts)
+    row_lens, row_seq = meta.rows(96)
+    pick = torch.arange(10, 90)  # one run of 80 rows, the others not asked for
+    out = torch.full_like(q, 7.0)
+    cpu_native.paged_rows(q, kv, bt, row_lens[pick], pick, row_seq[pick], scale, out)
+    assert bool((out[:10] == 7.0).all()) and bool((out[90:] == 7.0).all())
+    _close_to_one_rounding(out[10:90], _fp32_truth(case)[10:90])
+    again = torch.full_like(q, 7.0)
+    cpu_native.paged_rows(q, kv, bt, row_lens[pick], pick, row_seq[pick], scale, again)
+    assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("head_dim,window,prefill_native", [
+    (64, None, True), (128, None, True), (72, None, False), (64, 16, False)])
+def test_backend_routes_bf16_prefill_to_the_tiles_where_they_take_it(
+        monkeypatch: pytest.MonkeyPatch, head_dim: int, window: int | None,
+        prefill_native: bool) -> None:
+    case = make_case([50, 40, 90], [1, 40, 1], num_heads=8, num_kv_heads=2, head_dim=head_dim,
                      block_size=16, dtype=BF16, seed=9, wide_table=True)
     calls: list[list[int]] = []
     real = cpu_native.paged_rows
@@ -105,8 +151,10 @@ def test_backend_sends_bf16_decode_rows_native_and_prefill_to_sdpa(
         return real(query, kv_cache, block_tables, row_lens, token_idx, *args, **kw)
 
     monkeypatch.setattr(cpu_native, "paged_rows", spy)
-    monkeypatch.setattr(cpu_native, "prefill_tiles", lambda: True)  # fp32 would take all rows
+    monkeypatch.setattr(cpu_native, "prefill_tiles", lambda: True)
     meta = AttentionMetadata.build(*case.args()[2:5])
-    out = paged_attention_cpu(case.query, case.kv_cache, meta, case.scale)
-    assert sorted(sum(calls, [])) == [0, 31]  # the two decode tokens; the prefill by SDPA
-    torch.testing.assert_close(out.float(), _fp32_truth(case), atol=3e-2, rtol=2e-2)
+    out = paged_attention_cpu(case.query, case.kv_cache, meta, case.scale, window=window)
+    # every row natively, or the two decode tokens only (the prefill by SDPA)
+    assert sorted(sum(calls, [])) == (list(range(42)) if prefill_native else [0, 41])
+    torch.testing.assert_close(out.float(), _fp32_truth(case, window=window), atol=3e-2,
+                               rtol=2e-2)
