@@ -107,9 +107,6 @@ class EngineConfig:
         quantization_error = method_error(self.quantization)
         if quantization_error is not None:
             raise ValueError(quantization_error)
-        if self.quantization is not None and self.tensor_parallel_size > 1:
-            raise ValueError("quantized weights are not sharded: quantization needs "
-                             "tensor_parallel_size 1")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS} "
                              f"(got {self.load_format!r})")
@@ -128,20 +125,28 @@ class EngineConfig:
                              f"({self.max_loras})")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
-        spec = self.speculative_config
-        if (self.tensor_parallel_size > 1 and isinstance(spec, SpeculativeConfig)
-                and spec.method == "draft_model"):
-            raise ValueError("a draft model is not sharded: speculative_config method "
-                             "draft_model needs tensor_parallel_size 1")
-        if self.tensor_parallel_size > 1 and self.enable_lora:
-            raise ValueError("LoRA adapters are not sharded: enable_lora needs "
-                             "tensor_parallel_size 1")
+        if self.tensor_parallel_size > 1:
+            self._check_shardable()
         if self.runner not in RUNNERS or self.convert not in CONVERTS:
             raise ValueError(f"runner must be one of {RUNNERS} and convert one of {CONVERTS} "
                              f"(got {self.runner!r}, {self.convert!r})")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} "
                              f"(got {self.scheduling_policy!r})")
+
+    def _check_shardable(self) -> None:
+        """What tensor parallelism does not shard: a draft model, LoRA adapters, quantized
+        weights."""
+        spec = self.speculative_config
+        if isinstance(spec, SpeculativeConfig) and spec.method == "draft_model":
+            raise ValueError("a draft model is not sharded: speculative_config method "
+                             "draft_model needs tensor_parallel_size 1")
+        if self.enable_lora:
+            raise ValueError("LoRA adapters are not sharded: enable_lora needs "
+                             "tensor_parallel_size 1")
+        if self.quantization is not None:
+            raise ValueError("quantized weights are not sharded: quantization needs "
+                             "tensor_parallel_size 1")
 
     def scheduler_config(self, chunked_prefill: bool = True) -> SchedulerConfig:
         """`chunked_prefill` False: the model computes a prompt whole (encoders)."""
