@@ -94,8 +94,9 @@ static inline int pa_kt_heads(int R, int hd) {
 #if KP_VREGS >= 32
     return hd == 64 ? (R == 1 ? 4 : 3) : (R == 1 ? 2 : 1);
 #else
+    (void)R;
     (void)hd;
-    return R == 1 ? 3 : 3;
+    return 3;
 #endif
 }
 
