@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.helpers.gpu_path_worker import GpuPathWorker
+from tests.helpers.served_options import model_dir, ref, served  # noqa: F401 - fixtures
 from tests.helpers.triton import TritonKernels, prepare_interpreter
 
 prepare_interpreter()  # before any test module imports torch's compiler (which imports Triton)

@@ -17,7 +17,6 @@ from engine import LLM, SamplingParams
 from kserve_paged.logprobs import (
     TokenText,
 )
-from tests.helpers import served_options
 from tests.helpers.served_options import (
     CHAT,
     CHAT_URL,
@@ -28,9 +27,7 @@ from tests.helpers.served_options import (
     ok,
 )
 
-# This module's fixtures: one served engine and its offline reference.
-model_dir, served, ref = (served_options.model_dir, served_options.served,
-                          served_options.ref)
+# Fixtures `served` and `ref` (one served engine, its offline reference): tests/conftest.py.
 
 
 def test_token_bytes_of_a_split_character(ref: LLM):

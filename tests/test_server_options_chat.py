@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from engine import SamplingParams
-from tests.helpers import served_options
 from tests.helpers.served_options import (
     CHAT,
     CHAT_URL,
@@ -24,9 +23,7 @@ from tests.helpers.served_options import (
 )
 from tests.helpers.server import NAME
 
-# This module's fixtures: one served engine and its offline reference.
-model_dir, served, ref = (served_options.model_dir, served_options.served,
-                          served_options.ref)
+# Fixtures `served` and `ref` (one served engine, its offline reference): tests/conftest.py.
 
 # -- chat ----------------------------------------------------------------------------------------
 

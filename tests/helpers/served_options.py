@@ -1,6 +1,8 @@
 """Request options through the server's routes on the real default model, with the offline
 ``LLM`` (same engine, same options) as the reference: what test_server_options.py and
-test_server_options_chat.py share. Requests are short: these run on CPU."""
+test_server_options_chat.py share, session-scoped fixtures (tests/conftest.py exposes them) so
+the default model is loaded twice per session, not twice per file. Requests are short: these
+run on CPU."""
 
 from __future__ import annotations
 
@@ -25,12 +27,12 @@ V2 = "/v2/models/m/infer"  # tests/helpers/server.NAME
 TOL = 2e-3  # batch composition changes float sums a little between server and reference
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_dir() -> str:
     return str(ensure_default_model(progress=lambda _: None))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def served(model_dir: str) -> Iterator[tuple[Any, PagedLLMModel]]:
     from engine.llm_engine import LLMEngine
 
@@ -40,7 +42,7 @@ def served(model_dir: str) -> Iterator[tuple[Any, PagedLLMModel]]:
     model.stop_engine()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ref(model_dir: str) -> LLM:
     return LLM(model=model_dir, **OPTS)
 
