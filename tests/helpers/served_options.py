@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from engine import LLM
-from engine.config import EngineConfig
-from engine.default_model import ensure_default_model
-from kserve_paged.model import PagedLLMModel
-from tests.helpers.server import build, client, sse
+if TYPE_CHECKING:  # tests/conftest.py imports this module: keep its collection light
+    from engine import LLM
+    from kserve_paged.model import PagedLLMModel
 
 OPTS = {"max_model_len": 256, "num_kv_blocks": 64}
 PROMPTS = ["The capital of France is", "1, 2, 3,"]
@@ -29,12 +27,16 @@ TOL = 2e-3  # batch composition changes float sums a little between server and r
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
+    from engine.default_model import ensure_default_model
+
     return str(ensure_default_model(progress=lambda _: None))
 
 
 @pytest.fixture(scope="session")
 def served(model_dir: str) -> Iterator[tuple[Any, PagedLLMModel]]:
+    from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
+    from tests.helpers.server import build
 
     app, model = build(engine=LLMEngine(EngineConfig(model=model_dir, **OPTS)))
     asyncio.run(model.start_engine())
@@ -44,11 +46,15 @@ def served(model_dir: str) -> Iterator[tuple[Any, PagedLLMModel]]:
 
 @pytest.fixture(scope="session")
 def ref(model_dir: str) -> LLM:
+    from engine import LLM
+
     return LLM(model=model_dir, **OPTS)
 
 
 def call(served: tuple[Any, PagedLLMModel], path: str, body: dict[str, Any]) -> Any:
     """POST ``body``; the httpx response (read)."""
+    from tests.helpers.server import client
+
     app, _ = served
 
     async def main() -> Any:
@@ -58,6 +64,8 @@ def call(served: tuple[Any, PagedLLMModel], path: str, body: dict[str, Any]) -> 
 
 
 def ok(served: tuple[Any, PagedLLMModel], path: str, body: dict[str, Any]) -> Any:
+    from tests.helpers.server import sse
+
     r = call(served, path, body)
     assert r.status_code == 200, r.text
     return r.json() if not body.get("stream") else sse(r.text)
