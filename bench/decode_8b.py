@@ -1,7 +1,8 @@
 """Decode step time of a Llama-3-8B-shaped model against its memory floor, CUDA graphs on and
-off (issue 32, item 7).
+off (issue 32, item 7); `--shape smollm2` times the default model's shape the same way, for
+the graphs-against-eager target at batch 1-16 (`graphs_speedup` per batch).
 
-    python bench/decode_8b.py [--tiny] [--json] [--batches 1,16,64,256]
+    python bench/decode_8b.py [--tiny] [--json] [--batches 1,16,64,256] [--shape smollm2]
 
 Needs nothing but the repository: the model folder is a config.json (Llama 3 8B's shape) and a
 word-level tokenizer built with `tokenizers` at run time; the weights are drawn at load
@@ -34,6 +35,11 @@ sys.path.insert(0, str(ROOT))
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                  vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                    vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
+                    tie_word_embeddings=True)
+SHAPES = {"llama3-8b": LLAMA3_8B, "smollm2": SMOLLM2_135M}
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=97, max_position_embeddings=128)
 
@@ -44,7 +50,7 @@ def model_folder(shape: dict, dest: Path) -> Path:
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
     dest.mkdir(parents=True, exist_ok=True)
-    LlamaConfig(tie_word_embeddings=False, **shape).save_pretrained(dest)
+    LlamaConfig(**{"tie_word_embeddings": False, **shape}).save_pretrained(dest)
     vocab = {f"t{i}": i for i in range(shape["vocab_size"])}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
@@ -109,15 +115,15 @@ def floor_ms(model: Any, context_tokens: int, gbs: float) -> float:
     return (weights + context_tokens * per_token) / (gbs * 1e9) * 1e3
 
 
-def run(tiny: bool, batches: list[int]) -> dict:
+def run(tiny: bool, batches: list[int], shape_name: str = "llama3-8b") -> dict:
     from engine import LLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    shape = TINY if tiny else LLAMA3_8B
+    shape = TINY if tiny else SHAPES[shape_name]
     prompt, steps = (8, 3) if tiny else (512, 20)
     gbs = copy_bandwidth(device)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                           "shape": "tiny" if tiny else "llama3-8b", "copy_gbs": gbs,
+                           "shape": "tiny" if tiny else shape_name, "copy_gbs": gbs,
                            "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(shape, Path(tmp) / "model")
@@ -142,6 +148,10 @@ def run(tiny: bool, batches: list[int]) -> dict:
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
+    if "graphs" in out["runs"]:
+        eager = {r["batch"]: r["median_ms"] for r in out["runs"]["eager"]["steps"]}
+        out["graphs_speedup"] = {str(r["batch"]): eager[r["batch"]] / r["median_ms"]
+                                 for r in out["runs"]["graphs"]["steps"]}
     out["ok"] = True
     return out
 
@@ -151,13 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--batches", default=None)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():  # before anything imports Triton
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["KSERVE_PAGED_ATTENTION_BACKEND"] = "triton"
     tiny = args.tiny or not torch.cuda.is_available()
-    batches = [int(b) for b in (args.batches or ("1,2" if tiny else "1,16,64,256")).split(",")]
-    print(json.dumps(run(tiny, batches)))
+    default = "1,2,4,8,16" if args.shape == "smollm2" else "1,16,64,256"
+    batches = [int(b) for b in (args.batches or ("1,2" if tiny else default)).split(",")]
+    print(json.dumps(run(tiny, batches, args.shape)))
     return 0
 
 

@@ -152,6 +152,11 @@ def _decode_cmd(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "bench/decode_8b.py", "--json"] + (["--tiny"] if args.dry_run else [])
 
 
+def _decode_smol_cmd(args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "bench/decode_8b.py", "--json", "--shape", "smollm2"] + (
+        ["--tiny"] if args.dry_run else [])
+
+
 def _w1_cmd(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "bench/w1_8b.py", "--json"] + (["--tiny"] if args.dry_run else [])
 
@@ -197,8 +202,9 @@ STAGES = [
           judge=_judge_ok),
     Stage("host-syncs", _host_syncs_cmd, 20, 300, parse_json=True, judge=_judge_syncs),
     Stage("big-kv", _big_kv_cmd, 25, 300, parse_json=True, judge=_judge_ok),
-    Stage("decode-8b", _decode_cmd, 70, 300, parse_json=True, judge=_judge_ok),
-    Stage("w1-8b", _w1_cmd, 80, 300, parse_json=True, judge=_judge_ok),
+    Stage("decode-8b", _decode_cmd, 60, 300, parse_json=True, judge=_judge_ok),
+    Stage("decode-smol", _decode_smol_cmd, 20, 240, parse_json=True, judge=_judge_ok),
+    Stage("w1-8b", _w1_cmd, 70, 300, parse_json=True, judge=_judge_ok),
     Stage("profile-step", _profile_cmd, 30, 240, parse_json=True, judge=_judge_ok),
     Stage("attention-bw", _attention_bw_cmd, 40, 240, parse_json=True),
 ]

@@ -62,6 +62,7 @@ def test_dry_run_passes_every_stage_without_the_missing_packages(
     assert results["host-syncs"]["data"]["decode"]["total"] == 1
     assert results["big-kv"]["data"]["splits"]["32"]["padded_zero"]
     assert results["decode-8b"]["data"]["runs"]["eager"]["steps"][0]["batch"] == 1
+    assert results["decode-smol"]["data"]["runs"]["eager"]["steps"][0]["batch"] == 1
     w1 = results["w1-8b"]["data"]
     assert w1["engine"]["complete"] and len(w1["engine"]["passes"]) == 2 and w1["ratio"] > 0
     step = results["profile-step"]["data"]
@@ -111,3 +112,23 @@ def test_stage_budgets_fit_eight_minutes_and_pass_on_what_is_unused() -> None:
     assert limit([10, 20, 30], [4, 26]) == 30  # none left: the third keeps its own
     assert limit([10, 20], [12]) == 18  # a stage killed a little late: the next pays
     assert limit([10, 20], [40]) == 1
+
+
+def test_the_decode_smol_shape_is_the_default_models(tmp_path: Path) -> None:
+    """The graphs-against-eager target is for the default model's shape: the stage's config
+    must be that model's, field for field, as transformers reads both."""
+    from transformers import AutoConfig
+
+    from engine.default_model import ensure_default_model
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import decode_8b
+    finally:
+        sys.path.remove(str(BENCH))
+    real = AutoConfig.from_pretrained(ensure_default_model(progress=lambda _: None))
+    built = AutoConfig.from_pretrained(decode_8b.model_folder(decode_8b.SMOLLM2_135M,
+                                                              tmp_path / "m"))
+    assert real.rope_parameters["rope_theta"] == built.rope_parameters["rope_theta"]
+    for key in set(decode_8b.SMOLLM2_135M) - {"rope_theta"}:
+        assert getattr(built, key) == getattr(real, key), key
