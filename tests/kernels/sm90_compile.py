@@ -27,6 +27,8 @@ ATTENTION_CASES = {  # dtype, group, BLOCK_M, BLOCK_N, BLOCK_D, splits, f32, one
     # Gemma: sliding window and soft-capping, prefill and split decode
     "attention-bf16-window-softcap": ("bf16", 4, 64, 64, 256, 1, False, False, True, True),
     "attention-bf16-window-split": ("bf16", 4, 16, 64, 256, 4, False, False, True, False),
+    # encoders (issue 35): bidirectional prefill, no causal mask (CAUSAL False)
+    "attention-fp32-bidirectional": ("fp32", 3, 64, 32, 64, 1, True, False, False, False),
 }
 CASES = (*ATTENTION_CASES, "store-merge", "lora-sgmv", "fused-moe", "fused-ops")
 
@@ -67,7 +69,8 @@ def _attention(case: str) -> list[int]:
     consts: dict[str, object] = {
         "GROUP": group, "BLOCK_SIZE": 16, "BLOCK_M": block_m, "BLOCK_Q": max(1, block_m // group),
         "BLOCK_N": block_n, "BLOCK_D": block_d, "NUM_SPLITS": splits, "F32_DOT": f32,
-        "USE_WINDOW": window, "USE_SOFTCAP": softcap}
+        "USE_WINDOW": window, "USE_SOFTCAP": softcap,
+        "CAUSAL": not case.endswith("-bidirectional")}
     if one_seq:
         consts = {"num_seqs": 1, **consts}
     return [_compile(tb._paged_attn_kernel, sig, consts).metadata.shared]
