@@ -81,3 +81,30 @@ def test_on_the_fly_quantization_of_a_float_checkpoint(
     ours = PagedSim(quantized).step([(0, PROMPT)])
     ref = PagedSim(dense).step([(0, PROMPT)])
     assert float((ours - ref).abs().max()) < 1e-3
+
+
+def test_engine_serves_with_quantization(tmp_path: Path) -> None:
+    """EngineConfig's quantization reaches the loader: the engine's model runs on int4
+    projections and generates, the same tokens twice."""
+    import json
+    import shutil
+
+    from engine import LLM, SamplingParams
+    from engine.default_model import ensure_default_model
+
+    model_dir = ensure_default_model()
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = LLM(model=str(tmp_path), load_format="dummy", seed=1, dtype="float32",
+                  max_model_len=256, kv_cache_memory=8 << 20, quantization="int4")
+        assert all(isinstance(m.quant, quant_linear.Int4Weight)
+                   for _, m in projections(llm.engine.model))
+        runs.append(llm.generate(["Hello there"], params)[0].outputs[0].token_ids)
+    assert len(runs[0]) == 6 and runs[0] == runs[1]
