@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from engine.distributed.group import TPGroup
-from engine.model_executor import gguf_quant
 from engine.model_executor.config_reads import ignored_fields, recording_reads
 from engine.model_executor.models import MODEL_REGISTRY, LlamaForCausalLM, architecture_of
 from engine.model_executor.quant_methods import check_method as quantization_check
@@ -244,6 +243,9 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
         slicer = _layout(config, tp).weight_slice if tp is not None else None
         keep = None
         if quantization == "gguf":
+            # Here, not at import: the minimal GPU image has no `gguf` (bench/gpu_acceptance.py).
+            from engine.model_executor import gguf_quant
+
             keep = gguf_quant.keeper(gguf_quant.read(folder / gguf_file, state, config), dtype,
                                      gguf_file)
         model = _build(config, dtype, device, _sliced(state.items(), slicer), tp=tp,
