@@ -198,6 +198,14 @@ def _layout(config: Any, tp: TPGroup) -> TPLayout:
                        config.intermediate_size, config.vocab_size, tp.rank, tp.world_size)
 
 
+def _gguf_keeper(path: Path, state: dict[str, Any], config: Any, dtype: torch.dtype) -> Any:
+    """`--quantization gguf`: which projections keep the file's quantized blocks. Imported
+    here, not at module import: the minimal GPU image has no `gguf` (bench/gpu_acceptance.py)."""
+    from engine.model_executor import gguf_quant
+
+    return gguf_quant.keeper(gguf_quant.read(path, state, config), dtype, path.name)
+
+
 def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", seed: int = 0, tp: TPGroup | None = None,
                quantization: str | None = None) -> tuple[LlamaForCausalLM, Any]:
@@ -241,13 +249,8 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
         state = hf_model.state_dict()
         del hf_model
         slicer = _layout(config, tp).weight_slice if tp is not None else None
-        keep = None
-        if quantization == "gguf":
-            # Here, not at import: the minimal GPU image has no `gguf` (bench/gpu_acceptance.py).
-            from engine.model_executor import gguf_quant
-
-            keep = gguf_quant.keeper(gguf_quant.read(folder / gguf_file, state, config), dtype,
-                                     gguf_file)
+        keep = _gguf_keeper(folder / gguf_file, state, config, dtype) if quantization == "gguf" \
+            else None
         model = _build(config, dtype, device, _sliced(state.items(), slicer), tp=tp,
                        quantize=keep)
         return model, config
