@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engine.distributed.group import TPGroup
+from engine.model_executor import int4_checkpoints
 from engine.model_executor.config_reads import ignored_fields, recording_reads
 from engine.model_executor.models import MODEL_REGISTRY, LlamaForCausalLM, architecture_of
 from engine.model_executor.quant_methods import check_method as quantization_check
@@ -117,6 +118,26 @@ def check_architecture(folder: Path) -> None:
                                     model_type=raw.get("model_type")))
 
 
+def _int4_checkpoint(folder: Path) -> int4_checkpoints.Int4Checkpoint | None:
+    """An AWQ/GPTQ checkpoint's layout from config.json (None: float, or no config.json yet:
+    the later checks say what is missing)."""
+    if not (folder / "config.json").is_file():
+        return None
+    return int4_checkpoints.read_config(_raw_config(folder))
+
+
+def _int4_kept(ckpt: int4_checkpoints.Int4Checkpoint,
+               weights: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
+               ) -> tuple[Iterator[tuple[str, torch.Tensor]], Callable[[Any], object]]:
+    """An AWQ/GPTQ checkpoint's stream as float weights, and the step that packs their codes
+    back once the model holds them."""
+    reader = int4_checkpoints.Int4Reader(ckpt)
+
+    def keep(model: Any) -> object:
+        return quantization_apply(model, reader.picker(dtype), f"{ckpt.method} (checkpoint)")
+    return reader.stream(weights), keep
+
+
 def _raw_config(folder: Path) -> dict[str, Any]:
     return json.loads((folder / "config.json").read_text())
 
@@ -206,6 +227,26 @@ def _gguf_keeper(path: Path, state: dict[str, Any], config: Any, dtype: torch.dt
     return gguf_quant.keeper(gguf_quant.read(path, state, config), dtype, path.name)
 
 
+def _load_gguf(folder: Path, gguf_file: str, dtype: torch.dtype, device: torch.device,
+               tp: TPGroup | None, keep_quantized: bool) -> tuple[LlamaForCausalLM, Any]:
+    """A .gguf through transformers (dequantized), its 4-bit projections kept packed with
+    `--quantization gguf`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+    arch = architecture_of(config)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=gguf_file, local_files_only=True, dtype=torch.float32)
+    config = hf_model.config
+    config.architectures = [arch]
+    state = hf_model.state_dict()
+    del hf_model
+    slicer = _layout(config, tp).weight_slice if tp is not None else None
+    keep = _gguf_keeper(folder / gguf_file, state, config, dtype) if keep_quantized else None
+    return _build(config, dtype, device, _sliced(state.items(), slicer), tp=tp,
+                  quantize=keep), config
+
+
 def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", seed: int = 0, tp: TPGroup | None = None,
                quantization: str | None = None) -> tuple[LlamaForCausalLM, Any]:
@@ -215,16 +256,17 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
     config or weights, and ValueError for an unsupported architecture or mismatched weights.
     GGUF goes through transformers, which dequantizes it to `dtype`-castable float tensors.
     `load_format="dummy"` reads only config.json and draws random weights (`_fill_dummy`).
-    With `tp` (tensor parallelism), this rank's shard, reading only its slices.
-    `quantization` (`--quantization`): the decoder projections' weights quantized
-    (engine/model_executor/quantization.py).
+    With `tp` (tensor parallelism), this rank's shard, reading only its slices. `quantization`
+    (`--quantization`, or an AWQ/GPTQ checkpoint's own): engine/model_executor/quantization.py.
     """
     from transformers import AutoConfig
 
     folder, gguf_file = _resolve(path)
-    quantization_check(quantization, gguf=gguf_file is not None,
-                       device_type=torch.device(device).type, tp=tp is not None)
-    on_the_fly = None if quantization in (None, "gguf") else (
+    ckpt = None if gguf_file else _int4_checkpoint(folder)
+    quantization = quantization_check(quantization, gguf=gguf_file is not None,
+                                      device_type=torch.device(device).type, tp=tp is not None,
+                                      checkpoint=ckpt.method if ckpt else None)
+    on_the_fly = None if quantization in (None, "gguf", "awq", "gptq") else (
         lambda m: quantization_apply(m, on_the_fly_picker(quantization, dtype), quantization))
     if load_format == "dummy":
         if gguf_file is not None:
@@ -238,22 +280,7 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
         return _build(config, dtype, device, None, seed, tp, _raw_config(folder),
                       on_the_fly), config
     if gguf_file is not None:
-        from transformers import AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
-        arch = architecture_of(config)
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=gguf_file, local_files_only=True, dtype=torch.float32)
-        config = hf_model.config
-        config.architectures = [arch]
-        state = hf_model.state_dict()
-        del hf_model
-        slicer = _layout(config, tp).weight_slice if tp is not None else None
-        keep = _gguf_keeper(folder / gguf_file, state, config, dtype) if quantization == "gguf" \
-            else None
-        model = _build(config, dtype, device, _sliced(state.items(), slicer), tp=tp,
-                       quantize=keep)
-        return model, config
+        return _load_gguf(folder, gguf_file, dtype, device, tp, quantization == "gguf")
 
     check_architecture(folder)
     files = _weight_files(folder)
@@ -261,7 +288,10 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
     if not getattr(config, "architectures", None):
         config.architectures = [architecture_of(config)]
     slicer = _layout(config, tp).weight_slice if tp is not None else None
-    return _build(config, dtype, device, _iter_weights(files, slicer), tp=tp,
+    weights = _iter_weights(files, slicer)
+    if ckpt is not None:
+        weights, on_the_fly = _int4_kept(ckpt, weights, dtype)
+    return _build(config, dtype, device, weights, tp=tp,
                   raw_config=_raw_config(folder), quantize=on_the_fly), config
 
 

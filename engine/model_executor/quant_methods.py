@@ -1,15 +1,19 @@
 """The `--quantization` values (vLLM's flag) and which can run where; no torch import, so the
 server's flags and EngineConfig read them before anything heavy loads.
 
-vLLM's values this engine recognises: `gguf` (built), `awq`, `gptq`, `fp8` (not yet: a clear
-error at start-up naming what is built). Ours: `int4` and `int8`, weight-only quantization of a
-float checkpoint at load (engine/model_executor/quantization.py says what each does).
+vLLM's values this engine recognises: `gguf`, `awq` and `gptq` (built: a GGUF's or an AWQ/GPTQ
+checkpoint's 4-bit weights kept as stored), `fp8` (not yet: a clear error at start-up naming what
+is built). Ours: `int4` and `int8`, weight-only quantization of a float checkpoint at load
+(engine/model_executor/quantization.py says what each does). As in vLLM, an AWQ or GPTQ
+checkpoint (config.json's `quantization_config`) is served quantized without the flag, and a
+flag naming another method is an error.
 """
 
 from __future__ import annotations
 
 QUANTIZATION_METHODS = ("gguf", "awq", "gptq", "fp8", "int8", "int4")
-BUILT_METHODS = ("gguf", "int8", "int4")
+BUILT_METHODS = ("gguf", "awq", "gptq", "int8", "int4")
+CHECKPOINT_METHODS = ("awq", "gptq")  # read from the checkpoint's own quantization_config
 
 
 def method_error(method: str | None) -> str | None:
@@ -21,13 +25,22 @@ def method_error(method: str | None) -> str | None:
             f"{', '.join(BUILT_METHODS)} (vLLM's values: {', '.join(QUANTIZATION_METHODS)})")
 
 
-def check_method(method: str | None, *, gguf: bool, device_type: str, tp: bool) -> None:
-    """ValueError before anything loads when `method` cannot run here."""
+def check_method(method: str | None, *, gguf: bool, device_type: str, tp: bool,
+                 checkpoint: str | None = None) -> str | None:
+    """The method the load runs (`method`, else the checkpoint's own `checkpoint`); ValueError
+    before anything loads when it cannot run here."""
+    if checkpoint is not None and method not in (None, checkpoint):
+        raise ValueError(f"the checkpoint is quantized with {checkpoint} (config.json's "
+                         f"quantization_config) but quantization {method!r} was asked")
+    method = method or checkpoint
     if method is None:
-        return
+        return None
     error = method_error(method)
     if error is not None:
         raise ValueError(error)
+    if method in CHECKPOINT_METHODS and checkpoint != method:
+        raise ValueError(f"quantization {method!r} needs a {method.upper()} checkpoint "
+                         "(quantization_config in config.json); this one is float")
     if method == "gguf" and not gguf:
         raise ValueError("quantization 'gguf' needs a .gguf model file")
     if method != "gguf" and gguf:
@@ -39,3 +52,4 @@ def check_method(method: str | None, *, gguf: bool, device_type: str, tp: bool) 
     if tp:
         raise ValueError(f"quantization {method!r} is not sharded: it needs "
                          "tensor_parallel_size 1")
+    return method

@@ -1,0 +1,175 @@
+"""AWQ and GPTQ checkpoints: their 4-bit projections served as the checkpoint stores them, checked
+against the same checkpoint dequantized into a float folder, on tiny random Llamas whose
+projections are quantized and packed here from the formats' definitions (AWQ's interleaved
+output columns, GPTQ's words along the input dimension and its zeros stored minus one)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from engine.model_executor import int4_checkpoints  # noqa: E402
+from engine.model_executor.model_loader import load_model  # noqa: E402
+from engine.model_executor.quantization import projections  # noqa: E402
+from kernels import quant_linear  # noqa: E402
+from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint  # noqa: E402
+
+CPU = torch.device("cpu")
+PROMPT = [3, 17, 42, 5, 88, 61, 9, 23]
+GROUP = 32
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of a word holds output column 8c + this
+PROJ_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    """uint32 values held in int64 -> the int32 a safetensors file stores."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _pack_along(codes: torch.Tensor, dim: int, order: list[int]) -> torch.Tensor:
+    """Eight 4-bit codes a word along `dim`, nibble i taking index 8 w + order[i]."""
+    c = codes.long().movedim(dim, -1)
+    words = torch.zeros(*c.shape[:-1], c.shape[-1] // 8, dtype=torch.long)
+    for i, j in enumerate(order):
+        words |= c[..., j::8] << (4 * i)
+    return _int32(words.movedim(-1, dim)).contiguous()
+
+
+def _quantize(w: torch.Tensor, g_idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Asymmetric 4-bit codes of `w` [out, in] with input i in group g_idx[i]: (codes [in, out],
+    fp16 scales [groups, out], zeros [groups, out], the float32 weight they stand for)."""
+    groups = int(g_idx.max()) + 1
+    scales = torch.empty(groups, w.shape[0])
+    zeros = torch.empty(groups, w.shape[0])
+    for g in range(groups):
+        cols = w[:, g_idx == g]
+        lo, hi = cols.amin(1), cols.amax(1)
+        scales[g] = ((hi - lo) / 15).half().float()
+        # Zeros from 1: GPTQ's original format stores z - 1 in a nibble, so z = 0 cannot be
+        # written (its kernels read it back as 16).
+        zeros[g] = (-lo / scales[g]).round().clamp(1, 15)
+    codes = (w.t() / scales[g_idx] + zeros[g_idx]).round().clamp(0, 15)
+    deq = ((codes - zeros[g_idx]) * scales[g_idx]).t().contiguous()
+    return codes.to(torch.uint8), scales.half(), zeros.to(torch.uint8), deq
+
+
+def _write(src: Path, dst: Path, method: str, act_order: bool = False) -> Path:
+    """`src`'s checkpoint quantized into `dst` as `method`, and its dequantized float copy in
+    `dst/float` (the reference)."""
+    state = load_file(src / "model.safetensors")
+    quantized, dense = {}, dict(state)
+    gen = torch.Generator().manual_seed(1)
+    for name, w in state.items():
+        prefix = name.removesuffix(".weight")
+        if not prefix.endswith(PROJ_SUFFIXES):
+            quantized[name] = w
+            continue
+        g_idx = torch.arange(w.shape[1]) // GROUP
+        if act_order:
+            g_idx = g_idx[torch.randperm(w.shape[1], generator=gen)]
+        codes, scales, zeros, dense[name] = _quantize(w.float(), g_idx)
+        if method == "awq":
+            quantized[f"{prefix}.qweight"] = _pack_along(codes, 1, AWQ_PACK_ORDER)
+            quantized[f"{prefix}.qzeros"] = _pack_along(zeros, 1, AWQ_PACK_ORDER)
+        else:  # the original GPTQ format stores each zero minus one
+            quantized[f"{prefix}.qweight"] = _pack_along(codes, 0, list(range(8)))
+            quantized[f"{prefix}.qzeros"] = _pack_along((zeros.long() - 1) & 0xF, 1,
+                                                        list(range(8)))
+            quantized[f"{prefix}.g_idx"] = g_idx.to(torch.int32)
+        quantized[f"{prefix}.scales"] = scales
+    config = json.loads((src / "config.json").read_text())
+    (dst / "float").mkdir(parents=True)
+    (dst / "float/config.json").write_text(json.dumps(config))
+    save_file(dense, dst / "float/model.safetensors")
+    qc = {"quant_method": method, "bits": 4, "group_size": GROUP}
+    qc |= {"version": "gemm", "zero_point": True} if method == "awq" else {"desc_act": act_order}
+    (dst / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
+    save_file(quantized, dst / "model.safetensors")
+    return dst
+
+
+def _greedy(model: torch.nn.Module, steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    sim = PagedSim(model, seed=0)
+    logits = sim.step([(0, PROMPT)])
+    tokens, rows = [], [logits]
+    for _ in range(steps):
+        tokens.append(int(logits[-1].argmax()))
+        logits = sim.step([(0, [tokens[-1]])])
+        rows.append(logits)
+    return tokens, rows
+
+
+@pytest.fixture(scope="module")
+def float_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder, _ = save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path_factory.mktemp("float"))
+    return folder
+
+
+def test_words_unpack_as_each_format_packs_them() -> None:
+    words = torch.tensor([[0x76543210, _int32(torch.tensor(0xF0000000)).item()]],
+                         dtype=torch.int32)
+    assert int4_checkpoints.unpack(words, 1).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7,
+                                                          0, 0, 0, 0, 0, 0, 0, 15]]
+    assert int4_checkpoints.unpack(words[:, :1], 0).flatten().tolist() == list(range(8))
+    # AWQ: nibble i is output column AWQ_PACK_ORDER[i]; column j reads nibble order.index(j).
+    assert int4_checkpoints._awq_columns(words[:, :1]).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_checkpoint_served_with_its_own_codes(float_checkpoint: Path, tmp_path: Path,
+                                              caplog: pytest.LogCaptureFixture,
+                                              method: str) -> None:
+    folder = _write(float_checkpoint, tmp_path, method)
+    reference, _ = load_model(folder / "float", torch.float32, CPU)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        kept, _ = load_model(folder, torch.float32, CPU)  # no flag: the checkpoint says
+    assert f"quantization {method} (checkpoint): decoder projections" in caplog.text
+    floats = dict(projections(reference))
+    for name, linear in projections(kept):
+        assert isinstance(linear.quant, quant_linear.Int4Weight), name
+        assert linear.weight.numel() == 0
+        torch.testing.assert_close(quant_linear.dequant(linear.quant), floats[name].weight,
+                                   atol=1e-6, rtol=0)
+    tokens, logits = _greedy(kept, 5)
+    ref_tokens, ref_logits = _greedy(reference, 5)
+    assert tokens == ref_tokens
+    assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits, strict=True)) < 1e-3
+
+
+def test_activation_order_gptq_is_served_dequantized_and_said(
+        float_checkpoint: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = _write(float_checkpoint, tmp_path, "gptq", act_order=True)
+    reference, _ = load_model(folder / "float", torch.float32, CPU)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        kept, _ = load_model(folder, torch.float32, CPU, quantization="gptq")
+    assert "dequantized: activation-order groups" in caplog.text
+    assert all(linear.quant is None for _, linear in projections(kept))
+    floats = dict(projections(reference))
+    for name, linear in projections(kept):
+        torch.testing.assert_close(linear.weight, floats[name].weight, atol=1e-6, rtol=0)
+
+
+def test_layouts_not_served_fail_before_loading(float_checkpoint: Path, tmp_path: Path) -> None:
+    folder = _write(float_checkpoint, tmp_path, "awq")
+    with pytest.raises(ValueError, match="quantized with awq .* 'gptq' was asked"):
+        load_model(folder, torch.float32, CPU, quantization="gptq")
+    with pytest.raises(ValueError, match="needs a GPTQ checkpoint"):
+        load_model(float_checkpoint, torch.float32, CPU, quantization="gptq")
+    with pytest.raises(ValueError, match="CPU only"):
+        load_model(folder, torch.float32, torch.device("meta"))
+    config = json.loads((folder / "config.json").read_text())
+    for change, says in (({"bits": 8}, "8-bit weights"), ({"group_size": 100}, "group_size 100"),
+                         ({"version": "gemv"}, "only the 'gemm' layout"),
+                         ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'")):
+        qc = config["quantization_config"] | change
+        (folder / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
+        with pytest.raises(ValueError, match=says):
+            load_model(folder, torch.float32, CPU)
