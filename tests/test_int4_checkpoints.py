@@ -20,45 +20,13 @@ from engine.model_executor import int4_checkpoints  # noqa: E402
 from engine.model_executor.model_loader import load_model  # noqa: E402
 from engine.model_executor.quantization import projections  # noqa: E402
 from kernels import quant_linear  # noqa: E402
+from tests.helpers.int4_packing import checkpoint_parts, int32_words  # noqa: E402
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint  # noqa: E402
 
 CPU = torch.device("cpu")
 PROMPT = [3, 17, 42, 5, 88, 61, 9, 23]
 GROUP = 32
-AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of a word holds output column 8c + this
 PROJ_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _int32(words: torch.Tensor) -> torch.Tensor:
-    """uint32 values held in int64 -> the int32 a safetensors file stores."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def _pack_along(codes: torch.Tensor, dim: int, order: list[int]) -> torch.Tensor:
-    """Eight 4-bit codes a word along `dim`, nibble i taking index 8 w + order[i]."""
-    c = codes.long().movedim(dim, -1)
-    words = torch.zeros(*c.shape[:-1], c.shape[-1] // 8, dtype=torch.long)
-    for i, j in enumerate(order):
-        words |= c[..., j::8] << (4 * i)
-    return _int32(words.movedim(-1, dim)).contiguous()
-
-
-def _quantize(w: torch.Tensor, g_idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Asymmetric 4-bit codes of `w` [out, in] with input i in group g_idx[i]: (codes [in, out],
-    fp16 scales [groups, out], zeros [groups, out], the float32 weight they stand for)."""
-    groups = int(g_idx.max()) + 1
-    scales = torch.empty(groups, w.shape[0])
-    zeros = torch.empty(groups, w.shape[0])
-    for g in range(groups):
-        cols = w[:, g_idx == g]
-        lo, hi = cols.amin(1), cols.amax(1)
-        scales[g] = ((hi - lo) / 15).half().float()
-        # Zeros from 1: GPTQ's original format stores z - 1 in a nibble, so z = 0 cannot be
-        # written (its kernels read it back as 16).
-        zeros[g] = (-lo / scales[g]).round().clamp(1, 15)
-    codes = (w.t() / scales[g_idx] + zeros[g_idx]).round().clamp(0, 15)
-    deq = ((codes - zeros[g_idx]) * scales[g_idx]).t().contiguous()
-    return codes.to(torch.uint8), scales.half(), zeros.to(torch.uint8), deq
 
 
 def _write(src: Path, dst: Path, method: str, act_order: bool = False) -> Path:
@@ -75,16 +43,8 @@ def _write(src: Path, dst: Path, method: str, act_order: bool = False) -> Path:
         g_idx = torch.arange(w.shape[1]) // GROUP
         if act_order:
             g_idx = g_idx[torch.randperm(w.shape[1], generator=gen)]
-        codes, scales, zeros, dense[name] = _quantize(w.float(), g_idx)
-        if method == "awq":
-            quantized[f"{prefix}.qweight"] = _pack_along(codes, 1, AWQ_PACK_ORDER)
-            quantized[f"{prefix}.qzeros"] = _pack_along(zeros, 1, AWQ_PACK_ORDER)
-        else:  # the original GPTQ format stores each zero minus one
-            quantized[f"{prefix}.qweight"] = _pack_along(codes, 0, list(range(8)))
-            quantized[f"{prefix}.qzeros"] = _pack_along((zeros.long() - 1) & 0xF, 1,
-                                                        list(range(8)))
-            quantized[f"{prefix}.g_idx"] = g_idx.to(torch.int32)
-        quantized[f"{prefix}.scales"] = scales
+        parts, dense[name] = checkpoint_parts(w, g_idx, method)
+        quantized |= {f"{prefix}.{leaf}": t for leaf, t in parts.items()}
     config = json.loads((src / "config.json").read_text())
     (dst / "float").mkdir(parents=True)
     (dst / "float/config.json").write_text(json.dumps(config))
@@ -114,7 +74,7 @@ def float_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_words_unpack_as_each_format_packs_them() -> None:
-    words = torch.tensor([[0x76543210, _int32(torch.tensor(0xF0000000)).item()]],
+    words = torch.tensor([[0x76543210, int32_words(torch.tensor(0xF0000000)).item()]],
                          dtype=torch.int32)
     assert int4_checkpoints.unpack(words, 1).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7,
                                                           0, 0, 0, 0, 0, 0, 0, 15]]
