@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.int4_layouts import CheckpointInt4Weight, dequant_checkpoint
+
 INT4_GROUP_SIZES = (32, 64, 128)
 _INNER_K_TILES = 2  # how the CPU packing tiles K; it reads any value, the matmul ignores it
 _ROWS_MULTIPLE = 16  # the CPU packing takes output rows in multiples of 16 (ours are padded)
@@ -54,7 +56,7 @@ class Int8Weight:
         return self.codes.nbytes + self.scales.nbytes
 
 
-QuantWeight = Int4Weight | Int8Weight
+QuantWeight = Int4Weight | Int8Weight | CheckpointInt4Weight  # the last: CUDA, Triton GEMM
 
 
 def _check_groups(codes: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
@@ -125,6 +127,8 @@ def dequant(weight: QuantWeight) -> torch.Tensor:
     """The float32 weight a packed one stands for (for logs of the error and for tests)."""
     if isinstance(weight, Int8Weight):
         return weight.codes.float() * weight.scales.float()[:, None]
+    if isinstance(weight, CheckpointInt4Weight):
+        return dequant_checkpoint(weight)
     eye = torch.eye(weight.in_features, dtype=weight.scale_zero.dtype)
     return int4_mm(eye, weight).float().t().contiguous()
 
@@ -149,5 +153,13 @@ def int8_rows(ids: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
 def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     """`x @ w.T` for `x` `[..., in]` of any leading shape."""
     rows = x.reshape(-1, weight.in_features)
-    out = int4_mm(rows, weight) if isinstance(weight, Int4Weight) else int8_mm(rows, weight)
+    if isinstance(weight, CheckpointInt4Weight):
+        from kernels.quant_gemm_triton import int4_gemm  # Triton: imported on CUDA only
+
+        out = int4_gemm(rows, weight.qweight, weight.qzeros, weight.scales, weight.g_idx,
+                        awq=weight.awq, zero_offset=weight.zero_offset)
+    elif isinstance(weight, Int4Weight):
+        out = int4_mm(rows, weight)
+    else:
+        out = int8_mm(rows, weight)
     return out.reshape(*x.shape[:-1], weight.out_features)

@@ -19,9 +19,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from engine.model_executor import int4_checkpoints  # noqa: E402
 from engine.model_executor.model_loader import load_model  # noqa: E402
 from engine.model_executor.quantization import projections  # noqa: E402
-from kernels import quant_linear  # noqa: E402
+from kernels import int4_layouts, quant_linear  # noqa: E402
 from tests.helpers.int4_packing import checkpoint_parts, int32_words  # noqa: E402
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint  # noqa: E402
+from tests.kernels.interpreted import run_calls  # noqa: E402
 
 CPU = torch.device("cpu")
 PROMPT = [3, 17, 42, 5, 88, 61, 9, 23]
@@ -76,11 +77,11 @@ def float_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_words_unpack_as_each_format_packs_them() -> None:
     words = torch.tensor([[0x76543210, int32_words(torch.tensor(0xF0000000)).item()]],
                          dtype=torch.int32)
-    assert int4_checkpoints.unpack(words, 1).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7,
+    assert int4_layouts.unpack(words, 1).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7,
                                                           0, 0, 0, 0, 0, 0, 0, 15]]
-    assert int4_checkpoints.unpack(words[:, :1], 0).flatten().tolist() == list(range(8))
+    assert int4_layouts.unpack(words[:, :1], 0).flatten().tolist() == list(range(8))
     # AWQ: nibble i is output column AWQ_PACK_ORDER[i]; column j reads nibble order.index(j).
-    assert int4_checkpoints._awq_columns(words[:, :1]).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    assert int4_layouts.awq_columns(words[:, :1]).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
@@ -133,3 +134,34 @@ def test_layouts_not_served_fail_before_loading(float_checkpoint: Path, tmp_path
         (folder / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
         with pytest.raises(ValueError, match=says):
             load_model(folder, torch.float32, CPU)
+
+
+@pytest.mark.parametrize(("method", "act_order"), [("awq", False), ("gptq", True)])
+def test_words_kept_as_stored_for_the_triton_gemm(float_checkpoint: Path, tmp_path: Path,
+                                                  method: str, act_order: bool) -> None:
+    """What CUDA gets: each projection's words as stored, q/k/v and gate/up stacked along the
+    output (activation order too: the GEMM reads g_idx per row), standing for the reference
+    weight; one fused projection multiplied by the Triton GEMM (interpreted without CUDA)."""
+    folder = _write(float_checkpoint, tmp_path, method, act_order=act_order)
+    reference, _ = load_model(folder / "float", torch.float32, CPU)
+    reader = int4_checkpoints.Int4Reader(int4_checkpoints.read_config(
+        json.loads((folder / "config.json").read_text())))
+    for _ in reader.stream(iter(load_file(folder / "model.safetensors").items())):
+        pass
+    pick = reader.picker(torch.float32, triton=True)
+    kept = {}
+    for name, linear in projections(reference):
+        label, weight = pick(name, linear)
+        parts = int4_checkpoints.hf_parts(name)
+        if act_order and len(parts) > 1:  # each part has its own input order: not stacked
+            assert weight is None and "activation-order" in label
+            continue
+        assert isinstance(weight, int4_layouts.CheckpointInt4Weight) and "Triton" in label
+        torch.testing.assert_close(quant_linear.dequant(weight), linear.weight, atol=1e-6,
+                                   rtol=0)
+        kept[name] = weight
+    name = "model.layers.0.mlp.gate_up_proj" if not act_order else "model.layers.0.mlp.down_proj"
+    x = torch.randn(3, kept[name].in_features)
+    ((got, _),) = run_calls([("kernels.quant_linear", "matmul", (x, kept[name]), {})], tmp_path)
+    torch.testing.assert_close(got, x @ dict(projections(reference))[name].weight.t(),
+                               atol=1e-4, rtol=1e-5)

@@ -1,18 +1,13 @@
 """AWQ and GPTQ checkpoints (safetensors with a `quantization_config` in config.json): their
-4-bit projections served as `Int4Weight` with the checkpoint's own codes, scales and zeros.
+4-bit projections served with the checkpoint's own codes, scales and zeros.
 
-Both store, per projection, int32 words of eight 4-bit codes, fp16 scales and packed zeros per
-group of input features, `w = (q - z) * s`, which is our `w = q * scale + minimum` with
-`minimum = -z * s`:
-- AWQ (`version: gemm`): `qweight` `[in, out / 8]` packed along the output dimension, nibble i
-  of a word holding output column `8 c + AWQ_ORDER[i]`; `qzeros` `[in / group, out / 8]` the
-  same way; `scales` `[in / group, out]`.
-- GPTQ: `qweight` `[in / 8, out]` packed along the input dimension in order; `qzeros`
-  `[groups, out / 8]` in order, stored as `z - 1` by the original format (`checkpoint_format`
-  `gptq`), as `z` by `gptq_v2`; `scales` `[groups, out]`; `g_idx` `[in]`, each input feature's
-  group. A checkpoint quantized in activation order (`desc_act`) has groups that are not runs
-  of consecutive inputs, which the packed kernel cannot read: such a projection is served
-  dequantized, and the start-up log names it.
+The formats (kernels/int4_layouts.py) store `w = (q - z) s` per group of input features:
+- on CPU that is our `Int4Weight` with `minimum = -z s`, exact, when each group is a run of
+  consecutive inputs; a GPTQ checkpoint quantized in activation order (`desc_act`) is not, and
+  the packed CPU kernel cannot read it, so such a projection is served dequantized and the
+  start-up log names it;
+- on CUDA the words are kept as stored (`CheckpointInt4Weight`) for the Triton GEMM, which reads
+  `g_idx` per input row, activation order included.
 
 The loader reads the parts as they stream by and hands the model each projection's dequantized
 float weight (so loading is the float path's); `picker` then swaps in the packed codes, which
@@ -30,9 +25,13 @@ import torch
 from engine.model_executor.layers import Linear
 from engine.model_executor.quantization import Picker, hf_parts
 from kernels import quant_linear
+from kernels.int4_layouts import (
+    CheckpointInt4Weight,
+    codes_and_zeros,
+    dequant_checkpoint,
+)
 
 CHECKPOINT_METHODS = ("awq", "gptq")
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column (within 8) held by nibble i of a word
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [out, in], scale, minimum
 
@@ -71,56 +70,52 @@ def read_config(raw_config: dict[str, Any]) -> Int4Checkpoint | None:
     return Int4Checkpoint(method, int(group), 1 if v1 else 0)
 
 
-def unpack(words: torch.Tensor, dim: int) -> torch.Tensor:
-    """int32 words -> their eight 4-bit codes (uint8), nibble i at index 8 w + i along `dim`."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    w = words.to(torch.int32).unsqueeze(-1)
-    codes = ((w >> shifts) & 0xF).to(torch.uint8)  # [..., 8] at the end
-    codes = codes.movedim(-1, dim + 1) if dim == 0 else codes
-    shape = list(words.shape)
-    shape[dim] *= 8
-    return codes.reshape(shape)
-
-
-def _awq_columns(words: torch.Tensor) -> torch.Tensor:
-    """AWQ's words `[rows, out / 8]` -> codes `[rows, out]` in output-column order."""
-    codes = unpack(words, 1).reshape(words.shape[0], -1, 8)
-    inverse = [AWQ_ORDER.index(j) for j in range(8)]
-    return codes[..., inverse].reshape(words.shape[0], -1)
-
-
-def groups_of(parts: dict[str, torch.Tensor], ckpt: Int4Checkpoint
-              ) -> tuple[Groups | None, torch.Tensor]:
-    """(codes, scale, minimum) per group when the groups are consecutive inputs (else None),
-    and the dequantized float32 weight `[out, in]`."""
-    scales = parts["scales"].float()  # [groups, out]
-    if ckpt.method == "awq":
-        codes = _awq_columns(parts["qweight"])  # [in, out]
-        zeros = _awq_columns(parts["qzeros"])  # [groups, out]
-    else:
-        codes = unpack(parts["qweight"], 0)  # [in, out]
-        zeros = unpack(parts["qzeros"], 1)[:, :scales.shape[1]]
-    zeros = zeros.float() + ckpt.zero_offset
-    in_f = codes.shape[0]
-    consecutive = torch.arange(in_f) // ckpt.group_size
+def checkpoint_weight(parts: dict[str, torch.Tensor], ckpt: Int4Checkpoint
+                      ) -> CheckpointInt4Weight:
+    """One projection's tensors as the kernels' `CheckpointInt4Weight`."""
+    scales = parts["scales"]
+    in_f = parts["qweight"].shape[0] * (1 if ckpt.method == "awq" else 8)
     g_idx = parts.get("g_idx")
-    g_idx = consecutive if g_idx is None else g_idx.long()
-    weight = ((codes.float() - zeros[g_idx]) * scales[g_idx]).t().contiguous()
-    if not torch.equal(g_idx, consecutive):
-        return None, weight
-    minimum = -zeros * scales
-    return (codes.t().contiguous(), scales.t().contiguous(), minimum.t().contiguous()), weight
+    if g_idx is None:
+        g_idx = torch.arange(in_f) // ckpt.group_size
+    return CheckpointInt4Weight(parts["qweight"].to(torch.int32), parts["qzeros"].to(torch.int32),
+                                scales, g_idx.to(torch.int32), ckpt.method == "awq",
+                                ckpt.zero_offset, scales.shape[1], in_f)
+
+
+def cpu_groups(weight: CheckpointInt4Weight, group_size: int) -> Groups | None:
+    """(codes, scale, minimum) per group for `Int4Weight`, or None when the groups are not runs
+    of consecutive inputs (activation order)."""
+    consecutive = torch.arange(weight.in_features) // group_size
+    if not torch.equal(weight.g_idx.long(), consecutive):
+        return None
+    codes, zeros = codes_and_zeros(weight)
+    scales = weight.scales.float()
+    return (codes.to(torch.uint8).t().contiguous(), scales.t().contiguous(),
+            (-zeros * scales).t().contiguous())
+
+
+def fused(parts: list[CheckpointInt4Weight]) -> CheckpointInt4Weight | None:
+    """Projections stacked along the output (q/k/v, gate/up) as one weight; None when their
+    inputs are grouped differently (activation order per projection)."""
+    first = parts[0]
+    if any(not torch.equal(p.g_idx, first.g_idx) for p in parts[1:]):
+        return None
+    out = sum(p.out_features for p in parts)
+    return CheckpointInt4Weight(
+        torch.cat([p.qweight for p in parts], 1), torch.cat([p.qzeros for p in parts], 1),
+        torch.cat([p.scales for p in parts], 1), first.g_idx, first.awq, first.zero_offset,
+        out, first.in_features)
 
 
 @dataclass(slots=True)
 class Int4Reader:
     """Turns a checkpoint's stream of tensors into the float stream the model loads: each
     projection's packed parts are held until the stream ends, then given as one dequantized
-    `.weight`; `groups` keeps the codes of those that can stay packed."""
+    `.weight`; `weights` keeps them for `picker`."""
 
     ckpt: Int4Checkpoint
-    groups: dict[str, Groups] = field(default_factory=dict)
-    dequantized: list[str] = field(default_factory=list)  # act-order projections
+    weights: dict[str, CheckpointInt4Weight] = field(default_factory=dict)
 
     def stream(self, weights: Iterator[tuple[str, torch.Tensor]]
                ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -136,24 +131,32 @@ class Int4Reader:
             if missing:
                 raise ValueError(f"{self.ckpt.method} checkpoint: {prefix} lacks "
                                  f"{', '.join(sorted(missing))}")
-            groups, weight = groups_of(parts, self.ckpt)
-            if groups is None:
-                self.dequantized.append(prefix)
-            else:
-                self.groups[prefix] = groups
-            yield f"{prefix}.weight", weight
+            self.weights[prefix] = checkpoint_weight(parts, self.ckpt)
+            yield f"{prefix}.weight", dequant_checkpoint(self.weights[prefix])
 
-    def picker(self, dtype: torch.dtype) -> Picker:
-        """Our projection -> the checkpoint's codes, stacked for a fused one (q/k/v, gate/up)
-        when every part kept its codes."""
+    def picker(self, dtype: torch.dtype, triton: bool | None = None) -> Picker:
+        """Our projection -> the checkpoint's codes (stacked for a fused one): `Int4Weight` on
+        CPU, the words as stored for the Triton GEMM on CUDA (`triton`: that choice forced);
+        None (dequantized) where the layout cannot hold it."""
         label = f"{self.ckpt.method} int4 g{self.ckpt.group_size}"
+        dequantized = f"{str(dtype).removeprefix('torch.')} (dequantized: activation-order groups)"
 
         def pick(name: str, linear: Linear) -> tuple[str, quant_linear.QuantWeight | None]:
-            parts = [self.groups.get(p) for p in hf_parts(name)]
+            parts = [self.weights.get(p) for p in hf_parts(name)]
             if any(p is None for p in parts):
-                kept = str(linear.weight.dtype).removeprefix("torch.")
-                return f"{kept} (dequantized: activation-order groups or not quantized)", None
-            codes, scale, minimum = (torch.cat(t) for t in zip(*parts, strict=True))
+                return f"{str(dtype).removeprefix('torch.')} (not quantized)", None
+            if linear.weight.device.type == "cuda" if triton is None else triton:
+                one = fused(parts)
+                if one is None:
+                    return dequantized, None
+                return f"{label} (Triton)", CheckpointInt4Weight(
+                    *(t.to(linear.weight.device) for t in (one.qweight, one.qzeros, one.scales,
+                                                           one.g_idx)),
+                    one.awq, one.zero_offset, one.out_features, one.in_features)
+            groups = [cpu_groups(p, self.ckpt.group_size) for p in parts]
+            if any(g is None for g in groups):
+                return dequantized, None
+            codes, scale, minimum = (torch.cat(t) for t in zip(*groups, strict=True))
             return label, quant_linear.pack_int4(codes, scale, minimum, self.ckpt.group_size,
                                                  dtype)
         return pick

@@ -46,9 +46,9 @@ def check_method(method: str | None, *, gguf: bool, device_type: str, tp: bool,
     if method != "gguf" and gguf:
         raise ValueError(f"quantization {method!r} re-quantizes a float checkpoint; a GGUF is "
                          "served with quantization 'gguf' (or none: dequantized)")
-    if device_type != "cpu":
+    if device_type != "cpu" and not (method in CHECKPOINT_METHODS and device_type == "cuda"):
         raise ValueError(f"quantization {method!r} runs on CPU only in this engine "
-                         f"(device {device_type})")
+                         f"(device {device_type}); awq and gptq run on CUDA too")
     if tp:
         raise ValueError(f"quantization {method!r} is not sharded: it needs "
                          "tensor_parallel_size 1")
