@@ -56,7 +56,22 @@ class Int8Weight:
         return self.codes.nbytes + self.scales.nbytes
 
 
-QuantWeight = Int4Weight | Int8Weight | CheckpointInt4Weight  # the last: CUDA, Triton GEMM
+@dataclass(slots=True)
+class Fp8Weight:
+    """A `[out, in]` fp8 (e4m3/e5m2) weight and one float32 scale per output channel, as an fp8
+    checkpoint stores it (CUDA: the Triton fp8 GEMM)."""
+
+    weight: torch.Tensor  # float8 [out, in]
+    scales: torch.Tensor  # float32 [out]
+    out_features: int
+    in_features: int
+
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes
+
+
+# The last two are CUDA's (Triton GEMMs); the first two PyTorch's packed CPU kernels.
+QuantWeight = Int4Weight | Int8Weight | CheckpointInt4Weight | Fp8Weight
 
 
 def _check_groups(codes: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
@@ -129,6 +144,8 @@ def dequant(weight: QuantWeight) -> torch.Tensor:
         return weight.codes.float() * weight.scales.float()[:, None]
     if isinstance(weight, CheckpointInt4Weight):
         return dequant_checkpoint(weight)
+    if isinstance(weight, Fp8Weight):
+        return weight.weight.float() * weight.scales[:, None]
     eye = torch.eye(weight.in_features, dtype=weight.scale_zero.dtype)
     return int4_mm(eye, weight).float().t().contiguous()
 
@@ -158,6 +175,10 @@ def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
 
         out = int4_gemm(rows, weight.qweight, weight.qzeros, weight.scales, weight.g_idx,
                         awq=weight.awq, zero_offset=weight.zero_offset)
+    elif isinstance(weight, Fp8Weight):
+        from kernels.quant_gemm_triton import fp8_gemm
+
+        out = fp8_gemm(rows, weight.weight, weight.scales)
     elif isinstance(weight, Int4Weight):
         out = int4_mm(rows, weight)
     else:

@@ -46,15 +46,12 @@ class Int4Checkpoint:
 
 
 def read_config(raw_config: dict[str, Any]) -> Int4Checkpoint | None:
-    """The checkpoint's AWQ/GPTQ layout, None for a float checkpoint; ValueError for a layout
+    """The checkpoint's AWQ/GPTQ layout, None for any other checkpoint; ValueError for a layout
     this engine cannot serve, before any weight is read."""
     qc = raw_config.get("quantization_config")
-    if not isinstance(qc, dict):
-        return None
-    method = str(qc.get("quant_method", "")).lower()
+    method = str(qc.get("quant_method", "")).lower() if isinstance(qc, dict) else ""
     if method not in CHECKPOINT_METHODS:
-        raise ValueError(f"config.json's quantization_config has quant_method {method!r}; "
-                         f"this engine serves {', '.join(CHECKPOINT_METHODS)} checkpoints")
+        return None
     bits = qc.get("bits", qc.get("w_bit"))
     group = qc.get("group_size", qc.get("q_group_size"))
     if bits != 4:
@@ -83,11 +80,14 @@ def checkpoint_weight(parts: dict[str, torch.Tensor], ckpt: Int4Checkpoint
                                 ckpt.zero_offset, scales.shape[1], in_f)
 
 
-def cpu_groups(weight: CheckpointInt4Weight, group_size: int) -> Groups | None:
+def cpu_groups(weight: CheckpointInt4Weight) -> Groups | None:
     """(codes, scale, minimum) per group for `Int4Weight`, or None when the groups are not runs
-    of consecutive inputs (activation order)."""
+    of consecutive inputs of a size the packed kernel takes (activation order, one group per
+    channel)."""
+    group_size = weight.in_features // weight.scales.shape[0]
     consecutive = torch.arange(weight.in_features) // group_size
-    if not torch.equal(weight.g_idx.long(), consecutive):
+    if group_size not in quant_linear.INT4_GROUP_SIZES or not torch.equal(
+            weight.g_idx.long(), consecutive):
         return None
     codes, zeros = codes_and_zeros(weight)
     scales = weight.scales.float()
@@ -138,13 +138,15 @@ class Int4Reader:
         """Our projection -> the checkpoint's codes (stacked for a fused one): `Int4Weight` on
         CPU, the words as stored for the Triton GEMM on CUDA (`triton`: that choice forced);
         None (dequantized) where the layout cannot hold it."""
-        label = f"{self.ckpt.method} int4 g{self.ckpt.group_size}"
-        dequantized = f"{str(dtype).removeprefix('torch.')} (dequantized: activation-order groups)"
+        dequantized = (f"{str(dtype).removeprefix('torch.')} (dequantized: groups the packed "
+                       "kernel cannot read)")
 
         def pick(name: str, linear: Linear) -> tuple[str, quant_linear.QuantWeight | None]:
             parts = [self.weights.get(p) for p in hf_parts(name)]
             if any(p is None for p in parts):
                 return f"{str(dtype).removeprefix('torch.')} (not quantized)", None
+            size = parts[0].in_features // parts[0].scales.shape[0]
+            label = f"{self.ckpt.method} int4 g{size}"
             if linear.weight.device.type == "cuda" if triton is None else triton:
                 one = fused(parts)
                 if one is None:
@@ -153,10 +155,9 @@ class Int4Reader:
                     *(t.to(linear.weight.device) for t in (one.qweight, one.qzeros, one.scales,
                                                            one.g_idx)),
                     one.awq, one.zero_offset, one.out_features, one.in_features)
-            groups = [cpu_groups(p, self.ckpt.group_size) for p in parts]
+            groups = [cpu_groups(p) for p in parts]
             if any(g is None for g in groups):
                 return dequantized, None
             codes, scale, minimum = (torch.cat(t) for t in zip(*groups, strict=True))
-            return label, quant_linear.pack_int4(codes, scale, minimum, self.ckpt.group_size,
-                                                 dtype)
+            return label, quant_linear.pack_int4(codes, scale, minimum, size, dtype)
         return pick

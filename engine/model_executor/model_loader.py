@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from engine.distributed.group import TPGroup
-from engine.model_executor import int4_checkpoints
+from engine.model_executor import compressed_tensors, int4_checkpoints
 from engine.model_executor.config_reads import ignored_fields, recording_reads
 from engine.model_executor.models import MODEL_REGISTRY, LlamaForCausalLM, architecture_of
+from engine.model_executor.quant_methods import CHECKPOINT_METHODS, checkpoint_method
 from engine.model_executor.quant_methods import check_method as quantization_check
 from engine.model_executor.quantization import apply as quantization_apply
 from engine.model_executor.quantization import on_the_fly as on_the_fly_picker
@@ -118,23 +119,31 @@ def check_architecture(folder: Path) -> None:
                                     model_type=raw.get("model_type")))
 
 
-def _int4_checkpoint(folder: Path) -> int4_checkpoints.Int4Checkpoint | None:
-    """An AWQ/GPTQ checkpoint's layout from config.json (None: float, or no config.json yet:
-    the later checks say what is missing)."""
+def _quantized_checkpoint(folder: Path) -> tuple[str | None, Any]:
+    """(method, what the reader needs) of a checkpoint whose config.json names its
+    quantization; (None, None) for a float one (or no config.json yet: later checks say)."""
     if not (folder / "config.json").is_file():
-        return None
-    return int4_checkpoints.read_config(_raw_config(folder))
+        return None, None
+    raw = _raw_config(folder)
+    method = checkpoint_method(raw)
+    if method == compressed_tensors.METHOD:
+        return method, compressed_tensors.read_config(raw)
+    return method, int4_checkpoints.read_config(raw) if method else None
 
 
-def _int4_kept(ckpt: int4_checkpoints.Int4Checkpoint,
-               weights: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
-               ) -> tuple[Iterator[tuple[str, torch.Tensor]], Callable[[Any], object]]:
-    """An AWQ/GPTQ checkpoint's stream as float weights, and the step that packs their codes
-    back once the model holds them."""
-    reader = int4_checkpoints.Int4Reader(ckpt)
+def _kept_quantized(method: str, scheme: Any, weights: Iterator[tuple[str, torch.Tensor]],
+                    dtype: torch.dtype
+                    ) -> tuple[Iterator[tuple[str, torch.Tensor]], Callable[[Any], object]]:
+    """A quantized checkpoint's stream as float weights, and the step that puts their stored
+    form back once the model holds them."""
+    reader: Any = (compressed_tensors.CTReader(scheme) if method == compressed_tensors.METHOD
+                   else int4_checkpoints.Int4Reader(scheme))
+    if getattr(scheme, "activations", None):
+        logger.info("%s checkpoint quantizes activations (%s): they stay float here, the "
+                    "weights run as stored", method, scheme.activations)
 
     def keep(model: Any) -> object:
-        return quantization_apply(model, reader.picker(dtype), f"{ckpt.method} (checkpoint)")
+        return quantization_apply(model, reader.picker(dtype), f"{method} (checkpoint)")
     return reader.stream(weights), keep
 
 
@@ -262,11 +271,11 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
     from transformers import AutoConfig
 
     folder, gguf_file = _resolve(path)
-    ckpt = None if gguf_file else _int4_checkpoint(folder)
+    ckpt, scheme = (None, None) if gguf_file else _quantized_checkpoint(folder)
     quantization = quantization_check(quantization, gguf=gguf_file is not None,
                                       device_type=torch.device(device).type, tp=tp is not None,
-                                      checkpoint=ckpt.method if ckpt else None)
-    on_the_fly = None if quantization in (None, "gguf", "awq", "gptq") else (
+                                      checkpoint=ckpt)
+    on_the_fly = None if quantization in (None, "gguf", *CHECKPOINT_METHODS) else (
         lambda m: quantization_apply(m, on_the_fly_picker(quantization, dtype), quantization))
     if load_format == "dummy":
         if gguf_file is not None:
@@ -290,7 +299,7 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
     slicer = _layout(config, tp).weight_slice if tp is not None else None
     weights = _iter_weights(files, slicer)
     if ckpt is not None:
-        weights, on_the_fly = _int4_kept(ckpt, weights, dtype)
+        weights, on_the_fly = _kept_quantized(ckpt, scheme, weights, dtype)
     return _build(config, dtype, device, weights, tp=tp,
                   raw_config=_raw_config(folder), quantize=on_the_fly), config
 

@@ -1,19 +1,34 @@
 """The `--quantization` values (vLLM's flag) and which can run where; no torch import, so the
 server's flags and EngineConfig read them before anything heavy loads.
 
-vLLM's values this engine recognises: `gguf`, `awq` and `gptq` (built: a GGUF's or an AWQ/GPTQ
-checkpoint's 4-bit weights kept as stored), `fp8` (not yet: a clear error at start-up naming what
-is built). Ours: `int4` and `int8`, weight-only quantization of a float checkpoint at load
-(engine/model_executor/quantization.py says what each does). As in vLLM, an AWQ or GPTQ
-checkpoint (config.json's `quantization_config`) is served quantized without the flag, and a
+vLLM's values this engine recognises: `gguf`, `awq`, `gptq` and `compressed-tensors` (built: a
+GGUF's or a quantized checkpoint's weights kept as stored), `fp8` (not yet: a clear error at
+start-up naming what is built). Ours: `int4` and `int8`, weight-only quantization of a float checkpoint at load
+(engine/model_executor/quantization.py says what each does). As in vLLM, an AWQ, GPTQ or
+compressed-tensors checkpoint (config.json's `quantization_config`) is served quantized without
+the flag, and a
 flag naming another method is an error.
 """
 
 from __future__ import annotations
 
-QUANTIZATION_METHODS = ("gguf", "awq", "gptq", "fp8", "int8", "int4")
-BUILT_METHODS = ("gguf", "awq", "gptq", "int8", "int4")
-CHECKPOINT_METHODS = ("awq", "gptq")  # read from the checkpoint's own quantization_config
+QUANTIZATION_METHODS = ("gguf", "awq", "gptq", "compressed-tensors", "fp8", "int8", "int4")
+BUILT_METHODS = ("gguf", "awq", "gptq", "compressed-tensors", "int8", "int4")
+# Read from the checkpoint's own quantization_config (and turned on by it, as in vLLM).
+CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors")
+
+
+def checkpoint_method(raw_config: dict) -> str | None:
+    """The quant_method config.json's quantization_config names (None: a float checkpoint);
+    ValueError for one this engine does not read."""
+    qc = raw_config.get("quantization_config")
+    if not isinstance(qc, dict):
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in CHECKPOINT_METHODS:
+        raise ValueError(f"config.json's quantization_config has quant_method {method!r}; "
+                         f"this engine reads {', '.join(CHECKPOINT_METHODS)} checkpoints")
+    return method
 
 
 def method_error(method: str | None) -> str | None:
@@ -39,7 +54,7 @@ def check_method(method: str | None, *, gguf: bool, device_type: str, tp: bool,
     if error is not None:
         raise ValueError(error)
     if method in CHECKPOINT_METHODS and checkpoint != method:
-        raise ValueError(f"quantization {method!r} needs a {method.upper()} checkpoint "
+        raise ValueError(f"quantization {method!r} needs a checkpoint quantized with it "
                          "(quantization_config in config.json); this one is float")
     if method == "gguf" and not gguf:
         raise ValueError("quantization 'gguf' needs a .gguf model file")
@@ -48,7 +63,7 @@ def check_method(method: str | None, *, gguf: bool, device_type: str, tp: bool,
                          "served with quantization 'gguf' (or none: dequantized)")
     if device_type != "cpu" and not (method in CHECKPOINT_METHODS and device_type == "cuda"):
         raise ValueError(f"quantization {method!r} runs on CPU only in this engine "
-                         f"(device {device_type}); awq and gptq run on CUDA too")
+                         f"(device {device_type}); {', '.join(CHECKPOINT_METHODS)} run on CUDA too")
     if tp:
         raise ValueError(f"quantization {method!r} is not sharded: it needs "
                          "tensor_parallel_size 1")
