@@ -12,13 +12,13 @@ from engine.core.scheduler import SchedulerConfig
 from engine.model_executor.quant_methods import method_error
 from engine.model_job import CONVERTS, RUNNERS
 from engine.spec_decode.config import SpeculativeConfig
+from kernels.kv_formats import canonical, is_quantized
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # auto: the folder's weights. dummy: random weights drawn at load (benchmarks of a model shape
 # without its checkpoint, as vLLM's --load-format dummy); the folder needs only config.json
 # and a tokenizer.
 LOAD_FORMATS = ("auto", "dummy")
-KV_CACHE_DTYPES = ("auto",)
 
 
 @dataclass(slots=True)
@@ -66,7 +66,9 @@ class EngineConfig:
     # vLLM's --enforce-eager: no CUDA graphs. Steps run eagerly today, so it changes nothing
     # until graph capture exists (kept so vLLM command lines run unchanged).
     enforce_eager: bool = False
-    # vLLM's --kv-cache-dtype: "auto" (the model's dtype) is the one this engine has.
+    # vLLM's --kv-cache-dtype (kernels/kv_formats.py): auto (the model's dtype), fp8 (=
+    # fp8_e4m3), fp8_e5m2, or int8 (ours): one-byte codes with per-block scales
+    # (kernels/kv_quant.py), twice the blocks of a bf16 cache at the same memory.
     kv_cache_dtype: str = "auto"
     # vLLM's --quantization (engine/model_executor/quantization.py): gguf keeps a GGUF's 4-bit
     # projections packed; int4/int8 (ours) quantize a float checkpoint at load. None: float.
@@ -100,10 +102,7 @@ class EngineConfig:
         if self.max_grammar_compile_s is not None and not 0 < self.max_grammar_compile_s < 1e6:
             raise ValueError("max_grammar_compile_s must be a positive number of seconds "
                              f"(got {self.max_grammar_compile_s})")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: this "
-                             f"engine keeps the KV cache in the model's dtype "
-                             f"({', '.join(KV_CACHE_DTYPES)})")
+        canonical(self.kv_cache_dtype)  # ValueError naming the values for any other
         quantization_error = method_error(self.quantization)
         if quantization_error is not None:
             raise ValueError(quantization_error)
@@ -136,7 +135,7 @@ class EngineConfig:
 
     def _check_shardable(self) -> None:
         """What tensor parallelism does not shard: a draft model, LoRA adapters, quantized
-        weights."""
+        weights, a quantized KV cache."""
         spec = self.speculative_config
         if isinstance(spec, SpeculativeConfig) and spec.method == "draft_model":
             raise ValueError("a draft model is not sharded: speculative_config method "
@@ -147,6 +146,9 @@ class EngineConfig:
         if self.quantization is not None:
             raise ValueError("quantized weights are not sharded: quantization needs "
                              "tensor_parallel_size 1")
+        if is_quantized(self.kv_cache_dtype):
+            raise ValueError("a quantized KV cache is not built for tensor-parallel workers: "
+                             f"kv_cache_dtype {self.kv_cache_dtype} needs tensor_parallel_size 1")
 
     def scheduler_config(self, chunked_prefill: bool = True) -> SchedulerConfig:
         """`chunked_prefill` False: the model computes a prompt whole (encoders)."""

@@ -135,7 +135,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config(chunked_prefill=not self.encoder),
                                    self.kv, max_len)
         self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,
-                                  self.device, layout=self.kv_layout, **sizes)
+                                  self.device, layout=self.kv_layout,
+                                  kv_cache_dtype=config.kv_cache_dtype, **sizes)
         # Tensor parallelism: each worker its share of every block, the same ids.
         self.executor.start(self.runner, num_blocks=self.num_kv_blocks, block_size=bs,
                             dtype=self.dtype, **sizes)

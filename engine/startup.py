@@ -17,6 +17,7 @@ from engine.core.kv_events import KVEventsConfig
 from engine.core.kv_groups import KVLayout
 from engine.core.kv_sizing import KVCacheSize, kv_bytes_per_block, size_kv_cache
 from engine.model_executor.model_facts import ModelFacts
+from kernels import kv_formats
 
 logger = logging.getLogger("engine")
 
@@ -73,7 +74,8 @@ def eos_ids(model_path: str, tokenizer: Any) -> tuple[int | None, list[int]]:
 def size_cache(config: EngineConfig, model: Any, draft_model: Any | None, dtype: torch.dtype,
                device: torch.device) -> KVCacheSize:
     """The engine's KV cache for its loaded model (one budget: a draft model's cache gets as
-    many blocks), by the one sizing rule the capacity planner runs too."""
+    many blocks, kept in the model's dtype), by the one sizing rule the capacity planner runs
+    too; a quantized --kv-cache-dtype stores one byte per element plus its scales."""
     extra = 0
     if draft_model is not None:
         extra = kv_bytes_per_block(draft_model.num_layers, draft_model.num_kv_heads,
@@ -85,7 +87,9 @@ def size_cache(config: EngineConfig, model: Any, draft_model: Any | None, dtype:
             raise ValueError("the profile run leaves no device memory for the KV cache: lower "
                              "max_num_batched_tokens or raise gpu_memory_utilization")
     size = size_kv_cache(
-        ModelFacts.of(model), dtype_bytes=dtype.itemsize, block_size=config.block_size,
+        ModelFacts.of(model), dtype_bytes=kv_formats.element_bytes(config.kv_cache_dtype,
+                                                                    dtype.itemsize),
+        scale_bytes=kv_formats.scale_bytes(config.kv_cache_dtype), block_size=config.block_size,
         hybrid=not config.disable_hybrid_kv_cache_manager, tp=config.tensor_parallel_size,
         device_type=device.type, num_kv_blocks=config.num_kv_blocks,
         kv_cache_memory=kv_memory, free_bytes=lambda: kv_sizing.available_memory(device),
@@ -128,8 +132,9 @@ def log_cache(size: KVCacheSize, config: EngineConfig, model: Any, max_len: int)
     tp, bs, layout = config.tensor_parallel_size, config.block_size, size.layout
     per_request = layout.blocks_to_hold(max_len, bs, config.max_num_batched_tokens)
     groups = layout.group_windows
-    logger.info("KV cache: %d blocks of %d tokens x %d layers, %.1f MiB%s; %d concurrent "
-                "sequences of max_model_len %d (%d blocks each%s)", size.num_blocks, bs,
+    kind = "" if config.kv_cache_dtype == "auto" else f" ({config.kv_cache_dtype}, scaled)"
+    logger.info("KV cache%s: %d blocks of %d tokens x %d layers, %.1f MiB%s; %d concurrent "
+                "sequences of max_model_len %d (%d blocks each%s)", kind, size.num_blocks, bs,
                 layout.group_size, size.num_blocks * size.bytes_per_block / 2**20,
                 f" per rank x {tp} ranks ({model.num_kv_heads} KV heads on rank 0)"
                 if tp > 1 else "", size.num_blocks // per_request, max_len, per_request,

@@ -12,13 +12,18 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_native
+from kernels.kv_quant import QuantKV
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
     """For each layer cache `[2, num_blocks, block_size, heads, head_dim]`, block dst[i] :=
-    block src[i] (keys and values)."""
+    block src[i] (keys and values; a quantized cache's scales too)."""
     if src.numel() == 0:
         return
+    if kv_caches and isinstance(kv_caches[0], QuantKV):  # the codes as below, then the scales
+        for quant in kv_caches:
+            quant.scales.index_copy_(1, dst, quant.scales.index_select(1, src))
+        kv_caches = [quant.data.view(torch.uint8) for quant in kv_caches]  # bytes: fp8 too
     if src.device.type == "cpu" and cpu_native.copy_blocks(kv_caches, src, dst):
         return
     if src.device.type == "cuda" and _triton_copy() is not None:

@@ -26,6 +26,7 @@ import kernels
 from kernels import settings
 from kernels.block_copy import copy_blocks  # noqa: F401 - re-exported by the package
 from kernels.cpu_backend import bidirectional_attention_cpu, paged_attention_cpu, store_kv_cpu
+from kernels.kv_quant import QuantKV, store_kv_quant
 from kernels.metadata import AttentionMetadata
 
 __all__ = list(kernels.__all__)  # the package re-exports exactly these
@@ -95,7 +96,11 @@ def resolve_backend(device: torch.device | str, backend: str | None = None, *,
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor, *, backend: str | None = None) -> None:
-    """Write key/value `[num_tokens, num_kv_heads, head_dim]` into their slots (< 0: skipped)."""
+    """Write key/value `[num_tokens, num_kv_heads, head_dim]` into their slots (< 0: skipped);
+    a quantized cache (`QuantKV`) gets codes and scales (kernels/kv_quant.py, every device)."""
+    if isinstance(kv_cache, QuantKV):
+        store_kv_quant(key, value, kv_cache, slot_mapping)
+        return
     name = resolve_backend(kv_cache.device, backend)
     if name == "cpu":
         store_kv_cpu(key, value, kv_cache, slot_mapping)
@@ -142,6 +147,8 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
         raise ValueError("bidirectional attention takes no sliding window or softcap")
     name = resolve_backend(query.device, meta.backend, block_size=kv_cache.shape[2],
                            head_dim=query.shape[-1], dtype=query.dtype)
+    if isinstance(kv_cache, QuantKV):
+        return _attend_quant(name, query, kv_cache, meta, scale, window, softcap, causal)
     if name == "cpu":
         if not causal:
             return bidirectional_attention_cpu(query, kv_cache, meta, scale)
@@ -158,3 +165,21 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
     from kernels.triton_backend import paged_attention_triton
 
     return paged_attention_triton(*args, **hints)
+
+
+def _attend_quant(name: str, query: torch.Tensor, kv: QuantKV, meta: AttentionMetadata,
+                  scale: float, window: int | None, softcap: float | None,
+                  causal: bool) -> torch.Tensor:
+    """`attend` over a quantized cache: the CPU backend over dequantized blocks, else Triton
+    (flash-attn reads no int8/fp8 cache with our scales, so its steps take Triton)."""
+    if name == "cpu":
+        from kernels.cpu_kvq import attention_quant_cpu
+
+        return attention_quant_cpu(query, kv, meta, scale, window=window, softcap=softcap,
+                                   causal=causal)
+    from kernels.triton_backend import paged_attention_triton
+
+    return paged_attention_triton(query, kv.data, meta.block_tables, meta.seq_lens,
+                                  meta.query_start_loc, scale, max_seq_len=meta.max_seq_len,
+                                  max_query_len=meta.max_query_len, window=window,
+                                  softcap=softcap, causal=causal, kv_scales=kv.scales)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_quant import QuantKV, dequantize, store_kv_quant
+
 
 def store_kv_ref(
     key: torch.Tensor,
@@ -15,7 +17,12 @@ def store_kv_ref(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write key/value `[num_tokens, num_kv_heads, head_dim]` into their slots; skip slots < 0."""
+    """Write key/value `[num_tokens, num_kv_heads, head_dim]` into their slots; skip slots < 0.
+    A quantized cache has one definition of its store (kernels/kv_quant.py: codes, scales and
+    their growth), which every backend calls."""
+    if isinstance(kv_cache, QuantKV):
+        store_kv_quant(key, value, kv_cache, slot_mapping)
+        return
     block_size = kv_cache.shape[2]
     for i, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
@@ -44,8 +51,11 @@ def paged_attention_ref(
     0..that position; with a sliding `window` only the last `window` of them (positions
     `p - window + 1 .. p`, transformers' and vLLM's convention). `softcap`: scores (after
     `scale`) become `softcap * tanh(score / softcap)` before the softmax (Gemma 2).
-    Returns `[num_tokens, num_heads, head_dim]` in the query's dtype.
+    Returns `[num_tokens, num_heads, head_dim]` in the query's dtype. A quantized cache
+    (`QuantKV`) is read as its dequantized float32 values (`code * scale`).
     """
+    if isinstance(kv_cache, QuantKV):
+        kv_cache = dequantize(kv_cache)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     block_size = kv_cache.shape[2]

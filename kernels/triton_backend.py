@@ -88,14 +88,14 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
 # step: unspecialized, so a step never waits for a new variant (1 and multiples of 16 would be).
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attn_kernel(
-    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr,
+    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr, kvs_ptr,
     scale_log2e, num_seqs, head_dim, window, softcap,
     stride_qt, stride_qh, stride_ckv, stride_cblk, stride_coff, stride_ch, stride_bt,
-    stride_btc, stride_ot, stride_oh, num_heads,
+    stride_btc, stride_ot, stride_oh, num_heads, stride_skv, stride_sblk,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, F32_DOT: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -156,6 +156,10 @@ def _paged_attn_kernel(
         kv_off = blk * stride_cblk + (pos % BLOCK_SIZE) * stride_coff
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_QUANT:  # int8 / fp8 codes times their (block, head) scale, in q's dtype
+            s_off = blk * stride_sblk + kvh
+            k_scale = tl.load(kvs_ptr + s_off, mask=pos_ok, other=0.0)
+            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
         if F32_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -179,6 +183,9 @@ def _paged_attn_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(k_base + stride_ckv + kv_off[:, None] + offs_d[None, :], mask=kv_mask,
                     other=0.0)
+        if KV_QUANT:
+            v_scale = tl.load(kvs_ptr + stride_skv + s_off, mask=pos_ok, other=0.0)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         if F32_DOT:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -276,20 +283,26 @@ def paged_attention_triton(
     window: int | None = None,
     softcap: float | None = None,
     causal: bool = True,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen paged attention (contract in docs/kernels.md); never syncs with the host.
 
     `num_splits` forces the split-KV factor (tests); by default `choose_num_splits` decides.
     `window`: each row sees only its last `window` positions (the key loop starts at the tile's
     first window start); `softcap`: tanh capping of the scaled scores; `causal` False: each
-    row sees every key of its sequence (bidirectional encoders).
+    row sees every key of its sequence (bidirectional encoders). `kv_scales`: float32
+    `[2, num_blocks, num_kv_heads]`, the scales of a quantized cache (int8 / fp8 codes,
+    kernels/kv_quant.py), applied to each K and V row as it is loaded.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
-    if query.dtype not in _TL_DTYPES or kv_cache.dtype != query.dtype:
+    quant = kv_scales is not None
+    if query.dtype not in _TL_DTYPES or (kv_cache.dtype != query.dtype and not quant):
         raise ValueError(f"unsupported dtypes query={query.dtype} kv_cache={kv_cache.dtype}")
+    if quant and (kv_scales.dtype != torch.float32 or not kv_scales.is_contiguous()):
+        raise ValueError("kv_scales must be contiguous float32 [2, num_blocks, num_kv_heads]")
     if query.stride(-1) != 1:
         query = query.contiguous()
     if kv_cache.stride(-1) != 1:
@@ -324,13 +337,15 @@ def paged_attention_triton(
         part = ml = out  # unused placeholders
     _paged_attn_kernel[(grid_m, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, part, ml,
+        kv_scales if quant else out,
         scale * _LOG2E, num_seqs, head_dim, window or 0, float(softcap or 1.0),
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1), num_heads,
+        kv_scales.stride(0) if quant else 0, kv_scales.stride(1) if quant else 0,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=block_d, NUM_SPLITS=num_splits, F32_DOT=_f32_dot(query.dtype),
-        USE_WINDOW=bool(window), USE_SOFTCAP=bool(softcap), CAUSAL=causal,
+        USE_WINDOW=bool(window), USE_SOFTCAP=bool(softcap), CAUSAL=causal, KV_QUANT=quant,
         num_warps=num_warps)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kernels.kv_formats import KV_CACHE_DTYPES
 from kserve_paged.flag_types import BoolFlag, fraction, json_object
 from kserve_paged.openai.reasoning import REASONING_PARSERS
 
@@ -27,8 +28,11 @@ def add_gateway_flags(parser: argparse.ArgumentParser, d: dict[str, Any]) -> Non
                              "activations, KV cache); not read on CPU (--kv_cache_memory).")
     engine.add_argument("--enforce_eager", action=BoolFlag, default=d["enforce_eager"],
                         help="No CUDA graphs (steps run eagerly today, so nothing changes).")
-    engine.add_argument("--kv_cache_dtype", default=d["kv_cache_dtype"],
-                        help="KV-cache dtype; auto (the model's) is the one this engine has.")
+    engine.add_argument("--kv_cache_dtype", default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
+                        help="KV-cache storage: auto (the model's dtype), fp8 (= fp8_e4m3), "
+                             "fp8_e5m2 (vLLM's values) or int8 (ours): one byte per element "
+                             "with per-block scales, twice a bf16 cache's blocks "
+                             "(docs/quantization.md).")
     engine.add_argument("--kv_transfer_config", type=refused_kv_transfer, default=None,
                         help="vLLM's KV offloading config: refused, not supported yet.")
     served = parser.add_argument_group("served names, security, tracing")

@@ -90,6 +90,9 @@ def test_a_bad_lora_module_is_an_error_that_shows_it(bad: str,
     (["--gpu-memory-utilization", "0.5"], "gpu_memory_utilization", 0.5),
     (["--enforce-eager"], "enforce_eager", True),
     (["--kv-cache-dtype", "auto"], "kv_cache_dtype", "auto"),
+    (["--kv-cache-dtype", "fp8"], "kv_cache_dtype", "fp8"),
+    (["--kv_cache_dtype=int8"], "kv_cache_dtype", "int8"),
+    (["--kv-cache-dtype=fp8_e5m2"], "kv_cache_dtype", "fp8_e5m2"),
     (["--host", "127.0.0.1"], "http_host", "127.0.0.1"),
     (["--port=9000"], "http_port", 9000),
     (["--api-key", "s3cret"], "api_key", "s3cret"),
@@ -103,7 +106,7 @@ def test_both_spellings_and_both_value_forms(argv: list[str], field: str, value:
 
 @pytest.mark.parametrize(("argv", "named"), [
     (["--max-modle-len", "5"], "--max-modle-len"),
-    (["--kv-cache-dtype", "fp8"], "kv_cache_dtype"),
+    (["--kv-cache-dtype", "fp4"], "--kv_cache_dtype"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector"}'], "kv-transfer-config"),
     (["--reasoning-parser", "r2"], "--reasoning-parser"),

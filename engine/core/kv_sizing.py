@@ -101,9 +101,12 @@ def kv_budget_bytes(kv_cache_memory: float | int | None, device_type: str,
 
 
 def kv_bytes_per_block(num_slots: int, num_kv_heads: int, head_dim: int, block_size: int,
-                       dtype_bytes: int) -> int:
-    """Bytes of one block id: its K/V in each of `num_slots` per-slot tensors (a layer each)."""
-    return block_size * kv_bytes_per_token(num_slots, num_kv_heads, head_dim, dtype_bytes)
+                       dtype_bytes: int, scale_bytes: int = 0) -> int:
+    """Bytes of one block id: its K/V in each of `num_slots` per-slot tensors (a layer each),
+    plus, in a quantized cache, `scale_bytes` per (K/V half, slot, KV head)
+    (kernels/kv_formats.py: `element_bytes` and `scale_bytes` of a --kv-cache-dtype)."""
+    return (block_size * kv_bytes_per_token(num_slots, num_kv_heads, head_dim, dtype_bytes)
+            + 2 * num_slots * num_kv_heads * scale_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,15 +121,17 @@ class KVCacheSize:
 def size_kv_cache(model: ModelFacts, *, dtype_bytes: int, block_size: int, hybrid: bool,
                   tp: int, device_type: str, num_kv_blocks: int | None,
                   kv_cache_memory: float | int | None, free_bytes: Callable[[], int],
-                  extra_bytes_per_block: int = 0) -> KVCacheSize:
+                  extra_bytes_per_block: int = 0, scale_bytes: int = 0) -> KVCacheSize:
     """The KV cache of `model` (one rank's facts): its layout, and the number of blocks given
     outright, from a byte budget or fraction, or a default share of `free_bytes()` (what is
     free once the weights are loaded; asked only when needed). KV groups of their own for
     global and sliding layers when `hybrid` and not tensor-parallel (one table per step goes
-    to the workers)."""
+    to the workers). A quantized cache (--kv-cache-dtype) passes `dtype_bytes` 1 and its
+    `scale_bytes`."""
     layout = kv_layout(list(model.layer_windows), per_group=hybrid and tp == 1)
     per_block = extra_bytes_per_block + kv_bytes_per_block(
-        layout.group_size, model.num_kv_heads, model.head_dim, block_size, dtype_bytes)
+        layout.group_size, model.num_kv_heads, model.head_dim, block_size, dtype_bytes,
+        scale_bytes)
     # Tensor-parallel ranks on one host share its memory.
     shared = per_block * tp if device_type == "cpu" else per_block
     if num_kv_blocks is not None:

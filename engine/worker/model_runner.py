@@ -19,6 +19,7 @@ from engine.model_executor.attention import Attention, AttentionMetadata, Groupe
 from engine.model_executor.host_io import upload
 from engine.worker.cpu_memory import hugepage_zeros, prefault_bytes, prefault_leading_blocks
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from kernels.kv_quant import QuantKV, storage_dtype
 
 
 @dataclass(slots=True)
@@ -115,13 +116,34 @@ class _StepBuffers:
         return self.dev[name][:n].copy_(host, non_blocking=True)
 
 
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slots: int,
+              codes: torch.dtype | None) -> list[Any]:
+    """One zeroed cache per slot: tensors of `dtype`, or with `codes` (a quantized
+    --kv-cache-dtype) `QuantKV`s of codes and scales. On CPU in huge pages (decode reads
+    blocks at random offsets), the leading blocks prefaulted."""
+    if device.type != "cpu":
+        if codes is not None:
+            return [QuantKV.zeros(shape, codes, device) for _ in range(slots)]
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(slots)]
+    if codes is not None:
+        caches = [QuantKV.zeros(shape, codes, alloc=hugepage_zeros) for _ in range(slots)]
+        tensors = [c.data for c in caches]
+    else:
+        caches = tensors = [hugepage_zeros(shape, dtype) for _ in range(slots)]
+    elem = tensors[0].dtype.itemsize
+    per_block = kv_bytes_per_block(slots, shape[3], shape[4], shape[2], elem)
+    prefault_leading_blocks(tensors, min(shape[1], prefault_bytes() // per_block))
+    return caches
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager | None, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, *,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                 layout: KVLayout | None = None) -> None:
+                 layout: KVLayout | None = None, kv_cache_dtype: str = "auto") -> None:
         """`layout`: how layers share blocks (engine/core/kv_groups.py); None: one group of every
-        layer (one tensor per layer, one block table per request)."""
+        layer (one tensor per layer, one block table per request). `kv_cache_dtype`: a
+        quantized one (kernels/kv_formats.py) makes each slot a `QuantKV`."""
         self.model = model
         self.kv = kv
         self.block_size = block_size
@@ -141,16 +163,8 @@ class ModelRunner:
         # One tensor per slot (engine/core/kv_groups.py); layer i reads slot `layer_slot[i]` through
         # its group's tables. Zeros, not empty: a partly filled last block is read (and
         # masked); NaN garbage there would still poison the softmax.
-        slots = self.layout.group_size
-        if device.type == "cpu":  # huge pages: decode reads blocks at random offsets
-            self.slot_caches = [hugepage_zeros(shape, dtype) for _ in range(slots)]
-            per_block = kv_bytes_per_block(slots, model.num_kv_heads, model.head_dim, block_size,
-                                           dtype.itemsize)
-            prefault_leading_blocks(self.slot_caches,
-                                    min(num_blocks, prefault_bytes() // per_block))
-        else:
-            self.slot_caches = [torch.zeros(shape, dtype=dtype, device=device)
-                                for _ in range(slots)]
+        self.slot_caches = _allocate(shape, dtype, device, self.layout.group_size,
+                                     storage_dtype(kv_cache_dtype))
         self.kv_caches = [self.slot_caches[s] for s in self.layout.layer_slot]
         # The one choice of attention backend for every step (the native decoder stack is the
         # CPU backend's whole-step form; the model takes it when this says "cpu").
@@ -170,6 +184,8 @@ class ModelRunner:
             return "the model's layers are in several KV groups"
         if self.lora is not None:
             return "LoRA is on (per-token adapter rows)"
+        if isinstance(self.slot_caches[0], QuantKV):
+            return "the KV cache is quantized (its store syncs to find growing blocks)"
         graphs = DecodeGraphs(self.model, self.kv_caches, capture_sizes(max_num_seqs),
                               self.max_blocks_per_seq, self.max_model_len, self.device,
                               self.attention_backend)

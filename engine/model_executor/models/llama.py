@@ -271,7 +271,7 @@ class LlamaForCausalLM(TransformersCheckpoint):
         stack = self.native_stack
         if (stack is not None and self.use_native_stack and meta.backend == "cpu"
                 and not torch.is_grad_enabled() and x.device.type == "cpu"
-                and x.dtype == torch.float32):
+                and x.dtype == torch.float32 and isinstance(kv_caches[0], torch.Tensor)):
             rows = meta.rows(x.shape[0])
             if rows is not None:
                 return stack.run(x.contiguous(), positions, meta.slot_mapping, kv_caches,
