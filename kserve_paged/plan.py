@@ -29,6 +29,7 @@ from engine.core.kv_sizing import (
 )
 from engine.model_executor.model_facts import ModelFacts
 from engine.model_executor.tp_layout import TP_ARCHITECTURES, TPLayout
+from kernels import kv_formats
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -95,6 +96,7 @@ class Plan:
     kv_blocks: int  # what the engine's sizing rule allocates
     recommended_blocks: int  # the above, less what the activation peak needs
     kv_cache_memory: float | int | None
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: quantized ones store a byte per element
 
     @property
     def fits(self) -> bool:
@@ -151,7 +153,9 @@ class Plan:
                 f"--block_size={self.block_size}", f"--num_kv_blocks={self.recommended_blocks}",
                 f"--max_num_seqs={self.batch}",
                 f"--max_num_batched_tokens={self.max_num_batched_tokens}",
-                *([f"--tensor_parallel_size={self.tp}"] if self.tp > 1 else [])]
+                *([f"--tensor_parallel_size={self.tp}"] if self.tp > 1 else []),
+                *([f"--kv_cache_dtype={self.kv_cache_dtype}"]
+                  if self.kv_cache_dtype != "auto" else [])]
 
 
 def activation_peak(model: ModelFacts, tokens: int, seqs: int, dtype_bytes: int, tp: int) -> int:
@@ -183,13 +187,14 @@ def make_plan(model: ModelFacts, device: Device, *, max_model_len: int | None = 
               tp: int = 1, dtype: str = "auto", block_size: int | None = None,
               workload: tuple[int, int] | None = None, max_num_seqs: int | None = None,
               max_num_batched_tokens: int | None = None,
-              kv_cache_memory: float | int | None = None) -> Plan:
+              kv_cache_memory: float | int | None = None, kv_cache_dtype: str = "auto") -> Plan:
     defaults = EngineConfig()  # the engine's own defaults, checked by the same dataclass
     cfg = EngineConfig(block_size=block_size or defaults.block_size,
                        max_num_seqs=max_num_seqs or defaults.max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens
                        or defaults.max_num_batched_tokens,
-                       max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, dtype=dtype)
+                       max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, dtype=dtype,
+                       kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tp)
     check_tensor_parallel(model, tp)
     length = cfg.max_model_len or model.max_position_embeddings
     if length > model.max_position_embeddings:
@@ -201,13 +206,15 @@ def make_plan(model: ModelFacts, device: Device, *, max_model_len: int | None = 
     # most: 3 KV heads over 2 ranks are 2 + 1; replicated when fewer than the ranks).
     weights = -(-model.num_params * elem // tp)
     rank = model.rank_share(tp)
-    per_token = kv_bytes_per_token(model.num_layers, rank.num_kv_heads, model.head_dim, elem)
+    kv_elem = kv_formats.element_bytes(kv_cache_dtype, elem)  # 1 for a quantized cache
+    scales = kv_formats.scale_bytes(kv_cache_dtype)  # per (K/V, layer, KV head) of a block
+    per_token = kv_bytes_per_token(model.num_layers, rank.num_kv_heads, model.head_dim, kv_elem)
     free = device.memory - weights - RUNTIME_OVERHEAD[device.kind]
     seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
     activation = activation_peak(model, cfg.max_num_batched_tokens, seqs, elem, tp)
 
     size = size_kv_cache(  # the engine's start-up sizing, given what will be free
-        rank, dtype_bytes=elem, block_size=cfg.block_size,
+        rank, dtype_bytes=kv_elem, scale_bytes=scales, block_size=cfg.block_size,
         hybrid=not cfg.disable_hybrid_kv_cache_manager, tp=tp, device_type=device.kind,
         num_kv_blocks=None, kv_cache_memory=kv_cache_memory, free_bytes=lambda: max(free, 0))
     blocks = size.num_blocks if free > 0 else 0
@@ -220,7 +227,7 @@ def make_plan(model: ModelFacts, device: Device, *, max_model_len: int | None = 
     return Plan(device, tp, torch_dtype, cfg.block_size, length, cfg.max_num_seqs,
                 cfg.max_num_batched_tokens, workload, weights, activation, per_token,
                 size.bytes_per_block, size.layout, free, int(blocks), int(min(blocks, room)),
-                kv_cache_memory)
+                kv_cache_memory, kv_cache_dtype)
 
 
 def _gib(n: float) -> str:
@@ -242,7 +249,8 @@ def render(plan: Plan, model: ModelFacts) -> str:
         f"free after weights  {_gib(plan.free_bytes)} per device "
         f"(runtime overhead {_gib(RUNTIME_OVERHEAD[d.kind])})",
         f"KV per token {plan.kv_bytes_per_token} bytes per device "
-        f"({plan.kv_bytes_per_block} per block of {plan.block_size})",
+        f"({plan.kv_bytes_per_block} per block of {plan.block_size}"
+        f"{'' if plan.kv_cache_dtype == 'auto' else ', ' + plan.kv_cache_dtype + ' with scales'})",
         f"KV blocks    {plan.kv_blocks} by the engine's sizing rule "
         f"({_kv_rule(plan)}); {plan.recommended_blocks} leaving room for the activations",
         f"sequences    {plan.max_full_length_sequences} at the full max_model_len "

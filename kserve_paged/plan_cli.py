@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from engine.model_executor.model_facts import describe_folder
+from kernels import kv_formats
 from kserve_paged.flag_types import parse_memory
 from kserve_paged.plan import GPUS, make_plan, parse_device, render
 from kserve_paged.plan_overlay import write_overlay
@@ -35,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor_parallel_size", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
     p.add_argument("--block_size", type=int, default=None)
+    p.add_argument("--kv_cache_dtype", "--kv-cache-dtype", default="auto",
+                   choices=kv_formats.KV_CACHE_DTYPES,
+                   help="as the server's flag: fp8/int8 store a byte per element (x2 blocks "
+                        "against bf16)")
     p.add_argument("--max_num_seqs", type=int, default=None)
     p.add_argument("--max_num_batched_tokens", type=int, default=None)
     p.add_argument("--kv_cache_memory", type=parse_memory, default=None,
@@ -58,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                          dtype=args.dtype, block_size=args.block_size, workload=args.workload,
                          max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
-                         kv_cache_memory=args.kv_cache_memory)
+                         kv_cache_memory=args.kv_cache_memory,
+                         kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as exc:
         parser.error(str(exc))
     print(render(plan, model))

@@ -161,3 +161,38 @@ def test_window_and_softcap_match_reference(tb, case: tuple, dtype: torch.dtype)
                                     max_query_len=c.max_query_len, window=window,
                                     softcap=softcap)
     _check(out, paged_attention_ref(*c.args(), window=window, softcap=softcap), dtype)
+
+
+# Quantized KV (kernels/kv_quant.py): (name, seq_lens, q_lens, heads, kv_heads, block_size,
+# window, softcap, num_splits); head_dim 64.
+QUANT_CASES = [
+    ("decode_split", [1, 17, 300], [1] * 3, 8, 2, 16, None, None, 3),
+    ("chunked_window_cap", [40, 9], [12, 9], 4, 2, 8, 7, 30.0, None),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("case", QUANT_CASES, ids=[c[0] for c in QUANT_CASES])
+def test_quantized_kv_matches_reference_on_dequantized_values(tb, case: tuple, fmt: str,
+                                                              dtype: torch.dtype) -> None:
+    """int8 / fp8 codes times their (block, head) scale as the kernel loads them, against the
+    reference over the dequantized float32 cache: fp32 to summation order, bf16 to bf16
+    rounding of the dequantized K/V (the kernel rounds them to the query's dtype)."""
+    from kernels.kv_quant import QuantKV, dequantize, storage_dtype
+
+    _, seq_lens, q_lens, heads, kv_heads, bs, window, softcap, splits = case
+    c = make_case(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=64,
+                  block_size=bs, seed=bs + heads)
+    kv = QuantKV.zeros(tuple(c.kv_cache.shape), storage_dtype(fmt))
+    n = c.kv_cache.shape[1] * bs
+    flat = c.kv_cache.reshape(2, n, kv_heads, 64)
+    store_kv(flat[0], flat[1], kv, torch.arange(n))
+    ref = paged_attention_ref(c.query, dequantize(kv), *c.args()[2:], window=window,
+                              softcap=softcap)
+    kv = QuantKV(kv.data.to(DEVICE), kv.scales.to(DEVICE))
+    tables, lens, qsl = (t.to(DEVICE) for t in c.args()[2:5])
+    out = tb.paged_attention_triton(c.query.to(DEVICE, dtype), kv.data, tables, lens, qsl,
+                                    c.scale, num_splits=splits, window=window, softcap=softcap,
+                                    kv_scales=kv.scales)
+    _check(out, ref, dtype)
