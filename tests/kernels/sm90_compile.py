@@ -18,7 +18,8 @@ import sys
 
 TARGET_ARCH = 90
 ATTN_INTS = ["stride_qt", "stride_qh", "stride_ckv", "stride_cblk", "stride_coff", "stride_ch",
-             "stride_bt", "stride_btc", "stride_ot", "stride_oh", "num_heads"]
+             "stride_bt", "stride_btc", "stride_ot", "stride_oh", "num_heads", "stride_skv",
+             "stride_sblk"]
 ATTENTION_CASES = {  # dtype, group, BLOCK_M, BLOCK_N, BLOCK_D, splits, f32, one seq, window, cap
     # decode, split-KV, num_seqs == 1 constexpr
     "attention-bf16": ("bf16", 4, 16, 64, 128, 8, False, True, False, False),
@@ -29,7 +30,11 @@ ATTENTION_CASES = {  # dtype, group, BLOCK_M, BLOCK_N, BLOCK_D, splits, f32, one
     "attention-bf16-window-split": ("bf16", 4, 16, 64, 256, 4, False, False, True, False),
     # encoders (issue 35): bidirectional prefill, no causal mask (CAUSAL False)
     "attention-fp32-bidirectional": ("fp32", 3, 64, 32, 64, 1, True, False, False, False),
+    # a quantized KV cache (kernels/kv_quant.py): int8 codes under split decode, fp8 in prefill
+    "attention-bf16-int8kv": ("bf16", 4, 16, 64, 128, 8, False, False, False, False),
+    "attention-bf16-fp8kv": ("bf16", 4, 64, 64, 128, 1, False, False, True, False),
 }
+KV_CODES = {"attention-bf16-int8kv": "i8", "attention-bf16-fp8kv": "fp8e4nv"}
 CASES = (*ATTENTION_CASES, "store-merge", "lora-sgmv", "fused-moe", "fused-ops", "quant-gemm")
 
 
@@ -61,16 +66,18 @@ def _attention(case: str) -> list[int]:
 
     (dtype, group, block_m, block_n, block_d, splits, f32, one_seq, window,
      softcap) = ATTENTION_CASES[case]
-    sig = {"q_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}", "bt_ptr": "*i32",
+    codes = KV_CODES.get(case)
+    sig = {"q_ptr": f"*{dtype}", "cache_ptr": f"*{codes or dtype}", "bt_ptr": "*i32",
            "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "out_ptr": f"*{dtype}",
-           "part_ptr": "*fp32", "ml_ptr": "*fp32", "scale_log2e": "fp32", "num_seqs": "i32",
+           "part_ptr": "*fp32", "ml_ptr": "*fp32", "kvs_ptr": "*fp32", "scale_log2e": "fp32",
+           "num_seqs": "i32",
            "head_dim": "i32", "window": "i32", "softcap": "fp32",
            **dict.fromkeys(ATTN_INTS, "i32")}
     consts: dict[str, object] = {
         "GROUP": group, "BLOCK_SIZE": 16, "BLOCK_M": block_m, "BLOCK_Q": max(1, block_m // group),
         "BLOCK_N": block_n, "BLOCK_D": block_d, "NUM_SPLITS": splits, "F32_DOT": f32,
         "USE_WINDOW": window, "USE_SOFTCAP": softcap,
-        "CAUSAL": not case.endswith("-bidirectional")}
+        "CAUSAL": not case.endswith("-bidirectional"), "KV_QUANT": codes is not None}
     if one_seq:
         consts = {"num_seqs": 1, **consts}
     return [_compile(tb._paged_attn_kernel, sig, consts).metadata.shared]
