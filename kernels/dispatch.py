@@ -94,7 +94,7 @@ def resolve_backend(device: torch.device | str, backend: str | None = None, *,
     return backend
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | QuantKV,
              slot_mapping: torch.Tensor, *, backend: str | None = None) -> None:
     """Write key/value `[num_tokens, num_kv_heads, head_dim]` into their slots (< 0: skipped);
     a quantized cache (`QuantKV`) gets codes and scales (kernels/kv_quant.py, every device)."""
@@ -110,8 +110,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         store_kv_triton(key, value, kv_cache, slot_mapping)
 
 
-def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | QuantKV,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, *,
                     backend: str | None = None, max_seq_len: int | None = None,
                     max_query_len: int | None = None, window: int | None = None,
                     softcap: float | None = None, causal: bool = True) -> torch.Tensor:
@@ -127,7 +128,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     return attend(query, kv_cache, meta, scale, window=window, softcap=softcap, causal=causal)
 
 
-def attend(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+def attend(query: torch.Tensor, kv_cache: torch.Tensor | QuantKV, meta: AttentionMetadata,
            scale: float, *, window: int | None = None,
            softcap: float | None = None, causal: bool = True) -> torch.Tensor:
     """`paged_attention` over a step's metadata, on the backend it names (the runner resolves

@@ -76,8 +76,8 @@ def rope_store_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     `kernels.reference.rope_ref` and `store_kv_ref` define the result. CPU's native library
     rotates but has no fused store, so there the caller keeps its own path. In place, so never
     under autograd."""
-    if torch.is_grad_enabled():
-        return False
+    if torch.is_grad_enabled() or not isinstance(kv_cache, torch.Tensor | None):
+        return False  # a quantized cache (QuantKV): its store quantizes, the caller's path
     mod = triton_module("rope_triton", qkv.device, backend)
     if mod is None or not mod.usable(qkv, positions, cos, sin, num_heads, num_kv_heads,
                                      kv_cache, slot_mapping):

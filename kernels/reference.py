@@ -14,7 +14,7 @@ from kernels.kv_quant import QuantKV, dequantize, store_kv_quant
 def store_kv_ref(
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | QuantKV,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write key/value `[num_tokens, num_kv_heads, head_dim]` into their slots; skip slots < 0.
@@ -34,7 +34,7 @@ def store_kv_ref(
 
 def paged_attention_ref(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | QuantKV,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,

@@ -138,3 +138,21 @@ def test_bad_values_are_refused_before_anything_loads() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         EngineConfig(kv_cache_dtype="int8", tensor_parallel_size=2)
     assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+
+
+def test_triton_engine_path_reads_the_same_codes_as_the_cpu_path(gpu_path) -> None:  # noqa: ANN001
+    """The same requests served on the Triton backend (its kernel multiplies codes by scales
+    as it loads them; interpreted without CUDA) and on the CPU backend (dequantized blocks):
+    the same store, so the same codes, and fp32 attention either way; greedy tokens equal,
+    log-probabilities to summation order. int8 only (the interpreter is slow): fp8 reads are
+    the kernel tests' (tests/kernels/test_triton_backend.py)."""
+    from tests.helpers.kv_quant_child import serve
+
+    fmt = "int8"
+    triton = gpu_path.call("tests.helpers.kv_quant_child", "serve", kv_cache_dtype=fmt)
+    cpu = serve(fmt)
+    assert (triton["backend"], cpu["backend"]) == ("triton", "cpu")
+    assert triton["tokens"] == cpu["tokens"]
+    for a, b in zip(triton["logprobs"], cpu["logprobs"]):
+        assert a == pytest.approx(b, abs=1e-4)
+    assert triton["free"] == cpu["free"] == 64
