@@ -134,4 +134,22 @@ def dequantize(kv: QuantKV, blocks: torch.Tensor | None = None,
     if blocks is not None:
         data = data.view(torch.uint8).index_select(1, blocks).view(data.dtype)
         scales = scales.index_select(1, blocks)
-    return (data.float() * scales[:, :, None, :, None]).to(dtype)
+    return _times(data, scales[:, :, None, :, None]).to(dtype)
+
+
+# float8_e4m3fn -> float32 of every byte: torch's own fp8 cast is a slow scalar loop on CPU,
+# a table lookup several times faster (and exact: the table is that cast, done once).
+_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def _times(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 `codes x scale`, by each format's fastest widening on CPU: int8 through the
+    multiply's own type promotion (one pass; `codes.float()` first is ~10x slower), e4m3
+    through a lookup table, e5m2 by its cast (an fp16 with the low byte zero: cheap)."""
+    if codes.dtype == torch.int8:
+        return codes * scale
+    if codes.dtype == torch.float8_e4m3fn:
+        index = codes.view(torch.uint8).reshape(-1).int()
+        table = _E4M3.to(codes.device)
+        return table.index_select(0, index).view(codes.shape) * scale
+    return codes.float() * scale

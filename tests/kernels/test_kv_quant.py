@@ -47,6 +47,8 @@ def test_one_store_is_within_one_rounding_and_the_scale_is_the_block_absmax(fmt:
     torch.testing.assert_close(kv.scales, absmax / QMAX[kv.dtype])
     scale = kv.scales[:, :, None, :, None].expand_as(x)
     assert bool(((dequantize(kv) - x).abs() <= _bound(x, scale, fmt)).all())
+    # Each format's fast widening (promotion, lookup table) is torch's cast exactly.
+    assert torch.equal(dequantize(kv), kv.data.float() * kv.scales[:, :, None, :, None])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
