@@ -2,8 +2,11 @@
 in one run, alternating (an indication: on CPU the backend dequantizes the blocks each layer
 reads before its kernels, docs/quantization.md).
 
-    python bench/probes/kv_quant_speed.py [--formats int8] [--prompts 8] [--prompt 256]
-                                          [--output 64] [--rounds 2]
+    python bench/probes/kv_quant_speed.py [--formats int8,fp8,auto-nostack] [--prompts 8]
+                                          [--prompt 256] [--output 64] [--rounds 2]
+
+`auto-nostack`: float32 KV on per-layer modules, the float32 engine without its one-call
+native decoder stack (which a quantized cache does not take), to split the difference.
 
 Each round serves the same batch once per configuration (random token prompts, greedy,
 ignore_eos, prefix caching off, float32 weights and activations) and times `generate`. Prints
@@ -34,8 +37,12 @@ def main() -> int:
     from engine import LLM, SamplingParams
 
     names = ["auto", *args.formats.split(",")]
-    llms = {n: LLM(dtype="float32", kv_cache_dtype=n, enable_prefix_caching=False,
-                   max_model_len=1024) for n in names}
+    llms = {}
+    for n in names:  # NAME-nostack: that KV format on per-layer modules (no one-call stack)
+        kv = n.removesuffix("-nostack")
+        llms[n] = LLM(dtype="float32", kv_cache_dtype=kv, enable_prefix_caching=False,
+                      max_model_len=1024)
+        llms[n].engine.model.use_native_stack = kv == n
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt)]
                for _ in range(args.prompts)]
