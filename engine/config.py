@@ -8,7 +8,7 @@ from typing import Any
 
 from engine.core.block_hash import HASH_ALGOS
 from engine.core.kv_events import KVEventsConfig
-from engine.core.kv_tier_config import KVTierConfig
+from engine.core.kv_tier_config import NO_TIER, KVTierConfig
 from engine.core.scheduler import SchedulerConfig
 from engine.model_executor.quant_methods import method_error
 from engine.model_job import CONVERTS, RUNNERS
@@ -119,10 +119,7 @@ class EngineConfig:
                              f"(got {self.prefix_caching_hash_algo!r})")
         if isinstance(self.kv_events_config, (str, dict)):
             self.kv_events_config = KVEventsConfig.from_json(self.kv_events_config)
-        if isinstance(self.kv_transfer_config, (str, dict)):
-            self.kv_transfer_config = KVTierConfig.from_json(self.kv_transfer_config)
-        if self.kv_transfer_config is not None and self.tensor_parallel_size > 1:
-            raise ValueError("kv_transfer_config (a second KV tier) needs tensor_parallel_size 1")
+        self._check_kv_tier()
         if isinstance(self.speculative_config, (str, dict)):
             self.speculative_config = SpeculativeConfig.from_json(self.speculative_config)
         if self.max_loras < 1 or self.max_lora_rank < 1:
@@ -141,6 +138,18 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} "
                              f"(got {self.scheduling_policy!r})")
+
+    def _check_kv_tier(self) -> None:
+        """--kv-transfer-config parsed, and refused before the model loads when it leaves no
+        tier this engine builds."""
+        if isinstance(self.kv_transfer_config, (str, dict)):
+            self.kv_transfer_config = KVTierConfig.from_json(self.kv_transfer_config)
+        if self.kv_transfer_config is not None:
+            if not self.kv_transfer_config.fs_tiers:
+                raise ValueError(NO_TIER)
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_transfer_config (a second KV tier) needs "
+                                 "tensor_parallel_size 1")
 
     def _check_shardable(self) -> None:
         """What tensor parallelism does not shard: a draft model, LoRA adapters, quantized

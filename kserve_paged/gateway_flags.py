@@ -7,14 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kserve_paged.flag_types import BoolFlag, fraction, json_object
+from kserve_paged.flag_types import BoolFlag, fraction, json_object, parse_kv_transfer_config
 from kserve_paged.openai.reasoning import REASONING_PARSERS
-
-
-def refused_kv_transfer(text: str) -> None:
-    raise argparse.ArgumentTypeError(
-        "KV offloading (vLLM's --kv-transfer-config, what KServe writes for "
-        "spec.kvCacheOffloading) is not supported by this server yet")
 
 
 def add_gateway_flags(parser: argparse.ArgumentParser, d: dict[str, Any]) -> None:
@@ -29,8 +23,13 @@ def add_gateway_flags(parser: argparse.ArgumentParser, d: dict[str, Any]) -> Non
                         help="No CUDA graphs (steps run eagerly today, so nothing changes).")
     engine.add_argument("--kv_cache_dtype", default=d["kv_cache_dtype"],
                         help="KV-cache dtype; auto (the model's) is the one this engine has.")
-    engine.add_argument("--kv_transfer_config", type=refused_kv_transfer, default=None,
-                        help="vLLM's KV offloading config: refused, not supported yet.")
+    engine.add_argument("--kv_transfer_config", type=parse_kv_transfer_config, default=None,
+                        metavar="JSON",
+                        help="vLLM's KV offloading config (OffloadingConnector, as KServe "
+                             "renders spec.kvCacheOffloading): evicted prefix blocks go to "
+                             "the first fs secondary tier and come back on prefix hits. On "
+                             "CPU cpu_bytes_to_use adds nothing; a config without an fs tier "
+                             "is refused.")
     served = parser.add_argument_group("served names, security, tracing")
     served.add_argument("--served_model_name", nargs="+", default=None, metavar="NAME",
                         help="Names the model answers to (vLLM's flag): the first is reported, "

@@ -104,7 +104,6 @@ class KVTier:
         """Keep these evicted blocks (their bytes copied out of the pool already); a key kept
         before only becomes the most recent."""
         t0 = time.perf_counter()
-        stored: list[bytes] = []
         for key, payload in zip(keys, payloads):
             if key in self.index:
                 self.index.move_to_end(key)
@@ -113,11 +112,17 @@ class KVTier:
                 self._evict()
             self.index[key] = None
             self.writer.write(key, payload)
-            stored.append(key)
+            self._stored(key)
             self.stats.bytes_written += len(payload)
         self.stats.write_s += time.perf_counter() - t0
-        if stored:
-            self.events.append(BlockStored(stored, None, [], self.block_size, None, TIER_MEDIUM))
+
+    def _stored(self, key: bytes) -> None:
+        """One BlockStored per run of stores (a removal in between starts another)."""
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockStored):
+            last.block_hashes.append(key)
+        else:
+            self.events.append(BlockStored([key], None, [], self.block_size, None, TIER_MEDIUM))
 
     def _evict(self) -> None:
         key, _ = self.index.popitem(last=False)

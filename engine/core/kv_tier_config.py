@@ -30,6 +30,13 @@ TIER_TYPES = ("fs",)
 ROLES = ("kv_both",)
 
 
+NO_TIER = ("kv_transfer_config leaves no second KV tier: on a CPU server the KV pool already "
+           "lives in host memory, so cpu_bytes_to_use adds none (and this engine builds no "
+           "host-memory tier on a GPU yet); add secondary_tiers "
+           '[{"type": "fs", "root_dir": "/mnt/kv-cache-0"}] (spec.kvCacheOffloading\'s '
+           "file-system tiers)")
+
+
 @dataclass(frozen=True, slots=True)
 class FsTier:
     root_dir: str
@@ -106,11 +113,7 @@ def tier_plan(config: KVTierConfig, device_type: str) -> FsTier:
             logger.warning("kv_transfer_config: a host-memory tier is not built yet; "
                            "cpu_bytes_to_use is ignored, the fs tier is the second tier")
     if not config.fs_tiers:
-        raise ValueError("kv_transfer_config leaves no second KV tier on this server: "
-                         + ("on CPU the KV pool already lives in host memory, so "
-                            "cpu_bytes_to_use adds none; " if device_type == "cpu" else
-                            "a host-memory tier is not built yet; ")
-                         + 'add secondary_tiers [{"type": "fs", "root_dir": "/mnt/kv-cache-0"}]')
+        raise ValueError(NO_TIER)
     if len(config.fs_tiers) > 1:
         logger.warning("kv_transfer_config: %d fs tiers given; only the first (%s) is used",
                        len(config.fs_tiers), config.fs_tiers[0].root_dir)

@@ -1,0 +1,104 @@
+"""The disk tier's store on its own (engine/core/kv_tier.py, kv_tier_files.py): LRU within its
+capacity, files checked on every read (short, flipped or another key's: a miss), folders
+apart per model identity, KV events naming the tier's medium, and the config's two forms."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.core.kv_events import encode_batch
+from engine.core.kv_tier import TIER_MEDIUM, KVTier, tier_folder
+from engine.core.kv_tier_config import KVTierConfig, tier_plan
+
+SIZE = 64
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def payload(i: int) -> bytes:
+    return bytes((i + j) % 256 for j in range(SIZE))
+
+
+def stored(tier: KVTier, ids: list[int]) -> None:
+    tier.store([key(i) for i in ids], [payload(i) for i in ids])
+    tier.writer.flush()
+
+
+def test_blocks_come_back_byte_for_byte_and_the_least_recent_leaves_first(tmp_path: Path):
+    tier = KVTier(tmp_path, SIZE, 3 * SIZE, block_size=4)
+    stored(tier, [1, 2, 3])
+    assert tier.fetch(key(1))  # 1 is now the most recent
+    assert tier.take(key(1)) == payload(1)
+    stored(tier, [4])  # evicts 2, the least recent
+    assert key(2) not in tier and not (tmp_path / f"{key(2).hex()}.kv").exists()
+    assert [k for k in tier.index] == [key(3), key(1), key(4)]
+    assert tier.stats.evictions == 1 and tier.usage == 1.0
+    tier.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "rename", "delete"])
+def test_a_damaged_file_is_a_miss_and_is_forgotten(tmp_path: Path, damage: str):
+    tier = KVTier(tmp_path, SIZE, 10 * SIZE)
+    stored(tier, [1, 2])
+    path = tmp_path / f"{key(1).hex()}.kv"
+    data = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(data[:-5])
+    elif damage == "flip":
+        path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    elif damage == "rename":  # another block's file under this key's name
+        path.write_bytes((tmp_path / f"{key(2).hex()}.kv").read_bytes())
+    else:
+        path.unlink()
+    assert not tier.fetch(key(1))
+    assert key(1) not in tier and tier.stats.corrupt == 1
+    assert tier.fetch(key(2))
+    tier.close()
+
+
+def test_a_new_process_keeps_files_only_with_a_fixed_hash_seed(tmp_path: Path):
+    tier = KVTier(tmp_path, SIZE, 10 * SIZE)
+    stored(tier, [1, 2])
+    tier.close()
+    again = KVTier(tmp_path, SIZE, 10 * SIZE, keep_files=True)
+    assert again.fetch(key(2)) and again.take(key(2)) == payload(2)
+    again.close()
+    fresh = KVTier(tmp_path, SIZE, 10 * SIZE, keep_files=False)
+    assert fresh.num_blocks == 0 and not list(tmp_path.glob("*.kv"))
+    fresh.close()
+
+
+def test_another_model_or_dtype_gets_another_folder():
+    a = tier_folder("/mnt/kv", "model-a|torch.float32|30|3|64|16|sha256|00")
+    assert a != tier_folder("/mnt/kv", "model-a|torch.bfloat16|30|3|64|16|sha256|00")
+    assert a != tier_folder("/mnt/kv", "model-b|torch.float32|30|3|64|16|sha256|00")
+    assert a.parent == Path("/mnt/kv")
+
+
+def test_tier_moves_are_kv_events_with_the_tier_medium(tmp_path: Path):
+    msgpack = pytest.importorskip("msgpack")
+    tier = KVTier(tmp_path, SIZE, 1 * SIZE, block_size=4)
+    stored(tier, [1, 2])  # 2 pushes 1 out
+    _, events = msgpack.unpackb(encode_batch(0.0, tier.take_events(), "CPU"))
+    assert [e[0] for e in events] == ["BlockStored", "BlockRemoved", "BlockStored"]
+    assert {e[-1] for e in events} == {TIER_MEDIUM}
+    tier.close()
+
+
+def test_a_tier_of_no_block_is_refused(tmp_path: Path):
+    with pytest.raises(ValueError, match="holds no block"):
+        KVTier(tmp_path, SIZE, SIZE - 1)
+
+
+def test_the_config_without_a_disk_tier_leaves_none():
+    cfg = KVTierConfig.from_json({"kv_connector": "OffloadingConnector",
+                                  "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}})
+    with pytest.raises(ValueError, match="no second KV tier"):
+        tier_plan(cfg, "cpu")
+    with pytest.raises(ValueError, match="no second KV tier"):
+        from engine.config import EngineConfig
+        EngineConfig(kv_transfer_config=cfg)
