@@ -376,4 +376,6 @@ class LLMEngine:
             s.update(self.lora_stats())
         if self.spec is not None:
             s.update(self.spec.stats())
+        if self.kv_tier is not None:
+            s.update(self.kv_tier.stat_dict())
         return s

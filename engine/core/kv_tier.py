@@ -171,6 +171,16 @@ class KVTier:
         again when it is admitted)."""
         self.staged.clear()
 
+    def stat_dict(self) -> dict[str, int | float]:
+        """The engine stats of the tier (kserve_paged/metrics.py exposes them under vLLM's
+        offloading connector's names)."""
+        st = self.stats
+        return {"kv_tier_block_queries": st.queries, "kv_tier_block_hits": st.hits,
+                "kv_tier_read_bytes": st.bytes_read, "kv_tier_write_bytes": st.bytes_written,
+                "kv_tier_read_time": st.read_s, "kv_tier_write_time": st.write_s,
+                "kv_tier_evictions": st.evictions, "kv_tier_corrupt_blocks": st.corrupt,
+                "kv_tier_blocks": len(self.index), "kv_tier_usage": self.usage}
+
     def take_events(self) -> list[KVCacheEvent]:
         events, self.events = self.events, []
         return events
