@@ -15,6 +15,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -63,6 +64,8 @@ class BlockWriter:
         self.folder = folder
         self.pending: dict[bytes, memoryview | bytes] = {}
         self.errors = 0
+        self.bytes_written = 0  # by the thread: files on disk (bench/kv_tier.py's disk rate)
+        self.write_s = 0.0
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, bytes, memoryview | bytes | None] | None] = (
             queue.Queue())
@@ -108,8 +111,11 @@ class BlockWriter:
 
     def _write(self, path: Path, key: bytes, payload: memoryview | bytes | None) -> None:
         assert payload is not None
+        t0 = time.perf_counter()
         try:
             write_block(path, key, payload)
+            self.bytes_written += len(payload)
+            self.write_s += time.perf_counter() - t0
         except OSError as exc:  # a full or failing disk: the block is a miss later
             self.errors += 1
             logger.warning("KV tier: writing %s failed: %s", path, exc)
