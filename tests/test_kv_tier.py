@@ -148,3 +148,26 @@ def test_a_corrupt_tier_file_is_a_miss(dirs, tmp_path):
     assert hits(llm) == before
     assert tier.stats.corrupt == 1
     llm.engine.close()
+
+
+def test_a_failed_restore_fails_only_that_step_and_leaves_nothing_wrong(dirs, tmp_path,
+                                                                        monkeypatch):
+    import engine.worker.kv_tier_copy as tier_copy
+
+    llm = engine(dirs, "float32", tmp_path)
+    first = run(llm, PROMPT)
+    flood(llm)
+    real = tier_copy.scatter_blocks
+
+    def broken(*args, **kwargs):
+        raise OSError("the tier's volume went away")
+
+    monkeypatch.setattr(tier_copy, "scatter_blocks", broken)
+    eng = llm.engine
+    eng.add_request("doomed", PROMPT, GREEDY)
+    outs = [o for _ in range(3) for o in eng.step() if o.request_id == "doomed"]
+    assert outs and outs[-1].finished and "went away" in (outs[-1].error or "")
+    assert eng.kv.pool.num_used_blocks == 0  # nothing leaked
+    monkeypatch.setattr(tier_copy, "scatter_blocks", real)
+    assert run(llm, PROMPT) == first  # no block of the failed restore was left findable
+    llm.engine.close()

@@ -161,8 +161,9 @@ class KVTier:
         return True
 
     def take(self, key: bytes) -> memoryview | bytes:
-        """A fetched block's bytes, for the copy into the pool (counted as read)."""
-        payload = self.staged.pop(key)
+        """A fetched block's bytes, for the copy into the pool (counted as read); staged until
+        the step ends, so two restores of one key in a step both find it."""
+        payload = self.staged[key]
         self.stats.bytes_read += len(payload)
         return payload
 

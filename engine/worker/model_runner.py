@@ -295,7 +295,12 @@ class ModelRunner:
         """Run the step: logits for each sampling request (and prompt positions if asked)."""
         inputs = self.prepare(out)
         if out.tier_moves and self.tier is not None:  # before the forward writes any block
-            apply_tier_moves(self.slot_caches, out.tier_moves, self.tier)
+            try:
+                apply_tier_moves(self.slot_caches, out.tier_moves, self.tier)
+            except BaseException:  # blocks never filled must not stay findable
+                for block_id, _ in out.tier_moves.loads:
+                    self.kv.pool.uncache(self.kv.pool.blocks[block_id])
+                raise
         return step_result(inputs, self.forward(inputs, out.block_copies), self.device)
 
     def forward(self, inputs: StepInputs, block_copies: list[tuple[int, int]]
