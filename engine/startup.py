@@ -219,7 +219,7 @@ def kv_tier(config: EngineConfig, kv: KVCacheManager, model_path: str, dtype: to
                                   model.num_kv_heads, model.head_dim, bs, hasher.algo,
                                   hasher.root.hex())))
     tier = KVTier(tier_folder(fs.root_dir, identity), block_bytes, fs.capacity_bytes, bs,
-                  keep_files=hasher.seed is not None)
+                  keep_files=hasher.seed is not None, policy=cfg.eviction_policy)
     kv.attach_tier(tier)
     logger.info("KV tier: %s, %d blocks of %.2f MiB (%d already there)", tier.folder,
                 tier.capacity_blocks, block_bytes / 2**20, tier.num_blocks)

@@ -102,3 +102,57 @@ def test_the_config_without_a_disk_tier_leaves_none():
     with pytest.raises(ValueError, match="no second KV tier"):
         from engine.config import EngineConfig
         EngineConfig(kv_transfer_config=cfg)
+
+
+@pytest.mark.parametrize("name", ["lru", "arc"])
+def test_a_policy_keeps_its_capacity_and_accounts_for_every_key(name: str):
+    """Random stores, hits and drops against a plain set: what the policy says it let go is
+    gone, everything else stored is still there, and it never holds more than its capacity."""
+    import random
+
+    from engine.core.kv_tier_policy import make_policy
+
+    rng = random.Random(7)
+    policy, kept = make_policy(name, 8), set()
+    for _ in range(5000):
+        k = key(rng.randrange(40))
+        op = rng.random()
+        if op < 0.5 and k not in policy:
+            gone = policy.insert(k)
+            assert k not in gone and all(g in kept for g in gone)
+            kept -= set(gone)
+            kept.add(k)
+        elif op < 0.9 and k in policy:
+            policy.touch(k)
+        elif op >= 0.9:
+            policy.remove(k)
+            kept.discard(k)
+        assert set(policy) == kept and len(policy) == len(kept) <= 8
+
+
+def test_arc_keeps_returning_blocks_through_a_burst_that_lru_lets_push_them_out():
+    from engine.core.kv_tier_policy import make_policy
+
+    def survivors(name: str) -> int:
+        policy = make_policy(name, 8)
+        hot = [key(i) for i in range(4)]
+        for k in hot:
+            policy.insert(k)
+        for k in hot:
+            policy.touch(k)  # each came back once: worth keeping
+        for i in range(100, 112):  # a burst of one-off blocks, more than the capacity
+            policy.insert(key(i))
+        return sum(k in policy for k in hot)
+
+    assert survivors("arc") == 4
+    assert survivors("lru") == 0
+
+
+def test_the_tier_evicts_by_its_policy(tmp_path: Path):
+    tier = KVTier(tmp_path, SIZE, 2 * SIZE, policy="arc")
+    stored(tier, [1])
+    assert tier.fetch(key(1))  # a hit: 1 moves to ARC's frequent list
+    stored(tier, [2, 3])  # 2 leaves, not 1
+    assert key(1) in tier and key(2) not in tier and key(3) in tier
+    assert not (tmp_path / f"{key(2).hex()}.kv").exists()
+    tier.close()

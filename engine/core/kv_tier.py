@@ -5,8 +5,8 @@ emptyDir or a PVC): one checksummed file per block (engine/core/kv_tier_files.py
 the prefix cache's own block hash (engine/core/block_hash.py), which already covers the tokens
 of the whole chain, the LoRA adapter and the cache salt; the folder is named by what else the
 bytes depend on (model, KV dtype, layout, block size, hash algorithm), so a tier written by
-another model or dtype is never read. The tier keeps at most `capacity_bytes`, the least
-recently used block leaving first. What the policy decides (which evicted blocks to keep,
+another model or dtype is never read. The tier keeps at most `capacity_bytes`; which block
+leaves first is the eviction policy's (LRU or ARC, engine/core/kv_tier_policy.py). What the policy decides (which evicted blocks to keep,
 which blocks a lookup may take) lives here and in kv_cache_manager.py; the byte copies out of
 and into the KV tensors are the model runner's (engine/worker/kv_tier_copy.py).
 """
@@ -17,12 +17,12 @@ import hashlib
 import logging
 import shutil
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.core.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from engine.core.kv_tier_files import BlockWriter, block_path, read_block
+from engine.core.kv_tier_policy import make_policy
 
 logger = logging.getLogger("engine")
 
@@ -54,7 +54,7 @@ class KVTier:
     """The block index (LRU order), the files behind it and the blocks read for this step."""
 
     def __init__(self, folder: Path, block_bytes: int, capacity_bytes: int | None = None,
-                 block_size: int = 16, keep_files: bool = True) -> None:
+                 block_size: int = 16, keep_files: bool = True, policy: str = "lru") -> None:
         """`keep_files` False: forget any earlier process's files (their keys cannot match:
         without PYTHONHASHSEED the block hashes are random per process)."""
         folder.mkdir(parents=True, exist_ok=True)
@@ -67,7 +67,7 @@ class KVTier:
         self.folder = folder
         self.block_bytes = block_bytes
         self.block_size = block_size
-        self.index: OrderedDict[bytes, None] = OrderedDict()  # least recent first
+        self.index = make_policy(policy, self.capacity_blocks)  # the keys kept, in policy order
         self.staged: dict[bytes, memoryview | bytes] = {}  # read and checked this step
         self.events: list[KVCacheEvent] = []
         self.stats = TierStats()
@@ -83,7 +83,7 @@ class KVTier:
             except ValueError:
                 continue
             if keep and len(key) == 32 and len(self.index) < self.capacity_blocks:
-                self.index[key] = None
+                self.index.insert(key)
             else:
                 path.unlink(missing_ok=True)
         for tmp in self.folder.glob("*.tmp"):
@@ -106,11 +106,10 @@ class KVTier:
         t0 = time.perf_counter()
         for key, payload in zip(keys, payloads):
             if key in self.index:
-                self.index.move_to_end(key)
+                self.index.touch(key)
                 continue
-            while len(self.index) >= self.capacity_blocks:
-                self._evict()
-            self.index[key] = None
+            for old in self.index.insert(key):
+                self._evict(old)
             self.writer.write(key, payload)
             self._stored(key)
             self.stats.bytes_written += len(payload)
@@ -124,8 +123,11 @@ class KVTier:
         else:
             self.events.append(BlockStored([key], None, [], self.block_size, None, TIER_MEDIUM))
 
-    def _evict(self) -> None:
-        key, _ = self.index.popitem(last=False)
+    def touch(self, key: bytes) -> None:
+        """A kept block evicted from the pool again: as good as a hit for the policy."""
+        self.index.touch(key)
+
+    def _evict(self, key: bytes) -> None:
         self.writer.delete(key)
         self.stats.evictions += 1
         self._removed(key)
@@ -152,11 +154,11 @@ class KVTier:
         if payload is None:
             self.stats.corrupt += 1
             logger.warning("KV tier: block %s is missing or corrupt: a miss", key.hex()[:16])
-            del self.index[key]
+            self.index.remove(key)
             self.writer.delete(key)
             self._removed(key)
             return False
-        self.index.move_to_end(key)
+        self.index.touch(key)
         self.staged[key] = payload
         return True
 

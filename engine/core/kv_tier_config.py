@@ -117,6 +117,4 @@ def tier_plan(config: KVTierConfig, device_type: str) -> FsTier:
     if len(config.fs_tiers) > 1:
         logger.warning("kv_transfer_config: %d fs tiers given; only the first (%s) is used",
                        len(config.fs_tiers), config.fs_tiers[0].root_dir)
-    if config.eviction_policy == "arc":
-        logger.warning("kv_transfer_config: eviction_policy arc is served by LRU here")
     return config.fs_tiers[0]

@@ -72,7 +72,7 @@ class TierLink:
         saves: list[tuple[int, bytes]] = []
         for block_id, key in self.pool.take_evicted():
             if key in self.tier:
-                self.tier.index.move_to_end(key)
+                self.tier.touch(key)
             else:
                 saves.append((block_id, key))
         loads = [(block_id, self.tier.take(key)) for block_id, key in self._restores]
