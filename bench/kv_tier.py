@@ -3,7 +3,7 @@ working set, the second (disk) tier on and off in the same run.
 
     python bench/kv_tier.py [--model PATH] [--conversations 8] [--turns 4]
         [--history 1024] [--turn-tokens 256] [--pool-tokens 4096] [--dtype auto]
-        [--root DIR] [--json-out FILE]
+        [--root DIR] [--threads N] [--json-out FILE]
 
 Each conversation starts from a shared system prompt (256 tokens) and its own history
 (`--history` tokens); each turn appends the last reply and a new user message (`--turn-tokens`
@@ -136,6 +136,7 @@ def report(args, engines, times, tokens, root, prompts) -> dict[str, Any]:
     st = tier.stats
     out: dict[str, Any] = {
         "date": date.today().isoformat(), "dtype": str(engines["on"].dtype),
+        "threads": args.threads,
         "model": engines["on"].model_path,
         "workload": {"conversations": args.conversations, "turns": args.turns,
                      "system_tokens": SYSTEM_TOKENS, "history": args.history,
@@ -175,8 +176,15 @@ def main() -> None:
     ap.add_argument("--pool-tokens", type=int, default=4096)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--root", default=None, help="the tier's folder (default: a temp dir)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch (and native kernel) threads; on a shared, loaded machine 1 "
+                         "keeps threads from waiting on each other at every barrier")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     result = run(args)
     text = json.dumps(result, indent=2)
     print(text)
