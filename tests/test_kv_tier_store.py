@@ -156,3 +156,22 @@ def test_the_tier_evicts_by_its_policy(tmp_path: Path):
     assert key(1) in tier and key(2) not in tier and key(3) in tier
     assert not (tmp_path / f"{key(2).hex()}.kv").exists()
     tier.close()
+
+
+def test_a_lookup_repeated_over_steps_reads_the_file_once(tmp_path: Path, monkeypatch):
+    """The head of a full queue looks its prefix up every step: the block read for the first
+    lookup is kept (up to STAGED_BYTES), and dropped with the block when the tier lets it go."""
+    import engine.core.kv_tier as kv_tier
+
+    tier = KVTier(tmp_path, SIZE, 2 * SIZE)
+    stored(tier, [1])
+    reads = []
+    real = kv_tier.read_block
+    monkeypatch.setattr(kv_tier, "read_block", lambda *a: reads.append(a) or real(*a))
+    for _ in range(3):
+        assert tier.fetch(key(1))
+        tier.end_step()
+    assert len(reads) == 1
+    stored(tier, [2, 3])  # 1 leaves the tier: its staged bytes go too
+    assert not tier.fetch(key(1)) and key(1) not in tier.staged
+    tier.close()

@@ -17,6 +17,7 @@ import hashlib
 import logging
 import shutil
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ logger = logging.getLogger("engine")
 
 TIER_MEDIUM = "DISK"  # the medium KV events name for blocks in this tier
 FREE_SPACE_SHARE = 0.9  # without a capacity: this share of the folder's free disk
+STAGED_BYTES = 64 << 20  # blocks read by lookups kept in memory between steps
 
 
 @dataclass(slots=True)
@@ -68,7 +70,10 @@ class KVTier:
         self.block_bytes = block_bytes
         self.block_size = block_size
         self.index = make_policy(policy, self.capacity_blocks)  # the keys kept, in policy order
-        self.staged: dict[bytes, memoryview | bytes] = {}  # read and checked this step
+        # Blocks read and checked by lookups, most recent last: a request that waits at the
+        # head of the queue looks its prefix up every step and must not read it every time.
+        self.staged: OrderedDict[bytes, memoryview | bytes] = OrderedDict()
+        self._staged_bytes = 0
         self.events: list[KVCacheEvent] = []
         self.stats = TierStats()
         self.writer = BlockWriter(folder)
@@ -142,10 +147,12 @@ class KVTier:
     def fetch(self, key: bytes) -> bool:
         """Read and check a block for a lookup of this step; False (and the block forgotten)
         if it is not kept or its file is missing, short or corrupt."""
-        if key in self.staged:
-            return True
         if key not in self.index:
+            self._unstage(key)
             return False
+        if key in self.staged:
+            self.staged.move_to_end(key)
+            return True
         t0 = time.perf_counter()
         payload = self.writer.peek(key)
         if payload is None:
@@ -160,19 +167,25 @@ class KVTier:
             return False
         self.index.touch(key)
         self.staged[key] = payload
+        self._staged_bytes += len(payload)
         return True
 
+    def _unstage(self, key: bytes) -> None:
+        payload = self.staged.pop(key, None)
+        if payload is not None:
+            self._staged_bytes -= len(payload)
+
     def take(self, key: bytes) -> memoryview | bytes:
-        """A fetched block's bytes, for the copy into the pool (counted as read); staged until
-        the step ends, so two restores of one key in a step both find it."""
+        """A fetched block's bytes, for the copy into the pool (counted as read); still staged
+        after, so two restores of one key in a step both find it."""
         payload = self.staged[key]
         self.stats.bytes_read += len(payload)
         return payload
 
     def end_step(self) -> None:
-        """Drop what lookups read but no allocation took (a request that still waits reads
-        again when it is admitted)."""
-        self.staged.clear()
+        """Keep at most STAGED_BYTES of read blocks, the least recently looked up leaving."""
+        while self._staged_bytes > STAGED_BYTES and self.staged:
+            self._unstage(next(iter(self.staged)))
 
     def stat_dict(self) -> dict[str, int | float]:
         """The engine stats of the tier (kserve_paged/metrics.py exposes them under vLLM's
