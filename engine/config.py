@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.core.block_hash import HASH_ALGOS
 from engine.core.kv_events import KVEventsConfig
+from engine.core.kv_tier_config import NO_TIER, KVTierConfig
 from engine.core.scheduler import SchedulerConfig
 from engine.model_executor.quant_methods import method_error
 from engine.model_job import CONVERTS, RUNNERS
@@ -47,6 +48,9 @@ class EngineConfig:
     # KV-cache events for cache-aware routers (engine/core/kv_events.py): a KVEventsConfig, or its
     # JSON / dict form as vLLM's --kv-events-config takes it. None: off.
     kv_events_config: KVEventsConfig | str | dict[str, Any] | None = None
+    # A second KV tier under the pool (engine/core/kv_tier.py): a KVTierConfig, or vLLM's
+    # --kv-transfer-config JSON / dict (OffloadingConnector). None: evicted blocks are gone.
+    kv_transfer_config: KVTierConfig | str | dict[str, Any] | None = None
     # Multi-LoRA (engine/lora/): adapters active in one step, their largest rank, and how many
     # stay loaded in memory (an LRU; None: max_loras).
     enable_lora: bool = False
@@ -114,6 +118,7 @@ class EngineConfig:
                              f"(got {self.prefix_caching_hash_algo!r})")
         if isinstance(self.kv_events_config, (str, dict)):
             self.kv_events_config = KVEventsConfig.from_json(self.kv_events_config)
+        self._check_kv_tier()
         if isinstance(self.speculative_config, (str, dict)):
             self.speculative_config = SpeculativeConfig.from_json(self.speculative_config)
         if self.max_loras < 1 or self.max_lora_rank < 1:
@@ -132,6 +137,18 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} "
                              f"(got {self.scheduling_policy!r})")
+
+    def _check_kv_tier(self) -> None:
+        """--kv-transfer-config parsed, and refused before the model loads when it leaves no
+        tier this engine builds."""
+        if isinstance(self.kv_transfer_config, (str, dict)):
+            self.kv_transfer_config = KVTierConfig.from_json(self.kv_transfer_config)
+        if self.kv_transfer_config is not None:
+            if not self.kv_transfer_config.fs_tiers:
+                raise ValueError(NO_TIER)
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_transfer_config (a second KV tier) needs "
+                                 "tensor_parallel_size 1")
 
     def _check_shardable(self) -> None:
         """What tensor parallelism does not shard: a draft model, LoRA adapters, quantized

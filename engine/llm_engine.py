@@ -137,6 +137,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,
                                   self.device, layout=self.kv_layout,
                                   kv_cache_dtype=config.kv_cache_dtype, **sizes)
+        self.kv_tier = self.runner.tier = startup.kv_tier(
+            config, self.kv, self.model_path, self.dtype, self.device, self.kv_layout, self.model)
         # Tensor parallelism: each worker its share of every block, the same ids.
         self.executor.start(self.runner, num_blocks=self.num_kv_blocks, block_size=bs,
                             dtype=self.dtype, **sizes)
@@ -167,7 +169,8 @@ class LLMEngine:
 
     def _publish_kv_events(self) -> None:
         if self.kv_events is not None:
-            self.kv_events.publish(self.kv.pool.take_events())
+            tier = self.kv_tier.take_events() if self.kv_tier is not None else []
+            self.kv_events.publish(self.kv.pool.take_events() + tier)
 
     def close(self) -> None:
         """Release what outlives a step (the event socket, tensor-parallel workers); the engine
@@ -178,6 +181,9 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.close()
             self.executor = None
+        if self.kv_tier is not None:
+            self.kv_tier.close()
+            self.kv_tier = None
         self.grammars.shutdown()  # and its compile process, if any
 
     def on_fatal(self, callback: Callable[[BaseException], None]) -> None:
@@ -371,4 +377,6 @@ class LLMEngine:
             s.update(self.lora_stats())
         if self.spec is not None:
             s.update(self.spec.stats())
+        if self.kv_tier is not None:
+            s.update(self.kv_tier.stat_dict())
         return s

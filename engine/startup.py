@@ -16,6 +16,8 @@ from engine.core.kv_event_publisher import ZmqEventPublisher
 from engine.core.kv_events import KVEventsConfig
 from engine.core.kv_groups import KVLayout
 from engine.core.kv_sizing import KVCacheSize, kv_bytes_per_block, size_kv_cache
+from engine.core.kv_tier import KVTier, tier_folder
+from engine.core.kv_tier_config import KVTierConfig, tier_plan
 from engine.model_executor.model_facts import ModelFacts
 from kernels import kv_formats
 
@@ -203,3 +205,27 @@ def log_dtype(requested: str, dtype: torch.dtype, device: torch.device) -> None:
     if device.type == "cpu":
         logger.info("CPU kernels for %s: %s", str(dtype).removeprefix("torch."),
                     cpu_dtype.kernels_taken(dtype))
+
+
+def kv_tier(config: EngineConfig, kv: KVCacheManager, model_path: str, dtype: torch.dtype,
+            device: torch.device, layout: KVLayout, model: Any) -> KVTier | None:
+    """The second KV tier --kv_transfer_config asks for, attached to the cache manager, in a
+    folder named by everything the bytes depend on besides the block hash (model, dtype,
+    layout, block size, hash algorithm and seed), so another model's blocks never match."""
+    cfg = config.kv_transfer_config
+    if not isinstance(cfg, KVTierConfig):
+        return None
+    fs = tier_plan(cfg, device.type)
+    bs = config.block_size
+    block_bytes = kv_bytes_per_block(layout.group_size, model.num_kv_heads, model.head_dim, bs,
+                                     dtype.itemsize)
+    hasher = kv.hasher
+    identity = "|".join(map(str, (os.path.realpath(model_path), dtype, layout.group_size,
+                                  model.num_kv_heads, model.head_dim, bs, hasher.algo,
+                                  hasher.root.hex())))
+    tier = KVTier(tier_folder(fs.root_dir, identity), block_bytes, fs.capacity_bytes, bs,
+                  keep_files=hasher.seed is not None, policy=cfg.eviction_policy)
+    kv.attach_tier(tier)
+    logger.info("KV tier: %s, %d blocks of %.2f MiB (%d already there)", tier.folder,
+                tier.capacity_blocks, block_bytes / 2**20, tier.num_blocks)
+    return tier

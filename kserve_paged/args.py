@@ -65,6 +65,7 @@ ENGINE_FLAGS = (
     "prefix_caching_hash_algo",
     "scheduling_policy",
     "kv_events_config",
+    "kv_transfer_config",
     "enable_lora",
     "max_loras",
     "max_lora_rank",

@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 from engine.core.kv_events import KVEventsConfig
+from engine.core.kv_tier_config import KVTierConfig
 from engine.spec_decode import SpeculativeConfig
 from kserve_paged.vllm_flags import negated
 
@@ -68,6 +69,18 @@ def parse_kv_events_config(text: str) -> KVEventsConfig:
     "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv@pod@model"}``."""
     try:
         return KVEventsConfig.from_json(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_kv_transfer_config(text: str) -> KVTierConfig:
+    """``--kv_transfer_config``: vLLM's OffloadingConnector JSON as KServe renders
+    spec.kvCacheOffloading, e.g. ``{"kv_connector": "OffloadingConnector", "kv_role":
+    "kv_both", "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+    "cpu_bytes_to_use": 1073741824, "eviction_policy": "lru", "secondary_tiers": [{"type":
+    "fs", "root_dir": "/mnt/kv-cache-0"}]}}`` (engine/core/kv_tier_config.py)."""
+    try:
+        return KVTierConfig.from_json(text)
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

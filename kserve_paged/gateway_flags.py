@@ -8,14 +8,8 @@ import argparse
 from typing import Any
 
 from kernels.kv_formats import KV_CACHE_DTYPES
-from kserve_paged.flag_types import BoolFlag, fraction, json_object
+from kserve_paged.flag_types import BoolFlag, fraction, json_object, parse_kv_transfer_config
 from kserve_paged.openai.reasoning import REASONING_PARSERS
-
-
-def refused_kv_transfer(text: str) -> None:
-    raise argparse.ArgumentTypeError(
-        "KV offloading (vLLM's --kv-transfer-config, what KServe writes for "
-        "spec.kvCacheOffloading) is not supported by this server yet")
 
 
 def add_gateway_flags(parser: argparse.ArgumentParser, d: dict[str, Any]) -> None:
@@ -33,8 +27,13 @@ def add_gateway_flags(parser: argparse.ArgumentParser, d: dict[str, Any]) -> Non
                              "fp8_e5m2 (vLLM's values) or int8 (ours): one byte per element "
                              "with per-block scales, twice a bf16 cache's blocks "
                              "(docs/quantization.md).")
-    engine.add_argument("--kv_transfer_config", type=refused_kv_transfer, default=None,
-                        help="vLLM's KV offloading config: refused, not supported yet.")
+    engine.add_argument("--kv_transfer_config", type=parse_kv_transfer_config, default=None,
+                        metavar="JSON",
+                        help="vLLM's KV offloading config (OffloadingConnector, as KServe "
+                             "renders spec.kvCacheOffloading): evicted prefix blocks go to "
+                             "the first fs secondary tier and come back on prefix hits. On "
+                             "CPU cpu_bytes_to_use adds nothing; a config without an fs tier "
+                             "is refused.")
     served = parser.add_argument_group("served names, security, tracing")
     served.add_argument("--served_model_name", nargs="+", default=None, metavar="NAME",
                         help="Names the model answers to (vLLM's flag): the first is reported, "

@@ -29,6 +29,14 @@ from prometheus_client import exposition as _exposition
 LABELS = ("model_name",)
 # Ours, named in vLLM's style for the dashboards that read vllm:*; vLLM has no such metric.
 OWN_VLLM_STYLE = frozenset({"vllm:num_requests_rejected_total", "vllm:num_requests_timed_out_total"})
+# vLLM's KV offloading connector's tiering metrics (vllm/v1/kv_offload/tiering): not among its
+# core metrics (tests/data/vllm_metrics.json); series only while a second tier is on, label
+# `tier` as there ("1:fs", the first secondary tier).
+VLLM_OFFLOAD_TIERING = frozenset({
+    "vllm:kv_offload_tiering_block_queries_total", "vllm:kv_offload_tiering_block_hits_total",
+    "vllm:kv_offload_tiering_read_bytes_total", "vllm:kv_offload_tiering_write_bytes_total",
+    "vllm:kv_offload_tiering_read_time_total", "vllm:kv_offload_tiering_write_time_total"})
+TIER_LABELS = (*LABELS, "tier")
 
 # Bucket bounds follow vLLM's, so its dashboards' quantiles read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -66,6 +74,7 @@ class _Families:
         self._tokens_and_latencies()
         self._per_request()
         self._adapters_slots_and_speculation()
+        self._offload_tier()
 
     def gauge(self, name: str, doc: str, labels: Iterable[str] = LABELS) -> Gauge:
         return Gauge(name, doc, list(labels), registry=self._registry)
@@ -177,6 +186,33 @@ class _Families:
             "vllm:cache_config_info", "Information of the KV-cache config (value 1).",
             (*LABELS, "block_size", "num_gpu_blocks"))
 
+
+    def _offload_tier(self) -> None:
+        """The second KV tier (docs/kv_tier.md), vLLM's tiering names where it has them."""
+        def tiering(what: str, doc: str) -> Counter:
+            return self.counter(f"vllm:kv_offload_tiering_{what}", doc, TIER_LABELS)
+
+        self.kv_tier_block_queries = tiering(
+            "block_queries", "Number of block lookup queries sent to secondary tiers.")
+        self.kv_tier_block_hits = tiering(
+            "block_hits", "Number of block lookup hits in secondary tiers.")
+        self.kv_tier_read_bytes = tiering(
+            "read_bytes", "Total bytes read from secondary tiers into the primary tier.")
+        self.kv_tier_write_bytes = tiering(
+            "write_bytes", "Total bytes written from the primary tier to secondary tiers.")
+        self.kv_tier_read_time = tiering(
+            "read_time", "Total time spent reading from secondary tiers, in seconds.")
+        self.kv_tier_write_time = tiering(
+            "write_time", "Total time spent handing blocks to secondary tiers, in seconds.")
+        # Ours (vLLM has a usage gauge for its CPU tier only, and counts no corrupt reads).
+        self.kv_tier_usage = self.gauge(
+            "kserve_paged:kv_offload_tier_usage_perc",
+            "Second KV tier usage (blocks kept / capacity). 1 means 100 percent usage.",
+            TIER_LABELS)
+        self.kv_tier_corrupt_blocks = self.counter(
+            "kserve_paged:kv_offload_tier_corrupt_blocks_total",
+            "Second-tier blocks found missing, short or corrupt on read (each a miss).",
+            TIER_LABELS)
 
     def collectors(self) -> list[Any]:
         return [v for k, v in vars(self).items() if not k.startswith("_")]

@@ -30,6 +30,12 @@ COUNTER_STATS = {"prefix_cache_queries": "prefix_cache_queries",
                  "spec_decode_num_drafts": "spec_decode_num_drafts",
                  "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
                  "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens"}
+# Engine stats keys of the second KV tier -> counter attribute (label tier "1:fs"), and its gauge.
+TIER_COUNTER_STATS = {f"kv_tier_{k}": f"kv_tier_{k}" for k in (
+    "block_queries", "block_hits", "read_bytes", "write_bytes", "read_time", "write_time",
+    "corrupt_blocks")}
+TIER_GAUGE_STATS = {"kv_tier_usage": "kv_tier_usage"}
+TIER = "1:fs"
 # Engine stats key of the kept drafts by position (a list, one counter series per position).
 PER_POS_STAT = "spec_decode_num_accepted_tokens_per_pos"
 
@@ -77,6 +83,8 @@ class EngineMetrics:
         newer one would read as a restart and be counted twice. Other callers pass
         ``counters=False`` (gauges only)."""
         with self._lock:
+            if "kv_tier_usage" in stats and "kv_tier_usage" not in self._gauges:
+                self._add_tier_series()  # only while a second tier is on, as vLLM's
             for key, child in self._gauges.items():
                 if stats.get(key) is not None:
                     child.set(float(stats[key]))
@@ -99,6 +107,12 @@ class EngineMetrics:
                     self._f.spec_decode_num_accepted_tokens_per_pos.labels(
                         self.model_name, str(pos)).inc(increase)
                 self._last[key] = float(value)
+
+    def _add_tier_series(self) -> None:
+        f, name = self._f, self.model_name
+        self._gauges |= {k: getattr(f, a).labels(name, TIER) for k, a in TIER_GAUGE_STATS.items()}
+        self._counters |= {k: getattr(f, a).labels(name, TIER)
+                           for k, a in TIER_COUNTER_STATS.items()}
 
     def count_rejected(self, reason: str) -> None:
         """A request refused before it was queued (``reason``: queue_full)."""

@@ -15,8 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 # The vLLM release whose `serve` flags this command line follows. It ends `vllm --version`'s
 # output because KServe's preset reads that last word to pick its flags: from 0.16
 # --disable-access-log-for-endpoints, from 0.18 --shutdown-timeout, from 0.22
-# --kv-transfer-config for spec.kvCacheOffloading (which this server refuses by name until it
-# has a second KV tier, rather than have the offloading setting dropped silently).
+# --kv-transfer-config for spec.kvCacheOffloading (the second KV tier, engine/core/kv_tier.py).
 VLLM_CLI_VERSION = "0.22.0"
 
 

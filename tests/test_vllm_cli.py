@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from kserve_paged.args import build_parser, parse_args
+from kserve_paged.args import build_parser, engine_kwargs, parse_args
 from kserve_paged.vllm_cli import main as vllm_main
 from kserve_paged.vllm_cli import serve_argv
 from kserve_paged.vllm_flags import VLLM_FLAGS
@@ -108,7 +108,12 @@ def test_both_spellings_and_both_value_forms(argv: list[str], field: str, value:
     (["--max-modle-len", "5"], "--max-modle-len"),
     (["--kv-cache-dtype", "fp4"], "--kv_cache_dtype"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
-    (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector"}'], "kv-transfer-config"),
+    (["--kv-transfer-config", '{"kv_connector": "LMCacheConnectorV1"}'], "LMCacheConnectorV1"),
+    (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector"}'], "no second KV tier"),
+    (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_connector_extra_'
+      'config": {"cpu_bytes_to_use": 1073741824}}'], "cpu_bytes_to_use adds none"),
+    (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_connector_extra_'
+      'config": {"secondary_tiers": [{"type": "s3", "root_dir": "b"}]}}'], '"type": "fs"'),
     (["--reasoning-parser", "r2"], "--reasoning-parser"),
 ])
 def test_a_flag_we_do_not_honour_is_an_error_that_names_it(argv: list[str], named: str,
@@ -117,6 +122,34 @@ def test_a_flag_we_do_not_honour_is_an_error_that_names_it(argv: list[str], name
         parse_args(argv)
     assert exc.value.code == 2
     assert named in capsys.readouterr().err
+
+
+KSERVE_OFFLOADING = {  # KServe 0.20's rendering of spec.kvCacheOffloading
+    "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    "kv_connector_extra_config": {
+        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 4294967296,
+        "eviction_policy": "arc",
+        "secondary_tiers": [{"type": "fs", "root_dir": "/mnt/kv-cache-0"},
+                            {"type": "fs", "root_dir": "/mnt/kv-cache-1"}]}}
+
+
+def test_kserve_kv_offloading_config_parses_into_a_disk_tier() -> None:
+    text = json.dumps(KSERVE_OFFLOADING, separators=(",", ":"))
+    argv = kserve_preset_argv("smol", "team-a", user_args=("--kv-transfer-config", text))
+    cfg = parse_args(serve_argv(argv[1:])).kv_transfer_config
+    assert cfg.cpu_bytes_to_use == 4294967296 and cfg.eviction_policy == "arc"
+    assert [t.root_dir for t in cfg.fs_tiers] == ["/mnt/kv-cache-0", "/mnt/kv-cache-1"]
+    assert engine_kwargs(parse_args(["--kv_transfer_config", text]))["kv_transfer_config"] == cfg
+
+
+def test_the_simple_offloading_form_with_a_disk_tier_parses() -> None:
+    text = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {
+                           "cpu_bytes_to_use": 1 << 30,
+                           "secondary_tiers": [{"type": "fs", "root_dir": "/tmp/kv"}]}})
+    cfg = parse_args(["--kv-transfer-config", text]).kv_transfer_config
+    assert cfg.cpu_bytes_to_use == 1 << 30 and cfg.eviction_policy == "lru"
+    assert cfg.fs_tiers[0].root_dir == "/tmp/kv"
 
 
 def test_every_vllm_name_in_the_table_is_a_flag_and_help_shows_both_spellings() -> None:

@@ -105,6 +105,9 @@ class BlockPool:
         self.peak_used = 0
         # KV-cache events since the last take_events() (engine.core.kv_events); None: not recorded.
         self.events: list[KVCacheEvent] | None = None
+        # Cached blocks evicted by allocations since the last take_evicted(), (id, hash), for
+        # the second KV tier (engine/core/kv_tier.py); None: not recorded.
+        self.evicted: list[tuple[int, bytes]] | None = None
 
     def record_events(self) -> None:
         if self.events is None:
@@ -139,6 +142,9 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            h = block.block_hash
+            if self.evicted is not None and h is not None and self.cached.get(h) is block:
+                self.evicted.append((block.block_id, h))
             self._uncache(block)
             block.ref_cnt = 1
             out.append(block)
@@ -205,6 +211,14 @@ class BlockPool:
             last.block_hashes.append(block_hash)
         else:
             self.events.append(BlockRemoved([block_hash]))
+
+    def take_evicted(self) -> list[tuple[int, bytes]]:
+        """The (block id, hash) of cached blocks evicted since the last call, oldest first:
+        their bytes are still there until the next forward writes the blocks."""
+        if not self.evicted:
+            return []
+        evicted, self.evicted = self.evicted, []
+        return evicted
 
     def uncache(self, block: KVBlock) -> None:
         self._uncache(block)

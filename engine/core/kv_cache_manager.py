@@ -17,6 +17,8 @@ from __future__ import annotations
 from engine.core.block_hash import BlockHasher
 from engine.core.block_pool import BlockPool, KVBlock
 from engine.core.kv_events import BlockStored
+from engine.core.kv_tier import KVTier
+from engine.core.kv_tier_link import TierLink, TierMoves
 from engine.core.prefix_hits import (
     NO_HIT,
     PrefixHit,
@@ -53,10 +55,14 @@ class KVCacheManager:
         # Prefix-cache accounting, in tokens (what vLLM's metrics count).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # Copy-on-write copies (source block id, destination block id) decided by allocations
-        # since the last `take_block_copies`; the model runner does them before the forward.
+        # Copy-on-write copies (source id, destination id) since the last `take_block_copies`.
         self._pending_copies: list[tuple[int, int]] = []
         self.num_cow_copies = 0
+        self.tier: TierLink | None = None  # the second KV tier, when one is attached
+
+    def attach_tier(self, tier: KVTier) -> None:
+        """Keep evicted prefix blocks in `tier` and take them back on lookups."""
+        self.tier = TierLink(tier, self.pool, self.block_size, self.windows)
 
     @property
     def num_groups(self) -> int:
@@ -80,8 +86,9 @@ class KVCacheManager:
             return NO_HIT  # prompt logprobs need logits at every prompt position
         extend_block_hashes(self.hasher, request, self.block_size)
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
-        return cached_hit(hashes, self.windows, self.block_size,
-                          lambda g, h: self.pool.lookup(self._key(g, h)))
+        hit = cached_hit(hashes, self.windows, self.block_size,
+                         lambda g, h: self.pool.lookup(self._key(g, h)))
+        return hit if self.tier is None else self.tier.extend(hit, hashes)
 
     def sibling_hit(self, request: Request, sibling: Request, num_valid: int) -> PrefixHit:
         """Full blocks of a sibling (a fork of the same group) that `request` can take after
@@ -104,6 +111,8 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += hit.num_tokens
+            if self.tier is not None:
+                self.tier.record(hit, (request.num_tokens - 1) // self.block_size)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        hit: PrefixHit = NO_HIT) -> bool:
@@ -136,6 +145,8 @@ class KVCacheManager:
             num_new_blocks = -(-total // self.block_size) - len(held)
             if num_new_blocks > 0:
                 new = self.pool.allocate(num_new_blocks)
+                if hit.restore and self.tier is not None and g == 0:
+                    self.tier.commit(hit.restore, new)
                 held.extend(new)
                 ids.extend(b.block_id for b in new)
         self._register_full_blocks(request, min(total, request.num_tokens))
@@ -199,6 +210,10 @@ class KVCacheManager:
         id names its bytes in every slot tensor, so one copy list serves every group)."""
         copies, self._pending_copies = self._pending_copies, []
         return copies
+
+    def take_tier_moves(self) -> TierMoves | None:
+        """The second tier's copies for the next forward (None: no tier)."""
+        return self.tier.take() if self.tier is not None else None
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the parent's block tables, every block shared (counts raised): full

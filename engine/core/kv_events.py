@@ -9,6 +9,10 @@ recorded by the block pool as they happen and handed out once per engine step as
 - ``BlockRemoved``: hashes that stopped being findable (evicted, or never computed);
 - ``AllBlocksCleared``: the prefix cache was reset.
 
+Each event names its medium, as vLLM's offloading connector does: the pool's (the publisher's,
+"GPU" or "CPU") or, for a block that moved to the second tier (engine/core/kv_tier.py) or left
+it, "DISK": a router then knows the prefix is still on the pod, one copy away.
+
 Wire form (vLLM's msgspec structs with ``array_like`` and ``tag``, so any msgpack reader decodes
 it): a batch is ``[timestamp, [event, ...]]``, an event is an array whose first item names it:
 ``["BlockStored", hashes, parent_hash, token_ids, block_size, lora_id, medium]``,
@@ -52,20 +56,22 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None  # the adapter's lora_int_id, as vLLM's LoRARequest.id
+    medium: str | None = None  # None: the pool's (the publisher's); a tier's when it moved there
 
     def wire(self, medium: str, h: WireHash = _raw) -> list:
         parent = self.parent_block_hash
         return ["BlockStored", [h(x) for x in self.block_hashes],
                 None if parent is None else h(parent), self.token_ids, self.block_size,
-                self.lora_id, medium]
+                self.lora_id, self.medium or medium]
 
 
 @dataclass(slots=True)
 class BlockRemoved:
     block_hashes: list[bytes]
+    medium: str | None = None  # None: the pool's; a tier's when the tier let it go
 
     def wire(self, medium: str, h: WireHash = _raw) -> list:
-        return ["BlockRemoved", [h(x) for x in self.block_hashes], medium]
+        return ["BlockRemoved", [h(x) for x in self.block_hashes], self.medium or medium]
 
 
 @dataclass(slots=True)

@@ -24,7 +24,10 @@ class PrefixHit:
     # Per KV group, the hit's table entries (None: before a sliding group's window, not taken);
     # empty: no hit in any group.
     groups: list[list[KVBlock | None]]
-    num_tokens: int
+    num_tokens: int  # the pool's blocks and the tier's, in tokens
+    # Keys of the second tier's blocks after the pool's (engine/core/kv_tier_link.py): they
+    # get fresh blocks and their bytes are copied in before the forward.
+    restore: tuple[bytes, ...] = ()
 
     @property
     def blocks(self) -> list[KVBlock | None]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.kv_tier_link import TierMoves
 from engine.core.request import Request
 
 
@@ -21,6 +22,8 @@ class SchedulerOutput:
     unschedulable: list[tuple[Request, str]] = field(default_factory=list)
     # Draft tokens scheduled after a request's last token (counted in its num tokens).
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Second-tier copies (engine/core/kv_tier_link.py), before the copy-on-write ones.
+    tier_moves: TierMoves | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -52,6 +55,8 @@ class StepBuild:
             self.order.remove(request)
             self.budget += num
 
-    def output(self, block_copies: list[tuple[int, int]]) -> SchedulerOutput:
+    def output(self, block_copies: list[tuple[int, int]],
+               tier_moves: TierMoves | None = None) -> SchedulerOutput:
         return SchedulerOutput(self.scheduled, self.order, sum(self.scheduled.values()),
-                               self.preempted, block_copies, self.unschedulable, self.spec)
+                               self.preempted, block_copies, self.unschedulable, self.spec,
+                               tier_moves)

@@ -12,6 +12,7 @@ import kernels
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_groups import KVLayout, kv_layout
 from engine.core.kv_sizing import kv_bytes_per_block
+from engine.core.kv_tier import KVTier
 from engine.core.request import Request
 from engine.core.scheduler_output import SchedulerOutput
 from engine.lora import LoRAManager
@@ -19,6 +20,7 @@ from engine.model_executor.attention import Attention, AttentionMetadata, Groupe
 from engine.model_executor.host_io import upload
 from engine.worker.cpu_memory import hugepage_zeros, prefault_bytes, prefault_leading_blocks
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.worker.kv_tier_copy import apply_tier_moves
 from kernels.kv_quant import QuantKV, storage_dtype
 
 
@@ -176,6 +178,7 @@ class ModelRunner:
         self.lora: LoRAManager | None = None  # set by the engine when LoRA is on
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None  # captured decode steps (capture_graphs)
+        self.tier: KVTier | None = None  # the second KV tier, set by the engine when on
 
     def capture_graphs(self, max_num_seqs: int, capturer: Any) -> str | None:
         """Capture the decode graphs (engine/worker/cuda_graphs.py) over the sized cache;
@@ -307,6 +310,13 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run the step: logits for each sampling request (and prompt positions if asked)."""
         inputs = self.prepare(out)
+        if out.tier_moves and self.tier is not None:  # before the forward writes any block
+            try:
+                apply_tier_moves(self.slot_caches, out.tier_moves, self.tier)
+            except BaseException:  # blocks never filled must not stay findable
+                for block_id, _ in out.tier_moves.loads:
+                    self.kv.pool.uncache(self.kv.pool.blocks[block_id])
+                raise
         return step_result(inputs, self.forward(inputs, out.block_copies), self.device)
 
     def forward(self, inputs: StepInputs, block_copies: list[tuple[int, int]]

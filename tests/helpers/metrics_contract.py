@@ -25,7 +25,16 @@ CONTRACT_NAMES = {
 # Ours, beside the contract (no vLLM equivalent): block sharing.
 OWN_NAMES = {"kserve_paged:kv_blocks_shared", "kserve_paged:kv_cow_copies_total",
              # issue 37: the queue bound and deadlines (vLLM's style, not vLLM's)
-             "vllm:num_requests_rejected_total", "vllm:num_requests_timed_out_total"}
+             "vllm:num_requests_rejected_total", "vllm:num_requests_timed_out_total",
+             # issue 36: the second KV tier (vLLM's offloading connector's tiering names)
+             "vllm:kv_offload_tiering_block_queries_total",
+             "vllm:kv_offload_tiering_block_hits_total",
+             "vllm:kv_offload_tiering_read_bytes_total",
+             "vllm:kv_offload_tiering_write_bytes_total",
+             "vllm:kv_offload_tiering_read_time_total",
+             "vllm:kv_offload_tiering_write_time_total",
+             "kserve_paged:kv_offload_tier_usage_perc",
+             "kserve_paged:kv_offload_tier_corrupt_blocks_total"}
 
 
 HISTOGRAMS = {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",

@@ -36,6 +36,17 @@ def test_validates_against_the_crd():
     assert h.crd_errors(LLMISVC) == []
 
 
+def test_the_kv_offloading_spec_has_a_disk_tier_the_server_can_use():
+    """spec.kvCacheOffloading as the CRD has it: a file-system tier (the CPU server's second
+    tier; `cpu` alone would be refused at start-up) and an eviction policy the server takes."""
+    spec = LLMISVC["spec"]["kvCacheOffloading"]
+    assert spec["evictionPolicy"] in ("lru", "arc")
+    assert any("fileSystem" in tier for tier in spec["secondary"])
+    broken = copy.deepcopy(LLMISVC)
+    broken["spec"]["kvCacheOffloading"]["evictionPolicy"] = "fifo"
+    assert h.crd_errors(broken)
+
+
 @pytest.mark.parametrize("breakage", ["no_uri", "replicas_text", "unknown_field"])
 def test_broken_llmisvc_fails_validation(breakage):
     broken = copy.deepcopy(LLMISVC)

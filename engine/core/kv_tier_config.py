@@ -1,0 +1,120 @@
+"""vLLM's ``--kv-transfer-config`` as KServe writes it for ``spec.kvCacheOffloading``: which
+second KV tier to build (engine/core/kv_tier.py).
+
+Two forms are accepted, both with ``"kv_connector": "OffloadingConnector"``:
+
+- KServe 0.20's rendering: ``kv_connector_extra_config`` with ``"spec_name":
+  "TieringOffloadingSpec"``, ``cpu_bytes_to_use``, ``eviction_policy`` (``lru`` or ``arc``) and
+  ``secondary_tiers``, a list of ``{"type": "fs", "root_dir": "/mnt/kv-cache-0"}``;
+- vLLM's simpler one, with only ``cpu_bytes_to_use`` (or the older ``num_cpu_blocks``).
+
+Where the tiers go is decided at start-up, when the device is known (`tier_plan`): on a CPU
+server the pool already lives in host memory, so a host tier adds nothing and the first ``fs``
+tier is the second tier; a config that leaves no second tier is an error. Other connectors
+(LMCache, NIXL, P/D disaggregation) are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("engine")
+
+CONNECTOR = "OffloadingConnector"
+SPEC_NAMES = ("TieringOffloadingSpec", "CPUOffloadingSpec")
+EVICTION_POLICIES = ("lru", "arc")
+TIER_TYPES = ("fs",)
+ROLES = ("kv_both",)
+
+
+NO_TIER = ("kv_transfer_config leaves no second KV tier: on a CPU server the KV pool already "
+           "lives in host memory, so cpu_bytes_to_use adds none (and this engine builds no "
+           "host-memory tier on a GPU yet); add secondary_tiers "
+           '[{"type": "fs", "root_dir": "/mnt/kv-cache-0"}] (spec.kvCacheOffloading\'s '
+           "file-system tiers)")
+
+
+@dataclass(frozen=True, slots=True)
+class FsTier:
+    root_dir: str
+    capacity_bytes: int | None = None  # ours; None: 90% of the folder's free disk at start
+
+
+@dataclass(frozen=True, slots=True)
+class KVTierConfig:
+    cpu_bytes_to_use: int | None = None
+    eviction_policy: str = "lru"
+    fs_tiers: tuple[FsTier, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any]) -> KVTierConfig:
+        """Parse the flag's JSON (ValueError naming what is wrong)."""
+        data = json.loads(text) if isinstance(text, str) else dict(text)
+        if not isinstance(data, dict):
+            raise ValueError("kv_transfer_config must be a JSON object")
+        connector = data.get("kv_connector")
+        if connector != CONNECTOR:
+            raise ValueError(f"kv_transfer_config: kv_connector {connector!r} is not supported "
+                             f"(only {CONNECTOR!r}, KV offloading to a second tier)")
+        role = data.get("kv_role", "kv_both")
+        if role not in ROLES:
+            raise ValueError(f"kv_transfer_config: kv_role must be one of {ROLES} (got {role!r})")
+        extra = data.get("kv_connector_extra_config") or {}
+        if not isinstance(extra, dict):
+            raise ValueError("kv_transfer_config: kv_connector_extra_config must be an object")
+        return cls._from_extra(extra)
+
+    @classmethod
+    def _from_extra(cls, extra: dict[str, Any]) -> KVTierConfig:
+        spec = extra.get("spec_name", SPEC_NAMES[0])
+        if spec not in SPEC_NAMES:
+            raise ValueError(f"kv_transfer_config: spec_name must be one of {SPEC_NAMES} "
+                             f"(got {spec!r})")
+        policy = extra.get("eviction_policy", "lru")
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"kv_transfer_config: eviction_policy must be one of "
+                             f"{EVICTION_POLICIES} (got {policy!r})")
+        cpu = extra.get("cpu_bytes_to_use")
+        if cpu is not None and (not isinstance(cpu, int) or isinstance(cpu, bool) or cpu < 0):
+            raise ValueError("kv_transfer_config: cpu_bytes_to_use must be a number of bytes "
+                             f"(got {cpu!r})")
+        tiers = extra.get("secondary_tiers") or []
+        if not isinstance(tiers, list):
+            raise ValueError("kv_transfer_config: secondary_tiers must be a list")
+        return cls(cpu, policy, tuple(_fs_tier(t) for t in tiers))
+
+
+def _fs_tier(entry: Any) -> FsTier:
+    if not isinstance(entry, dict) or entry.get("type") not in TIER_TYPES:
+        raise ValueError("kv_transfer_config: each secondary tier must be "
+                         f'{{"type": "fs", "root_dir": ...}} (got {entry!r})')
+    root = entry.get("root_dir")
+    if not isinstance(root, str) or not root:
+        raise ValueError(f"kv_transfer_config: an fs tier needs a root_dir (got {entry!r})")
+    cap = entry.get("capacity_bytes")
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+        raise ValueError(f"kv_transfer_config: capacity_bytes must be a positive integer "
+                         f"(got {cap!r})")
+    return FsTier(root, cap)
+
+
+def tier_plan(config: KVTierConfig, device_type: str) -> FsTier:
+    """The tier this engine builds under its pool on this device, or a ValueError saying why
+    the config leaves none."""
+    if config.cpu_bytes_to_use:
+        if device_type == "cpu":
+            logger.info("kv_transfer_config: cpu_bytes_to_use adds nothing on a CPU server "
+                        "(the KV pool already lives in host memory); the fs tier is the "
+                        "second tier")
+        else:
+            logger.warning("kv_transfer_config: a host-memory tier is not built yet; "
+                           "cpu_bytes_to_use is ignored, the fs tier is the second tier")
+    if not config.fs_tiers:
+        raise ValueError(NO_TIER)
+    if len(config.fs_tiers) > 1:
+        logger.warning("kv_transfer_config: %d fs tiers given; only the first (%s) is used",
+                       len(config.fs_tiers), config.fs_tiers[0].root_dir)
+    return config.fs_tiers[0]
