@@ -70,6 +70,8 @@ FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "kp_gemm_bf16": (_int, (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64)),
     "kp_decoder_stack_f32": (_int, (ctypes.POINTER(DecoderStackStruct),
                                     ctypes.POINTER(DecoderStepStruct))),
+    "kp_decoder_stack_bf16": (_int, (ctypes.POINTER(DecoderStackStruct),
+                                     ctypes.POINTER(DecoderStepStruct))),
 }
 
 

@@ -218,4 +218,8 @@ typedef struct {
  * -4 a GEMM refused its arguments, -5 the attention's scratch could not be allocated. */
 KP_API int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s);
 
+/* The stack over bf16 with the same structs (decoder_stack.c says how their pointers are
+ * read): weights pair-packed for kp_gemm_bf16, everything else bf16; same return codes. */
+KP_API int kp_decoder_stack_bf16(const kp_decoder_stack *m, const kp_decoder_step *s);
+
 #endif
