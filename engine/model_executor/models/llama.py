@@ -315,11 +315,9 @@ class LlamaForCausalLM(TransformersCheckpoint):
         return None
 
     def _projections_declined(self, layers: list[nn.Module], bf16: bool) -> str | None:
-        """Why the stack cannot take these layers' projections and attention, or None. fp32:
-        every projection on the native GEMM, gate/up fused with SiLU. bf16: every projection
-        on the native bf16 GEMM (`cpu_native.native_bf16_linear()`), and attention where the
-        per-layer path sends every row to the native kernel too (no window, a head dim the
-        bf16 prefill tiles take; elsewhere its prefill rows go to SDPA), no q/k norm."""
+        """Why the stack cannot take these layers, or None. bf16 needs every projection on the
+        native bf16 GEMM and attention whose rows all go to the native kernel per layer too
+        (no window, a head dim the bf16 prefill tiles take: else prefill takes SDPA)."""
         if not bf16:
             linears = [m for layer in layers for m in layer.modules()
                        if isinstance(m, Linear) and m is not layer.mlp.gate_up_proj]
