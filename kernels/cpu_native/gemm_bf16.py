@@ -55,8 +55,8 @@ def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int,
 def native_bf16_linear() -> bool:
     """Whether bf16 `Linear` layers take `gemm_bf16` instead of oneDNN's pre-packed bf16
     weight: where the loaded level multiplies bf16 pairs with `vdpbf16ps` and has no AMX
-    (avx512_bf16), measured faster there at every serving row count (BENCHMARKS.md, "bf16
-    GEMM"). Not yet measured against oneDNN's AMX kernels (amx) or its emulated bf16
-    (avx512): those keep oneDNN."""
+    (avx512_bf16): measured there 1.1-1.8x oneDNN at 1-64 rows and level at 256 (BENCHMARKS.md,
+    "a native bf16 GEMM"). Not yet measured against oneDNN's AMX kernels (amx) or its emulated
+    bf16 (avx512): those keep oneDNN."""
     level = loaded_level()
     return level is not None and level.name == "avx512_bf16"
