@@ -43,7 +43,7 @@ def describe(flags: Iterable[str]) -> str:
 def kernels_taken(dtype: torch.dtype) -> str:
     """The CPU kernels a model in `dtype` runs (projections; attention), for the start-up log."""
     from kernels import settings
-    from kernels.cpu_native import gemm_available, isa, loader
+    from kernels.cpu_native import gemm_available, isa, loader, native_bf16_linear
     from kernels.cpu_native.ops import TILE_HEAD_DIMS
 
     lib = loader.load()
@@ -56,6 +56,8 @@ def kernels_taken(dtype: torch.dtype) -> str:
     elif dtype == torch.bfloat16:
         if not settings.onednn_enabled():
             proj = "F.linear in bf16 (KSERVE_PAGED_ONEDNN=0)"
+        elif native_bf16_linear():
+            proj = "native bf16 GEMM over pair-packed weights (vdpbf16ps)"
         elif torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             proj = "oneDNN bf16 over pre-packed weights (AMX where present)"
         elif gemm_available():

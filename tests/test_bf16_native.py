@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.model_executor.layers import Linear
 from engine.model_executor.model_loader import load_model
 from kernels import cpu_native
 from kernels.cpu_native import ops
@@ -60,11 +61,36 @@ def test_native_bf16_is_as_close_to_fp32_as_eager_bf16(name: str, tmp_path: Path
     calls = {"paged_rows": 0, "add_rms_norm": 0}
     for fn in calls:
         monkeypatch.setattr(cpu_native, fn, _counted(getattr(cpu_native, fn), calls, fn))
+    stack = getattr(model, "native_stack", None)  # the one-call bf16 stack, where built
+    if stack is not None:
+        monkeypatch.setattr(stack, "run", _counted(stack.run, calls, "paged_rows"))
     native, native_tokens = _run(model, torch.bfloat16, tokens)
-    assert calls["paged_rows"] > 0  # decode attention ran natively
-    assert calls["add_rms_norm"] > 0 or name.startswith("gemma")  # Gemma's norms stay eager
+    assert calls["paged_rows"] > 0  # decode attention ran natively (per layer or in the stack)
+    assert calls["add_rms_norm"] > 0 or name.startswith("gemma") or stack is not None
     monkeypatch.setattr(ops, "load", lambda: None)  # the fused ops' eager code
     monkeypatch.setattr(cpu_native, "usable", lambda *a: False)  # gather + SDPA
+    model.use_native_stack = False
     eager, eager_tokens = _run(model, torch.bfloat16, tokens)
     assert _error(native, ref) <= 1.25 * _error(eager, ref) + 0.05
     assert native_tokens == eager_tokens
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3", "qwen2_tied", "gemma3_window_local_rope"])
+def test_bf16_projections_on_the_native_gemm_pick_eager_bf16s_tokens(name: str,
+                                                                     tmp_path: Path) -> None:
+    """The projections through `Linear.pack()`'s choice (the native bf16 GEMM where
+    `native_bf16_linear()` takes it, AVX512-BF16 without AMX; oneDNN's packed bf16 elsewhere)
+    against the same model with every projection on plain F.linear in bf16: the same greedy
+    tokens, and as close to the float32 model. Holds on every machine type (where the
+    native GEMM is not chosen the two differ in packing only)."""
+    path, _ = save_checkpoint(CONFIGS[name], tmp_path)
+    ref, tokens = _run(load_model(path, torch.float32, torch.device("cpu"))[0], torch.float32)
+    model = load_model(path, torch.bfloat16, torch.device("cpu"))[0]
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m._bf16_native == cpu_native.native_bf16_linear() for m in linears)
+    packed, packed_tokens = _run(model, torch.bfloat16, tokens)
+    for m in linears:
+        m._packed, m._bf16_native = None, False  # forward falls back to F.linear
+    plain, plain_tokens = _run(model, torch.bfloat16, tokens)
+    assert packed_tokens == plain_tokens
+    assert _error(packed, ref) <= 1.25 * _error(plain, ref) + 0.05

@@ -39,12 +39,14 @@ class Linear(nn.Linear):
     quant: quant_linear.QuantWeight | None = None  # set by `quantize`: weight-only quantized
     _native: bool = False
     _widened: bool = False  # bf16 weight packed as fp32 for the native GEMM (no oneDNN bf16)
+    _bf16_native: bool = False  # bf16 weight packed in bf16 pairs for the native bf16 GEMM
     _bias32: torch.Tensor | None = None
 
     def pack(self, rows_hint: int = 64) -> bool:
         """Pre-pack for inference (CPU, float32 or bfloat16); True if packed."""
         w = self.weight
         self._packed, self._native, self._widened, self._bias32 = None, False, False, None
+        self._bf16_native = False
         if self.quant is not None:
             return False
         if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16)
@@ -52,6 +54,11 @@ class Linear(nn.Linear):
             return False
         if w.dtype == torch.float32 and cpu_native.gemm_available():
             self._packed, self._native = cpu_native.pack_gemm_weight(w), True
+            return True
+        if (w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0
+                and cpu_native.native_bf16_linear()):
+            # Our vdpbf16ps GEMM over bf16 pairs, where measured faster than oneDNN (its doc).
+            self._packed, self._bf16_native = cpu_native.pack_gemm_weight_bf16(w), True
             return True
         if w.dtype == torch.bfloat16 and not onednn_bf16():
             # oneDNN packs bf16 only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT. On the
@@ -84,7 +91,11 @@ class Linear(nn.Linear):
         packed = self._packed
         if packed is not None and x.dim() == 2 and x.dtype == self.weight.dtype and not (
                 torch.is_grad_enabled() and self.weight.requires_grad):
-            if self._widened:
+            if self._bf16_native:
+                out = cpu_native.gemm_bf16(x, packed, self.out_features, self.bias)
+                if out is not None:
+                    return out
+            elif self._widened:
                 # One row reads the bf16 weight faster through torch (half the bytes): 0.6x
                 # for the widened GEMM there, 4-5x from 16 rows on (BENCHMARKS.md).
                 out = None if x.shape[0] <= 1 else cpu_native.gemm(

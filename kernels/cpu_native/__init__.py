@@ -13,6 +13,7 @@ The modules, one job each:
 - `abi`: the ctypes view of `csrc/kp_native.h` (version, signatures, struct mirrors);
 - `ops`: paged attention and the fused elementwise ops;
 - `gemm`: weight packing (in the loaded level's panel width) and the matrix products;
+- `gemm_bf16`: the bf16 product over weights packed in bf16 pairs;
 - `decoder_stack`: `DecoderStack`;
 - `lora`: the LoRA delta of a step's adapters in one call per projection.
 Callers use the names re-exported here (`from kernels import cpu_native`).
@@ -41,6 +42,7 @@ from kernels.cpu_native.gemm import (
     pack_gemm_weight,
     prefill_tiles,
 )
+from kernels.cpu_native.gemm_bf16 import gemm_bf16, native_bf16_linear, pack_gemm_weight_bf16
 from kernels.cpu_native.loader import load
 from kernels.cpu_native.lora import LoRASegments, lora_sgmv, lora_sgmv_segments
 from kernels.cpu_native.ops import (
@@ -66,13 +68,16 @@ __all__ = [
     "lora_sgmv",
     "lora_sgmv_segments",
     "gemm",
+    "gemm_bf16",
     "gemm_available",
     "gemm_panel",
     "gemm_silu",
     "load",
+    "native_bf16_linear",
     "pack_gate_up_bias",
     "pack_gate_up_weight",
     "pack_gemm_weight",
+    "pack_gemm_weight_bf16",
     "paged_rows",
     "prefill_tiles",
     "qk_norm_inplace",

@@ -21,13 +21,54 @@ _STACK_ERRORS = {
 }
 
 
-def _f32_vector(t: torch.Tensor | None, n: int) -> bool:
-    return t is None or (t.device.type == "cpu" and t.dtype == torch.float32
+_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def _f32_vector(t: torch.Tensor | None, n: int, dtype: torch.dtype = torch.float32) -> bool:
+    return t is None or (t.device.type == "cpu" and t.dtype == dtype
                          and t.is_contiguous() and t.numel() == n)
 
 
+def _packed_ok(w: torch.Tensor | None, n: int, k: int, panel: int, dtype: torch.dtype) -> bool:
+    """fp32: `pack_gemm_weight`'s [panels, k, panel]; bf16: `pack_gemm_weight_bf16`'s int32
+    [panels, k / 2, panel]."""
+    if w is None or not w.is_contiguous():
+        return False
+    if dtype == torch.float32:
+        return w.dtype == torch.float32 and tuple(w.shape) == (-(-n // panel), k, panel)
+    return w.dtype == torch.int32 and tuple(w.shape) == (-(-n // panel), k // 2, panel)
+
+
+def _check_layers(layers: list[dict[str, torch.Tensor | None]], shapes: dict[str, int],
+                  panels: dict[str, tuple[int, int]], panel: int, dtype: torch.dtype,
+                  head_dim: int) -> list[bool]:
+    """ValueError naming the first weight not in the stack's layout; each layer's q/k norm."""
+    for i, layer in enumerate(layers):
+        for key, n in shapes.items():
+            if not _f32_vector(layer.get(key), n, dtype):
+                raise ValueError(f"layer {i}: {key} is not a contiguous {_NAME[dtype]} CPU vector "
+                                 f"of {n}")
+        for key, (n, k) in panels.items():
+            if not _packed_ok(layer[key], n, k, panel, dtype):
+                raise ValueError(f"layer {i}: {key} is not a packed [{n}, {k}] weight")
+    qk_norm = [layer.get("q_norm") is not None for layer in layers]
+    if any(qk_norm) and not all(qk_norm):
+        raise ValueError("q_norm must be given for every layer or for none")
+    if any(qk_norm) and dtype != torch.float32:
+        raise ValueError("no q/k norm in the bf16 stack")
+    for i, layer in enumerate(layers):
+        for key in ("q_norm", "k_norm"):
+            if any(qk_norm) and (layer.get(key) is None or not _f32_vector(layer[key], head_dim)):
+                raise ValueError(f"layer {i}: {key} is not a contiguous fp32 CPU vector of "
+                                 f"{head_dim}")
+    return qk_norm
+
+
 class DecoderStack:
-    """A Llama-family decoder stack's weights, laid out for `kp_decoder_stack_f32`.
+    """A Llama-family decoder stack's weights, laid out for `kp_decoder_stack_f32` (or, with
+    bf16 norms, tables and caches, `kp_decoder_stack_bf16`: weights from
+    `pack_gemm_weight_bf16`, gate/up one plain packed [2 * inter, hidden] weight with a plain
+    bias, no q/k norm; the dtype is `final_norm`'s).
 
     `layers` holds, per layer, the packed weights (`pack_gemm_weight`; gate/up from
     `pack_gate_up_weight`, its bias from `pack_gate_up_bias`) and optional biases of
@@ -48,46 +89,34 @@ class DecoderStack:
                  windows: list[int | None] | None = None) -> None:
         if not gemm_available():
             raise ValueError("the native GEMM is not available (the library is not loaded)")
-        panel = gemm_panel()
+        panel, dtype = gemm_panel(), final_norm.dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("the native stack runs float32 or bfloat16 models")
         q, kv = heads * head_dim, kv_heads * head_dim
-        padded = 2 * -(-inter // panel) * panel  # gate/up as panel pairs
+        # fp32: gate/up as panel pairs (gemm_silu); bf16: plain, SiLU after the product
+        padded = 2 * -(-inter // panel) * panel if dtype == torch.float32 else 2 * inter
         shapes = {"in_norm": hidden, "post_norm": hidden, "qkv_b": q + 2 * kv, "o_b": hidden,
                   "gate_up_b": padded, "down_b": hidden}
         panels = {"qkv_w": (q + 2 * kv, hidden), "o_w": (hidden, q), "gate_up_w": (padded, hidden),
                   "down_w": (hidden, inter)}
-        for i, layer in enumerate(layers):
-            for key, n in shapes.items():
-                if not _f32_vector(layer.get(key), n):
-                    raise ValueError(f"layer {i}: {key} is not a contiguous fp32 CPU vector of {n}")
-            for key, (n, k) in panels.items():
-                w = layer[key]
-                if (w is None or w.dtype != torch.float32 or not w.is_contiguous()
-                        or tuple(w.shape) != (-(-n // panel), k, panel)):
-                    raise ValueError(f"layer {i}: {key} is not a packed [{n}, {k}] weight")
-        qk_norm = [layer.get("q_norm") is not None for layer in layers]
-        if any(qk_norm) and not all(qk_norm):
-            raise ValueError("q_norm must be given for every layer or for none")
-        for i, layer in enumerate(layers):
-            for key in ("q_norm", "k_norm"):
-                if any(qk_norm) and (layer.get(key) is None or not _f32_vector(layer[key], head_dim)):
-                    raise ValueError(f"layer {i}: {key} is not a contiguous fp32 CPU vector of "
-                                     f"{head_dim}")
+        qk_norm = _check_layers(layers, shapes, panels, panel, dtype, head_dim)
         windows = windows or [None] * len(layers)
         if len(windows) != len(layers) or any(w is not None and not 0 < w < 2**31
                                                for w in windows):
             raise ValueError("windows: one positive window (or None) per layer")
-        if not _f32_vector(final_norm, hidden):
-            raise ValueError("final_norm is not a contiguous fp32 CPU vector")
-        if (cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_contiguous()
+        if not _f32_vector(final_norm, hidden, dtype):
+            raise ValueError("final_norm is not a contiguous CPU vector")
+        if (cos.dtype != dtype or sin.dtype != dtype or not cos.is_contiguous()
                 or not sin.is_contiguous() or cos.shape != sin.shape
                 or cos.shape[-1] * 2 != head_dim):
-            raise ValueError("the rotary tables must be contiguous fp32 [positions, head_dim / 2]")
+            raise ValueError(f"the rotary tables must be contiguous {_NAME[dtype]} "
+                             "[positions, head_dim / 2]")
         if heads % kv_heads or heads // kv_heads > 32 or head_dim > 256 or head_dim % 2:
             raise ValueError("head layout outside the native attention kernel's limits")
         self._keep = (layers, final_norm, cos, sin)
         self.num_layers = len(layers)
         self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
-        self.inter, self._panel = inter, panel
+        self.inter, self._gate_up_width, self.dtype = inter, padded, dtype
         keys = self._KEYS + (("q_norm", "k_norm") if any(qk_norm) else ())
         self._arrays = {key: (ctypes.c_void_p * len(layers))(
             *[(layer[key].data_ptr() if layer.get(key) is not None else None) for layer in layers])
@@ -100,7 +129,7 @@ class DecoderStack:
             window=ctypes.addressof(self._windows) if any(windows) else None,
             **{key: ctypes.cast(arr, _ptrs) for key, arr in self._arrays.items()})
         self._kv_key: tuple | None = None
-        self._scratch = torch.empty(0, dtype=torch.float32)
+        self._scratch = torch.empty(0, dtype=dtype)
 
     def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:
         # Addresses and shapes: a new cache at a freed cache's address must be checked again.
@@ -111,11 +140,11 @@ class DecoderStack:
             raise ValueError(f"{len(kv_caches)} KV caches for {self.num_layers} layers")
         shape = kv_caches[0].shape
         for c in kv_caches:
-            if (c.device.type != "cpu" or c.dtype != torch.float32 or not c.is_contiguous()
+            if (c.device.type != "cpu" or c.dtype != self.dtype or not c.is_contiguous()
                     or c.dim() != 5 or c.shape != shape or c.shape[0] != 2
                     or tuple(c.shape[3:]) != (self.kv_heads, self.head_dim)
                     or c.shape[2] > 256):
-                raise ValueError("KV caches must be contiguous fp32 CPU tensors "
+                raise ValueError(f"KV caches must be contiguous {_NAME[self.dtype]} CPU tensors "
                                  "[2, blocks, block_size <= 256, kv_heads, head_dim]")
         self._kv_array = (ctypes.c_void_p * len(kv_caches))(*(c.data_ptr() for c in kv_caches))
         self._struct.kv = ctypes.cast(self._kv_array, _ptrs)
@@ -131,9 +160,9 @@ class DecoderStack:
         (int32) keys of block-table row seq_idx[t] (int64) of `block_tables` (int32)."""
         lib = loaded()
         t = x.shape[0]
-        if not (x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2
+        if not (x.dtype == self.dtype and x.is_contiguous() and x.dim() == 2
                 and x.shape[1] == self.hidden):
-            raise ValueError("x must be contiguous fp32 [tokens, hidden]")
+            raise ValueError(f"x must be contiguous {_NAME[self.dtype]} [tokens, hidden]")
         # The per-layer path takes other integer widths and strides too: convert, do not refuse.
         positions, slots = positions.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
         row_lens, seq_idx = row_lens.to(torch.int32).contiguous(), seq_idx.to(torch.int64).contiguous()
@@ -148,13 +177,13 @@ class DecoderStack:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         # Each activation gets its own contiguous [T, n] block of one allocation.
         sizes = {"residual": self.hidden, "normed": self.hidden, "qkv": q + 2 * kv, "attn": q,
-                 "gate_up": 2 * -(-self.inter // self._panel) * self._panel, "act": self.inter}
+                 "gate_up": self._gate_up_width, "act": self.inter}
         need = t * sum(sizes.values())
         if self._scratch.numel() < need:
             # Kept between steps: a fresh buffer per step would fault all its pages in again.
-            self._scratch = torch.empty(need, dtype=torch.float32)
+            self._scratch = torch.empty(need, dtype=self.dtype)
         scratch = self._scratch
-        out = torch.empty((t, self.hidden), dtype=torch.float32)
+        out = torch.empty((t, self.hidden), dtype=self.dtype)
         ptrs, base = {}, scratch.data_ptr()
         for name, n in sizes.items():
             ptrs[name] = base
@@ -166,7 +195,8 @@ class DecoderStack:
             bt_stride=block_tables.stride(0), row_lens=row_lens.data_ptr(),
             tok_idx=tok_idx.data_ptr(), seq_idx=seq_idx.data_ptr(), **ptrs)
         sync_threads(lib)
-        rc = lib.kp_decoder_stack_f32(ctypes.byref(self._struct), ctypes.byref(step))
+        fn = lib.kp_decoder_stack_f32 if self.dtype == torch.float32 else lib.kp_decoder_stack_bf16
+        rc = fn(ctypes.byref(self._struct), ctypes.byref(step))
         if rc != 0:
             exc, msg = _STACK_ERRORS.get(rc, (RuntimeError, f"decoder stack failed ({rc})"))
             raise exc(msg)

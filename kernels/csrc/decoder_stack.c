@@ -59,3 +59,53 @@ int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
     kp_add_rms_norm_f32(s->x, H, s->residual, m->final_norm, s->out, T, H, m->eps);
     return 0;
 }
+
+/* The same stack over bf16 (kp_decoder_stack_bf16, kp_native.h): the per-layer modules' bf16
+ * path kernel for kernel (kp_add_rms_norm_bf16, kp_gemm_bf16, kp_rope_bf16, kp_store_kv_bf16,
+ * kp_paged_rows_bf16, kp_silu_mul_bf16), so the results are theirs bit for bit. Every pointer
+ * of the structs holds bf16 values except the weights (bf16 pairs, gemm_bf16.c) and the
+ * integer metadata; gate/up is one plain pair-packed [2 * inter, hidden] weight whose output
+ * goes to s->gate_up ([T, 2 * inter]) before the SiLU-and-multiply. No q/k norm (the caller
+ * declines Qwen3 here). */
+int kp_decoder_stack_bf16(const kp_decoder_stack *m, const kp_decoder_step *s) {
+    typedef uint16_t bf;
+    typedef const uint32_t *pw;
+    const int64_t T = s->tokens, H = m->hidden, hd = m->head_dim;
+    const int64_t q_size = m->heads * hd, kv_size = m->kv_heads * hd;
+    const int64_t qkv_size = q_size + 2 * kv_size, inter = m->inter;
+    const int64_t num_slots = m->num_blocks * m->block_size;
+    bf *x = (bf *)s->x, *res = (bf *)s->residual, *normed = (bf *)s->normed;
+    bf *qkv = (bf *)s->qkv, *attn = (bf *)s->attn, *gu = (bf *)s->gate_up, *act = (bf *)s->act;
+    if (T <= 0) return 0;
+    if (m->q_norm) return -4;
+    for (int64_t l = 0; l < m->layers; ++l) {
+        kp_add_rms_norm_bf16(x, H, l ? res : 0, (const bf *)m->in_norm[l], normed, T, H, m->eps);
+        if (l == 0) memcpy(res, x, (size_t)(T * H) * sizeof(bf));
+        if (kp_gemm_bf16(normed, H, T, (pw)m->qkv_w[l], H, qkv_size, (const bf *)m->qkv_b[l], qkv,
+                         qkv_size))
+            return -4;
+        if (kp_rope_bf16(qkv, qkv_size, s->positions, (const bf *)m->cos_table,
+                         (const bf *)m->sin_table, m->max_positions, T, m->heads + m->kv_heads, hd))
+            return -1;
+        if (kp_store_kv_bf16(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, s->slots, T,
+                             (bf *)m->kv[l], num_slots, kv_size))
+            return -2;
+        const int rc = kp_paged_rows_bf16(
+            qkv, qkv_size, (const bf *)m->kv[l], m->num_blocks, (int32_t)m->block_size,
+            (int32_t)m->kv_heads, (int32_t)hd, (int32_t)m->heads, s->block_tables, s->bt_stride,
+            s->row_lens, s->tok_idx, s->seq_idx, T, m->scale, m->window ? m->window[l] : 0, 0.0f,
+            attn, q_size);
+        if (rc) return rc == -2 ? -5 : -3;
+        if (kp_gemm_bf16(attn, q_size, T, (pw)m->o_w[l], q_size, H, (const bf *)m->o_b[l], x, H))
+            return -4;
+        kp_add_rms_norm_bf16(x, H, res, (const bf *)m->post_norm[l], normed, T, H, m->eps);
+        if (kp_gemm_bf16(normed, H, T, (pw)m->gate_up_w[l], H, 2 * inter,
+                         (const bf *)m->gate_up_b[l], gu, 2 * inter))
+            return -4;
+        kp_silu_mul_bf16(gu, act, T, inter);
+        if (kp_gemm_bf16(act, inter, T, (pw)m->down_w[l], inter, H, (const bf *)m->down_b[l], x, H))
+            return -4;
+    }
+    kp_add_rms_norm_bf16(x, H, res, (const bf *)m->final_norm, (bf *)s->out, T, H, m->eps);
+    return 0;
+}

@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define KP_ABI_VERSION 7
+#define KP_ABI_VERSION 8
 
 /* Output columns per packed GEMM weight panel: three vectors where the register file holds 32
  * (AVX-512: an 8 x 48 tile), two where it holds 16 (AVX2: 6 x 16). A packed weight fits only
@@ -165,6 +165,13 @@ KP_API int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float 
                             int64_t K, int64_t inter, const float *bias, float *gu, int64_t ldgu,
                             float *act, int64_t ldact);
 
+/* ---- bf16 GEMM over pair-packed weights (gemm_bf16.c) ---- */
+
+/* y [M, N] = bf16(x [M, K] times a weight packed in KP_GEMM_PANEL-column panels of bf16 pairs
+ * (+ bias)), x, bias, y bf16, fp32 sums; -1: K odd. */
+KP_API int kp_gemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint32_t *packed,
+                        int64_t K, int64_t N, const uint16_t *bias, uint16_t *y, int64_t ldy);
+
 /* ---- decoder stack (decoder_stack.c) ---- */
 
 /* The model: sizes and, per layer, pointers to packed weights (gemm.c panels), biases
@@ -210,5 +217,9 @@ typedef struct {
  * rotary table, -2 a KV slot outside the cache, -3 attention shape outside the kernel's limits,
  * -4 a GEMM refused its arguments, -5 the attention's scratch could not be allocated. */
 KP_API int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s);
+
+/* The stack over bf16 with the same structs (decoder_stack.c says how their pointers are
+ * read): weights pair-packed for kp_gemm_bf16, everything else bf16; same return codes. */
+KP_API int kp_decoder_stack_bf16(const kp_decoder_stack *m, const kp_decoder_step *s);
 
 #endif

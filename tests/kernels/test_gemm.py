@@ -87,6 +87,8 @@ def test_bf16_linear_packs_for_the_cpu_it_is_on(onednn: bool,
     if onednn and not layers.onednn_bf16():
         pytest.skip("this CPU has no oneDNN bf16 (AVX2): the widened case covers it")
     monkeypatch.setattr(layers, "onednn_bf16", lambda: onednn)
+    # The native bf16 GEMM (AVX512-BF16 without AMX) has its own test (test_gemm_bf16.py).
+    monkeypatch.setattr(cpu_native, "native_bf16_linear", lambda: False)
     torch.manual_seed(1)
     layer = Linear(72, 130, bias=True).to(torch.bfloat16)
     x = torch.randn(21, 72).bfloat16()

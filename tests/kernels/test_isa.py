@@ -115,12 +115,13 @@ def test_every_level_compiles_without_warnings_and_says_what_it_holds(
 @pytest.mark.parametrize("machine", sorted(MACHINES))
 def test_each_machine_type_takes_bf16_dot_products_exactly_where_it_has_them(
         machine: str, tmp_path: Path) -> None:
-    """The bf16 attention kernels' q.k path for each machine type's level (flags stubbed):
+    """The bf16 attention kernels' q.k path and the bf16 GEMM's products for each machine
+    type's level (flags stubbed):
     `vdpbf16ps` in the compiled code iff the CPU has AVX512-BF16, as `isa.bf16_dot` says."""
     flags = frozenset(MACHINES[machine][0].split())
     level = isa.select(flags)
     assert isa.bf16_dot(level) == ("avx512_bf16" in flags)
-    for name in ("paged_bf16.c", "paged_bf16_tile.c"):
+    for name in ("paged_bf16.c", "paged_bf16_tile.c", "gemm_bf16.c"):
         asm = tmp_path / f"{name}.s"
         subprocess.run([_gcc(), *loader.FLAGS[:3], *level.march, "-S", "-o", str(asm),
                         str(loader.CSRC / name)], check=True, capture_output=True, timeout=120)
@@ -137,7 +138,7 @@ def test_the_loaded_library_is_this_machines_level() -> None:
 _NATIVE_TESTS = ("tests/kernels/test_cpu_ops.py", "tests/kernels/test_gemm.py",
                  "tests/kernels/test_cpu_backend.py", "tests/kernels/test_lora_native.py",
                  "tests/kernels/test_decoder_stack.py", "tests/kernels/test_paged_bf16.py",
-                 "tests/kernels/test_cpu_ops_bf16.py")
+                 "tests/kernels/test_cpu_ops_bf16.py", "tests/kernels/test_gemm_bf16.py")
 # What differs by level is the native code (the GEMM, the attention paths, the fused ops, the
 # stack): the CPU backend's torch-only cases (other dtypes, native off) do not change with it,
 # and its decode-rows-only routing covers a subset of the all-rows one; the default run has them.
@@ -151,6 +152,7 @@ _AVX2_MUST_PASS = (
     "test_decoder_stack.py::test_stack_equals_per_layer_modules_bit_for_bit[mistral_window]",
     "test_decoder_stack.py::test_stack_equals_per_layer_modules_bit_for_bit[qwen3_qk_norm]",
     "test_paged_bf16.py::test_bf16_rows_equal_fp32_attention_over_the_same_values[h4x4-d72-bs16]",
+    "test_gemm_bf16.py::test_gemm_bf16_is_the_fp32_product_rounded_once[97-160-13]",
 )
 
 

@@ -271,7 +271,7 @@ class LlamaForCausalLM(TransformersCheckpoint):
         stack = self.native_stack
         if (stack is not None and self.use_native_stack and meta.backend == "cpu"
                 and not torch.is_grad_enabled() and x.device.type == "cpu"
-                and x.dtype == torch.float32 and isinstance(kv_caches[0], torch.Tensor)):
+                and x.dtype == stack.dtype and isinstance(kv_caches[0], torch.Tensor)):
             rows = meta.rows(x.shape[0])
             if rows is not None:
                 return stack.run(x.contiguous(), positions, meta.slot_mapping, kv_caches,
@@ -314,6 +314,30 @@ class LlamaForCausalLM(TransformersCheckpoint):
             return "norms with different epsilons"
         return None
 
+    def _projections_declined(self, layers: list[nn.Module], bf16: bool) -> str | None:
+        """Why the stack cannot take these layers, or None. bf16 needs every projection on the
+        native bf16 GEMM and attention whose rows all go to the native kernel per layer too
+        (no window, a head dim the bf16 prefill tiles take: else prefill takes SDPA)."""
+        if not bf16:
+            linears = [m for layer in layers for m in layer.modules()
+                       if isinstance(m, Linear) and m is not layer.mlp.gate_up_proj]
+            if (not linears or not all(m._native for m in linears)
+                    or any(layer.mlp._fused is None for layer in layers)):
+                return "a projection is not on the native GEMM"
+            return None
+        if any(type(layer.mlp) is not SwiGLUMLP for layer in layers):
+            return "a sparse (mixture-of-experts) MLP in bf16"
+        linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
+        if not linears or not all(m._bf16_native for m in linears):
+            return "a projection is not on the native bf16 GEMM"
+        if any(layer.self_attn.q_norm is not None for layer in layers):
+            return "q/k norm in bf16"
+        if any(layer.self_attn.attn.window for layer in layers):
+            return "sliding windows in bf16 (their prefill rows take SDPA)"
+        if not cpu_native.bf16_prefill_tiles(self.head_dim):
+            return f"head dim {self.head_dim} in bf16 (its prefill rows take SDPA)"
+        return None
+
     def _build_native_stack(self) -> cpu_native.DecoderStack | None:
         self.native_stack_declined = self.native_stack_unsupported()
         if self.native_stack_declined is not None:
@@ -321,11 +345,10 @@ class LlamaForCausalLM(TransformersCheckpoint):
                         self.native_stack_declined)
             return None
         layers = list(self.model.layers)
-        linears = [m for layer in layers for m in layer.modules()
-                   if isinstance(m, Linear) and m is not layer.mlp.gate_up_proj]
-        if (not linears or not all(m._native for m in linears)
-                or any(layer.mlp._fused is None for layer in layers)):
-            self.native_stack_declined = "a projection is not on the native GEMM"
+        bf16 = self.model.norm.weight.dtype == torch.bfloat16
+        self.native_stack_declined = self._projections_declined(layers, bf16)
+        if self.native_stack_declined is not None:
+            logger.info("decoder stack stays on per-layer modules: %s", self.native_stack_declined)
             return None
         eps = self.model.norm.eps
 
@@ -335,14 +358,15 @@ class LlamaForCausalLM(TransformersCheckpoint):
         weights = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            weights.append({
+            gate_up = ({"gate_up_w": mlp.gate_up_proj._packed, "gate_up_b": bias(mlp.gate_up_proj)}
+                       if bf16 else {"gate_up_w": mlp._fused, "gate_up_b": mlp._fused_bias})
+            weights.append({**gate_up,
                 **({} if attn.q_norm is None else {"q_norm": attn.q_norm.weight.detach(),
                                                    "k_norm": attn.k_norm.weight.detach()}),
                 "in_norm": layer.input_layernorm.weight.detach(),
                 "post_norm": layer.post_attention_layernorm.weight.detach(),
                 "qkv_w": attn.qkv_proj._packed, "qkv_b": bias(attn.qkv_proj),
                 "o_w": attn.o_proj._packed, "o_b": bias(attn.o_proj),
-                "gate_up_w": mlp._fused, "gate_up_b": mlp._fused_bias,
                 "down_w": mlp.down_proj._packed, "down_b": bias(mlp.down_proj)})
         try:
             return cpu_native.DecoderStack(
