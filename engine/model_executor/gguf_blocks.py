@@ -7,6 +7,8 @@ Each block type stores `w = q * scale + minimum` with 4-bit codes q:
 - Q4_K: 256 weights in eight sub-blocks of 32, fp16 d and dmin with 6-bit (sc, m) per
   sub-block; `w = d * sc * q - dmin * m`: scale d x sc, minimum -dmin x m.
 The scales are returned as float32 (an fp16 times a 6-bit integer is exact in float32).
+Q8_0 (32 int8 codes and one fp16 d, `w = d * q`) is read as (codes, scale) the same way, for
+the group-wise int8 kernel.
 """
 
 from __future__ import annotations
@@ -74,3 +76,16 @@ def int4_groups(data: np.ndarray, qtype: QT, rows: int, cols: int
     groups = cols // GROUP
     return (codes.reshape(rows, cols), scale.reshape(rows, groups),
             minimum.reshape(rows, groups))
+
+
+Q8_0_BYTES = 34  # fp16 d, then 32 int8 codes
+
+
+def int8_groups(data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 tensor's raw bytes -> codes int8 `[rows, cols]` and scale float32
+    `[rows, cols / 32]` (`w = q * scale`)."""
+    if cols % GROUP:
+        raise ValueError(f"a row of {cols} weights is not whole Q8_0 blocks")
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, Q8_0_BYTES)
+    codes = raw[:, 2:].copy().view(np.int8)
+    return codes.reshape(rows, cols), _f16(raw, 0).reshape(rows, cols // GROUP)

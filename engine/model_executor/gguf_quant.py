@@ -4,8 +4,9 @@ transformers still reads the file (config, norms, embedding, and every tensor de
 is what the float path serves); this module reads the same file's raw blocks with the `gguf`
 package and gives each projection its layout:
 - Q4_0, Q4_1, Q4_K: int4 in groups of 32, the blocks' own codes, scales and minimums (exact);
-- Q8_0: int8 with one scale per output channel, re-quantized from the dequantized weight (a
-  group-wise int8 kernel would keep it exact; PyTorch's takes one scale per channel);
+- Q8_0: int8 with its own scale per group of 32 (exact) on our float32 kernel; for PyTorch's
+  kernel (other dtypes, no native library), which takes one scale per channel, re-quantized
+  from the dequantized weight;
 - anything else (F32, F16, Q5_K, Q6_K, ...): kept in the model's dtype, named in the log.
 A fused projection (q/k/v, gate/up) is quantized only when all its parts share one layout.
 llama.cpp stores Llama's q/k rows permuted; the row order is found by comparing the blocks'
@@ -26,7 +27,14 @@ from torch import nn
 
 from engine.model_executor import gguf_blocks
 from engine.model_executor.layers import Linear
-from engine.model_executor.quantization import Picker, QuantSummary, apply, hf_parts
+from engine.model_executor.quantization import (
+    Picker,
+    QuantSummary,
+    VocabPicker,
+    apply,
+    hf_parts,
+    requantized_rows,
+)
 from kernels import quant_linear
 
 TensorMap = dict[str, torch.Tensor]
@@ -34,10 +42,12 @@ TensorMap = dict[str, torch.Tensor]
 
 @dataclass(slots=True)
 class GGUFTensor:
-    """One GGUF projection: its block type, and for a 4-bit type its groups in HF row order."""
+    """One GGUF projection: its block type, and for a 4-bit type (codes, scale, minimum), for
+    Q8_0 (codes, scale), per group in HF row order."""
 
     qtype: str
     int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    int8: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _arch(reader: Any) -> str:
@@ -56,19 +66,44 @@ def _row_orders(rows: int, config: Any) -> list[np.ndarray]:
     return orders
 
 
-def _in_hf_order(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray,
-                 reference: torch.Tensor, config: Any) -> GGUFTensor | None:
-    """The groups reordered to match transformers' dequantized tensor, or None if no order
-    does (a layout not read right)."""
-    deq = codes.astype(np.float32).reshape(*scale.shape, -1) * scale[..., None] + minimum[..., None]
+def _in_hf_order(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None,
+                 reference: torch.Tensor, config: Any) -> tuple[torch.Tensor, ...] | None:
+    """The groups (codes, scale[, minimum]) reordered to match transformers' dequantized
+    tensor, or None if no order does (a layout not read right)."""
+    deq = codes.astype(np.float32).reshape(*scale.shape, -1) * scale[..., None]
+    if minimum is not None:
+        deq = deq + minimum[..., None]
     deq = deq.reshape(codes.shape)
     ref = reference.detach().float().numpy()
     tol = 1e-6 * max(float(np.abs(ref).max()), 1e-30)
+    arrays = (codes, scale) if minimum is None else (codes, scale, minimum)
     for order in _row_orders(codes.shape[0], config):
         if np.allclose(deq[order], ref, rtol=1e-6, atol=tol):
-            return GGUFTensor("", tuple(torch.from_numpy(np.ascontiguousarray(a[order]))
-                                        for a in (codes, scale, minimum)))
+            return tuple(torch.from_numpy(np.ascontiguousarray(a[order])) for a in arrays)
     return None
+
+
+def _groups(tensor: Any, qtype: Any, reference: torch.Tensor, config: Any) -> GGUFTensor:
+    """The tensor's groups in HF row order (int4 or Q8_0; other types: only the type)."""
+    entry = GGUFTensor(qtype.name)
+    rows, cols = reference.shape
+    data = np.asarray(tensor.data)
+    if qtype in gguf_blocks.INT4_TYPES:
+        ordered = _in_hf_order(*gguf_blocks.int4_groups(data, qtype, rows, cols), reference,
+                               config)
+    elif qtype.name == "Q8_0":
+        ordered = _in_hf_order(*gguf_blocks.int8_groups(data, rows, cols), None, reference,
+                               config)
+    else:
+        return entry
+    if ordered is None:
+        raise ValueError(f"GGUF tensor {tensor.name} ({qtype.name}) does not match its "
+                         f"dequantized form in any known row order")
+    if len(ordered) == 3:
+        entry.int4 = ordered  # type: ignore[assignment]
+    else:
+        entry.int8 = ordered  # type: ignore[assignment]
+    return entry
 
 
 def read(path: Path, state: TensorMap, config: Any) -> dict[str, GGUFTensor]:
@@ -92,17 +127,8 @@ def read(path: Path, state: TensorMap, config: Any) -> dict[str, GGUFTensor]:
         tensor = tensors.get(f"{gguf_name}.weight") if gguf_name else None
         if tensor is None:
             continue
-        qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
-        entry = GGUFTensor(qtype.name)
-        if qtype in gguf_blocks.INT4_TYPES:
-            rows, cols = reference.shape
-            groups = gguf_blocks.int4_groups(np.asarray(tensor.data), qtype, rows, cols)
-            ordered = _in_hf_order(*groups, reference, config)
-            if ordered is None:
-                raise ValueError(f"GGUF tensor {gguf_name} ({qtype.name}) does not match its "
-                                 f"dequantized form in any known row order")
-            entry.int4 = ordered.int4
-        out[key] = entry
+        out[key] = _groups(tensor, gguf.GGMLQuantizationType(tensor.tensor_type), reference,
+                           config)
     return out
 
 
@@ -119,6 +145,11 @@ def picker(tensors: dict[str, GGUFTensor], dtype: torch.dtype) -> Picker:
             codes, scale, minimum = (torch.cat(cols) for cols in zip(*groups, strict=True))
             return (f"int4 g32 ({'+'.join(qtypes)}, exact)",
                     quant_linear.pack_int4(codes, scale, minimum, gguf_blocks.GROUP, dtype))
+        int8 = [p.int8 for p in parts if p is not None and p.int8 is not None]
+        if len(int8) == len(parts) and quant_linear.native_for(dtype):
+            codes, scale = (torch.cat(cols) for cols in zip(*int8, strict=True))
+            return "int8 g32 (Q8_0, exact)", quant_linear.pack_int8(codes, scale,
+                                                                   gguf_blocks.GROUP, dtype)
         if qtypes == ["Q8_0"]:
             return "int8 per-channel (Q8_0 re-quantized)", quant_linear.quantize_int8(
                 linear.weight, dtype)
@@ -129,10 +160,26 @@ def picker(tensors: dict[str, GGUFTensor], dtype: torch.dtype) -> Picker:
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
+def vocab_picker(tensors: dict[str, GGUFTensor], dtype: torch.dtype, source: str
+                 ) -> VocabPicker:
+    """A Q8_0 embedding or LM head exactly (its groups of 32) on our float32 kernel; any
+    other quantized one (or for PyTorch's kernel) re-quantized per row."""
+    fallback = requantized_rows(source, dtype)
+
+    def pick(name: str, weight: torch.Tensor) -> tuple[str, quant_linear.Int8Weight]:
+        entry = tensors.get(name)
+        if entry is not None and entry.int8 is not None and quant_linear.native_for(dtype):
+            return "int8 g32 (Q8_0, exact)", quant_linear.pack_int8(*entry.int8,
+                                                                   gguf_blocks.GROUP, dtype)
+        return fallback(name, weight)
+    return pick
+
+
 def keeper(tensors: dict[str, GGUFTensor], dtype: torch.dtype, label: str
            ) -> Callable[[nn.Module], QuantSummary]:
     """What the loader runs on the loaded model: the projections by `picker`, and the
-    embedding (with the LM head) as int8 rows when the file stored it quantized."""
+    embedding (with the LM head) as int8 when the file stored it quantized."""
     embedding = tensors.get("model.embed_tokens")
-    vocab = None if embedding is None or embedding.qtype in FLOAT_TYPES else embedding.qtype
+    vocab = None if embedding is None or embedding.qtype in FLOAT_TYPES else vocab_picker(
+        tensors, dtype, embedding.qtype)
     return lambda model: apply(model, picker(tensors, dtype), f"gguf ({label})", vocab)
