@@ -172,7 +172,7 @@ def dequant(weight: QuantWeight) -> torch.Tensor:
 def int4_mm(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     """`x @ w.T` for 2-D `x` `[rows, in]` in the dtype the scales were packed for."""
     if weight.kernel == "native":
-        return _native_mm(x, weight.packed, 4, weight.group_size, weight.out_features)
+        return _native_mm(x, weight)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(
         x.contiguous(), weight.packed, weight.group_size, weight.scale_zero)
     return out if out.shape[1] == weight.out_features else out[:, :weight.out_features]
@@ -181,16 +181,23 @@ def int4_mm(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
 def int8_mm(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """`x @ w.T` for 2-D `x` `[rows, in]`."""
     if weight.kernel == "native":
-        return _native_mm(x, weight.packed, 8, weight.group_size, weight.out_features)
+        return _native_mm(x, weight)
     assert weight.scales is not None
     return torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight.packed, weight.scales)
 
 
-def _native_mm(x: torch.Tensor, packed: torch.Tensor, bits: int, group: int, out_f: int
+def bits_of(weight: QuantWeight) -> int:
+    return 4 if isinstance(weight, Int4Weight) else 8
+
+
+def _native_mm(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
                ) -> torch.Tensor:
+    """Our kernel, the bias added inside it (as the native decoder stack does)."""
     rows = x if x.dtype == torch.float32 else x.float()
-    out = cpu_native.quant_gemm(rows if rows.stride(-1) == 1 else rows.contiguous(), packed,
-                                bits, group, out_f)
+    bits = bits_of(weight)
+    out = cpu_native.quant_gemm(rows if rows.stride(-1) == 1 else rows.contiguous(),
+                                weight.packed, bits, weight.group_size, weight.out_features,
+                                bias)
     if out is None:  # packed for the loaded library, so only a broken call ends here
         raise RuntimeError(f"the native int{bits} kernel refused a {list(x.shape)} input")
     return out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -204,8 +211,14 @@ def int8_rows(ids: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     return weight.packed[ids].to(weight.scales.dtype) * weight.scales[ids].unsqueeze(-1)
 
 
-def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
-    """`x @ w.T` for `x` `[..., in]` of any leading shape."""
+def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """`x @ w.T (+ bias)` for `x` `[..., in]` of any leading shape."""
     rows = x.reshape(-1, weight.in_features)
+    if weight.kernel == "native" and (bias is None or (
+            bias.dtype == torch.float32 and bias.is_contiguous())):
+        out = _native_mm(rows, weight, None if bias is None else bias.detach())
+        return out.reshape(*x.shape[:-1], weight.out_features)
     out = int4_mm(rows, weight) if isinstance(weight, Int4Weight) else int8_mm(rows, weight)
-    return out.reshape(*x.shape[:-1], weight.out_features)
+    out = out.reshape(*x.shape[:-1], weight.out_features)
+    return out if bias is None else out + bias

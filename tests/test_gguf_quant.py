@@ -103,7 +103,8 @@ def _vocab(kept: torch.nn.Module, dequantized: torch.nn.Module, quantized: bool
 def test_gguf_served_exactly_on_the_float32_kernel(tmp_path: Path, case: str) -> None:
     """With float32 activations every 4-bit and Q8_0 tensor (projections, embedding, head) is
     kept with its own groups (the native kernel): each packed weight stands for transformers'
-    dequantized one, greedy tokens are equal and the logits within 1e-3."""
+    dequantized one, greedy tokens are equal and the logits within 1e-3. The one-call native
+    decoder stack runs the quantized projections, equal bit for bit to the per-layer modules."""
     types, vocab, expected = CASES[case]
     dequantized, kept = _load_pair(tiny_gguf.write(tmp_path / "m.gguf", types, vocab=vocab))
     _layouts(kept, expected)
@@ -112,11 +113,16 @@ def test_gguf_served_exactly_on_the_float32_kernel(tmp_path: Path, case: str) ->
     for ours, ref in pairs + _vocab(kept, dequantized, vocab != QT.F32):
         assert ours.kernel == "native"
         torch.testing.assert_close(quant_linear.dequant(ours), ref.detach(), atol=1e-6, rtol=0)
+    assert kept.native_stack is not None, kept.native_stack_declined
     tokens, logits = _greedy(kept, 6)
     ref_tokens, ref_logits = _greedy(dequantized, 6)
     assert tokens == ref_tokens
     for ours, ref in zip(logits, ref_logits, strict=True):
         assert float((ours - ref).abs().max()) < 1e-3
+    kept.use_native_stack = False
+    layer_tokens, layer_logits = _greedy(kept, 6)
+    assert layer_tokens == tokens
+    assert all(torch.equal(a, b) for a, b in zip(layer_logits, logits, strict=True))
 
 
 def test_without_the_native_kernel_q8_0_is_requantized_per_channel(

@@ -1,6 +1,7 @@
 """One stream at a time, offline: TPOT (time per output token after the first) and resident
-weight bytes of the default model served from its GGUF, float32 (dequantized) against
-`--quantization gguf` (Q4_1 kept as int4), in one run, alternating.
+weight bytes of the default model served from its GGUF, float32 and bfloat16 (dequantized)
+against `--quantization gguf` (Q4_1 kept as int4, the Q8_0 embedding and head as int8 g32, float32
+activations), in one run, alternating.
 
     python bench/probes/quant_tpot.py [--prompt 256] [--output 128] [--rounds 3]
 
@@ -65,7 +66,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
+    ap.add_argument("--configs", nargs="+", default=None, help="a subset, by name prefix")
     args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     from engine import LLM
     from engine.default_model import ensure_default_model, find_gguf
 
@@ -74,10 +81,14 @@ def main() -> None:
     assert gguf is not None
     rng = random.Random(0)
     prompt = [rng.randrange(100, 40000) for _ in range(args.prompt)]
-    configs = {"float32 (dequantized)": None, "int4 (--quantization gguf)": "gguf"}
-    llms = {name: LLM(model=str(gguf), dtype="float32", quantization=q, max_model_len=1024,
+    configs = {"float32 (dequantized)": ("float32", None),
+               "bfloat16 (dequantized)": ("bfloat16", None),
+               "int4 (--quantization gguf, float32 activations)": ("float32", "gguf")}
+    configs = {k: v for k, v in configs.items()
+               if not args.configs or any(k.startswith(c) for c in args.configs)}
+    llms = {name: LLM(model=str(gguf), dtype=dtype, quantization=q, max_model_len=1024,
                       num_kv_blocks=128, enable_prefix_caching=False)
-            for name, q in configs.items()}
+            for name, (dtype, q) in configs.items()}
     tpot: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(args.rounds):
         for name, llm in llms.items():
@@ -88,6 +99,7 @@ def main() -> None:
                           "weight_mib": weight_bytes(llm.engine.model) / 2**20,
                           "gguf_mib": gguf.stat().st_size / 2**20,
                           "loadavg": os.getloadavg(), "prompt": args.prompt,
+                          "threads": __import__("torch").get_num_threads(),
                           "output": args.output}))
 
 

@@ -29,7 +29,8 @@ class DecoderStackStruct(ctypes.Structure):
             "in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
             "down_w", "down_b", "kv")] + [
         (name, _ptr) for name in ("final_norm", "cos_table", "sin_table", "window")] + [
-        (name, _ptrs) for name in ("q_norm", "k_norm")]
+        (name, _ptrs) for name in ("q_norm", "k_norm")] + [
+        (name, _ptr) for name in ("qbits", "qgroup")]
 
 
 class DecoderStepStruct(ctypes.Structure):

@@ -26,6 +26,37 @@ def _f32_vector(t: torch.Tensor | None, n: int) -> bool:
                          and t.is_contiguous() and t.numel() == n)
 
 
+def _quant_ok(w: torch.Tensor | None, bits: int, group: int, n: int, k: int, panel: int) -> bool:
+    """A `pack_q4`/`pack_q8` weight of `[n, k]` in groups of `group`."""
+    blk = int(loaded().kp_quant_block_bytes(bits, group)) if group > 0 else -1
+    return (w is not None and blk > 0 and k % group == 0 and w.dtype == torch.uint8
+            and w.is_contiguous() and w.device.type == "cpu"
+            and w.numel() == -(-n // panel) * (k // group) * blk)
+
+
+def _check_layer(i: int, layer: dict, panel: int, hidden: int, qkv: int, q: int,
+                 inter: int) -> None:
+    """ValueError naming the first weight of layer i that is not in the stack's layout."""
+    fmt = layer.get("formats") or {}
+    padded = 2 * inter if "gate_up_w" in fmt else 2 * -(-inter // panel) * panel
+    shapes = {"in_norm": hidden, "post_norm": hidden, "qkv_b": qkv, "o_b": hidden,
+              "gate_up_b": padded, "down_b": hidden}
+    for key, n in shapes.items():
+        if not _f32_vector(layer.get(key), n):
+            raise ValueError(f"layer {i}: {key} is not a contiguous fp32 CPU vector of {n}")
+    panels = {"qkv_w": (qkv, hidden), "o_w": (hidden, q), "gate_up_w": (padded, hidden),
+              "down_w": (hidden, inter)}
+    for key, (n, k) in panels.items():
+        w = layer[key]
+        if key in fmt:
+            bits, group = fmt[key]
+            if not _quant_ok(w, bits, group, n, k, panel):
+                raise ValueError(f"layer {i}: {key} is not a packed int{bits} [{n}, {k}] weight")
+        elif (w is None or w.dtype != torch.float32 or not w.is_contiguous()
+                or tuple(w.shape) != (-(-n // panel), k, panel)):
+            raise ValueError(f"layer {i}: {key} is not a packed [{n}, {k}] weight")
+
+
 class DecoderStack:
     """A Llama-family decoder stack's weights, laid out for `kp_decoder_stack_f32`.
 
@@ -33,7 +64,10 @@ class DecoderStack:
     `pack_gate_up_weight`, its bias from `pack_gate_up_bias`) and optional biases of
     qkv / o / gate_up / down, the two norm weights and, for Qwen3, the per-head `q_norm` and
     `k_norm` weights (in every layer or in none); `windows` gives each layer's sliding window
-    (None: global attention). The tensors are kept referenced here so the pointers stay valid. `run` takes one step's embeddings and metadata and returns the
+    (None: global attention). A layer's optional `formats` maps a weight key (`qkv_w`, `o_w`,
+    `gate_up_w`, `down_w`) to (bits, group) for a weight-only quantized projection packed by
+    `pack_q4`/`pack_q8` (gate/up then the fused `[2 * inter, hidden]` weight, its bias
+    unpadded). The tensors are kept referenced here so the pointers stay valid. `run` takes one step's embeddings and metadata and returns the
     final normed hidden state, the same values the per-layer modules compute. Its activation
     scratch is reused from step to step, so one stack serves one step at a time (as the engine
     runs them).
@@ -50,20 +84,8 @@ class DecoderStack:
             raise ValueError("the native GEMM is not available (the library is not loaded)")
         panel = gemm_panel()
         q, kv = heads * head_dim, kv_heads * head_dim
-        padded = 2 * -(-inter // panel) * panel  # gate/up as panel pairs
-        shapes = {"in_norm": hidden, "post_norm": hidden, "qkv_b": q + 2 * kv, "o_b": hidden,
-                  "gate_up_b": padded, "down_b": hidden}
-        panels = {"qkv_w": (q + 2 * kv, hidden), "o_w": (hidden, q), "gate_up_w": (padded, hidden),
-                  "down_w": (hidden, inter)}
         for i, layer in enumerate(layers):
-            for key, n in shapes.items():
-                if not _f32_vector(layer.get(key), n):
-                    raise ValueError(f"layer {i}: {key} is not a contiguous fp32 CPU vector of {n}")
-            for key, (n, k) in panels.items():
-                w = layer[key]
-                if (w is None or w.dtype != torch.float32 or not w.is_contiguous()
-                        or tuple(w.shape) != (-(-n // panel), k, panel)):
-                    raise ValueError(f"layer {i}: {key} is not a packed [{n}, {k}] weight")
+            _check_layer(i, layer, panel, hidden, q + 2 * kv, q, inter)
         qk_norm = [layer.get("q_norm") is not None for layer in layers]
         if any(qk_norm) and not all(qk_norm):
             raise ValueError("q_norm must be given for every layer or for none")
@@ -93,11 +115,18 @@ class DecoderStack:
             *[(layer[key].data_ptr() if layer.get(key) is not None else None) for layer in layers])
             for key in keys}
         self._windows = (ctypes.c_int32 * len(layers))(*[w or 0 for w in windows])
+        formats = [(layer.get("formats") or {}).get(key, (0, 0)) for layer in layers
+                   for key in ("qkv_w", "o_w", "gate_up_w", "down_w")]
+        self._qbits = (ctypes.c_int32 * len(formats))(*[b for b, _ in formats])
+        self._qgroup = (ctypes.c_int64 * len(formats))(*[g for _, g in formats])
+        quantized = any(b for b, _ in formats)
         self._struct = abi.DecoderStackStruct(
             layers=len(layers), hidden=hidden, heads=heads, kv_heads=kv_heads,
             head_dim=head_dim, inter=inter, max_positions=cos.shape[0], eps=eps, scale=scale,
             final_norm=final_norm.data_ptr(), cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
             window=ctypes.addressof(self._windows) if any(windows) else None,
+            qbits=ctypes.addressof(self._qbits) if quantized else None,
+            qgroup=ctypes.addressof(self._qgroup) if quantized else None,
             **{key: ctypes.cast(arr, _ptrs) for key, arr in self._arrays.items()})
         self._kv_key: tuple | None = None
         self._scratch = torch.empty(0, dtype=torch.float32)

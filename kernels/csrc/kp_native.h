@@ -206,6 +206,12 @@ typedef struct {
     const float *cos_table, *sin_table;
     const int32_t *window;
     const float *const *q_norm, *const *k_norm;
+    /* Weight-only quantized projections: per layer, the format of qkv, o, gate_up and down
+     * (entries 4 l .. 4 l + 3): 0 fp32 panels (gemm.c; gate/up as panel pairs), 4 or 8 a
+     * quant_gemm.c weight in groups of qgroup[same entry] (gate/up then one [2 inter, hidden]
+     * weight, gate rows first, and its bias unpadded). NULL: every projection fp32. */
+    const int32_t *qbits;
+    const int64_t *qgroup;
 } kp_decoder_stack;
 
 /* One step: T new tokens (their embeddings in x, which is overwritten) and scratch for each

@@ -30,7 +30,7 @@ from engine.model_executor.models.architectures import architecture_of
 from engine.model_executor.models.hf_checkpoint import TransformersCheckpoint
 from engine.model_executor.parallel_layers import RowParallelLinear, VocabParallelEmbedding
 from engine.model_executor.tp_layout import TPLayout
-from kernels import cpu_native
+from kernels import cpu_native, quant_linear
 
 logger = logging.getLogger("engine")
 
@@ -73,6 +73,24 @@ def projection_biases(architecture: str, config: Any) -> tuple[bool, bool, bool]
         return False, False, False
     bias = bool(getattr(config, "attention_bias", False))
     return bias, bias, bool(getattr(config, "mlp_bias", False))
+
+
+def _stack_ready(mlp: nn.Module, linear: Linear) -> bool:
+    """Whether the native decoder stack runs this projection: fp32 panels (gate/up as the MLP's
+    panel pairs) or a weight on our quantized kernel."""
+    if linear.quant is not None:
+        return linear.quant.kernel == "native"
+    return mlp._fused is not None if linear is mlp.gate_up_proj else linear._native
+
+
+def _stack_weight(linear: Linear, key: str, formats: dict[str, tuple[int, int]]
+                  ) -> dict[str, torch.Tensor | None]:
+    """`{key}_w` and `{key}_b` for the stack; a quantized weight's (bits, group) to `formats`."""
+    quant = linear.quant
+    if quant is not None:
+        formats[f"{key}_w"] = (quant_linear.bits_of(quant), quant.group_size)
+    return {f"{key}_w": linear._packed if quant is None else quant.packed,
+            f"{key}_b": None if linear.bias is None else linear.bias.detach()}
 
 
 class LlamaAttention(nn.Module):
@@ -321,29 +339,26 @@ class LlamaForCausalLM(TransformersCheckpoint):
                         self.native_stack_declined)
             return None
         layers = list(self.model.layers)
-        linears = [m for layer in layers for m in layer.modules()
-                   if isinstance(m, Linear) and m is not layer.mlp.gate_up_proj]
-        if (not linears or not all(m._native for m in linears)
-                or any(layer.mlp._fused is None for layer in layers)):
+        if not all(_stack_ready(layer.mlp, linear) for layer in layers
+                   for linear in layer.modules() if isinstance(linear, Linear)):
             self.native_stack_declined = "a projection is not on the native GEMM"
             return None
         eps = self.model.norm.eps
-
-        def bias(linear: Linear) -> torch.Tensor | None:
-            return None if linear.bias is None else linear.bias.detach()
-
         weights = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
+            formats: dict[str, tuple[int, int]] = {}
             weights.append({
                 **({} if attn.q_norm is None else {"q_norm": attn.q_norm.weight.detach(),
                                                    "k_norm": attn.k_norm.weight.detach()}),
                 "in_norm": layer.input_layernorm.weight.detach(),
                 "post_norm": layer.post_attention_layernorm.weight.detach(),
-                "qkv_w": attn.qkv_proj._packed, "qkv_b": bias(attn.qkv_proj),
-                "o_w": attn.o_proj._packed, "o_b": bias(attn.o_proj),
-                "gate_up_w": mlp._fused, "gate_up_b": mlp._fused_bias,
-                "down_w": mlp.down_proj._packed, "down_b": bias(mlp.down_proj)})
+                **_stack_weight(attn.qkv_proj, "qkv", formats),
+                **_stack_weight(attn.o_proj, "o", formats),
+                **_stack_weight(mlp.down_proj, "down", formats),
+                **(_stack_weight(mlp.gate_up_proj, "gate_up", formats) if mlp._fused is None
+                   else {"gate_up_w": mlp._fused, "gate_up_b": mlp._fused_bias}),
+                "formats": formats})
         try:
             return cpu_native.DecoderStack(
                 weights, self.model.norm.weight.detach(), self.rotary_emb.cos,
