@@ -17,10 +17,13 @@
  * prefetcher streams it); panels are split evenly over the threads, as in gemm.c. Rows of x go
  * MR at a time with MR x NV accumulators; the codes of one k are widened to NV vectors of fp32
  * weights (one FMA with the group's scale and minimum, so each weight is the reference's
- * `q * scale + minimum` up to that one rounding) and used by all MR rows. At prefill sizes the
- * dequantization is repeated per block of MR rows: cheap next to the FMAs it feeds.
+ * `q * scale + minimum` up to that one rounding) and used by all MR rows. From TILE_MIN rows on
+ * (prefill) each thread instead dequantizes a whole panel once into an fp32 tile in its cache
+ * and runs the fp32 GEMM's register tile (MRF rows) over it: the same weights and the same
+ * order of FMAs, so both paths give the same bits.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kp_native.h"
 #include "kp_vec.h"
@@ -29,6 +32,12 @@
 #define NV (NR / KP_VW)
 #define MR 4
 #define MB 128 /* rows per block of x, so a block stays in L2 while the panels pass */
+#define TILE_MIN 16 /* rows from which a panel is dequantized once into an fp32 tile */
+#if KP_VREGS >= 32
+#define MRF 8 /* rows of the fp32 tile's register block (as gemm.c) */
+#else
+#define MRF 6
+#endif
 
 /* Accumulators, one k pair of widened weights and two broadcasts in registers (the scales and
  * minimums may be re-read from L1). */
@@ -132,23 +141,117 @@ static inline __attribute__((always_inline)) void qpanel_rows(
     }
 }
 
+/* One panel as fp32 weights, tile[k][j] = w[j][k]: the weights qpanel_block computes. */
+static void dequant_panel(const uint8_t *panel, int64_t K, int64_t G, int64_t blk, int bits,
+                          float *tile) {
+    for (int64_t k0 = 0; k0 < K; k0 += G, panel += blk) {
+        const float *sc = (const float *)panel;
+        float *t = tile + k0 * NR;
+        for (int v = 0; v < NV; ++v) {
+            const vf s = vload(sc + KP_VW * v);
+            if (bits == 4) {
+                const vf mn = vload(sc + NR + KP_VW * v);
+                const uint8_t *q = panel + 8 * NR + KP_VW * v;
+                for (int64_t r = 0; r < G / 2; ++r) {
+                    const vi c = vload_u8(q + r * NR);
+                    vstore(t + 2 * r * NR + KP_VW * v, vfma(vfloat(c & 15), s, mn));
+                    vstore(t + (2 * r + 1) * NR + KP_VW * v, vfma(vfloat(c >> 4), s, mn));
+                }
+            } else {
+                const uint8_t *q = panel + 4 * NR + KP_VW * v;
+                for (int64_t r = 0; r < G; ++r)
+                    vstore(t + r * NR + KP_VW * v, vfloat(vload_i8(q + r * NR)) * s);
+            }
+        }
+    }
+}
+
+/* Rows [0, mr) of x times an fp32 tile (gemm.c's register tile, without its prefetching). */
+static inline __attribute__((always_inline)) void tile_block(
+    const float *x, int64_t ldx, const float *tile, int64_t K, const float *bias, float *y,
+    int64_t ldy, int ncols, const int mr) {
+    vf acc[MRF][NV];
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < NV; ++v) {
+            const int c = ncols - KP_VW * v;
+            acc[i][v] = !bias || c <= 0 ? vzero()
+                        : c >= KP_VW    ? vload(bias + KP_VW * v)
+                                        : vload_n(bias + KP_VW * v, c);
+        }
+    for (int64_t k = 0; k < K; ++k) {
+        vf w[NV];
+        for (int v = 0; v < NV; ++v) w[v] = vload(tile + k * NR + KP_VW * v);
+        for (int i = 0; i < mr; ++i) {
+            const vf a = vset1(x[i * ldx + k]);
+            for (int v = 0; v < NV; ++v) acc[i][v] = vfma(a, w[v], acc[i][v]);
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < NV; ++v) {
+            const int c = ncols - KP_VW * v;
+            if (c >= KP_VW)
+                vstore(y + i * ldy + KP_VW * v, acc[i][v]);
+            else if (c > 0)
+                vstore_n(y + i * ldy + KP_VW * v, acc[i][v], c);
+        }
+}
+
+#define TILE_TAIL(R) \
+    case R: if ((R) < MRF) tile_block(xm, ldx, tile, K, bias, ym, ldy, ncols, R); break;
+
+static void tile_rows(const float *x, int64_t ldx, int64_t M, const float *tile, int64_t K,
+                      const float *bias, float *y, int64_t ldy, int ncols) {
+    int64_t m = 0;
+    for (; m + MRF <= M; m += MRF)
+        tile_block(x + m * ldx, ldx, tile, K, bias, y + m * ldy, ldy, ncols, MRF);
+    const float *xm = x + m * ldx;
+    float *ym = y + m * ldy;
+    switch (M - m) {
+    TILE_TAIL(1) TILE_TAIL(2) TILE_TAIL(3) TILE_TAIL(4) TILE_TAIL(5) TILE_TAIL(6) TILE_TAIL(7)
+    default: break;
+    }
+}
+
+/* The calling thread's tile of at least n floats, kept between calls (a fresh allocation of this
+ * size is an mmap whose pages fault in on every call); NULL when memory runs out. */
+static float *thread_tile(size_t n) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (cap < n) {
+        free(buf);
+        buf = malloc(n * sizeof(float));
+        cap = buf ? n : 0;
+    }
+    return buf;
+}
+
 static void qgemm(const float *x, int64_t ldx, int64_t M, const uint8_t *packed, int64_t K,
                   int64_t N, int64_t G, int64_t blk, const float *bias, float *y, int64_t ldy,
                   const int bits) {
     const int64_t panels = (N + NR - 1) / NR, panel_bytes = K / G * blk;
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t mb = (M - m0) < MB ? (M - m0) : MB;
-#pragma omp parallel for schedule(static)
-        for (int64_t p = 0; p < panels; ++p) {
-            const int64_t n0 = p * NR;
-            const int ncols = (N - n0) < NR ? (int)(N - n0) : NR;
-            const float *b = bias ? bias + n0 : 0;
-            if (bits == 4)
-                qpanel_rows(x + m0 * ldx, ldx, mb, packed + p * panel_bytes, K, G, blk, b,
-                            y + m0 * ldy + n0, ldy, ncols, 4);
-            else
-                qpanel_rows(x + m0 * ldx, ldx, mb, packed + p * panel_bytes, K, G, blk, b,
-                            y + m0 * ldy + n0, ldy, ncols, 8);
+#pragma omp parallel
+        {
+            /* A thread's tile: one panel, K x NR floats (no memory: the register path) */
+            float *tile = mb >= TILE_MIN ? thread_tile((size_t)K * NR) : 0;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; ++p) {
+                const int64_t n0 = p * NR;
+                const int ncols = (N - n0) < NR ? (int)(N - n0) : NR;
+                const float *b = bias ? bias + n0 : 0;
+                const uint8_t *panel = packed + p * panel_bytes;
+                const float *xm = x + m0 * ldx;
+                float *ym = y + m0 * ldy + n0;
+                if (tile) {
+                    dequant_panel(panel, K, G, blk, bits, tile);
+                    tile_rows(xm, ldx, mb, tile, K, b, ym, ldy, ncols);
+                } else if (bits == 4) {
+                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, 4);
+                } else {
+                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, 8);
+                }
+            }
         }
     }
 }
