@@ -29,14 +29,16 @@ PROMPT = [3, 17, 42, 5, 88, 61, 9, 23, 70, 11, 54, 36]
 ALL_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-@pytest.mark.parametrize("qtype", [*gguf_blocks.INT4_TYPES, QT.Q8_0])
+@pytest.mark.parametrize("qtype", [*gguf_blocks.INT4_TYPES, *gguf_blocks.INT8_TYPES])
 def test_blocks_read_as_groups_match_the_gguf_dequantizer(qtype: QT) -> None:
     rows, cols = 6, 512
     raw = tiny_gguf.random_blocks(qtype, rows, cols, np.random.default_rng(0))
-    if qtype == QT.Q8_0:
-        codes, scale = gguf_blocks.int8_groups(raw, rows, cols)
-        assert codes.dtype == np.int8 and scale.shape == (rows, cols // 32)
-        ours = torch.from_numpy(codes).float() * torch.from_numpy(scale).repeat_interleave(32, 1)
+    if qtype in gguf_blocks.INT8_TYPES:
+        codes, scale = gguf_blocks.int8_groups(raw, rows, cols, qtype)
+        group = 16 if qtype == QT.Q6_K else 32
+        assert codes.dtype == np.int8 and scale.shape == (rows, cols // group)
+        ours = (torch.from_numpy(codes).float()
+                * torch.from_numpy(scale).repeat_interleave(group, 1))
     else:
         codes, scale, minimum = gguf_blocks.int4_groups(raw, qtype, rows, cols)
         assert codes.max() <= 15 and scale.shape == minimum.shape == (rows, cols // 32)
@@ -123,6 +125,37 @@ def test_gguf_served_exactly_on_the_float32_kernel(tmp_path: Path, case: str) ->
     layer_tokens, layer_logits = _greedy(kept, 6)
     assert layer_tokens == tokens
     assert all(torch.equal(a, b) for a, b in zip(layer_logits, logits, strict=True))
+
+
+def test_q6_k_kept_exactly_and_q5_k_requantized_within_half_a_step(tmp_path: Path) -> None:
+    """Q6_K is int8 in groups of 16 (exact), fused with Q8_0's groups of 32 by repeating their
+    scales; Q5_K has no exact layout here and becomes int8 in groups of 32, each weight within
+    half its group's step of the Q5_K value. What Gemma-3's Q4_K_M file mixes."""
+    types = {"attn_q": QT.Q6_K, "attn_k": QT.Q8_0, "attn_v": QT.Q6_K, "attn_output": QT.Q6_K,
+             "ffn_gate": QT.Q4_K, "ffn_up": QT.Q4_K, "ffn_down": QT.Q5_K}
+    path = tiny_gguf.write(tmp_path / "k.gguf", types, vocab=QT.Q6_K)
+    dequantized, kept = _load_pair(path)
+    _layouts(kept, {"qkv_proj": quant_linear.Int8Weight, "o_proj": quant_linear.Int8Weight,
+                    "gate_up_proj": quant_linear.Int4Weight,
+                    "down_proj": quant_linear.Int8Weight})
+    float_weights = dict(projections(dequantized))
+    for name, linear in projections(kept):
+        ref = float_weights[name].weight.detach()
+        err = (quant_linear.dequant(linear.quant) - ref).abs()
+        if name.endswith("down_proj"):
+            step = ref.reshape(ref.shape[0], -1, 32).abs().amax(-1) / 127
+            assert bool((err <= step.repeat_interleave(32, 1) / 2 + 1e-7).all()), name
+            assert float(err.max()) > 0  # re-quantized, not passed through
+        else:
+            assert float(err.max()) <= 1e-6, name
+    for ours, ref in _vocab(kept, dequantized, True):
+        torch.testing.assert_close(quant_linear.dequant(ours), ref.detach(), atol=1e-6, rtol=0)
+    tokens, logits = _greedy(kept, 4)
+    ref_tokens, ref_logits = _greedy(dequantized, 4)
+    assert tokens == ref_tokens
+    scale = max(float(r.abs().max()) for r in ref_logits)
+    assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits, strict=True)
+               ) < 0.02 * scale
 
 
 def test_without_the_native_kernel_q8_0_is_requantized_per_channel(

@@ -4,10 +4,15 @@ transformers still reads the file (config, norms, embedding, and every tensor de
 is what the float path serves); this module reads the same file's raw blocks with the `gguf`
 package and gives each projection its layout:
 - Q4_0, Q4_1, Q4_K: int4 in groups of 32, the blocks' own codes, scales and minimums (exact);
-- Q8_0: int8 with its own scale per group of 32 (exact) on our float32 kernel; for PyTorch's
-  kernel (other dtypes, no native library), which takes one scale per channel, re-quantized
-  from the dequantized weight;
-- anything else (F32, F16, Q5_K, Q6_K, ...): kept in the model's dtype, named in the log.
+- Q8_0 and Q6_K: int8 with their own scales, per group of 32 and of 16 (exact), on our float32
+  kernel; for PyTorch's kernel (other dtypes, no native library), which takes one scale per
+  channel, Q8_0 is re-quantized from the dequantized weight and Q6_K stays float;
+- every other quantized type (Q5_0, Q5_1, Q5_K, Q2_K, Q3_K, IQ*): the nearest layout our
+  float32 kernel holds, int8 in groups of 32 re-quantized from the dequantized weight (each
+  weight within half its group's step, max |w| / 254: finer than the 2-6-bit original), when
+  every part of the projection is such a type;
+- float types (F32, F16, BF16): kept in the model's dtype.
+The log names each projection's layout and whether it is exact.
 A fused projection (q/k/v, gate/up) is quantized only when all its parts share one layout.
 llama.cpp stores Llama's q/k rows permuted; the row order is found by comparing the blocks'
 dequantized rows with transformers' tensor, so a layout we misread is an error at load, never
@@ -91,9 +96,9 @@ def _groups(tensor: Any, qtype: Any, reference: torch.Tensor, config: Any) -> GG
     if qtype in gguf_blocks.INT4_TYPES:
         ordered = _in_hf_order(*gguf_blocks.int4_groups(data, qtype, rows, cols), reference,
                                config)
-    elif qtype.name == "Q8_0":
-        ordered = _in_hf_order(*gguf_blocks.int8_groups(data, rows, cols), None, reference,
-                               config)
+    elif qtype in gguf_blocks.INT8_TYPES:
+        ordered = _in_hf_order(*gguf_blocks.int8_groups(data, rows, cols, qtype), None,
+                               reference, config)
     else:
         return entry
     if ordered is None:
@@ -146,13 +151,20 @@ def picker(tensors: dict[str, GGUFTensor], dtype: torch.dtype) -> Picker:
             return (f"int4 g32 ({'+'.join(qtypes)}, exact)",
                     quant_linear.pack_int4(codes, scale, minimum, gguf_blocks.GROUP, dtype))
         int8 = [p.int8 for p in parts if p is not None and p.int8 is not None]
-        if len(int8) == len(parts) and quant_linear.native_for(dtype):
-            codes, scale = (torch.cat(cols) for cols in zip(*int8, strict=True))
-            return "int8 g32 (Q8_0, exact)", quant_linear.pack_int8(codes, scale,
-                                                                   gguf_blocks.GROUP, dtype)
+        native = quant_linear.native_for(dtype)
+        if len(int8) == len(parts) and native:
+            codes, scale = _stacked(int8)
+            group = codes.shape[1] // scale.shape[1]
+            return (f"int8 g{group} ({'+'.join(qtypes)}, exact)",
+                    quant_linear.pack_int8(codes, scale, group, dtype))
         if qtypes == ["Q8_0"]:
             return "int8 per-channel (Q8_0 re-quantized)", quant_linear.quantize_int8(
                 linear.weight, dtype)
+        exact = {t.name for t in (*gguf_blocks.INT4_TYPES, *gguf_blocks.INT8_TYPES)}
+        if (native and not set(qtypes) & {*FLOAT_TYPES, *exact}
+                and linear.weight.shape[1] % 32 == 0):
+            return (f"int8 g32 ({'+'.join(qtypes)} re-quantized, within half a step)",
+                    requantized_groups(linear.weight, dtype))
         return f"{kept} (from {'+'.join(qtypes)})", None
     return pick
 
@@ -160,17 +172,41 @@ def picker(tensors: dict[str, GGUFTensor], dtype: torch.dtype) -> Picker:
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
+def _stacked(int8: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parts' (codes, scale) stacked along the output, their scales repeated to the smallest
+    group (a Q8_0 scale of 32 is two equal scales of 16 next to Q6_K's): still exact."""
+    groups = [c.shape[1] // s.shape[1] for c, s in int8]
+    small = min(groups)
+    scales = [s.repeat_interleave(g // small, dim=1) for (_, s), g in zip(int8, groups,
+                                                                         strict=True)]
+    return torch.cat([c for c, _ in int8]), torch.cat(scales)
+
+
+def requantized_groups(weight: torch.Tensor, dtype: torch.dtype, group: int = 32
+                       ) -> quant_linear.Int8Weight:
+    """Symmetric int8 per group of `group` inputs of a float weight: each weight within half
+    its group's step (max |w| / 254)."""
+    w = weight.detach().float()
+    g = w.reshape(w.shape[0], -1, group)
+    scale = g.abs().amax(-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (g / safe[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(w.shape)
+    return quant_linear.pack_int8(codes, scale, group, dtype)
+
+
 def vocab_picker(tensors: dict[str, GGUFTensor], dtype: torch.dtype, source: str
                  ) -> VocabPicker:
-    """A Q8_0 embedding or LM head exactly (its groups of 32) on our float32 kernel; any
-    other quantized one (or for PyTorch's kernel) re-quantized per row."""
+    """A Q8_0 or Q6_K embedding or LM head exactly (its groups of 32 or 16) on our float32
+    kernel; any other quantized one (or for PyTorch's kernel) re-quantized per row."""
     fallback = requantized_rows(source, dtype)
 
     def pick(name: str, weight: torch.Tensor) -> tuple[str, quant_linear.Int8Weight]:
         entry = tensors.get(name)
         if entry is not None and entry.int8 is not None and quant_linear.native_for(dtype):
-            return "int8 g32 (Q8_0, exact)", quant_linear.pack_int8(*entry.int8,
-                                                                   gguf_blocks.GROUP, dtype)
+            codes, scale = entry.int8
+            group = codes.shape[1] // scale.shape[1]
+            return (f"int8 g{group} ({entry.qtype}, exact)",
+                    quant_linear.pack_int8(codes, scale, group, dtype))
         return fallback(name, weight)
     return pick
 
