@@ -129,23 +129,25 @@ def test_gguf_served_exactly_on_the_float32_kernel(tmp_path: Path, case: str) ->
 
 def test_q6_k_kept_exactly_and_q5_k_requantized_within_half_a_step(tmp_path: Path) -> None:
     """Q6_K is int8 in groups of 16 (exact), fused with Q8_0's groups of 32 by repeating their
-    scales; Q5_K has no exact layout here and becomes int8 in groups of 32, each weight within
-    half its group's step of the Q5_K value. What Gemma-3's Q4_K_M file mixes."""
+    scales; Q5_K has no exact layout here: its rows become int8 in groups of 32, each weight
+    within half its group's step, fused with a Q8_0 part kept exact. What Gemma-3's Q4_K_M
+    file mixes (Q4_K, Q5_0, Q6_K, Q8_0)."""
     types = {"attn_q": QT.Q6_K, "attn_k": QT.Q8_0, "attn_v": QT.Q6_K, "attn_output": QT.Q6_K,
-             "ffn_gate": QT.Q4_K, "ffn_up": QT.Q4_K, "ffn_down": QT.Q5_K}
+             "ffn_gate": QT.Q5_K, "ffn_up": QT.Q8_0, "ffn_down": QT.Q4_K}
     path = tiny_gguf.write(tmp_path / "k.gguf", types, vocab=QT.Q6_K)
     dequantized, kept = _load_pair(path)
     _layouts(kept, {"qkv_proj": quant_linear.Int8Weight, "o_proj": quant_linear.Int8Weight,
-                    "gate_up_proj": quant_linear.Int4Weight,
-                    "down_proj": quant_linear.Int8Weight})
+                    "gate_up_proj": quant_linear.Int8Weight,
+                    "down_proj": quant_linear.Int4Weight})
     float_weights = dict(projections(dequantized))
     for name, linear in projections(kept):
         ref = float_weights[name].weight.detach()
         err = (quant_linear.dequant(linear.quant) - ref).abs()
-        if name.endswith("down_proj"):
-            step = ref.reshape(ref.shape[0], -1, 32).abs().amax(-1) / 127
-            assert bool((err <= step.repeat_interleave(32, 1) / 2 + 1e-7).all()), name
-            assert float(err.max()) > 0  # re-quantized, not passed through
+        if name.endswith("gate_up_proj"):  # gate rows (Q5_K) re-quantized, up rows exact
+            gate = tiny_gguf.INTER
+            step = ref[:gate].reshape(gate, -1, 32).abs().amax(-1) / 127
+            assert bool((err[:gate] <= step.repeat_interleave(32, 1) / 2 + 1e-7).all())
+            assert float(err[:gate].max()) > 0 and float(err[gate:].max()) <= 1e-6
         else:
             assert float(err.max()) <= 1e-6, name
     for ours, ref in _vocab(kept, dequantized, True):

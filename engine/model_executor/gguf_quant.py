@@ -51,6 +51,7 @@ class GGUFTensor:
     Q8_0 (codes, scale), per group in HF row order."""
 
     qtype: str
+    rows: int
     int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     int8: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -90,8 +91,8 @@ def _in_hf_order(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray | Non
 
 def _groups(tensor: Any, qtype: Any, reference: torch.Tensor, config: Any) -> GGUFTensor:
     """The tensor's groups in HF row order (int4 or Q8_0; other types: only the type)."""
-    entry = GGUFTensor(qtype.name)
     rows, cols = reference.shape
+    entry = GGUFTensor(qtype.name, rows)
     data = np.asarray(tensor.data)
     if qtype in gguf_blocks.INT4_TYPES:
         ordered = _in_hf_order(*gguf_blocks.int4_groups(data, qtype, rows, cols), reference,
@@ -160,11 +161,15 @@ def picker(tensors: dict[str, GGUFTensor], dtype: torch.dtype) -> Picker:
         if qtypes == ["Q8_0"]:
             return "int8 per-channel (Q8_0 re-quantized)", quant_linear.quantize_int8(
                 linear.weight, dtype)
-        exact = {t.name for t in (*gguf_blocks.INT4_TYPES, *gguf_blocks.INT8_TYPES)}
-        if (native and not set(qtypes) & {*FLOAT_TYPES, *exact}
-                and linear.weight.shape[1] % 32 == 0):
-            return (f"int8 g32 ({'+'.join(qtypes)} re-quantized, within half a step)",
-                    requantized_groups(linear.weight, dtype))
+        int4 = {t.name for t in gguf_blocks.INT4_TYPES}
+        if (native and not set(qtypes) & {*FLOAT_TYPES, *int4}
+                and linear.weight.shape[1] % gguf_blocks.GROUP == 0):
+            codes, scale = _stacked(_int8_parts([p for p in parts if p is not None],
+                                                linear.weight))
+            group = codes.shape[1] // scale.shape[1]
+            return (f"int8 g{group} ({'+'.join(qtypes)}: "
+                    f"{'+'.join(t for t in qtypes if t not in ('Q8_0', 'Q6_K'))} re-quantized, "
+                    "within half a step)", quant_linear.pack_int8(codes, scale, group, dtype))
         return f"{kept} (from {'+'.join(qtypes)})", None
     return pick
 
@@ -182,16 +187,28 @@ def _stacked(int8: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tenso
     return torch.cat([c for c, _ in int8]), torch.cat(scales)
 
 
-def requantized_groups(weight: torch.Tensor, dtype: torch.dtype, group: int = 32
-                       ) -> quant_linear.Int8Weight:
-    """Symmetric int8 per group of `group` inputs of a float weight: each weight within half
-    its group's step (max |w| / 254)."""
+def requantized_groups(weight: torch.Tensor, group: int = gguf_blocks.GROUP
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 (codes, scale) per group of `group` inputs of a float weight: each weight
+    within half its group's step (max |w| / 254)."""
     w = weight.detach().float()
     g = w.reshape(w.shape[0], -1, group)
     scale = g.abs().amax(-1) / 127.0
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = (g / safe[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(w.shape)
-    return quant_linear.pack_int8(codes, scale, group, dtype)
+    return codes, scale
+
+
+def _int8_parts(parts: list[GGUFTensor], weight: torch.Tensor
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each part of a fused projection as int8 (codes, scale): Q8_0 and Q6_K as stored, the
+    others re-quantized from their rows of the dequantized weight."""
+    out, row = [], 0
+    for part in parts:
+        out.append(part.int8 if part.int8 is not None
+                   else requantized_groups(weight[row:row + part.rows]))
+        row += part.rows
+    return out
 
 
 def vocab_picker(tensors: dict[str, GGUFTensor], dtype: torch.dtype, source: str
