@@ -1,15 +1,21 @@
-"""Weight-only quantized matmuls on CPU, through PyTorch's packed kernels.
+"""Weight-only quantized matmuls on CPU: our native kernel in float32, PyTorch's packed ones
+otherwise.
 
 Why: a decode step reads every weight once per token, so on CPU its time is the weights' bytes;
-4-bit weights are a fifth of float32's. Two layouts, each a dataclass the engine builds once:
+4-bit weights are a fifth of float32's. Two layouts, each a dataclass the engine builds once,
+each run by one of two kernels (`kernel`, chosen at packing from the activation dtype):
 
-- `Int4Weight`: 4-bit codes with a scale and an offset per group of 32/64/128 weights along the
-  input dimension, `w = q * scale + minimum` (GGUF's Q4_0/Q4_1/Q4_K form), run by
-  `aten._weight_int4pack_mm_for_cpu`. That kernel reads codes centred on 8
-  (`w = (q - 8) * scale + zero`), so `zero = minimum + 8 * scale`; its scales and zeros are in the
-  activation dtype, so float32 activations keep fp16 GGUF scales exactly, bfloat16 ones do not.
-- `Int8Weight`: int8 codes with one symmetric scale per output channel, run by
-  `aten._weight_int8pack_mm` (it takes no per-group scales).
+- `Int4Weight`: 4-bit codes with a scale and a minimum per group of 32/64/128 weights along the
+  input dimension, `w = q * scale + minimum` (GGUF's Q4_0/Q4_1/Q4_K form).
+- `Int8Weight`: int8 codes with one scale per group along the input dimension, `w = q * scale`
+  (GGUF's Q8_0: groups of 32), or one per output channel (a group of `in_features`).
+
+`native` (float32 activations, native library loaded): `cpu_native.quant_gemm`, which
+dequantizes in registers; scales are float32, so a GGUF's are kept exactly, and any group size
+runs. `aten` (other dtypes, or no native library): `aten._weight_int4pack_mm_for_cpu`, which
+reads codes centred on 8 (`zero = minimum + 8 * scale`) with scales in the activation dtype
+(bfloat16 rounds fp16 GGUF scales), and `aten._weight_int8pack_mm`, which takes one scale per
+output channel only. Both are 10-90x slower than `F.linear` with float32 activations, hence ours.
 
 The engine picks which layout a layer gets (engine/model_executor/quantization.py); this module
 only packs and multiplies, and gives the dequantized float reference the tests compare with.
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_native
 from kernels.int4_layouts import CheckpointInt4Weight, dequant_checkpoint
 
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -32,28 +39,32 @@ _ROWS_MULTIPLE = 16  # the CPU packing takes output rows in multiples of 16 (our
 class Int4Weight:
     """A `[out, in]` weight as packed 4-bit codes plus a (scale, zero) pair per group."""
 
-    packed: torch.Tensor  # uint8 [out16, in / 2], _convert_weight_to_int4pack_for_cpu's layout
-    scale_zero: torch.Tensor  # [in / group, out16, 2] in the activation dtype
-    # (out16: out_features padded to a multiple of 16 for the packing)
+    # native: the bytes of cpu_native.pack_q4; aten: uint8 [out16, in / 2],
+    # _convert_weight_to_int4pack_for_cpu's layout (out16: out_features padded to 16 rows)
+    packed: torch.Tensor
+    scale_zero: torch.Tensor | None  # aten: [in / group, out16, 2] in the activation dtype
     group_size: int
     out_features: int
     in_features: int
+    kernel: str = "aten"
 
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scale_zero.nbytes
+        return self.packed.nbytes + (0 if self.scale_zero is None else self.scale_zero.nbytes)
 
 
 @dataclass(slots=True)
 class Int8Weight:
-    """A `[out, in]` weight as int8 codes and one scale per output channel."""
+    """A `[out, in]` weight as int8 codes and one scale per group of `group_size` inputs."""
 
-    codes: torch.Tensor  # int8 [out, in]
-    scales: torch.Tensor  # [out] in the activation dtype
+    packed: torch.Tensor  # native: the bytes of cpu_native.pack_q8; aten: int8 codes [out, in]
+    scales: torch.Tensor | None  # aten: [out] in the activation dtype (native: in `packed`)
     out_features: int
     in_features: int
+    group_size: int  # aten: in_features (one scale per output channel)
+    kernel: str = "aten"
 
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
+        return self.packed.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
 
 @dataclass(slots=True)
@@ -72,6 +83,12 @@ class Fp8Weight:
 
 # The last two are CUDA's (Triton GEMMs); the first two PyTorch's packed CPU kernels.
 QuantWeight = Int4Weight | Int8Weight | CheckpointInt4Weight | Fp8Weight
+
+
+def native_for(dtype: torch.dtype) -> bool:
+    """Whether weights for activations of `dtype` are packed for our kernel (float32, with the
+    native library loaded) rather than PyTorch's."""
+    return dtype == torch.float32 and cpu_native.quant_available()
 
 
 def _check_groups(codes: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
@@ -93,6 +110,9 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, g
     if codes.dtype.is_floating_point or int(codes.min()) < 0 or int(codes.max()) > 15:
         raise ValueError("int4 codes must be integers in 0..15")
     out_f = codes.shape[0]
+    if native_for(dtype):
+        packed = cpu_native.pack_q4(codes, scale.float(), minimum.float(), group_size)
+        return Int4Weight(packed, None, group_size, out_f, codes.shape[1], "native")
     pad = -out_f % _ROWS_MULTIPLE  # zero rows, cut from the product again
     codes32 = torch.nn.functional.pad(codes.to(torch.int32), (0, 0, 0, pad), value=8)
     scale32, min32 = (torch.nn.functional.pad(t.float(), (0, 0, 0, pad))
@@ -135,23 +155,44 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
     scales = w.abs().amax(dim=1) / 127.0
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = (w / safe[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-    return Int8Weight(codes, scales.to(dtype).contiguous(), *w.shape)
+    return pack_int8(codes, scales[:, None], w.shape[1], dtype)
+
+
+def pack_int8(codes: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype
+              ) -> Int8Weight:
+    """int8 codes `[out, in]` with `scale` `[out, in / group_size]` (`w = q * scale`) for
+    `int8_mm` on activations of `dtype`. PyTorch's kernel takes one scale per output channel
+    only: ValueError for smaller groups unless `native_for(dtype)`."""
+    out_f, in_f = codes.shape
+    if codes.dtype != torch.int8 or group_size <= 0 or in_f % group_size or tuple(
+            scale.shape) != (out_f, in_f // group_size):
+        raise ValueError(f"int8 codes {codes.dtype} {list(codes.shape)} with scales "
+                         f"{list(scale.shape)} in groups of {group_size}")
+    if native_for(dtype):
+        packed = cpu_native.pack_q8(codes, scale.float(), group_size)
+        return Int8Weight(packed, None, out_f, in_f, group_size, "native")
+    if group_size != in_f:
+        raise ValueError("PyTorch's int8 kernel takes one scale per output channel only")
+    return Int8Weight(codes.contiguous(), scale[:, 0].to(dtype).contiguous(), out_f, in_f, in_f)
 
 
 def dequant(weight: QuantWeight) -> torch.Tensor:
     """The float32 weight a packed one stands for (for logs of the error and for tests)."""
     if isinstance(weight, Int8Weight):
-        return weight.codes.float() * weight.scales.float()[:, None]
+        return int8_rows(torch.arange(weight.out_features), weight).float()
     if isinstance(weight, CheckpointInt4Weight):
         return dequant_checkpoint(weight)
     if isinstance(weight, Fp8Weight):
         return weight.weight.float() * weight.scales[:, None]
-    eye = torch.eye(weight.in_features, dtype=weight.scale_zero.dtype)
+    eye = torch.eye(weight.in_features, dtype=torch.float32 if weight.scale_zero is None
+                    else weight.scale_zero.dtype)
     return int4_mm(eye, weight).float().t().contiguous()
 
 
 def int4_mm(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     """`x @ w.T` for 2-D `x` `[rows, in]` in the dtype the scales were packed for."""
+    if weight.kernel == "native":
+        return _native_mm(x, weight)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(
         x.contiguous(), weight.packed, weight.group_size, weight.scale_zero)
     return out if out.shape[1] == weight.out_features else out[:, :weight.out_features]
@@ -159,28 +200,59 @@ def int4_mm(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
 
 def int8_mm(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """`x @ w.T` for 2-D `x` `[rows, in]`."""
-    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight.codes, weight.scales)
+    if weight.kernel == "native":
+        return _native_mm(x, weight)
+    assert weight.scales is not None
+    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight.packed, weight.scales)
+
+
+def bits_of(weight: QuantWeight) -> int:
+    return 4 if isinstance(weight, Int4Weight) else 8
+
+
+def _native_mm(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """Our kernel, the bias added inside it (as the native decoder stack does)."""
+    rows = x if x.dtype == torch.float32 else x.float()
+    bits = bits_of(weight)
+    out = cpu_native.quant_gemm(rows if rows.stride(-1) == 1 else rows.contiguous(),
+                                weight.packed, bits, weight.group_size, weight.out_features,
+                                bias)
+    if out is None:  # packed for the loaded library, so only a broken call ends here
+        raise RuntimeError(f"the native int{bits} kernel refused a {list(x.shape)} input")
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def int8_rows(ids: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """Rows `ids` of the weight, dequantized (an int8 embedding's lookup)."""
-    return weight.codes[ids].to(weight.scales.dtype) * weight.scales[ids].unsqueeze(-1)
+    if weight.kernel == "native":
+        return cpu_native.q8_rows(weight.packed, weight.group_size, weight.in_features, ids)
+    assert weight.scales is not None
+    return weight.packed[ids].to(weight.scales.dtype) * weight.scales[ids].unsqueeze(-1)
 
 
-def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
-    """`x @ w.T` for `x` `[..., in]` of any leading shape."""
+def _triton_mm(rows: torch.Tensor, weight: CheckpointInt4Weight | Fp8Weight) -> torch.Tensor:
+    """A checkpoint's stored words or fp8 codes through the Triton GEMMs (CUDA; imported only
+    there, or in the interpreter)."""
+    from kernels.quant_gemm_triton import fp8_gemm, int4_gemm
+
+    if isinstance(weight, Fp8Weight):
+        return fp8_gemm(rows, weight.weight, weight.scales)
+    return int4_gemm(rows, weight.qweight, weight.qzeros, weight.scales, weight.g_idx,
+                     awq=weight.awq, zero_offset=weight.zero_offset)
+
+
+def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """`x @ w.T (+ bias)` for `x` `[..., in]` of any leading shape."""
     rows = x.reshape(-1, weight.in_features)
-    if isinstance(weight, CheckpointInt4Weight):
-        from kernels.quant_gemm_triton import int4_gemm  # Triton: imported on CUDA only
-
-        out = int4_gemm(rows, weight.qweight, weight.qzeros, weight.scales, weight.g_idx,
-                        awq=weight.awq, zero_offset=weight.zero_offset)
-    elif isinstance(weight, Fp8Weight):
-        from kernels.quant_gemm_triton import fp8_gemm
-
-        out = fp8_gemm(rows, weight.weight, weight.scales)
-    elif isinstance(weight, Int4Weight):
-        out = int4_mm(rows, weight)
-    else:
-        out = int8_mm(rows, weight)
-    return out.reshape(*x.shape[:-1], weight.out_features)
+    if isinstance(weight, (CheckpointInt4Weight, Fp8Weight)):
+        out = _triton_mm(rows, weight).reshape(*x.shape[:-1], weight.out_features)
+        return out if bias is None else out + bias
+    if weight.kernel == "native" and (bias is None or (
+            bias.dtype == torch.float32 and bias.is_contiguous())):
+        out = _native_mm(rows, weight, None if bias is None else bias.detach())
+        return out.reshape(*x.shape[:-1], weight.out_features)
+    out = int4_mm(rows, weight) if isinstance(weight, Int4Weight) else int8_mm(rows, weight)
+    out = out.reshape(*x.shape[:-1], weight.out_features)
+    return out if bias is None else out + bias

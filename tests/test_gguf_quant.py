@@ -1,6 +1,7 @@
-"""`--quantization gguf`: a GGUF's 4-bit projections served as they are stored (int4 groups of
-32), Q8_0 re-quantized per channel, the rest float; checked against the same file dequantized
-to float32 (what serving without `--quantization` runs), on tiny GGUFs written here."""
+"""`--quantization gguf`: a GGUF's 4-bit and Q8_0 tensors served as they are stored (groups of
+32; Q8_0 re-quantized per channel where PyTorch's int8 kernel runs), the rest float; checked
+against the same file dequantized to float32 (what serving without `--quantization` runs), on
+tiny GGUFs written here."""
 
 from __future__ import annotations
 
@@ -28,14 +29,21 @@ PROMPT = [3, 17, 42, 5, 88, 61, 9, 23, 70, 11, 54, 36]
 ALL_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-@pytest.mark.parametrize("qtype", gguf_blocks.INT4_TYPES)
+@pytest.mark.parametrize("qtype", [*gguf_blocks.INT4_TYPES, *gguf_blocks.INT8_TYPES])
 def test_blocks_read_as_groups_match_the_gguf_dequantizer(qtype: QT) -> None:
     rows, cols = 6, 512
     raw = tiny_gguf.random_blocks(qtype, rows, cols, np.random.default_rng(0))
-    codes, scale, minimum = gguf_blocks.int4_groups(raw, qtype, rows, cols)
-    assert codes.max() <= 15 and scale.shape == minimum.shape == (rows, cols // 32)
-    ours = quant_linear.dequant_int4_reference(torch.from_numpy(codes), torch.from_numpy(scale),
-                                               torch.from_numpy(minimum), 32)
+    if qtype in gguf_blocks.INT8_TYPES:
+        codes, scale = gguf_blocks.int8_groups(raw, rows, cols, qtype)
+        group = 16 if qtype == QT.Q6_K else 32
+        assert codes.dtype == np.int8 and scale.shape == (rows, cols // group)
+        ours = (torch.from_numpy(codes).float()
+                * torch.from_numpy(scale).repeat_interleave(group, 1))
+    else:
+        codes, scale, minimum = gguf_blocks.int4_groups(raw, qtype, rows, cols)
+        assert codes.max() <= 15 and scale.shape == minimum.shape == (rows, cols // 32)
+        ours = quant_linear.dequant_int4_reference(
+            torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(minimum), 32)
     expected = torch.from_numpy(dequantize(raw, qtype).reshape(rows, cols).astype(np.float32))
     torch.testing.assert_close(ours, expected, atol=1e-7, rtol=0)
 
@@ -57,41 +65,119 @@ def _load_pair(path: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
     return dequantized, kept
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q4_K])
-def test_4bit_gguf_served_exactly(tmp_path: Path, qtype: QT) -> None:
-    path = tiny_gguf.write(tmp_path / "m.gguf", dict.fromkeys(ALL_PROJECTIONS, qtype))
-    dequantized, kept = _load_pair(path)
-    for name, linear in projections(kept):
-        assert isinstance(linear.quant, quant_linear.Int4Weight), name
-        assert linear.weight.numel() == 0  # the float copy is gone
-    # Every projection's packed weight stands for transformers' dequantized one.
+MIXED = {"attn_q": QT.Q8_0, "attn_k": QT.Q8_0, "attn_v": QT.Q8_0, "attn_output": QT.Q4_0,
+         "ffn_gate": QT.Q4_1, "ffn_up": QT.Q8_0}  # ffn_down: F32; gate/up mixed: float
+# name -> (projection types, vocabulary type, expected layout per projection).
+CASES = {
+    "q4_0": (dict.fromkeys(ALL_PROJECTIONS, QT.Q4_0), QT.F32, quant_linear.Int4Weight),
+    "q4_1-q8_0-vocab": (dict.fromkeys(ALL_PROJECTIONS, QT.Q4_1), QT.Q8_0, quant_linear.Int4Weight),
+    "q4_k": (dict.fromkeys(ALL_PROJECTIONS, QT.Q4_K), QT.F32, quant_linear.Int4Weight),
+    "mixed-q8_0-vocab": (MIXED, QT.Q8_0, {"qkv_proj": quant_linear.Int8Weight,
+                                           "o_proj": quant_linear.Int4Weight,
+                                           "gate_up_proj": type(None),
+                                           "down_proj": type(None)}),
+}
+
+
+def _layouts(model: torch.nn.Module, expected: type | dict[str, type]) -> None:
+    for name, linear in projections(model):
+        want = expected if isinstance(expected, type) else expected[name.rsplit(".", 1)[1]]
+        assert isinstance(linear.quant, want), name
+        if linear.quant is not None:
+            assert linear.weight.numel() == 0  # the float copy is gone
+
+
+def _vocab(kept: torch.nn.Module, dequantized: torch.nn.Module, quantized: bool
+           ) -> list[tuple[quant_linear.QuantWeight, torch.Tensor]]:
+    """(our int8 weight, transformers' float one) of the embedding and the head, or none."""
+    embedding = kept.model.embed_tokens
+    assert isinstance(embedding, Int8Embedding) == quantized
+    if not quantized:
+        return []
+    assert isinstance(kept.lm_head.quant, quant_linear.Int8Weight)
+    ids = torch.tensor(PROMPT)
+    torch.testing.assert_close(embedding(ids), quant_linear.dequant(embedding.weight_q)[ids])
+    return [(embedding.weight_q, dequantized.model.embed_tokens.weight),
+            (kept.lm_head.quant, dequantized.lm_head.weight)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gguf_served_exactly_on_the_float32_kernel(tmp_path: Path, case: str) -> None:
+    """With float32 activations every 4-bit and Q8_0 tensor (projections, embedding, head) is
+    kept with its own groups (the native kernel): each packed weight stands for transformers'
+    dequantized one, greedy tokens are equal and the logits within 1e-3. The one-call native
+    decoder stack runs the quantized projections, equal bit for bit to the per-layer modules."""
+    types, vocab, expected = CASES[case]
+    dequantized, kept = _load_pair(tiny_gguf.write(tmp_path / "m.gguf", types, vocab=vocab))
+    _layouts(kept, expected)
     float_weights = dict(projections(dequantized))
-    for name, linear in projections(kept):
-        assert linear.quant is not None
-        torch.testing.assert_close(quant_linear.dequant(linear.quant),
-                                   float_weights[name].weight, atol=1e-6, rtol=0)
+    pairs = [(m.quant, float_weights[n].weight) for n, m in projections(kept) if m.quant]
+    for ours, ref in pairs + _vocab(kept, dequantized, vocab != QT.F32):
+        assert ours.kernel == "native"
+        torch.testing.assert_close(quant_linear.dequant(ours), ref.detach(), atol=1e-6, rtol=0)
+    assert kept.native_stack is not None, kept.native_stack_declined
     tokens, logits = _greedy(kept, 6)
     ref_tokens, ref_logits = _greedy(dequantized, 6)
     assert tokens == ref_tokens
     for ours, ref in zip(logits, ref_logits, strict=True):
         assert float((ours - ref).abs().max()) < 1e-3
+    kept.use_native_stack = False
+    layer_tokens, layer_logits = _greedy(kept, 6)
+    assert layer_tokens == tokens
+    assert all(torch.equal(a, b) for a, b in zip(layer_logits, logits, strict=True))
 
 
-def test_q8_0_requantized_per_channel_and_other_types_kept(tmp_path: Path) -> None:
-    """Q8_0 becomes int8 with one scale per channel (each weight within half a step of the
-    Q8_0 value); a fused projection mixing types, and F32 ones, stay float."""
-    types = {"attn_q": QT.Q8_0, "attn_k": QT.Q8_0, "attn_v": QT.Q8_0, "attn_output": QT.Q4_0,
-             "ffn_gate": QT.Q4_1, "ffn_up": QT.Q8_0}  # ffn_down: F32
-    path = tiny_gguf.write(tmp_path / "mixed.gguf", types)
+def test_q6_k_kept_exactly_and_q5_k_requantized_within_half_a_step(tmp_path: Path) -> None:
+    """Q6_K is int8 in groups of 16 (exact), fused with Q8_0's groups of 32 by repeating their
+    scales; Q5_K has no exact layout here: its rows become int8 in groups of 32, each weight
+    within half its group's step, fused with a Q8_0 part kept exact. What Gemma-3's Q4_K_M
+    file mixes (Q4_K, Q5_0, Q6_K, Q8_0)."""
+    types = {"attn_q": QT.Q6_K, "attn_k": QT.Q8_0, "attn_v": QT.Q6_K, "attn_output": QT.Q6_K,
+             "ffn_gate": QT.Q5_K, "ffn_up": QT.Q8_0, "ffn_down": QT.Q4_K}
+    path = tiny_gguf.write(tmp_path / "k.gguf", types, vocab=QT.Q6_K)
     dequantized, kept = _load_pair(path)
+    _layouts(kept, {"qkv_proj": quant_linear.Int8Weight, "o_proj": quant_linear.Int8Weight,
+                    "gate_up_proj": quant_linear.Int8Weight,
+                    "down_proj": quant_linear.Int4Weight})
     float_weights = dict(projections(dequantized))
-    formats = {name.rsplit(".", 1)[1]: type(m.quant) for name, m in projections(kept)}
-    assert formats == {"qkv_proj": quant_linear.Int8Weight, "o_proj": quant_linear.Int4Weight,
-                       "gate_up_proj": type(None), "down_proj": type(None)}
     for name, linear in projections(kept):
-        if isinstance(linear.quant, quant_linear.Int8Weight):
-            err = (quant_linear.dequant(linear.quant) - float_weights[name].weight).abs()
-            assert bool((err <= linear.quant.scales[:, None] / 2 + 1e-7).all())
+        ref = float_weights[name].weight.detach()
+        err = (quant_linear.dequant(linear.quant) - ref).abs()
+        if name.endswith("gate_up_proj"):  # gate rows (Q5_K) re-quantized, up rows exact
+            gate = tiny_gguf.INTER
+            step = ref[:gate].reshape(gate, -1, 32).abs().amax(-1) / 127
+            assert bool((err[:gate] <= step.repeat_interleave(32, 1) / 2 + 1e-7).all())
+            assert float(err[:gate].max()) > 0 and float(err[gate:].max()) <= 1e-6
+        else:
+            assert float(err.max()) <= 1e-6, name
+    for ours, ref in _vocab(kept, dequantized, True):
+        torch.testing.assert_close(quant_linear.dequant(ours), ref.detach(), atol=1e-6, rtol=0)
+    tokens, logits = _greedy(kept, 4)
+    ref_tokens, ref_logits = _greedy(dequantized, 4)
+    assert tokens == ref_tokens
+    scale = max(float(r.abs().max()) for r in ref_logits)
+    assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits, strict=True)
+               ) < 0.02 * scale
+
+
+def test_without_the_native_kernel_q8_0_is_requantized_per_channel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyTorch's int8 kernel takes one scale per output channel (or row): Q8_0 projections,
+    embedding and head are re-quantized, each weight within half its channel's step of the
+    Q8_0 value; 4-bit ones stay exact on PyTorch's int4 kernel."""
+    monkeypatch.setattr(quant_linear, "native_for", lambda dtype: False)
+    types, vocab, expected = CASES["mixed-q8_0-vocab"]
+    dequantized, kept = _load_pair(tiny_gguf.write(tmp_path / "m.gguf", types, vocab=vocab))
+    _layouts(kept, expected)
+    float_weights = dict(projections(dequantized))
+    pairs = [(m.quant, float_weights[n].weight) for n, m in projections(kept) if m.quant]
+    for ours, ref in pairs + _vocab(kept, dequantized, True):
+        assert ours.kernel == "aten"
+        err = (quant_linear.dequant(ours) - ref).abs()
+        if isinstance(ours, quant_linear.Int8Weight):
+            assert bool((err <= ours.scales[:, None] / 2 + 1e-7).all())
+        else:
+            assert float(err.max()) <= 1e-6
     tokens, logits = _greedy(kept, 4)
     ref_tokens, ref_logits = _greedy(dequantized, 4)
     assert tokens == ref_tokens
@@ -104,26 +190,3 @@ def test_plain_gguf_load_stays_float(tmp_path: Path) -> None:
     path = tiny_gguf.write(tmp_path / "m.gguf", dict.fromkeys(ALL_PROJECTIONS, QT.Q4_1))
     model, _ = load_model(path, torch.float32, CPU)
     assert all(m.quant is None for m in model.modules() if isinstance(m, Linear))
-
-
-def test_quantized_embedding_and_head_become_int8_rows(tmp_path: Path) -> None:
-    """A Q8_0 embedding and output: int8 with one scale per row (each weight within half its
-    row's step of the Q8_0 value), shared by lookup and head when tied."""
-    path = tiny_gguf.write(tmp_path / "v.gguf", dict.fromkeys(ALL_PROJECTIONS, QT.Q4_1),
-                           vocab=QT.Q8_0)
-    dequantized, kept = _load_pair(path)
-    embedding = kept.model.embed_tokens
-    assert isinstance(embedding, Int8Embedding)
-    assert isinstance(kept.lm_head.quant, quant_linear.Int8Weight)
-    for ours, ref in ((embedding.weight_q, dequantized.model.embed_tokens.weight),
-                      (kept.lm_head.quant, dequantized.lm_head.weight)):
-        err = (quant_linear.dequant(ours) - ref).abs()
-        assert bool((err <= ours.scales[:, None] / 2 + 1e-7).all())
-    ids = torch.tensor(PROMPT)
-    torch.testing.assert_close(embedding(ids), quant_linear.dequant(embedding.weight_q)[ids])
-    tokens, logits = _greedy(kept, 4)
-    ref_tokens, ref_logits = _greedy(dequantized, 4)
-    assert tokens == ref_tokens
-    scale = max(float(r.abs().max()) for r in ref_logits)
-    assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits, strict=True)
-               ) < 0.02 * scale

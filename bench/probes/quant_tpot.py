@@ -1,17 +1,22 @@
 """One stream at a time, offline: TPOT (time per output token after the first) and resident
-weight bytes of the default model served from its GGUF, float32 (dequantized) against
-`--quantization gguf` (Q4_1 kept as int4), in one run, alternating.
+weight bytes of the default model served from its GGUF, float32 and bfloat16 (dequantized)
+against `--quantization gguf` (Q4_1 kept as int4, the Q8_0 embedding and head as int8 g32, float32
+activations), in one run, alternating.
 
-    python bench/probes/quant_tpot.py [--prompt 256] [--output 128] [--rounds 3]
+    python bench/probes/quant_tpot.py [--prompt 256] [--output 128] [--rounds 3] [--threads N]
+        [--configs float32 int4] [--llamacpp]
 
 Each round runs each configuration once: a 256-token random prompt, 128 greedy tokens,
-ignore_eos; the engine's step times are recorded, TPOT is the median decode step. Prints one
+ignore_eos; the engine's step times are recorded, TPOT is the median decode step. With
+`--llamacpp`, llama.cpp's llama-server (bench/peers/llamacpp_tpot.py) serves the same GGUF in
+the same rounds, timed by its own per-token decode timing. Prints one
 JSON line per configuration with the median TPOT over rounds, the weights' bytes and loadavg.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -20,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.peers too
 
 
 def weight_bytes(model: object) -> int:
@@ -65,7 +70,15 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
+    ap.add_argument("--configs", nargs="+", default=None, help="a subset, by name prefix")
+    ap.add_argument("--llamacpp", action="store_true",
+                    help="llama.cpp's llama-server on the same Q4_1 file, in the same rounds")
     args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     from engine import LLM
     from engine.default_model import ensure_default_model, find_gguf
 
@@ -74,20 +87,43 @@ def main() -> None:
     assert gguf is not None
     rng = random.Random(0)
     prompt = [rng.randrange(100, 40000) for _ in range(args.prompt)]
-    configs = {"float32 (dequantized)": None, "int4 (--quantization gguf)": "gguf"}
-    llms = {name: LLM(model=str(gguf), dtype="float32", quantization=q, max_model_len=1024,
+    configs = {"float32 (dequantized)": ("float32", None),
+               "bfloat16 (dequantized)": ("bfloat16", None),
+               "int4 (--quantization gguf, float32 activations)": ("float32", "gguf")}
+    configs = {k: v for k, v in configs.items()
+               if not args.configs or any(k.startswith(c) for c in args.configs)}
+    llms = {name: LLM(model=str(gguf), dtype=dtype, quantization=q, max_model_len=1024,
                       num_kv_blocks=128, enable_prefix_caching=False)
-            for name, q in configs.items()}
-    tpot: dict[str, list[float]] = {name: [] for name in configs}
-    for _ in range(args.rounds):
-        for name, llm in llms.items():
-            tpot[name].append(run_once(llm, prompt, args.output))
+            for name, (dtype, q) in configs.items()}
+    tpot: dict[str, list[float]] = {name: [] for name in [*configs, "llama.cpp"]}
+    with contextlib.ExitStack() as stack:
+        peer = None
+        if args.llamacpp:
+            from bench.peers import llamacpp_tpot
+
+            if llamacpp_tpot.available():
+                import torch
+
+                peer = stack.enter_context(llamacpp_tpot.LlamaServer(
+                    gguf, threads=torch.get_num_threads()))
+            else:
+                print(f"no llama-server in {llamacpp_tpot.DIR}: llama.cpp not measured")
+        for _ in range(args.rounds):
+            for name, llm in llms.items():
+                tpot[name].append(run_once(llm, prompt, args.output))
+            if peer is not None:
+                tpot["llama.cpp"].append(peer.tpot_s(prompt, args.output))
+    if tpot["llama.cpp"]:
+        print(json.dumps({"config": "llama.cpp (llama-server, same Q4_1 file)",
+                          "tpot_ms_median": 1000 * statistics.median(tpot["llama.cpp"]),
+                          "tpot_ms_rounds": [round(1000 * t, 2) for t in tpot["llama.cpp"]]}))
     for name, llm in llms.items():
         print(json.dumps({"config": name, "tpot_ms_median": 1000 * statistics.median(tpot[name]),
                           "tpot_ms_rounds": [round(1000 * t, 2) for t in tpot[name]],
                           "weight_mib": weight_bytes(llm.engine.model) / 2**20,
                           "gguf_mib": gguf.stat().st_size / 2**20,
                           "loadavg": os.getloadavg(), "prompt": args.prompt,
+                          "threads": __import__("torch").get_num_threads(),
                           "output": args.output}))
 
 

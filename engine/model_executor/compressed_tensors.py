@@ -132,8 +132,9 @@ class CTReader:
         codes = w.float().round()
         if zero is not None:
             codes = codes - (zero.float() if zero.numel() == 1 else _expand(zero.float(), w))
-        elif rows is not None:
-            self.int8[prefix] = (codes.to(torch.int8), rows)
+        else:  # symmetric: the codes and a scale per row or per group, for `pack_int8`
+            self.int8[prefix] = (codes.to(torch.int8), rows[:, None] if rows is not None
+                                 else scale.reshape(w.shape[0], -1))
         return codes * (rows[:, None] if rows is not None else _expand(scale, w))
 
     def picker(self, dtype: torch.dtype, triton: bool | None = None) -> Picker:
@@ -148,10 +149,9 @@ class CTReader:
             if all(n in self.int4.weights for n in names):
                 return int4_pick(name, linear)
             if all(n in self.int8 for n in names) and not cuda:
-                codes, rows = (torch.cat(t) for t in zip(*(self.int8[n] for n in names),
-                                                           strict=True))
-                return f"{METHOD} int8 per-channel", quant_linear.Int8Weight(
-                    codes.contiguous(), rows.to(dtype), *codes.shape)
+                kept = _int8(self.int8, names, dtype)
+                if kept is not None:
+                    return kept
             if all(n in self.fp8 for n in names) and cuda:
                 w8, rows = (torch.cat(t) for t in zip(*(self.fp8[n] for n in names),
                                                       strict=True))
@@ -160,6 +160,25 @@ class CTReader:
                     w8.to(dev).contiguous(), rows.to(dev), *w8.shape)
             return f"{floating} ({METHOD}, dequantized here)", None
         return pick
+
+
+def _int8(stored: dict[str, tuple[torch.Tensor, torch.Tensor]], names: list[str],
+          dtype: torch.dtype) -> tuple[str, quant_linear.QuantWeight] | None:
+    """Symmetric int8 projections (stacked for a fused one) as `Int8Weight`: any group size on
+    the native kernel (float32), one scale per channel on PyTorch's; None when neither holds
+    them."""
+    codes = torch.cat([stored[n][0] for n in names])
+    groups = {stored[n][1].shape[1] for n in names}
+    if len(groups) != 1:
+        return None
+    scale = torch.cat([stored[n][1] for n in names])
+    group_size = codes.shape[1] // scale.shape[1]
+    try:
+        weight = quant_linear.pack_int8(codes.contiguous(), scale, group_size, dtype)
+    except ValueError:
+        return None
+    kind = "per-channel" if group_size == codes.shape[1] else f"g{group_size}"
+    return f"{METHOD} int8 {kind}", weight
 
 
 def _expand(per_group: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,11 @@ Each block type stores `w = q * scale + minimum` with 4-bit codes q:
 - Q4_K: 256 weights in eight sub-blocks of 32, fp16 d and dmin with 6-bit (sc, m) per
   sub-block; `w = d * sc * q - dmin * m`: scale d x sc, minimum -dmin x m.
 The scales are returned as float32 (an fp16 times a 6-bit integer is exact in float32).
+Two types are read as int8 (codes, scale) for the group-wise int8 kernel, exactly:
+- Q8_0: 32 int8 codes and one fp16 d, `w = d * q`: groups of 32.
+- Q6_K: 256 weights, fp16 d and an int8 scale per 16, 6-bit codes q split into 4 low bits
+  (`ql`) and 2 high bits (`qh`), `w = d * sc * (q - 32)`: codes q - 32 (in [-32, 31]) in
+  groups of 16 with scale d x sc (an fp16 times an int8, exact in float32).
 """
 
 from __future__ import annotations
@@ -74,3 +79,37 @@ def int4_groups(data: np.ndarray, qtype: QT, rows: int, cols: int
     groups = cols // GROUP
     return (codes.reshape(rows, cols), scale.reshape(rows, groups),
             minimum.reshape(rows, groups))
+
+
+def _q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return raw[:, 2:].copy().view(np.int8), _f16(raw, 0)
+
+
+def _q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K's 210 bytes: ql [128], qh [64], int8 scales [16], fp16 d. Each half of 128 weights
+    takes 64 bytes of ql and 32 of qh: weight 32 j + l (j = 0..3) has the low nibble of
+    ql[l + 32 (j % 2)] (j < 2: low nibble, else high) and bits 2 j, 2 j + 1 of qh[l]."""
+    ql, qh = raw[:, :128].reshape(-1, 2, 64), raw[:, 128:192].reshape(-1, 2, 32)
+    sc = raw[:, 192:208].copy().view(np.int8).astype(np.float32)
+    low = np.stack([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4,
+                    ql[..., 32:] >> 4], axis=2)  # [blocks, 2, 4, 32]
+    high = np.stack([(qh >> (2 * j)) & 3 for j in range(4)], axis=2)
+    codes = (low | (high << 4)).astype(np.int16) - 32
+    return codes.astype(np.int8).reshape(-1, 16, 16), _f16(raw, 208) * sc
+
+
+# type -> (reader, bytes and weights of a block, weights per scale)
+_INT8_READERS = {QT.Q8_0: (_q8_0, 34, 32, 32), QT.Q6_K: (_q6_k, 210, 256, 16)}
+INT8_TYPES = tuple(_INT8_READERS)
+
+
+def int8_groups(data: np.ndarray, rows: int, cols: int, qtype: QT = QT.Q8_0
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 or Q6_K tensor's raw bytes -> codes int8 `[rows, cols]` and scale float32
+    `[rows, cols / group]` (`w = q * scale`; group 32 for Q8_0, 16 for Q6_K)."""
+    read, block_bytes, block_weights, group = _INT8_READERS[qtype]
+    if cols % block_weights:
+        raise ValueError(f"a row of {cols} weights is not whole {qtype.name} blocks")
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, block_bytes)
+    codes, scale = read(raw)
+    return codes.reshape(rows, cols), scale.reshape(rows, cols // group)

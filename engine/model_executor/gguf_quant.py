@@ -4,9 +4,15 @@ transformers still reads the file (config, norms, embedding, and every tensor de
 is what the float path serves); this module reads the same file's raw blocks with the `gguf`
 package and gives each projection its layout:
 - Q4_0, Q4_1, Q4_K: int4 in groups of 32, the blocks' own codes, scales and minimums (exact);
-- Q8_0: int8 with one scale per output channel, re-quantized from the dequantized weight (a
-  group-wise int8 kernel would keep it exact; PyTorch's takes one scale per channel);
-- anything else (F32, F16, Q5_K, Q6_K, ...): kept in the model's dtype, named in the log.
+- Q8_0 and Q6_K: int8 with their own scales, per group of 32 and of 16 (exact), on our float32
+  kernel; for PyTorch's kernel (other dtypes, no native library), which takes one scale per
+  channel, Q8_0 is re-quantized from the dequantized weight and Q6_K stays float;
+- every other quantized type (Q5_0, Q5_1, Q5_K, Q2_K, Q3_K, IQ*): the nearest layout our
+  float32 kernel holds, int8 in groups of 32 re-quantized from the dequantized weight (each
+  weight within half its group's step, max |w| / 254: finer than the 2-6-bit original), when
+  every part of the projection is such a type;
+- float types (F32, F16, BF16): kept in the model's dtype.
+The log names each projection's layout and whether it is exact.
 A fused projection (q/k/v, gate/up) is quantized only when all its parts share one layout.
 llama.cpp stores Llama's q/k rows permuted; the row order is found by comparing the blocks'
 dequantized rows with transformers' tensor, so a layout we misread is an error at load, never
@@ -26,7 +32,14 @@ from torch import nn
 
 from engine.model_executor import gguf_blocks
 from engine.model_executor.layers import Linear
-from engine.model_executor.quantization import Picker, QuantSummary, apply, hf_parts
+from engine.model_executor.quantization import (
+    Picker,
+    QuantSummary,
+    VocabPicker,
+    apply,
+    hf_parts,
+    requantized_rows,
+)
 from kernels import quant_linear
 
 TensorMap = dict[str, torch.Tensor]
@@ -34,10 +47,13 @@ TensorMap = dict[str, torch.Tensor]
 
 @dataclass(slots=True)
 class GGUFTensor:
-    """One GGUF projection: its block type, and for a 4-bit type its groups in HF row order."""
+    """One GGUF projection: its block type, and for a 4-bit type (codes, scale, minimum), for
+    Q8_0 (codes, scale), per group in HF row order."""
 
     qtype: str
+    rows: int
     int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    int8: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _arch(reader: Any) -> str:
@@ -56,19 +72,44 @@ def _row_orders(rows: int, config: Any) -> list[np.ndarray]:
     return orders
 
 
-def _in_hf_order(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray,
-                 reference: torch.Tensor, config: Any) -> GGUFTensor | None:
-    """The groups reordered to match transformers' dequantized tensor, or None if no order
-    does (a layout not read right)."""
-    deq = codes.astype(np.float32).reshape(*scale.shape, -1) * scale[..., None] + minimum[..., None]
+def _in_hf_order(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None,
+                 reference: torch.Tensor, config: Any) -> tuple[torch.Tensor, ...] | None:
+    """The groups (codes, scale[, minimum]) reordered to match transformers' dequantized
+    tensor, or None if no order does (a layout not read right)."""
+    deq = codes.astype(np.float32).reshape(*scale.shape, -1) * scale[..., None]
+    if minimum is not None:
+        deq = deq + minimum[..., None]
     deq = deq.reshape(codes.shape)
     ref = reference.detach().float().numpy()
     tol = 1e-6 * max(float(np.abs(ref).max()), 1e-30)
+    arrays = (codes, scale) if minimum is None else (codes, scale, minimum)
     for order in _row_orders(codes.shape[0], config):
         if np.allclose(deq[order], ref, rtol=1e-6, atol=tol):
-            return GGUFTensor("", tuple(torch.from_numpy(np.ascontiguousarray(a[order]))
-                                        for a in (codes, scale, minimum)))
+            return tuple(torch.from_numpy(np.ascontiguousarray(a[order])) for a in arrays)
     return None
+
+
+def _groups(tensor: Any, qtype: Any, reference: torch.Tensor, config: Any) -> GGUFTensor:
+    """The tensor's groups in HF row order (int4 or Q8_0; other types: only the type)."""
+    rows, cols = reference.shape
+    entry = GGUFTensor(qtype.name, rows)
+    data = np.asarray(tensor.data)
+    if qtype in gguf_blocks.INT4_TYPES:
+        ordered = _in_hf_order(*gguf_blocks.int4_groups(data, qtype, rows, cols), reference,
+                               config)
+    elif qtype in gguf_blocks.INT8_TYPES:
+        ordered = _in_hf_order(*gguf_blocks.int8_groups(data, rows, cols, qtype), None,
+                               reference, config)
+    else:
+        return entry
+    if ordered is None:
+        raise ValueError(f"GGUF tensor {tensor.name} ({qtype.name}) does not match its "
+                         f"dequantized form in any known row order")
+    if len(ordered) == 3:
+        entry.int4 = ordered  # type: ignore[assignment]
+    else:
+        entry.int8 = ordered  # type: ignore[assignment]
+    return entry
 
 
 def read(path: Path, state: TensorMap, config: Any) -> dict[str, GGUFTensor]:
@@ -92,17 +133,8 @@ def read(path: Path, state: TensorMap, config: Any) -> dict[str, GGUFTensor]:
         tensor = tensors.get(f"{gguf_name}.weight") if gguf_name else None
         if tensor is None:
             continue
-        qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
-        entry = GGUFTensor(qtype.name)
-        if qtype in gguf_blocks.INT4_TYPES:
-            rows, cols = reference.shape
-            groups = gguf_blocks.int4_groups(np.asarray(tensor.data), qtype, rows, cols)
-            ordered = _in_hf_order(*groups, reference, config)
-            if ordered is None:
-                raise ValueError(f"GGUF tensor {gguf_name} ({qtype.name}) does not match its "
-                                 f"dequantized form in any known row order")
-            entry.int4 = ordered.int4
-        out[key] = entry
+        out[key] = _groups(tensor, gguf.GGMLQuantizationType(tensor.tensor_type), reference,
+                           config)
     return out
 
 
@@ -119,9 +151,25 @@ def picker(tensors: dict[str, GGUFTensor], dtype: torch.dtype) -> Picker:
             codes, scale, minimum = (torch.cat(cols) for cols in zip(*groups, strict=True))
             return (f"int4 g32 ({'+'.join(qtypes)}, exact)",
                     quant_linear.pack_int4(codes, scale, minimum, gguf_blocks.GROUP, dtype))
+        int8 = [p.int8 for p in parts if p is not None and p.int8 is not None]
+        native = quant_linear.native_for(dtype)
+        if len(int8) == len(parts) and native:
+            codes, scale = _stacked(int8)
+            group = codes.shape[1] // scale.shape[1]
+            return (f"int8 g{group} ({'+'.join(qtypes)}, exact)",
+                    quant_linear.pack_int8(codes, scale, group, dtype))
         if qtypes == ["Q8_0"]:
             return "int8 per-channel (Q8_0 re-quantized)", quant_linear.quantize_int8(
                 linear.weight, dtype)
+        int4 = {t.name for t in gguf_blocks.INT4_TYPES}
+        if (native and not set(qtypes) & {*FLOAT_TYPES, *int4}
+                and linear.weight.shape[1] % gguf_blocks.GROUP == 0):
+            codes, scale = _stacked(_int8_parts([p for p in parts if p is not None],
+                                                linear.weight))
+            group = codes.shape[1] // scale.shape[1]
+            return (f"int8 g{group} ({'+'.join(qtypes)}: "
+                    f"{'+'.join(t for t in qtypes if t not in ('Q8_0', 'Q6_K'))} re-quantized, "
+                    "within half a step)", quant_linear.pack_int8(codes, scale, group, dtype))
         return f"{kept} (from {'+'.join(qtypes)})", None
     return pick
 
@@ -129,10 +177,62 @@ def picker(tensors: dict[str, GGUFTensor], dtype: torch.dtype) -> Picker:
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
+def _stacked(int8: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parts' (codes, scale) stacked along the output, their scales repeated to the smallest
+    group (a Q8_0 scale of 32 is two equal scales of 16 next to Q6_K's): still exact."""
+    groups = [c.shape[1] // s.shape[1] for c, s in int8]
+    small = min(groups)
+    scales = [s.repeat_interleave(g // small, dim=1) for (_, s), g in zip(int8, groups,
+                                                                         strict=True)]
+    return torch.cat([c for c, _ in int8]), torch.cat(scales)
+
+
+def requantized_groups(weight: torch.Tensor, group: int = gguf_blocks.GROUP
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 (codes, scale) per group of `group` inputs of a float weight: each weight
+    within half its group's step (max |w| / 254)."""
+    w = weight.detach().float()
+    g = w.reshape(w.shape[0], -1, group)
+    scale = g.abs().amax(-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (g / safe[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(w.shape)
+    return codes, scale
+
+
+def _int8_parts(parts: list[GGUFTensor], weight: torch.Tensor
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each part of a fused projection as int8 (codes, scale): Q8_0 and Q6_K as stored, the
+    others re-quantized from their rows of the dequantized weight."""
+    out, row = [], 0
+    for part in parts:
+        out.append(part.int8 if part.int8 is not None
+                   else requantized_groups(weight[row:row + part.rows]))
+        row += part.rows
+    return out
+
+
+def vocab_picker(tensors: dict[str, GGUFTensor], dtype: torch.dtype, source: str
+                 ) -> VocabPicker:
+    """A Q8_0 or Q6_K embedding or LM head exactly (its groups of 32 or 16) on our float32
+    kernel; any other quantized one (or for PyTorch's kernel) re-quantized per row."""
+    fallback = requantized_rows(source, dtype)
+
+    def pick(name: str, weight: torch.Tensor) -> tuple[str, quant_linear.Int8Weight]:
+        entry = tensors.get(name)
+        if entry is not None and entry.int8 is not None and quant_linear.native_for(dtype):
+            codes, scale = entry.int8
+            group = codes.shape[1] // scale.shape[1]
+            return (f"int8 g{group} ({entry.qtype}, exact)",
+                    quant_linear.pack_int8(codes, scale, group, dtype))
+        return fallback(name, weight)
+    return pick
+
+
 def keeper(tensors: dict[str, GGUFTensor], dtype: torch.dtype, label: str
            ) -> Callable[[nn.Module], QuantSummary]:
     """What the loader runs on the loaded model: the projections by `picker`, and the
-    embedding (with the LM head) as int8 rows when the file stored it quantized."""
+    embedding (with the LM head) as int8 when the file stored it quantized."""
     embedding = tensors.get("model.embed_tokens")
-    vocab = None if embedding is None or embedding.qtype in FLOAT_TYPES else embedding.qtype
+    vocab = None if embedding is None or embedding.qtype in FLOAT_TYPES else vocab_picker(
+        tensors, dtype, embedding.qtype)
     return lambda model: apply(model, picker(tensors, dtype), f"gguf ({label})", vocab)

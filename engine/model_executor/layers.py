@@ -86,8 +86,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
-            out = quant_linear.matmul(x, self.quant)
-            return out if self.bias is None else out + self.bias
+            return quant_linear.matmul(x, self.quant, self.bias)
         packed = self._packed
         if packed is not None and x.dim() == 2 and x.dtype == self.weight.dtype and not (
                 torch.is_grad_enabled() and self.weight.requires_grad):

@@ -6,7 +6,9 @@ kept as they are, engine/model_executor/gguf_quant.py), and two of ours for a fl
 quantized at load: `int4` (asymmetric 4-bit, groups of 32) and `int8` (symmetric, one scale per
 output channel). The decoder layers' projections are quantized; the embedding and the LM head
 stay in the model's dtype, except a GGUF's quantized embedding, served as int8 rows. CPU only,
-no tensor parallelism (the packed kernels are PyTorch's CPU ones).
+no tensor parallelism. With float32 activations the weights run on our native kernel
+(kernels/cpu_native/quant_gemm.py), otherwise on PyTorch's packed CPU kernels; the log names
+the kernel of each format.
 """
 
 from __future__ import annotations
@@ -77,6 +79,18 @@ def on_the_fly(method: str, dtype: torch.dtype) -> Picker:
     return pick
 
 
+# (module name, float weight) -> (format named in the log, the int8 weight) for the vocabulary.
+VocabPicker = Callable[[str, torch.Tensor], "tuple[str, quant_linear.Int8Weight]"]
+
+
+def requantized_rows(source: str, dtype: torch.dtype) -> VocabPicker:
+    """Each row re-quantized to int8 with one scale (each weight moves by at most half its
+    row's step, max |row| / 254)."""
+    def pick(name: str, weight: torch.Tensor) -> tuple[str, quant_linear.Int8Weight]:
+        return f"int8 per row ({source} re-quantized)", quant_linear.quantize_int8(weight, dtype)
+    return pick
+
+
 class Int8Embedding(nn.Module):
     """An embedding looked up from int8 rows with one scale each; the tied LM head multiplies
     by the same codes (`Linear.quantize` with the same `Int8Weight`)."""
@@ -90,34 +104,34 @@ class Int8Embedding(nn.Module):
         return quant_linear.int8_rows(ids, self.weight_q)
 
 
-def quantize_vocab(model: nn.Module, dtype: torch.dtype, source: str) -> str:
-    """The embedding (and the LM head, tied or not) as int8 per row; returns the log's words.
-    Each weight moves by at most half its row's step (max |row| / 254)."""
+def quantize_vocab(model: nn.Module, pick: VocabPicker) -> str:
+    """The embedding (and the LM head, tied or not) as int8 by `pick`; returns the log's
+    words."""
     inner: Any = model.model
-    embedding = quant_linear.quantize_int8(inner.embed_tokens.weight, dtype)
+    fmt, embedding = pick("model.embed_tokens", inner.embed_tokens.weight)
     head: Any = model.lm_head
     tied = head.weight is inner.embed_tokens.weight
-    head.quantize(embedding if tied else quant_linear.quantize_int8(head.weight, dtype))
+    head.quantize(embedding if tied else pick("lm_head", head.weight)[1])
     inner.embed_tokens = Int8Embedding(embedding)
-    return (f"embedding{' and tied LM head' if tied else ' and LM head'}: int8 per row "
-            f"({source} re-quantized)")
+    return (f"embedding{' and tied LM head' if tied else ' and LM head'}: {fmt}, "
+            f"{embedding.kernel} kernel")
 
 
-def apply(model: nn.Module, pick: Picker, label: str, vocab: str | None = None
+def apply(model: nn.Module, pick: Picker, label: str, vocab: VocabPicker | None = None
           ) -> QuantSummary:
-    """Quantize each decoder projection `pick` gives a layout for, and with `vocab` (the
-    quantized type the embedding was stored in) the embedding and LM head as int8 rows; log
-    what runs in which format. Call after the weights are loaded, before `pack_weights`."""
+    """Quantize each decoder projection `pick` gives a layout for, and with `vocab` the
+    embedding and LM head as int8 rows; log what runs in which format on which kernel. Call
+    after the weights are loaded, before `pack_weights`."""
     summary = QuantSummary()
     if vocab is not None:
-        inner: Any = model.model
-        summary.vocab = quantize_vocab(model, inner.embed_tokens.weight.dtype, vocab)
+        summary.vocab = quantize_vocab(model, vocab)
     for name, linear in projections(model):
         fmt, weight = pick(name, linear)
-        summary.add(fmt, name)
         if weight is None:
+            summary.add(fmt, name)
             summary.weight_bytes += linear.weight.nbytes
             continue
+        summary.add(f"{fmt} [{weight.kernel} kernel]", name)
         linear.quantize(weight)
         summary.weight_bytes += weight.nbytes()
     logger.info("quantization %s: decoder projections %s", label, summary.describe())

@@ -15,7 +15,8 @@ The modules, one job each:
 - `gemm`: weight packing (in the loaded level's panel width) and the matrix products;
 - `gemm_bf16`: the bf16 product over weights packed in bf16 pairs;
 - `decoder_stack`: `DecoderStack`;
-- `lora`: the LoRA delta of a step's adapters in one call per projection.
+- `lora`: the LoRA delta of a step's adapters in one call per projection;
+- `quant_gemm`: int4/int8 weights packed once, multiplied with float32 activations.
 Callers use the names re-exported here (`from kernels import cpu_native`).
 
 "Cannot run here" is said one way. The library cannot run a call when it is not loaded (no
@@ -57,6 +58,13 @@ from kernels.cpu_native.ops import (
     store_kv,
     usable,
 )
+from kernels.cpu_native.quant_gemm import (
+    pack_q4,
+    pack_q8,
+    q8_rows,
+    quant_available,
+    quant_gemm,
+)
 
 __all__ = [
     "DecoderStack",
@@ -78,8 +86,13 @@ __all__ = [
     "pack_gate_up_weight",
     "pack_gemm_weight",
     "pack_gemm_weight_bf16",
+    "pack_q4",
+    "pack_q8",
     "paged_rows",
     "prefill_tiles",
+    "q8_rows",
+    "quant_available",
+    "quant_gemm",
     "qk_norm_inplace",
     "rope_inplace",
     "silu_mul",

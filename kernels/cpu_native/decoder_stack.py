@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -39,17 +40,38 @@ def _packed_ok(w: torch.Tensor | None, n: int, k: int, panel: int, dtype: torch.
     return w.dtype == torch.int32 and tuple(w.shape) == (-(-n // panel), k // 2, panel)
 
 
-def _check_layers(layers: list[dict[str, torch.Tensor | None]], shapes: dict[str, int],
-                  panels: dict[str, tuple[int, int]], panel: int, dtype: torch.dtype,
-                  head_dim: int) -> list[bool]:
-    """ValueError naming the first weight not in the stack's layout; each layer's q/k norm."""
+def _quant_ok(w: torch.Tensor | None, bits: int, group: int, n: int, k: int, panel: int) -> bool:
+    """A `pack_q4`/`pack_q8` weight of `[n, k]` in groups of `group`."""
+    blk = int(loaded().kp_quant_block_bytes(bits, group)) if group > 0 else -1
+    return (w is not None and blk > 0 and k % group == 0 and w.dtype == torch.uint8
+            and w.is_contiguous() and w.device.type == "cpu"
+            and w.numel() == -(-n // panel) * (k // group) * blk)
+
+
+def _check_layers(layers: list[dict], dims: tuple[int, int, int, int], panel: int,
+                  dtype: torch.dtype, head_dim: int) -> list[bool]:
+    """ValueError naming the first weight not in the stack's layout (a layer's `formats`:
+    int4/int8 projections, float32 stacks only); each layer's q/k norm."""
+    hidden, qkv, q, inter = dims
     for i, layer in enumerate(layers):
+        fmt = layer.get("formats") or {}
+        if fmt and dtype != torch.float32:
+            raise ValueError("quantized projections run in the float32 stack only")
+        # fp32: gate/up as panel pairs (gemm_silu) unless quantized; bf16: plain
+        plain = dtype != torch.float32 or "gate_up_w" in fmt
+        padded = 2 * inter if plain else 2 * -(-inter // panel) * panel
+        shapes = {"in_norm": hidden, "post_norm": hidden, "qkv_b": qkv, "o_b": hidden,
+                  "gate_up_b": padded, "down_b": hidden}
         for key, n in shapes.items():
             if not _f32_vector(layer.get(key), n, dtype):
                 raise ValueError(f"layer {i}: {key} is not a contiguous {_NAME[dtype]} CPU vector "
                                  f"of {n}")
+        panels = {"qkv_w": (qkv, hidden), "o_w": (hidden, q), "gate_up_w": (padded, hidden),
+                  "down_w": (hidden, inter)}
         for key, (n, k) in panels.items():
-            if not _packed_ok(layer[key], n, k, panel, dtype):
+            ok = (_quant_ok(layer[key], *fmt[key], n, k, panel) if key in fmt
+                  else _packed_ok(layer[key], n, k, panel, dtype))
+            if not ok:
                 raise ValueError(f"layer {i}: {key} is not a packed [{n}, {k}] weight")
     qk_norm = [layer.get("q_norm") is not None for layer in layers]
     if any(qk_norm) and not all(qk_norm):
@@ -64,11 +86,24 @@ def _check_layers(layers: list[dict[str, torch.Tensor | None]], shapes: dict[str
     return qk_norm
 
 
+def _quant_formats(layers: list[dict]) -> tuple[Any, Any, bool]:
+    """Each layer's (bits, group) per projection as the struct's arrays (0: float), and
+    whether any projection is quantized."""
+    formats = [(layer.get("formats") or {}).get(key, (0, 0)) for layer in layers
+               for key in ("qkv_w", "o_w", "gate_up_w", "down_w")]
+    bits = (ctypes.c_int32 * len(formats))(*[b for b, _ in formats])
+    groups = (ctypes.c_int64 * len(formats))(*[g for _, g in formats])
+    return bits, groups, any(b for b, _ in formats)
+
+
 class DecoderStack:
     """A Llama-family decoder stack's weights, laid out for `kp_decoder_stack_f32` (or, with
     bf16 norms, tables and caches, `kp_decoder_stack_bf16`: weights from
     `pack_gemm_weight_bf16`, gate/up one plain packed [2 * inter, hidden] weight with a plain
-    bias, no q/k norm; the dtype is `final_norm`'s).
+    bias, no q/k norm; the dtype is `final_norm`'s). A layer's optional `formats` maps a
+    weight key (`qkv_w`, `o_w`, `gate_up_w`, `down_w`) to (bits, group) for a weight-only
+    quantized projection packed by `pack_q4`/`pack_q8` (float32 stacks; gate/up then the fused
+    `[2 * inter, hidden]` weight, its bias unpadded).
 
     `layers` holds, per layer, the packed weights (`pack_gemm_weight`; gate/up from
     `pack_gate_up_weight`, its bias from `pack_gate_up_bias`) and optional biases of
@@ -95,11 +130,7 @@ class DecoderStack:
         q, kv = heads * head_dim, kv_heads * head_dim
         # fp32: gate/up as panel pairs (gemm_silu); bf16: plain, SiLU after the product
         padded = 2 * -(-inter // panel) * panel if dtype == torch.float32 else 2 * inter
-        shapes = {"in_norm": hidden, "post_norm": hidden, "qkv_b": q + 2 * kv, "o_b": hidden,
-                  "gate_up_b": padded, "down_b": hidden}
-        panels = {"qkv_w": (q + 2 * kv, hidden), "o_w": (hidden, q), "gate_up_w": (padded, hidden),
-                  "down_w": (hidden, inter)}
-        qk_norm = _check_layers(layers, shapes, panels, panel, dtype, head_dim)
+        qk_norm = _check_layers(layers, (hidden, q + 2 * kv, q, inter), panel, dtype, head_dim)
         windows = windows or [None] * len(layers)
         if len(windows) != len(layers) or any(w is not None and not 0 < w < 2**31
                                                for w in windows):
@@ -122,11 +153,14 @@ class DecoderStack:
             *[(layer[key].data_ptr() if layer.get(key) is not None else None) for layer in layers])
             for key in keys}
         self._windows = (ctypes.c_int32 * len(layers))(*[w or 0 for w in windows])
+        self._qbits, self._qgroup, quantized = _quant_formats(layers)
         self._struct = abi.DecoderStackStruct(
             layers=len(layers), hidden=hidden, heads=heads, kv_heads=kv_heads,
             head_dim=head_dim, inter=inter, max_positions=cos.shape[0], eps=eps, scale=scale,
             final_norm=final_norm.data_ptr(), cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
             window=ctypes.addressof(self._windows) if any(windows) else None,
+            qbits=ctypes.addressof(self._qbits) if quantized else None,
+            qgroup=ctypes.addressof(self._qgroup) if quantized else None,
             **{key: ctypes.cast(arr, _ptrs) for key, arr in self._arrays.items()})
         self._kv_key: tuple | None = None
         self._scratch = torch.empty(0, dtype=dtype)

@@ -11,11 +11,25 @@
  *
  * The caller owns every buffer (activations for T rows, the attention rows' metadata) and
  * checks shapes; this file only runs the sequence and reports out-of-range positions or slots.
- * The gate/up weight comes as panel pairs (kp_gemm_silu_f32), as the MLP module packs it.
+ * The gate/up weight comes as panel pairs (kp_gemm_silu_f32), as the MLP module packs it. A
+ * weight-only quantized projection (m->qbits) runs kp_quant_gemm_f32 instead; its gate/up is
+ * one fused weight, followed by kp_silu_mul_f32, as the per-layer modules do.
  */
 #include <string.h>
 
 #include "kp_native.h"
+
+enum { QKV, O, GATE_UP, DOWN };
+
+/* y = x W^T (+ b) for projection j of layer l, in its format; nonzero: refused. */
+static int project(const kp_decoder_stack *m, int64_t l, int j, const float *x, int64_t ldx,
+                   int64_t T, const void *w, int64_t K, int64_t N, const float *b, float *y,
+                   int64_t ldy) {
+    const int32_t bits = m->qbits ? m->qbits[4 * l + j] : 0;
+    if (!bits) return kp_gemm_f32(x, ldx, T, (const float *)w, K, N, b, y, ldy);
+    return kp_quant_gemm_f32(x, ldx, T, (const uint8_t *)w, bits, m->qgroup[4 * l + j], K, N, b,
+                             y, ldy);
+}
 
 int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
     const int64_t T = s->tokens, H = m->hidden, hd = m->head_dim;
@@ -30,7 +44,8 @@ int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
         kp_add_rms_norm_f32(s->x, H, l ? s->residual : 0, m->in_norm[l], s->normed, T, H, m->eps);
         if (l == 0)  /* the first residual is the embedding itself */
             memcpy(s->residual, s->x, (size_t)(T * H) * sizeof(float));
-        if (kp_gemm_f32(s->normed, H, T, m->qkv_w[l], H, qkv_size, m->qkv_b[l], s->qkv, qkv_size))
+        if (project(m, l, QKV, s->normed, H, T, m->qkv_w[l], H, qkv_size, m->qkv_b[l], s->qkv,
+                    qkv_size))
             return -4;
         if (m->q_norm)
             kp_qk_norm_f32(s->qkv, qkv_size, T, m->heads, m->kv_heads, hd, m->q_norm[l],
@@ -47,13 +62,21 @@ int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
             s->row_lens, s->tok_idx, s->seq_idx, T, m->scale, m->window ? m->window[l] : 0, 0.0f,
             s->attn, q_size);
         if (rc) return rc == -2 ? -5 : -3;
-        if (kp_gemm_f32(s->attn, q_size, T, m->o_w[l], q_size, H, m->o_b[l], s->x, H))
+        if (project(m, l, O, s->attn, q_size, T, m->o_w[l], q_size, H, m->o_b[l], s->x, H))
             return -4;
         kp_add_rms_norm_f32(s->x, H, s->residual, m->post_norm[l], s->normed, T, H, m->eps);
-        if (kp_gemm_silu_f32(s->normed, H, T, m->gate_up_w[l], H, m->inter, m->gate_up_b[l],
-                             s->gate_up, gu_width, s->act, m->inter))
+        if (m->qbits && m->qbits[4 * l + GATE_UP]) {
+            /* gate_up is [T, 2 inter] here, within the scratch's T x gu_width */
+            if (project(m, l, GATE_UP, s->normed, H, T, m->gate_up_w[l], H, 2 * m->inter,
+                        m->gate_up_b[l], s->gate_up, 2 * m->inter))
+                return -4;
+            kp_silu_mul_f32(s->gate_up, s->act, T, m->inter);
+        } else if (kp_gemm_silu_f32(s->normed, H, T, m->gate_up_w[l], H, m->inter,
+                                    m->gate_up_b[l], s->gate_up, gu_width, s->act, m->inter)) {
             return -4;
-        if (kp_gemm_f32(s->act, m->inter, T, m->down_w[l], m->inter, H, m->down_b[l], s->x, H))
+        }
+        if (project(m, l, DOWN, s->act, m->inter, T, m->down_w[l], m->inter, H, m->down_b[l],
+                    s->x, H))
             return -4;
     }
     kp_add_rms_norm_f32(s->x, H, s->residual, m->final_norm, s->out, T, H, m->eps);

@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define KP_ABI_VERSION 8
+#define KP_ABI_VERSION 9
 
 /* Output columns per packed GEMM weight panel: three vectors where the register file holds 32
  * (AVX-512: an 8 x 48 tile), two where it holds 16 (AVX2: 6 x 16). A packed weight fits only
@@ -165,6 +165,21 @@ KP_API int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float 
                             int64_t K, int64_t inter, const float *bias, float *gu, int64_t ldgu,
                             float *act, int64_t ldact);
 
+/* ---- weight-only quantized GEMM, float32 activations (quant_gemm.c) ---- */
+
+/* Bytes of one packed group block (one panel of KP_GEMM_PANEL outputs, `group` weights along
+ * k): bits 4, [scales][minimums][group / 2 rows of nibble pairs]; bits 8, [scales][group rows
+ * of int8 codes]; the layout is spelled out in quant_gemm.c. -1: bits not 4 or 8, or a group
+ * that is not positive (and even for 4 bits). */
+KP_API int64_t kp_quant_block_bytes(int32_t bits, int64_t group);
+
+/* y [M, N] = x [M, K] times a weight packed as above (+ bias): w = q * scale + minimum (4 bits)
+ * or q * scale (8 bits), dequantized in registers. -1: bits, group or K not as the packing
+ * requires (K a multiple of group). */
+KP_API int kp_quant_gemm_f32(const float *x, int64_t ldx, int64_t M, const uint8_t *packed,
+                             int32_t bits, int64_t group, int64_t K, int64_t N,
+                             const float *bias, float *y, int64_t ldy);
+
 /* ---- bf16 GEMM over pair-packed weights (gemm_bf16.c) ---- */
 
 /* y [M, N] = bf16(x [M, K] times a weight packed in KP_GEMM_PANEL-column panels of bf16 pairs
@@ -198,6 +213,12 @@ typedef struct {
     const float *cos_table, *sin_table;
     const int32_t *window;
     const float *const *q_norm, *const *k_norm;
+    /* Weight-only quantized projections: per layer, the format of qkv, o, gate_up and down
+     * (entries 4 l .. 4 l + 3): 0 fp32 panels (gemm.c; gate/up as panel pairs), 4 or 8 a
+     * quant_gemm.c weight in groups of qgroup[same entry] (gate/up then one [2 inter, hidden]
+     * weight, gate rows first, and its bias unpadded). NULL: every projection fp32. */
+    const int32_t *qbits;
+    const int64_t *qgroup;
 } kp_decoder_stack;
 
 /* One step: T new tokens (their embeddings in x, which is overwritten) and scratch for each

@@ -13,19 +13,21 @@ from gguf import GGMLQuantizationType as QT
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 96
 _PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
-# (low, high) of each fp16 field set in a block: a scale (d) and, where the type has one, its
-# minimum (Q4_1's m) or the super-block's dmin (Q4_K), so weights come out about +-0.1.
-_FIELDS = {QT.Q4_0: [(0.005, 0.015)], QT.Q4_1: [(0.005, 0.015), (-0.1, -0.01)],
-           QT.Q4_K: [(5e-5, 1.5e-4), (5e-4, 1.5e-3)], QT.Q8_0: [(4e-4, 1e-3)]}
+# (byte offset, low, high) of each fp16 field set in a block: a scale (d) and, where the type
+# has one, its minimum (Q4_1's m) or the super-block's dmin (Q4_K, Q5_K), so weights come out
+# about +-0.1 (Q6_K's d sits at the end of its block, after int8 sub-block scales).
+_FIELDS = {QT.Q4_0: [(0, 0.005, 0.015)], QT.Q4_1: [(0, 0.005, 0.015), (2, -0.1, -0.01)],
+           QT.Q4_K: [(0, 5e-5, 1.5e-4), (2, 5e-4, 1.5e-3)], QT.Q8_0: [(0, 4e-4, 1e-3)],
+           QT.Q5_K: [(0, 5e-5, 1.5e-4), (2, 5e-4, 1.5e-3)], QT.Q6_K: [(208, 1e-5, 3e-5)]}
 
 
 def random_blocks(qtype: QT, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Raw blocks `[rows, bytes per row]`: random codes and scales in a useful range."""
     block_weights, block_bytes = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // block_weights, block_bytes), dtype=np.uint8)
-    for i, (lo, hi) in enumerate(_FIELDS[qtype]):
+    for offset, lo, hi in _FIELDS[qtype]:
         values = rng.uniform(lo, hi, raw.shape[:2]).astype(np.float16)
-        raw[..., 2 * i:2 * i + 2] = values[..., None].view(np.uint8)
+        raw[..., offset:offset + 2] = values[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
 
 

@@ -138,7 +138,8 @@ def test_the_loaded_library_is_this_machines_level() -> None:
 _NATIVE_TESTS = ("tests/kernels/test_cpu_ops.py", "tests/kernels/test_gemm.py",
                  "tests/kernels/test_cpu_backend.py", "tests/kernels/test_lora_native.py",
                  "tests/kernels/test_decoder_stack.py", "tests/kernels/test_paged_bf16.py",
-                 "tests/kernels/test_cpu_ops_bf16.py", "tests/kernels/test_gemm_bf16.py")
+                 "tests/kernels/test_cpu_ops_bf16.py", "tests/kernels/test_quant_gemm.py",
+                 "tests/kernels/test_gemm_bf16.py")
 # What differs by level is the native code (the GEMM, the attention paths, the fused ops, the
 # stack): the CPU backend's torch-only cases (other dtypes, native off) do not change with it,
 # and its decode-rows-only routing covers a subset of the all-rows one; the default run has them.
@@ -152,6 +153,8 @@ _AVX2_MUST_PASS = (
     "test_decoder_stack.py::test_stack_equals_per_layer_modules_bit_for_bit[mistral_window]",
     "test_decoder_stack.py::test_stack_equals_per_layer_modules_bit_for_bit[qwen3_qk_norm]",
     "test_paged_bf16.py::test_bf16_rows_equal_fp32_attention_over_the_same_values[h4x4-d72-bs16]",
+    "test_quant_gemm.py::test_int4_matches_the_dequantized_weight[50-96-32-17]",
+    "test_quant_gemm.py::test_int8_groups_match_the_dequantized_weight[113-160-32-3]",
     "test_gemm_bf16.py::test_gemm_bf16_is_the_fp32_product_rounded_once[97-160-13]",
 )
 

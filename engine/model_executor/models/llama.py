@@ -28,6 +28,7 @@ from engine.model_executor.layers import (
 )
 from engine.model_executor.models.architectures import architecture_of
 from engine.model_executor.models.hf_checkpoint import TransformersCheckpoint
+from engine.model_executor.models.native_stack import build_native_stack
 from engine.model_executor.parallel_layers import RowParallelLinear, VocabParallelEmbedding
 from engine.model_executor.tp_layout import TPLayout
 from kernels import cpu_native
@@ -314,72 +315,8 @@ class LlamaForCausalLM(TransformersCheckpoint):
             return "norms with different epsilons"
         return None
 
-    def _projections_declined(self, layers: list[nn.Module], bf16: bool) -> str | None:
-        """Why the stack cannot take these layers, or None. bf16 needs every projection on the
-        native bf16 GEMM and attention whose rows all go to the native kernel per layer too
-        (no window, a head dim the bf16 prefill tiles take: else prefill takes SDPA)."""
-        if not bf16:
-            linears = [m for layer in layers for m in layer.modules()
-                       if isinstance(m, Linear) and m is not layer.mlp.gate_up_proj]
-            if (not linears or not all(m._native for m in linears)
-                    or any(layer.mlp._fused is None for layer in layers)):
-                return "a projection is not on the native GEMM"
-            return None
-        if any(type(layer.mlp) is not SwiGLUMLP for layer in layers):
-            return "a sparse (mixture-of-experts) MLP in bf16"
-        linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
-        if not linears or not all(m._bf16_native for m in linears):
-            return "a projection is not on the native bf16 GEMM"
-        if any(layer.self_attn.q_norm is not None for layer in layers):
-            return "q/k norm in bf16"
-        if any(layer.self_attn.attn.window for layer in layers):
-            return "sliding windows in bf16 (their prefill rows take SDPA)"
-        if not cpu_native.bf16_prefill_tiles(self.head_dim):
-            return f"head dim {self.head_dim} in bf16 (its prefill rows take SDPA)"
-        return None
-
     def _build_native_stack(self) -> cpu_native.DecoderStack | None:
-        self.native_stack_declined = self.native_stack_unsupported()
-        if self.native_stack_declined is not None:
-            logger.info("decoder stack stays on per-layer modules: the native stack has no %s",
-                        self.native_stack_declined)
-            return None
-        layers = list(self.model.layers)
-        bf16 = self.model.norm.weight.dtype == torch.bfloat16
-        self.native_stack_declined = self._projections_declined(layers, bf16)
-        if self.native_stack_declined is not None:
-            logger.info("decoder stack stays on per-layer modules: %s", self.native_stack_declined)
-            return None
-        eps = self.model.norm.eps
-
-        def bias(linear: Linear) -> torch.Tensor | None:
-            return None if linear.bias is None else linear.bias.detach()
-
-        weights = []
-        for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            gate_up = ({"gate_up_w": mlp.gate_up_proj._packed, "gate_up_b": bias(mlp.gate_up_proj)}
-                       if bf16 else {"gate_up_w": mlp._fused, "gate_up_b": mlp._fused_bias})
-            weights.append({**gate_up,
-                **({} if attn.q_norm is None else {"q_norm": attn.q_norm.weight.detach(),
-                                                   "k_norm": attn.k_norm.weight.detach()}),
-                "in_norm": layer.input_layernorm.weight.detach(),
-                "post_norm": layer.post_attention_layernorm.weight.detach(),
-                "qkv_w": attn.qkv_proj._packed, "qkv_b": bias(attn.qkv_proj),
-                "o_w": attn.o_proj._packed, "o_b": bias(attn.o_proj),
-                "down_w": mlp.down_proj._packed, "down_b": bias(mlp.down_proj)})
-        try:
-            return cpu_native.DecoderStack(
-                weights, self.model.norm.weight.detach(), self.rotary_emb.cos,
-                self.rotary_emb.sin, hidden=self.hidden_size, heads=self.num_heads,
-                kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                inter=layers[0].mlp.intermediate_size, eps=eps,
-                scale=layers[0].self_attn.attn.scale,
-                windows=[layer.self_attn.attn.window for layer in layers])
-        except ValueError as exc:
-            self.native_stack_declined = str(exc)
-            logger.info("decoder stack stays on per-layer modules: %s", exc)
-            return None
+        return build_native_stack(self)
 
     def tie_weights(self) -> None:
         """Share the LM head with the input embedding when the config says so."""

@@ -1,0 +1,102 @@
+"""The one-call native decoder stack of a Llama-family model (kernels/csrc/decoder_stack.c):
+whether a model's layers can take it, and its per-layer weights as `DecoderStack` reads them
+(float32 panels, weight-only quantized projections, or bf16 pairs)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.model_executor.layers import Linear, SwiGLUMLP
+from kernels import cpu_native, quant_linear
+
+logger = logging.getLogger("engine")
+
+
+def _stack_ready(mlp: nn.Module, linear: Linear) -> bool:
+    """Whether the native decoder stack runs this projection: fp32 panels (gate/up as the MLP's
+    panel pairs) or a weight on our quantized kernel."""
+    if linear.quant is not None:
+        return getattr(linear.quant, "kernel", None) == "native"  # Triton weights: no
+    return mlp._fused is not None if linear is mlp.gate_up_proj else linear._native
+
+
+def _stack_weight(linear: Linear, key: str, formats: dict[str, tuple[int, int]]
+                  ) -> dict[str, torch.Tensor | None]:
+    """`{key}_w` and `{key}_b` for the stack; a quantized weight's (bits, group) to `formats`."""
+    quant = linear.quant
+    if quant is not None:
+        formats[f"{key}_w"] = (quant_linear.bits_of(quant), quant.group_size)
+    return {f"{key}_w": linear._packed if quant is None else quant.packed,
+            f"{key}_b": None if linear.bias is None else linear.bias.detach()}
+
+
+def projections_declined(model: Any, layers: list[nn.Module], bf16: bool) -> str | None:
+    """Why the stack cannot take these layers, or None. bf16 needs every projection on the
+    native bf16 GEMM and attention whose rows all go to the native kernel per layer too
+    (no window, a head dim the bf16 prefill tiles take: else prefill takes SDPA)."""
+    if not bf16:
+        if not all(_stack_ready(layer.mlp, m) for layer in layers for m in layer.modules()
+                   if isinstance(m, Linear)):
+            return "a projection is not on the native GEMM"
+        return None
+    if any(type(layer.mlp) is not SwiGLUMLP for layer in layers):
+        return "a sparse (mixture-of-experts) MLP in bf16"
+    linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
+    if not linears or not all(m._bf16_native for m in linears):
+        return "a projection is not on the native bf16 GEMM"
+    if any(layer.self_attn.q_norm is not None for layer in layers):
+        return "q/k norm in bf16"
+    if any(layer.self_attn.attn.window for layer in layers):
+        return "sliding windows in bf16 (their prefill rows take SDPA)"
+    if not cpu_native.bf16_prefill_tiles(model.head_dim):
+        return f"head dim {model.head_dim} in bf16 (its prefill rows take SDPA)"
+    return None
+
+
+def build_native_stack(model: Any) -> cpu_native.DecoderStack | None:
+    """The model's one-call native decoder stack, or None with `model.native_stack_declined`
+    saying why (logged)."""
+    model.native_stack_declined = model.native_stack_unsupported()
+    if model.native_stack_declined is not None:
+        logger.info("decoder stack stays on per-layer modules: the native stack has no %s",
+                    model.native_stack_declined)
+        return None
+    layers = list(model.model.layers)
+    bf16 = model.model.norm.weight.dtype == torch.bfloat16
+    model.native_stack_declined = projections_declined(model, layers, bf16)
+    if model.native_stack_declined is not None:
+        logger.info("decoder stack stays on per-layer modules: %s", model.native_stack_declined)
+        return None
+    eps = model.model.norm.eps
+    weights = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        formats: dict[str, tuple[int, int]] = {}
+        gate_up = ({"gate_up_w": mlp._fused, "gate_up_b": mlp._fused_bias}
+                   if not bf16 and mlp._fused is not None
+                   else _stack_weight(mlp.gate_up_proj, "gate_up", formats))
+        weights.append({**gate_up,
+            **({} if attn.q_norm is None else {"q_norm": attn.q_norm.weight.detach(),
+                                               "k_norm": attn.k_norm.weight.detach()}),
+            "in_norm": layer.input_layernorm.weight.detach(),
+            "post_norm": layer.post_attention_layernorm.weight.detach(),
+            **_stack_weight(attn.qkv_proj, "qkv", formats),
+            **_stack_weight(attn.o_proj, "o", formats),
+            **_stack_weight(mlp.down_proj, "down", formats),
+            "formats": formats})
+    try:
+        return cpu_native.DecoderStack(
+            weights, model.model.norm.weight.detach(), model.rotary_emb.cos,
+            model.rotary_emb.sin, hidden=model.hidden_size, heads=model.num_heads,
+            kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+            inter=layers[0].mlp.intermediate_size, eps=eps,
+            scale=layers[0].self_attn.attn.scale,
+            windows=[layer.self_attn.attn.window for layer in layers])
+    except ValueError as exc:
+        model.native_stack_declined = str(exc)
+        logger.info("decoder stack stays on per-layer modules: %s", exc)
+        return None

@@ -1,0 +1,267 @@
+/* Weight-only quantized GEMM with float32 activations: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias),
+ * where w is stored as 4-bit codes with a scale and a minimum per group of G weights along k
+ * (`w = q * scale + minimum`: GGUF's Q4_0/Q4_1/Q4_K) or as int8 codes with one scale per group
+ * (`w = q * scale`: GGUF's Q8_0; a group of K is one scale per output channel).
+ *
+ * Why our own: PyTorch's packed int4/int8 CPU kernels take a slow path with float32 activations
+ * (10-90x F.linear, BENCHMARKS.md), and float32 activations are what keep a GGUF's fp16 scales
+ * exact. A decode step is bound by the weights' bytes, so the codes are dequantized in registers,
+ * never written back: the weight costs 4 (or 8) bits plus its group's scales per read.
+ *
+ * Layout (kernels/cpu_native/quant_gemm.py packs it once at load): output columns in panels of
+ * NR = KP_GEMM_PANEL (the fp32 GEMM's width), each panel a run of groups, each group one block:
+ *   int4: [NR float scales][NR float minimums][G / 2 rows of NR bytes], byte j of row r holding
+ *         column j's codes for k = 2r (low nibble) and k = 2r + 1 (high nibble);
+ *   int8: [NR float scales][G rows of NR int8 codes].
+ * Columns past N are zero codes with zero scales. A panel is read front to back (the hardware
+ * prefetcher streams it); panels are split evenly over the threads, as in gemm.c. Rows of x go
+ * MR at a time with MR x NV accumulators; the codes of one k are widened to NV vectors of fp32
+ * weights (one FMA with the group's scale and minimum, so each weight is the reference's
+ * `q * scale + minimum` up to that one rounding) and used by all MR rows. From TILE_MIN rows on
+ * (prefill) each thread instead dequantizes a whole panel once into an fp32 tile in its cache
+ * and runs the fp32 GEMM's register tile (MRF rows) over it: the same weights and the same
+ * order of FMAs, so both paths give the same bits.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "kp_native.h"
+#include "kp_vec.h"
+
+#define NR KP_GEMM_PANEL
+#define NV (NR / KP_VW)
+#define MR 4
+#define MB 128 /* rows per block of x, so a block stays in L2 while the panels pass */
+#define TILE_MIN 16 /* rows from which a panel is dequantized once into an fp32 tile */
+#if KP_VREGS >= 32
+#define MRF 8 /* rows of the fp32 tile's register block (as gemm.c) */
+#else
+#define MRF 6
+#endif
+
+/* Accumulators, one k pair of widened weights and two broadcasts in registers (the scales and
+ * minimums may be re-read from L1). */
+_Static_assert(MR * NV + 2 * NV + 2 <= KP_VREGS, "the register tile fits the register file");
+
+/* KP_VW bytes as int32 lanes, zero- or sign-extended. */
+static inline vi vload_u8(const uint8_t *p) {
+#if KP_VW == 16
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#endif
+}
+
+static inline vi vload_i8(const uint8_t *p) {
+#if KP_VW == 16
+    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#endif
+}
+
+static inline vf vfloat(vi v) { return __builtin_convertvector(v, vf); }
+
+int64_t kp_quant_block_bytes(int32_t bits, int64_t group) {
+    if ((bits != 4 && bits != 8) || group <= 0 || (bits == 4 && group % 2)) return -1;
+    return bits == 4 ? 8 * NR + group / 2 * NR : 4 * NR + group * NR;
+}
+
+/* Rows [0, mr) of x times one panel (`bits` and `mr` constant after inlining). */
+static inline __attribute__((always_inline)) void qpanel_block(
+    const float *x, int64_t ldx, const uint8_t *panel, int64_t K, int64_t G, int64_t blk,
+    const float *bias, float *y, int64_t ldy, int ncols, const int mr, const int bits) {
+    vf acc[MR][NV];
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < NV; ++v) {
+            const int c = ncols - KP_VW * v;
+            acc[i][v] = !bias || c <= 0 ? vzero()
+                        : c >= KP_VW    ? vload(bias + KP_VW * v)
+                                        : vload_n(bias + KP_VW * v, c);
+        }
+    for (int64_t k0 = 0; k0 < K; k0 += G, panel += blk) {
+        const float *sc = (const float *)panel;
+        vf s[NV];
+        for (int v = 0; v < NV; ++v) s[v] = vload(sc + KP_VW * v);
+        if (bits == 4) {
+            vf mn[NV];
+            for (int v = 0; v < NV; ++v) mn[v] = vload(sc + NR + KP_VW * v);
+            const uint8_t *q = panel + 8 * NR;
+            for (int64_t r = 0; r < G / 2; ++r, q += NR) {
+                vf w0[NV], w1[NV];
+                for (int v = 0; v < NV; ++v) {
+                    const vi c = vload_u8(q + KP_VW * v);
+                    w0[v] = vfma(vfloat(c & 15), s[v], mn[v]);
+                    w1[v] = vfma(vfloat(c >> 4), s[v], mn[v]);
+                }
+                const float *xk = x + k0 + 2 * r;
+                for (int i = 0; i < mr; ++i) {
+                    const vf a0 = vset1(xk[i * ldx]), a1 = vset1(xk[i * ldx + 1]);
+                    for (int v = 0; v < NV; ++v) acc[i][v] = vfma(a0, w0[v], acc[i][v]);
+                    for (int v = 0; v < NV; ++v) acc[i][v] = vfma(a1, w1[v], acc[i][v]);
+                }
+            }
+        } else {
+            const uint8_t *q = panel + 4 * NR;
+            for (int64_t r = 0; r < G; ++r, q += NR) {
+                vf w[NV];
+                for (int v = 0; v < NV; ++v) w[v] = vfloat(vload_i8(q + KP_VW * v)) * s[v];
+                for (int i = 0; i < mr; ++i) {
+                    const vf a = vset1(x[i * ldx + k0 + r]);
+                    for (int v = 0; v < NV; ++v) acc[i][v] = vfma(a, w[v], acc[i][v]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < NV; ++v) {
+            const int c = ncols - KP_VW * v;
+            if (c >= KP_VW)
+                vstore(y + i * ldy + KP_VW * v, acc[i][v]);
+            else if (c > 0)
+                vstore_n(y + i * ldy + KP_VW * v, acc[i][v], c);
+        }
+}
+
+/* All rows of a block of x times one panel; the tail of fewer than MR rows with its own
+ * constant row count so its accumulators stay in registers. */
+static inline __attribute__((always_inline)) void qpanel_rows(
+    const float *x, int64_t ldx, int64_t M, const uint8_t *panel, int64_t K, int64_t G,
+    int64_t blk, const float *bias, float *y, int64_t ldy, int ncols, const int bits) {
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR)
+        qpanel_block(x + m * ldx, ldx, panel, K, G, blk, bias, y + m * ldy, ldy, ncols, MR, bits);
+    const float *xm = x + m * ldx;
+    float *ym = y + m * ldy;
+    switch (M - m) {
+    case 1: qpanel_block(xm, ldx, panel, K, G, blk, bias, ym, ldy, ncols, 1, bits); break;
+    case 2: qpanel_block(xm, ldx, panel, K, G, blk, bias, ym, ldy, ncols, 2, bits); break;
+    case 3: qpanel_block(xm, ldx, panel, K, G, blk, bias, ym, ldy, ncols, 3, bits); break;
+    default: break;
+    }
+}
+
+/* One panel as fp32 weights, tile[k][j] = w[j][k]: the weights qpanel_block computes. */
+static void dequant_panel(const uint8_t *panel, int64_t K, int64_t G, int64_t blk, int bits,
+                          float *tile) {
+    for (int64_t k0 = 0; k0 < K; k0 += G, panel += blk) {
+        const float *sc = (const float *)panel;
+        float *t = tile + k0 * NR;
+        for (int v = 0; v < NV; ++v) {
+            const vf s = vload(sc + KP_VW * v);
+            if (bits == 4) {
+                const vf mn = vload(sc + NR + KP_VW * v);
+                const uint8_t *q = panel + 8 * NR + KP_VW * v;
+                for (int64_t r = 0; r < G / 2; ++r) {
+                    const vi c = vload_u8(q + r * NR);
+                    vstore(t + 2 * r * NR + KP_VW * v, vfma(vfloat(c & 15), s, mn));
+                    vstore(t + (2 * r + 1) * NR + KP_VW * v, vfma(vfloat(c >> 4), s, mn));
+                }
+            } else {
+                const uint8_t *q = panel + 4 * NR + KP_VW * v;
+                for (int64_t r = 0; r < G; ++r)
+                    vstore(t + r * NR + KP_VW * v, vfloat(vload_i8(q + r * NR)) * s);
+            }
+        }
+    }
+}
+
+/* Rows [0, mr) of x times an fp32 tile (gemm.c's register tile, without its prefetching). */
+static inline __attribute__((always_inline)) void tile_block(
+    const float *x, int64_t ldx, const float *tile, int64_t K, const float *bias, float *y,
+    int64_t ldy, int ncols, const int mr) {
+    vf acc[MRF][NV];
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < NV; ++v) {
+            const int c = ncols - KP_VW * v;
+            acc[i][v] = !bias || c <= 0 ? vzero()
+                        : c >= KP_VW    ? vload(bias + KP_VW * v)
+                                        : vload_n(bias + KP_VW * v, c);
+        }
+    for (int64_t k = 0; k < K; ++k) {
+        vf w[NV];
+        for (int v = 0; v < NV; ++v) w[v] = vload(tile + k * NR + KP_VW * v);
+        for (int i = 0; i < mr; ++i) {
+            const vf a = vset1(x[i * ldx + k]);
+            for (int v = 0; v < NV; ++v) acc[i][v] = vfma(a, w[v], acc[i][v]);
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < NV; ++v) {
+            const int c = ncols - KP_VW * v;
+            if (c >= KP_VW)
+                vstore(y + i * ldy + KP_VW * v, acc[i][v]);
+            else if (c > 0)
+                vstore_n(y + i * ldy + KP_VW * v, acc[i][v], c);
+        }
+}
+
+#define TILE_TAIL(R) \
+    case R: if ((R) < MRF) tile_block(xm, ldx, tile, K, bias, ym, ldy, ncols, R); break;
+
+static void tile_rows(const float *x, int64_t ldx, int64_t M, const float *tile, int64_t K,
+                      const float *bias, float *y, int64_t ldy, int ncols) {
+    int64_t m = 0;
+    for (; m + MRF <= M; m += MRF)
+        tile_block(x + m * ldx, ldx, tile, K, bias, y + m * ldy, ldy, ncols, MRF);
+    const float *xm = x + m * ldx;
+    float *ym = y + m * ldy;
+    switch (M - m) {
+    TILE_TAIL(1) TILE_TAIL(2) TILE_TAIL(3) TILE_TAIL(4) TILE_TAIL(5) TILE_TAIL(6) TILE_TAIL(7)
+    default: break;
+    }
+}
+
+/* The calling thread's tile of at least n floats, kept between calls (a fresh allocation of this
+ * size is an mmap whose pages fault in on every call); NULL when memory runs out. */
+static float *thread_tile(size_t n) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (cap < n) {
+        free(buf);
+        buf = malloc(n * sizeof(float));
+        cap = buf ? n : 0;
+    }
+    return buf;
+}
+
+static void qgemm(const float *x, int64_t ldx, int64_t M, const uint8_t *packed, int64_t K,
+                  int64_t N, int64_t G, int64_t blk, const float *bias, float *y, int64_t ldy,
+                  const int bits) {
+    const int64_t panels = (N + NR - 1) / NR, panel_bytes = K / G * blk;
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t mb = (M - m0) < MB ? (M - m0) : MB;
+#pragma omp parallel
+        {
+            /* A thread's tile: one panel, K x NR floats (no memory: the register path) */
+            float *tile = mb >= TILE_MIN ? thread_tile((size_t)K * NR) : 0;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; ++p) {
+                const int64_t n0 = p * NR;
+                const int ncols = (N - n0) < NR ? (int)(N - n0) : NR;
+                const float *b = bias ? bias + n0 : 0;
+                const uint8_t *panel = packed + p * panel_bytes;
+                const float *xm = x + m0 * ldx;
+                float *ym = y + m0 * ldy + n0;
+                if (tile) {
+                    dequant_panel(panel, K, G, blk, bits, tile);
+                    tile_rows(xm, ldx, mb, tile, K, b, ym, ldy, ncols);
+                } else if (bits == 4) {
+                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, 4);
+                } else {
+                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, 8);
+                }
+            }
+        }
+    }
+}
+
+int kp_quant_gemm_f32(const float *x, int64_t ldx, int64_t M, const uint8_t *packed,
+                      int32_t bits, int64_t group, int64_t K, int64_t N, const float *bias,
+                      float *y, int64_t ldy) {
+    const int64_t blk = kp_quant_block_bytes(bits, group);
+    if (blk < 0 || K <= 0 || K % group) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    qgemm(x, ldx, M, packed, K, N, group, blk, bias, y, ldy, bits);
+    return 0;
+}

@@ -1,0 +1,108 @@
+"""The native quantized GEMM (kernels/csrc/quant_gemm.c) against the dequantized float32 weight.
+
+int4 with a scale and a minimum per group, int8 with a scale per group (Q8_0) or per output
+channel, both with float32 activations. The kernel is in every level's build (the panel is the
+level's: 48 columns with AVX-512, 16 with AVX2; tests/kernels/test_isa.py runs this file on the
+AVX2 build too); the shapes cover panel tails of both widths, row tails of its 4-row tile and
+odd multiples of the group. What is asserted holds on every machine type: the product equals
+`x @ w.T` of the dequantized weight up to float32 rounding of the sums."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_native
+from kernels import quant_linear as ql
+
+ROWS = [1, 3, 17, 64]
+# (out, in, group): out not a multiple of either panel, in an odd number of groups.
+INT4_SHAPES = [(50, 96, 32), (97, 192, 64), (49, 384, 128), (1, 32, 32)]
+INT8_SHAPES = [(50, 96, 32), (113, 160, 32), (40, 72, 72)]  # the last: one scale per channel
+
+
+@pytest.fixture(autouse=True)
+def _native_built() -> None:
+    # gcc is part of the supported machine (README): a missing build must fail, not skip.
+    assert cpu_native.quant_available(), "the native CPU kernels did not build"
+
+
+def _gen(*seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(hash(seed) % 2**31)
+
+
+def _int4(n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = _gen(n, k, group)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
+    minimum = (torch.rand(n, k // group, generator=g) - 0.5) * 0.2
+    return codes, scale, minimum
+
+
+def _int8(n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = _gen(n, k, group, 8)
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // group, generator=g) * 0.01 + 0.0005
+    reference = codes.float() * scale.repeat_interleave(group, dim=1)
+    return codes, scale, reference
+
+
+def _close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    expected = (x.double() @ w.double().T + (0 if bias is None else bias.double())).float()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k", "group"), INT4_SHAPES)
+def test_int4_matches_the_dequantized_weight(rows: int, n: int, k: int, group: int) -> None:
+    codes, scale, minimum = _int4(n, k, group)
+    packed = cpu_native.pack_q4(codes, scale, minimum, group)
+    w = ql.dequant_int4_reference(codes, scale, minimum, group)
+    x = torch.randn(rows, k, generator=_gen(rows, n))
+    bias = torch.randn(n, generator=_gen(n))
+    _close(cpu_native.quant_gemm(x, packed, 4, group, n), x, w, None)
+    _close(cpu_native.quant_gemm(x, packed, 4, group, n, bias), x, w, bias)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k", "group"), INT8_SHAPES)
+def test_int8_groups_match_the_dequantized_weight(rows: int, n: int, k: int, group: int) -> None:
+    codes, scale, w = _int8(n, k, group)
+    packed = cpu_native.pack_q8(codes, scale, group)
+    x = torch.randn(rows, k, generator=_gen(rows, n, 8))
+    _close(cpu_native.quant_gemm(x, packed, 8, group, n), x, w, None)
+    ids = torch.tensor([[0, n - 1], [n // 2, 1]])
+    torch.testing.assert_close(cpu_native.q8_rows(packed, group, k, ids), w[ids], atol=0, rtol=0)
+
+
+def test_strided_rows_are_read_and_other_layouts_refused() -> None:
+    codes, scale, minimum = _int4(50, 96, 32)
+    packed = cpu_native.pack_q4(codes, scale, minimum, 32)
+    w = ql.dequant_int4_reference(codes, scale, minimum, 32)
+    x = torch.randn(5, 128)[:, 16:112]  # rows 128 floats apart
+    _close(cpu_native.quant_gemm(x, packed, 4, 32, 50), x, w, None)
+    assert cpu_native.quant_gemm(x.double(), packed, 4, 32, 50) is None
+    assert cpu_native.quant_gemm(torch.randn(5, 64), packed, 4, 32, 50) is None  # wrong K
+    assert cpu_native.quant_gemm(x, packed, 4, 32, 200) is None  # more outputs than packed
+    assert cpu_native.quant_gemm(x, packed, 8, 32, 50) is None  # the other format's size
+    assert cpu_native.quant_gemm(x, packed, 4, 31, 50) is None  # K not whole groups
+    with pytest.raises(ValueError, match="even"):
+        cpu_native.pack_q4(codes[:, :93], scale[:, :3], minimum[:, :3], 31)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.pack_q8(codes.to(torch.int8), scale[:, :2], 32)
+
+
+def test_int4_and_int8_layers_run_natively_in_float32_only() -> None:
+    """quant_linear packs for our kernel with float32 activations; bfloat16 stays on PyTorch's
+    (its scales in bf16). Group-wise int8 exists on the native kernel only."""
+    codes, scale, minimum = _int4(50, 96, 32)
+    assert ql.pack_int4(codes, scale, minimum, 32, torch.float32).kernel == "native"
+    assert ql.pack_int4(codes, scale, minimum, 32, torch.bfloat16).kernel == "aten"
+    q8, s8, w8 = _int8(50, 96, 32)
+    weight = ql.pack_int8(q8, s8, 32, torch.float32)
+    assert weight.kernel == "native" and weight.scales is None
+    torch.testing.assert_close(ql.dequant(weight), w8, atol=0, rtol=0)
+    x = torch.randn(2, 3, 96)
+    _close(ql.matmul(x, weight).reshape(6, 50), x.reshape(6, 96), w8, None)
+    with pytest.raises(ValueError, match="one scale per output channel"):
+        ql.pack_int8(q8, s8, 32, torch.bfloat16)
