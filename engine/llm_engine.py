@@ -46,6 +46,7 @@ from engine.worker.executor import ExecutorError, LocalExecutor
 from engine.worker.model_runner import ModelRunner
 from engine.worker.tp_executor import TPExecutor
 
+WARMUP_PREFILL_TOKENS = 512  # the warm-up's long prefill: W1's prompts are 75-500 tokens
 logger = logging.getLogger("engine")
 
 
@@ -350,14 +351,19 @@ class LLMEngine:
 
     # ------------------------------------------------------------ state
     def warmup(self) -> None:
-        """Run one tiny request end to end so the first user request pays no first-call costs."""
-        rid = "__warmup__"
-        if self.pooling is not None:
-            self.add_request(rid, [1, 2, 3, 4], pooling_params=PoolingParams(task=self.job))
-        else:
-            self.add_request(rid, [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
-        while self.has_unfinished_requests():
-            self.step()
+        """Run a tiny request and one prefill of `WARMUP_PREFILL_TOKENS` end to end, so the
+        first user request pays no first-call costs (the CPU GEMMs' kernels for many rows are
+        made at their first use)."""
+        long = max(4, min(WARMUP_PREFILL_TOKENS, self.config.max_num_batched_tokens,
+                          self.max_model_len - 2))
+        for i, prompt in enumerate(([1, 2, 3, 4], [1 + t % 7 for t in range(long)])):
+            rid = f"__warmup_{i}__"
+            if self.pooling is not None:
+                self.add_request(rid, prompt, pooling_params=PoolingParams(task=self.job))
+            else:
+                self.add_request(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+            while self.has_unfinished_requests():
+                self.step()
         self.reset_prefix_cache()  # AllBlocksCleared: a router forgets what it knew of this pod
         self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
         self.prompt_tokens = self.generation_tokens = 0
