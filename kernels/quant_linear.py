@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_native
+from kernels.int4_layouts import CheckpointInt4Weight, dequant_checkpoint
 
 INT4_GROUP_SIZES = (32, 64, 128)
 _INNER_K_TILES = 2  # how the CPU packing tiles K; it reads any value, the matmul ignores it
@@ -66,7 +67,22 @@ class Int8Weight:
         return self.packed.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
 
-QuantWeight = Int4Weight | Int8Weight
+@dataclass(slots=True)
+class Fp8Weight:
+    """A `[out, in]` fp8 (e4m3/e5m2) weight and one float32 scale per output channel, as an fp8
+    checkpoint stores it (CUDA: the Triton fp8 GEMM)."""
+
+    weight: torch.Tensor  # float8 [out, in]
+    scales: torch.Tensor  # float32 [out]
+    out_features: int
+    in_features: int
+
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes
+
+
+# The last two are CUDA's (Triton GEMMs); the first two PyTorch's packed CPU kernels.
+QuantWeight = Int4Weight | Int8Weight | CheckpointInt4Weight | Fp8Weight
 
 
 def native_for(dtype: torch.dtype) -> bool:
@@ -164,6 +180,10 @@ def dequant(weight: QuantWeight) -> torch.Tensor:
     """The float32 weight a packed one stands for (for logs of the error and for tests)."""
     if isinstance(weight, Int8Weight):
         return int8_rows(torch.arange(weight.out_features), weight).float()
+    if isinstance(weight, CheckpointInt4Weight):
+        return dequant_checkpoint(weight)
+    if isinstance(weight, Fp8Weight):
+        return weight.weight.float() * weight.scales[:, None]
     eye = torch.eye(weight.in_features, dtype=torch.float32 if weight.scale_zero is None
                     else weight.scale_zero.dtype)
     return int4_mm(eye, weight).float().t().contiguous()
@@ -211,10 +231,24 @@ def int8_rows(ids: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     return weight.packed[ids].to(weight.scales.dtype) * weight.scales[ids].unsqueeze(-1)
 
 
+def _triton_mm(rows: torch.Tensor, weight: CheckpointInt4Weight | Fp8Weight) -> torch.Tensor:
+    """A checkpoint's stored words or fp8 codes through the Triton GEMMs (CUDA; imported only
+    there, or in the interpreter)."""
+    from kernels.quant_gemm_triton import fp8_gemm, int4_gemm
+
+    if isinstance(weight, Fp8Weight):
+        return fp8_gemm(rows, weight.weight, weight.scales)
+    return int4_gemm(rows, weight.qweight, weight.qzeros, weight.scales, weight.g_idx,
+                     awq=weight.awq, zero_offset=weight.zero_offset)
+
+
 def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """`x @ w.T (+ bias)` for `x` `[..., in]` of any leading shape."""
     rows = x.reshape(-1, weight.in_features)
+    if isinstance(weight, (CheckpointInt4Weight, Fp8Weight)):
+        out = _triton_mm(rows, weight).reshape(*x.shape[:-1], weight.out_features)
+        return out if bias is None else out + bias
     if weight.kernel == "native" and (bias is None or (
             bias.dtype == torch.float32 and bias.is_contiguous())):
         out = _native_mm(rows, weight, None if bias is None else bias.detach())

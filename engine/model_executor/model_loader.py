@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from engine.distributed.group import TPGroup
+from engine.model_executor import compressed_tensors, int4_checkpoints
 from engine.model_executor.config_reads import ignored_fields, recording_reads
 from engine.model_executor.models import MODEL_REGISTRY, LlamaForCausalLM, architecture_of
+from engine.model_executor.quant_methods import CHECKPOINT_METHODS, checkpoint_method
 from engine.model_executor.quant_methods import check_method as quantization_check
 from engine.model_executor.quantization import apply as quantization_apply
 from engine.model_executor.quantization import on_the_fly as on_the_fly_picker
@@ -117,6 +119,34 @@ def check_architecture(folder: Path) -> None:
                                     model_type=raw.get("model_type")))
 
 
+def _quantized_checkpoint(folder: Path) -> tuple[str | None, Any]:
+    """(method, what the reader needs) of a checkpoint whose config.json names its
+    quantization; (None, None) for a float one (or no config.json yet: later checks say)."""
+    if not (folder / "config.json").is_file():
+        return None, None
+    raw = _raw_config(folder)
+    method = checkpoint_method(raw)
+    if method == compressed_tensors.METHOD:
+        return method, compressed_tensors.read_config(raw)
+    return method, int4_checkpoints.read_config(raw) if method else None
+
+
+def _kept_quantized(method: str, scheme: Any, weights: Iterator[tuple[str, torch.Tensor]],
+                    dtype: torch.dtype
+                    ) -> tuple[Iterator[tuple[str, torch.Tensor]], Callable[[Any], object]]:
+    """A quantized checkpoint's stream as float weights, and the step that puts their stored
+    form back once the model holds them."""
+    reader: Any = (compressed_tensors.CTReader(scheme) if method == compressed_tensors.METHOD
+                   else int4_checkpoints.Int4Reader(scheme))
+    if getattr(scheme, "activations", None):
+        logger.info("%s checkpoint quantizes activations (%s): they stay float here, the "
+                    "weights run as stored", method, scheme.activations)
+
+    def keep(model: Any) -> object:
+        return quantization_apply(model, reader.picker(dtype), f"{method} (checkpoint)")
+    return reader.stream(weights), keep
+
+
 def _raw_config(folder: Path) -> dict[str, Any]:
     return json.loads((folder / "config.json").read_text())
 
@@ -206,6 +236,26 @@ def _gguf_keeper(path: Path, state: dict[str, Any], config: Any, dtype: torch.dt
     return gguf_quant.keeper(gguf_quant.read(path, state, config), dtype, path.name)
 
 
+def _load_gguf(folder: Path, gguf_file: str, dtype: torch.dtype, device: torch.device,
+               tp: TPGroup | None, keep_quantized: bool) -> tuple[LlamaForCausalLM, Any]:
+    """A .gguf through transformers (dequantized), its 4-bit projections kept packed with
+    `--quantization gguf`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+    arch = architecture_of(config)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=gguf_file, local_files_only=True, dtype=torch.float32)
+    config = hf_model.config
+    config.architectures = [arch]
+    state = hf_model.state_dict()
+    del hf_model
+    slicer = _layout(config, tp).weight_slice if tp is not None else None
+    keep = _gguf_keeper(folder / gguf_file, state, config, dtype) if keep_quantized else None
+    return _build(config, dtype, device, _sliced(state.items(), slicer), tp=tp,
+                  quantize=keep), config
+
+
 def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", seed: int = 0, tp: TPGroup | None = None,
                quantization: str | None = None) -> tuple[LlamaForCausalLM, Any]:
@@ -215,16 +265,17 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
     config or weights, and ValueError for an unsupported architecture or mismatched weights.
     GGUF goes through transformers, which dequantizes it to `dtype`-castable float tensors.
     `load_format="dummy"` reads only config.json and draws random weights (`_fill_dummy`).
-    With `tp` (tensor parallelism), this rank's shard, reading only its slices.
-    `quantization` (`--quantization`): the decoder projections' weights quantized
-    (engine/model_executor/quantization.py).
+    With `tp` (tensor parallelism), this rank's shard, reading only its slices. `quantization`
+    (`--quantization`, or an AWQ/GPTQ checkpoint's own): engine/model_executor/quantization.py.
     """
     from transformers import AutoConfig
 
     folder, gguf_file = _resolve(path)
-    quantization_check(quantization, gguf=gguf_file is not None,
-                       device_type=torch.device(device).type, tp=tp is not None)
-    on_the_fly = None if quantization in (None, "gguf") else (
+    ckpt, scheme = (None, None) if gguf_file else _quantized_checkpoint(folder)
+    quantization = quantization_check(quantization, gguf=gguf_file is not None,
+                                      device_type=torch.device(device).type, tp=tp is not None,
+                                      checkpoint=ckpt)
+    on_the_fly = None if quantization in (None, "gguf", *CHECKPOINT_METHODS) else (
         lambda m: quantization_apply(m, on_the_fly_picker(quantization, dtype), quantization))
     if load_format == "dummy":
         if gguf_file is not None:
@@ -238,22 +289,7 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
         return _build(config, dtype, device, None, seed, tp, _raw_config(folder),
                       on_the_fly), config
     if gguf_file is not None:
-        from transformers import AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
-        arch = architecture_of(config)
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=gguf_file, local_files_only=True, dtype=torch.float32)
-        config = hf_model.config
-        config.architectures = [arch]
-        state = hf_model.state_dict()
-        del hf_model
-        slicer = _layout(config, tp).weight_slice if tp is not None else None
-        keep = _gguf_keeper(folder / gguf_file, state, config, dtype) if quantization == "gguf" \
-            else None
-        model = _build(config, dtype, device, _sliced(state.items(), slicer), tp=tp,
-                       quantize=keep)
-        return model, config
+        return _load_gguf(folder, gguf_file, dtype, device, tp, quantization == "gguf")
 
     check_architecture(folder)
     files = _weight_files(folder)
@@ -261,7 +297,10 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
     if not getattr(config, "architectures", None):
         config.architectures = [architecture_of(config)]
     slicer = _layout(config, tp).weight_slice if tp is not None else None
-    return _build(config, dtype, device, _iter_weights(files, slicer), tp=tp,
+    weights = _iter_weights(files, slicer)
+    if ckpt is not None:
+        weights, on_the_fly = _kept_quantized(ckpt, scheme, weights, dtype)
+    return _build(config, dtype, device, weights, tp=tp,
                   raw_config=_raw_config(folder), quantize=on_the_fly), config
 
 

@@ -7,7 +7,7 @@ hid that (the compile was never redone); a child with a clean interpreter state 
 empty cache compiles for real every time.
 
 Usage: python -m tests.kernels.sm90_compile CASE  (CASE: a key of ATTENTION_CASES, store-merge,
-lora-sgmv, fused-moe or fused-ops)
+lora-sgmv, fused-moe, fused-ops or quant-gemm)
 Prints {"shared": [bytes, ...]} or {"skip": reason}.
 """
 
@@ -30,7 +30,7 @@ ATTENTION_CASES = {  # dtype, group, BLOCK_M, BLOCK_N, BLOCK_D, splits, f32, one
     # encoders (issue 35): bidirectional prefill, no causal mask (CAUSAL False)
     "attention-fp32-bidirectional": ("fp32", 3, 64, 32, 64, 1, True, False, False, False),
 }
-CASES = (*ATTENTION_CASES, "store-merge", "lora-sgmv", "fused-moe", "fused-ops")
+CASES = (*ATTENTION_CASES, "store-merge", "lora-sgmv", "fused-moe", "fused-ops", "quant-gemm")
 
 
 class Skip(Exception):
@@ -159,6 +159,28 @@ def _fused_ops() -> list[int]:
     return shared
 
 
+def _quant_gemm() -> list[int]:
+    """The AWQ and GPTQ int4 GEMMs and the fp8 GEMM (per tensor and per channel), bf16
+    activations, tensor-core dots."""
+    import kernels.quant_gemm_triton as qg
+
+    tiles = {"F32_DOT": False, "BLOCK_M": qg.BLOCK_M, "BLOCK_N": qg.BLOCK_N,
+             "BLOCK_K": qg.BLOCK_K}
+    shared = []
+    for awq in (True, False):
+        sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16",
+               "g_ptr": "*i32", "out_ptr": "*bf16",
+               **dict.fromkeys(["M", "N", "K", "stride_xm", "stride_qw", "stride_qz", "stride_s",
+                                "stride_om", "zero_offset"], "i32")}
+        shared.append(_compile(qg._int4_gemm_kernel, sig, {"AWQ": awq, **tiles}).metadata.shared)
+    for per_channel in (True, False):
+        sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16",
+               **dict.fromkeys(["M", "N", "K", "stride_xm", "stride_wn", "stride_om"], "i32")}
+        shared.append(_compile(qg._fp8_gemm_kernel, sig, {"PER_CHANNEL": per_channel, **tiles})
+                      .metadata.shared)
+    return shared
+
+
 def main(case: str) -> dict[str, object]:
     try:
         import triton.backends.compiler  # noqa: F401
@@ -168,7 +190,8 @@ def main(case: str) -> dict[str, object]:
     try:
         shared = (_store_merge() if case == "store-merge" else _lora_sgmv()
                   if case == "lora-sgmv" else _fused_moe() if case == "fused-moe"
-                  else _fused_ops() if case == "fused-ops" else _attention(case))
+                  else _fused_ops() if case == "fused-ops"
+                  else _quant_gemm() if case == "quant-gemm" else _attention(case))
     except Skip as exc:
         return {"skip": str(exc)}
     return {"shared": shared}

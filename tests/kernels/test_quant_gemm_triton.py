@@ -1,0 +1,94 @@
+"""The Triton dequantize-in-the-loop GEMMs (kernels/quant_gemm_triton.py) against a matmul with
+the dequantized weight. Without CUDA they run in Triton's interpreter, in one child process
+(tests/kernels/interpreted.py); the weights are packed by tests/helpers/int4_packing.py from
+the formats' definitions.
+
+Tolerances. float32 activations: the kernel multiplies the same float32 weight the reference
+does, in another summation order: atol 1e-4 on O(1) outputs of <= 96-term sums. bf16: both
+sides round the dequantized weight to bf16 and accumulate in float32, so what differs is the
+summation order and the output's final bf16 rounding: rtol 1.6e-2 (two bf16 steps).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.int4_packing import checkpoint_parts
+from tests.kernels.interpreted import DEVICE, run_calls
+
+GROUP = 32
+# (layout, rows M, in K, out N, activation order, dtype): N not a multiple of the 64-wide tile.
+INT4_CASES = [("awq", 1, 64, 40, False, torch.float32), ("awq", 5, 96, 72, False, torch.bfloat16),
+              ("gptq", 33, 64, 40, False, torch.float32), ("gptq", 3, 96, 48, True, torch.float32),
+              ("gptq", 17, 64, 40, True, torch.bfloat16)]
+FP8_CASES = [(torch.float8_e4m3fn, True, torch.float32), (torch.float8_e4m3fn, False,
+                                                          torch.bfloat16),
+             (torch.float8_e5m2, True, torch.float32)]
+
+
+def _int4_case(layout: str, m: int, k: int, n: int, act_order: bool, dtype: torch.dtype
+               ) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    w = torch.randn(n, k, generator=g) * 0.2
+    g_idx = torch.arange(k) // GROUP
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+    parts, deq = checkpoint_parts(w, g_idx, layout)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    kw = {"qweight": parts["qweight"], "qzeros": parts["qzeros"],
+          "scales": parts["scales"], "g_idx": g_idx.to(torch.int32),
+          "awq": layout == "awq", "zero_offset": 0 if layout == "awq" else 1}
+    return kw, x, deq
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    assert got.dtype == x.dtype and got.shape == (x.shape[0], w.shape[0])
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(got.cpu(), x @ w.t(), atol=1e-4, rtol=1e-5)
+    else:
+        want = (x.float() @ w.to(x.dtype).float().t()).to(x.dtype)
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1.6e-2)
+
+
+def test_int4_gemm_equals_the_dequantized_matmul(tmp_path: Path) -> None:
+    cases = [_int4_case(*c) for c in INT4_CASES]
+    calls = [("kernels.quant_gemm_triton", "int4_gemm",
+              (x.to(DEVICE), kw.pop("qweight").to(DEVICE), kw.pop("qzeros").to(DEVICE),
+               kw.pop("scales").to(DEVICE), kw.pop("g_idx").to(DEVICE)), kw)
+             for kw, x, _ in cases]
+    results = run_calls(calls, tmp_path)
+    for (got, _), (_, x, deq) in zip(results, cases, strict=True):
+        _check(got, x, deq)  # the checkpoint's fp16 scales, read as they are
+
+
+def _fp8_case(fmt: torch.dtype, per_channel: bool, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(40, 64, generator=g) * 0.3
+    scale = (w.abs().amax(1) if per_channel else w.abs().amax().reshape(1)) / 200.0
+    w8 = (w / (scale[:, None] if per_channel else scale)).to(fmt)
+    deq = w8.float() * (scale[:, None] if per_channel else scale)
+    return torch.randn(6, 64, generator=g).to(dtype), w8, scale, deq
+
+
+def test_fp8_gemm_equals_the_dequantized_matmul(tmp_path: Path) -> None:
+    cases = [_fp8_case(*c) for c in FP8_CASES]
+    results = run_calls([("kernels.quant_gemm_triton", "fp8_gemm",
+                          (x.to(DEVICE), w8.to(DEVICE), s.to(DEVICE)), {})
+                         for x, w8, s, _ in cases], tmp_path)
+    for (got, _), (x, _, _, deq) in zip(results, cases, strict=True):
+        _check(got, x, deq)
+
+
+def test_shapes_it_cannot_read_are_refused_before_launch() -> None:
+    pytest.importorskip("triton")
+    from kernels.quant_gemm_triton import fp8_gemm, int4_gemm
+
+    kw, x, _ = _int4_case("gptq", 2, 64, 40, False, torch.float32)
+    with pytest.raises(ValueError, match="g_idx"):
+        int4_gemm(x, kw["qweight"], kw["qzeros"], kw["scales"], kw["g_idx"][:32], awq=False)
+    with pytest.raises(ValueError, match="fp8 GEMM"):
+        fp8_gemm(x, torch.zeros(40, 32, dtype=torch.float8_e4m3fn), torch.ones(1))
