@@ -19,14 +19,16 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: peers/llamacpp.py's imports
+from peers.llamacpp import default_dir, installed  # noqa: E402
+
 from kserve_paged.testing import ServerProcess, free_port  # noqa: E402
 
-DIR = Path(os.environ.get("LLAMACPP_DIR", Path(os.environ.get(
-    "KSERVE_PAGED_PEERS", Path.home() / ".cache/kserve-paged/peers")) / "llamacpp"))
+DIR = default_dir()  # one home for where the peer lives (compare.py's llama.cpp peer)
 
 
 def available() -> bool:
-    return (DIR / "llama-server").is_file() and (DIR / "smollm2-q4_1.gguf").is_file()
+    return installed(DIR) and (DIR / "smollm2-q4_1.gguf").is_file()
 
 
 class LlamaServer:
