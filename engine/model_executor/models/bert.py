@@ -2,7 +2,7 @@
 absolute positions, token types, post-norm layers; pooling models only, no LM head.
 
 A prompt is computed whole in one step (the scheduler does not chunk it), so attention is
-over the step's own K/V: every sequence of the step in one padded SDPA per layer
+over the step's own K/V: the step's sequences in a few padded SDPA calls a layer
 (`kernels.dense_attention`), nothing stored in the paged cache. A step with a cached context
 (not made by the engine today) takes the paged kernels with `causal=False`. The projections are
 `Linear`s packed for the CPU GEMM (`pack_weights`), q/k/v fused into one product.
@@ -152,8 +152,7 @@ class BertEncoder(nn.Module):
         x = (emb.word_embeddings(input_ids) + emb.position_embeddings(positions)
              + emb.token_type_embeddings(self.token_types(input_ids, positions)))
         x = emb.LayerNorm(x)
-        dense = dense_batch(meta.query_start_loc, meta.seq_lens, input_ids.shape[0],
-                            meta.max_query_len)
+        dense = dense_batch(meta.query_start_loc, meta.seq_lens, input_ids.shape[0])
         for layer, kv_cache in zip(self.encoder.layer, kv_caches, strict=True):
             x = layer(x, kv_cache, meta, dense)
         return x
