@@ -19,6 +19,7 @@ import torch
 from engine.distributed.group import TPGroup
 from engine.model_executor.config_reads import ignored_fields, recording_reads
 from engine.model_executor.models import MODEL_REGISTRY, LlamaForCausalLM, architecture_of
+from engine.model_executor.models.architectures import decoder_of
 from engine.model_executor.quant_methods import check_method as quantization_check
 from engine.model_executor.quantization import apply as quantization_apply
 from engine.model_executor.quantization import on_the_fly as on_the_fly_picker
@@ -172,9 +173,10 @@ def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
 def check_tensor_parallel(config: Any, world: int) -> TPLayout:
     """Rank 0's layout, or ValueError if this model does not shard over `world` ranks."""
     arch = architecture_of(config)
-    if arch not in TP_ARCHITECTURES:
+    if decoder_of(arch) not in TP_ARCHITECTURES:  # a decoder classifier shards as its decoder
         raise ValueError(f"tensor_parallel_size {world}: {arch} is not sharded by this engine "
-                         f"(tensor parallelism covers {', '.join(TP_ARCHITECTURES)})")
+                         f"(tensor parallelism covers {', '.join(TP_ARCHITECTURES)} and their "
+                         "sequence classifiers)")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return TPLayout.of(config.num_attention_heads, config.num_key_value_heads, head_dim,
                        config.intermediate_size, config.vocab_size, 0, world)
