@@ -19,7 +19,6 @@ import torch
 from engine.distributed.group import TPGroup
 from engine.model_executor.config_reads import ignored_fields, recording_reads
 from engine.model_executor.models import MODEL_REGISTRY, LlamaForCausalLM, architecture_of
-from engine.model_executor.models.architectures import decoder_of
 from engine.model_executor.quant_methods import check_method as quantization_check
 from engine.model_executor.quantization import apply as quantization_apply
 from engine.model_executor.quantization import on_the_fly as on_the_fly_picker
@@ -172,6 +171,8 @@ def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
 
 def check_tensor_parallel(config: Any, world: int) -> TPLayout:
     """Rank 0's layout, or ValueError if this model does not shard over `world` ranks."""
+    from engine.model_executor.models.architectures import decoder_of
+
     arch = architecture_of(config)
     if decoder_of(arch) not in TP_ARCHITECTURES:  # a decoder classifier shards as its decoder
         raise ValueError(f"tensor_parallel_size {world}: {arch} is not sharded by this engine "
