@@ -37,3 +37,18 @@ def test_a_classifier_cannot_be_served_to_generate(tmp_path):
     with pytest.raises(ValueError, match="cannot generate text"):
         LLM(model=str(tmp_path), dtype="float32", device="cpu", num_kv_blocks=16,
             max_model_len=32, runner="generate")
+
+
+def test_start_up_dummy_steps_run_on_a_decoder_classifier(tmp_path):
+    """The CUDA warm-up and the profile run's dummy steps (run here on CPU) skip the LM head a
+    pooling model does not have, instead of failing at start-up."""
+    from engine.worker.profile_run import largest_step
+    from engine.worker.warmup import warm_up
+
+    save_decoder_classifier(CONFIGS["qwen3_qk_norm"], tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", num_kv_blocks=64,
+              max_num_batched_tokens=16, max_num_seqs=4, max_model_len=32)
+    runner = llm.engine.runner
+    warm_up(runner.model, runner.kv_caches, runner.max_blocks_per_seq, runner.device, "cpu",
+            max_num_batched_tokens=16, max_num_seqs=4, max_model_len=32)
+    largest_step(runner.model, torch.float32, runner.device, 16, 4, 16)()
