@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.core.request import Request, RequestStatus
-from engine.model_executor.pooler import PoolerConfig, RunningPool
+from engine.model_executor.pooler import PoolerConfig, RunningPool, chunk_parts
 from engine.worker.model_runner import StepResult
 
 
@@ -29,14 +29,14 @@ class PoolingPipeline:
         """Add the step's hidden rows to each pooling request's running pool."""
         if result.pool_hidden is None:
             return
-        offset = 0
-        for req, start, count in result.pool_spans:
+        parts = chunk_parts(self.config.kind, result.pool_hidden,
+                            [count for _, _, count in result.pool_spans])
+        for (req, start, count), part in zip(result.pool_spans, parts, strict=True):
             pool = self.pools.get(req.request_id)
             if pool is None:
                 pool = self.pools[req.request_id] = RunningPool(self.config.kind,
                                                                 req.num_prompt_tokens)
-            pool.add(start, result.pool_hidden[offset:offset + count])
-            offset += count
+            pool.add(start, count, part)
 
     def finish(self, ended: Iterable[Request]) -> dict[str, torch.Tensor]:
         """The results (float32, on the CPU) of the pooling requests that ended with their

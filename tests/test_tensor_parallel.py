@@ -20,6 +20,7 @@ from engine.default_model import ensure_default_model
 from engine.llm_engine import LLMEngine
 from engine.model_executor.model_loader import _iter_weights
 from engine.model_executor.tp_layout import TPLayout
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.worker.tp_executor import TPExecutor
 
@@ -189,3 +190,47 @@ def test_unsharded_families_refuse_tp(workers: TPExecutor, tmp_path: Path) -> No
                                num_kv_blocks=8))
     # Refused before any rank loaded: the workers are still there for the next engine.
     assert TPExecutor._kept is workers and not workers.in_use and workers.failure is None
+
+
+def _pool(model: str, tp: int, prompts: list[list[int]], **config: object
+          ) -> list[torch.Tensor]:
+    """Each prompt's pooled result (embedding or logits) from an engine of TP = `tp`."""
+    engine = LLMEngine(EngineConfig(model=model, dtype="float32", tensor_parallel_size=tp,
+                                    runner="pooling", **config))
+    try:
+        task = engine.job
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{i}", prompt, pooling_params=PoolingParams(task=task))
+        pooled: dict[str, torch.Tensor] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert out.error is None, out.error
+                if out.finished:
+                    pooled[out.request_id] = out.pooled
+        assert engine.kv.num_free_blocks == engine.num_kv_blocks
+        return [pooled[f"p{i}"] for i in range(len(prompts))]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("classifier", [False, True])
+def test_tp2_pooling_matches_tp1(classifier: bool, workers: TPExecutor, tmp_path: Path) -> None:
+    """Embeddings (last token, normalised) and a decoder classifier's logits: pooled on rank 0
+    from the all-reduced hidden states, equal to the unsharded engine's, chunked prefill on."""
+    if classifier:
+        config = CONFIGS["gqa_untied"]()
+        config.num_labels, config.architectures = 3, ["LlamaForSequenceClassification"]
+        torch.manual_seed(0)
+        from transformers import AutoModelForSequenceClassification
+
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path)
+        _tokenizer_files(tmp_path)
+        folder = str(tmp_path)
+    else:
+        folder = str(_save("gqa_untied", tmp_path))
+    config = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=16, max_model_len=80)
+    one = _pool(folder, 1, PROMPTS, **config)
+    two = _pool(folder, 2, PROMPTS, **config)
+    for a, b in zip(one, two, strict=True):
+        assert a.shape == ((3,) if classifier else (48,))
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)

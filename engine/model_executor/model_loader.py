@@ -201,10 +201,13 @@ def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
 
 def check_tensor_parallel(config: Any, world: int) -> TPLayout:
     """Rank 0's layout, or ValueError if this model does not shard over `world` ranks."""
+    from engine.model_executor.models.architectures import decoder_of
+
     arch = architecture_of(config)
-    if arch not in TP_ARCHITECTURES:
+    if decoder_of(arch) not in TP_ARCHITECTURES:  # a decoder classifier shards as its decoder
         raise ValueError(f"tensor_parallel_size {world}: {arch} is not sharded by this engine "
-                         f"(tensor parallelism covers {', '.join(TP_ARCHITECTURES)})")
+                         f"(tensor parallelism covers {', '.join(TP_ARCHITECTURES)} and their "
+                         "sequence classifiers)")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return TPLayout.of(config.num_attention_heads, config.num_key_value_heads, head_dim,
                        config.intermediate_size, config.vocab_size, 0, world)

@@ -66,22 +66,36 @@ class RunningPool:
         self.value: torch.Tensor | None = None
         self.count = 0
 
-    def add(self, start: int, rows: torch.Tensor) -> None:
-        """Hidden rows `[n, H]` of prompt positions start..start+n-1."""
+    def add(self, start: int, count: int, part: torch.Tensor) -> None:
+        """A chunk of `count` prompt positions from `start`, already reduced to `part` `[H]`
+        (`chunk_parts`): its sum (mean), its first row (CLS) or its last row (last)."""
         if start == 0:
             self.value, self.count = None, 0
         if self.kind == "mean":
-            part = rows.float().sum(0)
             self.value = part if self.value is None else self.value + part
-        elif self.kind == "cls":
-            if start == 0:
-                self.value = rows[0].float()
-        else:
-            self.value = rows[-1].float()
-        self.count = start + rows.shape[0]
+        elif self.kind != "cls" or start == 0:
+            self.value = part
+        self.count = start + count
 
     def result(self) -> torch.Tensor:
         """The pooled vector `[H]` (float32) once the whole prompt was added."""
         if self.value is None or self.count != self.num_prompt:
             raise RuntimeError(f"pooled {self.count} of {self.num_prompt} prompt tokens")
         return self.value / self.num_prompt if self.kind == "mean" else self.value
+
+
+def chunk_parts(kind: str, hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """A step's pooled rows `[sum(counts), H]`, chunk after chunk, reduced to one float32 row a
+    chunk `[len(counts), H]` for `RunningPool.add`, in one op for the whole step (not one per
+    request: a step of hundreds of short sentences made those calls a visible cost)."""
+    import torch
+
+    lens = torch.tensor(counts, dtype=torch.long, device=hidden.device)
+    ends = torch.cumsum(lens, 0)
+    if kind == "mean":
+        seg = torch.repeat_interleave(torch.arange(len(counts), device=hidden.device), lens)
+        out = torch.zeros((len(counts), hidden.shape[1]), dtype=torch.float32,
+                          device=hidden.device)
+        return out.index_add_(0, seg, hidden.float())
+    rows = ends - lens if kind == "cls" else ends - 1
+    return hidden.index_select(0, rows).float()

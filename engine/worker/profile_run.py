@@ -70,5 +70,6 @@ def largest_step(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
         pos = torch.arange(num_tokens, device=device)
         with torch.inference_mode():
             hidden = model(ids, pos, caches, meta)
-            model.compute_logits(hidden[:num_rows])
+            if getattr(model, "lm_head", None) is not None:  # pooling models have none
+                model.compute_logits(hidden[:num_rows])
     return run

@@ -76,7 +76,8 @@ def warm_up(model: torch.nn.Module, kv_caches: list[torch.Tensor], max_blocks_pe
             positions = torch.cat([torch.arange(c - q, c) for q, c in zip(q_lens, ctx)])
             hidden = model(torch.zeros(total, dtype=torch.long, device=device),
                            positions.to(device), kv_caches, meta)
-            model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
+            if getattr(model, "lm_head", None) is not None:  # pooling models have none
+                model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     report = WarmupReport(count.variants, sum(count.triton.values()), time.monotonic() - t0)

@@ -122,22 +122,28 @@ static void panel_rows(const float *x, int64_t ldx, int64_t M, const float *pane
 }
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) times the packed weight (+ bias).
- * Rows are cut into blocks of MB so a block of x stays in L2 while every panel passes over it;
- * panels are split evenly over the threads. */
+ * Rows are cut into blocks of MB so a block of x stays in L2 while every panel passes over it.
+ * One parallel region over (row block, panel) pairs in that order, split evenly: up to MB rows
+ * the panels are split over the threads; past it the rows are cut into blocks of equal size
+ * and each thread takes whole row blocks (every panel over its own block of x). One region, not one per row block: an encoder step of
+ * thousands of rows made hundreds of fork/join barriers a layer, and on a shared machine each
+ * barrier waits for the slowest thread (BENCHMARKS.md, embeddings). */
 int kp_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
                 int64_t N, const float *bias, float *y, int64_t ldy) {
     if (M <= 0 || N <= 0) return 0;
-    const int64_t panels = (N + NR - 1) / NR;
-    for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        const int64_t mb = (M - m0) < MB ? (M - m0) : MB;
+    const int64_t panels = (N + NR - 1) / NR, blocks = (M + MB - 1) / MB;
+    /* Blocks of equal size (a multiple of MR, at most MB + MR - 1), so whole blocks balance. */
+    const int64_t bm = ((M + blocks - 1) / blocks + MR - 1) / MR * MR;
 #pragma omp parallel for schedule(static)
-        for (int64_t p = 0; p < panels; ++p) {
-            const int64_t n0 = p * NR;
-            const int ncols = (N - n0) < NR ? (int)(N - n0) : NR;
-            panel_rows(x + m0 * ldx, ldx, mb, packed + p * K * NR, K, bias ? bias + n0 : 0,
-                       y + m0 * ldy + n0, ldy, ncols,
-                       p + 1 < panels ? packed + (p + 1) * K * NR : 0);
-        }
+    for (int64_t it = 0; it < blocks * panels; ++it) {
+        const int64_t m0 = (it / panels) * bm, p = it % panels;
+        const int64_t mb = (M - m0) < bm ? (M - m0) : bm;
+        if (mb <= 0) continue;
+        const int64_t n0 = p * NR;
+        const int ncols = (N - n0) < NR ? (int)(N - n0) : NR;
+        panel_rows(x + m0 * ldx, ldx, mb, packed + p * K * NR, K, bias ? bias + n0 : 0,
+                   y + m0 * ldy + n0, ldy, ncols,
+                   p + 1 < panels ? packed + (p + 1) * K * NR : 0);
     }
     return 0;
 }

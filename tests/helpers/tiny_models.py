@@ -254,3 +254,21 @@ def save_cross_encoder(path: Path, num_labels: int = 3) -> torch.nn.Module:
             p.add_(torch.randn_like(p) * 0.3)
     model.save_pretrained(path)
     return model
+
+
+def save_decoder_classifier(config_fn, path: Path, num_labels: int = 3,
+                            seed: int = 0) -> torch.nn.Module:
+    """A tiny random `...ForSequenceClassification` of a decoder family (its `score` head over
+    the last token) with the word-level tokenizer in `path`; returns the transformers model."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = config_fn()
+    config.num_labels = num_labels
+    config.architectures = [type(config).__name__.removesuffix("Config")
+                            + "ForSequenceClassification"]
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config).eval()
+    randomise(model, seed)
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    return model

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import AttentionMetadata, attend, paged_attention
+from kernels.dense_attention import dense_attention, dense_batch
 from kernels.reference import paged_attention_ref
 from kernels.testing import make_case, tolerance
 
@@ -69,3 +70,34 @@ def test_triton_equals_the_reference(triton_interpreter, seq_lens, q_lens):
                                     max_query_len=case.max_query_len, causal=False)
     atol, rtol = tolerance(torch.float32)
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+def _own_rows(case, j: int) -> torch.Tensor:
+    """Keys (j=0) or values (j=1) of every sequence's tokens, in token order, from its blocks."""
+    bs, kvh, d = case.kv_cache.shape[2], case.kv_cache.shape[3], case.kv_cache.shape[4]
+    rows = [case.kv_cache[j, case.block_tables[i, :-(-n // bs)].long()].reshape(-1, kvh, d)[:n]
+            for i, n in enumerate(case.seq_lens.tolist())]
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("seq_lens", [[5, 33, 120], [1, 17, 9], [64], [30, 8, 29, 7, 30, 40]])
+def test_dense_attention_equals_the_paged_reference(seq_lens):
+    """The encoder's path (kernels.dense_attention: the step's own K/V, one padded SDPA)
+    gives what the paged contract defines when every sequence is whole in the step."""
+    case = make_case(seq_lens, seq_lens, num_heads=4, num_kv_heads=4, head_dim=32)
+    t = case.query.shape[0]
+    qkv = torch.cat([case.query.reshape(t, -1), _own_rows(case, 0).reshape(t, -1),
+                     _own_rows(case, 1).reshape(t, -1)], dim=1)
+    batch = dense_batch(case.query_start_loc, case.seq_lens, t)
+    assert batch is not None and sum(g.num_seqs for g in batch.groups) == len(seq_lens)
+    got = dense_attention(qkv, 4, 32, batch, case.scale)
+    want = paged_attention_ref(*case.args(), causal=False).reshape(t, -1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_dense_batch_refuses_a_cached_context_or_padding_rows():
+    case = make_case([40, 9], [12, 9], num_heads=2, num_kv_heads=2, head_dim=16)
+    assert dense_batch(case.query_start_loc, case.seq_lens, 21) is None  # cached prefix
+    whole = make_case([4, 3], [4, 3], num_heads=2, num_kv_heads=2, head_dim=16)
+    assert dense_batch(whole.query_start_loc, whole.seq_lens, 8) is None  # a padding row
+    assert dense_batch(whole.query_start_loc, whole.seq_lens, 7) is not None

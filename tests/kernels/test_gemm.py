@@ -28,7 +28,7 @@ def test_the_panel_is_the_loaded_levels() -> None:
     assert cpu_native.gemm_panel() == (48 if "avx512f" in level.needs else 16)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 11, 13, 64, 300])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 13, 64, 300, 1037])
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (50, 33), (49, 7), (97, 160), (90, 40)])
 def test_gemm_matches_matmul(rows: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + n)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.model_executor.models.architectures import (
     BERT_FAMILY,
+    DECODER_CLASSIFIERS,
     GEMMA_FAMILY,
     LLAMA_FAMILY,
     MOE_FAMILY,
@@ -16,7 +17,7 @@ from engine.model_executor.models.llama import LlamaForCausalLM
 from engine.model_executor.models.moe import MoEForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM] | type[BertEncoder]] = {
-    **{arch: LlamaForCausalLM for arch in LLAMA_FAMILY},
+    **{arch: LlamaForCausalLM for arch in LLAMA_FAMILY + DECODER_CLASSIFIERS},
     **{arch: GemmaForCausalLM for arch in GEMMA_FAMILY},
     **{arch: MoEForCausalLM for arch in MOE_FAMILY},
     **{arch: BertEncoder for arch in BERT_FAMILY},

@@ -9,9 +9,14 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "Phi3ForCausalLM")
 GEMMA_FAMILY = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+# Llama-family decoders with a `score` head over the last token (sequence classifiers and
+# rerankers): pooling models only, the decoder of their `...ForCausalLM`.
+DECODER_CLASSIFIERS = ("LlamaForSequenceClassification", "MistralForSequenceClassification",
+                       "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
 # Encoders: pooling models only (embeddings, cross-encoder classification).
 BERT_FAMILY = ("BertModel", "BertForSequenceClassification")
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GEMMA_FAMILY + MOE_FAMILY + BERT_FAMILY
+SUPPORTED_ARCHITECTURES = (LLAMA_FAMILY + DECODER_CLASSIFIERS + GEMMA_FAMILY + MOE_FAMILY
+                           + BERT_FAMILY)
 
 # config.json without `architectures` (GGUF-derived configs): model_type -> architecture.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -32,3 +37,11 @@ def architecture_of(config: Any) -> str:
             return arch
     raise ValueError(f"unsupported model architecture {archs or getattr(config, 'model_type', None)}"
                      f"; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def decoder_of(architecture: str) -> str:
+    """The causal LM whose decoder a sequence classifier has (`Qwen3ForSequenceClassification`
+    -> `Qwen3ForCausalLM`); any other name unchanged."""
+    if architecture in DECODER_CLASSIFIERS:
+        return architecture.removesuffix("ForSequenceClassification") + "ForCausalLM"
+    return architecture

@@ -1,10 +1,14 @@
 """BERT-family encoders (all-MiniLM-L6-v2, cross-encoder rerankers): bidirectional attention,
 absolute positions, token types, post-norm layers; pooling models only, no LM head.
 
-Attention goes through the paged kernels with `causal=False`: a prompt is computed whole in
-one step (the scheduler does not chunk it), its K/V stored in blocks the request frees when it
-ends. Token types are not sent with a request: a text pair is `[CLS] a [SEP] b [SEP]`, so a
-token after its sequence's first `[SEP]` is of type 1, as BERT's tokenizer numbers them.
+A prompt is computed whole in one step (the scheduler does not chunk it), so attention is
+over the step's own K/V: the step's sequences in a few padded SDPA calls a layer
+(`kernels.dense_attention`), nothing stored in the paged cache. A step with a cached context
+(not made by the engine today) takes the paged kernels with `causal=False`. The projections are
+`Linear`s packed for the CPU GEMM (`pack_weights`), q/k/v fused into one product.
+
+Token types are not sent with a request: a text pair is `[CLS] a [SEP] b [SEP]`, so a token
+after its sequence's first `[SEP]` is of type 1, as BERT's tokenizer numbers them.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import torch
 from torch import nn
 
 from engine.model_executor.attention import Attention, AttentionMetadata
+from engine.model_executor.layers import Linear
 from engine.model_executor.models.architectures import architecture_of
+from kernels.dense_attention import DenseBatch, dense_attention, dense_batch
 
 _ACTS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu,
          "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh")}
@@ -38,19 +44,44 @@ class BertLayer(nn.Module):
         eps = config.layer_norm_eps
         self.attention = _node(self=_node(query=nn.Linear(h, h), key=nn.Linear(h, h),
                                           value=nn.Linear(h, h)),
-                               output=_node(dense=nn.Linear(h, h), LayerNorm=nn.LayerNorm(h, eps)))
-        self.intermediate = _node(dense=nn.Linear(h, config.intermediate_size))
-        self.output = _node(dense=nn.Linear(config.intermediate_size, h),
+                               output=_node(dense=Linear(h, h), LayerNorm=nn.LayerNorm(h, eps)))
+        self.intermediate = _node(dense=Linear(h, config.intermediate_size))
+        self.output = _node(dense=Linear(config.intermediate_size, h),
                             LayerNorm=nn.LayerNorm(h, eps))
         self.attn = Attention(heads, self.head_dim, heads, self.head_dim ** -0.5, causal=False)
         self.act = _ACTS[config.hidden_act]
+        self._qkv: tuple[Linear, ...] = ()  # (fused q/k/v,) once packed: not a checkpoint name
 
-    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-                ) -> torch.Tensor:
-        t, sa = x.shape[0], self.attention.self
-        q, k, v = (proj(x).view(t, self.heads, self.head_dim)
-                   for proj in (sa.query, sa.key, sa.value))
-        a = self.attn(q, k, v, kv_cache, meta).reshape(t, -1)
+    def pack(self) -> int:
+        """q/k/v fused into one `Linear` (one product, one read of x), then every projection
+        packed for the CPU matmul kernels; returns how many were packed."""
+        sa, h = self.attention.self, self.heads * self.head_dim
+        w = sa.query.weight
+        qkv = Linear(h, 3 * h, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            qkv.weight.copy_(torch.cat([sa.query.weight, sa.key.weight, sa.value.weight]))
+            qkv.bias.copy_(torch.cat([sa.query.bias, sa.key.bias, sa.value.bias]))
+        qkv.requires_grad_(False)
+        self._qkv = (qkv,)
+        return sum(int(m.pack()) for m in (qkv, self.attention.output.dense,
+                                           self.intermediate.dense, self.output.dense))
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        if self._qkv:
+            return self._qkv[0](x)
+        sa = self.attention.self
+        return torch.cat([sa.query(x), sa.key(x), sa.value(x)], dim=1)
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                dense: DenseBatch | None = None) -> torch.Tensor:
+        qkv = self.qkv(x)
+        if dense is not None:
+            a = dense_attention(qkv, self.heads, self.head_dim, dense, self.attn.scale)
+        else:
+            t = x.shape[0]
+            q, k, v = (part.reshape(t, self.heads, self.head_dim)
+                       for part in qkv.chunk(3, dim=1))
+            a = self.attn(q, k, v, kv_cache, meta).reshape(t, -1)
         out = self.attention.output
         x = out.LayerNorm(x + out.dense(a))
         h = self.output.dense(self.act(self.intermediate.dense(x)))
@@ -95,7 +126,9 @@ class BertEncoder(nn.Module):
         self.to_empty(device=device)
 
     def pack_weights(self) -> int:
-        return 0  # torch's own matmuls: an encoder step is one prefill
+        """Fuse q/k/v and pack the projections for the CPU GEMM (`Linear.pack`); call after
+        the weights are final. Returns how many were packed (0 off CPU)."""
+        return sum(layer.pack() for layer in self.encoder.layer)
 
     def check_max_model_len(self, max_model_len: int) -> None:
         if max_model_len > self.max_position_embeddings:
@@ -119,8 +152,9 @@ class BertEncoder(nn.Module):
         x = (emb.word_embeddings(input_ids) + emb.position_embeddings(positions)
              + emb.token_type_embeddings(self.token_types(input_ids, positions)))
         x = emb.LayerNorm(x)
+        dense = dense_batch(meta.query_start_loc, meta.seq_lens, input_ids.shape[0])
         for layer, kv_cache in zip(self.encoder.layer, kv_caches, strict=True):
-            x = layer(x, kv_cache, meta)
+            x = layer(x, kv_cache, meta, dense)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

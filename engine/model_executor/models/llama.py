@@ -26,7 +26,7 @@ from engine.model_executor.layers import (
     rope_max_positions,
     rope_parameters,
 )
-from engine.model_executor.models.architectures import architecture_of
+from engine.model_executor.models.architectures import architecture_of, decoder_of
 from engine.model_executor.models.hf_checkpoint import TransformersCheckpoint
 from engine.model_executor.models.native_stack import build_native_stack
 from engine.model_executor.parallel_layers import RowParallelLinear, VocabParallelEmbedding
@@ -207,8 +207,9 @@ class LlamaForCausalLM(TransformersCheckpoint):
         self.layer_windows: list[int | None] = layer_windows(config)
         self.tie_word_embeddings: bool = bool(getattr(config, "tie_word_embeddings", False))
 
-        qk_norm = self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-        qkv_bias, o_bias, mlp_bias = projection_biases(self.architecture, config)
+        decoder = decoder_of(self.architecture)  # a sequence classifier's own decoder
+        qk_norm = decoder in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        qkv_bias, o_bias, mlp_bias = projection_biases(decoder, config)
 
         # Tensor parallelism: this rank's heads, MLP columns and vocabulary (None: all of it).
         self.tp = tp
@@ -227,7 +228,7 @@ class LlamaForCausalLM(TransformersCheckpoint):
         self.rotary_emb = RotaryEmbedding(self.head_dim, self.max_position_embeddings, rope)
         self.model = LlamaModel(layer_config, self.head_dim, self.rotary_emb, qkv_bias, o_bias,
                                 mlp_bias, qk_norm)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._heads(config)
         if tp is not None:
             self._shard_modules(tp, o_bias, mlp_bias)
         self.tie_weights()
@@ -238,6 +239,23 @@ class LlamaForCausalLM(TransformersCheckpoint):
         # Why this model runs on per-layer modules (set by pack_weights); None with a stack.
         self.native_stack_declined: str | None = "weights not packed yet"
 
+    def _heads(self, config: Any) -> None:
+        """The LM head, or for a sequence classifier (a pooling model) its `score` head over
+        the last token's hidden state instead (transformers' names: `score.weight`)."""
+        self.classifies = self.architecture != decoder_of(self.architecture)
+        if self.classifies:
+            self.lm_head = None
+            self.tie_word_embeddings = False
+            self.score = Linear(config.hidden_size, config.num_labels, bias=False)
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Last-token rows `[N, H]` -> logits `[N, num_labels]` (the `score` head)."""
+        if not self.classifies:
+            raise ValueError(f"{self.architecture} has no classification head")
+        return self.score(pooled)
+
     def _shard_modules(self, tp: TPGroup, o_bias: bool, mlp_bias: bool) -> None:
         """Swap in the row-parallel projections and the vocabulary shards (the column-parallel
         qkv and gate/up are already this rank's size)."""
@@ -246,7 +264,8 @@ class LlamaForCausalLM(TransformersCheckpoint):
         rows = layout.vocab_per_rank
         self.model.embed_tokens = VocabParallelEmbedding(rows, self.hidden_size,
                                                          layout.vocab[0], tp)
-        self.lm_head = Linear(self.hidden_size, rows, bias=False)
+        if self.lm_head is not None:
+            self.lm_head = Linear(self.hidden_size, rows, bias=False)
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.o_proj = RowParallelLinear(attn.q_size, self.hidden_size, o_bias, tp)
@@ -286,6 +305,9 @@ class LlamaForCausalLM(TransformersCheckpoint):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden `[N, hidden_size]` -> float32 logits `[N, vocab_size]`; under tensor
         parallelism gathered on rank 0 (the other ranks send their shard and get None)."""
+        if self.lm_head is None:
+            raise ValueError(f"{self.architecture} is a classifier: it has no LM head to "
+                             "sample from")
         if self.tp is None:
             return self.lm_head(hidden).float()
         logits = self.tp.gather_to_first(self.lm_head(hidden))
@@ -320,7 +342,7 @@ class LlamaForCausalLM(TransformersCheckpoint):
 
     def tie_weights(self) -> None:
         """Share the LM head with the input embedding when the config says so."""
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def materialize(self, device: torch.device) -> None:
