@@ -104,12 +104,14 @@ async def run_benchmark(base_url: str, endpoint: str, model: str, reqs: list[dic
                         request_rate: float = math.inf, max_concurrency: int | None = None,
                         seed: int = 0, warmup: int = 1, progress: bool = True,
                         timeout_s: float = 3600.0, extra_body: dict | None = None,
-                        label: str = "") -> dict:
+                        label: str = "", keep_alive: bool = True) -> dict:
     """Run the workload once; returns the summary, the settings and the per-request samples."""
     from tqdm import tqdm
 
     url = base_url.rstrip("/") + endpoint
-    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    # keep_alive False: a connection per request, for a server that closes idle ones early
+    # (llama-server), where reusing a closed one fails the request's write.
+    conn = aiohttp.TCPConnector(limit=0, force_close=not keep_alive)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:

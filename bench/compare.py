@@ -191,7 +191,8 @@ def run_server(engine: str, model: str, args: argparse.Namespace, parts: set[str
             res = asyncio.run(run_benchmark(
                 f"http://127.0.0.1:{port}", endpoint, SERVED_NAME, reqs,
                 request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-                seed=args.seed, progress=not args.no_progress, label=f"{engine} {wl}"))
+                seed=args.seed, progress=not args.no_progress, label=f"{engine} {wl}",
+                keep_alive=engine != "llamacpp"))
             res["workload"] = wl
             results["serve"].setdefault(wl, {})[engine] = res
             print(format_summary(res), flush=True)

@@ -74,7 +74,8 @@ def offline(peer_dir: Path, gguf: Path, workload: str, num_prompts: int | None,
                        log_path=log_path) as srv:
         res = asyncio.run(run_benchmark(f"http://127.0.0.1:{port}", endpoint, served_name,
                                         reqs, request_rate=float("inf"), progress=False,
-                                        label=f"llamacpp offline {workload}"))
+                                        label=f"llamacpp offline {workload}",
+                                        keep_alive=False))
         init = srv.time_to_ready_s
     if res["failed"]:
         raise RuntimeError(f"{res['failed']} requests failed: {res['errors']}")
