@@ -54,12 +54,20 @@ def test_the_model_code_reads_every_field_transformers_writes_for_its_family(tmp
 def test_unread_fields_are_listed_at_load_and_off_or_inert_ones_are_not(tmp_path, caplog):
     _saved(tmp_path, "LlamaForCausalLM", {"attn_temperature_tuning": True, "use_cache": True,
                                           "experimental_off_switch": False,
-                                          "quantization_config": {"quant_method": "fp8"}})
+                                          "rope_interleaved_experiment": True})
     with caplog.at_level(logging.WARNING, logger="engine"):
         load_model(tmp_path, torch.float32, torch.device("cpu"), load_format="dummy")
     lines = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
     assert lines == ["config.json fields this engine ignores (they change nothing here): "
-                     "attn_temperature_tuning, quantization_config"]
+                     "attn_temperature_tuning, rope_interleaved_experiment"]
+
+
+def test_a_quantization_config_not_read_is_refused_not_ignored(tmp_path):
+    """A checkpoint quantized by a method this engine does not read would be served wrong if
+    its config were ignored, so it is refused by name before anything loads."""
+    _saved(tmp_path, "LlamaForCausalLM", {"quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ValueError, match="quant_method 'fp8'; this engine reads awq, gptq"):
+        load_model(tmp_path, torch.float32, torch.device("cpu"), load_format="dummy")
 
 
 def test_a_config_the_model_reads_whole_logs_nothing(tmp_path, caplog):
