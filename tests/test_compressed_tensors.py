@@ -20,7 +20,7 @@ from engine.model_executor import compressed_tensors  # noqa: E402
 from engine.model_executor.model_loader import load_model  # noqa: E402
 from engine.model_executor.quantization import projections  # noqa: E402
 from kernels import int4_layouts, quant_linear  # noqa: E402
-from tests.helpers.int4_packing import IN_ORDER, pack_along  # noqa: E402
+from tests.helpers.int4_packing import IN_ORDER, pack_along, read_checkpoint  # noqa: E402
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint  # noqa: E402
 from tests.kernels.interpreted import run_calls  # noqa: E402
 
@@ -137,10 +137,7 @@ def test_cuda_gets_the_stored_form_for_the_triton_gemms(
         float_checkpoint: Path, tmp_path: Path, scheme: str, layout: type) -> None:
     folder = _write(float_checkpoint, tmp_path, scheme)
     reference, _ = load_model(folder / "float", torch.float32, CPU)
-    reader = compressed_tensors.CTReader(compressed_tensors.read_config(
-        json.loads((folder / "config.json").read_text())))
-    for _ in reader.stream(iter(load_file(folder / "model.safetensors").items())):
-        pass
+    reader = read_checkpoint(compressed_tensors.CTReader, compressed_tensors.read_config, folder)
     pick = reader.picker(torch.float32, triton=True)
     kept = {}
     for name, linear in projections(reference):

@@ -22,7 +22,7 @@ from engine.model_executor.model_loader import load_model  # noqa: E402
 from engine.model_executor.quantization import Int8Embedding, projections  # noqa: E402
 from kernels import quant_linear  # noqa: E402
 from tests.helpers import tiny_gguf  # noqa: E402
-from tests.helpers.tiny_models import PagedSim  # noqa: E402
+from tests.helpers.tiny_models import greedy  # noqa: E402
 
 CPU = torch.device("cpu")
 PROMPT = [3, 17, 42, 5, 88, 61, 9, 23, 70, 11, 54, 36]
@@ -46,17 +46,6 @@ def test_blocks_read_as_groups_match_the_gguf_dequantizer(qtype: QT) -> None:
             torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(minimum), 32)
     expected = torch.from_numpy(dequantize(raw, qtype).reshape(rows, cols).astype(np.float32))
     torch.testing.assert_close(ours, expected, atol=1e-7, rtol=0)
-
-
-def _greedy(model: torch.nn.Module, steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    sim = PagedSim(model, seed=0)
-    logits = sim.step([(0, PROMPT)])
-    tokens, rows = [], [logits]
-    for _ in range(steps):
-        tokens.append(int(logits[-1].argmax()))
-        logits = sim.step([(0, [tokens[-1]])])
-        rows.append(logits)
-    return tokens, rows
 
 
 def _load_pair(path: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -116,13 +105,13 @@ def test_gguf_served_exactly_on_the_float32_kernel(tmp_path: Path, case: str) ->
         assert ours.kernel == "native"
         torch.testing.assert_close(quant_linear.dequant(ours), ref.detach(), atol=1e-6, rtol=0)
     assert kept.native_stack is not None, kept.native_stack_declined
-    tokens, logits = _greedy(kept, 6)
-    ref_tokens, ref_logits = _greedy(dequantized, 6)
+    tokens, logits = greedy(kept, PROMPT, 6)
+    ref_tokens, ref_logits = greedy(dequantized, PROMPT, 6)
     assert tokens == ref_tokens
     for ours, ref in zip(logits, ref_logits, strict=True):
         assert float((ours - ref).abs().max()) < 1e-3
     kept.use_native_stack = False
-    layer_tokens, layer_logits = _greedy(kept, 6)
+    layer_tokens, layer_logits = greedy(kept, PROMPT, 6)
     assert layer_tokens == tokens
     assert all(torch.equal(a, b) for a, b in zip(layer_logits, logits, strict=True))
 
@@ -152,8 +141,8 @@ def test_q6_k_kept_exactly_and_q5_k_requantized_within_half_a_step(tmp_path: Pat
             assert float(err.max()) <= 1e-6, name
     for ours, ref in _vocab(kept, dequantized, True):
         torch.testing.assert_close(quant_linear.dequant(ours), ref.detach(), atol=1e-6, rtol=0)
-    tokens, logits = _greedy(kept, 4)
-    ref_tokens, ref_logits = _greedy(dequantized, 4)
+    tokens, logits = greedy(kept, PROMPT, 4)
+    ref_tokens, ref_logits = greedy(dequantized, PROMPT, 4)
     assert tokens == ref_tokens
     scale = max(float(r.abs().max()) for r in ref_logits)
     assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits, strict=True)
@@ -178,8 +167,8 @@ def test_without_the_native_kernel_q8_0_is_requantized_per_channel(
             assert bool((err <= ours.scales[:, None] / 2 + 1e-7).all())
         else:
             assert float(err.max()) <= 1e-6
-    tokens, logits = _greedy(kept, 4)
-    ref_tokens, ref_logits = _greedy(dequantized, 4)
+    tokens, logits = greedy(kept, PROMPT, 4)
+    ref_tokens, ref_logits = greedy(dequantized, PROMPT, 4)
     assert tokens == ref_tokens
     scale = max(float(r.abs().max()) for r in ref_logits)
     assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits, strict=True)

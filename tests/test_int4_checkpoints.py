@@ -20,8 +20,8 @@ from engine.model_executor import int4_checkpoints  # noqa: E402
 from engine.model_executor.model_loader import load_model  # noqa: E402
 from engine.model_executor.quantization import projections  # noqa: E402
 from kernels import int4_layouts, quant_linear  # noqa: E402
-from tests.helpers.int4_packing import checkpoint_parts, int32_words  # noqa: E402
-from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint  # noqa: E402
+from tests.helpers.int4_packing import checkpoint_parts, int32_words, read_checkpoint  # noqa: E402
+from tests.helpers.tiny_models import CONFIGS, greedy, save_checkpoint  # noqa: E402
 from tests.kernels.interpreted import run_calls  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -57,17 +57,6 @@ def _write(src: Path, dst: Path, method: str, act_order: bool = False) -> Path:
     return dst
 
 
-def _greedy(model: torch.nn.Module, steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    sim = PagedSim(model, seed=0)
-    logits = sim.step([(0, PROMPT)])
-    tokens, rows = [], [logits]
-    for _ in range(steps):
-        tokens.append(int(logits[-1].argmax()))
-        logits = sim.step([(0, [tokens[-1]])])
-        rows.append(logits)
-    return tokens, rows
-
-
 @pytest.fixture(scope="module")
 def float_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder, _ = save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path_factory.mktemp("float"))
@@ -99,8 +88,8 @@ def test_checkpoint_served_with_its_own_codes(float_checkpoint: Path, tmp_path: 
         assert linear.weight.numel() == 0
         torch.testing.assert_close(quant_linear.dequant(linear.quant), floats[name].weight,
                                    atol=1e-6, rtol=0)
-    tokens, logits = _greedy(kept, 5)
-    ref_tokens, ref_logits = _greedy(reference, 5)
+    tokens, logits = greedy(kept, PROMPT, 5)
+    ref_tokens, ref_logits = greedy(reference, PROMPT, 5)
     assert tokens == ref_tokens
     assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits, strict=True)) < 1e-3
 
@@ -144,10 +133,7 @@ def test_words_kept_as_stored_for_the_triton_gemm(float_checkpoint: Path, tmp_pa
     weight; one fused projection multiplied by the Triton GEMM (interpreted without CUDA)."""
     folder = _write(float_checkpoint, tmp_path, method, act_order=act_order)
     reference, _ = load_model(folder / "float", torch.float32, CPU)
-    reader = int4_checkpoints.Int4Reader(int4_checkpoints.read_config(
-        json.loads((folder / "config.json").read_text())))
-    for _ in reader.stream(iter(load_file(folder / "model.safetensors").items())):
-        pass
+    reader = read_checkpoint(int4_checkpoints.Int4Reader, int4_checkpoints.read_config, folder)
     pick = reader.picker(torch.float32, triton=True)
     kept = {}
     for name, linear in projections(reference):

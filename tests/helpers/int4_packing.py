@@ -4,6 +4,10 @@ against the format, not against each other alone."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import torch
 
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of a word holds output column 8c + this
@@ -55,3 +59,14 @@ def checkpoint_parts(w: torch.Tensor, g_idx: torch.Tensor, method: str
                  "qzeros": pack_along((zeros.long() - 1) & 0xF, 1, IN_ORDER),
                  "g_idx": g_idx.to(torch.int32)}
     return parts | {"scales": scales}, deq
+
+
+def read_checkpoint(reader_class: Any, read_config: Any, folder: Path) -> Any:
+    """A quantized checkpoint folder streamed through one of the engine's readers (as the
+    loader does), returning the reader with every projection's stored form kept."""
+    from safetensors.torch import load_file
+
+    reader = reader_class(read_config(json.loads((folder / "config.json").read_text())))
+    for _ in reader.stream(iter(load_file(folder / "model.safetensors").items())):
+        pass
+    return reader

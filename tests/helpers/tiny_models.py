@@ -220,6 +220,20 @@ class PagedSim:
             return self.model.compute_logits(hidden)
 
 
+def greedy(model: torch.nn.Module, prompt: list[int], steps: int
+           ) -> tuple[list[int], list[torch.Tensor]]:
+    """`steps` greedy tokens of `model` after `prompt` on a `PagedSim`, and the logits of every
+    step (the prompt's first)."""
+    sim = PagedSim(model, seed=0)
+    logits = sim.step([(0, prompt)])
+    tokens, rows = [], [logits]
+    for _ in range(steps):
+        tokens.append(int(logits[-1].argmax()))
+        logits = sim.step([(0, [tokens[-1]])])
+        rows.append(logits)
+    return tokens, rows
+
+
 def save_tokenizer(path: Path) -> None:
     """A word-level tokenizer over the tiny vocabulary, so the engine can load the folder
     (prompts go in as token ids)."""
