@@ -296,7 +296,11 @@ class LLMEngine:
         try:
             if self.fault_hook is not None:
                 self.fault_hook([r.request_id for r in out.scheduled])
+            t0 = time.perf_counter()
             result = self.executor.execute(out)
+            if self.kv.tier is not None:  # the prefill rate the swap-or-recompute choice reads
+                self.kv.tier.swaps.observe_step(out.num_scheduled_tokens, out.spec_tokens,
+                                                time.perf_counter() - t0)
             if self.pooling is not None:
                 self.pooling.collect(result)
             step = self.sampling.run(out, result, forked)

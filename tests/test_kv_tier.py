@@ -171,20 +171,3 @@ def test_a_failed_restore_fails_only_that_step_and_leaves_nothing_wrong(dirs, tm
     monkeypatch.setattr(tier_copy, "scatter_blocks", real)
     assert run(llm, PROMPT) == first  # no block of the failed restore was left findable
     llm.engine.close()
-
-
-def test_a_preempted_request_comes_back_from_the_tier_exactly(dirs, tmp_path):
-    """Preemption still recomputes, but what it recomputes is a prefix lookup: the victim's
-    full blocks (prompt and output so far) stay cached when freed, go to the tier when the
-    other request's growth evicts them, and come back from there on resume."""
-    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    prompts = [PROMPT, FLOODS[0]]
-    alone = engine(dirs, "float32", None, enable_prefix_caching=False)
-    want = [alone.generate([p], long, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    llm = engine(dirs, "float32", tmp_path)
-    outs = llm.generate(prompts, long, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want
-    stats = llm.stats()
-    assert stats["num_preemptions"] > 0 and stats["kv_tier_block_hits"] > 0
-    assert llm.engine.kv.pool.num_used_blocks == 0
-    llm.engine.close()

@@ -2,7 +2,9 @@
 under a small pool: evicted blocks go to a real file tier and come back on lookups, and the
 simulated KV store checks that every position a request reads holds its own token, so a block
 restored into the wrong place, from the wrong key or not at all would be caught, as would a
-leaked block or a tier hit counted without its bytes.
+leaked block or a tier hit counted without its bytes. Preemptions swap (the victim's blocks,
+its partial last one included, written at preemption and restored on resume) or recompute, as
+the stubbed prefill rate of each run makes the cost model choose (engine/core/kv_swap.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.core.kv_tier import KVTier
+from engine.core.measured_rate import MeasuredRate
 from tests.helpers.core import make_scheduler
 from tests.test_engine_core_property import (
     BS,
@@ -30,7 +33,7 @@ from tests.test_engine_core_property import (
 
 SLOT = struct.Struct("<qq")  # a simulated slot: (token, position); (-1, -1) when empty
 EXAMPLES = 25
-TOTALS = {"hits": 0, "stored": 0}
+TOTALS = {"hits": 0, "stored": 0, "swap_ins": 0, "recomputes": 0}
 
 
 def block_payload(kv_store: dict[int, tuple[int, int]], block_id: int) -> bytes:
@@ -76,13 +79,16 @@ class TierScheduler:
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(op_strategy, min_size=OPS_PER_EXAMPLE, max_size=OPS_PER_EXAMPLE),
-       st.sampled_from(["fcfs", "priority"]), st.integers(2, 30))
-def test_random_operations_with_tier_moves_keep_pool_and_reads_right(ops, policy, tier_blocks):
+       st.sampled_from(["fcfs", "priority"]), st.integers(2, 30), st.sampled_from([1.0, 1e12]))
+def test_random_operations_with_tier_moves_keep_pool_and_reads_right(ops, policy, tier_blocks,
+                                                                     prefill_rate):
     with tempfile.TemporaryDirectory() as root:
         tier = KVTier(Path(root), BS * SLOT.size, tier_blocks * BS * SLOT.size, BS)
         sched = make_scheduler(num_blocks=16, block_size=BS, budget=BUDGET,
                                max_num_seqs=MAX_SEQS, policy=policy)
         sched.kv.attach_tier(tier)
+        swaps = sched.kv.tier.swaps
+        swaps.prefill = MeasuredRate(prefill_rate, measured=True)  # 1: swap; 1e12: recompute
         kv_store: dict[int, tuple[int, int]] = {}
         wrapped = TierScheduler(sched, tier, kv_store)
         counter = itertools.count()
@@ -95,18 +101,23 @@ def test_random_operations_with_tier_moves_keep_pool_and_reads_right(ops, policy
             assert tier.num_blocks <= tier.capacity_blocks
         for rid in list(sched.requests):
             sched.abort(rid)
+        sched.schedule()  # an empty step: aborted swaps' blocks let go in the tier
         check_invariants(sched)
         assert sched.kv.num_free_blocks == sched.kv.num_blocks
         assert all(b.ref_cnt == 0 for b in sched.kv.pool.blocks)
         assert tier.stats.hits <= tier.stats.queries
+        assert not swaps.swapped and not tier.private  # no swap record outlives its request
+        TOTALS["swap_ins"] += swaps.stats.ins
+        TOTALS["recomputes"] += swaps.stats.recomputes
         TOTALS["hits"] += tier.stats.hits
         TOTALS["stored"] += tier.stats.bytes_written
         tier.close()
 
 
 def test_the_random_runs_moved_blocks_both_ways() -> None:
-    """The property above is only worth something if its runs hit the tier (run after it in
-    this file's order; alone it runs the property first)."""
+    """The property above is only worth something if its runs hit the tier and swap requests
+    in and out (run after it in this file's order; alone it runs the property first)."""
     if not TOTALS["hits"]:
         test_random_operations_with_tier_moves_keep_pool_and_reads_right()
     assert TOTALS["hits"] > 0 and TOTALS["stored"] > 0
+    assert TOTALS["swap_ins"] > 0 and TOTALS["recomputes"] > 0

@@ -88,7 +88,7 @@ class KVCacheManager:
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
         hit = cached_hit(hashes, self.windows, self.block_size,
                          lambda g, h: self.pool.lookup(self._key(g, h)))
-        return hit if self.tier is None else self.tier.extend(hit, hashes)
+        return hit if self.tier is None else self.tier.extend(hit, hashes, request)
 
     def sibling_hit(self, request: Request, sibling: Request, num_valid: int) -> PrefixHit:
         """Full blocks of a sibling (a fork of the same group) that `request` can take after
@@ -109,10 +109,12 @@ class KVCacheManager:
 
     def record_lookup(self, request: Request, hit: PrefixHit) -> None:
         if self.enable_prefix_caching:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += hit.num_tokens
+            swapped = 0  # a swapped request's own partial block: no prefix-cache hit
             if self.tier is not None:
-                self.tier.record(hit, (request.num_tokens - 1) // self.block_size)
+                swapped = self.tier.record(request, hit,
+                                           (request.num_tokens - 1) // self.block_size)
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += hit.num_tokens - swapped
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        hit: PrefixHit = NO_HIT) -> bool:
@@ -211,9 +213,23 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    def take_tier_moves(self) -> TierMoves | None:
-        """The second tier's copies for the next forward (None: no tier)."""
-        return self.tier.take() if self.tier is not None else None
+    def take_tier_moves(self, runs: bool = True) -> TierMoves | None:
+        """The second tier's copies for the next forward (None: no tier); `runs` False: no
+        forward follows this step, the blocks to save wait for the next."""
+        return self.tier.take(keep_saves=not runs) if self.tier is not None else None
+
+    def preempt(self, request: Request) -> bool:
+        """Free a preempted request's blocks, swapping them out to the second tier first
+        when the cost model says so (engine/core/kv_swap.py); True: swapped. Forked groups
+        share blocks and are always recomputed. Callers reset computed tokens after."""
+        rid = request.request_id
+        blocks = [b for b in self.req_blocks.get(rid, ()) if b is not None]
+        swap = (self.tier is not None and request.group_id is None
+                and request.num_computed_tokens > 0)
+        if swap:
+            extend_block_hashes(self.hasher, request, self.block_size)
+        self.free(request)
+        return swap and self.tier is not None and self.tier.swap_out(request, blocks)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the parent's block tables, every block shared (counts raised): full
@@ -299,6 +315,8 @@ class KVCacheManager:
         """
         rid = request.request_id
         self._num_registered.pop(rid, None)
+        if self.tier is not None:
+            self.tier.swaps.forget(rid)
         first_uncomputed = request.num_computed_tokens // self.block_size
         for g in range(self.num_groups):
             blocks = self._tables[g].pop(rid, None)
@@ -385,7 +403,8 @@ class KVCacheManager:
 
     def stats(self) -> dict[str, int | float]:
         used = self.pool.num_used_blocks
-        return {
+        swaps = self.tier.swaps.stat_dict() if self.tier is not None else {}
+        return swaps | {
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free_blocks,
             "kv_blocks_in_use": used,

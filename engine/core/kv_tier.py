@@ -24,12 +24,14 @@ from pathlib import Path
 from engine.core.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from engine.core.kv_tier_files import BlockWriter, block_path, read_block
 from engine.core.kv_tier_policy import make_policy
+from engine.core.measured_rate import MeasuredRate
 
 logger = logging.getLogger("engine")
 
 TIER_MEDIUM = "DISK"  # the medium KV events name for blocks in this tier
 FREE_SPACE_SHARE = 0.9  # without a capacity: this share of the folder's free disk
 STAGED_BYTES = 64 << 20  # blocks read by lookups kept in memory between steps
+DEFAULT_READ_BPS = 1e9  # the disk's read rate (and check) until a read has measured one
 
 
 @dataclass(slots=True)
@@ -77,6 +79,10 @@ class KVTier:
         self.events: list[KVCacheEvent] = []
         self.stats = TierStats()
         self.writer = BlockWriter(folder)
+        self.read_rate = MeasuredRate(DEFAULT_READ_BPS)  # file reads and checks, bytes/s
+        # Keys of swapped-out requests' blocks (engine/core/kv_swap.py): kept and evicted like
+        # any block, but no prefix of anyone else's, so never announced in KV events.
+        self.private: set[bytes] = set()
         self._scan(keep_files)
 
     def _scan(self, keep: bool) -> None:
@@ -122,6 +128,8 @@ class KVTier:
 
     def _stored(self, key: bytes) -> None:
         """One BlockStored per run of stores (a removal in between starts another)."""
+        if key in self.private:
+            return
         last = self.events[-1] if self.events else None
         if isinstance(last, BlockStored):
             last.block_hashes.append(key)
@@ -138,11 +146,23 @@ class KVTier:
         self._removed(key)
 
     def _removed(self, key: bytes) -> None:
+        if key in self.private:
+            self.private.discard(key)
+            return
         last = self.events[-1] if self.events else None
         if isinstance(last, BlockRemoved) and last.medium == TIER_MEDIUM:
             last.block_hashes.append(key)
         else:
             self.events.append(BlockRemoved([key], TIER_MEDIUM))
+
+    def discard(self, key: bytes) -> None:
+        """Let a block go that no one will ask for again (a swap read back, or abandoned)."""
+        self._unstage(key)
+        if key in self.index:
+            self.index.remove(key)
+            self.writer.delete(key)
+            self._removed(key)
+        self.private.discard(key)
 
     def fetch(self, key: bytes) -> bool:
         """Read and check a block for a lookup of this step; False (and the block forgotten)
@@ -157,6 +177,8 @@ class KVTier:
         payload = self.writer.peek(key)
         if payload is None:
             payload = read_block(block_path(self.folder, key), key, self.block_bytes)
+            if payload is not None:
+                self.read_rate.observe(len(payload), time.perf_counter() - t0)
         self.stats.read_s += time.perf_counter() - t0
         if payload is None:
             self.stats.corrupt += 1

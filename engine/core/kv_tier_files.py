@@ -19,8 +19,11 @@ import time
 import zlib
 from pathlib import Path
 
+from engine.core.measured_rate import MeasuredRate
+
 logger = logging.getLogger("engine")
 
+DEFAULT_WRITE_BPS = 500e6  # the disk's write rate until the writer has measured one
 MAGIC = b"KVTIER01"
 HEADER = struct.Struct("<8s32sQI")  # magic, block key, payload bytes, CRC-32
 
@@ -66,6 +69,8 @@ class BlockWriter:
         self.errors = 0
         self.bytes_written = 0  # by the thread: files on disk (bench/kv_tier.py's disk rate)
         self.write_s = 0.0
+        self.write_rate = MeasuredRate(DEFAULT_WRITE_BPS)  # per file, what a swap would cost
+        self.last_error: float | None = None  # time.monotonic() of the last failed write
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, bytes, memoryview | bytes | None] | None] = (
             queue.Queue())
@@ -114,10 +119,13 @@ class BlockWriter:
         t0 = time.perf_counter()
         try:
             write_block(path, key, payload)
+            took = time.perf_counter() - t0
             self.bytes_written += len(payload)
-            self.write_s += time.perf_counter() - t0
+            self.write_s += took
+            self.write_rate.observe(len(payload), took)
         except OSError as exc:  # a full or failing disk: the block is a miss later
             self.errors += 1
+            self.last_error = time.monotonic()
             logger.warning("KV tier: writing %s failed: %s", path, exc)
         with self._lock:
             if self.pending.get(key) is payload:

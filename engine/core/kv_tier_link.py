@@ -15,8 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.core.block_pool import BlockPool, KVBlock
+from engine.core.kv_swap import Swapper
 from engine.core.kv_tier import KVTier
 from engine.core.prefix_hits import PrefixHit
+from engine.core.request import Request
 
 
 @dataclass(slots=True)
@@ -42,40 +44,65 @@ class TierLink:
         self.block_size = block_size
         pool.evicted = []  # the pool now records what allocations evict
         self._restores: list[tuple[int, bytes]] = []  # (block id, key) allocated this step
+        self.swaps = Swapper(tier, block_size)  # preemption by swap (engine/core/kv_swap.py)
+        self._swap_saves: list[tuple[int, bytes]] = []  # (block id, key) of swapped victims
 
-    def extend(self, hit: PrefixHit, hashes: Sequence[bytes]) -> PrefixHit:
-        """The pool's hit followed by the tier's run of the next blocks in the chain."""
+    def swap_out(self, request: Request, blocks: Sequence[KVBlock]) -> bool:
+        """A freed victim (its computed tokens not reset yet): swapped out, or recomputed."""
+        saves = self.swaps.swap_out(request, blocks)
+        self._swap_saves.extend(saves)
+        return bool(saves)
+
+    def extend(self, hit: PrefixHit, hashes: Sequence[bytes],
+               request: Request | None = None) -> PrefixHit:
+        """The pool's hit followed by the tier's run of the next blocks in the chain (and a
+        swapped request's partial last block after its full ones)."""
         start = hit.num_tokens // self.block_size
         keys: list[bytes] = []
         for h in hashes[start:]:
             if not self.tier.fetch(h):
                 break
             keys.append(h)
-        if not keys:
-            return hit
-        return PrefixHit(hit.groups or [[]], hit.num_tokens + len(keys) * self.block_size,
-                         tuple(keys))
+        if keys:
+            hit = PrefixHit(hit.groups or [[]], hit.num_tokens + len(keys) * self.block_size,
+                            tuple(keys))
+        return hit if request is None else self.swaps.extend(request, hit)
 
     def commit(self, keys: Sequence[bytes], new: Sequence[KVBlock]) -> None:
         """The first new blocks of an allocation take the hit's tier blocks, in order."""
         assert len(new) >= len(keys), "a tier hit's tokens get fresh blocks"
         self._restores.extend((b.block_id, k) for b, k in zip(new, keys))
 
-    def record(self, hit: PrefixHit, num_full: int) -> None:
-        """An admitted request's lookup: the blocks asked of the tier and those it had."""
-        pool_blocks = hit.num_tokens // self.block_size - len(hit.restore)
+    def record(self, request: Request, hit: PrefixHit, num_full: int) -> int:
+        """An admitted request's lookup: the blocks asked of the tier and those it had, and
+        its swap-in. Returns the tokens of a swapped partial block in the hit (no prefix's)."""
+        swapped = self.swaps.admitted(request, hit)
+        prefix = len(hit.restore) - (swapped > 0)
+        pool_blocks = hit.num_tokens // self.block_size - prefix
         self.tier.stats.queries += max(num_full - pool_blocks, 0)
-        self.tier.stats.hits += len(hit.restore)
+        self.tier.stats.hits += prefix
+        return swapped
 
-    def take(self) -> TierMoves:
-        """This step's copies; a block evicted again that the tier holds only gets fresher."""
-        saves: list[tuple[int, bytes]] = []
-        for block_id, key in self.pool.take_evicted():
-            if key in self.tier:
-                self.tier.touch(key)
-            else:
-                saves.append((block_id, key))
+    def take(self, keep_saves: bool = False) -> TierMoves:
+        """This step's copies; a block evicted again that the tier holds only gets fresher.
+        `keep_saves`: the step runs no forward, so the blocks to save keep their bytes until
+        the next one, which saves them."""
         loads = [(block_id, self.tier.take(key)) for block_id, key in self._restores]
         self._restores = []
+        done = set(self.swaps.done)
+        for key in self.swaps.done:  # read back (just above) or abandoned
+            self.tier.discard(key)
+        self.swaps.done = []
         self.tier.end_step()
+        if keep_saves:
+            return TierMoves([], loads)
+        saves: list[tuple[int, bytes]] = []
+        seen: set[bytes] = set()
+        for block_id, key in self._swap_saves + self.pool.take_evicted():
+            if key in self.tier:
+                self.tier.touch(key)
+            elif key not in seen and key not in done:
+                seen.add(key)
+                saves.append((block_id, key))
+        self._swap_saves = []
         return TierMoves(saves, loads)

@@ -76,7 +76,8 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted:
             self._admit_waiting(step)
-        return step.output(self.kv.take_block_copies(), self.kv.take_tier_moves())
+        return step.output(self.kv.take_block_copies(),
+                           self.kv.take_tier_moves(runs=bool(step.order)))
 
     def _schedule_running(self, step: StepBuild) -> None:
         """Each running request asks for what it has not computed yet, in policy order (a
@@ -141,7 +142,7 @@ class Scheduler:
                       and r.group_id == victim.group_id and r.request_id not in step.scheduled]
         for member in group:
             self.running.remove(member)
-            self.kv.free(member)  # before resetting computed tokens, see KVCacheManager.free
+            self.kv.preempt(member)  # swapped or freed, before resetting computed tokens
             member.num_computed_tokens = 0
             member.spec_token_ids = []
             step.spec.pop(member.request_id, None)

@@ -1,0 +1,137 @@
+"""Preemption by swap (engine/core/kv_swap.py): a victim's KV, partial last block included,
+written to the second tier when it is preempted and restored when it resumes, so it continues
+token for token as if it had never been preempted; the cost model recomputes when copying is
+slower than prefill; a tier that cannot hold the blocks, or whose writes fail, recomputes and
+the answer is still exact.
+
+What holds on every machine type (AVX2-only, AVX-512 without bf16, AVX512-BF16, AMX): a swap
+restores the very bytes the victim computed, so its continuation is the one of a run that was
+never preempted, in float32 and bfloat16 alike (the two prompts batched the same way on a
+pool that holds both).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from engine import SamplingParams
+from engine.core.kv_swap import Swapper
+from engine.core.kv_tier import KVTier
+from engine.core.measured_rate import MeasuredRate
+from tests.test_kv_tier import FLOODS, PROMPT, dirs, engine  # noqa: F401 - dirs: a fixture
+
+LONG = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
+PROMPTS = [PROMPT, FLOODS[0]]
+
+
+class Fixed(MeasuredRate):
+    """A stubbed rate: measurements do not move it."""
+
+    __slots__ = ()
+
+    def observe(self, amount: float, seconds: float) -> None:
+        pass
+
+
+def stub_rates(llm, write: float = 1e9, read: float = 1e9, prefill: float = 1e3) -> None:
+    """Rates the engine's measurements do not move (bytes/s, bytes/s, tokens/s)."""
+    tier = llm.engine.kv_tier
+    tier.writer.write_rate, tier.read_rate = Fixed(write, True), Fixed(read, True)
+    llm.engine.kv.tier.swaps.prefill = Fixed(prefill, True)
+
+
+def generate(llm) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, LONG, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def never_preempted(dirs):  # noqa: F811
+    """Each dtype's outputs on a pool that holds both requests (no preemption)."""
+    want = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = engine(dirs, dtype, None, num_kv_blocks=64)
+        want[dtype] = generate(llm)
+        assert llm.stats()["num_preemptions"] == 0
+    return want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_swapped_request_continues_as_if_never_preempted(dirs, never_preempted,  # noqa: F811
+                                                          tmp_path, dtype, caplog):
+    llm = engine(dirs, dtype, tmp_path)
+    stub_rates(llm, prefill=10.0)  # a slow prefill: every preemption swaps
+    with caplog.at_level(logging.INFO, logger="engine"):
+        assert generate(llm) == never_preempted[dtype]
+    s = llm.stats()
+    assert s["num_preemptions"] > 0 and s["kv_swap_outs"] == s["num_preemptions"]
+    assert s["kv_swap_ins"] == s["kv_swap_outs"] and s["kv_swap_short"] == 0
+    assert s["num_requests_swapped"] == 0
+    assert "swap: the copy is cheaper" in caplog.text
+    kv = llm.engine.kv
+    assert kv.pool.num_used_blocks == 0 and not llm.engine.kv_tier.private  # nothing leaked
+    llm.engine.close()
+
+
+def test_slow_copies_make_the_cost_model_recompute(dirs, never_preempted, tmp_path,  # noqa: F811
+                                                   caplog):
+    """A recomputed victim still comes back partly by copy: its full blocks stay cached when
+    freed and return through the prefix lookup (from the pool, or from the tier where the
+    other request's growth evicted them); only the rest is computed."""
+    llm = engine(dirs, "float32", tmp_path)
+    stub_rates(llm, write=1e3)  # a disk of 1 kB/s
+    with caplog.at_level(logging.INFO, logger="engine"):
+        assert generate(llm) == never_preempted["float32"]
+    s = llm.stats()
+    assert s["num_preemptions"] > 0 and s["kv_swap_outs"] == 0
+    assert s["kv_swap_recomputes"] == s["num_preemptions"]
+    assert "recompute: the prefill is cheaper" in caplog.text
+    assert s["kv_tier_block_hits"] > 0  # the victim's full blocks, back from the tier
+    llm.engine.close()
+
+
+def test_a_tier_too_small_or_failing_recomputes_with_the_right_answer(
+        dirs, never_preempted, tmp_path, monkeypatch):  # noqa: F811
+    import engine.core.kv_tier_files as files
+
+    small = engine(dirs, "float32", tmp_path / "small")
+    stub_rates(small, prefill=10.0)
+    small.engine.kv_tier.capacity_blocks = 1  # holds no victim's blocks
+    assert generate(small) == never_preempted["float32"]
+    s = small.stats()
+    assert s["num_preemptions"] > 0 and s["kv_swap_outs"] == 0
+    small.engine.close()
+
+    def broken(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(files, "write_block", broken)
+    failing = engine(dirs, "float32", tmp_path / "failing")
+    stub_rates(failing, prefill=10.0)
+    assert generate(failing) == never_preempted["float32"]
+    s = failing.stats()
+    # The swap's writes failed: it resumed short (what was lost computed again), and the
+    # next preemption recomputes.
+    assert s["kv_swap_outs"] == 1 and s["kv_swap_short"] == 1 and s["kv_swap_ins"] == 0
+    assert failing.engine.kv.tier.swaps.choose(40, 1, 1).why == (
+        "recompute: a tier write failed recently")
+    assert failing.engine.kv.pool.num_used_blocks == 0
+    failing.engine.close()
+
+
+def test_the_cost_model_weighs_measured_rates(tmp_path: Path):
+    tier = KVTier(tmp_path, 1000, 100_000, 4)
+    swaps = Swapper(tier, 4)
+    tier.writer.write_rate = MeasuredRate(1e6, measured=True)
+    tier.read_rate = MeasuredRate(1e6, measured=True)
+    swaps.prefill = MeasuredRate(100.0, measured=True)
+    c = swaps.choose(tokens=40, blocks_out=10, blocks_in=10)  # 20 ms of copies, 400 ms prefill
+    assert c.swap and c.swap_s == pytest.approx(0.02) and c.recompute_s == pytest.approx(0.4)
+    swaps.prefill = MeasuredRate(1e5, measured=True)  # 0.4 ms of prefill
+    assert not swaps.choose(40, 10, 10).swap
+    swaps.prefill.observe(1, 1.0)  # a measurement moves the mean, not replaces it
+    assert swaps.prefill.value == pytest.approx(0.75 * 1e5 + 0.25)
+    assert not swaps.choose(40, 101, 101).swap  # more than the tier holds
+    tier.close()
