@@ -37,6 +37,11 @@ VLLM_OFFLOAD_TIERING = frozenset({
     "vllm:kv_offload_tiering_read_bytes_total", "vllm:kv_offload_tiering_write_bytes_total",
     "vllm:kv_offload_tiering_read_time_total", "vllm:kv_offload_tiering_write_time_total"})
 TIER_LABELS = (*LABELS, "tier")
+# Preemption by swap to the second tier (engine/core/kv_swap.py), series only while a tier is
+# on: vLLM V0's gauge of swapped requests, and counters of ours in its style beside
+# vllm:num_preemptions_total (V0 counted no swaps; a preemption that did not swap recomputed).
+VLLM_STYLE_SWAP = frozenset({"vllm:num_requests_swapped", "vllm:num_swap_outs_total",
+                             "vllm:num_swap_ins_total"})
 
 # Bucket bounds follow vLLM's, so its dashboards' quantiles read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -213,6 +218,15 @@ class _Families:
             "kserve_paged:kv_offload_tier_corrupt_blocks_total",
             "Second-tier blocks found missing, short or corrupt on read (each a miss).",
             TIER_LABELS)
+        self.num_requests_swapped = self.gauge(
+            "vllm:num_requests_swapped",
+            "Number of preempted requests whose KV cache waits in the second tier.")
+        self.num_swap_outs = self.counter(
+            "vllm:num_swap_outs_total",
+            "Preemptions that swapped the request's KV cache out to the second tier.")
+        self.num_swap_ins = self.counter(
+            "vllm:num_swap_ins_total",
+            "Swapped requests resumed with their whole KV cache read back from the tier.")
 
     def collectors(self) -> list[Any]:
         return [v for k, v in vars(self).items() if not k.startswith("_")]

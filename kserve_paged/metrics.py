@@ -35,6 +35,9 @@ TIER_COUNTER_STATS = {f"kv_tier_{k}": f"kv_tier_{k}" for k in (
     "block_queries", "block_hits", "read_bytes", "write_bytes", "read_time", "write_time",
     "corrupt_blocks")}
 TIER_GAUGE_STATS = {"kv_tier_usage": "kv_tier_usage"}
+# Engine stats keys of preemption by swap (a tier on) -> attribute, labelled by model only.
+SWAP_COUNTER_STATS = {"kv_swap_outs": "num_swap_outs", "kv_swap_ins": "num_swap_ins"}
+SWAP_GAUGE_STATS = {"num_requests_swapped": "num_requests_swapped"}
 TIER = "1:fs"
 # Engine stats key of the kept drafts by position (a list, one counter series per position).
 PER_POS_STAT = "spec_decode_num_accepted_tokens_per_pos"
@@ -113,6 +116,8 @@ class EngineMetrics:
         self._gauges |= {k: getattr(f, a).labels(name, TIER) for k, a in TIER_GAUGE_STATS.items()}
         self._counters |= {k: getattr(f, a).labels(name, TIER)
                            for k, a in TIER_COUNTER_STATS.items()}
+        self._gauges |= {k: getattr(f, a).labels(name) for k, a in SWAP_GAUGE_STATS.items()}
+        self._counters |= {k: getattr(f, a).labels(name) for k, a in SWAP_COUNTER_STATS.items()}
 
     def count_rejected(self, reason: str) -> None:
         """A request refused before it was queued (``reason``: queue_full)."""

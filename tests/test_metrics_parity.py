@@ -85,7 +85,7 @@ def test_each_vllm_metric_has_its_name_type_labels_and_buckets(metric, exposed):
 def test_the_vendored_list_is_what_metric_names_says(exposed):
     """Every vLLM name in our contract is in the vendored list, so the test above covers all."""
     ours = ({n for n in mf.metric_names() if n.startswith("vllm:")} - mf.OWN_VLLM_STYLE
-            - mf.VLLM_OFFLOAD_TIERING)
+            - mf.VLLM_OFFLOAD_TIERING - mf.VLLM_STYLE_SWAP)
     assert ours == {v["name"] for v in VLLM}
     assert set(mf.FINISH_REASONS) == {s.value for s in RequestStatus if s.finished}
 
@@ -177,12 +177,16 @@ def test_the_kv_tier_series_appear_with_a_tier_under_vllm_offloading_names():
                 for s in f.samples if s.name.startswith("vllm:kv_offload")]
     stats = {"kv_tier_block_queries": 12, "kv_tier_block_hits": 10, "kv_tier_read_bytes": 4096,
              "kv_tier_write_bytes": 8192, "kv_tier_read_time": 0.5, "kv_tier_write_time": 0.25,
-             "kv_tier_corrupt_blocks": 1, "kv_tier_usage": 0.125}
+             "kv_tier_corrupt_blocks": 1, "kv_tier_usage": 0.125, "kv_swap_outs": 3,
+             "kv_swap_ins": 2, "num_requests_swapped": 1}
     metrics.update(stats)
     metrics.update(stats | {"kv_tier_block_hits": 11})
     assert _value(registry, "vllm:kv_offload_tiering_block_hits_total", tier="1:fs") == 11
     assert _value(registry, "vllm:kv_offload_tiering_write_bytes_total", model_name="a") == 8192
     assert _value(registry, "kserve_paged:kv_offload_tier_usage_perc", tier="1:fs") == 0.125
     assert _value(registry, "kserve_paged:kv_offload_tier_corrupt_blocks_total") == 1
+    assert _value(registry, "vllm:num_swap_outs_total", model_name="a") == 3
+    assert _value(registry, "vllm:num_swap_ins_total") == 2
+    assert _value(registry, "vllm:num_requests_swapped") == 1
     assert {n for n in mf.metric_names() if n.startswith("vllm:kv_offload")} == (
         mf.VLLM_OFFLOAD_TIERING)

@@ -34,7 +34,9 @@ OWN_NAMES = {"kserve_paged:kv_blocks_shared", "kserve_paged:kv_cow_copies_total"
              "vllm:kv_offload_tiering_read_time_total",
              "vllm:kv_offload_tiering_write_time_total",
              "kserve_paged:kv_offload_tier_usage_perc",
-             "kserve_paged:kv_offload_tier_corrupt_blocks_total"}
+             "kserve_paged:kv_offload_tier_corrupt_blocks_total",
+             # issue 36: preemption by swap to the tier (vLLM V0's gauge, counters in its style)
+             "vllm:num_requests_swapped", "vllm:num_swap_outs_total", "vllm:num_swap_ins_total"}
 
 
 HISTOGRAMS = {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
