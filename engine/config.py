@@ -149,11 +149,6 @@ class EngineConfig:
             if self.tensor_parallel_size > 1:
                 raise ValueError("kv_transfer_config (a second KV tier) needs "
                                  "tensor_parallel_size 1")
-            if self.kv_cache_dtype != "auto":
-                raise ValueError("kv_transfer_config (a second KV tier) keeps blocks in the "
-                                 f"model's dtype: it needs kv_cache_dtype auto, not "
-                                 f"{self.kv_cache_dtype!r} (a quantized cache's scales are "
-                                 "not stored in the tier yet)")
 
     def _check_shardable(self) -> None:
         """What tensor parallelism does not shard: a draft model, LoRA adapters, quantized

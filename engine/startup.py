@@ -210,17 +210,20 @@ def log_dtype(requested: str, dtype: torch.dtype, device: torch.device) -> None:
 def kv_tier(config: EngineConfig, kv: KVCacheManager, model_path: str, dtype: torch.dtype,
             device: torch.device, layout: KVLayout, model: Any) -> KVTier | None:
     """The second KV tier --kv_transfer_config asks for, attached to the cache manager, in a
-    folder named by everything the bytes depend on besides the block hash (model, dtype,
-    layout, block size, hash algorithm and seed), so another model's blocks never match."""
+    folder named by everything the bytes depend on besides the block hash (model, dtype, KV
+    cache dtype, layout, block size, hash algorithm and seed), so another model's blocks never match."""
     cfg = config.kv_transfer_config
     if not isinstance(cfg, KVTierConfig):
         return None
     fs = tier_plan(cfg, device.type)
     bs = config.block_size
+    kv_dtype = kv_formats.canonical(config.kv_cache_dtype)  # a quantized cache: its scales too
     block_bytes = kv_bytes_per_block(layout.group_size, model.num_kv_heads, model.head_dim, bs,
-                                     dtype.itemsize)
+                                     kv_formats.element_bytes(kv_dtype, dtype.itemsize),
+                                     kv_formats.scale_bytes(kv_dtype))
     hasher = kv.hasher
-    identity = "|".join(map(str, (os.path.realpath(model_path), dtype, layout.group_size,
+    identity = "|".join(map(str, (os.path.realpath(model_path), dtype, kv_dtype,
+                                  layout.group_size,
                                   model.num_kv_heads, model.head_dim, bs, hasher.algo,
                                   hasher.root.hex())))
     tier = KVTier(tier_folder(fs.root_dir, identity), block_bytes, fs.capacity_bytes, bs,

@@ -97,6 +97,20 @@ def test_a_tier_hit_continues_as_computed_from_scratch(dirs, tmp_path, monkeypat
     llm.engine.close()
 
 
+def test_a_tier_hit_under_an_int8_kv_cache_restores_codes_and_scales(dirs, tmp_path):
+    """A quantized cache's blocks travel with their per-(K/V, block, head) scales: a block
+    restored from the disk reads as it was written, so the answer is the computed one."""
+    llm = engine(dirs, "float32", tmp_path, kv_cache_dtype="int8")
+    first = run(llm, PROMPT)
+    flood(llm)
+    before = hits(llm)
+    assert run(llm, PROMPT) == first
+    assert hits(llm) - before == 10
+    scratch = engine(dirs, "float32", None, kv_cache_dtype="int8", enable_prefix_caching=False)
+    assert run(scratch, PROMPT) == first
+    llm.engine.close()
+
+
 def test_cache_salts_isolate_in_the_tier(dirs, tmp_path):
     llm = engine(dirs, "float32", tmp_path)
     salted = run(llm, PROMPT, salt="tenant-a")

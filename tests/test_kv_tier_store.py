@@ -175,16 +175,3 @@ def test_a_lookup_repeated_over_steps_reads_the_file_once(tmp_path: Path, monkey
     stored(tier, [2, 3])  # 1 leaves the tier: its staged bytes go too
     assert not tier.fetch(key(1)) and key(1) not in tier.staged
     tier.close()
-
-
-def test_a_tier_under_a_quantized_kv_cache_is_refused_before_loading(tmp_path: Path):
-    """The tier stores a block's bytes in the model's dtype; a quantized cache's per-block
-    scales would not travel with them, so the pair is refused by name."""
-    from engine.config import EngineConfig
-
-    cfg = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
-        "spec_name": "TieringOffloadingSpec",
-        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path)}]}}
-    EngineConfig(kv_transfer_config=cfg)  # the model's dtype: served
-    with pytest.raises(ValueError, match="needs kv_cache_dtype auto, not 'int8'"):
-        EngineConfig(kv_transfer_config=cfg, kv_cache_dtype="int8")
