@@ -111,6 +111,19 @@ def test_a_tier_hit_under_an_int8_kv_cache_restores_codes_and_scales(dirs, tmp_p
     llm.engine.close()
 
 
+def test_a_tier_hit_on_the_triton_backend_continues_as_computed(gpu_path) -> None:  # noqa: ANN001
+    """The GPU path (the Triton attention backend, interpreted without CUDA): the tier's
+    copies go through the same slot tensors, so a restored prompt continues as computed, and
+    as the CPU backend computes it."""
+    from tests.helpers.kv_tier_child import serve
+
+    triton = gpu_path.call("tests.helpers.kv_tier_child", "serve")
+    cpu = serve()
+    assert (triton["backend"], cpu["backend"]) == ("triton", "cpu")
+    assert triton["hits"] == cpu["hits"] > 0  # blocks the floods evicted, read from the disk
+    assert triton["restored"] == triton["first"] == cpu["first"]
+
+
 def test_cache_salts_isolate_in_the_tier(dirs, tmp_path):
     llm = engine(dirs, "float32", tmp_path)
     salted = run(llm, PROMPT, salt="tenant-a")
