@@ -114,6 +114,9 @@ def test_both_spellings_and_both_value_forms(argv: list[str], field: str, value:
       'config": {"cpu_bytes_to_use": 1073741824}}'], "cpu_bytes_to_use adds none"),
     (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_connector_extra_'
       'config": {"secondary_tiers": [{"type": "s3", "root_dir": "b"}]}}'], '"type": "fs"'),
+    (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_connector_extra_'
+      'config": {"secondary_tiers": [{"type": "fs", "root_dir": "a"}, {"type": "fs", '
+      '"root_dir": "b"}]}}'], "2 fs tiers given"),
     (["--reasoning-parser", "r2"], "--reasoning-parser"),
 ])
 def test_a_flag_we_do_not_honour_is_an_error_that_names_it(argv: list[str], named: str,
@@ -129,8 +132,7 @@ KSERVE_OFFLOADING = {  # KServe 0.20's rendering of spec.kvCacheOffloading
     "kv_connector_extra_config": {
         "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 4294967296,
         "eviction_policy": "arc",
-        "secondary_tiers": [{"type": "fs", "root_dir": "/mnt/kv-cache-0"},
-                            {"type": "fs", "root_dir": "/mnt/kv-cache-1"}]}}
+        "secondary_tiers": [{"type": "fs", "root_dir": "/mnt/kv-cache-0"}]}}
 
 
 def test_kserve_kv_offloading_config_parses_into_a_disk_tier() -> None:
@@ -138,7 +140,7 @@ def test_kserve_kv_offloading_config_parses_into_a_disk_tier() -> None:
     argv = kserve_preset_argv("smol", "team-a", user_args=("--kv-transfer-config", text))
     cfg = parse_args(serve_argv(argv[1:])).kv_transfer_config
     assert cfg.cpu_bytes_to_use == 4294967296 and cfg.eviction_policy == "arc"
-    assert [t.root_dir for t in cfg.fs_tiers] == ["/mnt/kv-cache-0", "/mnt/kv-cache-1"]
+    assert [t.root_dir for t in cfg.fs_tiers] == ["/mnt/kv-cache-0"]
     assert engine_kwargs(parse_args(["--kv_transfer_config", text]))["kv_transfer_config"] == cfg
 
 

@@ -5,7 +5,8 @@ Two forms are accepted, both with ``"kv_connector": "OffloadingConnector"``:
 
 - KServe 0.20's rendering: ``kv_connector_extra_config`` with ``"spec_name":
   "TieringOffloadingSpec"``, ``cpu_bytes_to_use``, ``eviction_policy`` (``lru`` or ``arc``) and
-  ``secondary_tiers``, a list of ``{"type": "fs", "root_dir": "/mnt/kv-cache-0"}``;
+  ``secondary_tiers``, a list of ``{"type": "fs", "root_dir": "/mnt/kv-cache-0"}`` (one: a
+  cascade between disks is refused, `MANY_TIERS` says why);
 - vLLM's simpler one, with only ``cpu_bytes_to_use`` (or the older ``num_cpu_blocks``).
 
 Where the tiers go is decided at start-up, when the device is known (`tier_plan`): on a CPU
@@ -35,6 +36,13 @@ NO_TIER = ("kv_transfer_config leaves no second KV tier: on a CPU server the KV 
            "host-memory tier on a GPU yet); add secondary_tiers "
            '[{"type": "fs", "root_dir": "/mnt/kv-cache-0"}] (spec.kvCacheOffloading\'s '
            "file-system tiers)")
+
+
+MANY_TIERS = ("kv_transfer_config: {} fs tiers given; this engine keeps one disk tier under "
+              "its KV pool and builds no cascade between disks (on one node a block moved to a "
+              "second local volume costs a read and a write for a copy the first could have "
+              "kept): give one root_dir, the largest fast volume, and size it (capacity_bytes, "
+              "or the volume's free space)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +92,10 @@ class KVTierConfig:
         tiers = extra.get("secondary_tiers") or []
         if not isinstance(tiers, list):
             raise ValueError("kv_transfer_config: secondary_tiers must be a list")
-        return cls(cpu, policy, tuple(_fs_tier(t) for t in tiers))
+        fs = tuple(_fs_tier(t) for t in tiers)
+        if len(fs) > 1:
+            raise ValueError(MANY_TIERS.format(len(fs)))
+        return cls(cpu, policy, fs)
 
 
 def _fs_tier(entry: Any) -> FsTier:
@@ -114,7 +125,4 @@ def tier_plan(config: KVTierConfig, device_type: str) -> FsTier:
                            "cpu_bytes_to_use is ignored, the fs tier is the second tier")
     if not config.fs_tiers:
         raise ValueError(NO_TIER)
-    if len(config.fs_tiers) > 1:
-        logger.warning("kv_transfer_config: %d fs tiers given; only the first (%s) is used",
-                       len(config.fs_tiers), config.fs_tiers[0].root_dir)
     return config.fs_tiers[0]
