@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_groups import kv_layout
+from engine.core.preemption import num_reclaimable
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from tests.helpers.core import fake_step, make_request
 
@@ -143,7 +144,7 @@ def test_forks_share_every_groups_blocks_and_copy_on_write_in_each() -> None:
     child = sched.fork(parent, "c")
     for g in range(2):
         assert kv.block_ids("c", g) == kv.block_ids("p", g)
-    assert kv.num_reclaimable(["p"]) == 0  # every block is the child's too
+    assert num_reclaimable(kv, ["p"]) == 0  # every block is the child's too
     out = sched.schedule()
     assert len(out.block_copies) == 2  # the shared partial block, once per group
     sched.update_from_output(out, fake_step(sched, out))

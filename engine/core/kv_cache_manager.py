@@ -14,6 +14,8 @@ blocks from block 0 and a sliding group's blocks for the window before the hit's
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from engine.core.block_hash import BlockHasher
 from engine.core.block_pool import BlockPool, KVBlock
 from engine.core.kv_events import BlockStored
@@ -108,11 +110,8 @@ class KVCacheManager:
                               [t.get(sibling.request_id, []) for t in self._tables])
 
     def record_lookup(self, request: Request, hit: PrefixHit) -> None:
-        if self.enable_prefix_caching:
-            swapped = 0  # a swapped request's own partial block: no prefix-cache hit
-            if self.tier is not None:
-                swapped = self.tier.record(request, hit,
-                                           (request.num_tokens - 1) // self.block_size)
+        if self.enable_prefix_caching:  # a swapped request's own partial block: no prefix hit
+            swapped = 0 if self.tier is None else self.tier.record(request, hit)
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += hit.num_tokens - swapped
 
@@ -214,22 +213,15 @@ class KVCacheManager:
         return copies
 
     def take_tier_moves(self, runs: bool = True) -> TierMoves | None:
-        """The second tier's copies for the next forward (None: no tier); `runs` False: no
-        forward follows this step, the blocks to save wait for the next."""
+        """The second tier's copies for the next forward (None: no tier; see TierLink.take)."""
         return self.tier.take(keep_saves=not runs) if self.tier is not None else None
 
     def preempt(self, request: Request) -> bool:
-        """Free a preempted request's blocks, swapping them out to the second tier first
-        when the cost model says so (engine/core/kv_swap.py); True: swapped. Forked groups
-        share blocks and are always recomputed. Callers reset computed tokens after."""
-        rid = request.request_id
-        blocks = [b for b in self.req_blocks.get(rid, ()) if b is not None]
-        swap = (self.tier is not None and request.group_id is None
-                and request.num_computed_tokens > 0)
-        if swap:
-            extend_block_hashes(self.hasher, request, self.block_size)
+        """Free a preempted request's blocks, swapped out to the second tier first if the
+        cost model says so (TierLink.swap_out); True: swapped. Computed tokens reset after."""
+        blocks = list(self.held_blocks(request.request_id))
         self.free(request)
-        return swap and self.tier is not None and self.tier.swap_out(request, blocks)
+        return self.tier is not None and self.tier.swap_out(request, blocks, self.hasher)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the parent's block tables, every block shared (counts raised): full
@@ -245,26 +237,12 @@ class KVCacheManager:
                 self._dropped[g][child.request_id] = self._dropped[g][parent.request_id]
         self._num_registered[child.request_id] = self._num_registered.get(parent.request_id, 0)
 
-    def _held(self, request_id: str):
+    def held_blocks(self, request_id: str) -> Iterator[KVBlock]:
         """Every block the request holds, over all groups."""
         for table in self._tables:
             for b in table.get(request_id, ()):
                 if b is not None:
                     yield b
-
-    def num_exclusive_blocks(self, request_id: str) -> int:
-        """Blocks only this request holds: what freeing it returns to the free queue."""
-        return sum(1 for b in self._held(request_id) if b.ref_cnt == 1)
-
-    def num_reclaimable(self, request_ids: list[str]) -> int:
-        """Blocks that freeing all these requests together returns (held by no one else)."""
-        holders: dict[int, int] = {}
-        blocks: dict[int, KVBlock] = {}
-        for rid in request_ids:
-            for b in self._held(rid):
-                holders[b.block_id] = holders.get(b.block_id, 0) + 1
-                blocks[b.block_id] = b
-        return sum(1 for i, n in holders.items() if blocks[i].ref_cnt == n)
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Index the blocks that the coming step fills, so requests admitted later in the same
@@ -381,7 +359,7 @@ class KVCacheManager:
     def num_held_blocks(self, request_id: str, group: int | None = None) -> int:
         """Blocks the request holds now in a group, or in all (less what left the window)."""
         if group is None:
-            return sum(1 for _ in self._held(request_id))
+            return sum(1 for _ in self.held_blocks(request_id))
         return sum(1 for b in self._tables[group].get(request_id, ()) if b is not None)
 
     def reset_prefix_cache(self) -> bool:
@@ -403,8 +381,7 @@ class KVCacheManager:
 
     def stats(self) -> dict[str, int | float]:
         used = self.pool.num_used_blocks
-        swaps = self.tier.swaps.stat_dict() if self.tier is not None else {}
-        return swaps | {
+        return (self.tier.swaps.stat_dict() if self.tier is not None else {}) | {
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free_blocks,
             "kv_blocks_in_use": used,

@@ -14,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.core.block_hash import BlockHasher
 from engine.core.block_pool import BlockPool, KVBlock
 from engine.core.kv_swap import Swapper
 from engine.core.kv_tier import KVTier
-from engine.core.prefix_hits import PrefixHit
+from engine.core.prefix_hits import PrefixHit, extend_block_hashes
 from engine.core.request import Request
 
 
@@ -47,8 +48,12 @@ class TierLink:
         self.swaps = Swapper(tier, block_size)  # preemption by swap (engine/core/kv_swap.py)
         self._swap_saves: list[tuple[int, bytes]] = []  # (block id, key) of swapped victims
 
-    def swap_out(self, request: Request, blocks: Sequence[KVBlock]) -> bool:
-        """A freed victim (its computed tokens not reset yet): swapped out, or recomputed."""
+    def swap_out(self, request: Request, blocks: Sequence[KVBlock], hasher: BlockHasher) -> bool:
+        """A freed victim (its computed tokens not reset yet): swapped out, or recomputed.
+        Forked groups share blocks: they always recompute."""
+        if request.group_id is not None or request.num_computed_tokens == 0:
+            return False
+        extend_block_hashes(hasher, request, self.block_size)
         saves = self.swaps.swap_out(request, blocks)
         self._swap_saves.extend(saves)
         return bool(saves)
@@ -73,9 +78,10 @@ class TierLink:
         assert len(new) >= len(keys), "a tier hit's tokens get fresh blocks"
         self._restores.extend((b.block_id, k) for b, k in zip(new, keys))
 
-    def record(self, request: Request, hit: PrefixHit, num_full: int) -> int:
+    def record(self, request: Request, hit: PrefixHit) -> int:
         """An admitted request's lookup: the blocks asked of the tier and those it had, and
         its swap-in. Returns the tokens of a swapped partial block in the hit (no prefix's)."""
+        num_full = (request.num_tokens - 1) // self.block_size
         swapped = self.swaps.admitted(request, hit)
         prefix = len(hit.restore) - (swapped > 0)
         pool_blocks = hit.num_tokens // self.block_size - prefix

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from engine.core.block_pool import KVBlock
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import StepBuild
@@ -35,5 +36,16 @@ def reclaimable(kv: KVCacheManager, running: Iterable[Request], scheduled: dict[
     step) together would return. Checked before preempting any: victims preempted one by one
     for a request that still does not fit would be preempted for nothing."""
     worse = key(candidate)
-    return kv.num_reclaimable([r.request_id for r in running
-                               if r.request_id not in scheduled and key(r) > worse])
+    return num_reclaimable(kv, [r.request_id for r in running
+                                if r.request_id not in scheduled and key(r) > worse])
+
+
+def num_reclaimable(kv: KVCacheManager, request_ids: list[str]) -> int:
+    """Blocks that freeing all these requests together returns (held by no one else)."""
+    holders: dict[int, int] = {}
+    blocks: dict[int, KVBlock] = {}
+    for rid in request_ids:
+        for b in kv.held_blocks(rid):
+            holders[b.block_id] = holders.get(b.block_id, 0) + 1
+            blocks[b.block_id] = b
+    return sum(1 for i, n in holders.items() if blocks[i].ref_cnt == n)

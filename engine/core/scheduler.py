@@ -76,8 +76,7 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted:
             self._admit_waiting(step)
-        return step.output(self.kv.take_block_copies(),
-                           self.kv.take_tier_moves(runs=bool(step.order)))
+        return step.output(self.kv.take_block_copies(), self.kv.take_tier_moves(bool(step.order)))
 
     def _schedule_running(self, step: StepBuild) -> None:
         """Each running request asks for what it has not computed yet, in policy order (a
