@@ -50,8 +50,10 @@ class TierLink:
 
     def swap_out(self, request: Request, blocks: Sequence[KVBlock], hasher: BlockHasher) -> bool:
         """A freed victim (its computed tokens not reset yet): swapped out, or recomputed.
-        Forked groups share blocks: they always recompute."""
-        if request.group_id is not None or request.num_computed_tokens == 0:
+        Forked groups share blocks: they always recompute (and so does a request asking for
+        prompt logprobs, whose resume computes every prompt position)."""
+        if (request.group_id is not None or request.num_computed_tokens == 0
+                or request.sampling_params.prompt_logprobs is not None):  # no lookup resumes it
             return False
         extend_block_hashes(hasher, request, self.block_size)
         saves = self.swaps.swap_out(request, blocks)
