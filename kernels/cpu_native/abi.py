@@ -32,7 +32,7 @@ class DecoderStackStruct(ctypes.Structure):
             "down_w", "down_b", "kv")] + [
         (name, _ptr) for name in ("final_norm", "cos_table", "sin_table", "window")] + [
         (name, _ptrs) for name in ("q_norm", "k_norm")] + [
-        (name, _ptr) for name in ("qbits", "qgroup")]
+        (name, _ptr) for name in ("qbits", "qgroup")] + [("kv_scales", _ptrs), ("kv_format", _i64)]
 
 
 class DecoderStepStruct(ctypes.Structure):

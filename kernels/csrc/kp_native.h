@@ -251,6 +251,11 @@ typedef struct {
      * weight, gate rows first, and its bias unpadded). NULL: every projection fp32. */
     const int32_t *qbits;
     const int64_t *qgroup;
+    /* A quantized KV cache (--kv-cache-dtype): kv_format a KP_KV_* format, each layer's kv
+     * then its codes and kv_scales its scales (kp_store_kv_q8, kp_paged_rows_q8); 0 (and
+     * kv_scales NULL): float caches. The fp32 stack only. */
+    float *const *kv_scales;
+    int64_t kv_format;
 } kp_decoder_stack;
 
 /* One step: T new tokens (their embeddings in x, which is overwritten) and scratch for each

@@ -126,3 +126,62 @@ def test_native_attention_equals_dequantize_then_attend(case: tuple, fmt: str,
     torch.testing.assert_close(out16.float(), paged_attention_ref(
         c.query.bfloat16().float(), dequantize(kv), c.block_tables, c.seq_lens,
         c.query_start_loc, c.scale, window=window, softcap=softcap), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", ["llama_gqa_llama3", "mistral_window"])
+def test_decoder_stack_over_codes_equals_per_layer_modules_bit_for_bit(
+        name: str, fmt: str, tmp_path) -> None:  # noqa: ANN001
+    """The one-call stack takes a quantized cache (float32 models): the same store and
+    attention kernels as the per-layer modules, so the same codes, scales and logits."""
+    from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
+    from tests.kernels.test_decoder_stack import _steps
+
+    from engine.model_executor.model_loader import load_model
+
+    path, _ = save_checkpoint(CONFIGS[name], tmp_path)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    assert model.native_stack is not None, model.native_stack_declined
+    results = {}
+    for use in (True, False):
+        model.use_native_stack = use
+        calls = []
+        real_run = model.native_stack.run
+        model.native_stack.run = lambda *a, _real=real_run, _calls=calls, **k: (
+            _calls.append(1), _real(*a, **k))[1]
+        sim = PagedSim(model, seed=3)
+        sim.kv = [QuantKV.zeros(tuple(kv.shape), storage_dtype(fmt)) for kv in sim.kv]
+        results[use] = ([sim.step(batch) for batch in _steps(11)], sim.kv)
+        del model.native_stack.run
+        assert len(calls) == (len(results[use][0]) if use else 0)
+    for a, b in zip(results[True][0], results[False][0], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(results[True][1], results[False][1], strict=True):
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+        assert torch.equal(a.scales, b.scales)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_engine_greedy_tokens_equal_the_pytorch_paths(fmt: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine served by the native store and attention (and its one-call stack), then by
+    the PyTorch store and dequantize-then-attend: the same greedy tokens (chunked prefill over
+    partly filled blocks, an n=2 fork), log-probabilities to fp32 summation order."""
+    import kernels.dispatch as dispatch
+    from tests.helpers.kv_quant_child import serve
+
+    runs = []
+    real_run = cpu_native.DecoderStack.run
+    monkeypatch.setattr(cpu_native.DecoderStack, "run",
+                        lambda *a, **k: (runs.append(1), real_run(*a, **k))[1])
+    native = serve(fmt)
+    assert runs, "the one-call stack did not take the quantized cache"
+    monkeypatch.setattr(dispatch.cpu_native, "store_kv_q8", lambda *a, **k: None)
+    monkeypatch.setattr(cpu_kvq.cpu_native, "kvq_usable", lambda *a, **k: False)
+    monkeypatch.setattr(cpu_native.DecoderStack, "takes_cache",
+                        lambda self, cache: isinstance(cache, torch.Tensor))
+    torch_path = serve(fmt)
+    assert native["tokens"] == torch_path["tokens"]
+    for a, b in zip(native["logprobs"], torch_path["logprobs"]):
+        assert a == pytest.approx(b, abs=1e-4)
+    assert native["free"] == torch_path["free"]
