@@ -134,10 +134,9 @@ def test_decoder_stack_over_codes_equals_per_layer_modules_bit_for_bit(
         name: str, fmt: str, tmp_path) -> None:  # noqa: ANN001
     """The one-call stack takes a quantized cache (float32 models): the same store and
     attention kernels as the per-layer modules, so the same codes, scales and logits."""
+    from engine.model_executor.model_loader import load_model
     from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
     from tests.kernels.test_decoder_stack import _steps
-
-    from engine.model_executor.model_loader import load_model
 
     path, _ = save_checkpoint(CONFIGS[name], tmp_path)
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
