@@ -67,6 +67,7 @@ KERNEL_TESTS = [
     "tests/kernels/test_triton_backend.py",  # attention + KV store vs reference, the GPU grid
     "tests/kernels/test_fused_triton.py",  # add + RMSNorm, RoPE + store, act-and-mul
     "tests/kernels/test_block_copy_triton.py",
+    "tests/kernels/test_kv_quant_triton.py",  # the quantized KV store vs the PyTorch store
     "tests/kernels/test_quant_gemm_triton.py",  # AWQ/GPTQ int4 and fp8 GEMMs vs dequantized
     "tests/kernels/test_triton_compile.py",  # sm_90 builds within shared memory
     "tests/kernels/test_triton_api.py",  # the image's Triton has what our code uses

@@ -23,7 +23,7 @@ import os
 import torch
 
 import kernels
-from kernels import settings
+from kernels import cpu_native, settings
 from kernels.block_copy import copy_blocks  # noqa: F401 - re-exported by the package
 from kernels.cpu_backend import bidirectional_attention_cpu, paged_attention_cpu, store_kv_cpu
 from kernels.kv_quant import QuantKV, store_kv_quant
@@ -97,9 +97,16 @@ def resolve_backend(device: torch.device | str, backend: str | None = None, *,
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor | QuantKV,
              slot_mapping: torch.Tensor, *, backend: str | None = None) -> None:
     """Write key/value `[num_tokens, num_kv_heads, head_dim]` into their slots (< 0: skipped);
-    a quantized cache (`QuantKV`) gets codes and scales (kernels/kv_quant.py, every device)."""
+    a quantized cache (`QuantKV`) gets codes and scales (kernels/kv_quant.py; the same codes
+    by the native store on CPU and the Triton store on CUDA, one pass each)."""
     if isinstance(kv_cache, QuantKV):
-        store_kv_quant(key, value, kv_cache, slot_mapping)
+        if kv_cache.device.type == "cuda":
+            from kernels.kv_quant_triton import store_kv_quant_triton
+
+            store_kv_quant_triton(key, value, kv_cache, slot_mapping)
+        elif not cpu_native.store_kv_q8(key, value, kv_cache.data, kv_cache.scales,
+                                        slot_mapping):
+            store_kv_quant(key, value, kv_cache, slot_mapping)
         return
     name = resolve_backend(kv_cache.device, backend)
     if name == "cpu":

@@ -20,11 +20,11 @@ the block afresh (its scales reset to 0): blocks are filled from their first slo
 where a reused block forgets its previous owner.
 
 Every attention path reads the same thing: the reference dequantizes whole blocks, the CPU
-backend dequantizes the blocks a step reads into a compact float cache and runs its usual
-kernels over it (kernels/cpu_kvq.py), and the Triton kernel multiplies each K and V row by its
-scale as it loads it. The store is PyTorch on every device (indexed scatters; on CUDA it syncs
-once per call to find growing blocks, so decode steps with a quantized cache are not captured
-in CUDA graphs).
+backend's native kernel widens each code and applies its scale in fp32 (kernels/cpu_kvq.py;
+without the native library it dequantizes the step's blocks and runs its float kernels), and
+the Triton kernel multiplies each K and V row by its scale as it loads it. `store_kv_quant`
+here is the reference store; the native store on CPU (csrc/kv_q8.c) and the Triton store on
+CUDA (kernels/kv_quant_triton.py) write the same codes and scales bit for bit.
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
-"""Offline throughput of the default model on CPU with float32 KV against a quantized KV cache,
-in one run, alternating (an indication: on CPU the backend dequantizes the blocks each layer
-reads before its kernels, docs/quantization.md).
+"""Offline decode speed of the default model on CPU with a float KV cache against a quantized
+one, in one run, alternating (ratios; the machine's load moves absolute figures).
 
-    python bench/probes/kv_quant_speed.py [--formats int8,fp8,auto-nostack] [--prompts 8]
-                                          [--prompt 256] [--output 64] [--rounds 2]
+    python bench/probes/kv_quant_speed.py [--configs float32:auto,float32:int8,...]
+                                          [--prompts 4] [--prompt 128] [--output 32]
+                                          [--rounds 2]
 
-`auto-nostack`: float32 KV on per-layer modules, the float32 engine without its one-call
-native decoder stack (which a quantized cache does not take), to split the difference.
+A config is `DTYPE:KV[-nostack]`: the model dtype (float32, bfloat16), the --kv-cache-dtype,
+and `-nostack` for the per-layer modules instead of the one-call native decoder stack.
 
-Each round serves the same batch once per configuration (random token prompts, greedy,
-ignore_eos, prefix caching off, float32 weights and activations) and times `generate`. Prints
-one JSON line: per configuration the best round's output tokens/s, and load averages.
+Each round serves the same batch once per configuration twice: with one output token (the
+prefill) and with `--output` tokens (random token prompts, greedy, ignore_eos, prefix caching
+off). TPOT is (full - prefill) / (output - 1), decode throughput prompts / TPOT. Prints one
+JSON line: per configuration the best round's TPOT (ms) and output tokens/s, each against the
+first configuration, and load averages.
 """
 
 from __future__ import annotations
@@ -25,39 +27,50 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+DEFAULT = "float32:auto,float32:int8,float32:fp8,float32:fp8_e5m2,bfloat16:auto,bfloat16:int8"
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--formats", default="int8")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--configs", default=DEFAULT)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--output", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     from engine import LLM, SamplingParams
 
-    names = ["auto", *args.formats.split(",")]
+    names = args.configs.split(",")
     llms = {}
-    for n in names:  # NAME-nostack: that KV format on per-layer modules (no one-call stack)
-        kv = n.removesuffix("-nostack")
-        llms[n] = LLM(dtype="float32", kv_cache_dtype=kv, enable_prefix_caching=False,
-                      max_model_len=1024)
-        llms[n].engine.model.use_native_stack = kv == n
+    for n in names:
+        dtype, kv = n.split(":")
+        llms[n] = LLM(dtype=dtype, kv_cache_dtype=kv.removesuffix("-nostack"),
+                      enable_prefix_caching=False, max_model_len=1024)
+        llms[n].engine.model.use_native_stack = not kv.endswith("-nostack")
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt)]
                for _ in range(args.prompts)]
-    params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
-    best = dict.fromkeys(names, 0.0)
+    full = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    tpot = dict.fromkeys(names, float("inf"))
+    rate = dict.fromkeys(names, 0.0)
     loads = [os.getloadavg()[0]]
     for _ in range(args.rounds):
         for n in names:
             start = time.perf_counter()
-            llms[n].generate(prompts, params, use_tqdm=False)
-            rate = args.prompts * args.output / (time.perf_counter() - start)
-            best[n] = max(best[n], rate)
+            llms[n].generate(prompts, first, use_tqdm=False)
+            mid = time.perf_counter()
+            llms[n].generate(prompts, full, use_tqdm=False)
+            end = time.perf_counter()
+            step = ((end - mid) - (mid - start)) / (args.output - 1)
+            tpot[n] = min(tpot[n], step)
+            rate[n] = max(rate[n], args.prompts * args.output / (end - mid))
             loads.append(os.getloadavg()[0])
-    result = {n: {"output_tok_s": round(r, 1), "vs_auto": round(r / best["auto"], 3)}
-              for n, r in best.items()}
+    base = names[0]
+    result = {n: {"tpot_ms": round(tpot[n] * 1e3, 1), "tpot_vs_first": round(tpot[n] / tpot[base], 3),
+                  "decode_tok_s": round(args.prompts / tpot[n], 1),
+                  "output_tok_s": round(rate[n], 1), "vs_first": round(rate[n] / rate[base], 3)}
+              for n in names}
     result["loadavg"] = [round(x, 1) for x in loads]
     print(json.dumps(result))
     return 0

@@ -188,7 +188,7 @@ class ModelRunner:
         if self.lora is not None:
             return "LoRA is on (per-token adapter rows)"
         if isinstance(self.slot_caches[0], QuantKV):
-            return "the KV cache is quantized (its store syncs to find growing blocks)"
+            return "the KV cache is quantized (decode graphs over codes and scales are not yet run on a GPU)"
         graphs = DecodeGraphs(self.model, self.kv_caches, capture_sizes(max_num_seqs),
                               self.max_blocks_per_seq, self.max_model_len, self.device,
                               self.attention_backend)

@@ -16,7 +16,8 @@ The modules, one job each:
 - `gemm_bf16`: the bf16 product over weights packed in bf16 pairs;
 - `decoder_stack`: `DecoderStack`;
 - `lora`: the LoRA delta of a step's adapters in one call per projection;
-- `quant_gemm`: int4/int8 weights packed once, multiplied with float32 activations.
+- `quant_gemm`: int4/int8 weights packed once, multiplied with float32 activations;
+- `kvq`: a quantized KV cache (`--kv-cache-dtype`): its store and attention over the codes.
 Callers use the names re-exported here (`from kernels import cpu_native`).
 
 "Cannot run here" is said one way. The library cannot run a call when it is not loaded (no
@@ -44,6 +45,7 @@ from kernels.cpu_native.gemm import (
     prefill_tiles,
 )
 from kernels.cpu_native.gemm_bf16 import gemm_bf16, native_bf16_linear, pack_gemm_weight_bf16
+from kernels.cpu_native.kvq import kvq_usable, paged_rows_q8, store_kv_q8
 from kernels.cpu_native.loader import load
 from kernels.cpu_native.lora import LoRASegments, lora_sgmv, lora_sgmv_segments
 from kernels.cpu_native.ops import (
@@ -80,6 +82,7 @@ __all__ = [
     "gemm_available",
     "gemm_panel",
     "gemm_silu",
+    "kvq_usable",
     "load",
     "native_bf16_linear",
     "pack_gate_up_bias",
@@ -89,6 +92,7 @@ __all__ = [
     "pack_q4",
     "pack_q8",
     "paged_rows",
+    "paged_rows_q8",
     "prefill_tiles",
     "q8_rows",
     "quant_available",
@@ -97,5 +101,6 @@ __all__ = [
     "rope_inplace",
     "silu_mul",
     "store_kv",
+    "store_kv_q8",
     "usable",
 ]

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 9  # KP_ABI_VERSION in csrc/kp_native.h
+ABI_VERSION = 10  # KP_ABI_VERSION in csrc/kp_native.h
 LORA_MAX_RANK = 256  # KP_LORA_MAX_RANK in csrc/kp_native.h
+# The quantized KV formats by their code dtype's name: KP_KV_INT8, KP_KV_E4M3, KP_KV_E5M2.
+KV_FORMATS = {"int8": 1, "float8_e4m3fn": 2, "float8_e5m2": 3}
 
 _i32, _i64, _int, _f32, _ptr = (ctypes.c_int32, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
                                 ctypes.c_void_p)
@@ -30,7 +32,7 @@ class DecoderStackStruct(ctypes.Structure):
             "down_w", "down_b", "kv")] + [
         (name, _ptr) for name in ("final_norm", "cos_table", "sin_table", "window")] + [
         (name, _ptrs) for name in ("q_norm", "k_norm")] + [
-        (name, _ptr) for name in ("qbits", "qgroup")]
+        (name, _ptr) for name in ("qbits", "qgroup")] + [("kv_scales", _ptrs), ("kv_format", _i64)]
 
 
 class DecoderStepStruct(ctypes.Structure):
@@ -51,6 +53,10 @@ FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
                                  _ptr, _ptr, _ptr, _i64, _f32, _i32, _f32, _ptr, _i64)),
     "kp_paged_rows_bf16": (_int, (_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64,
                                   _ptr, _ptr, _ptr, _i64, _f32, _i32, _f32, _ptr, _i64)),
+    "kp_store_kv_q8": (_int, (_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i32, _i32,
+                              _i32, _i32)),
+    "kp_paged_rows_q8": (_int, (_ptr, _i64, _ptr, _ptr, _i32, _i64, _i32, _i32, _i32, _i32, _ptr,
+                                _i64, _ptr, _ptr, _ptr, _i64, _f32, _i32, _f32, _ptr, _i64)),
     "kp_add_rms_norm_f32": (None, (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32)),
     "kp_qk_norm_f32": (None, (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _f32)),
     "kp_rope_f32": (_int, (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64)),

@@ -9,6 +9,7 @@ import torch
 
 from kernels.cpu_native import abi
 from kernels.cpu_native.gemm import gemm_available, gemm_panel
+from kernels.cpu_native.kvq import kv_format
 from kernels.cpu_native.loader import loaded, sync_threads
 
 _ptrs = ctypes.POINTER(ctypes.c_void_p)
@@ -165,16 +166,40 @@ class DecoderStack:
         self._kv_key: tuple | None = None
         self._scratch = torch.empty(0, dtype=dtype)
 
-    def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:
+    def takes_cache(self, cache: Any) -> bool:
+        """Whether `run` takes caches like this one: a tensor of the stack's dtype, or (a
+        float32 stack) a quantized cache (`QuantKV`: `.data` codes, `.scales`) of a format
+        the native kernels read."""
+        if isinstance(cache, torch.Tensor):
+            return cache.dtype == self.dtype
+        data = getattr(cache, "data", None)
+        return (self.dtype == torch.float32 and isinstance(data, torch.Tensor)
+                and kv_format(data) is not None)
+
+    def _bind_kv(self, kv_caches: list[Any]) -> None:
         # Addresses and shapes: a new cache at a freed cache's address must be checked again.
-        key = tuple((c.data_ptr(), tuple(c.shape), c.dtype) for c in kv_caches)
+        key = tuple((c.data_ptr(), tuple(c.shape), c.dtype) for c in kv_caches) if isinstance(
+            kv_caches[0], torch.Tensor) else tuple(
+            (c.data.data_ptr(), c.scales.data_ptr(), tuple(c.shape), c.dtype) for c in kv_caches)
         if key == self._kv_key:
             return
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {self.num_layers} layers")
+        fmt = 0
+        if not isinstance(kv_caches[0], torch.Tensor):  # quantized: codes and scales
+            fmt = kv_format(kv_caches[0].data) if self.dtype == torch.float32 else None
+            if not fmt or any(c.scales.shape != (2, c.shape[1], self.kv_heads)
+                              or not c.scales.is_contiguous() or c.scales.dtype != torch.float32
+                              or c.dtype != kv_caches[0].dtype for c in kv_caches):
+                raise ValueError("a quantized KV cache needs the float32 stack, int8/fp8 codes "
+                                 "and float32 scales [2, blocks, kv_heads]")
+            self._scale_array = (ctypes.c_void_p * len(kv_caches))(
+                *(c.scales.data_ptr() for c in kv_caches))
+            kv_caches = [c.data for c in kv_caches]
         shape = kv_caches[0].shape
         for c in kv_caches:
-            if (c.device.type != "cpu" or c.dtype != self.dtype or not c.is_contiguous()
+            if (c.device.type != "cpu" or c.dtype != (kv_caches[0].dtype if fmt else self.dtype)
+                    or not c.is_contiguous()
                     or c.dim() != 5 or c.shape != shape or c.shape[0] != 2
                     or tuple(c.shape[3:]) != (self.kv_heads, self.head_dim)
                     or c.shape[2] > 256):
@@ -182,11 +207,13 @@ class DecoderStack:
                                  "[2, blocks, block_size <= 256, kv_heads, head_dim]")
         self._kv_array = (ctypes.c_void_p * len(kv_caches))(*(c.data_ptr() for c in kv_caches))
         self._struct.kv = ctypes.cast(self._kv_array, _ptrs)
+        self._struct.kv_format = fmt
+        self._struct.kv_scales = ctypes.cast(self._scale_array, _ptrs) if fmt else None
         self._struct.num_blocks, self._struct.block_size = shape[1], shape[2]
         self._kv_key = key
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            kv_caches: list[torch.Tensor], block_tables: torch.Tensor, row_lens: torch.Tensor,
+            kv_caches: list[Any], block_tables: torch.Tensor, row_lens: torch.Tensor,
             seq_idx: torch.Tensor) -> torch.Tensor:
         """x `[T, hidden]` embeddings (overwritten as scratch) -> final hidden `[T, hidden]`.
 

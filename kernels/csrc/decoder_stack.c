@@ -13,7 +13,8 @@
  * checks shapes; this file only runs the sequence and reports out-of-range positions or slots.
  * The gate/up weight comes as panel pairs (kp_gemm_silu_f32), as the MLP module packs it. A
  * weight-only quantized projection (m->qbits) runs kp_quant_gemm_f32 instead; its gate/up is
- * one fused weight, followed by kp_silu_mul_f32, as the per-layer modules do.
+ * one fused weight, followed by kp_silu_mul_f32, as the per-layer modules do. A quantized KV
+ * cache (m->kv_format) takes the store and attention of kv_q8.c / paged_q8.c.
  */
 #include <string.h>
 
@@ -29,6 +30,35 @@ static int project(const kp_decoder_stack *m, int64_t l, int j, const float *x, 
     if (!bits) return kp_gemm_f32(x, ldx, T, (const float *)w, K, N, b, y, ldy);
     return kp_quant_gemm_f32(x, ldx, T, (const uint8_t *)w, bits, m->qgroup[4 * l + j], K, N, b,
                              y, ldy);
+}
+
+/* Layer l's KV store and attention over s->qkv into s->attn, float or quantized cache (the
+ * per-layer modules' kernels for each); the stack's return codes. */
+static int attention(const kp_decoder_stack *m, const kp_decoder_step *s, int64_t l,
+                     int64_t qkv_size, int64_t q_size, int64_t kv_size, int64_t num_slots) {
+    const int64_t T = s->tokens, hd = m->head_dim;
+    const float *k = s->qkv + q_size, *v = s->qkv + q_size + kv_size;
+    const int32_t window = m->window ? m->window[l] : 0;
+    int rc;
+    if (m->kv_format) {
+        rc = kp_store_kv_q8(k, qkv_size, v, qkv_size, s->slots, T, (uint8_t *)m->kv[l],
+                            m->kv_scales[l], m->num_blocks, (int32_t)m->block_size,
+                            (int32_t)m->kv_heads, (int32_t)hd, (int32_t)m->kv_format);
+        if (rc) return rc == -2 ? -5 : -2;
+        rc = kp_paged_rows_q8(s->qkv, qkv_size, (const uint8_t *)m->kv[l], m->kv_scales[l],
+                              (int32_t)m->kv_format, m->num_blocks, (int32_t)m->block_size,
+                              (int32_t)m->kv_heads, (int32_t)hd, (int32_t)m->heads,
+                              s->block_tables, s->bt_stride, s->row_lens, s->tok_idx, s->seq_idx,
+                              T, m->scale, window, 0.0f, s->attn, q_size);
+    } else {
+        if (kp_store_kv_f32(k, qkv_size, v, qkv_size, s->slots, T, m->kv[l], num_slots, kv_size))
+            return -2;
+        rc = kp_paged_rows_f32(s->qkv, qkv_size, m->kv[l], m->num_blocks, (int32_t)m->block_size,
+                               (int32_t)m->kv_heads, (int32_t)hd, (int32_t)m->heads,
+                               s->block_tables, s->bt_stride, s->row_lens, s->tok_idx,
+                               s->seq_idx, T, m->scale, window, 0.0f, s->attn, q_size);
+    }
+    return rc == 0 ? 0 : rc == -2 ? -5 : -3;
 }
 
 int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
@@ -53,15 +83,8 @@ int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
         if (kp_rope_f32(s->qkv, qkv_size, s->positions, m->cos_table, m->sin_table,
                         m->max_positions, T, m->heads + m->kv_heads, hd))
             return -1;
-        if (kp_store_kv_f32(s->qkv + q_size, qkv_size, s->qkv + q_size + kv_size, qkv_size,
-                            s->slots, T, m->kv[l], num_slots, kv_size))
-            return -2;
-        const int rc = kp_paged_rows_f32(
-            s->qkv, qkv_size, m->kv[l], m->num_blocks, (int32_t)m->block_size,
-            (int32_t)m->kv_heads, (int32_t)hd, (int32_t)m->heads, s->block_tables, s->bt_stride,
-            s->row_lens, s->tok_idx, s->seq_idx, T, m->scale, m->window ? m->window[l] : 0, 0.0f,
-            s->attn, q_size);
-        if (rc) return rc == -2 ? -5 : -3;
+        const int rc = attention(m, s, l, qkv_size, q_size, kv_size, num_slots);
+        if (rc) return rc;
         if (project(m, l, O, s->attn, q_size, T, m->o_w[l], q_size, H, m->o_b[l], s->x, H))
             return -4;
         kp_add_rms_norm_f32(s->x, H, s->residual, m->post_norm[l], s->normed, T, H, m->eps);
@@ -100,7 +123,7 @@ int kp_decoder_stack_bf16(const kp_decoder_stack *m, const kp_decoder_step *s) {
     bf *x = (bf *)s->x, *res = (bf *)s->residual, *normed = (bf *)s->normed;
     bf *qkv = (bf *)s->qkv, *attn = (bf *)s->attn, *gu = (bf *)s->gate_up, *act = (bf *)s->act;
     if (T <= 0) return 0;
-    if (m->q_norm) return -4;
+    if (m->q_norm || m->kv_format) return -4;
     for (int64_t l = 0; l < m->layers; ++l) {
         kp_add_rms_norm_bf16(x, H, l ? res : 0, (const bf *)m->in_norm[l], normed, T, H, m->eps);
         if (l == 0) memcpy(res, x, (size_t)(T * H) * sizeof(bf));

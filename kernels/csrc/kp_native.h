@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define KP_ABI_VERSION 9
+#define KP_ABI_VERSION 10
 
 /* Output columns per packed GEMM weight panel: three vectors where the register file holds 32
  * (AVX-512: an 8 x 48 tile), two where it holds 16 (AVX2: 6 x 16). A packed weight fits only
@@ -77,6 +77,38 @@ KP_API int kp_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uin
                               const int64_t *tok_idx, const int64_t *seq_idx, int64_t n,
                               float scale, int32_t window, float softcap, uint16_t *out,
                               int64_t out_row_stride);
+
+/* ---- a quantized KV cache (--kv-cache-dtype; kv_q8.c, paged_q8.c) ---- */
+
+/* The code formats: one byte per element, `codes` [2, num_blocks, block_size, num_kv_heads,
+ * head_dim] and one fp32 scale per (K/V half, block, KV head), `scales` [2, num_blocks,
+ * num_kv_heads]; an element's value is code * scale (kernels/kv_quant.py). */
+#define KP_KV_INT8 1 /* int8, -127 .. 127 */
+#define KP_KV_E4M3 2 /* float8_e4m3fn */
+#define KP_KV_E5M2 3 /* float8_e5m2 */
+
+/* Quantize rows of k and v ([n, num_kv_heads * head_dim] with row strides) into their slots,
+ * as kernels/kv_quant.py's store_kv_quant does it, code for code: a write at a block's first
+ * slot resets its scales; a (block, head) whose scale the new rows outgrow gets the larger
+ * scale and its codes requantized to it. Slots < 0 skipped. -1, writing nothing: a slot
+ * outside the cache or an unknown format; -2: no memory for the scratch. */
+KP_API int kp_store_kv_q8(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                          const int64_t *slots, int64_t n, uint8_t *codes, float *scales,
+                          int64_t num_blocks, int32_t block_size, int32_t num_kv_heads,
+                          int32_t head_dim, int32_t format);
+
+/* kp_paged_rows_f32 over a quantized cache (codes and scales as above): fp32 query and output,
+ * each K/V code widened and scaled in fp32, fp32 softmax and sums. Single rows read the codes
+ * directly; rows of a sequence that has several in the call (a prefill chunk) go through the
+ * fp32 kernel over that sequence's blocks dequantized once into scratch (its transposed-key
+ * tiles). Same limits and return codes as kp_paged_rows_f32, and -1 for an unknown format. */
+KP_API int kp_paged_rows_q8(const float *q, int64_t q_row_stride, const uint8_t *codes,
+                            const float *scales, int32_t format, int64_t num_blocks,
+                            int32_t block_size, int32_t num_kv_heads, int32_t head_dim,
+                            int32_t num_heads, const int32_t *block_tables, int64_t bt_stride,
+                            const int32_t *row_lens, const int64_t *tok_idx,
+                            const int64_t *seq_idx, int64_t n, float scale, int32_t window,
+                            float softcap, float *out, int64_t out_row_stride);
 
 /* ---- fused elementwise ops (cpu_ops.c) ---- */
 
@@ -219,6 +251,11 @@ typedef struct {
      * weight, gate rows first, and its bias unpadded). NULL: every projection fp32. */
     const int32_t *qbits;
     const int64_t *qgroup;
+    /* A quantized KV cache (--kv-cache-dtype): kv_format a KP_KV_* format, each layer's kv
+     * then its codes and kv_scales its scales (kp_store_kv_q8, kp_paged_rows_q8); 0 (and
+     * kv_scales NULL): float caches. The fp32 stack only. */
+    float *const *kv_scales;
+    int64_t kv_format;
 } kp_decoder_stack;
 
 /* One step: T new tokens (their embeddings in x, which is overwritten) and scratch for each

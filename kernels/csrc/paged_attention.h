@@ -86,6 +86,30 @@ static inline float pa_softmax_row(float *sm, int32_t n, int32_t padded, float *
     return vhsum(vsum);
 }
 
+/* Online softmax (paged_bf16.c, paged_q8.c) over n <= CHUNK scores in p (replaced by exp(s - new max)); `first`: no
+ * earlier chunk. Returns the factor that rescales the old sum and accumulator. */
+static inline float pa_softmax_step(float *p, int n, int first, float *m, float *l) {
+    float mx = p[0];
+    for (int t = 1; t < n; ++t) mx = p[t] > mx ? p[t] : mx;
+    if (!first && *m > mx) mx = *m;
+    const float corr = first ? 0.0f : expf(*m - mx);
+    vf sum = vzero();
+    int t = 0;
+    for (; t + KP_VW <= n; t += KP_VW) {
+        const vf e = vexp(vload(p + t) - mx);
+        vstore(p + t, e);
+        sum += e;
+    }
+    if (t < n) {
+        const vf e = vselect(vlanes_below(n - t), vexp(vload_n(p + t, n - t) - mx), vzero());
+        vstore_n(p + t, e, n - t);
+        sum += e;
+    }
+    *l = *l * corr + vhsum(sum);
+    *m = mx;
+    return corr;
+}
+
 /* Query heads per tile for R rows: AVX-512 as many as keep the V accumulators of whole heads
  * in registers (head_dim 64: 4 for one row, 3 for two; 128: 2 and 1); AVX2 3 (3 or 6 score
  * rows: enough independent FMAs to hide their latency; its V loop goes over the head in

@@ -97,30 +97,6 @@ static inline void scores_bf16(const uint16_t *q, const uint16_t *const *krow, i
 }
 #endif
 
-/* Online softmax over n <= CHUNK scores in p (replaced by exp(s - new max)); `first`: no
- * earlier chunk. Returns the factor that rescales the old sum and accumulator. */
-static inline float softmax_step(float *p, int n, int first, float *m, float *l) {
-    float mx = p[0];
-    for (int t = 1; t < n; ++t) mx = p[t] > mx ? p[t] : mx;
-    if (!first && *m > mx) mx = *m;
-    const float corr = first ? 0.0f : expf(*m - mx);
-    vf sum = vzero();
-    int t = 0;
-    for (; t + KP_VW <= n; t += KP_VW) {
-        const vf e = vexp(vload(p + t) - mx);
-        vstore(p + t, e);
-        sum += e;
-    }
-    if (t < n) {
-        const vf e = vselect(vlanes_below(n - t), vexp(vload_n(p + t, n - t) - mx), vzero());
-        vstore_n(p + t, e, n - t);
-        sum += e;
-    }
-    *l = *l * corr + vhsum(sum);
-    *m = mx;
-    return corr;
-}
-
 /* The query heads of KV head kvh (q, out: the first of them) over keys start .. len - 1. */
 static void item_bf16(const uint16_t *q, const kv16_layout *kv, const int32_t *table,
                       int32_t start, int32_t len, int kvh, int group, int hd, float scale,
@@ -173,7 +149,7 @@ static void item_bf16(const uint16_t *q, const kv16_layout *kv, const int32_t *t
                 scores_f32(qf + (int64_t)g * hd, kbuf, n, hd, scale, p);
             if (softcap > 0.0f)
                 for (int t = 0; t < n; ++t) p[t] = softcap * tanhf(p[t] * inv_cap);
-            const float corr = softmax_step(p, n, c0 == start, &m[g], &l[g]);
+            const float corr = pa_softmax_step(p, n, c0 == start, &m[g], &l[g]);
             float *a = acc + (int64_t)g * hd;
             int d = 0;
             for (; d + KP_VW <= hd; d += KP_VW) {

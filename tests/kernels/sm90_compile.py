@@ -95,12 +95,23 @@ def _store_merge() -> list[int]:
            "head_dim": "i32", "stride_ot": "i32", "stride_oh": "i32"}
     merge = _compile(tb._merge_splits_kernel, sig,
                      {"NUM_SPLITS": 5, "SPLITS_P2": 8, "BLOCK_D": 128})
+    import kernels.kv_quant_triton as kqt
+
+    sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "code_ptr": "*u8", "scale_ptr": "*fp32",
+           "slot_ptr": "*i64", **dict.fromkeys(
+               ["num_tokens", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ckv",
+                "stride_cblk", "stride_coff", "stride_ch", "stride_skv", "num_kv_heads",
+                "head_dim"], "i32")}
+    quant = [_compile(kqt._store_quant_kernel, dict(sig),  # int8 and fp8_e4m3 codes
+                      {"BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128, "FMT": fmt, "QMAX": qmax})
+             for fmt, qmax in ((0, 127.0), (1, 448.0))]
     import kernels.block_copy_triton as bct
 
     sig = {"cache_ptr": "*bf16", "src_ptr": "*i64", "dst_ptr": "*i64", "half_elems": "i64",
            "block_elems": "i32"}
     copy = _compile(bct._copy_blocks_kernel, sig, {"BLOCK": 4096})
-    return [store.metadata.shared, merge.metadata.shared, copy.metadata.shared]
+    return [store.metadata.shared, merge.metadata.shared, copy.metadata.shared,
+            *(q.metadata.shared for q in quant)]
 
 
 def _lora_sgmv() -> list[int]:

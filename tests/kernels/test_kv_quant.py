@@ -2,9 +2,10 @@
 block fills, and the CPU backend over int8 / fp8 blocks against the reference on the same
 dequantized values (the Triton kernel's cases are in test_triton_backend.py).
 
-What holds on every machine type: the store is PyTorch (no ISA-specific code), and the CPU
-backend dequantizes into a float32 (or bf16) cache before its usual kernels, so the native
-kernels' own tests (test_isa.py runs them at avx2 too) cover what runs after."""
+What holds on every machine type: `store_kv` on CPU is the native store, which writes the
+PyTorch store's codes bit for bit (test_kv_quant_native.py, at every level), and the CPU
+backend's reads go to the native kernel over the codes where the library loads; the native
+kernels' own tests (test_kv_quant_native.py, run at avx2 too by test_isa.py) cover them."""
 
 from __future__ import annotations
 

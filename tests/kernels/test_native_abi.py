@@ -79,6 +79,9 @@ def test_versions_and_constants_agree() -> None:
     text = HEADER.read_text()
     assert int(re.search(r"#define KP_ABI_VERSION (\d+)", text).group(1)) == abi.ABI_VERSION
     assert int(re.search(r"#define KP_LORA_MAX_RANK (\d+)", text).group(1)) == abi.LORA_MAX_RANK
+    formats = {"int8": "INT8", "float8_e4m3fn": "E4M3", "float8_e5m2": "E5M2"}
+    assert {name: int(re.search(rf"#define KP_KV_{macro} (\d+)", text).group(1))
+            for name, macro in formats.items()} == abi.KV_FORMATS
 
 
 def _header_macro(level: isa.IsaLevel, name: str) -> int:

@@ -44,6 +44,8 @@ def test_attention_kernel_compiles_for_sm90(case: str, tmp_path: Path) -> None:
 
 
 def test_store_merge_and_block_copy_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    """The float store, the split-KV merge, the block copy and the quantized store (int8,
+    fp8_e4m3: kernels/kv_quant_triton.py)."""
     for shared in _compile_in_child("store-merge", tmp_path):
         assert shared <= SHARED_LIMIT
 

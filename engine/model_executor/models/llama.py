@@ -291,7 +291,7 @@ class LlamaForCausalLM(TransformersCheckpoint):
         stack = self.native_stack
         if (stack is not None and self.use_native_stack and meta.backend == "cpu"
                 and not torch.is_grad_enabled() and x.device.type == "cpu"
-                and x.dtype == stack.dtype and isinstance(kv_caches[0], torch.Tensor)):
+                and x.dtype == stack.dtype and stack.takes_cache(kv_caches[0])):
             rows = meta.rows(x.shape[0])
             if rows is not None:
                 return stack.run(x.contiguous(), positions, meta.slot_mapping, kv_caches,
