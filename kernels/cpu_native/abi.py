@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 9  # KP_ABI_VERSION in csrc/kp_native.h
+ABI_VERSION = 10  # KP_ABI_VERSION in csrc/kp_native.h
 LORA_MAX_RANK = 256  # KP_LORA_MAX_RANK in csrc/kp_native.h
 
 _i32, _i64, _int, _f32, _ptr = (ctypes.c_int32, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
@@ -71,6 +71,8 @@ FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "kp_quant_block_bytes": (_i64, (_i32, _i64)),
     "kp_quant_gemm_f32": (_int, (_ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _i64, _ptr, _ptr,
                                  _i64)),
+    "kp_quant_gemm_bf16": (_int, (_ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _i64, _ptr, _ptr,
+                                  _i64)),
     "kp_gemm_bf16": (_int, (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64)),
     "kp_decoder_stack_f32": (_int, (ctypes.POINTER(DecoderStackStruct),
                                     ctypes.POINTER(DecoderStepStruct))),
