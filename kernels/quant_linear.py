@@ -1,5 +1,5 @@
-"""Weight-only quantized matmuls on CPU: our native kernel in float32, PyTorch's packed ones
-otherwise.
+"""Weight-only quantized matmuls on CPU: our native kernel in float32 (and in bfloat16 where
+measured faster), PyTorch's packed ones otherwise.
 
 Why: a decode step reads every weight once per token, so on CPU its time is the weights' bytes;
 4-bit weights are a fifth of float32's. Two layouts, each a dataclass the engine builds once,
@@ -10,9 +10,11 @@ each run by one of two kernels (`kernel`, chosen at packing from the activation 
 - `Int8Weight`: int8 codes with one scale per group along the input dimension, `w = q * scale`
   (GGUF's Q8_0: groups of 32), or one per output channel (a group of `in_features`).
 
-`native` (float32 activations, native library loaded): `cpu_native.quant_gemm`, which
-dequantizes in registers; scales are float32, so a GGUF's are kept exactly, and any group size
-runs. `aten` (other dtypes, or no native library): `aten._weight_int4pack_mm_for_cpu`, which
+`native` (float32 activations with the native library loaded; bfloat16 ones where
+`cpu_native.native_bf16_quant()` says so): `cpu_native.quant_gemm`, which dequantizes in
+registers (bf16 from a few rows on: into a bf16 tile per weight panel for the bf16 GEMM's
+micro-kernel); scales are float32, so a GGUF's are kept exactly, and any group size runs (an
+even one in bf16). `aten` (other dtypes, or no native library): `aten._weight_int4pack_mm_for_cpu`, which
 reads codes centred on 8 (`zero = minimum + 8 * scale`) with scales in the activation dtype
 (bfloat16 rounds fp16 GGUF scales), and `aten._weight_int8pack_mm`, which takes one scale per
 output channel only. Both are 10-90x slower than `F.linear` with float32 activations, hence ours.
@@ -86,8 +88,11 @@ QuantWeight = Int4Weight | Int8Weight | CheckpointInt4Weight | Fp8Weight
 
 
 def native_for(dtype: torch.dtype) -> bool:
-    """Whether weights for activations of `dtype` are packed for our kernel (float32, with the
-    native library loaded) rather than PyTorch's."""
+    """Whether weights for activations of `dtype` are packed for our kernel (float32 with the
+    native library loaded; bfloat16 where `cpu_native.native_bf16_quant()`) rather than
+    PyTorch's."""
+    if dtype == torch.bfloat16:
+        return cpu_native.native_bf16_quant()
     return dtype == torch.float32 and cpu_native.quant_available()
 
 
@@ -162,13 +167,13 @@ def pack_int8(codes: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: 
               ) -> Int8Weight:
     """int8 codes `[out, in]` with `scale` `[out, in / group_size]` (`w = q * scale`) for
     `int8_mm` on activations of `dtype`. PyTorch's kernel takes one scale per output channel
-    only: ValueError for smaller groups unless `native_for(dtype)`."""
+    only: ValueError for smaller groups unless `native_for(dtype)` (bf16: an even group)."""
     out_f, in_f = codes.shape
     if codes.dtype != torch.int8 or group_size <= 0 or in_f % group_size or tuple(
             scale.shape) != (out_f, in_f // group_size):
         raise ValueError(f"int8 codes {codes.dtype} {list(codes.shape)} with scales "
                          f"{list(scale.shape)} in groups of {group_size}")
-    if native_for(dtype):
+    if native_for(dtype) and (dtype == torch.float32 or group_size % 2 == 0):
         packed = cpu_native.pack_q8(codes, scale.float(), group_size)
         return Int8Weight(packed, None, out_f, in_f, group_size, "native")
     if group_size != in_f:
@@ -212,15 +217,17 @@ def bits_of(weight: QuantWeight) -> int:
 
 def _native_mm(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
                ) -> torch.Tensor:
-    """Our kernel, the bias added inside it (as the native decoder stack does)."""
-    rows = x if x.dtype == torch.float32 else x.float()
+    """Our kernel, the bias added inside it (as the native decoder stack does); float32 and
+    bfloat16 rows natively, others through float32."""
+    native = x.dtype in (torch.float32, torch.bfloat16)
+    rows = x if native else x.float()
     bits = bits_of(weight)
     out = cpu_native.quant_gemm(rows if rows.stride(-1) == 1 else rows.contiguous(),
                                 weight.packed, bits, weight.group_size, weight.out_features,
                                 bias)
     if out is None:  # packed for the loaded library, so only a broken call ends here
         raise RuntimeError(f"the native int{bits} kernel refused a {list(x.shape)} input")
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    return out if native else out.to(x.dtype)
 
 
 def int8_rows(ids: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
@@ -250,7 +257,8 @@ def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
         out = _triton_mm(rows, weight).reshape(*x.shape[:-1], weight.out_features)
         return out if bias is None else out + bias
     if weight.kernel == "native" and (bias is None or (
-            bias.dtype == torch.float32 and bias.is_contiguous())):
+            bias.dtype == rows.dtype in (torch.float32, torch.bfloat16)
+            and bias.is_contiguous())):
         out = _native_mm(rows, weight, None if bias is None else bias.detach())
         return out.reshape(*x.shape[:-1], weight.out_features)
     out = int4_mm(rows, weight) if isinstance(weight, Int4Weight) else int8_mm(rows, weight)

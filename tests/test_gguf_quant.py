@@ -179,3 +179,34 @@ def test_plain_gguf_load_stays_float(tmp_path: Path) -> None:
     path = tiny_gguf.write(tmp_path / "m.gguf", dict.fromkeys(ALL_PROJECTIONS, QT.Q4_1))
     model, _ = load_model(path, torch.float32, CPU)
     assert all(m.quant is None for m in model.modules() if isinstance(m, Linear))
+
+
+def test_gguf_in_bf16_close_to_the_dequantized_bf16_model(tmp_path: Path) -> None:
+    """With bf16 activations the 4-bit projections and the Q8_0 vocabulary run on our kernel
+    where `native_bf16_quant()` chose it (PyTorch's elsewhere), exact codes and fp32 scales;
+    greedy tokens equal those of the same file dequantized into a bf16 model, logits within 2%
+    of their range (bf16 roundings differ in place, not in size). Where the bf16 decoder
+    stack is built it equals the per-layer modules bit for bit; elsewhere it says why."""
+    from kernels import cpu_native
+
+    path = tiny_gguf.write(tmp_path / "m.gguf", dict.fromkeys(ALL_PROJECTIONS, QT.Q4_1),
+                           vocab=QT.Q8_0)
+    dense, _ = load_model(path, torch.bfloat16, CPU)
+    kept, _ = load_model(path, torch.bfloat16, CPU, quantization="gguf")
+    _layouts(kept, quant_linear.Int4Weight)
+    want = "native" if cpu_native.native_bf16_quant() else "aten"
+    assert {m.quant.kernel for _, m in projections(kept)} == {want}
+    assert kept.lm_head.quant.kernel == want
+    tokens, logits = greedy(kept, PROMPT, 6, torch.bfloat16)
+    ref_tokens, ref_logits = greedy(dense, PROMPT, 6, torch.bfloat16)
+    assert tokens == ref_tokens
+    scale = max(float(r.float().abs().max()) for r in ref_logits)
+    assert max(float((a.float() - b.float()).abs().max())
+               for a, b in zip(logits, ref_logits, strict=True)) < 0.02 * scale
+    if kept.native_stack is None:
+        assert want == "aten" and "quantized kernel" in kept.native_stack_declined
+        return
+    kept.use_native_stack = False
+    layer_tokens, layer_logits = greedy(kept, PROMPT, 6, torch.bfloat16)
+    assert layer_tokens == tokens
+    assert all(torch.equal(a, b) for a, b in zip(layer_logits, logits, strict=True))

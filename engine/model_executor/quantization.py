@@ -92,16 +92,17 @@ def requantized_rows(source: str, dtype: torch.dtype) -> VocabPicker:
 
 
 class Int8Embedding(nn.Module):
-    """An embedding looked up from int8 rows with one scale each; the tied LM head multiplies
-    by the same codes (`Linear.quantize` with the same `Int8Weight`)."""
+    """An embedding looked up from int8 rows with one scale each, in the model's dtype; the
+    tied LM head multiplies by the same codes (`Linear.quantize` with the same `Int8Weight`)."""
 
-    def __init__(self, weight: quant_linear.Int8Weight) -> None:
+    def __init__(self, weight: quant_linear.Int8Weight, dtype: torch.dtype = torch.float32
+                 ) -> None:
         super().__init__()
-        self.weight_q = weight
+        self.weight_q, self.dtype = weight, dtype
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return quant_linear.int8_rows(ids, self.weight_q)
+        return quant_linear.int8_rows(ids, self.weight_q).to(self.dtype)
 
 
 def quantize_vocab(model: nn.Module, pick: VocabPicker) -> str:
@@ -112,7 +113,7 @@ def quantize_vocab(model: nn.Module, pick: VocabPicker) -> str:
     head: Any = model.lm_head
     tied = head.weight is inner.embed_tokens.weight
     head.quantize(embedding if tied else pick("lm_head", head.weight)[1])
-    inner.embed_tokens = Int8Embedding(embedding)
+    inner.embed_tokens = Int8Embedding(embedding, inner.embed_tokens.weight.dtype)
     return (f"embedding{' and tied LM head' if tied else ' and LM head'}: {fmt}, "
             f"{embedding.kernel} kernel")
 

@@ -16,7 +16,7 @@ The modules, one job each:
 - `gemm_bf16`: the bf16 product over weights packed in bf16 pairs;
 - `decoder_stack`: `DecoderStack`;
 - `lora`: the LoRA delta of a step's adapters in one call per projection;
-- `quant_gemm`: int4/int8 weights packed once, multiplied with float32 activations;
+- `quant_gemm`: int4/int8 weights packed once, multiplied with float32 or bf16 activations;
 - `kvq`: a quantized KV cache (`--kv-cache-dtype`): its store and attention over the codes.
 Callers use the names re-exported here (`from kernels import cpu_native`).
 
@@ -61,6 +61,7 @@ from kernels.cpu_native.ops import (
     usable,
 )
 from kernels.cpu_native.quant_gemm import (
+    native_bf16_quant,
     pack_q4,
     pack_q8,
     q8_rows,
@@ -85,6 +86,7 @@ __all__ = [
     "kvq_usable",
     "load",
     "native_bf16_linear",
+    "native_bf16_quant",
     "pack_gate_up_bias",
     "pack_gate_up_weight",
     "pack_gemm_weight",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 10  # KP_ABI_VERSION in csrc/kp_native.h
+ABI_VERSION = 11  # KP_ABI_VERSION in csrc/kp_native.h
 LORA_MAX_RANK = 256  # KP_LORA_MAX_RANK in csrc/kp_native.h
 # The quantized KV formats by their code dtype's name: KP_KV_INT8, KP_KV_E4M3, KP_KV_E5M2.
 KV_FORMATS = {"int8": 1, "float8_e4m3fn": 2, "float8_e5m2": 3}
@@ -77,6 +77,8 @@ FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "kp_quant_block_bytes": (_i64, (_i32, _i64)),
     "kp_quant_gemm_f32": (_int, (_ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _i64, _ptr, _ptr,
                                  _i64)),
+    "kp_quant_gemm_bf16": (_int, (_ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _i64, _ptr, _ptr,
+                                  _i64)),
     "kp_gemm_bf16": (_int, (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64)),
     "kp_decoder_stack_f32": (_int, (ctypes.POINTER(DecoderStackStruct),
                                     ctypes.POINTER(DecoderStepStruct))),

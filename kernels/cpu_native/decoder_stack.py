@@ -52,12 +52,10 @@ def _quant_ok(w: torch.Tensor | None, bits: int, group: int, n: int, k: int, pan
 def _check_layers(layers: list[dict], dims: tuple[int, int, int, int], panel: int,
                   dtype: torch.dtype, head_dim: int) -> list[bool]:
     """ValueError naming the first weight not in the stack's layout (a layer's `formats`:
-    int4/int8 projections, float32 stacks only); each layer's q/k norm."""
+    int4/int8 projections); each layer's q/k norm."""
     hidden, qkv, q, inter = dims
     for i, layer in enumerate(layers):
         fmt = layer.get("formats") or {}
-        if fmt and dtype != torch.float32:
-            raise ValueError("quantized projections run in the float32 stack only")
         # fp32: gate/up as panel pairs (gemm_silu) unless quantized; bf16: plain
         plain = dtype != torch.float32 or "gate_up_w" in fmt
         padded = 2 * inter if plain else 2 * -(-inter // panel) * panel
@@ -103,8 +101,8 @@ class DecoderStack:
     `pack_gemm_weight_bf16`, gate/up one plain packed [2 * inter, hidden] weight with a plain
     bias, no q/k norm; the dtype is `final_norm`'s). A layer's optional `formats` maps a
     weight key (`qkv_w`, `o_w`, `gate_up_w`, `down_w`) to (bits, group) for a weight-only
-    quantized projection packed by `pack_q4`/`pack_q8` (float32 stacks; gate/up then the fused
-    `[2 * inter, hidden]` weight, its bias unpadded).
+    quantized projection packed by `pack_q4`/`pack_q8` (gate/up then the fused
+    `[2 * inter, hidden]` weight, its bias unpadded; bf16 stacks: an even group, bf16 biases).
 
     `layers` holds, per layer, the packed weights (`pack_gemm_weight`; gate/up from
     `pack_gate_up_weight`, its bias from `pack_gate_up_bias`) and optional biases of

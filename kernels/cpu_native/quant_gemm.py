@@ -1,8 +1,12 @@
-"""Weight-only quantized matrix products with float32 activations (`csrc/quant_gemm.c`).
+"""Weight-only quantized matrix products with float32 or bfloat16 activations
+(`csrc/quant_gemm.c`).
 
 Why: PyTorch's packed int4/int8 CPU kernels are fast in bfloat16 only; float32 activations,
 which keep a GGUF's scales exact, take their slow path (10-90x `F.linear`). The native kernel
 dequantizes in registers, so a decode step reads 4 or 8 bits per weight plus its group's scales.
+In bfloat16 it dequantizes each weight panel once into bf16 pairs from a few rows on and runs
+the bf16 GEMM's micro-kernel over them (`gemm_bf16.py`), where PyTorch's int4 kernel falls
+behind dense bf16 at batch and prefill sizes; `native_bf16_quant` says where it is chosen.
 
 A weight is packed once into the layout `csrc/quant_gemm.c` describes: column panels of
 `gemm_panel()` outputs (the loaded level's width), each a run of group blocks of scales
@@ -15,13 +19,26 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu_native.gemm import gemm_panel
-from kernels.cpu_native.loader import load, sync_threads
-from kernels.cpu_native.ops import f32_rows
+from kernels.cpu_native.loader import load, loaded_level, sync_threads
+from kernels.cpu_native.ops import rows_of
 
 
 def quant_available() -> bool:
     """True when the library is loaded (the kernel is in every level's build)."""
     return gemm_panel() > 0
+
+
+# Levels whose bf16 variant was measured faster than PyTorch's int4 kernel (bf16 activations,
+# SmolLM2-135M's projections at 1-512 rows, BENCHMARKS.md "quantized weights with bf16
+# activations"). amx is not measured (no such CPU here): it keeps PyTorch's kernel.
+BF16_QUANT_LEVELS = ("avx2", "avx512", "avx512_bf16")
+
+
+def native_bf16_quant() -> bool:
+    """Whether weight-only quantized projections with bf16 activations take `quant_gemm`
+    (the loaded level is in `BF16_QUANT_LEVELS`) rather than PyTorch's packed kernels."""
+    level = loaded_level()
+    return level is not None and level.name in BF16_QUANT_LEVELS
 
 
 def _panels(t: torch.Tensor, panel: int) -> torch.Tensor:
@@ -92,23 +109,27 @@ def q8_rows(packed: torch.Tensor, group: int, in_features: int, ids: torch.Tenso
 
 def quant_gemm(x: torch.Tensor, packed: torch.Tensor, bits: int, group: int, out_features: int,
                bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """`x @ w.T (+ bias)` for float32 rows `x` `[M, K]` and a weight from `pack_q4`/`pack_q8`;
-    None when the library is not loaded or `x`, `bias` or the packing do not fit."""
+    """`x @ w.T (+ bias)` for float32 or bfloat16 rows `x` `[M, K]` (bias and result in x's
+    dtype; bf16: fp32 sums, each output rounded once) and a weight from `pack_q4`/`pack_q8`;
+    None when the library is not loaded or `x`, `bias` or the packing do not fit (bf16: also
+    an odd group)."""
     lib = load()
-    if lib is None or not f32_rows(x) or packed.dtype != torch.uint8:
+    dtype = x.dtype
+    if (lib is None or dtype not in (torch.float32, torch.bfloat16) or not rows_of(x, dtype)
+            or packed.dtype != torch.uint8):
         return None
     k = x.shape[1]
     blk = int(lib.kp_quant_block_bytes(bits, group))
     panel = gemm_panel()
     if (blk < 0 or k % group or not packed.is_contiguous()
             or packed.numel() != -(-out_features // panel) * (k // group) * blk
-            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+            or (bias is not None and (bias.dtype != dtype or not bias.is_contiguous()
                                       or bias.numel() != out_features))):
         return None
-    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+    out = torch.empty((x.shape[0], out_features), dtype=dtype)
     sync_threads(lib)
-    rc = lib.kp_quant_gemm_f32(x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), bits,
-                               group, k, out_features,
-                               bias.data_ptr() if bias is not None else None, out.data_ptr(),
-                               out_features)
+    fn = lib.kp_quant_gemm_f32 if dtype == torch.float32 else lib.kp_quant_gemm_bf16
+    rc = fn(x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), bits, group, k,
+            out_features, bias.data_ptr() if bias is not None else None, out.data_ptr(),
+            out_features)
     return out if rc == 0 else None

@@ -111,11 +111,22 @@ int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
  * kp_paged_rows_bf16, kp_silu_mul_bf16), so the results are theirs bit for bit. Every pointer
  * of the structs holds bf16 values except the weights (bf16 pairs, gemm_bf16.c) and the
  * integer metadata; gate/up is one plain pair-packed [2 * inter, hidden] weight whose output
- * goes to s->gate_up ([T, 2 * inter]) before the SiLU-and-multiply. No q/k norm (the caller
- * declines Qwen3 here). */
+ * goes to s->gate_up ([T, 2 * inter]) before the SiLU-and-multiply. A weight-only quantized
+ * projection (m->qbits, as in the fp32 stack; gate/up then the same plain fused weight) runs
+ * kp_quant_gemm_bf16, as the per-layer modules do. No q/k norm (the caller declines Qwen3
+ * here). */
+static int project_bf16(const kp_decoder_stack *m, int64_t l, int j, const uint16_t *x,
+                        int64_t ldx, int64_t T, const void *w, int64_t K, int64_t N,
+                        const void *b, uint16_t *y, int64_t ldy) {
+    const int32_t bits = m->qbits ? m->qbits[4 * l + j] : 0;
+    if (!bits)
+        return kp_gemm_bf16(x, ldx, T, (const uint32_t *)w, K, N, (const uint16_t *)b, y, ldy);
+    return kp_quant_gemm_bf16(x, ldx, T, (const uint8_t *)w, bits, m->qgroup[4 * l + j], K, N,
+                              (const uint16_t *)b, y, ldy);
+}
+
 int kp_decoder_stack_bf16(const kp_decoder_stack *m, const kp_decoder_step *s) {
     typedef uint16_t bf;
-    typedef const uint32_t *pw;
     const int64_t T = s->tokens, H = m->hidden, hd = m->head_dim;
     const int64_t q_size = m->heads * hd, kv_size = m->kv_heads * hd;
     const int64_t qkv_size = q_size + 2 * kv_size, inter = m->inter;
@@ -127,7 +138,7 @@ int kp_decoder_stack_bf16(const kp_decoder_stack *m, const kp_decoder_step *s) {
     for (int64_t l = 0; l < m->layers; ++l) {
         kp_add_rms_norm_bf16(x, H, l ? res : 0, (const bf *)m->in_norm[l], normed, T, H, m->eps);
         if (l == 0) memcpy(res, x, (size_t)(T * H) * sizeof(bf));
-        if (kp_gemm_bf16(normed, H, T, (pw)m->qkv_w[l], H, qkv_size, (const bf *)m->qkv_b[l], qkv,
+        if (project_bf16(m, l, QKV, normed, H, T, m->qkv_w[l], H, qkv_size, m->qkv_b[l], qkv,
                          qkv_size))
             return -4;
         if (kp_rope_bf16(qkv, qkv_size, s->positions, (const bf *)m->cos_table,
@@ -142,14 +153,14 @@ int kp_decoder_stack_bf16(const kp_decoder_stack *m, const kp_decoder_step *s) {
             s->row_lens, s->tok_idx, s->seq_idx, T, m->scale, m->window ? m->window[l] : 0, 0.0f,
             attn, q_size);
         if (rc) return rc == -2 ? -5 : -3;
-        if (kp_gemm_bf16(attn, q_size, T, (pw)m->o_w[l], q_size, H, (const bf *)m->o_b[l], x, H))
+        if (project_bf16(m, l, O, attn, q_size, T, m->o_w[l], q_size, H, m->o_b[l], x, H))
             return -4;
         kp_add_rms_norm_bf16(x, H, res, (const bf *)m->post_norm[l], normed, T, H, m->eps);
-        if (kp_gemm_bf16(normed, H, T, (pw)m->gate_up_w[l], H, 2 * inter,
-                         (const bf *)m->gate_up_b[l], gu, 2 * inter))
+        if (project_bf16(m, l, GATE_UP, normed, H, T, m->gate_up_w[l], H, 2 * inter,
+                         m->gate_up_b[l], gu, 2 * inter))
             return -4;
         kp_silu_mul_bf16(gu, act, T, inter);
-        if (kp_gemm_bf16(act, inter, T, (pw)m->down_w[l], inter, H, (const bf *)m->down_b[l], x, H))
+        if (project_bf16(m, l, DOWN, act, inter, T, m->down_w[l], inter, H, m->down_b[l], x, H))
             return -4;
     }
     kp_add_rms_norm_bf16(x, H, res, (const bf *)m->final_norm, (bf *)s->out, T, H, m->eps);

@@ -35,7 +35,6 @@
 #define LINE_LANES 16 /* 32-bit lanes per cache line */
 
 typedef uint32_t vu_unaligned __attribute__((vector_size(4 * KP_VW), aligned(4), may_alias));
-typedef uint32_t vu __attribute__((vector_size(4 * KP_VW)));
 
 /* acc += the pair of x at xp times the pairs of w, lane by lane. */
 static inline __attribute__((always_inline)) vf pair_fma(vf acc, const uint16_t *xp, vu w) {
@@ -47,31 +46,6 @@ static inline __attribute__((always_inline)) vf pair_fma(vf acc, const uint16_t 
     const vf lo = (vf)(w << 16), hi = (vf)(w & 0xffff0000u);
     acc = vfma(vset1(bf16_to_f32(xp[0])), lo, acc);
     return vfma(vset1(bf16_to_f32(xp[1])), hi, acc);
-#endif
-}
-
-/* v rounded to bf16 (nearest even, NaN kept quiet: kp_bf16.h's f32_to_bf16 lane by lane), the
- * first n lanes stored at p. */
-static inline __attribute__((always_inline)) void vstore_bf16_n(uint16_t *p, vf v, int n) {
-    const vu u = (vu)v;
-    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
-    const vu r = (((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~nan) | (((u >> 16) | 0x40u) & nan);
-#if KP_VW == 16
-    const __m256i h = _mm512_cvtepi32_epi16((__m512i)r);
-    if (n >= 16)
-        _mm256_storeu_si256((__m256i *)p, h);
-    else
-        _mm256_mask_storeu_epi16(p, (__mmask16)((1u << n) - 1), h);
-#else
-    const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128((__m256i)r),
-                                       _mm256_extracti128_si256((__m256i)r, 1));
-    if (n >= 8) {
-        _mm_storeu_si128((__m128i *)p, h);
-    } else {
-        uint16_t tmp[8];
-        _mm_storeu_si128((__m128i *)tmp, h);
-        for (int i = 0; i < n; ++i) p[i] = tmp[i];
-    }
 #endif
 }
 
@@ -106,10 +80,10 @@ static inline __attribute__((always_inline)) void panel_block(
     case R: if ((R) < MR) panel_block(x + m * ldx, ldx, panel, K2, bias, y + m * ldy, ldy, ncols, R, PF(b), every); break;
 
 /* All row blocks of x times one panel; the first `spread` blocks prefetch a slice each of the
- * next panel (gemm.c says why). */
-static void panel_rows(const uint16_t *x, int64_t ldx, int64_t M, const uint32_t *panel,
-                       int64_t K2, const float *bias, uint16_t *y, int64_t ldy, int ncols,
-                       const uint32_t *next_panel) {
+ * next panel (gemm.c says why). Declared in kp_bf16.h. */
+void kp_bf16_panel_rows(const uint16_t *x, int64_t ldx, int64_t M, const uint32_t *panel,
+                        int64_t K2, const float *bias, uint16_t *y, int64_t ldy, int ncols,
+                        const uint32_t *next_panel) {
     const int64_t blocks = (M + MR - 1) / MR;
     const int spread = blocks < MAX_SPREAD ? (int)blocks : MAX_SPREAD;
     const int64_t slice = (K2 + spread - 1) / spread;
@@ -141,9 +115,9 @@ int kp_gemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint32_t *pack
             float bias32[NR];
             if (bias)
                 for (int c = 0; c < NR; ++c) bias32[c] = c < ncols ? bf16_to_f32(bias[n0 + c]) : 0;
-            panel_rows(x + m0 * ldx, ldx, mb, packed + p * K2 * NR, K2, bias ? bias32 : 0,
-                       y + m0 * ldy + n0, ldy, ncols,
-                       p + 1 < panels ? packed + (p + 1) * K2 * NR : 0);
+            kp_bf16_panel_rows(x + m0 * ldx, ldx, mb, packed + p * K2 * NR, K2,
+                               bias ? bias32 : 0, y + m0 * ldy + n0, ldy, ncols,
+                               p + 1 < panels ? packed + (p + 1) * K2 * NR : 0);
         }
     }
     return 0;

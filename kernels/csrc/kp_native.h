@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define KP_ABI_VERSION 10
+#define KP_ABI_VERSION 11
 
 /* Output columns per packed GEMM weight panel: three vectors where the register file holds 32
  * (AVX-512: an 8 x 48 tile), two where it holds 16 (AVX2: 6 x 16). A packed weight fits only
@@ -212,6 +212,13 @@ KP_API int kp_quant_gemm_f32(const float *x, int64_t ldx, int64_t M, const uint8
                              int32_t bits, int64_t group, int64_t K, int64_t N,
                              const float *bias, float *y, int64_t ldy);
 
+/* The same with bf16 x, bias and y: fp32 sums, each output rounded to bf16 once; from a few rows
+ * on the weights are rounded to bf16 too (quant_gemm.c says when and why). -1 also for an odd
+ * group. */
+KP_API int kp_quant_gemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint8_t *packed,
+                              int32_t bits, int64_t group, int64_t K, int64_t N,
+                              const uint16_t *bias, uint16_t *y, int64_t ldy);
+
 /* ---- bf16 GEMM over pair-packed weights (gemm_bf16.c) ---- */
 
 /* y [M, N] = bf16(x [M, K] times a weight packed in KP_GEMM_PANEL-column panels of bf16 pairs
@@ -277,7 +284,8 @@ typedef struct {
 KP_API int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s);
 
 /* The stack over bf16 with the same structs (decoder_stack.c says how their pointers are
- * read): weights pair-packed for kp_gemm_bf16, everything else bf16; same return codes. */
+ * read): weights pair-packed for kp_gemm_bf16 or, where qbits says so, quant_gemm.c weights
+ * (kp_quant_gemm_bf16), everything else bf16; same return codes. */
 KP_API int kp_decoder_stack_bf16(const kp_decoder_stack *m, const kp_decoder_step *s);
 
 #endif

@@ -21,10 +21,22 @@
  * (prefill) each thread instead dequantizes a whole panel once into an fp32 tile in its cache
  * and runs the fp32 GEMM's register tile (MRF rows) over it: the same weights and the same
  * order of FMAs, so both paths give the same bits.
+ *
+ * bf16 activations (kp_quant_gemm_bf16: x, bias and y bf16, sums fp32, each output rounded once,
+ * as F.linear in bf16): below TILE_MIN_BF16 rows the register path above, each bf16 of x widened
+ * exactly, so the weights are the fp32 path's; from TILE_MIN_BF16 rows on each thread dequantizes
+ * a panel once into a tile of bf16 pairs (each weight `q * scale + minimum` in fp32, then rounded
+ * to bf16 once, nearest even) laid out as gemm_bf16.c's packed panels, and runs that GEMM's
+ * register tile (kp_bf16_panel_rows: vdpbf16ps at the avx512_bf16 and amx levels, exact widening
+ * and FMAs elsewhere) over it. The tile path's weights are thus the dequantized weights rounded
+ * to bf16 (a relative 2^-8 at most), the price of the bf16 dot products; the threshold is
+ * where the tile path is measured faster (BENCHMARKS.md, "quantized weights with bf16
+ * activations"). Pair tiles need an even group (every 4-bit group is; int8: -1 otherwise).
  */
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kp_bf16.h"
 #include "kp_native.h"
 #include "kp_vec.h"
 
@@ -33,6 +45,8 @@
 #define MR 4
 #define MB 128 /* rows per block of x, so a block stays in L2 while the panels pass */
 #define TILE_MIN 16 /* rows from which a panel is dequantized once into an fp32 tile */
+#define TILE_MIN_BF16 8 /* bf16 rows from which a panel is dequantized once into bf16 pairs */
+#define MB_BF16 256 /* bf16 rows per block of x (as gemm_bf16.c) */
 #if KP_VREGS >= 32
 #define MRF 8 /* rows of the fp32 tile's register block (as gemm.c) */
 #else
@@ -62,6 +76,28 @@ static inline vi vload_i8(const uint8_t *p) {
 
 static inline vf vfloat(vi v) { return __builtin_convertvector(v, vf); }
 
+/* Element i of x: fp32, or bf16 widened exactly (`bf` constant after inlining). */
+static inline __attribute__((always_inline)) float xval(const void *x, int64_t i, const int bf) {
+    return bf ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* x or y moved by `i` elements of its type. */
+static inline __attribute__((always_inline)) const void *at(const void *p, int64_t i,
+                                                             const int bf) {
+    return (const char *)p + i * (bf ? 2 : 4);
+}
+
+/* The first n lanes of v to element `i` of y: fp32, or rounded to bf16. */
+static inline __attribute__((always_inline)) void ystore_n(void *y, int64_t i, vf v, int n,
+                                                           const int bf) {
+    if (bf)
+        vstore_bf16_n((uint16_t *)y + i, v, n);
+    else if (n >= KP_VW)
+        vstore((float *)y + i, v);
+    else
+        vstore_n((float *)y + i, v, n);
+}
+
 int64_t kp_quant_block_bytes(int32_t bits, int64_t group) {
     if ((bits != 4 && bits != 8) || group <= 0 || (bits == 4 && group % 2)) return -1;
     return bits == 4 ? 8 * NR + group / 2 * NR : 4 * NR + group * NR;
@@ -69,8 +105,9 @@ int64_t kp_quant_block_bytes(int32_t bits, int64_t group) {
 
 /* Rows [0, mr) of x times one panel (`bits` and `mr` constant after inlining). */
 static inline __attribute__((always_inline)) void qpanel_block(
-    const float *x, int64_t ldx, const uint8_t *panel, int64_t K, int64_t G, int64_t blk,
-    const float *bias, float *y, int64_t ldy, int ncols, const int mr, const int bits) {
+    const void *x, int64_t ldx, const uint8_t *panel, int64_t K, int64_t G, int64_t blk,
+    const float *bias, void *y, int64_t ldy, int ncols, const int mr, const int bits,
+    const int bf) {
     vf acc[MR][NV];
     for (int i = 0; i < mr; ++i)
         for (int v = 0; v < NV; ++v) {
@@ -94,9 +131,10 @@ static inline __attribute__((always_inline)) void qpanel_block(
                     w0[v] = vfma(vfloat(c & 15), s[v], mn[v]);
                     w1[v] = vfma(vfloat(c >> 4), s[v], mn[v]);
                 }
-                const float *xk = x + k0 + 2 * r;
+                const int64_t xk = k0 + 2 * r;
                 for (int i = 0; i < mr; ++i) {
-                    const vf a0 = vset1(xk[i * ldx]), a1 = vset1(xk[i * ldx + 1]);
+                    const vf a0 = vset1(xval(x, i * ldx + xk, bf));
+                    const vf a1 = vset1(xval(x, i * ldx + xk + 1, bf));
                     for (int v = 0; v < NV; ++v) acc[i][v] = vfma(a0, w0[v], acc[i][v]);
                     for (int v = 0; v < NV; ++v) acc[i][v] = vfma(a1, w1[v], acc[i][v]);
                 }
@@ -107,36 +145,33 @@ static inline __attribute__((always_inline)) void qpanel_block(
                 vf w[NV];
                 for (int v = 0; v < NV; ++v) w[v] = vfloat(vload_i8(q + KP_VW * v)) * s[v];
                 for (int i = 0; i < mr; ++i) {
-                    const vf a = vset1(x[i * ldx + k0 + r]);
+                    const vf a = vset1(xval(x, i * ldx + k0 + r, bf));
                     for (int v = 0; v < NV; ++v) acc[i][v] = vfma(a, w[v], acc[i][v]);
                 }
             }
         }
     }
     for (int i = 0; i < mr; ++i)
-        for (int v = 0; v < NV; ++v) {
-            const int c = ncols - KP_VW * v;
-            if (c >= KP_VW)
-                vstore(y + i * ldy + KP_VW * v, acc[i][v]);
-            else if (c > 0)
-                vstore_n(y + i * ldy + KP_VW * v, acc[i][v], c);
-        }
+        for (int v = 0; v < NV && KP_VW * v < ncols; ++v)
+            ystore_n(y, i * ldy + KP_VW * v, acc[i][v], ncols - KP_VW * v, bf);
 }
 
 /* All rows of a block of x times one panel; the tail of fewer than MR rows with its own
  * constant row count so its accumulators stay in registers. */
 static inline __attribute__((always_inline)) void qpanel_rows(
-    const float *x, int64_t ldx, int64_t M, const uint8_t *panel, int64_t K, int64_t G,
-    int64_t blk, const float *bias, float *y, int64_t ldy, int ncols, const int bits) {
+    const void *x, int64_t ldx, int64_t M, const uint8_t *panel, int64_t K, int64_t G,
+    int64_t blk, const float *bias, void *y, int64_t ldy, int ncols, const int bits,
+    const int bf) {
     int64_t m = 0;
     for (; m + MR <= M; m += MR)
-        qpanel_block(x + m * ldx, ldx, panel, K, G, blk, bias, y + m * ldy, ldy, ncols, MR, bits);
-    const float *xm = x + m * ldx;
-    float *ym = y + m * ldy;
+        qpanel_block(at(x, m * ldx, bf), ldx, panel, K, G, blk, bias,
+                     (void *)at(y, m * ldy, bf), ldy, ncols, MR, bits, bf);
+    const void *xm = at(x, m * ldx, bf);
+    void *ym = (void *)at(y, m * ldy, bf);
     switch (M - m) {
-    case 1: qpanel_block(xm, ldx, panel, K, G, blk, bias, ym, ldy, ncols, 1, bits); break;
-    case 2: qpanel_block(xm, ldx, panel, K, G, blk, bias, ym, ldy, ncols, 2, bits); break;
-    case 3: qpanel_block(xm, ldx, panel, K, G, blk, bias, ym, ldy, ncols, 3, bits); break;
+    case 1: qpanel_block(xm, ldx, panel, K, G, blk, bias, ym, ldy, ncols, 1, bits, bf); break;
+    case 2: qpanel_block(xm, ldx, panel, K, G, blk, bias, ym, ldy, ncols, 2, bits, bf); break;
+    case 3: qpanel_block(xm, ldx, panel, K, G, blk, bias, ym, ldy, ncols, 3, bits, bf); break;
     default: break;
     }
 }
@@ -161,6 +196,33 @@ static void dequant_panel(const uint8_t *panel, int64_t K, int64_t G, int64_t bl
                 const uint8_t *q = panel + 4 * NR + KP_VW * v;
                 for (int64_t r = 0; r < G; ++r)
                     vstore(t + r * NR + KP_VW * v, vfloat(vload_i8(q + r * NR)) * s);
+            }
+        }
+    }
+}
+
+/* One panel as bf16 pairs in gemm_bf16.c's layout: lane j of row k2 holds w[j][2 k2] (low half)
+ * and w[j][2 k2 + 1], each dequantized as dequant_panel does and rounded to bf16 once. */
+static void dequant_pairs(const uint8_t *panel, int64_t K, int64_t G, int64_t blk, int bits,
+                          uint32_t *tile) {
+    for (int64_t k0 = 0; k0 < K; k0 += G, panel += blk) {
+        const float *sc = (const float *)panel;
+        uint32_t *t = tile + k0 / 2 * NR;
+        for (int v = 0; v < NV; ++v) {
+            const vf s = vload(sc + KP_VW * v);
+            const vf mn = bits == 4 ? vload(sc + NR + KP_VW * v) : vzero();
+            const uint8_t *q = panel + (bits == 4 ? 8 : 4) * NR + KP_VW * v;
+            for (int64_t r = 0; r < G / 2; ++r) {
+                vf w0, w1;
+                if (bits == 4) {
+                    const vi c = vload_u8(q + r * NR);
+                    w0 = vfma(vfloat(c & 15), s, mn);
+                    w1 = vfma(vfloat(c >> 4), s, mn);
+                } else {
+                    w0 = vfloat(vload_i8(q + 2 * r * NR)) * s;
+                    w1 = vfloat(vload_i8(q + (2 * r + 1) * NR)) * s;
+                }
+                vstore((float *)(t + r * NR + KP_VW * v), (vf)vbf16_pairs(w0, w1));
             }
         }
     }
@@ -225,6 +287,40 @@ static float *thread_tile(size_t n) {
     return buf;
 }
 
+/* y = bf16 x times the packed weight (kp_quant_gemm_bf16); the register path below
+ * TILE_MIN_BF16 rows of a block, the pair tile from there on. */
+static void qgemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint8_t *packed,
+                       int64_t K, int64_t N, int64_t G, int64_t blk, const uint16_t *bias,
+                       uint16_t *y, int64_t ldy, const int bits) {
+    const int64_t panels = (N + NR - 1) / NR, panel_bytes = K / G * blk;
+    for (int64_t m0 = 0; m0 < M; m0 += MB_BF16) {
+        const int64_t mb = (M - m0) < MB_BF16 ? (M - m0) : MB_BF16;
+#pragma omp parallel
+        {
+            /* K / 2 rows of NR pairs: K x NR bf16 */
+            uint32_t *tile = mb >= TILE_MIN_BF16 ? (uint32_t *)thread_tile((size_t)K * NR / 2) : 0;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; ++p) {
+                const int64_t n0 = p * NR;
+                const int ncols = (N - n0) < NR ? (int)(N - n0) : NR;
+                float b[NR];
+                for (int c = 0; c < NR; ++c) b[c] = bias && c < ncols ? bf16_to_f32(bias[n0 + c]) : 0;
+                const uint8_t *panel = packed + p * panel_bytes;
+                const uint16_t *xm = x + m0 * ldx;
+                uint16_t *ym = y + m0 * ldy + n0;
+                if (tile) {
+                    dequant_pairs(panel, K, G, blk, bits, tile);
+                    kp_bf16_panel_rows(xm, ldx, mb, tile, K / 2, bias ? b : 0, ym, ldy, ncols, 0);
+                } else if (bits == 4) {
+                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, bias ? b : 0, ym, ldy, ncols, 4, 1);
+                } else {
+                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, bias ? b : 0, ym, ldy, ncols, 8, 1);
+                }
+            }
+        }
+    }
+}
+
 static void qgemm(const float *x, int64_t ldx, int64_t M, const uint8_t *packed, int64_t K,
                   int64_t N, int64_t G, int64_t blk, const float *bias, float *y, int64_t ldy,
                   const int bits) {
@@ -247,9 +343,9 @@ static void qgemm(const float *x, int64_t ldx, int64_t M, const uint8_t *packed,
                     dequant_panel(panel, K, G, blk, bits, tile);
                     tile_rows(xm, ldx, mb, tile, K, b, ym, ldy, ncols);
                 } else if (bits == 4) {
-                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, 4);
+                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, 4, 0);
                 } else {
-                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, 8);
+                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, 8, 0);
                 }
             }
         }
@@ -263,5 +359,15 @@ int kp_quant_gemm_f32(const float *x, int64_t ldx, int64_t M, const uint8_t *pac
     if (blk < 0 || K <= 0 || K % group) return -1;
     if (M <= 0 || N <= 0) return 0;
     qgemm(x, ldx, M, packed, K, N, group, blk, bias, y, ldy, bits);
+    return 0;
+}
+
+int kp_quant_gemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint8_t *packed,
+                       int32_t bits, int64_t group, int64_t K, int64_t N, const uint16_t *bias,
+                       uint16_t *y, int64_t ldy) {
+    const int64_t blk = kp_quant_block_bytes(bits, group);
+    if (blk < 0 || K <= 0 || K % group || group % 2) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    qgemm_bf16(x, ldx, M, packed, K, N, group, blk, bias, y, ldy, bits);
     return 0;
 }

@@ -220,11 +220,13 @@ class PagedSim:
             return self.model.compute_logits(hidden)
 
 
-def greedy(model: torch.nn.Module, prompt: list[int], steps: int
-           ) -> tuple[list[int], list[torch.Tensor]]:
-    """`steps` greedy tokens of `model` after `prompt` on a `PagedSim`, and the logits of every
-    step (the prompt's first)."""
+def greedy(model: torch.nn.Module, prompt: list[int], steps: int,
+           kv_dtype: torch.dtype | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """`steps` greedy tokens of `model` after `prompt` on a `PagedSim` (its KV cache in
+    `kv_dtype`, None: the sim's own), and the logits of every step (the prompt's first)."""
     sim = PagedSim(model, seed=0)
+    if kv_dtype is not None:
+        sim.kv = [kv.to(kv_dtype) for kv in sim.kv]
     logits = sim.step([(0, prompt)])
     tokens, rows = [], [logits]
     for _ in range(steps):

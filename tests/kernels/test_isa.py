@@ -155,6 +155,8 @@ _AVX2_MUST_PASS = (
     "test_paged_bf16.py::test_bf16_rows_equal_fp32_attention_over_the_same_values[h4x4-d72-bs16]",
     "test_quant_gemm.py::test_int4_matches_the_dequantized_weight[50-96-32-17]",
     "test_quant_gemm.py::test_int8_groups_match_the_dequantized_weight[113-160-32-3]",
+    "test_quant_gemm.py::test_int4_with_bf16_rows_within_the_bf16_bound[97-192-64-17]",
+    "test_quant_gemm.py::test_int8_with_bf16_rows_within_the_bf16_bound[40-72-72-8]",
     "test_gemm_bf16.py::test_gemm_bf16_is_the_fp32_product_rounded_once[97-160-13]",
     "test_kv_quant_native.py::test_one_key_reads_back_its_value_exactly_for_every_code[fp8_e4m3-40]",
     "test_kv_quant_native.py::test_native_attention_equals_dequantize_then_attend[mixed_bs16_d64-int8]",

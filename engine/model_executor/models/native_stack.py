@@ -1,6 +1,6 @@
 """The one-call native decoder stack of a Llama-family model (kernels/csrc/decoder_stack.c):
 whether a model's layers can take it, and its per-layer weights as `DecoderStack` reads them
-(float32 panels, weight-only quantized projections, or bf16 pairs)."""
+(float32 panels or bf16 pairs, either with weight-only quantized projections)."""
 
 from __future__ import annotations
 
@@ -34,10 +34,20 @@ def _stack_weight(linear: Linear, key: str, formats: dict[str, tuple[int, int]]
             f"{key}_b": None if linear.bias is None else linear.bias.detach()}
 
 
+def _bf16_ready(linear: Linear) -> bool:
+    """Whether the bf16 stack runs this projection: bf16 pairs, or a weight on our quantized
+    kernel (with bf16 activations where `cpu_native.native_bf16_quant()`; an even group)."""
+    quant = linear.quant
+    if quant is None:
+        return linear._bf16_native
+    return getattr(quant, "kernel", None) == "native" and quant.group_size % 2 == 0
+
+
 def projections_declined(model: Any, layers: list[nn.Module], bf16: bool) -> str | None:
     """Why the stack cannot take these layers, or None. bf16 needs every projection on the
-    native bf16 GEMM and attention whose rows all go to the native kernel per layer too
-    (no window, a head dim the bf16 prefill tiles take: else prefill takes SDPA)."""
+    native bf16 GEMM or the native quantized kernel, and attention whose rows all go to the
+    native kernel per layer too (no window, a head dim the bf16 prefill tiles take: else
+    prefill takes SDPA)."""
     if not bf16:
         if not all(_stack_ready(layer.mlp, m) for layer in layers for m in layer.modules()
                    if isinstance(m, Linear)):
@@ -46,8 +56,8 @@ def projections_declined(model: Any, layers: list[nn.Module], bf16: bool) -> str
     if any(type(layer.mlp) is not SwiGLUMLP for layer in layers):
         return "a sparse (mixture-of-experts) MLP in bf16"
     linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
-    if not linears or not all(m._bf16_native for m in linears):
-        return "a projection is not on the native bf16 GEMM"
+    if not linears or not all(_bf16_ready(m) for m in linears):
+        return "a projection is not on the native bf16 GEMM or quantized kernel"
     if any(layer.self_attn.q_norm is not None for layer in layers):
         return "q/k norm in bf16"
     if any(layer.self_attn.attn.window for layer in layers):
