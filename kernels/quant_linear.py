@@ -29,6 +29,7 @@ import torch
 
 from kernels import cpu_native
 from kernels.int4_layouts import CheckpointInt4Weight, dequant_checkpoint
+from kernels.int8_dynamic import W8A8Weight, dequant_w8a8, w8a8_mm
 
 INT4_GROUP_SIZES = (32, 64, 128)
 _INNER_K_TILES = 2  # how the CPU packing tiles K; it reads any value, the matmul ignores it
@@ -81,8 +82,9 @@ class Fp8Weight:
         return self.weight.nbytes + self.scales.nbytes
 
 
-# The last two are CUDA's (Triton GEMMs); the first two PyTorch's packed CPU kernels.
-QuantWeight = Int4Weight | Int8Weight | CheckpointInt4Weight | Fp8Weight
+# CheckpointInt4Weight and Fp8Weight are CUDA's (Triton GEMMs); W8A8Weight quantizes the
+# activations too (kernels/int8_dynamic.py).
+QuantWeight = Int4Weight | Int8Weight | CheckpointInt4Weight | Fp8Weight | W8A8Weight
 
 
 def native_for(dtype: torch.dtype) -> bool:
@@ -184,6 +186,8 @@ def dequant(weight: QuantWeight) -> torch.Tensor:
         return dequant_checkpoint(weight)
     if isinstance(weight, Fp8Weight):
         return weight.weight.float() * weight.scales[:, None]
+    if isinstance(weight, W8A8Weight):
+        return dequant_w8a8(weight)
     eye = torch.eye(weight.in_features, dtype=torch.float32 if weight.scale_zero is None
                     else weight.scale_zero.dtype)
     return int4_mm(eye, weight).float().t().contiguous()
@@ -248,6 +252,9 @@ def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
     rows = x.reshape(-1, weight.in_features)
     if isinstance(weight, (CheckpointInt4Weight, Fp8Weight)):
         out = _triton_mm(rows, weight).reshape(*x.shape[:-1], weight.out_features)
+        return out if bias is None else out + bias
+    if isinstance(weight, W8A8Weight):
+        out = w8a8_mm(rows, weight).to(x.dtype).reshape(*x.shape[:-1], weight.out_features)
         return out if bias is None else out + bias
     if weight.kernel == "native" and (bias is None or (
             bias.dtype == torch.float32 and bias.is_contiguous())):

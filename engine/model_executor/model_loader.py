@@ -138,10 +138,6 @@ def _kept_quantized(method: str, scheme: Any, weights: Iterator[tuple[str, torch
     form back once the model holds them."""
     reader: Any = (compressed_tensors.CTReader(scheme) if method == compressed_tensors.METHOD
                    else int4_checkpoints.Int4Reader(scheme))
-    if getattr(scheme, "activations", None):
-        logger.info("%s checkpoint quantizes activations (%s): they stay float here, the "
-                    "weights run as stored", method, scheme.activations)
-
     def keep(model: Any) -> object:
         return quantization_apply(model, reader.picker(dtype), f"{method} (checkpoint)")
     return reader.stream(weights), keep
