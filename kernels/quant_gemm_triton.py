@@ -4,8 +4,10 @@
 - `int4_gemm`: AWQ's and GPTQ's 4-bit layouts (engine/model_executor/int4_checkpoints.py says
   what each stores), `w = (q - z) s` per group of input features, with GPTQ's `g_idx` read per
   input row, so activation-order checkpoints need no permutation.
-- `fp8_gemm`: e4m3/e5m2 weights `[out, in]` with one scale for the tensor or one per output
-  channel (what llm-compressor and vLLM's `fp8` write).
+- `fp8_gemm`: e4m3/e5m2 weights `[out, in]` with one scale for the tensor, one per output
+  channel (what llm-compressor and vLLM's `fp8` write), or one per `[bn, bk]` tile of weights
+  (vLLM's block-quantized fp8, `weight_block_size`, e.g. [128, 128]); a block's K side is a
+  multiple of BLOCK_K, so each K step reads one scale column.
 
 A program owns a BLOCK_M x BLOCK_N tile of the output and walks K; weights are dequantized to
 float32, then rounded to the activations' dtype before `tl.dot` (as a dequantize-then-matmul
@@ -76,7 +78,8 @@ def _int4_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, M, N, K, str
 
 @triton.jit
 def _fp8_gemm_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
-                     stride_om, PER_CHANNEL: tl.constexpr, F32_DOT: tl.constexpr,
+                     stride_om, stride_s, PER_CHANNEL: tl.constexpr, SCALE_BN: tl.constexpr,
+                     SCALE_BK: tl.constexpr, F32_DOT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -93,7 +96,12 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, strid
                     mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
         w8 = tl.load(w_ptr + rn[None, :] * stride_wn + rk[:, None],
                      mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        w = w8.to(tl.float32) * scale
+        if SCALE_BK > 0:  # block scales: this K step's column of the scale grid
+            tile = tl.load(scale_ptr + (rn // SCALE_BN) * stride_s + k0 // SCALE_BK,
+                           mask=n_ok, other=0.0).to(tl.float32)
+            w = w8.to(tl.float32) * tile[None, :]
+        else:
+            w = w8.to(tl.float32) * scale
         if F32_DOT:  # w rounded as the low-precision dot would read it
             acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
         else:
@@ -126,20 +134,26 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     return out
 
 
-def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             block: tuple[int, int] | None = None) -> torch.Tensor:
     """`x [M, K] @ (weight * scale).T` for an fp8 `weight [N, K]` and a float `scale` of one
-    element (per tensor) or N (per output channel)."""
+    element (per tensor), N (per output channel) or, with `block` (bn, bk), one per tile:
+    `[ceil(N / bn), ceil(K / bk)]`, bk a multiple of BLOCK_K."""
     m, k = x.shape
     n = weight.shape[0]
-    if weight.shape[1] != k or scale.numel() not in (1, n):
-        raise ValueError(f"fp8 GEMM: weight {tuple(weight.shape)}, scale of {scale.numel()} "
-                         f"for x [{m}, {k}]")
+    bn, bk = block or (1, 0)
+    grid = (-(-n // bn), -(-k // bk)) if block else None
+    if weight.shape[1] != k or (scale.numel() not in (1, n) if grid is None else (
+            tuple(scale.shape) != grid or bk % BLOCK_K)):
+        raise ValueError(f"fp8 GEMM: weight {tuple(weight.shape)}, scale {tuple(scale.shape)} "
+                         f"(block {block}) for x [{m}, {k}]")
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     _fp8_gemm_kernel[_grid(m, n)](
         x, weight, scale.contiguous(), out, m, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), PER_CHANNEL=scale.numel() == n and n > 1,
+        out.stride(0), scale.shape[-1] if grid else 0,
+        PER_CHANNEL=grid is None and scale.numel() == n and n > 1, SCALE_BN=bn, SCALE_BK=bk,
         F32_DOT=_f32_dot(x.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out

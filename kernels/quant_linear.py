@@ -31,6 +31,7 @@ import torch
 
 from kernels import cpu_native
 from kernels.int4_layouts import CheckpointInt4Weight, dequant_checkpoint
+from kernels.int8_dynamic import W8A8Weight, dequant_w8a8, w8a8_mm
 
 INT4_GROUP_SIZES = (32, 64, 128)
 _INNER_K_TILES = 2  # how the CPU packing tiles K; it reads any value, the matmul ignores it
@@ -71,20 +72,22 @@ class Int8Weight:
 
 @dataclass(slots=True)
 class Fp8Weight:
-    """A `[out, in]` fp8 (e4m3/e5m2) weight and one float32 scale per output channel, as an fp8
-    checkpoint stores it (CUDA: the Triton fp8 GEMM)."""
+    """A `[out, in]` fp8 (e4m3/e5m2) weight and float32 scales, one per output channel or one
+    per `block` tile of weights, as an fp8 checkpoint stores them (CUDA: the Triton fp8 GEMM)."""
 
     weight: torch.Tensor  # float8 [out, in]
-    scales: torch.Tensor  # float32 [out]
+    scales: torch.Tensor  # float32 [out]; with `block` (bn, bk): [ceil(out / bn), ceil(in / bk)]
     out_features: int
     in_features: int
+    block: tuple[int, int] | None = None
 
     def nbytes(self) -> int:
         return self.weight.nbytes + self.scales.nbytes
 
 
-# The last two are CUDA's (Triton GEMMs); the first two PyTorch's packed CPU kernels.
-QuantWeight = Int4Weight | Int8Weight | CheckpointInt4Weight | Fp8Weight
+# CheckpointInt4Weight and Fp8Weight are CUDA's (Triton GEMMs); W8A8Weight quantizes the
+# activations too (kernels/int8_dynamic.py).
+QuantWeight = Int4Weight | Int8Weight | CheckpointInt4Weight | Fp8Weight | W8A8Weight
 
 
 def native_for(dtype: torch.dtype) -> bool:
@@ -188,10 +191,23 @@ def dequant(weight: QuantWeight) -> torch.Tensor:
     if isinstance(weight, CheckpointInt4Weight):
         return dequant_checkpoint(weight)
     if isinstance(weight, Fp8Weight):
-        return weight.weight.float() * weight.scales[:, None]
+        return weight.weight.float() * expand_blocks(weight.scales, weight.block,
+                                                     weight.weight.shape)
+    if isinstance(weight, W8A8Weight):
+        return dequant_w8a8(weight)
     eye = torch.eye(weight.in_features, dtype=torch.float32 if weight.scale_zero is None
                     else weight.scale_zero.dtype)
     return int4_mm(eye, weight).float().t().contiguous()
+
+
+def expand_blocks(scales: torch.Tensor, block: tuple[int, int] | None, shape: torch.Size
+                  ) -> torch.Tensor:
+    """Per-row scales `[out]` as `[out, 1]`, or block scales repeated over their tiles and cut
+    to the weight's `[out, in]` (the last tiles may be partial)."""
+    if block is None:
+        return scales.float().reshape(-1, 1)
+    full = scales.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return full[:shape[0], :shape[1]]
 
 
 def int4_mm(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
@@ -244,7 +260,7 @@ def _triton_mm(rows: torch.Tensor, weight: CheckpointInt4Weight | Fp8Weight) -> 
     from kernels.quant_gemm_triton import fp8_gemm, int4_gemm
 
     if isinstance(weight, Fp8Weight):
-        return fp8_gemm(rows, weight.weight, weight.scales)
+        return fp8_gemm(rows, weight.weight, weight.scales, block=weight.block)
     return int4_gemm(rows, weight.qweight, weight.qzeros, weight.scales, weight.g_idx,
                      awq=weight.awq, zero_offset=weight.zero_offset)
 
@@ -255,6 +271,9 @@ def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
     rows = x.reshape(-1, weight.in_features)
     if isinstance(weight, (CheckpointInt4Weight, Fp8Weight)):
         out = _triton_mm(rows, weight).reshape(*x.shape[:-1], weight.out_features)
+        return out if bias is None else out + bias
+    if isinstance(weight, W8A8Weight):
+        out = w8a8_mm(rows, weight).to(x.dtype).reshape(*x.shape[:-1], weight.out_features)
         return out if bias is None else out + bias
     if weight.kernel == "native" and (bias is None or (
             bias.dtype == rows.dtype in (torch.float32, torch.bfloat16)

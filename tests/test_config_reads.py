@@ -65,8 +65,8 @@ def test_unread_fields_are_listed_at_load_and_off_or_inert_ones_are_not(tmp_path
 def test_a_quantization_config_not_read_is_refused_not_ignored(tmp_path):
     """A checkpoint quantized by a method this engine does not read would be served wrong if
     its config were ignored, so it is refused by name before anything loads."""
-    _saved(tmp_path, "LlamaForCausalLM", {"quantization_config": {"quant_method": "fp8"}})
-    with pytest.raises(ValueError, match="quant_method 'fp8'; this engine reads awq, gptq"):
+    _saved(tmp_path, "LlamaForCausalLM", {"quantization_config": {"quant_method": "bitsandbytes"}})
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes'; this engine reads awq"):
         load_model(tmp_path, torch.float32, torch.device("cpu"), load_format="dummy")
 
 

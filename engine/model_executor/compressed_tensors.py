@@ -8,8 +8,12 @@ each quantized projection's tensors read by shape and dtype, served in the neare
 | `int-quantized` / `naive-quantized` (W8A8, W8A16) | `weight` int8 (naive: integer values in a float dtype), `weight_scale [out, 1]` or `[1]` | `Int8Weight`, exact, on CPU; dequantized elsewhere or for group scales |
 | `float-quantized` (FP8) | `weight` float8, `weight_scale [out, 1]` or `[1]` | the Triton fp8 GEMM on CUDA; dequantized on CPU |
 
-Activations are not quantized here: a W8A8 checkpoint runs weight-only (its int8 weights,
-float activations), which the start-up log says; vLLM quantizes them per token.
+A W8A8 checkpoint whose `input_activations` are dynamic symmetric int8, per token or per
+tensor, runs as vLLM runs it, activations quantized at each call (`W8A8Weight`,
+kernels/int8_dynamic.py), on a CPU with VNNI (avx512_vnni or avx_vnni), where an int8 product
+has an instruction of its own; elsewhere, on CUDA, and for other activation schemes (static,
+asymmetric) the activations stay float and the int8 weights run weight-only. The start-up log
+says which, and why.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import torch
 from engine.model_executor.int4_checkpoints import Int4Checkpoint, Int4Reader
 from engine.model_executor.layers import Linear
 from engine.model_executor.quantization import Picker, hf_parts
-from kernels import quant_linear
+from kernels import int8_dynamic, quant_linear
+from kernels.cpu_native.isa import cpu_flags
 from kernels.int4_layouts import CheckpointInt4Weight, dequant_checkpoint
 
 logger = logging.getLogger("engine")
@@ -42,7 +47,8 @@ class CTScheme:
     """What the checkpoint's `quantization_config` says, checked before any weight is read."""
 
     format: str
-    activations: str | None  # e.g. "int8 dynamic token" for W8A8; None: weight-only
+    activations: str | None  # e.g. "int 8 token" for W8A8; None: weight-only
+    dynamic_int8: str | None = None  # "token" or "tensor": activations W8A8 can quantize
 
 
 def read_config(raw_config: dict[str, Any]) -> CTScheme:
@@ -63,7 +69,16 @@ def read_config(raw_config: dict[str, Any]) -> CTScheme:
     acts = [g["input_activations"] for g in groups if g.get("input_activations")]
     said = None if not acts else " ".join(str(acts[0].get(k)) for k in ("type", "num_bits",
                                                                           "strategy"))
-    return CTScheme(fmt, said)
+    return CTScheme(fmt, said, _dynamic_int8(acts[0]) if acts else None)
+
+
+def _dynamic_int8(acts: dict[str, Any]) -> str | None:
+    """The strategy of dynamic symmetric int8 activations ("token" or "tensor"), which
+    `W8A8Weight` runs; None for any other activation scheme (static scales, asymmetric)."""
+    if (acts.get("type") == "int" and acts.get("num_bits") == 8 and acts.get("dynamic") is True
+            and acts.get("symmetric", True) and acts.get("strategy") in ("token", "tensor")):
+        return str(acts["strategy"])
+    return None
 
 
 def _int4(parts: dict[str, torch.Tensor]) -> CheckpointInt4Weight:
@@ -138,10 +153,12 @@ class CTReader:
         return codes * (rows[:, None] if rows is not None else _expand(scale, w))
 
     def picker(self, dtype: torch.dtype, triton: bool | None = None) -> Picker:
-        """int4 projections as `Int4Reader` picks them; int8 ones as `Int8Weight` (CPU); fp8
-        ones for the Triton fp8 GEMM (CUDA); the rest dequantized, said in the log."""
+        """int4 projections as `Int4Reader` picks them; int8 ones as `W8A8Weight` (dynamic int8
+        activations, a CPU with VNNI) or `Int8Weight` (CPU); fp8 ones for the Triton fp8 GEMM
+        (CUDA); the rest dequantized, said in the log."""
         int4_pick = self.int4.picker(dtype, triton)
         floating = str(dtype).removeprefix("torch.")
+        w8a8 = self.int8_activations(bool(triton))
 
         def pick(name: str, linear: Linear) -> tuple[str, quant_linear.QuantWeight | None]:
             names = hf_parts(name)
@@ -149,7 +166,7 @@ class CTReader:
             if all(n in self.int4.weights for n in names):
                 return int4_pick(name, linear)
             if all(n in self.int8 for n in names) and not cuda:
-                kept = _int8(self.int8, names, dtype)
+                kept = _int8(self.int8, names, dtype, w8a8)
                 if kept is not None:
                     return kept
             if all(n in self.fp8 for n in names) and cuda:
@@ -161,18 +178,42 @@ class CTReader:
             return f"{floating} ({METHOD}, dequantized here)", None
         return pick
 
+    def int8_activations(self, cuda: bool) -> str | None:
+        """The activation strategy W8A8 projections quantize with ("token"/"tensor"), or None:
+        activations stay float. Logs the choice and its reason (the CPU's VNNI flag)."""
+        said = self.scheme.activations
+        if said is None or not self.int8:
+            return None
+        strategy = self.scheme.dynamic_int8
+        flag = (None if cuda or strategy is None or not int8_dynamic.available()
+                else int8_dynamic.vnni(cpu_flags()))
+        if flag is not None:
+            logger.info("%s W8A8: activations quantized to int8 per %s at each call (dynamic, "
+                        "symmetric), int8 x int8 products on this CPU's %s (oneDNN qlinear)",
+                        METHOD, strategy, flag)
+            return strategy
+        why = ("on CUDA" if cuda else "only dynamic symmetric int8 per token or tensor is run"
+               if strategy is None else "this CPU has no VNNI (avx512_vnni or avx_vnni)")
+        logger.info("%s checkpoint quantizes activations (%s): they stay float here (%s), "
+                    "the int8 weights run weight-only", METHOD, said, why)
+        return None
+
 
 def _int8(stored: dict[str, tuple[torch.Tensor, torch.Tensor]], names: list[str],
-          dtype: torch.dtype) -> tuple[str, quant_linear.QuantWeight] | None:
-    """Symmetric int8 projections (stacked for a fused one) as `Int8Weight`: any group size on
-    the native kernel (float32), one scale per channel on PyTorch's; None when neither holds
-    them."""
+          dtype: torch.dtype, w8a8: str | None = None
+          ) -> tuple[str, quant_linear.QuantWeight] | None:
+    """Symmetric int8 projections (stacked for a fused one): per-channel scales with `w8a8`
+    (an activation strategy) as `W8A8Weight`; else `Int8Weight`, any group size on the native
+    kernel (float32), one scale per channel on PyTorch's; None when neither holds them."""
     codes = torch.cat([stored[n][0] for n in names])
     groups = {stored[n][1].shape[1] for n in names}
     if len(groups) != 1:
         return None
     scale = torch.cat([stored[n][1] for n in names])
     group_size = codes.shape[1] // scale.shape[1]
+    if w8a8 is not None and scale.shape[1] == 1:
+        return (f"{METHOD} W8A8 (int8 per-channel, int8 activations per {w8a8})",
+                int8_dynamic.pack_w8a8(codes.contiguous(), scale, w8a8 == "token"))
     try:
         weight = quant_linear.pack_int8(codes.contiguous(), scale, group_size, dtype)
     except ValueError:

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from engine.distributed.group import TPGroup
-from engine.model_executor import compressed_tensors, int4_checkpoints
+from engine.model_executor import compressed_tensors, fp8_checkpoints, int4_checkpoints
 from engine.model_executor.config_reads import ignored_fields, recording_reads
 from engine.model_executor.models import MODEL_REGISTRY, LlamaForCausalLM, architecture_of
-from engine.model_executor.quant_methods import CHECKPOINT_METHODS, checkpoint_method
+from engine.model_executor.quant_methods import ON_THE_FLY_METHODS, checkpoint_method
 from engine.model_executor.quant_methods import check_method as quantization_check
 from engine.model_executor.quantization import apply as quantization_apply
 from engine.model_executor.quantization import on_the_fly as on_the_fly_picker
@@ -128,6 +128,8 @@ def _quantized_checkpoint(folder: Path) -> tuple[str | None, Any]:
     method = checkpoint_method(raw)
     if method == compressed_tensors.METHOD:
         return method, compressed_tensors.read_config(raw)
+    if method == fp8_checkpoints.METHOD:
+        return method, fp8_checkpoints.read_config(raw)
     return method, int4_checkpoints.read_config(raw) if method else None
 
 
@@ -136,11 +138,9 @@ def _kept_quantized(method: str, scheme: Any, weights: Iterator[tuple[str, torch
                     ) -> tuple[Iterator[tuple[str, torch.Tensor]], Callable[[Any], object]]:
     """A quantized checkpoint's stream as float weights, and the step that puts their stored
     form back once the model holds them."""
-    reader: Any = (compressed_tensors.CTReader(scheme) if method == compressed_tensors.METHOD
-                   else int4_checkpoints.Int4Reader(scheme))
-    if getattr(scheme, "activations", None):
-        logger.info("%s checkpoint quantizes activations (%s): they stay float here, the "
-                    "weights run as stored", method, scheme.activations)
+    readers = {compressed_tensors.METHOD: compressed_tensors.CTReader,
+               fp8_checkpoints.METHOD: fp8_checkpoints.Fp8Reader}
+    reader: Any = readers.get(method, int4_checkpoints.Int4Reader)(scheme)
 
     def keep(model: Any) -> object:
         return quantization_apply(model, reader.picker(dtype), f"{method} (checkpoint)")
@@ -278,7 +278,7 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
     quantization = quantization_check(quantization, gguf=gguf_file is not None,
                                       device_type=torch.device(device).type, tp=tp is not None,
                                       checkpoint=ckpt)
-    on_the_fly = None if quantization in (None, "gguf", *CHECKPOINT_METHODS) else (
+    on_the_fly = None if quantization not in ON_THE_FLY_METHODS else (
         lambda m: quantization_apply(m, on_the_fly_picker(quantization, dtype), quantization))
     if load_format == "dummy":
         if gguf_file is not None:

@@ -1,21 +1,23 @@
 """The `--quantization` values (vLLM's flag) and which can run where; no torch import, so the
 server's flags and EngineConfig read them before anything heavy loads.
 
-vLLM's values this engine recognises: `gguf`, `awq`, `gptq` and `compressed-tensors` (built: a
-GGUF's or a quantized checkpoint's weights kept as stored), `fp8` (not yet: a clear error at
-start-up naming what is built). Ours: `int4` and `int8`, weight-only quantization of a float checkpoint at load
-(engine/model_executor/quantization.py says what each does). As in vLLM, an AWQ, GPTQ or
-compressed-tensors checkpoint (config.json's `quantization_config`) is served quantized without
-the flag, and a
-flag naming another method is an error.
+vLLM's values this engine recognises: `gguf`, `awq`, `gptq` and `compressed-tensors` (a GGUF's
+or a quantized checkpoint's weights kept as stored) and `fp8` (vLLM's: an fp8 checkpoint, or a
+float one quantized to fp8 e4m3 at load; engine/model_executor/fp8_checkpoints.py). Ours: `int4`
+and `int8`, weight-only quantization of a float checkpoint at load
+(engine/model_executor/quantization.py says what each does). As in vLLM, an AWQ, GPTQ,
+compressed-tensors or fp8 checkpoint (config.json's `quantization_config`) is served quantized
+without the flag, and a flag naming another method is an error.
 """
 
 from __future__ import annotations
 
 QUANTIZATION_METHODS = ("gguf", "awq", "gptq", "compressed-tensors", "fp8", "int8", "int4")
-BUILT_METHODS = ("gguf", "awq", "gptq", "compressed-tensors", "int8", "int4")
+BUILT_METHODS = ("gguf", "awq", "gptq", "compressed-tensors", "fp8", "int8", "int4")
 # Read from the checkpoint's own quantization_config (and turned on by it, as in vLLM).
-CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors")
+CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
+# Applied at load to a float checkpoint's weights (`fp8` is both: vLLM's on-the-fly fp8).
+ON_THE_FLY_METHODS = ("fp8", "int8", "int4")
 
 
 def checkpoint_method(raw_config: dict) -> str | None:
@@ -53,7 +55,7 @@ def check_method(method: str | None, *, gguf: bool, device_type: str, tp: bool,
     error = method_error(method)
     if error is not None:
         raise ValueError(error)
-    if method in CHECKPOINT_METHODS and checkpoint != method:
+    if method in CHECKPOINT_METHODS and method not in ON_THE_FLY_METHODS and checkpoint != method:
         raise ValueError(f"quantization {method!r} needs a checkpoint quantized with it "
                          "(quantization_config in config.json); this one is float")
     if method == "gguf" and not gguf:
@@ -61,7 +63,8 @@ def check_method(method: str | None, *, gguf: bool, device_type: str, tp: bool,
     if method != "gguf" and gguf:
         raise ValueError(f"quantization {method!r} re-quantizes a float checkpoint; a GGUF is "
                          "served with quantization 'gguf' (or none: dequantized)")
-    if device_type != "cpu" and not (method in CHECKPOINT_METHODS and device_type == "cuda"):
+    if device_type not in ("cpu", "cuda") or (device_type == "cuda"
+                                              and method not in CHECKPOINT_METHODS):
         raise ValueError(f"quantization {method!r} runs on CPU only in this engine "
                          f"(device {device_type}); {', '.join(CHECKPOINT_METHODS)} run on CUDA too")
     if tp:

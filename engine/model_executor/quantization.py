@@ -2,9 +2,9 @@
 kernels/quant_linear.py packs and multiplies).
 
 Methods (their names: engine/model_executor/quant_methods.py): `gguf` (a GGUF's 4-bit tensors
-kept as they are, engine/model_executor/gguf_quant.py), and two of ours for a float checkpoint,
-quantized at load: `int4` (asymmetric 4-bit, groups of 32) and `int8` (symmetric, one scale per
-output channel). The decoder layers' projections are quantized; the embedding and the LM head
+kept as they are, engine/model_executor/gguf_quant.py), vLLM's `fp8` (fp8_checkpoints.py), and
+two of ours for a float checkpoint, quantized at load: `int4` (asymmetric 4-bit, groups of 32)
+and `int8` (symmetric, one scale per output channel). The decoder layers' projections are quantized; the embedding and the LM head
 stay in the model's dtype, except a GGUF's quantized embedding, served as int8 rows. CPU only,
 no tensor parallelism. With float32 activations the weights run on our native kernel
 (kernels/cpu_native/quant_gemm.py), otherwise on PyTorch's packed CPU kernels; the log names
@@ -66,7 +66,13 @@ Picker = Callable[[str, Linear], "tuple[str, quant_linear.QuantWeight | None]"]
 
 
 def on_the_fly(method: str, dtype: torch.dtype) -> Picker:
-    """`--quantization int4|int8`: each projection's float weight quantized as it is."""
+    """`--quantization int4|int8|fp8`: each projection's float weight quantized as it is (fp8:
+    engine/model_executor/fp8_checkpoints.py)."""
+    if method == "fp8":
+        from engine.model_executor.fp8_checkpoints import on_the_fly as fp8_on_the_fly
+
+        return fp8_on_the_fly(dtype)
+
     def pick(name: str, linear: Linear) -> tuple[str, quant_linear.QuantWeight | None]:
         w = linear.weight
         if method == "int8":

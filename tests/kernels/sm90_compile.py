@@ -178,8 +178,8 @@ def _fused_ops() -> list[int]:
 
 
 def _quant_gemm() -> list[int]:
-    """The AWQ and GPTQ int4 GEMMs and the fp8 GEMM (per tensor and per channel), bf16
-    activations, tensor-core dots."""
+    """The AWQ and GPTQ int4 GEMMs and the fp8 GEMM (per tensor, per channel and [128, 128]
+    blocks), bf16 activations, tensor-core dots."""
     import kernels.quant_gemm_triton as qg
 
     tiles = {"F32_DOT": False, "BLOCK_M": qg.BLOCK_M, "BLOCK_N": qg.BLOCK_N,
@@ -191,11 +191,13 @@ def _quant_gemm() -> list[int]:
                **dict.fromkeys(["M", "N", "K", "stride_xm", "stride_qw", "stride_qz", "stride_s",
                                 "stride_om", "zero_offset"], "i32")}
         shared.append(_compile(qg._int4_gemm_kernel, sig, {"AWQ": awq, **tiles}).metadata.shared)
-    for per_channel in (True, False):
+    for per_channel, block in ((True, 0), (False, 0), (False, 128)):
         sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16",
-               **dict.fromkeys(["M", "N", "K", "stride_xm", "stride_wn", "stride_om"], "i32")}
-        shared.append(_compile(qg._fp8_gemm_kernel, sig, {"PER_CHANNEL": per_channel, **tiles})
-                      .metadata.shared)
+               **dict.fromkeys(["M", "N", "K", "stride_xm", "stride_wn", "stride_om",
+                                "stride_s"], "i32")}
+        shared.append(_compile(qg._fp8_gemm_kernel, sig, {
+            "PER_CHANNEL": per_channel, "SCALE_BN": max(block, 1), "SCALE_BK": block, **tiles})
+            .metadata.shared)
     return shared
 
 

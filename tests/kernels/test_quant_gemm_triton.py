@@ -24,9 +24,13 @@ GROUP = 32
 INT4_CASES = [("awq", 1, 64, 40, False, torch.float32), ("awq", 5, 96, 72, False, torch.bfloat16),
               ("gptq", 33, 64, 40, False, torch.float32), ("gptq", 3, 96, 48, True, torch.float32),
               ("gptq", 17, 64, 40, True, torch.bfloat16)]
-FP8_CASES = [(torch.float8_e4m3fn, True, torch.float32), (torch.float8_e4m3fn, False,
-                                                          torch.bfloat16),
-             (torch.float8_e5m2, True, torch.float32)]
+# (format, scales: "channel", "tensor" or a block (bn, bk), dtype, out N, in K): blocks of
+# vLLM's [128, 128] and a small [16, 32], both with a partial last row of tiles.
+FP8_CASES = [(torch.float8_e4m3fn, "channel", torch.float32, 40, 64),
+             (torch.float8_e4m3fn, "tensor", torch.bfloat16, 40, 64),
+             (torch.float8_e5m2, "channel", torch.float32, 40, 64),
+             (torch.float8_e4m3fn, (128, 128), torch.float32, 200, 256),
+             (torch.float8_e4m3fn, (16, 32), torch.bfloat16, 40, 96)]
 
 
 def _int4_case(layout: str, m: int, k: int, n: int, act_order: bool, dtype: torch.dtype
@@ -64,22 +68,29 @@ def test_int4_gemm_equals_the_dequantized_matmul(tmp_path: Path) -> None:
         _check(got, x, deq)  # the checkpoint's fp16 scales, read as they are
 
 
-def _fp8_case(fmt: torch.dtype, per_channel: bool, dtype: torch.dtype
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fp8_case(fmt: torch.dtype, per: str | tuple[int, int], dtype: torch.dtype, n: int, k: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     g = torch.Generator().manual_seed(7)
-    w = torch.randn(40, 64, generator=g) * 0.3
-    scale = (w.abs().amax(1) if per_channel else w.abs().amax().reshape(1)) / 200.0
-    w8 = (w / (scale[:, None] if per_channel else scale)).to(fmt)
-    deq = w8.float() * (scale[:, None] if per_channel else scale)
-    return torch.randn(6, 64, generator=g).to(dtype), w8, scale, deq
+    w = torch.randn(n, k, generator=g) * 0.3
+    if isinstance(per, tuple):  # one scale per [bn, bk] tile (max |w| of the tile / 200)
+        bn, bk = per
+        pad = torch.nn.functional.pad(w.abs(), (0, -k % bk, 0, -n % bn))
+        scale = pad.reshape(pad.shape[0] // bn, bn, -1, bk).amax((1, 3)) / 200.0
+        full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+    else:
+        scale = (w.abs().amax(1) if per == "channel" else w.abs().amax().reshape(1)) / 200.0
+        full = scale[:, None] if per == "channel" else scale
+    w8 = (w / full).to(fmt)
+    kw = {"block": per} if isinstance(per, tuple) else {}
+    return torch.randn(6, k, generator=g).to(dtype), w8, scale, w8.float() * full, kw
 
 
 def test_fp8_gemm_equals_the_dequantized_matmul(tmp_path: Path) -> None:
     cases = [_fp8_case(*c) for c in FP8_CASES]
     results = run_calls([("kernels.quant_gemm_triton", "fp8_gemm",
-                          (x.to(DEVICE), w8.to(DEVICE), s.to(DEVICE)), {})
-                         for x, w8, s, _ in cases], tmp_path)
-    for (got, _), (x, _, _, deq) in zip(results, cases, strict=True):
+                          (x.to(DEVICE), w8.to(DEVICE), s.to(DEVICE)), kw)
+                         for x, w8, s, _, kw in cases], tmp_path)
+    for (got, _), (x, _, _, deq, _) in zip(results, cases, strict=True):
         _check(got, x, deq)
 
 
@@ -92,3 +103,6 @@ def test_shapes_it_cannot_read_are_refused_before_launch() -> None:
         int4_gemm(x, kw["qweight"], kw["qzeros"], kw["scales"], kw["g_idx"][:32], awq=False)
     with pytest.raises(ValueError, match="fp8 GEMM"):
         fp8_gemm(x, torch.zeros(40, 32, dtype=torch.float8_e4m3fn), torch.ones(1))
+    with pytest.raises(ValueError, match="fp8 GEMM"):  # a scale grid of the wrong shape
+        fp8_gemm(x, torch.zeros(40, 64, dtype=torch.float8_e4m3fn), torch.ones(2, 2),
+                 block=(128, 128))

@@ -1,0 +1,89 @@
+"""Dynamic int8 activations x int8 weights (W8A8) on CPU.
+
+Why: a W8A8 checkpoint (compressed-tensors `int-quantized` with dynamic `input_activations`)
+was trained to run its activations through int8 too; on a CPU with VNNI (`vpdpbusd`) an int8
+dot product does four multiply-adds per 32-bit lane where fp32 does one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QMAX = 127.0  # symmetric int8: codes in [-127, 127], as vLLM's dynamic per-token quantization
+
+
+def quantize_rows(x: torch.Tensor, per_token: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes of a 2-D `x` and their float32 scale (`[rows, 1]` per token, `[1, 1]`
+    per tensor): `scale = max |x| / 127`, `q = round(x / scale)`; an all-zero row gets scale 1."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True) if per_token else xf.abs().amax().reshape(1, 1)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    return (xf / scale).round_().clamp_(-QMAX, QMAX).to(torch.int8), scale
+
+
+# The CPU flags that give int8 dot products (`vpdpbusd`), best first: AVX-512 VNNI (Ice Lake,
+# Sapphire Rapids with AMX, Zen 4/5), then AVX-VNNI (Alder Lake, Zen 5's 256-bit form).
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni")
+
+
+def vnni(flags: frozenset[str]) -> str | None:
+    """The VNNI flag a CPU with `flags` has (the reason to run int8 activations), or None: there
+    int8 x int8 has no instruction of its own, and W8A8 stays weight-only."""
+    return next((f for f in VNNI_FLAGS if f in flags), None)
+
+
+@dataclass(slots=True)
+class W8A8Weight:
+    """int8 codes with one float32 scale per output channel, multiplied with activations
+    quantized to int8 at each call (per token or per tensor): `y = (qx qw^T) sx sw`, the int8
+    products summed exactly in int32 by oneDNN (`onednn::qlinear_pointwise`, weights prepacked
+    once; VNNI's `vpdpbusd` where the CPU has it). oneDNN multiplies unsigned by signed bytes,
+    so the codes go in shifted by 128 with zero point 128, which it subtracts exactly."""
+
+    packed: torch.Tensor  # onednn::qlinear_prepack of the int8 codes [out, in]
+    scales: torch.Tensor  # float32 [out]
+    out_features: int
+    in_features: int
+    per_token: bool  # activation scales: one per row (token), else one per call (tensor)
+    kernel: str = "int8 x int8 (oneDNN qlinear)"
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales.nbytes
+
+
+_ONE, _ZERO_POINT = torch.tensor(1.0), torch.tensor(128, dtype=torch.int64)
+
+
+def available() -> bool:
+    """Whether PyTorch's oneDNN int8 linear is built in (it is in the x86 CPU wheels)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
+
+
+def pack_w8a8(codes: torch.Tensor, scales: torch.Tensor, per_token: bool) -> W8A8Weight:
+    """int8 codes `[out, in]` and per-channel scales (`[out]` or `[out, 1]`) as a W8A8 weight."""
+    out_f, in_f = codes.shape
+    if codes.dtype != torch.int8 or scales.numel() != out_f:
+        raise ValueError(f"W8A8 needs int8 codes and one scale per output channel "
+                         f"(codes {codes.dtype} {list(codes.shape)}, {scales.numel()} scales)")
+    packed = torch.ops.onednn.qlinear_prepack(codes.contiguous(), None)
+    return W8A8Weight(packed, scales.float().reshape(out_f).contiguous(), out_f, in_f, per_token)
+
+
+def w8a8_mm(x: torch.Tensor, weight: W8A8Weight) -> torch.Tensor:
+    """`x @ w.T` for 2-D `x` `[rows, in]`, `x` quantized as `quantize_rows`; float32 out."""
+    q, sx = quantize_rows(x, weight.per_token)
+    q8 = (q.to(torch.int16) + 128).to(torch.uint8)
+    zp = torch.zeros(weight.out_features, dtype=torch.int64)
+    out = torch.ops.onednn.qlinear_pointwise.tensor(
+        q8, _ONE, _ZERO_POINT, weight.packed, weight.scales, zp, None, 1.0, 0, torch.float32,
+        "none", [], "")
+    return out.mul_(sx)
+
+
+def dequant_w8a8(weight: W8A8Weight) -> torch.Tensor:
+    """The float32 weight `[out, in]` the codes stand for, read back through the kernel: a row
+    of the identity quantizes exactly (code 127, scale 1/127), so this is `q s` to fp32
+    rounding (for tests and logs; the codes are not kept beside the packed copy)."""
+    return w8a8_mm(torch.eye(weight.in_features), weight).t().contiguous()

@@ -1,0 +1,164 @@
+"""vLLM's `fp8` method: fp8 checkpoints written here from the format's definition (e4m3 codes,
+`weight_scale` per tensor, or `weight_block_size` with `weight_scale_inv` per block; static
+`input_scale`s; an `ignored_layers` projection stored float) on a tiny random Llama, against
+the same checkpoint dequantized into a float folder; and `--quantization fp8` on a float
+checkpoint, close to the float model."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.model_executor import fp8_checkpoints
+from engine.model_executor.model_loader import load_model
+from engine.model_executor.quantization import projections
+from kernels import quant_linear
+from kserve_paged.args import parse_args
+from tests.helpers.int4_packing import read_checkpoint
+from tests.helpers.tiny_models import CONFIGS, PagedSim, greedy, save_checkpoint
+from tests.kernels.interpreted import run_calls
+
+CPU = torch.device("cpu")
+PROMPT = [3, 17, 42, 5, 88, 61, 9, 23]
+PROJ_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+IGNORED = "model.layers.1.mlp.down_proj"
+# scheme -> (activation_scheme, weight_block_size)
+SCHEMES = {"tensor": ("dynamic", None), "tensor_static": ("static", None),
+           "blocks": ("dynamic", [32, 32])}
+
+
+def _fp8(w: torch.Tensor, block: list[int] | None) -> tuple[dict[str, torch.Tensor],
+                                                             torch.Tensor]:
+    """e4m3 codes of `w` with scale max |w| / 448 for the tensor or for each [bn, bk] tile
+    (stored `weight_scale_inv`, multiplied), and the float weight they stand for."""
+    if block is None:
+        scale = w.abs().amax() / 448
+        codes = (w / scale).to(torch.float8_e4m3fn)
+        return {"weight": codes, "weight_scale": scale}, codes.float() * scale
+    bn, bk = block
+    n, k = w.shape
+    tiles = torch.nn.functional.pad(w.abs(), (0, -k % bk, 0, -n % bn))
+    scale = tiles.reshape(tiles.shape[0] // bn, bn, -1, bk).amax((1, 3)) / 448
+    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+    codes = (w / full).to(torch.float8_e4m3fn)
+    return {"weight": codes, "weight_scale_inv": scale}, codes.float() * full
+
+
+def write(src: Path, dst: Path, scheme: str) -> Path:
+    """`src` as an fp8 checkpoint in `dst`, its dequantized float copy in `dst/float`."""
+    acts, block = SCHEMES[scheme]
+    state = load_file(src / "model.safetensors")
+    quantized, dense = {}, dict(state)
+    for name, w in state.items():
+        prefix = name.removesuffix(".weight")
+        if not prefix.endswith(PROJ_SUFFIXES) or prefix == IGNORED:
+            quantized[name] = w
+            continue
+        parts, dense[name] = _fp8(w.float(), block)
+        if acts == "static":
+            parts["input_scale"] = torch.tensor(0.05)
+        quantized |= {f"{prefix}.{leaf}": t.contiguous() for leaf, t in parts.items()}
+    config = json.loads((src / "config.json").read_text())
+    (dst / "float").mkdir(parents=True)
+    (dst / "float/config.json").write_text(json.dumps(config))
+    save_file(dense, dst / "float/model.safetensors")
+    qc = {"quant_method": "fp8", "activation_scheme": acts, "ignored_layers": [IGNORED]}
+    if block is not None:
+        qc["weight_block_size"] = block
+    (dst / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
+    save_file(quantized, dst / "model.safetensors")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def float_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path_factory.mktemp("float"))[0]
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    return PagedSim(model, seed=0).step([(0, PROMPT)])
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_checkpoint_on_cpu_is_its_dequantized_weights(
+        float_checkpoint: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        scheme: str) -> None:
+    folder = write(float_checkpoint, tmp_path, scheme)
+    reference, _ = load_model(folder / "float", torch.float32, CPU)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        served, _ = load_model(folder, torch.float32, CPU)
+    assert "quantization fp8 (checkpoint)" in caplog.text
+    assert "dequantized at load: no fast one-byte fp8 matmul on CPU" in caplog.text
+    assert ("static input scales are not used" in caplog.text) == (scheme == "tensor_static")
+    floats = dict(projections(reference))
+    for name, linear in projections(served):
+        torch.testing.assert_close(linear.weight, floats[name].weight, atol=1e-6, rtol=0)
+    torch.testing.assert_close(_logits(served), _logits(reference), atol=1e-4, rtol=0)
+
+
+def test_cuda_gets_the_codes_for_the_triton_gemm(float_checkpoint: Path, tmp_path: Path
+                                                  ) -> None:
+    """Block scales (per-row ones take the same `Fp8Weight` path as compressed-tensors' fp8,
+    tests/test_compressed_tensors.py)."""
+    folder = write(float_checkpoint, tmp_path, "blocks")
+    reference, _ = load_model(folder / "float", torch.float32, CPU)
+    reader = read_checkpoint(fp8_checkpoints.Fp8Reader, fp8_checkpoints.read_config, folder)
+    pick = reader.picker(torch.float32, triton=True)
+    kept = {}
+    for name, linear in projections(reference):
+        _, weight = pick(name, linear)
+        assert isinstance(weight, quant_linear.Fp8Weight) == (not name.startswith(IGNORED))
+        if weight is not None:
+            assert weight.block == (32, 32)
+            torch.testing.assert_close(quant_linear.dequant(weight), linear.weight, atol=1e-6,
+                                       rtol=0)
+            kept[name] = weight
+    name = "model.layers.1.self_attn.qkv_proj"
+    x = torch.randn(4, kept[name].in_features)
+    ((got, _),) = run_calls([("kernels.quant_linear", "matmul", (x, kept[name]), {})], tmp_path)
+    torch.testing.assert_close(got, x @ dict(projections(reference))[name].weight.t(),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_on_the_fly_fp8_is_close_to_float(float_checkpoint: Path,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Each weight is its e4m3 value (3 mantissa bits: within 1/16 of itself, or of the
+    scale's subnormal step); greedy tokens as the float model's over 8 steps; the prompt's
+    logits move by up to 8.5% of the largest here (bound 12%)."""
+    assert parse_args(["--quantization", "fp8"]).quantization == "fp8"
+    reference, _ = load_model(float_checkpoint, torch.float32, CPU)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        served, _ = load_model(float_checkpoint, torch.float32, CPU, quantization="fp8")
+    assert "fp8 e4m3 per tensor, dequantized at load" in caplog.text
+    floats = dict(projections(reference))
+    for name, linear in projections(served):
+        w = floats[name].weight
+        step = w.abs().amax() / 448 * 2**-9  # e4m3's smallest subnormal at this scale
+        assert ((linear.weight - w).abs() <= w.abs() / 16 + step).all(), name
+        assert not torch.equal(linear.weight, w)
+    tokens, rows = greedy(served, PROMPT, 8)
+    want, want_rows = greedy(reference, PROMPT, 8)
+    assert tokens == want
+    bound = 0.12 * float(want_rows[0].abs().max())
+    torch.testing.assert_close(rows[0], want_rows[0], atol=bound, rtol=0)
+
+
+def test_fp8_checkpoint_refusals(float_checkpoint: Path, tmp_path: Path) -> None:
+    folder = write(float_checkpoint, tmp_path, "blocks")
+    config = json.loads((folder / "config.json").read_text())
+    qc = config["quantization_config"]
+    for change, says in [({"activation_scheme": "per-head"}, "dynamic or static"),
+                         ({"fmt": "e5m2"}, "only e4m3"),
+                         ({"weight_block_size": [64, 64]}, "weight_scale_inv of shape")]:
+        (folder / "config.json").write_text(json.dumps(config | {"quantization_config":
+                                                                  qc | change}))
+        with pytest.raises(ValueError, match=says):
+            load_model(folder, torch.float32, CPU)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized with fp8 .* 'int8' was asked"):
+        load_model(folder, torch.float32, CPU, quantization="int8")
