@@ -49,7 +49,10 @@ def picker(tensors: dict[str, GGUFTensor], dtype: torch.dtype) -> Picker:
         groups = [p.int4 for p in parts if p is not None and p.int4 is not None]
         if len(groups) == len(parts):
             codes, scale, minimum = (torch.cat(cols) for cols in zip(*groups, strict=True))
-            return (f"int4 g32 ({'+'.join(qtypes)}, exact)",
+            # PyTorch's kernel holds the scales in the activation dtype (bf16 rounds fp16's).
+            exact = ("exact" if quant_linear.native_for(dtype) or dtype == torch.float32
+                     else f"scales rounded to {str(dtype).removeprefix('torch.')}")
+            return (f"int4 g32 ({'+'.join(qtypes)}, {exact})",
                     quant_linear.pack_int4(codes, scale, minimum, gguf_blocks.GROUP, dtype))
         int8 = [p.int8 for p in parts if p is not None and p.int8 is not None]
         native = quant_linear.native_for(dtype)
