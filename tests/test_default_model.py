@@ -141,3 +141,26 @@ def test_gguf_file_loads_directly(model_dir: Path) -> None:
         assert torch.equal(a, b), name
     tok = load_tokenizer(gguf)
     assert tok.eos_token == "<|im_end|>"
+
+
+@pytest.mark.slow
+def test_gguf_folder_serves_the_file_4_bit(model_dir: Path) -> None:
+    """The default model's GGUF folder: the file itself beside the float32 folder's config,
+    tokenizer and generation config, no float weights; read once with `--quantization gguf`
+    (float32 activations, exact) it gives the dense model's greedy tokens."""
+    from tests.helpers.tiny_models import greedy
+
+    folder = default_model.ensure_model(default_model.DEFAULT_MODEL_ID, gguf_folder=True)
+    assert (folder / default_model.GGUF_NAME).is_file() and not list(folder.glob("*.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    dense = json.loads((model_dir / "config.json").read_text())
+    for key in ("architectures", "rms_norm_eps", "num_hidden_layers", "num_key_value_heads",
+                "rope_parameters", "tie_word_embeddings", "eos_token_id"):
+        assert config[key] == dense[key], key
+    gen = json.loads((folder / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2
+    assert load_tokenizer(folder).get_vocab() == load_tokenizer(model_dir).get_vocab()
+    kept, _ = load_model(folder, torch.float32, torch.device("cpu"), quantization="gguf")
+    ref, _ = load_model(model_dir, torch.float32, torch.device("cpu"))
+    prompt = load_tokenizer(folder).encode("The capital of France is")
+    assert greedy(kept, prompt, 6)[0] == greedy(ref, prompt, 6)[0]

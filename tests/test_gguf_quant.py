@@ -210,3 +210,77 @@ def test_gguf_in_bf16_close_to_the_dequantized_bf16_model(tmp_path: Path) -> Non
     layer_tokens, layer_logits = greedy(kept, PROMPT, 6, torch.bfloat16)
     assert layer_tokens == tokens
     assert all(torch.equal(a, b) for a, b in zip(layer_logits, logits, strict=True))
+
+
+def _old_two_read_groups(path: Path, config: object) -> dict[str, tuple[torch.Tensor, ...]]:
+    """What the loader did before reading the file once: transformers dequantizes every tensor,
+    the raw blocks are read again and put in the row order (as stored, or undoing llama.cpp's
+    q/k permutation) whose values equal transformers' tensor."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32).state_dict()
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, tiny_gguf.LAYERS)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    out = {}
+    for hf_name, ref in state.items():
+        key = hf_name.removesuffix(".weight")
+        raw = tensors.get(f"{table.get_name(key)}.weight")
+        if raw is None or QT(raw.tensor_type) not in gguf_blocks.INT4_TYPES:
+            continue
+        groups = gguf_blocks.int4_groups(np.asarray(raw.data), QT(raw.tensor_type), *ref.shape)
+        for heads in (1, tiny_gguf.HEADS, tiny_gguf.KV_HEADS):
+            rows = ref.shape[0]
+            order = np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(
+                rows) if heads > 1 else np.arange(rows)
+            codes, scale, minimum = (a[order] for a in groups)
+            deq = (codes.astype(np.float32).reshape(*scale.shape, -1) * scale[..., None]
+                   + minimum[..., None]).reshape(ref.shape)
+            if np.array_equal(deq, ref.numpy()):
+                out[key] = tuple(torch.from_numpy(np.ascontiguousarray(a))
+                                 for a in (codes, scale, minimum))
+                break
+    return out
+
+
+def test_one_read_gives_the_two_read_paths_groups_and_floats(tmp_path: Path) -> None:
+    """The file read once (engine/model_executor/gguf_read.py) gives each 4-bit projection the
+    very codes, scales and minimums (so the very packed weight) the old two-read path found, in
+    the same row order (q and k permuted back), and the float tensors transformers gives."""
+    from transformers import AutoConfig
+
+    from engine.model_executor import gguf_read
+    from engine.model_executor.model_loader import _expected_weights
+
+    path = tiny_gguf.write(tmp_path / "m.gguf", dict.fromkeys(ALL_PROJECTIONS, QT.Q4_K))
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    read = gguf_read.read(path, config, _expected_weights(config))
+    old = _old_two_read_groups(path, config)
+    assert len(old) == tiny_gguf.LAYERS * len(ALL_PROJECTIONS)
+    for key, groups in old.items():
+        ours = read.groups[key].int4
+        assert ours is not None and all(torch.equal(a, b) for a, b in zip(ours, groups)), key
+        packed = [quant_linear.pack_int4(*g, 32, torch.float32).packed for g in (ours, groups)]
+        assert torch.equal(*packed)
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                                 dtype=torch.float32).state_dict()
+    for name, tensor in read.state.items():
+        torch.testing.assert_close(tensor, state[name], atol=1e-7, rtol=0)
+
+
+def test_start_up_log_names_each_kind_of_projection(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    types, vocab, _ = CASES["mixed-q8_0-vocab"]
+    caplog.set_level("INFO", logger="engine")
+    load_model(tiny_gguf.write(tmp_path / "m.gguf", types, vocab=vocab), torch.float32, CPU,
+               quantization="gguf")
+    line = next(r.getMessage() for r in caplog.records if "decoder projections" in
+                r.getMessage())
+    assert "q/k/v: int8 g32 (Q8_0, exact) [native kernel]" in line
+    assert "o: int4 g32 (Q4_0, exact) [native kernel]" in line
+    assert "gate/up: float32 (from Q4_1+Q8_0)" in line and "down: float32" in line
+    assert "embedding and LM head: int8 g32 (Q8_0, exact)" in line
+    assert line.endswith("float32 activations")

@@ -1,10 +1,11 @@
 """One stream at a time, offline: TPOT (time per output token after the first) and resident
 weight bytes of the default model served from its GGUF, float32 and bfloat16 (dequantized)
 against `--quantization gguf` (Q4_1 kept as int4, the Q8_0 embedding and head as int8 g32, float32
-activations), in one run, alternating.
+activations; and with bfloat16 activations, what the default runs where `--dtype auto` is
+bfloat16), in one run, alternating.
 
     python bench/probes/quant_tpot.py [--prompt 256] [--output 128] [--rounds 3] [--threads N]
-        [--configs float32 int4] [--llamacpp]
+        [--configs float32 int4 int4-bf16] [--llamacpp]
 
 Each round runs each configuration once: a 256-token random prompt, 128 greedy tokens,
 ignore_eos; the engine's step times are recorded, TPOT is the median decode step. With
@@ -89,7 +90,8 @@ def main() -> None:
     prompt = [rng.randrange(100, 40000) for _ in range(args.prompt)]
     configs = {"float32 (dequantized)": ("float32", None),
                "bfloat16 (dequantized)": ("bfloat16", None),
-               "int4 (--quantization gguf, float32 activations)": ("float32", "gguf")}
+               "int4 (--quantization gguf, float32 activations)": ("float32", "gguf"),
+               "int4-bf16 (--quantization gguf, bfloat16 activations)": ("bfloat16", "gguf")}
     configs = {k: v for k, v in configs.items()
                if not args.configs or any(k.startswith(c) for c in args.configs)}
     llms = {name: LLM(model=str(gguf), dtype=dtype, quantization=q, max_model_len=1024,

@@ -1,8 +1,7 @@
 """`--quantization gguf`: a GGUF's quantized projections kept quantized at load.
 
-transformers still reads the file (config, norms, embedding, and every tensor dequantized, which
-is what the float path serves); this module reads the same file's raw blocks with the `gguf`
-package and gives each projection its layout:
+The file is read once (engine/model_executor/gguf_read.py: the projections' blocks as groups, the
+rest as float tensors); this module gives each projection its layout:
 - Q4_0, Q4_1, Q4_K: int4 in groups of 32, the blocks' own codes, scales and minimums (exact);
 - Q8_0 and Q6_K: int8 with their own scales, per group of 32 and of 16 (exact), on our float32
   kernel; for PyTorch's kernel (other dtypes, no native library), which takes one scale per
@@ -14,23 +13,19 @@ package and gives each projection its layout:
 - float types (F32, F16, BF16): kept in the model's dtype.
 The log names each projection's layout and whether it is exact.
 A fused projection (q/k/v, gate/up) is quantized only when all its parts share one layout.
-llama.cpp stores Llama's q/k rows permuted; the row order is found by comparing the blocks'
-dequantized rows with transformers' tensor, so a layout we misread is an error at load, never
-a wrong weight served.
+llama.cpp stores Llama's q/k rows permuted; gguf_read.py puts the groups back in transformers'
+row order with transformers' own tensor processor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from engine.model_executor import gguf_blocks
+from engine.model_executor.gguf_read import GGUFTensor
 from engine.model_executor.layers import Linear
 from engine.model_executor.quantization import (
     Picker,
@@ -41,101 +36,6 @@ from engine.model_executor.quantization import (
     requantized_rows,
 )
 from kernels import quant_linear
-
-TensorMap = dict[str, torch.Tensor]
-
-
-@dataclass(slots=True)
-class GGUFTensor:
-    """One GGUF projection: its block type, and for a 4-bit type (codes, scale, minimum), for
-    Q8_0 (codes, scale), per group in HF row order."""
-
-    qtype: str
-    rows: int
-    int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    int8: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-def _arch(reader: Any) -> str:
-    field = reader.fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
-
-
-def _row_orders(rows: int, config: Any) -> list[np.ndarray]:
-    """Candidate row orders: as stored, or undoing llama.cpp's q/k permutation for q's heads
-    or the KV heads (`hf[i] = stored[order[i]]`)."""
-    orders = [np.arange(rows)]
-    for heads in (config.num_attention_heads, config.num_key_value_heads):
-        if heads and rows % (2 * heads) == 0:
-            idx = np.arange(rows).reshape(heads, rows // heads // 2, 2)
-            orders.append(idx.swapaxes(1, 2).reshape(rows))
-    return orders
-
-
-def _in_hf_order(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None,
-                 reference: torch.Tensor, config: Any) -> tuple[torch.Tensor, ...] | None:
-    """The groups (codes, scale[, minimum]) reordered to match transformers' dequantized
-    tensor, or None if no order does (a layout not read right)."""
-    deq = codes.astype(np.float32).reshape(*scale.shape, -1) * scale[..., None]
-    if minimum is not None:
-        deq = deq + minimum[..., None]
-    deq = deq.reshape(codes.shape)
-    ref = reference.detach().float().numpy()
-    tol = 1e-6 * max(float(np.abs(ref).max()), 1e-30)
-    arrays = (codes, scale) if minimum is None else (codes, scale, minimum)
-    for order in _row_orders(codes.shape[0], config):
-        if np.allclose(deq[order], ref, rtol=1e-6, atol=tol):
-            return tuple(torch.from_numpy(np.ascontiguousarray(a[order])) for a in arrays)
-    return None
-
-
-def _groups(tensor: Any, qtype: Any, reference: torch.Tensor, config: Any) -> GGUFTensor:
-    """The tensor's groups in HF row order (int4 or Q8_0; other types: only the type)."""
-    rows, cols = reference.shape
-    entry = GGUFTensor(qtype.name, rows)
-    data = np.asarray(tensor.data)
-    if qtype in gguf_blocks.INT4_TYPES:
-        ordered = _in_hf_order(*gguf_blocks.int4_groups(data, qtype, rows, cols), reference,
-                               config)
-    elif qtype in gguf_blocks.INT8_TYPES:
-        ordered = _in_hf_order(*gguf_blocks.int8_groups(data, rows, cols, qtype), None,
-                               reference, config)
-    else:
-        return entry
-    if ordered is None:
-        raise ValueError(f"GGUF tensor {tensor.name} ({qtype.name}) does not match its "
-                         f"dequantized form in any known row order")
-    if len(ordered) == 3:
-        entry.int4 = ordered  # type: ignore[assignment]
-    else:
-        entry.int8 = ordered  # type: ignore[assignment]
-    return entry
-
-
-def read(path: Path, state: TensorMap, config: Any) -> dict[str, GGUFTensor]:
-    """transformers' projection name (no `.weight`) -> its GGUF block type and 4-bit groups,
-    for every tensor of `state` (transformers' dequantized weights) the file names."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    arch_name = _arch(reader)
-    archs = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
-    if arch_name not in archs:
-        raise ValueError(f"GGUF architecture {arch_name!r} is unknown to the gguf package")
-    names = gguf.get_tensor_name_map(archs[arch_name], config.num_hidden_layers)
-    tensors = {t.name: t for t in reader.tensors}
-    out: dict[str, GGUFTensor] = {}
-    for hf_name, reference in state.items():
-        if not hf_name.endswith(".weight") or reference.dim() != 2:
-            continue
-        key = hf_name.removesuffix(".weight")
-        gguf_name = names.get_name(key)
-        tensor = tensors.get(f"{gguf_name}.weight") if gguf_name else None
-        if tensor is None:
-            continue
-        out[key] = _groups(tensor, gguf.GGMLQuantizationType(tensor.tensor_type), reference,
-                           config)
-    return out
 
 
 def picker(tensors: dict[str, GGUFTensor], dtype: torch.dtype) -> Picker:
@@ -149,7 +49,10 @@ def picker(tensors: dict[str, GGUFTensor], dtype: torch.dtype) -> Picker:
         groups = [p.int4 for p in parts if p is not None and p.int4 is not None]
         if len(groups) == len(parts):
             codes, scale, minimum = (torch.cat(cols) for cols in zip(*groups, strict=True))
-            return (f"int4 g32 ({'+'.join(qtypes)}, exact)",
+            # PyTorch's kernel holds the scales in the activation dtype (bf16 rounds fp16's).
+            exact = ("exact" if quant_linear.native_for(dtype) or dtype == torch.float32
+                     else f"scales rounded to {str(dtype).removeprefix('torch.')}")
+            return (f"int4 g32 ({'+'.join(qtypes)}, {exact})",
                     quant_linear.pack_int4(codes, scale, minimum, gguf_blocks.GROUP, dtype))
         int8 = [p.int8 for p in parts if p is not None and p.int8 is not None]
         native = quant_linear.native_for(dtype)

@@ -32,8 +32,9 @@ logger = logging.getLogger("engine")
 
 
 def _resolve(path: StrPath) -> tuple[Path, str | None]:
-    """(folder, gguf file name or None). A folder holding no config.json but one .gguf counts
-    as that GGUF file."""
+    """(folder, gguf file name or None). A folder holding one .gguf and no other weights counts
+    as that GGUF file (with a config.json and tokenizer beside it: a packaged model's GGUF
+    folder, engine/default_model.py)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"model path {str(p)!r} does not exist")
@@ -42,12 +43,21 @@ def _resolve(path: StrPath) -> tuple[Path, str | None]:
             raise ValueError(f"model path {str(p)!r} is a file but not a .gguf; pass the folder "
                              "holding config.json and the weights, or a .gguf file")
         return p.parent, p.name
+    ggufs = sorted(p.glob("*.gguf"))
     if not (p / "config.json").is_file():
-        ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
             return p, ggufs[0].name
         raise FileNotFoundError(f"model folder {str(p)!r} has no config.json")
+    if len(ggufs) == 1 and _is_gguf_folder(p):
+        return p, ggufs[0].name
     return p, None
+
+
+def _is_gguf_folder(folder: Path) -> bool:
+    """A config.json and a tokenizer beside a GGUF, no other weights: config and tokenizer
+    come from the folder, the weights from the GGUF."""
+    return ((folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+            and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")))
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -231,32 +241,50 @@ def _layout(config: Any, tp: TPGroup) -> TPLayout:
                        config.intermediate_size, config.vocab_size, tp.rank, tp.world_size)
 
 
-def _gguf_keeper(path: Path, state: dict[str, Any], config: Any, dtype: torch.dtype) -> Any:
-    """`--quantization gguf`: which projections keep the file's quantized blocks. Imported
-    here, not at module import: the minimal GPU image has no `gguf` (bench/gpu_acceptance.py)."""
-    from engine.model_executor import gguf_quant
+def _gguf_config(folder: Path, gguf_file: str) -> Any:
+    """The model's config: its folder's config.json beside the GGUF, else the GGUF's metadata
+    (transformers parses it; no tensor is read)."""
+    from transformers import AutoConfig
 
-    return gguf_quant.keeper(gguf_quant.read(path, state, config), dtype, path.name)
+    if _is_gguf_folder(folder):
+        check_architecture(folder)
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    else:
+        config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+    config.architectures = [architecture_of(config)]
+    return config
+
+
+def _expected_weights(config: Any) -> set[str]:
+    """transformers' parameter names our model of `config` loads (built on the meta device)."""
+    with torch.device("meta"):
+        return MODEL_REGISTRY[architecture_of(config)](config).expected_weights()
 
 
 def _load_gguf(folder: Path, gguf_file: str, dtype: torch.dtype, device: torch.device,
                tp: TPGroup | None, keep_quantized: bool) -> tuple[LlamaForCausalLM, Any]:
-    """A .gguf through transformers (dequantized), its 4-bit projections kept packed with
-    `--quantization gguf`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A .gguf: with `--quantization gguf` read once (engine/model_executor/gguf_read.py), its
+    quantized projections kept packed; without, through transformers, dequantized."""
+    config = _gguf_config(folder, gguf_file)
+    if keep_quantized:
+        # Imported here, not at module import: the minimal GPU image has no `gguf`
+        # (bench/gpu_acceptance.py).
+        from engine.model_executor import gguf_quant, gguf_read
 
-    config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
-    arch = architecture_of(config)
+        read = gguf_read.read(folder / gguf_file, config, _expected_weights(config))
+        keep = gguf_quant.keeper(read.groups, dtype, gguf_file)
+        return _build(config, dtype, device, iter(read.state.items()), quantize=keep), config
+    from transformers import AutoModelForCausalLM
+
     hf_model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=gguf_file, local_files_only=True, dtype=torch.float32)
+    arch = config.architectures
     config = hf_model.config
-    config.architectures = [arch]
+    config.architectures = arch
     state = hf_model.state_dict()
     del hf_model
     slicer = _layout(config, tp).weight_slice if tp is not None else None
-    keep = _gguf_keeper(folder / gguf_file, state, config, dtype) if keep_quantized else None
-    return _build(config, dtype, device, _sliced(state.items(), slicer), tp=tp,
-                  quantize=keep), config
+    return _build(config, dtype, device, _sliced(state.items(), slicer), tp=tp), config
 
 
 def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
@@ -266,7 +294,8 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
 
     Returns (model, transformers PretrainedConfig). Raises FileNotFoundError for a missing path,
     config or weights, and ValueError for an unsupported architecture or mismatched weights.
-    GGUF goes through transformers, which dequantizes it to `dtype`-castable float tensors.
+    A GGUF goes through transformers, which dequantizes it, or with `quantization="gguf"` is
+    read once and its quantized projections kept packed.
     `load_format="dummy"` reads only config.json and draws random weights (`_fill_dummy`).
     With `tp` (tensor parallelism), this rank's shard, reading only its slices. `quantization`
     (`--quantization`, or an AWQ/GPTQ checkpoint's own): engine/model_executor/quantization.py.
@@ -308,10 +337,11 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
 
 
 def load_tokenizer(path: StrPath) -> Any:
-    """The checkpoint's tokenizer (AutoTokenizer, local files only; GGUF-embedded for .gguf)."""
+    """The checkpoint's tokenizer (AutoTokenizer, local files only; GGUF-embedded for a .gguf
+    without a tokenizer beside it)."""
     from transformers import AutoTokenizer
 
     folder, gguf_file = _resolve(path)
-    if gguf_file is not None:
+    if gguf_file is not None and not _is_gguf_folder(folder):
         return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)

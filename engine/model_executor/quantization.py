@@ -32,21 +32,42 @@ INT4_GROUP = 32  # `--quantization int4`'s group size (GGUF's blocks are 32 weig
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+# How the start-up log names each kind of projection.
+KIND_NAMES = {"qkv_proj": "q/k/v", "o_proj": "o", "gate_up_proj": "gate/up", "down_proj": "down"}
+
+
 @dataclass(slots=True)
 class QuantSummary:
     """What format each projection runs in: format -> module names (for the start-up log)."""
 
     formats: dict[str, list[str]] = field(default_factory=dict)
     weight_bytes: int = 0
+    vocab: str = "embedding and LM head stay float"
+    activations: str = ""
 
     def add(self, fmt: str, name: str) -> None:
         self.formats.setdefault(fmt, []).append(name)
 
-    vocab: str = "embedding and LM head stay float"
-
     def describe(self) -> str:
-        parts = [f"{len(names)} {fmt}" for fmt, names in self.formats.items()]
-        return f"{', '.join(parts)} ({self.weight_bytes / 2**20:.1f} MiB); {self.vocab}"
+        """Per kind of projection its format, e.g. `q/k/v, o, gate/up, down: int4 g32 (Q4_1,
+        exact) [native kernel]`; a kind split between formats says in how many layers each."""
+        totals: dict[str, int] = {}
+        for names in self.formats.values():
+            for name in names:
+                kind = name.rsplit(".", 1)[-1]
+                totals[kind] = totals.get(kind, 0) + 1
+        parts = []
+        for fmt, names in self.formats.items():
+            kinds: dict[str, int] = {}
+            for name in names:
+                kind = name.rsplit(".", 1)[-1]
+                kinds[kind] = kinds.get(kind, 0) + 1
+            labels = [KIND_NAMES.get(k, k) + ("" if n == totals[k] else f" ({n} of {totals[k]})")
+                      for k, n in kinds.items()]
+            parts.append(f"{', '.join(labels)}: {fmt}")
+        acts = f"; {self.activations} activations" if self.activations else ""
+        return (f"{'; '.join(parts)} ({self.weight_bytes / 2**20:.1f} MiB); {self.vocab}"
+                f"{acts}")
 
 
 def projections(model: nn.Module) -> list[tuple[str, Linear]]:
@@ -141,5 +162,8 @@ def apply(model: nn.Module, pick: Picker, label: str, vocab: VocabPicker | None 
         summary.add(f"{fmt} [{weight.kernel} kernel]", name)
         linear.quantize(weight)
         summary.weight_bytes += weight.nbytes()
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.numel()),
+                 None)
+    summary.activations = str(dtype).removeprefix("torch.") if dtype is not None else ""
     logger.info("quantization %s: decoder projections %s", label, summary.describe())
     return summary
