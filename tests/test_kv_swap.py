@@ -6,8 +6,11 @@ the answer is still exact.
 
 What holds on every machine type (AVX2-only, AVX-512 without bf16, AVX512-BF16, AMX): a swap
 restores the very bytes the victim computed, so its continuation is the one of a run that was
-never preempted, in float32 and bfloat16 alike (the two prompts batched the same way on a
-pool that holds both).
+never preempted, in float32 and bfloat16 alike (the two prompts on a pool that holds both).
+That reference batches the victim's later steps with the other request where the swapped run
+computes them alone: the native kernels sum each row in an order that does not depend on the
+batch's other rows, at every ISA level (kernels/csrc/gemm_bf16.c), as the float32 tests of
+preemption already rely on.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ class TierLink:
         prompt logprobs, whose resume computes every prompt position)."""
         if (request.group_id is not None or request.num_computed_tokens == 0
                 or request.sampling_params.prompt_logprobs is not None):  # no lookup resumes it
+            self.swaps.stats.recomputes += 1
             return False
         extend_block_hashes(hasher, request, self.block_size)
         saves = self.swaps.swap_out(request, blocks)
