@@ -5,8 +5,11 @@ one, in one run, alternating (ratios; the machine's load moves absolute figures)
                                           [--prompts 4] [--prompt 128] [--output 32]
                                           [--rounds 2]
 
-A config is `DTYPE:KV[-nostack]`: the model dtype (float32, bfloat16), the --kv-cache-dtype,
-and `-nostack` for the per-layer modules instead of the one-call native decoder stack.
+A config is `DTYPE:KV[-nostack|-torch]`: the model dtype (float32, bfloat16), the
+--kv-cache-dtype, and `-nostack` for the per-layer modules instead of the one-call native
+decoder stack, or `-torch` for a quantized cache's PyTorch path (the store and dequantize-then-
+attend, per-layer modules: what served before the native kernels), patched in around that
+configuration's calls only. `--threads N` sets torch's (and the native library's) threads.
 
 Each round serves the same batch once per configuration twice: with one output token (the
 prefill) and with `--output` tokens (random token prompts, greedy, ignore_eos, prefix caching
@@ -37,16 +40,21 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--output", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
+    import torch
+
     from engine import LLM, SamplingParams
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     names = args.configs.split(",")
     llms = {}
     for n in names:
         dtype, kv = n.split(":")
-        llms[n] = LLM(dtype=dtype, kv_cache_dtype=kv.removesuffix("-nostack"),
+        llms[n] = LLM(dtype=dtype, kv_cache_dtype=kv.split("-")[0],
                       enable_prefix_caching=False, max_model_len=1024)
-        llms[n].engine.model.use_native_stack = not kv.endswith("-nostack")
+        llms[n].engine.model.use_native_stack = "-" not in kv
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt)]
                for _ in range(args.prompts)]
@@ -57,11 +65,14 @@ def main() -> int:
     loads = [os.getloadavg()[0]]
     for _ in range(args.rounds):
         for n in names:
+            undo = _torch_path() if n.endswith("-torch") else None
             start = time.perf_counter()
             llms[n].generate(prompts, first, use_tqdm=False)
             mid = time.perf_counter()
             llms[n].generate(prompts, full, use_tqdm=False)
             end = time.perf_counter()
+            if undo:
+                undo()
             step = ((end - mid) - (mid - start)) / (args.output - 1)
             tpot[n] = min(tpot[n], step)
             rate[n] = max(rate[n], args.prompts * args.output / (end - mid))
@@ -74,6 +85,20 @@ def main() -> int:
     result["loadavg"] = [round(x, 1) for x in loads]
     print(json.dumps(result))
     return 0
+
+
+def _torch_path():  # noqa: ANN202
+    """Route a quantized cache through PyTorch (store, dequantize); returns the undo."""
+    import kernels.cpu_kvq as cpu_kvq
+    import kernels.dispatch as dispatch
+
+    saved = (dispatch.cpu_native.store_kv_q8, cpu_kvq.cpu_native.kvq_usable)
+    dispatch.cpu_native.store_kv_q8 = lambda *a, **k: None
+    cpu_kvq.cpu_native.kvq_usable = lambda *a, **k: False
+
+    def undo() -> None:
+        dispatch.cpu_native.store_kv_q8, cpu_kvq.cpu_native.kvq_usable = saved
+    return undo
 
 
 if __name__ == "__main__":

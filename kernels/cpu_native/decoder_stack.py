@@ -165,14 +165,13 @@ class DecoderStack:
         self._scratch = torch.empty(0, dtype=dtype)
 
     def takes_cache(self, cache: Any) -> bool:
-        """Whether `run` takes caches like this one: a tensor of the stack's dtype, or (a
-        float32 stack) a quantized cache (`QuantKV`: `.data` codes, `.scales`) of a format
-        the native kernels read."""
+        """Whether `run` takes caches like this one: a tensor of the stack's dtype, or a
+        quantized cache (`QuantKV`: `.data` codes, `.scales`) of a format the native kernels
+        read (a bf16 stack widens q, k and v to fp32 for it, as the per-layer path does)."""
         if isinstance(cache, torch.Tensor):
             return cache.dtype == self.dtype
         data = getattr(cache, "data", None)
-        return (self.dtype == torch.float32 and isinstance(data, torch.Tensor)
-                and kv_format(data) is not None)
+        return isinstance(data, torch.Tensor) and kv_format(data) is not None
 
     def _bind_kv(self, kv_caches: list[Any]) -> None:
         # Addresses and shapes: a new cache at a freed cache's address must be checked again.
@@ -185,12 +184,12 @@ class DecoderStack:
             raise ValueError(f"{len(kv_caches)} KV caches for {self.num_layers} layers")
         fmt = 0
         if not isinstance(kv_caches[0], torch.Tensor):  # quantized: codes and scales
-            fmt = kv_format(kv_caches[0].data) if self.dtype == torch.float32 else None
+            fmt = kv_format(kv_caches[0].data)
             if not fmt or any(c.scales.shape != (2, c.shape[1], self.kv_heads)
                               or not c.scales.is_contiguous() or c.scales.dtype != torch.float32
                               or c.dtype != kv_caches[0].dtype for c in kv_caches):
-                raise ValueError("a quantized KV cache needs the float32 stack, int8/fp8 codes "
-                                 "and float32 scales [2, blocks, kv_heads]")
+                raise ValueError("a quantized KV cache needs int8/fp8 codes and float32 scales "
+                                 "[2, blocks, kv_heads]")
             self._scale_array = (ctypes.c_void_p * len(kv_caches))(
                 *(c.scales.data_ptr() for c in kv_caches))
             kv_caches = [c.data for c in kv_caches]

@@ -16,8 +16,10 @@
  * one fused weight, followed by kp_silu_mul_f32, as the per-layer modules do. A quantized KV
  * cache (m->kv_format) takes the store and attention of kv_q8.c / paged_q8.c.
  */
+#include <stdlib.h>
 #include <string.h>
 
+#include "kp_bf16.h"
 #include "kp_native.h"
 
 enum { QKV, O, GATE_UP, DOWN };
@@ -106,6 +108,26 @@ int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
     return 0;
 }
 
+/* Layer l's store and attention in the bf16 stack over a quantized cache, as the per-layer
+ * modules do it (kernels/cpu_kvq.py): q, k and v widened to fp32 (exact), the fp32 kernels of
+ * attention(), the output rounded to bf16 once. */
+static int attention_q8_bf16(const kp_decoder_stack *m, const kp_decoder_step *s, int64_t l,
+                             int64_t qkv_size, int64_t q_size, int64_t kv_size) {
+    const int64_t T = s->tokens;
+    float *f = malloc((size_t)(T * (qkv_size + q_size)) * sizeof(float));
+    if (!f) return -5;
+    const uint16_t *qkv = (const uint16_t *)s->qkv;
+    for (int64_t i = 0; i < T * qkv_size; ++i) f[i] = bf16_to_f32(qkv[i]);
+    kp_decoder_step fs = *s;
+    fs.qkv = f;
+    fs.attn = f + T * qkv_size;
+    const int rc = attention(m, &fs, l, qkv_size, q_size, kv_size, 0);
+    uint16_t *attn = (uint16_t *)s->attn;
+    for (int64_t i = 0; i < T * q_size && !rc; ++i) attn[i] = f32_to_bf16(fs.attn[i]);
+    free(f);
+    return rc;
+}
+
 /* The same stack over bf16 (kp_decoder_stack_bf16, kp_native.h): the per-layer modules' bf16
  * path kernel for kernel (kp_add_rms_norm_bf16, kp_gemm_bf16, kp_rope_bf16, kp_store_kv_bf16,
  * kp_paged_rows_bf16, kp_silu_mul_bf16), so the results are theirs bit for bit. Every pointer
@@ -134,7 +156,7 @@ int kp_decoder_stack_bf16(const kp_decoder_stack *m, const kp_decoder_step *s) {
     bf *x = (bf *)s->x, *res = (bf *)s->residual, *normed = (bf *)s->normed;
     bf *qkv = (bf *)s->qkv, *attn = (bf *)s->attn, *gu = (bf *)s->gate_up, *act = (bf *)s->act;
     if (T <= 0) return 0;
-    if (m->q_norm || m->kv_format) return -4;
+    if (m->q_norm) return -4;
     for (int64_t l = 0; l < m->layers; ++l) {
         kp_add_rms_norm_bf16(x, H, l ? res : 0, (const bf *)m->in_norm[l], normed, T, H, m->eps);
         if (l == 0) memcpy(res, x, (size_t)(T * H) * sizeof(bf));
@@ -144,10 +166,14 @@ int kp_decoder_stack_bf16(const kp_decoder_stack *m, const kp_decoder_step *s) {
         if (kp_rope_bf16(qkv, qkv_size, s->positions, (const bf *)m->cos_table,
                          (const bf *)m->sin_table, m->max_positions, T, m->heads + m->kv_heads, hd))
             return -1;
-        if (kp_store_kv_bf16(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, s->slots, T,
-                             (bf *)m->kv[l], num_slots, kv_size))
+        if (m->kv_format) {
+            const int rc = attention_q8_bf16(m, s, l, qkv_size, q_size, kv_size);
+            if (rc) return rc;
+        } else if (kp_store_kv_bf16(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size,
+                                    s->slots, T, (bf *)m->kv[l], num_slots, kv_size)) {
             return -2;
-        const int rc = kp_paged_rows_bf16(
+        }
+        const int rc = m->kv_format ? 0 : kp_paged_rows_bf16(
             qkv, qkv_size, (const bf *)m->kv[l], m->num_blocks, (int32_t)m->block_size,
             (int32_t)m->kv_heads, (int32_t)hd, (int32_t)m->heads, s->block_tables, s->bt_stride,
             s->row_lens, s->tok_idx, s->seq_idx, T, m->scale, m->window ? m->window[l] : 0, 0.0f,

@@ -260,7 +260,8 @@ typedef struct {
     const int64_t *qgroup;
     /* A quantized KV cache (--kv-cache-dtype): kv_format a KP_KV_* format, each layer's kv
      * then its codes and kv_scales its scales (kp_store_kv_q8, kp_paged_rows_q8); 0 (and
-     * kv_scales NULL): float caches. The fp32 stack only. */
+     * kv_scales NULL): float caches. The bf16 stack widens q, k and v to fp32 for them and
+     * rounds the attention output to bf16 once, as the per-layer modules do. */
     float *const *kv_scales;
     int64_t kv_format;
 } kp_decoder_stack;

@@ -184,3 +184,36 @@ def test_engine_greedy_tokens_equal_the_pytorch_paths(fmt: str,
     for a, b in zip(native["logprobs"], torch_path["logprobs"]):
         assert a == pytest.approx(b, abs=1e-4)
     assert native["free"] == torch_path["free"]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_bf16_stack_over_codes_equals_per_layer_modules_bit_for_bit(fmt: str, tmp_path) -> None:  # noqa: ANN001
+    """Where the bf16 stack is built (AVX512-BF16 without AMX: test_decoder_stack_bf16.py
+    says where), it widens q, k, v to fp32 and rounds the output once, as the per-layer
+    modules do: the same logits, codes and scales. Elsewhere a bf16 model runs per layer."""
+    from engine.model_executor.model_loader import load_model
+    from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
+    from tests.kernels.test_decoder_stack import _steps
+
+    path, _ = save_checkpoint(CONFIGS["llama_hd64_inter100"], tmp_path)
+    model, _ = load_model(path, torch.bfloat16, torch.device("cpu"))
+    if model.native_stack is None:
+        assert not cpu_native.native_bf16_linear()
+        return
+    results = {}
+    for use in (True, False):
+        model.use_native_stack = use
+        calls = []
+        real_run = model.native_stack.run
+        model.native_stack.run = lambda *a, _real=real_run, _calls=calls, **k: (
+            _calls.append(1), _real(*a, **k))[1]
+        sim = PagedSim(model, seed=3)
+        sim.kv = [QuantKV.zeros(tuple(kv.shape), storage_dtype(fmt)) for kv in sim.kv]
+        results[use] = ([sim.step(batch) for batch in _steps(11)], sim.kv)
+        del model.native_stack.run
+        assert len(calls) == (len(results[use][0]) if use else 0)
+    for a, b in zip(results[True][0], results[False][0], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(results[True][1], results[False][1], strict=True):
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+        assert torch.equal(a.scales, b.scales)
