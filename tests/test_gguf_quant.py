@@ -185,8 +185,10 @@ def test_gguf_in_bf16_close_to_the_dequantized_bf16_model(tmp_path: Path) -> Non
     """With bf16 activations the 4-bit projections and the Q8_0 vocabulary run on our kernel
     where `native_bf16_quant()` chose it (PyTorch's elsewhere), exact codes and fp32 scales;
     greedy tokens equal those of the same file dequantized into a bf16 model, logits within 2%
-    of their range (bf16 roundings differ in place, not in size). Where the bf16 decoder
-    stack is built it equals the per-layer modules bit for bit; elsewhere it says why."""
+    of their range on ours (bf16 roundings differ in place, not in size), 5% on PyTorch's
+    (its scales rounded to bf16, the Q8_0 vocabulary re-quantized per row). Where the bf16
+    decoder stack is built it equals the per-layer modules bit for bit; elsewhere it says
+    why."""
     from kernels import cpu_native
 
     path = tiny_gguf.write(tmp_path / "m.gguf", dict.fromkeys(ALL_PROJECTIONS, QT.Q4_1),
@@ -202,7 +204,8 @@ def test_gguf_in_bf16_close_to_the_dequantized_bf16_model(tmp_path: Path) -> Non
     assert tokens == ref_tokens
     scale = max(float(r.float().abs().max()) for r in ref_logits)
     assert max(float((a.float() - b.float()).abs().max())
-               for a, b in zip(logits, ref_logits, strict=True)) < 0.02 * scale
+               for a, b in zip(logits, ref_logits, strict=True)
+               ) < (0.02 if want == "native" else 0.05) * scale
     if kept.native_stack is None:
         assert want == "aten" and "quantized kernel" in kept.native_stack_declined
         return
