@@ -144,8 +144,10 @@ class EngineConfig:
         if isinstance(self.kv_transfer_config, (str, dict)):
             self.kv_transfer_config = KVTierConfig.from_json(self.kv_transfer_config)
         if self.kv_transfer_config is not None:
-            if not self.kv_transfer_config.fs_tiers:
-                raise ValueError(NO_TIER)
+            cfg = self.kv_transfer_config
+            host = cfg.cpu_bytes_to_use and (self.device != "cpu" or cfg.host_on_cpu)
+            if not cfg.fs_tiers and not host:
+                raise ValueError(NO_TIER)  # a host tier needs a GPU (checked again at start)
             if self.tensor_parallel_size > 1:
                 raise ValueError("kv_transfer_config (a second KV tier) needs "
                                  "tensor_parallel_size 1")

@@ -9,9 +9,11 @@ Two forms are accepted, both with ``"kv_connector": "OffloadingConnector"``:
   cascade between disks is refused, `MANY_TIERS` says why);
 - vLLM's simpler one, with only ``cpu_bytes_to_use`` (or the older ``num_cpu_blocks``).
 
-Where the tiers go is decided at start-up, when the device is known (`tier_plan`): on a CPU
-server the pool already lives in host memory, so a host tier adds nothing and the first ``fs``
-tier is the second tier; a config that leaves no second tier is an error. Other connectors
+Where the tiers go is decided at start-up, when the device is known (`tier_plan`): on a GPU
+``cpu_bytes_to_use`` makes a host-memory tier (engine/core/kv_tier_host.py) with the ``fs`` tier,
+if any, below it; on a CPU server the pool already lives in host memory, so a host tier adds
+nothing and the first ``fs`` tier is the second tier; a config that leaves no second tier is an
+error. Other connectors
 (LMCache, NIXL, P/D disaggregation) are refused by name.
 """
 
@@ -32,8 +34,8 @@ ROLES = ("kv_both",)
 
 
 NO_TIER = ("kv_transfer_config leaves no second KV tier: on a CPU server the KV pool already "
-           "lives in host memory, so cpu_bytes_to_use adds none (and this engine builds no "
-           "host-memory tier on a GPU yet); add secondary_tiers "
+           "lives in host memory, so cpu_bytes_to_use adds none (on a GPU it makes a "
+           "host-memory tier); add secondary_tiers "
            '[{"type": "fs", "root_dir": "/mnt/kv-cache-0"}] (spec.kvCacheOffloading\'s '
            "file-system tiers)")
 
@@ -56,6 +58,8 @@ class KVTierConfig:
     cpu_bytes_to_use: int | None = None
     eviction_policy: str = "lru"
     fs_tiers: tuple[FsTier, ...] = field(default_factory=tuple)
+    # Internal (tests): build the host-memory tier on a CPU server too, to test its logic.
+    host_on_cpu: bool = False
 
     @classmethod
     def from_json(cls, text: str | dict[str, Any]) -> KVTierConfig:
@@ -112,17 +116,24 @@ def _fs_tier(entry: Any) -> FsTier:
     return FsTier(root, cap)
 
 
-def tier_plan(config: KVTierConfig, device_type: str) -> FsTier:
-    """The tier this engine builds under its pool on this device, or a ValueError saying why
-    the config leaves none."""
-    if config.cpu_bytes_to_use:
-        if device_type == "cpu":
-            logger.info("kv_transfer_config: cpu_bytes_to_use adds nothing on a CPU server "
-                        "(the KV pool already lives in host memory); the fs tier is the "
-                        "second tier")
-        else:
-            logger.warning("kv_transfer_config: a host-memory tier is not built yet; "
-                           "cpu_bytes_to_use is ignored, the fs tier is the second tier")
-    if not config.fs_tiers:
+@dataclass(frozen=True, slots=True)
+class TierPlan:
+    """What goes under the pool: host memory (bytes, or None) above an fs tier (or None)."""
+
+    host_bytes: int | None
+    fs: FsTier | None
+
+
+def tier_plan(config: KVTierConfig, device_type: str) -> TierPlan:
+    """The tiers this engine builds under its pool on this device, or a ValueError saying
+    why the config leaves none."""
+    host = config.cpu_bytes_to_use or None
+    if host and device_type == "cpu" and not config.host_on_cpu:
+        logger.info("kv_transfer_config: cpu_bytes_to_use adds nothing on a CPU server "
+                    "(the KV pool already lives in host memory); the fs tier is the "
+                    "second tier")
+        host = None
+    fs = config.fs_tiers[0] if config.fs_tiers else None
+    if host is None and fs is None:
         raise ValueError(NO_TIER)
-    return config.fs_tiers[0]
+    return TierPlan(host, fs)
