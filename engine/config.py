@@ -145,12 +145,20 @@ class EngineConfig:
             self.kv_transfer_config = KVTierConfig.from_json(self.kv_transfer_config)
         if self.kv_transfer_config is not None:
             cfg = self.kv_transfer_config
-            host = cfg.cpu_bytes_to_use and (self.device != "cpu" or cfg.host_on_cpu)
-            if not cfg.fs_tiers and not host:
-                raise ValueError(NO_TIER)  # a host tier needs a GPU (checked again at start)
+            if not cfg.fs_tiers and not (cfg.cpu_bytes_to_use and (self._on_gpu()
+                                                                    or cfg.host_on_cpu)):
+                raise ValueError(NO_TIER)  # a host tier needs a GPU
             if self.tensor_parallel_size > 1:
                 raise ValueError("kv_transfer_config (a second KV tier) needs "
                                  "tensor_parallel_size 1")
+
+    def _on_gpu(self) -> bool:
+        """Whether the engine will run on CUDA (`device` auto: whether CUDA is there)."""
+        if self.device == "auto":
+            import torch
+
+            return torch.cuda.is_available()
+        return self.device.startswith("cuda")
 
     def _check_shardable(self) -> None:
         """What tensor parallelism does not shard: a draft model, LoRA adapters, quantized
