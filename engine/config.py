@@ -145,7 +145,7 @@ class EngineConfig:
             self.kv_transfer_config = KVTierConfig.from_json(self.kv_transfer_config)
         if self.kv_transfer_config is not None:
             cfg = self.kv_transfer_config
-            if not cfg.fs_tiers and not (cfg.cpu_bytes_to_use and (self._on_gpu()
+            if not cfg.fs_tiers and not (cfg.host_bytes(1) and (self._on_gpu()
                                                                     or cfg.host_on_cpu)):
                 raise ValueError(NO_TIER)  # a host tier needs a GPU
             if self.tensor_parallel_size > 1:

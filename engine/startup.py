@@ -218,12 +218,12 @@ def kv_tier(config: EngineConfig, kv: KVCacheManager, model_path: str, dtype: to
     cfg = config.kv_transfer_config
     if not isinstance(cfg, KVTierConfig):
         return None
-    plan = tier_plan(cfg, device.type)
     bs = config.block_size
     kv_dtype = kv_formats.canonical(config.kv_cache_dtype)  # a quantized cache: its scales too
     block_bytes = kv_bytes_per_block(layout.group_size, model.num_kv_heads, model.head_dim, bs,
                                      kv_formats.element_bytes(kv_dtype, dtype.itemsize),
                                      kv_formats.scale_bytes(kv_dtype))
+    plan = tier_plan(cfg, device.type, block_bytes)
     tier: KVTier | HostTier | None = None
     if plan.fs is not None:
         hasher = kv.hasher

@@ -111,5 +111,8 @@ def test_cpu_bytes_make_a_host_tier_on_a_gpu_only():
     with pytest.raises(ValueError, match="no second KV tier"):
         tier_plan(cfg, "cpu")
     assert NO_TIER.startswith("kv_transfer_config leaves no second KV tier")
+    older = KVTierConfig.from_json({"kv_connector": "OffloadingConnector",
+                                    "kv_connector_extra_config": {"num_cpu_blocks": 5}})
+    assert tier_plan(older, "cuda", block_bytes=64).host_bytes == 320
     both = KVTierConfig(1 << 30, fs_tiers=(FsTier("/x"),))
     assert tier_plan(both, "cpu").host_bytes is None and tier_plan(both, "cpu").fs is not None

@@ -60,6 +60,13 @@ class KVTierConfig:
     fs_tiers: tuple[FsTier, ...] = field(default_factory=tuple)
     # Internal (tests): build the host-memory tier on a CPU server too, to test its logic.
     host_on_cpu: bool = False
+    num_cpu_blocks: int | None = None  # vLLM's older form of the host tier's size
+
+    def host_bytes(self, block_bytes: int) -> int | None:
+        """The host tier's size: cpu_bytes_to_use, else num_cpu_blocks blocks (None: none)."""
+        if self.cpu_bytes_to_use:
+            return self.cpu_bytes_to_use
+        return self.num_cpu_blocks * block_bytes if self.num_cpu_blocks else None
 
     @classmethod
     def from_json(cls, text: str | dict[str, Any]) -> KVTierConfig:
@@ -89,17 +96,18 @@ class KVTierConfig:
         if policy not in EVICTION_POLICIES:
             raise ValueError(f"kv_transfer_config: eviction_policy must be one of "
                              f"{EVICTION_POLICIES} (got {policy!r})")
-        cpu = extra.get("cpu_bytes_to_use")
-        if cpu is not None and (not isinstance(cpu, int) or isinstance(cpu, bool) or cpu < 0):
-            raise ValueError("kv_transfer_config: cpu_bytes_to_use must be a number of bytes "
-                             f"(got {cpu!r})")
+        cpu, blocks = extra.get("cpu_bytes_to_use"), extra.get("num_cpu_blocks")
+        for name, n in (("cpu_bytes_to_use", cpu), ("num_cpu_blocks", blocks)):
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+                raise ValueError(f"kv_transfer_config: {name} must be a non-negative integer "
+                                 f"(got {n!r})")
         tiers = extra.get("secondary_tiers") or []
         if not isinstance(tiers, list):
             raise ValueError("kv_transfer_config: secondary_tiers must be a list")
         fs = tuple(_fs_tier(t) for t in tiers)
         if len(fs) > 1:
             raise ValueError(MANY_TIERS.format(len(fs)))
-        return cls(cpu, policy, fs)
+        return cls(cpu, policy, fs, num_cpu_blocks=blocks)
 
 
 def _fs_tier(entry: Any) -> FsTier:
@@ -124,12 +132,12 @@ class TierPlan:
     fs: FsTier | None
 
 
-def tier_plan(config: KVTierConfig, device_type: str) -> TierPlan:
+def tier_plan(config: KVTierConfig, device_type: str, block_bytes: int = 1) -> TierPlan:
     """The tiers this engine builds under its pool on this device, or a ValueError saying
     why the config leaves none."""
-    host = config.cpu_bytes_to_use or None
+    host = config.host_bytes(block_bytes)
     if host and device_type == "cpu" and not config.host_on_cpu:
-        logger.info("kv_transfer_config: cpu_bytes_to_use adds nothing on a CPU server "
+        logger.info("kv_transfer_config: a host tier adds nothing on a CPU server "
                     "(the KV pool already lives in host memory); the fs tier is the "
                     "second tier")
         host = None
