@@ -25,7 +25,7 @@ from engine.core.kv_tier_policy import make_policy
 from engine.core.measured_rate import MeasuredRate
 
 HOST_MEDIUM = "CPU"  # vLLM's medium name for blocks in host memory
-DEFAULT_COPY_BPS = 10e9  # a host<->device block copy's rate until one is measured
+DEFAULT_COPY_BPS = 10e9  # a host<->device copy's rate (PCIe class), fixed: the copies overlap
 
 
 class HostCopier(Protocol):
