@@ -11,12 +11,14 @@ the float32 answers equal the computed ones whatever the ISA.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from engine.core.kv_events import BlockStored
 from engine.core.kv_tier import KVTier
 from engine.core.kv_tier_config import NO_TIER, FsTier, KVTierConfig, tier_plan
 from engine.core.kv_tier_host import HOST_MEDIUM, HostSlot, HostTier
+from engine.worker.kv_host_copy import SyncCopier, runs
 from tests.test_kv_swap import Fixed
 from tests.test_kv_tier import PROMPT, dirs, engine, flood, run  # noqa: F401 - dirs: a fixture
 
@@ -103,6 +105,18 @@ def test_slots_stay_bounded_and_spill_in_policy_order(tmp_path, policy):
     assert b"p" * 32 not in tier and not tier.fetch(b"p" * 32) and not tier.private
     no_leak(tier)
     tier.close()
+
+
+def test_copies_go_by_stretches_of_slots_and_land_in_place():
+    """The CUDA copier's batching (one copy per run of consecutive slots), and the CPU
+    copier's copies, which take the same rows and slots."""
+    assert runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
+    assert runs([]) == []
+    host = torch.zeros(8, 4, dtype=torch.uint8)
+    rows = torch.arange(12, dtype=torch.uint8).reshape(3, 4)
+    SyncCopier().save(rows, host, [6, 1, 2])
+    assert torch.equal(host[[6, 1, 2]], rows) and not host[0].any()
+    assert torch.equal(SyncCopier().load(host, [2, 6], torch.device("cpu")), rows[[2, 0]])
 
 
 def test_cpu_bytes_make_a_host_tier_on_a_gpu_only():

@@ -64,7 +64,7 @@ class HostTier:
         self.lower = lower
         self.index = make_policy(policy, self.capacity_blocks)
         self.slots: dict[bytes, int] = {}
-        self.free = list(range(self.capacity_blocks - 1, -1, -1))
+        self.free = list(range(self.capacity_blocks - 1, -1, -1))  # popped lowest first
         self.events: list[KVCacheEvent] = []
         self.stats = TierStats()
         self.private: set[bytes] = set()  # swapped partial blocks: never announced

@@ -17,6 +17,19 @@ from collections.abc import Sequence
 import torch
 
 
+def runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first row, first slot, length) of each stretch where rows and slots both go up by
+    one: one copy per stretch instead of one per block (slots are handed out in order)."""
+    out: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if out and out[-1][1] + out[-1][2] == slot:
+            first, start, n = out[-1]
+            out[-1] = (first, start, n + 1)
+        else:
+            out.append((i, slot, 1))
+    return out
+
+
 class SyncCopier:
     """CPU: a copy is done when the call returns."""
 
@@ -42,8 +55,8 @@ class StreamCopier:
         gathered = torch.cuda.current_stream(rows.device).record_event()
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(gathered)
-            for i, slot in enumerate(slots):
-                host[slot].copy_(rows[i], non_blocking=True)
+            for i, slot, n in runs(slots):
+                host[slot:slot + n].copy_(rows[i:i + n], non_blocking=True)
             rows.record_stream(self.stream)  # freed by the caller, reused only after the copy
             self.done = self.stream.record_event()
 
@@ -53,8 +66,8 @@ class StreamCopier:
         allocated = torch.cuda.current_stream(device).record_event()  # out's memory is free
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(allocated)
-            for i, slot in enumerate(slots):
-                out[i].copy_(host[slot], non_blocking=True)
+            for i, slot, n in runs(slots):
+                out[i:i + n].copy_(host[slot:slot + n], non_blocking=True)
             loaded = self.stream.record_event()
         torch.cuda.current_stream(device).wait_event(loaded)
         return out
