@@ -19,8 +19,9 @@ is warm for the next. Stages today:
 
 - `engine-equality`, `engine-equality-bf16`: bench/engine_equality.py: tiny Llama, Qwen3,
   Gemma 3 and Mixtral served by the engine on the Triton backend through chunked prefill,
-  preemption, prefix hits, n=2 forks, beam search, n-gram speculation and a LoRA batch
-  (with peft), greedy equal to transformers in fp32; bf16 held to the script's stated bound.
+  preemption, prefix hits, n=2 forks, beam search, n-gram speculation, a LoRA batch (with
+  peft) and the host-memory KV tier (pinned slots, copies on a side stream: hits and swaps),
+  greedy equal to transformers in fp32; bf16 held to the script's stated bound.
 - `host-syncs`: bench/host_syncs.py: one host read per engine step (the sampled ids).
 - `big-kv`: bench/big_kv_check.py: attention and the KV store over a cache of more than 2^31
   elements (mixed decode, chunked prefill, a shared prefix, padded rows; splits 1, 4, 32).
@@ -135,8 +136,10 @@ def _equality_cmd(dtype: str) -> Callable[[argparse.Namespace], list[str]]:
     def cmd(args: argparse.Namespace) -> list[str]:
         base = [sys.executable, "bench/engine_equality.py", "--json", "--dtype", dtype]
         # The dry run checks the stage's plumbing; the scenarios themselves are
-        # tests/test_triton_engine.py's. `graphs` is the cheapest interpreted (short prompts).
-        return base + (["--models", "llama", "--scenarios", "graphs"] if args.dry_run else [])
+        # tests/test_triton_engine.py's. `graphs` is the cheapest interpreted (short prompts);
+        # `host-tier` (the host KV tier's logic, synchronous copies on CPU) is about 10 s.
+        return base + (["--models", "llama", "--scenarios", "graphs,host-tier"] if args.dry_run
+                       else [])
     return cmd
 
 

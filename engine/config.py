@@ -144,11 +144,21 @@ class EngineConfig:
         if isinstance(self.kv_transfer_config, (str, dict)):
             self.kv_transfer_config = KVTierConfig.from_json(self.kv_transfer_config)
         if self.kv_transfer_config is not None:
-            if not self.kv_transfer_config.fs_tiers:
-                raise ValueError(NO_TIER)
+            cfg = self.kv_transfer_config
+            if not cfg.fs_tiers and not (cfg.host_bytes(1) and (self._on_gpu()
+                                                                    or cfg.host_on_cpu)):
+                raise ValueError(NO_TIER)  # a host tier needs a GPU
             if self.tensor_parallel_size > 1:
                 raise ValueError("kv_transfer_config (a second KV tier) needs "
                                  "tensor_parallel_size 1")
+
+    def _on_gpu(self) -> bool:
+        """Whether the engine will run on CUDA (`device` auto: whether CUDA is there)."""
+        if self.device == "auto":
+            import torch
+
+            return torch.cuda.is_available()
+        return self.device.startswith("cuda")
 
     def _check_shardable(self) -> None:
         """What tensor parallelism does not shard: a draft model, LoRA adapters, quantized

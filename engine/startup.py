@@ -19,7 +19,9 @@ from engine.core.kv_groups import KVLayout
 from engine.core.kv_sizing import KVCacheSize, kv_bytes_per_block, size_kv_cache
 from engine.core.kv_tier import KVTier, tier_folder
 from engine.core.kv_tier_config import KVTierConfig, tier_plan
+from engine.core.kv_tier_host import HostTier
 from engine.model_executor.model_facts import ModelFacts
+from engine.worker.kv_host_copy import make_copier
 from kernels import kv_formats
 
 logger = logging.getLogger("engine")
@@ -235,27 +237,37 @@ def log_dtype(requested: str, dtype: torch.dtype, device: torch.device) -> None:
 
 
 def kv_tier(config: EngineConfig, kv: KVCacheManager, model_path: str, dtype: torch.dtype,
-            device: torch.device, layout: KVLayout, model: Any) -> KVTier | None:
-    """The second KV tier --kv_transfer_config asks for, attached to the cache manager, in a
-    folder named by everything the bytes depend on besides the block hash (model, dtype, KV
-    cache dtype, layout, block size, hash algorithm and seed), so another model's blocks never match."""
+            device: torch.device, layout: KVLayout, model: Any) -> KVTier | HostTier | None:
+    """The second KV tier --kv_transfer_config asks for, attached to the cache manager: host
+    memory (on a GPU) above a disk folder named by everything the bytes depend on besides the
+    block hash (model, dtype, KV cache dtype, layout, block size, hash algorithm and seed), so
+    another model's blocks never match; either one alone."""
     cfg = config.kv_transfer_config
     if not isinstance(cfg, KVTierConfig):
         return None
-    fs = tier_plan(cfg, device.type)
     bs = config.block_size
     kv_dtype = kv_formats.canonical(config.kv_cache_dtype)  # a quantized cache: its scales too
     block_bytes = kv_bytes_per_block(layout.group_size, model.num_kv_heads, model.head_dim, bs,
                                      kv_formats.element_bytes(kv_dtype, dtype.itemsize),
                                      kv_formats.scale_bytes(kv_dtype))
-    hasher = kv.hasher
-    identity = "|".join(map(str, (os.path.realpath(model_path), dtype, kv_dtype,
-                                  layout.group_size,
-                                  model.num_kv_heads, model.head_dim, bs, hasher.algo,
-                                  hasher.root.hex())))
-    tier = KVTier(tier_folder(fs.root_dir, identity), block_bytes, fs.capacity_bytes, bs,
-                  keep_files=hasher.seed is not None, policy=cfg.eviction_policy)
+    plan = tier_plan(cfg, device.type, block_bytes)
+    tier: KVTier | HostTier | None = None
+    if plan.fs is not None:
+        hasher = kv.hasher
+        identity = "|".join(map(str, (os.path.realpath(model_path), dtype, kv_dtype,
+                                      layout.group_size, model.num_kv_heads, model.head_dim,
+                                      bs, hasher.algo, hasher.root.hex())))
+        tier = KVTier(tier_folder(plan.fs.root_dir, identity), block_bytes,
+                      plan.fs.capacity_bytes, bs, keep_files=hasher.seed is not None,
+                      policy=cfg.eviction_policy)
+        logger.info("KV tier: %s, %d blocks of %.2f MiB (%d already there)", tier.folder,
+                    tier.capacity_blocks, block_bytes / 2**20, tier.num_blocks)
+    if plan.host_bytes is not None:
+        tier = HostTier(block_bytes, plan.host_bytes, bs, cfg.eviction_policy, tier,
+                        pin=device.type == "cuda")
+        tier.copier = make_copier(device)
+        logger.info("KV tier: host memory, %d blocks of %.2f MiB%s", tier.capacity_blocks,
+                    block_bytes / 2**20, " (pinned)" if tier.host.is_pinned() else "")
+    assert tier is not None
     kv.attach_tier(tier)
-    logger.info("KV tier: %s, %d blocks of %.2f MiB (%d already there)", tier.folder,
-                tier.capacity_blocks, block_bytes / 2**20, tier.num_blocks)
     return tier

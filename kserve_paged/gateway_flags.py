@@ -31,8 +31,9 @@ def add_gateway_flags(parser: argparse.ArgumentParser, d: dict[str, Any]) -> Non
                         metavar="JSON",
                         help="vLLM's KV offloading config (OffloadingConnector, as KServe "
                              "renders spec.kvCacheOffloading): evicted prefix blocks go to "
-                             "the first fs secondary tier and come back on prefix hits. On "
-                             "CPU cpu_bytes_to_use adds nothing; a config without an fs tier "
+                             "host memory on a GPU (cpu_bytes_to_use) and to the first fs "
+                             "secondary tier, and come back on prefix hits. On CPU "
+                             "cpu_bytes_to_use adds nothing; a CPU config without an fs tier "
                              "is refused.")
     served = parser.add_argument_group("served names, security, tracing")
     served.add_argument("--served_model_name", nargs="+", default=None, metavar="NAME",

@@ -39,6 +39,12 @@ TIER_GAUGE_STATS = {"kv_tier_usage": "kv_tier_usage"}
 SWAP_COUNTER_STATS = {"kv_swap_outs": "num_swap_outs", "kv_swap_ins": "num_swap_ins"}
 SWAP_GAUGE_STATS = {"num_requests_swapped": "num_requests_swapped"}
 TIER = "1:fs"
+# The host-memory tier on a GPU (engine/core/kv_tier_host.py): the same families, label "0:CPU"
+# (ours: the level above the first fs tier), no corrupt reads (nothing there is read from disk).
+HOST_TIER = "0:CPU"
+HOST_COUNTER_STATS = {f"kv_host_tier_{k}": f"kv_tier_{k}" for k in (
+    "block_queries", "block_hits", "read_bytes", "write_bytes", "read_time", "write_time")}
+HOST_GAUGE_STATS = {"kv_host_tier_usage": "kv_tier_usage"}
 # Engine stats key of the kept drafts by position (a list, one counter series per position).
 PER_POS_STAT = "spec_decode_num_accepted_tokens_per_pos"
 
@@ -87,7 +93,9 @@ class EngineMetrics:
         ``counters=False`` (gauges only)."""
         with self._lock:
             if "kv_tier_usage" in stats and "kv_tier_usage" not in self._gauges:
-                self._add_tier_series()  # only while a second tier is on, as vLLM's
+                self._add_tier_series(TIER, TIER_COUNTER_STATS, TIER_GAUGE_STATS)
+            if "kv_host_tier_usage" in stats and "kv_host_tier_usage" not in self._gauges:
+                self._add_tier_series(HOST_TIER, HOST_COUNTER_STATS, HOST_GAUGE_STATS)
             for key, child in self._gauges.items():
                 if stats.get(key) is not None:
                     child.set(float(stats[key]))
@@ -111,11 +119,12 @@ class EngineMetrics:
                         self.model_name, str(pos)).inc(increase)
                 self._last[key] = float(value)
 
-    def _add_tier_series(self) -> None:
+    def _add_tier_series(self, tier: str, counters: Mapping[str, str],
+                         gauges: Mapping[str, str]) -> None:
+        """A tier's series, only while it is on (as vLLM's); the swap series with the first."""
         f, name = self._f, self.model_name
-        self._gauges |= {k: getattr(f, a).labels(name, TIER) for k, a in TIER_GAUGE_STATS.items()}
-        self._counters |= {k: getattr(f, a).labels(name, TIER)
-                           for k, a in TIER_COUNTER_STATS.items()}
+        self._gauges |= {k: getattr(f, a).labels(name, tier) for k, a in gauges.items()}
+        self._counters |= {k: getattr(f, a).labels(name, tier) for k, a in counters.items()}
         self._gauges |= {k: getattr(f, a).labels(name) for k, a in SWAP_GAUGE_STATS.items()}
         self._counters |= {k: getattr(f, a).labels(name) for k, a in SWAP_COUNTER_STATS.items()}
 

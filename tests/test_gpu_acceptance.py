@@ -58,6 +58,7 @@ def test_dry_run_passes_every_stage_without_the_missing_packages(
     assert "passed" in results["kernel-tests"]["output_tail"]
     assert results["launch-count"]["data"]["llama"]["layer"]["total"] <= 12
     assert results["engine-equality"]["data"]["results"]["llama/graphs"]["ok"]
+    assert results["engine-equality"]["data"]["results"]["llama/host-tier"]["ok"]
     assert results["engine-equality-bf16"]["data"]["results"]["llama/graphs"]["ok"]
     assert results["host-syncs"]["data"]["decode"]["total"] == 1
     assert results["big-kv"]["data"]["splits"]["32"]["padded_zero"]

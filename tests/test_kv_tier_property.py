@@ -14,10 +14,13 @@ import struct
 import tempfile
 from pathlib import Path
 
+import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.core.kv_tier import KVTier
+from engine.core.kv_tier_host import HostSlot, HostTier
 from engine.core.measured_rate import MeasuredRate
 from tests.helpers.core import make_scheduler
 from tests.test_engine_core_property import (
@@ -33,7 +36,7 @@ from tests.test_engine_core_property import (
 
 SLOT = struct.Struct("<qq")  # a simulated slot: (token, position); (-1, -1) when empty
 EXAMPLES = 25
-TOTALS = {"hits": 0, "stored": 0, "swap_ins": 0, "recomputes": 0}
+TOTALS = {"hits": 0, "stored": 0, "swap_ins": 0, "recomputes": 0, "host_hits": 0}
 
 
 def block_payload(kv_store: dict[int, tuple[int, int]], block_id: int) -> bytes:
@@ -41,14 +44,19 @@ def block_payload(kv_store: dict[int, tuple[int, int]], block_id: int) -> bytes:
                     for off in range(BS))
 
 
-def apply_moves(sched, tier: KVTier, kv_store: dict[int, tuple[int, int]]) -> None:
-    """What the model runner does before the forward (engine/worker/kv_tier_copy.py)."""
+def apply_moves(sched, tier: KVTier | HostTier, kv_store: dict[int, tuple[int, int]]) -> None:
+    """What the model runner does before the forward (engine/worker/kv_tier_copy.py): for
+    the host tier, the saves' bytes taken first, then the loads, then the saves placed."""
     moves = sched._pending_moves
     if moves is None:
         return
-    tier.store([k for _, k in moves.saves],
-               [block_payload(kv_store, b) for b, _ in moves.saves])
+    keys = [k for _, k in moves.saves]
+    rows = [block_payload(kv_store, b) for b, _ in moves.saves]
+    if isinstance(tier, KVTier):
+        tier.store(keys, rows)
     for block_id, payload in moves.loads:
+        if isinstance(payload, HostSlot):
+            payload = tier.host[payload.slot].numpy().tobytes()
         for off in range(BS):
             token, pos = SLOT.unpack_from(payload, off * SLOT.size)
             slot = block_id * BS + off
@@ -56,13 +64,18 @@ def apply_moves(sched, tier: KVTier, kv_store: dict[int, tuple[int, int]]) -> No
                 kv_store.pop(slot, None)
             else:
                 kv_store[slot] = (token, pos)
+    if isinstance(tier, HostTier):
+        placed, direct = tier.place(keys)
+        tier.spill_rows([keys[i] for i in direct], [rows[i] for i in direct])
+        for i, slot in placed:
+            tier.host[slot] = torch.frombuffer(bytearray(rows[i]), dtype=torch.uint8)
 
 
 class TierScheduler:
     """The scheduler, with its step's tier moves applied to the simulated store before the
     step's writes (run_step reads `schedule()`'s output)."""
 
-    def __init__(self, sched, tier: KVTier, kv_store: dict[int, tuple[int, int]]) -> None:
+    def __init__(self, sched, tier: KVTier | HostTier, kv_store: dict[int, tuple[int, int]]) -> None:
         self._sched, self._tier, self._store = sched, tier, kv_store
         self._pending_moves = None
 
@@ -76,14 +89,20 @@ class TierScheduler:
         return getattr(self._sched, name)
 
 
+@pytest.mark.parametrize("host_blocks", [0, 8])
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(op_strategy, min_size=OPS_PER_EXAMPLE, max_size=OPS_PER_EXAMPLE),
        st.sampled_from(["fcfs", "priority"]), st.integers(2, 30), st.sampled_from([1.0, 1e12]))
-def test_random_operations_with_tier_moves_keep_pool_and_reads_right(ops, policy, tier_blocks,
-                                                                     prefill_rate):
+def test_random_operations_with_tier_moves_keep_pool_and_reads_right(host_blocks, ops, policy,
+                                                                     tier_blocks, prefill_rate):
+    """`host_blocks`: a host-memory tier of that many blocks above the disk (0: none; 8, half
+    the pool, spills to the disk and hits in both)."""
     with tempfile.TemporaryDirectory() as root:
-        tier = KVTier(Path(root), BS * SLOT.size, tier_blocks * BS * SLOT.size, BS)
+        tier = disk = KVTier(Path(root), BS * SLOT.size, tier_blocks * BS * SLOT.size, BS)
+        if host_blocks:
+            tier = HostTier(BS * SLOT.size, host_blocks * BS * SLOT.size, BS, lower=disk,
+                            pin=False)
         sched = make_scheduler(num_blocks=16, block_size=BS, budget=BUDGET,
                                max_num_seqs=MAX_SEQS, policy=policy)
         sched.kv.attach_tier(tier)
@@ -106,18 +125,22 @@ def test_random_operations_with_tier_moves_keep_pool_and_reads_right(ops, policy
         assert sched.kv.num_free_blocks == sched.kv.num_blocks
         assert all(b.ref_cnt == 0 for b in sched.kv.pool.blocks)
         assert tier.stats.hits <= tier.stats.queries
-        assert not swaps.swapped and not tier.private  # no swap record outlives its request
+        assert not swaps.swapped and not tier.private and not disk.private  # none outlives
         TOTALS["swap_ins"] += swaps.stats.ins
         TOTALS["recomputes"] += swaps.stats.recomputes
         TOTALS["hits"] += tier.stats.hits
         TOTALS["stored"] += tier.stats.bytes_written
+        if isinstance(tier, HostTier):
+            assert len(tier.slots) + len(tier.free) == tier.capacity_blocks  # no slot leaks
+            TOTALS["host_hits"] += tier.stats.hits
         tier.close()
 
 
 def test_the_random_runs_moved_blocks_both_ways() -> None:
     """The property above is only worth something if its runs hit the tier and swap requests
     in and out (run after it in this file's order; alone it runs the property first)."""
-    if not TOTALS["hits"]:
-        test_random_operations_with_tier_moves_keep_pool_and_reads_right()
+    if not TOTALS["host_hits"]:
+        for host_blocks in (0, 8):
+            test_random_operations_with_tier_moves_keep_pool_and_reads_right(host_blocks)
     assert TOTALS["hits"] > 0 and TOTALS["stored"] > 0
-    assert TOTALS["swap_ins"] > 0 and TOTALS["recomputes"] > 0
+    assert TOTALS["swap_ins"] > 0 and TOTALS["recomputes"] > 0 and TOTALS["host_hits"] > 0

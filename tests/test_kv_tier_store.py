@@ -101,7 +101,8 @@ def test_the_config_without_a_disk_tier_leaves_none():
         tier_plan(cfg, "cpu")
     with pytest.raises(ValueError, match="no second KV tier"):
         from engine.config import EngineConfig
-        EngineConfig(kv_transfer_config=cfg)
+        EngineConfig(kv_transfer_config=cfg, device="cpu")
+    assert EngineConfig(kv_transfer_config=cfg, device="cuda").kv_transfer_config == cfg
 
 
 @pytest.mark.parametrize("name", ["lru", "arc"])

@@ -190,3 +190,8 @@ def test_the_kv_tier_series_appear_with_a_tier_under_vllm_offloading_names():
     assert _value(registry, "vllm:num_requests_swapped") == 1
     assert {n for n in mf.metric_names() if n.startswith("vllm:kv_offload")} == (
         mf.VLLM_OFFLOAD_TIERING)
+    host = {"kv_host_tier_block_hits": 7, "kv_host_tier_usage": 0.5}  # on a GPU
+    metrics.update(stats | {"kv_tier_block_hits": 11} | host)  # a host tier above the disk
+    assert _value(registry, "vllm:kv_offload_tiering_block_hits_total", tier="0:CPU") == 7
+    assert _value(registry, "vllm:kv_offload_tiering_block_hits_total", tier="1:fs") == 11
+    assert _value(registry, "kserve_paged:kv_offload_tier_usage_perc", tier="0:CPU") == 0.5

@@ -20,6 +20,7 @@ from engine.core.block_hash import BlockHasher
 from engine.core.block_pool import BlockPool, KVBlock
 from engine.core.kv_events import BlockStored
 from engine.core.kv_tier import KVTier
+from engine.core.kv_tier_host import HostTier
 from engine.core.kv_tier_link import TierLink, TierMoves
 from engine.core.prefix_hits import (
     NO_HIT,
@@ -62,7 +63,7 @@ class KVCacheManager:
         self.num_cow_copies = 0
         self.tier: TierLink | None = None  # the second KV tier, when one is attached
 
-    def attach_tier(self, tier: KVTier) -> None:
+    def attach_tier(self, tier: KVTier | HostTier) -> None:
         """Keep evicted prefix blocks in `tier` and take them back on lookups."""
         self.tier = TierLink(tier, self.pool, self.block_size, self.windows)
 

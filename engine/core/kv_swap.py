@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from engine.core.block_pool import KVBlock
 from engine.core.kv_tier import KVTier
+from engine.core.kv_tier_host import HostTier
 from engine.core.measured_rate import MeasuredRate
 from engine.core.prefix_hits import PrefixHit
 from engine.core.request import Request
@@ -70,7 +71,7 @@ class SwapStats:
 class Swapper:
     """The swap records of preempted requests and the cost model that makes them."""
 
-    def __init__(self, tier: KVTier, block_size: int) -> None:
+    def __init__(self, tier: KVTier | HostTier, block_size: int) -> None:
         self.tier = tier
         self.block_size = block_size
         self.prefill = MeasuredRate(DEFAULT_PREFILL_TPS)
@@ -83,10 +84,10 @@ class Swapper:
         """Swap if writing `blocks_out` and reading `blocks_in` back beats computing
         `tokens` again, at the rates measured so far."""
         tier = self.tier
-        swap_s = (tier.writer.write_rate.seconds_for(blocks_out * tier.block_bytes)
+        swap_s = (tier.write_rate.seconds_for(blocks_out * tier.block_bytes)
                   + tier.read_rate.seconds_for(blocks_in * tier.block_bytes))
         recompute_s = self.prefill.seconds_for(tokens)
-        failed = tier.writer.last_error
+        failed = tier.last_error
         if blocks_out > tier.capacity_blocks:
             swap, why = False, "recompute: the tier cannot hold the blocks"
         elif failed is not None and time.monotonic() - failed < ERROR_HOLD_S:
@@ -121,7 +122,7 @@ class Swapper:
         return saves
 
     def _log(self, request: Request, c: SwapChoice) -> None:
-        w, r = self.tier.writer.write_rate, self.tier.read_rate
+        w, r = self.tier.write_rate, self.tier.read_rate
         logger.info(
             "preempted %s with %d tokens computed: %s (swap %.2f ms: %d blocks out at %.0f MB/s"
             "%s, %d in at %.0f MB/s%s; recompute %.2f ms at %.0f tokens/s%s)",

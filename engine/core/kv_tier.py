@@ -18,6 +18,7 @@ import logging
 import shutil
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +111,20 @@ class KVTier:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.index
+
+    @property
+    def write_rate(self) -> MeasuredRate:
+        """The writer's per-file disk rate (what a swap-out would cost)."""
+        return self.writer.write_rate
+
+    @property
+    def last_error(self) -> float | None:
+        return self.writer.last_error
+
+    def count(self, queries: int, keys: Sequence[bytes]) -> None:
+        """An admitted request's lookup: blocks asked of the tier, and those it had."""
+        self.stats.queries += queries
+        self.stats.hits += len(keys)
 
     def store(self, keys: list[bytes], payloads: list[memoryview | bytes]) -> None:
         """Keep these evicted blocks (their bytes copied out of the pool already); a key kept

@@ -9,9 +9,11 @@ Two forms are accepted, both with ``"kv_connector": "OffloadingConnector"``:
   cascade between disks is refused, `MANY_TIERS` says why);
 - vLLM's simpler one, with only ``cpu_bytes_to_use`` (or the older ``num_cpu_blocks``).
 
-Where the tiers go is decided at start-up, when the device is known (`tier_plan`): on a CPU
-server the pool already lives in host memory, so a host tier adds nothing and the first ``fs``
-tier is the second tier; a config that leaves no second tier is an error. Other connectors
+Where the tiers go is decided at start-up, when the device is known (`tier_plan`): on a GPU
+``cpu_bytes_to_use`` makes a host-memory tier (engine/core/kv_tier_host.py) with the ``fs`` tier,
+if any, below it; on a CPU server the pool already lives in host memory, so a host tier adds
+nothing and the first ``fs`` tier is the second tier; a config that leaves no second tier is an
+error. Other connectors
 (LMCache, NIXL, P/D disaggregation) are refused by name.
 """
 
@@ -32,8 +34,8 @@ ROLES = ("kv_both",)
 
 
 NO_TIER = ("kv_transfer_config leaves no second KV tier: on a CPU server the KV pool already "
-           "lives in host memory, so cpu_bytes_to_use adds none (and this engine builds no "
-           "host-memory tier on a GPU yet); add secondary_tiers "
+           "lives in host memory, so cpu_bytes_to_use adds none (on a GPU it makes a "
+           "host-memory tier); add secondary_tiers "
            '[{"type": "fs", "root_dir": "/mnt/kv-cache-0"}] (spec.kvCacheOffloading\'s '
            "file-system tiers)")
 
@@ -56,6 +58,15 @@ class KVTierConfig:
     cpu_bytes_to_use: int | None = None
     eviction_policy: str = "lru"
     fs_tiers: tuple[FsTier, ...] = field(default_factory=tuple)
+    # Internal (tests): build the host-memory tier on a CPU server too, to test its logic.
+    host_on_cpu: bool = False
+    num_cpu_blocks: int | None = None  # vLLM's older form of the host tier's size
+
+    def host_bytes(self, block_bytes: int) -> int | None:
+        """The host tier's size: cpu_bytes_to_use, else num_cpu_blocks blocks (None: none)."""
+        if self.cpu_bytes_to_use:
+            return self.cpu_bytes_to_use
+        return self.num_cpu_blocks * block_bytes if self.num_cpu_blocks else None
 
     @classmethod
     def from_json(cls, text: str | dict[str, Any]) -> KVTierConfig:
@@ -85,17 +96,18 @@ class KVTierConfig:
         if policy not in EVICTION_POLICIES:
             raise ValueError(f"kv_transfer_config: eviction_policy must be one of "
                              f"{EVICTION_POLICIES} (got {policy!r})")
-        cpu = extra.get("cpu_bytes_to_use")
-        if cpu is not None and (not isinstance(cpu, int) or isinstance(cpu, bool) or cpu < 0):
-            raise ValueError("kv_transfer_config: cpu_bytes_to_use must be a number of bytes "
-                             f"(got {cpu!r})")
+        cpu, blocks = extra.get("cpu_bytes_to_use"), extra.get("num_cpu_blocks")
+        for name, n in (("cpu_bytes_to_use", cpu), ("num_cpu_blocks", blocks)):
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+                raise ValueError(f"kv_transfer_config: {name} must be a non-negative integer "
+                                 f"(got {n!r})")
         tiers = extra.get("secondary_tiers") or []
         if not isinstance(tiers, list):
             raise ValueError("kv_transfer_config: secondary_tiers must be a list")
         fs = tuple(_fs_tier(t) for t in tiers)
         if len(fs) > 1:
             raise ValueError(MANY_TIERS.format(len(fs)))
-        return cls(cpu, policy, fs)
+        return cls(cpu, policy, fs, num_cpu_blocks=blocks)
 
 
 def _fs_tier(entry: Any) -> FsTier:
@@ -112,17 +124,24 @@ def _fs_tier(entry: Any) -> FsTier:
     return FsTier(root, cap)
 
 
-def tier_plan(config: KVTierConfig, device_type: str) -> FsTier:
-    """The tier this engine builds under its pool on this device, or a ValueError saying why
-    the config leaves none."""
-    if config.cpu_bytes_to_use:
-        if device_type == "cpu":
-            logger.info("kv_transfer_config: cpu_bytes_to_use adds nothing on a CPU server "
-                        "(the KV pool already lives in host memory); the fs tier is the "
-                        "second tier")
-        else:
-            logger.warning("kv_transfer_config: a host-memory tier is not built yet; "
-                           "cpu_bytes_to_use is ignored, the fs tier is the second tier")
-    if not config.fs_tiers:
+@dataclass(frozen=True, slots=True)
+class TierPlan:
+    """What goes under the pool: host memory (bytes, or None) above an fs tier (or None)."""
+
+    host_bytes: int | None
+    fs: FsTier | None
+
+
+def tier_plan(config: KVTierConfig, device_type: str, block_bytes: int = 1) -> TierPlan:
+    """The tiers this engine builds under its pool on this device, or a ValueError saying
+    why the config leaves none."""
+    host = config.host_bytes(block_bytes)
+    if host and device_type == "cpu" and not config.host_on_cpu:
+        logger.info("kv_transfer_config: a host tier adds nothing on a CPU server "
+                    "(the KV pool already lives in host memory); the fs tier is the "
+                    "second tier")
+        host = None
+    fs = config.fs_tiers[0] if config.fs_tiers else None
+    if host is None and fs is None:
         raise ValueError(NO_TIER)
-    return config.fs_tiers[0]
+    return TierPlan(host, fs)

@@ -18,6 +18,7 @@ from engine.core.block_hash import BlockHasher
 from engine.core.block_pool import BlockPool, KVBlock
 from engine.core.kv_swap import Swapper
 from engine.core.kv_tier import KVTier
+from engine.core.kv_tier_host import HostSlot, HostTier
 from engine.core.prefix_hits import PrefixHit, extend_block_hashes
 from engine.core.request import Request
 
@@ -28,14 +29,14 @@ class TierMoves:
     tier blocks into freshly allocated pool blocks (block id, bytes)."""
 
     saves: list[tuple[int, bytes]] = field(default_factory=list)
-    loads: list[tuple[int, memoryview | bytes]] = field(default_factory=list)
+    loads: list[tuple[int, HostSlot | memoryview | bytes]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.saves or self.loads)
 
 
 class TierLink:
-    def __init__(self, tier: KVTier, pool: BlockPool, block_size: int,
+    def __init__(self, tier: KVTier | HostTier, pool: BlockPool, block_size: int,
                  windows: Sequence[int | None] = (None,)) -> None:
         if list(windows) != [None] or not pool.enable_caching:
             raise ValueError("the second KV tier needs prefix caching and a model whose "
@@ -88,8 +89,7 @@ class TierLink:
         swapped = self.swaps.admitted(request, hit)
         prefix = len(hit.restore) - (swapped > 0)
         pool_blocks = hit.num_tokens // self.block_size - prefix
-        self.tier.stats.queries += max(num_full - pool_blocks, 0)
-        self.tier.stats.hits += prefix
+        self.tier.count(max(num_full - pool_blocks, 0), hit.restore[:prefix])
         return swapped
 
     def take(self, keep_saves: bool = False) -> TierMoves:

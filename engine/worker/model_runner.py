@@ -13,6 +13,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_groups import KVLayout, kv_layout
 from engine.core.kv_sizing import kv_bytes_per_block
 from engine.core.kv_tier import KVTier
+from engine.core.kv_tier_host import HostTier
 from engine.core.request import Request
 from engine.core.scheduler_output import SchedulerOutput
 from engine.lora import LoRAManager
@@ -178,7 +179,7 @@ class ModelRunner:
         self.lora: LoRAManager | None = None  # set by the engine when LoRA is on
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None  # captured decode steps (capture_graphs)
-        self.tier: KVTier | None = None  # the second KV tier, set by the engine when on
+        self.tier: KVTier | HostTier | None = None  # the second KV tier, set by the engine when on
 
     def capture_graphs(self, max_num_seqs: int, capturer: Any) -> str | None:
         """Capture the decode graphs (engine/worker/cuda_graphs.py) over the sized cache;
