@@ -16,7 +16,8 @@ The modules, one job each:
 - `gemm_bf16`: the bf16 product over weights packed in bf16 pairs;
 - `decoder_stack`: `DecoderStack`;
 - `lora`: the LoRA delta of a step's adapters in one call per projection;
-- `quant_gemm`: int4/int8 weights packed once, multiplied with float32 activations.
+- `quant_gemm`: int4/int8 (and fp8 e4m3) weights packed once, multiplied with float32
+  activations.
 Callers use the names re-exported here (`from kernels import cpu_native`).
 
 "Cannot run here" is said one way. The library cannot run a call when it is not loaded (no
@@ -59,6 +60,7 @@ from kernels.cpu_native.ops import (
     usable,
 )
 from kernels.cpu_native.quant_gemm import (
+    pack_e4m3,
     pack_q4,
     pack_q8,
     q8_rows,
@@ -86,6 +88,7 @@ __all__ = [
     "pack_gate_up_weight",
     "pack_gemm_weight",
     "pack_gemm_weight_bf16",
+    "pack_e4m3",
     "pack_q4",
     "pack_q8",
     "paged_rows",

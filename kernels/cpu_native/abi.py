@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 
 ABI_VERSION = 9  # KP_ABI_VERSION in csrc/kp_native.h
+QUANT_E4M3 = 9  # KP_QUANT_E4M3 in csrc/kp_native.h: `bits` of an fp8 e4m3 weight
 LORA_MAX_RANK = 256  # KP_LORA_MAX_RANK in csrc/kp_native.h
 
 _i32, _i64, _int, _f32, _ptr = (ctypes.c_int32, ctypes.c_int64, ctypes.c_int, ctypes.c_float,

@@ -79,6 +79,7 @@ def test_versions_and_constants_agree() -> None:
     text = HEADER.read_text()
     assert int(re.search(r"#define KP_ABI_VERSION (\d+)", text).group(1)) == abi.ABI_VERSION
     assert int(re.search(r"#define KP_LORA_MAX_RANK (\d+)", text).group(1)) == abi.LORA_MAX_RANK
+    assert int(re.search(r"#define KP_QUANT_E4M3 (\d+)", text).group(1)) == abi.QUANT_E4M3
 
 
 def _header_macro(level: isa.IsaLevel, name: str) -> int:
