@@ -106,6 +106,10 @@ def test_checkpoint_on_cpu_keeps_one_byte_codes(
         assert isinstance(linear.quant, quant_linear.Fp8Weight) == (name != IGNORED), name
         torch.testing.assert_close(_served(linear), floats[name].weight, atol=1e-6, rtol=0)
     torch.testing.assert_close(_logits(served), _logits(reference), atol=1e-4, rtol=0)
+    assert served.native_stack is not None  # the one-call stack takes e4m3 projections ...
+    stacked = _logits(served)
+    served.use_native_stack = False  # ... bit for bit as the per-layer modules
+    assert torch.equal(stacked, _logits(served))
 
 
 def test_bf16_activations_get_the_dequantized_weights(
