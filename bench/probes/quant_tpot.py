@@ -1,7 +1,8 @@
 """One stream at a time, offline: TPOT (time per output token after the first) and resident
 weight bytes of the default model served from its GGUF, float32 and bfloat16 (dequantized)
 against `--quantization gguf` (Q4_1 kept as int4, the Q8_0 embedding and head as int8 g32, float32
-activations), in one run, alternating.
+activations), and the float folder with `--quantization fp8` (e4m3 at one byte on the native
+kernel) and `int8`, in one run, alternating.
 
     python bench/probes/quant_tpot.py [--prompt 256] [--output 128] [--rounds 3] [--threads N]
         [--configs float32 int4] [--llamacpp]
@@ -80,21 +81,24 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
     from engine import LLM
-    from engine.default_model import ensure_default_model, find_gguf
+    from engine.default_model import default_model_dir, ensure_default_model, find_gguf
 
     ensure_default_model()
     gguf = find_gguf()
     assert gguf is not None
     rng = random.Random(0)
     prompt = [rng.randrange(100, 40000) for _ in range(args.prompt)]
-    configs = {"float32 (dequantized)": ("float32", None),
-               "bfloat16 (dequantized)": ("bfloat16", None),
-               "int4 (--quantization gguf, float32 activations)": ("float32", "gguf")}
+    folder = default_model_dir()  # the same weights as a float safetensors folder
+    configs = {"float32 (dequantized)": (gguf, "float32", None),
+               "bfloat16 (dequantized)": (gguf, "bfloat16", None),
+               "int4 (--quantization gguf, float32 activations)": (gguf, "float32", "gguf"),
+               "fp8 (--quantization fp8, float32 activations)": (folder, "float32", "fp8"),
+               "int8 (--quantization int8, float32 activations)": (folder, "float32", "int8")}
     configs = {k: v for k, v in configs.items()
                if not args.configs or any(k.startswith(c) for c in args.configs)}
-    llms = {name: LLM(model=str(gguf), dtype=dtype, quantization=q, max_model_len=1024,
+    llms = {name: LLM(model=str(model), dtype=dtype, quantization=q, max_model_len=1024,
                       num_kv_blocks=128, enable_prefix_caching=False)
-            for name, (dtype, q) in configs.items()}
+            for name, (model, dtype, q) in configs.items()}
     tpot: dict[str, list[float]] = {name: [] for name in [*configs, "llama.cpp"]}
     with contextlib.ExitStack() as stack:
         peer = None
