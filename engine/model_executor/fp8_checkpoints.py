@@ -104,8 +104,8 @@ class Fp8Reader:
             yield f"{prefix}.weight", self.stored[prefix].dequant()
 
     def picker(self, dtype: torch.dtype, triton: bool | None = None) -> Picker:
-        """fp8 projections as `Fp8Weight`: the Triton GEMM's (CUDA), our native kernel's (CPU,
-    float32), else dequantized."""
+        """fp8 projections as `served` gives them: the Triton GEMM's `Fp8Weight` (CUDA), our
+        native kernel's (CPU, float32 activations), else dequantized."""
         floating = str(dtype).removeprefix("torch.")
         if self.static_inputs:
             logger.info("fp8 checkpoint: %d static input scales are not used; activations "
