@@ -66,6 +66,15 @@ def run_once(llm: object, prompt: list[int], output: int) -> float:
     return statistics.median(times[1:])
 
 
+def _configs(gguf: Path, folder: Path) -> dict[str, tuple[Path, str, str | None]]:
+    """name -> (model, dtype, quantization); `folder` holds the GGUF's weights as float."""
+    return {"float32 (dequantized)": (gguf, "float32", None),
+            "bfloat16 (dequantized)": (gguf, "bfloat16", None),
+            "int4 (--quantization gguf, float32 activations)": (gguf, "float32", "gguf"),
+            "fp8 (--quantization fp8, float32 activations)": (folder, "float32", "fp8"),
+            "int8 (--quantization int8, float32 activations)": (folder, "float32", "int8")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt", type=int, default=256)
@@ -88,13 +97,7 @@ def main() -> None:
     assert gguf is not None
     rng = random.Random(0)
     prompt = [rng.randrange(100, 40000) for _ in range(args.prompt)]
-    folder = default_model_dir()  # the same weights as a float safetensors folder
-    configs = {"float32 (dequantized)": (gguf, "float32", None),
-               "bfloat16 (dequantized)": (gguf, "bfloat16", None),
-               "int4 (--quantization gguf, float32 activations)": (gguf, "float32", "gguf"),
-               "fp8 (--quantization fp8, float32 activations)": (folder, "float32", "fp8"),
-               "int8 (--quantization int8, float32 activations)": (folder, "float32", "int8")}
-    configs = {k: v for k, v in configs.items()
+    configs = {k: v for k, v in _configs(gguf, default_model_dir()).items()
                if not args.configs or any(k.startswith(c) for c in args.configs)}
     llms = {name: LLM(model=str(model), dtype=dtype, quantization=q, max_model_len=1024,
                       num_kv_blocks=128, enable_prefix_caching=False)
