@@ -56,8 +56,7 @@ def candidates(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], objec
         return torch._int_mm(q, wt).float() * s * scale
 
     def onednn() -> torch.Tensor:
-        q, s = quantize_rows(x)
-        q = (q.to(torch.int16) + 128).to(torch.uint8)  # u8 x s8, the form VNNI multiplies
+        q, s = quantize_rows(x, shifted=True)  # u8 x s8, the form VNNI multiplies
         out = torch.ops.onednn.qlinear_pointwise.tensor(
             q, one, zero, qw, scale, zp, None, 1.0, 0, torch.float32, "none", [], "")
         return out * s
