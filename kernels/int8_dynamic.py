@@ -14,13 +14,16 @@ import torch
 QMAX = 127.0  # symmetric int8: codes in [-127, 127], as vLLM's dynamic per-token quantization
 
 
-def quantize_rows(x: torch.Tensor, per_token: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, per_token: bool = True, shifted: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 codes of a 2-D `x` and their float32 scale (`[rows, 1]` per token, `[1, 1]`
-    per tensor): `scale = max |x| / 127`, `q = round(x / scale)`; an all-zero row gets scale 1."""
+    per tensor): `scale = max |x| / 127`, `q = round(x / scale)`; an all-zero row gets scale 1.
+    `shifted`: the codes plus 128 as uint8 (what oneDNN's u8 x s8 product reads), in one pass."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True) if per_token else xf.abs().amax().reshape(1, 1)
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
-    return (xf / scale).round_().clamp_(-QMAX, QMAX).to(torch.int8), scale
+    q = (xf / scale).round_().clamp_(-QMAX, QMAX)
+    return (q.add_(128).to(torch.uint8) if shifted else q.to(torch.int8)), scale
 
 
 # The CPU flags that give int8 dot products (`vpdpbusd`), best first: AVX-512 VNNI (Ice Lake,
@@ -44,6 +47,7 @@ class W8A8Weight:
 
     packed: torch.Tensor  # onednn::qlinear_prepack of the int8 codes [out, in]
     scales: torch.Tensor  # float32 [out]
+    zero_points: torch.Tensor  # int64 [out], zeros (symmetric weights), as oneDNN takes them
     out_features: int
     in_features: int
     per_token: bool  # activation scales: one per row (token), else one per call (tensor)
@@ -68,17 +72,16 @@ def pack_w8a8(codes: torch.Tensor, scales: torch.Tensor, per_token: bool) -> W8A
         raise ValueError(f"W8A8 needs int8 codes and one scale per output channel "
                          f"(codes {codes.dtype} {list(codes.shape)}, {scales.numel()} scales)")
     packed = torch.ops.onednn.qlinear_prepack(codes.contiguous(), None)
-    return W8A8Weight(packed, scales.float().reshape(out_f).contiguous(), out_f, in_f, per_token)
+    return W8A8Weight(packed, scales.float().reshape(out_f).contiguous(),
+                      torch.zeros(out_f, dtype=torch.int64), out_f, in_f, per_token)
 
 
 def w8a8_mm(x: torch.Tensor, weight: W8A8Weight) -> torch.Tensor:
     """`x @ w.T` for 2-D `x` `[rows, in]`, `x` quantized as `quantize_rows`; float32 out."""
-    q, sx = quantize_rows(x, weight.per_token)
-    q8 = (q.to(torch.int16) + 128).to(torch.uint8)
-    zp = torch.zeros(weight.out_features, dtype=torch.int64)
+    q8, sx = quantize_rows(x, weight.per_token, shifted=True)
     out = torch.ops.onednn.qlinear_pointwise.tensor(
-        q8, _ONE, _ZERO_POINT, weight.packed, weight.scales, zp, None, 1.0, 0, torch.float32,
-        "none", [], "")
+        q8, _ONE, _ZERO_POINT, weight.packed, weight.scales, weight.zero_points, None, 1.0, 0,
+        torch.float32, "none", [], "")
     return out.mul_(sx)
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_native
+from kernels.cpu_native.abi import QUANT_E4M3
 from kernels.int4_layouts import CheckpointInt4Weight, dequant_checkpoint
 from kernels.int8_dynamic import W8A8Weight, dequant_w8a8, w8a8_mm
 
@@ -73,21 +74,41 @@ class Int8Weight:
 @dataclass(slots=True)
 class Fp8Weight:
     """A `[out, in]` fp8 (e4m3/e5m2) weight and float32 scales, one per output channel or one
-    per `block` tile of weights, as an fp8 checkpoint stores them (CUDA: the Triton fp8 GEMM)."""
+    per `block` tile of weights, as an fp8 checkpoint stores them: the Triton fp8 GEMM's
+    (CUDA), or e4m3 packed for our native kernel (`pack_fp8`: CPU, float32 activations)."""
 
-    weight: torch.Tensor  # float8 [out, in]
+    weight: torch.Tensor  # float8 [out, in] (native: empty, the codes live in `packed`)
     scales: torch.Tensor  # float32 [out]; with `block` (bn, bk): [ceil(out / bn), ceil(in / bk)]
     out_features: int
     in_features: int
     block: tuple[int, int] | None = None
+    packed: torch.Tensor | None = None  # native: cpu_native.pack_e4m3's bytes
+    group_size: int = 0  # native: inputs per scale (in_features, or the block's bk)
+    kernel: str = "triton"
 
     def nbytes(self) -> int:
-        return self.weight.nbytes + self.scales.nbytes
+        return (self.weight.nbytes + self.scales.nbytes if self.packed is None
+                else self.packed.nbytes)
 
 
 # CheckpointInt4Weight and Fp8Weight are CUDA's (Triton GEMMs); W8A8Weight quantizes the
 # activations too (kernels/int8_dynamic.py).
 QuantWeight = Int4Weight | Int8Weight | CheckpointInt4Weight | Fp8Weight | W8A8Weight
+
+
+def pack_fp8(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None
+             ) -> Fp8Weight | None:
+    """e4m3 codes `[out, in]` with per-row (`block` None) or block scales, packed for our
+    native kernel at one byte a weight; None where it cannot take them (no native library, not
+    e4m3, or blocks that do not split the inputs whole)."""
+    out_f, in_f = codes.shape
+    group = in_f if block is None else block[1]
+    if (codes.dtype != torch.float8_e4m3fn or not cpu_native.quant_available()
+            or in_f % group):
+        return None
+    rows = expand_blocks(scales, block, codes.shape)[:, ::group].contiguous()
+    packed = cpu_native.pack_e4m3(codes, rows, group)
+    return Fp8Weight(codes.new_empty(0), scales, out_f, in_f, block, packed, group, "native")
 
 
 def native_for(dtype: torch.dtype) -> bool:
@@ -190,6 +211,8 @@ def dequant(weight: QuantWeight) -> torch.Tensor:
         return int8_rows(torch.arange(weight.out_features), weight).float()
     if isinstance(weight, CheckpointInt4Weight):
         return dequant_checkpoint(weight)
+    if isinstance(weight, Fp8Weight) and weight.packed is not None:  # read back: x = I
+        return _native_mm(torch.eye(weight.in_features), weight).t().contiguous()
     if isinstance(weight, Fp8Weight):
         return weight.weight.float() * expand_blocks(weight.scales, weight.block,
                                                      weight.weight.shape)
@@ -228,6 +251,9 @@ def int8_mm(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
 
 
 def bits_of(weight: QuantWeight) -> int:
+    """The native kernel's `bits` for a weight on it (fp8: its e4m3 code)."""
+    if isinstance(weight, Fp8Weight):
+        return QUANT_E4M3
     return 4 if isinstance(weight, Int4Weight) else 8
 
 
@@ -269,7 +295,8 @@ def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
            ) -> torch.Tensor:
     """`x @ w.T (+ bias)` for `x` `[..., in]` of any leading shape."""
     rows = x.reshape(-1, weight.in_features)
-    if isinstance(weight, (CheckpointInt4Weight, Fp8Weight)):
+    if isinstance(weight, CheckpointInt4Weight) or (isinstance(weight, Fp8Weight)
+                                                     and weight.kernel == "triton"):
         out = _triton_mm(rows, weight).reshape(*x.shape[:-1], weight.out_features)
         return out if bias is None else out + bias
     if isinstance(weight, W8A8Weight):

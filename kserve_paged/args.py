@@ -130,10 +130,11 @@ def _add_size_flags(engine: argparse._ArgumentGroup) -> None:
                         help="Weight quantization, vLLM's flag: gguf keeps a .gguf model's 4-bit "
                         "projections packed (int4, exact) and Q8_0 as int8 per channel; int4 "
                         "and int8 are ours: a float checkpoint quantized at load (int4 in "
-                        "groups of 32, int8 per channel); awq, gptq and compressed-tensors "
-                        "serve such a checkpoint as stored (also without the flag). CPU only; fp8 is not "
-                        "built yet. Default: float weights, but the default model's GGUF 4-bit "
-                        "unless --dtype names a dtype (docs/quantization.md).")
+                        "groups of 32, int8 per channel); awq, gptq, compressed-tensors and "
+                        "fp8 serve such a checkpoint as stored (also without the flag), and "
+                        "fp8 quantizes a float checkpoint to e4m3 at load. gguf, int4 and "
+                        "int8 are CPU only. Default: float weights, but the default model's GGUF "
+                        "4-bit unless --dtype names a dtype (docs/quantization.md).")
     engine.add_argument("--block_size", type=positive_int, default=d["block_size"],
                         help="Tokens per KV-cache block.")
     engine.add_argument("--max_model_len", type=positive_int, default=d["max_model_len"],

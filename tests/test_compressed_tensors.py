@@ -117,7 +117,7 @@ def float_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(("scheme", "layout"), [
     ("w4a16", quant_linear.Int4Weight), ("w4a16_asym", quant_linear.Int4Weight),
-    ("w8a8", quant_linear.Int8Weight), ("fp8", type(None))])
+    ("w8a8", quant_linear.Int8Weight), ("fp8", quant_linear.Fp8Weight)])
 def test_checkpoint_served_as_stored_where_a_layout_holds_it(
         float_checkpoint: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, scheme: str,
         layout: type, monkeypatch: pytest.MonkeyPatch) -> None:

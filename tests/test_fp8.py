@@ -84,21 +84,45 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
     return PagedSim(model, seed=0).step([(0, PROMPT)])
 
 
+def _served(linear: torch.nn.Module) -> torch.Tensor:
+    return linear.weight if linear.quant is None else quant_linear.dequant(linear.quant)
+
+
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
-def test_checkpoint_on_cpu_is_its_dequantized_weights(
+def test_checkpoint_on_cpu_keeps_one_byte_codes(
         float_checkpoint: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
         scheme: str) -> None:
+    """float32: the codes on our native kernel (every level builds it); the weights it reads
+    back are the dequantized float folder's and the logits agree."""
     folder = write(float_checkpoint, tmp_path, scheme)
     reference, _ = load_model(folder / "float", torch.float32, CPU)
     with caplog.at_level(logging.INFO, logger="engine"):
         served, _ = load_model(folder, torch.float32, CPU)
     assert "quantization fp8 (checkpoint)" in caplog.text
-    assert "dequantized at load: no fast one-byte fp8 matmul on CPU" in caplog.text
+    assert "fp8 e4m3 (one byte) [native kernel]" in caplog.text
     assert ("static input scales are not used" in caplog.text) == (scheme == "tensor_static")
     floats = dict(projections(reference))
     for name, linear in projections(served):
-        torch.testing.assert_close(linear.weight, floats[name].weight, atol=1e-6, rtol=0)
+        assert isinstance(linear.quant, quant_linear.Fp8Weight) == (name != IGNORED), name
+        torch.testing.assert_close(_served(linear), floats[name].weight, atol=1e-6, rtol=0)
     torch.testing.assert_close(_logits(served), _logits(reference), atol=1e-4, rtol=0)
+    assert served.native_stack is not None  # the one-call stack takes e4m3 projections ...
+    stacked = _logits(served)
+    served.use_native_stack = False  # ... bit for bit as the per-layer modules
+    assert torch.equal(stacked, _logits(served))
+
+
+def test_bf16_activations_get_the_dequantized_weights(
+        float_checkpoint: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = write(float_checkpoint, tmp_path, "blocks")
+    reference, _ = load_model(folder / "float", torch.bfloat16, CPU)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        served, _ = load_model(folder, torch.bfloat16, CPU)
+    assert "bfloat16 (fp8, dequantized at load: the native e4m3 kernel takes float32" in (
+        caplog.text)
+    floats = dict(projections(reference))
+    for name, linear in projections(served):
+        assert linear.quant is None and torch.equal(linear.weight, floats[name].weight), name
 
 
 def test_cuda_gets_the_codes_for_the_triton_gemm(float_checkpoint: Path, tmp_path: Path
@@ -134,13 +158,13 @@ def test_on_the_fly_fp8_is_close_to_float(float_checkpoint: Path,
     reference, _ = load_model(float_checkpoint, torch.float32, CPU)
     with caplog.at_level(logging.INFO, logger="engine"):
         served, _ = load_model(float_checkpoint, torch.float32, CPU, quantization="fp8")
-    assert "fp8 e4m3 per tensor, dequantized at load" in caplog.text
+    assert "fp8 per tensor e4m3 (one byte) [native kernel]" in caplog.text
     floats = dict(projections(reference))
     for name, linear in projections(served):
-        w = floats[name].weight
+        w, got = floats[name].weight, _served(linear)
         step = w.abs().amax() / 448 * 2**-9  # e4m3's smallest subnormal at this scale
-        assert ((linear.weight - w).abs() <= w.abs() / 16 + step).all(), name
-        assert not torch.equal(linear.weight, w)
+        assert ((got - w).abs() <= w.abs() / 16 + step).all(), name
+        assert not torch.equal(got, w)
     tokens, rows = greedy(served, PROMPT, 8)
     want, want_rows = greedy(reference, PROMPT, 8)
     assert tokens == want

@@ -116,3 +116,17 @@ def test_logits_against_float_with_the_same_activation_quantization(
     bound = 0.06 * float(float_logits.abs().max())
     torch.testing.assert_close(got, float_logits, atol=bound, rtol=0)
     assert not torch.equal(got, float_logits)
+
+
+@pytest.mark.parametrize(("change", "strategy"), [
+    ({}, "token"), ({"strategy": "tensor"}, "tensor"), ({"dynamic": False}, None),
+    ({"symmetric": False}, None), ({"num_bits": 4}, None), ({"type": "float"}, None),
+    ({"strategy": "group"}, None)])
+def test_only_dynamic_symmetric_int8_activations_are_quantized(change: dict,
+                                                               strategy: str | None) -> None:
+    """Static scales, zero points and other widths keep float activations (weight-only)."""
+    acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+            "dynamic": True} | change
+    raw = {"quantization_config": {"format": "int-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 8}, "input_activations": acts}}}}
+    assert compressed_tensors.read_config(raw).dynamic_int8 == strategy

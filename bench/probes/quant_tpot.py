@@ -2,7 +2,8 @@
 weight bytes of the default model served from its GGUF, float32 and bfloat16 (dequantized)
 against `--quantization gguf` (Q4_1 kept as int4, the Q8_0 embedding and head as int8 g32, float32
 activations; and with bfloat16 activations, what the default runs where `--dtype auto` is
-bfloat16), in one run, alternating.
+bfloat16), and the float folder with `--quantization fp8` (e4m3 at one byte on the native
+kernel) and `int8`, in one run, alternating.
 
     python bench/probes/quant_tpot.py [--prompt 256] [--output 128] [--rounds 3] [--threads N]
         [--configs float32 int4 int4-bf16] [--llamacpp]
@@ -66,6 +67,16 @@ def run_once(llm: object, prompt: list[int], output: int) -> float:
     return statistics.median(times[1:])
 
 
+def _configs(gguf: Path, folder: Path) -> dict[str, tuple[Path, str, str | None]]:
+    """name -> (model, dtype, quantization); `folder` holds the GGUF's weights as float."""
+    return {"float32 (dequantized)": (gguf, "float32", None),
+            "bfloat16 (dequantized)": (gguf, "bfloat16", None),
+            "int4 (--quantization gguf, float32 activations)": (gguf, "float32", "gguf"),
+            "int4-bf16 (--quantization gguf, bfloat16 activations)": (gguf, "bfloat16", "gguf"),
+            "fp8 (--quantization fp8, float32 activations)": (folder, "float32", "fp8"),
+            "int8 (--quantization int8, float32 activations)": (folder, "float32", "int8")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt", type=int, default=256)
@@ -81,21 +92,18 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
     from engine import LLM
-    from engine.default_model import ensure_default_model, find_gguf
+    from engine.default_model import default_model_dir, ensure_default_model, find_gguf
 
     ensure_default_model()
     gguf = find_gguf()
     assert gguf is not None
     rng = random.Random(0)
     prompt = [rng.randrange(100, 40000) for _ in range(args.prompt)]
-    configs = {"float32 (dequantized)": ("float32", None), "bfloat16 (dequantized)": (
-        "bfloat16", None), "int4 (--quantization gguf, float32 activations)": ("float32", "gguf"),
-               "int4-bf16 (--quantization gguf, bfloat16 activations)": ("bfloat16", "gguf")}
-    configs = {k: v for k, v in configs.items()
+    configs = {k: v for k, v in _configs(gguf, default_model_dir()).items()
                if not args.configs or any(k.startswith(c) for c in args.configs)}
-    llms = {name: LLM(model=str(gguf), dtype=dtype, quantization=q, max_model_len=1024,
+    llms = {name: LLM(model=str(model), dtype=dtype, quantization=q, max_model_len=1024,
                       num_kv_blocks=128, enable_prefix_caching=False)
-            for name, (dtype, q) in configs.items()}
+            for name, (model, dtype, q) in configs.items()}
     tpot: dict[str, list[float]] = {name: [] for name in [*configs, "llama.cpp"]}
     with contextlib.ExitStack() as stack:
         peer = None

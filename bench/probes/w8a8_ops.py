@@ -2,8 +2,9 @@
 per projection shape and row count, interleaved in one run (ratios to fp32 `F.linear`).
 
 `python bench/probes/w8a8_ops.py [--threads 2] [--repeats 5]`. Why: issue 34 asks which
-PyTorch op serves dynamic int8 activations x int8 weights best here, and whether fp8 weights can
-stay one byte on CPU (`torch._scaled_mm`). A probe, not a benchmark of record.
+PyTorch op serves dynamic int8 activations x int8 weights best here, and how fp8 weights can
+stay one byte on CPU (`torch._scaled_mm`, our native kernel decoding e4m3). A probe, not a
+benchmark of record.
 """
 
 from __future__ import annotations
@@ -48,14 +49,14 @@ def candidates(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], objec
     dyn = torch.ops.quantized.linear_prepack(wq, None)
     w8 = (w / (w.abs().amax() / 448)).to(torch.float8_e4m3fn)
     s8 = w.abs().amax().reshape(()) / 448
+    fp8_native = quant_linear.pack_fp8(w8, s8.expand(n).contiguous(), None)
 
     def int_mm() -> torch.Tensor:
         q, s = quantize_rows(x)
         return torch._int_mm(q, wt).float() * s * scale
 
     def onednn() -> torch.Tensor:
-        q, s = quantize_rows(x)
-        q = (q.to(torch.int16) + 128).to(torch.uint8)  # u8 x s8, the form VNNI multiplies
+        q, s = quantize_rows(x, shifted=True)  # u8 x s8, the form VNNI multiplies
         out = torch.ops.onednn.qlinear_pointwise.tensor(
             q, one, zero, qw, scale, zp, None, 1.0, 0, torch.float32, "none", [], "")
         return out * s
@@ -72,6 +73,7 @@ def candidates(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], objec
             "w8 aten (bf16 acts)": lambda: quant_linear.matmul(xb, aten8),
             "w8a8 _int_mm": int_mm, "w8a8 onednn qlinear": onednn,
             "w8a8 quantized.linear_dynamic": lambda: torch.ops.quantized.linear_dynamic(x, dyn),
+            "fp8 native (e4m3, fp32 acts)": lambda: quant_linear.matmul(x, fp8_native),
             "fp8 _scaled_mm": scaled_mm,
             "fp8 dequantized per call": lambda: F.linear(x, w8.float() * s8)}
     if n * k > 2**21:  # reference-speed paths here (seconds a call at 8192 x 2048)

@@ -6,7 +6,7 @@ each quantized projection's tensors read by shape and dtype, served in the neare
 |---|---|---|
 | `pack-quantized` (W4A16) | `weight_packed [out, in / 8]` int32, eight codes a word along the input, stored `q + 8`; `weight_scale [out, groups]`; `weight_zero_point [out / 8, groups]` packed along the output when asymmetric; `weight_g_idx` with activation order | GPTQ's layout exactly (words transposed): `Int4Weight` on CPU, the Triton GEMM on CUDA (int4_checkpoints.py) |
 | `int-quantized` / `naive-quantized` (W8A8, W8A16) | `weight` int8 (naive: integer values in a float dtype), `weight_scale [out, 1]` or `[1]` | `Int8Weight`, exact, on CPU; dequantized elsewhere or for group scales |
-| `float-quantized` (FP8) | `weight` float8, `weight_scale [out, 1]` or `[1]` | the Triton fp8 GEMM on CUDA; dequantized on CPU |
+| `float-quantized` (FP8) | `weight` float8, `weight_scale [out, 1]` or `[1]` | the Triton fp8 GEMM on CUDA; on CPU e4m3 on the native kernel with float32 activations, else dequantized |
 
 A W8A8 checkpoint whose `input_activations` are dynamic symmetric int8, per token or per
 tensor, runs as vLLM runs it, activations quantized at each call (`W8A8Weight`,
@@ -155,10 +155,11 @@ class CTReader:
     def picker(self, dtype: torch.dtype, triton: bool | None = None) -> Picker:
         """int4 projections as `Int4Reader` picks them; int8 ones as `W8A8Weight` (dynamic int8
         activations, a CPU with VNNI) or `Int8Weight` (CPU); fp8 ones for the Triton fp8 GEMM
-        (CUDA); the rest dequantized, said in the log."""
+        (CUDA) or the native e4m3 kernel (CPU, float32); the rest dequantized, said in the
+        log."""
         int4_pick = self.int4.picker(dtype, triton)
         floating = str(dtype).removeprefix("torch.")
-        w8a8 = self.int8_activations(bool(triton))
+        w8a8 = self.int8_activations(bool(triton))  # the loader passes triton for CUDA
 
         def pick(name: str, linear: Linear) -> tuple[str, quant_linear.QuantWeight | None]:
             names = hf_parts(name)
@@ -169,12 +170,17 @@ class CTReader:
                 kept = _int8(self.int8, names, dtype, w8a8)
                 if kept is not None:
                     return kept
-            if all(n in self.fp8 for n in names) and cuda:
+            if all(n in self.fp8 for n in names):
                 w8, rows = (torch.cat(t) for t in zip(*(self.fp8[n] for n in names),
                                                       strict=True))
                 dev = linear.weight.device
-                return f"{METHOD} fp8 (Triton)", quant_linear.Fp8Weight(
-                    w8.to(dev).contiguous(), rows.to(dev), *w8.shape)
+                if cuda:
+                    return f"{METHOD} fp8 (Triton)", quant_linear.Fp8Weight(
+                        w8.to(dev).contiguous(), rows.to(dev), *w8.shape)
+                native = (quant_linear.pack_fp8(w8.contiguous(), rows, None)
+                          if dtype == torch.float32 else None)
+                if native is not None:  # e4m3 at one byte (e5m2, bf16: dequantized)
+                    return f"{METHOD} fp8 e4m3 (one byte)", native
             return f"{floating} ({METHOD}, dequantized here)", None
         return pick
 

@@ -2,20 +2,21 @@
 `fp8`, what vLLM's and AutoFP8's exporters and DeepSeek's block-quantized releases write), and
 `--quantization fp8` on a float checkpoint (e4m3 weights quantized at load).
 
-| stored | tensors | served as |
-|---|---|---|
-| per tensor | `weight` float8_e4m3fn `[out, in]`, `weight_scale` one float (`w = q s`); `input_scale` with `activation_scheme: static` | CUDA: `Fp8Weight`, the Triton fp8 GEMM (q/k/v, gate/up stacked, each part's scale per row) |
-| blocks (`weight_block_size` [bn, bk], e.g. [128, 128]) | `weight`, `weight_scale_inv [ceil(out / bn), ceil(in / bk)]`, multiplied in spite of its name (`w = q s[i / bn, j / bk]`) | CUDA: `Fp8Weight` with block scales (a fused projection whose parts are not whole row blocks: dequantized) |
+| stored | tensors |
+|---|---|
+| per tensor | `weight` float8_e4m3fn `[out, in]`, `weight_scale` one float (`w = q s`); `input_scale` with `activation_scheme: static` |
+| blocks (`weight_block_size` [bn, bk], e.g. [128, 128]) | `weight`, `weight_scale_inv [ceil(out / bn), ceil(in / bk)]`, multiplied in spite of its name (`w = q s[i / bn, j / bk]`) |
 
-On CPU the weights are dequantized at load into the model's dtype and the log says so: the
-CPU ops measured for one-byte fp8 (`torch._scaled_mm`, a per-call dequantize) are 10-100x
-slower than the float linear (bench/probes/w8a8_ops.py), and no native kernel reads fp8 codes.
-Activations stay in the model's dtype everywhere: the Triton GEMM dequantizes the weight tile
-(vLLM quantizes activations to fp8 on GPUs with fp8 units; not built), so a static
-`input_scale` is read past and the log says so. `ignored_layers` are stored float and load as
-such. On-the-fly (`--quantization fp8`): each projection's weight to e4m3 with one scale, max
-|w| / 448, for the whole (fused) projection, which is where vLLM ends after requantizing its
-parts to their largest scale.
+Served as `Fp8Weight` (q/k/v and gate/up stacked along the output; a fused projection whose
+parts are not whole row blocks is dequantized): on CUDA the Triton fp8 GEMM; on CPU with
+float32 activations our native kernel, which decodes the e4m3 codes in registers at one byte
+a weight (a block's scale becomes one per row and group of bk inputs); otherwise (bf16, no
+native library, bk not dividing the inputs) dequantized at load, said in the log. Activations
+stay in the model's dtype everywhere (vLLM quantizes them to fp8 on GPUs with fp8 units; not
+built), so a static `input_scale` is read past and the log says so. `ignored_layers` are
+stored float and load as such. On-the-fly (`--quantization fp8`): each projection's weight to
+e4m3 with one scale, max |w| / 448, for the whole (fused) projection, which is where vLLM ends
+after requantizing its parts to their largest scale.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ logger = logging.getLogger("engine")
 METHOD = "fp8"
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 PARTS = ("weight_scale", "weight_scale_inv", "input_scale")
-CPU_WHY = "dequantized at load: no fast one-byte fp8 matmul on CPU"
+CPU_WHY = ("dequantized at load: the native e4m3 kernel takes float32 activations, whole "
+           "blocks of inputs and the native library")
+CPU = torch.device("cpu")
 
 
 @dataclass(slots=True, frozen=True)
@@ -101,7 +104,8 @@ class Fp8Reader:
             yield f"{prefix}.weight", self.stored[prefix].dequant()
 
     def picker(self, dtype: torch.dtype, triton: bool | None = None) -> Picker:
-        """fp8 projections as `Fp8Weight` for the Triton GEMM (CUDA), dequantized on CPU."""
+        """fp8 projections as `served` gives them: the Triton GEMM's `Fp8Weight` (CUDA), our
+        native kernel's (CPU, float32 activations), else dequantized."""
         floating = str(dtype).removeprefix("torch.")
         if self.static_inputs:
             logger.info("fp8 checkpoint: %d static input scales are not used; activations "
@@ -112,12 +116,10 @@ class Fp8Reader:
             cuda = linear.weight.device.type == "cuda" if triton is None else triton
             if not all(n in self.stored for n in names):
                 return floating, None  # `ignored_layers`: stored float
-            if not cuda:
-                return f"{floating} (fp8, {CPU_WHY})", None
-            weight = fused([self.stored[n] for n in names], linear.weight.device)
-            if weight is None:
+            stacked = stack([self.stored[n] for n in names])
+            if stacked is None:
                 return f"{floating} (fp8 blocks not whole across the fused parts)", None
-            return "fp8 e4m3 (Triton)", weight
+            return served(stacked, linear.weight.device if cuda else CPU, dtype)
         return pick
 
 
@@ -137,15 +139,32 @@ def _stored(prefix: str, parts: dict[str, torch.Tensor], block: tuple[int, int] 
     return StoredFp8(codes, scale.float().reshape(-1).expand(codes.shape[0]).contiguous(), None)
 
 
-def fused(parts: list[StoredFp8], device: torch.device) -> quant_linear.Fp8Weight | None:
-    """Parts stacked along the output (q/k/v, gate/up) as one `Fp8Weight`; None when block
-    scales would not line up (a part's rows not a whole number of blocks)."""
+def stack(parts: list[StoredFp8]) -> StoredFp8 | None:
+    """Parts stacked along the output (q/k/v, gate/up) as one; None when block scales would
+    not line up (a part's rows not a whole number of blocks)."""
     block = parts[0].block
     if block is not None and any(p.codes.shape[0] % block[0] for p in parts[:-1]):
         return None
-    codes = torch.cat([p.codes for p in parts]).to(device).contiguous()
-    scales = torch.cat([p.scales for p in parts]).to(device).contiguous()
-    return quant_linear.Fp8Weight(codes, scales, *codes.shape, block)
+    if len(parts) == 1:
+        return parts[0]
+    return StoredFp8(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                     block)
+
+
+def served(stored: StoredFp8, device: torch.device, dtype: torch.dtype
+           ) -> tuple[str, quant_linear.QuantWeight | None]:
+    """(the log's words, the weight) for codes on `device`: the Triton GEMM's on CUDA, our
+    native kernel's at one byte on CPU with float32 activations, else None (dequantized)."""
+    if device.type == "cuda":
+        codes, scales = stored.codes.to(device), stored.scales.to(device)
+        return "fp8 e4m3 (Triton)", quant_linear.Fp8Weight(codes.contiguous(),
+                                                           scales.contiguous(),
+                                                           *codes.shape, stored.block)
+    weight = (quant_linear.pack_fp8(stored.codes, stored.scales, stored.block)
+              if dtype == torch.float32 else None)
+    if weight is None:
+        return f"{str(dtype).removeprefix('torch.')} (fp8, {CPU_WHY})", None
+    return "fp8 e4m3 (one byte)", weight
 
 
 def quantize(w: torch.Tensor) -> StoredFp8:
@@ -158,15 +177,14 @@ def quantize(w: torch.Tensor) -> StoredFp8:
 
 
 def on_the_fly(dtype: torch.dtype) -> Picker:
-    """`--quantization fp8`: each projection to e4m3 with one scale; on CUDA the codes run on
-    the Triton GEMM, on CPU the weight becomes its fp8 value in `dtype` (dequantized at load)."""
-    floating = str(dtype).removeprefix("torch.")
+    """`--quantization fp8`: each projection to e4m3 with one scale, served as `served` says;
+    where it is dequantized the float weight becomes its fp8 value in place."""
 
     def pick(name: str, linear: Linear) -> tuple[str, quant_linear.QuantWeight | None]:
         stored = quantize(linear.weight)
-        if linear.weight.device.type == "cuda":
-            return "fp8 e4m3 per tensor (Triton)", fused([stored], linear.weight.device)
-        with torch.no_grad():
-            linear.weight.copy_(stored.dequant().to(linear.weight.dtype))
-        return f"{floating} (fp8 e4m3 per tensor, {CPU_WHY})", None
+        fmt, weight = served(stored, linear.weight.device, dtype)
+        if weight is None:
+            with torch.no_grad():
+                linear.weight.copy_(stored.dequant().to(linear.weight.dtype))
+        return fmt.replace("fp8", "fp8 per tensor", 1), weight
     return pick

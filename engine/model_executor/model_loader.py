@@ -144,7 +144,7 @@ def _quantized_checkpoint(folder: Path) -> tuple[str | None, Any]:
 
 
 def _kept_quantized(method: str, scheme: Any, weights: Iterator[tuple[str, torch.Tensor]],
-                    dtype: torch.dtype
+                    dtype: torch.dtype, cuda: bool
                     ) -> tuple[Iterator[tuple[str, torch.Tensor]], Callable[[Any], object]]:
     """A quantized checkpoint's stream as float weights, and the step that puts their stored
     form back once the model holds them."""
@@ -153,7 +153,7 @@ def _kept_quantized(method: str, scheme: Any, weights: Iterator[tuple[str, torch
     reader: Any = readers.get(method, int4_checkpoints.Int4Reader)(scheme)
 
     def keep(model: Any) -> object:
-        return quantization_apply(model, reader.picker(dtype), f"{method} (checkpoint)")
+        return quantization_apply(model, reader.picker(dtype, cuda), f"{method} (checkpoint)")
     return reader.stream(weights), keep
 
 
@@ -331,7 +331,8 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
     slicer = _layout(config, tp).weight_slice if tp is not None else None
     weights = _iter_weights(files, slicer)
     if ckpt is not None:
-        weights, on_the_fly = _kept_quantized(ckpt, scheme, weights, dtype)
+        weights, on_the_fly = _kept_quantized(ckpt, scheme, weights, dtype,
+                                              torch.device(device).type == "cuda")
     return _build(config, dtype, device, weights, tp=tp,
                   raw_config=_raw_config(folder), quantize=on_the_fly), config
 

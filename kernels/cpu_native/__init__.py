@@ -16,7 +16,8 @@ The modules, one job each:
 - `gemm_bf16`: the bf16 product over weights packed in bf16 pairs;
 - `decoder_stack`: `DecoderStack`;
 - `lora`: the LoRA delta of a step's adapters in one call per projection;
-- `quant_gemm`: int4/int8 weights packed once, multiplied with float32 or bf16 activations;
+- `quant_gemm`: int4/int8 (and fp8 e4m3) weights packed once, multiplied with float32 or bf16
+  activations;
 - `kvq`: a quantized KV cache (`--kv-cache-dtype`): its store and attention over the codes.
 Callers use the names re-exported here (`from kernels import cpu_native`).
 
@@ -62,6 +63,7 @@ from kernels.cpu_native.ops import (
 )
 from kernels.cpu_native.quant_gemm import (
     native_bf16_quant,
+    pack_e4m3,
     pack_q4,
     pack_q8,
     q8_rows,
@@ -91,6 +93,7 @@ __all__ = [
     "pack_gate_up_weight",
     "pack_gemm_weight",
     "pack_gemm_weight_bf16",
+    "pack_e4m3",
     "pack_q4",
     "pack_q8",
     "paged_rows",

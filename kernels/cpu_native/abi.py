@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 
 ABI_VERSION = 11  # KP_ABI_VERSION in csrc/kp_native.h
+QUANT_E4M3 = 9  # KP_QUANT_E4M3 in csrc/kp_native.h: `bits` of an fp8 e4m3 weight
 LORA_MAX_RANK = 256  # KP_LORA_MAX_RANK in csrc/kp_native.h
 # The quantized KV formats by their code dtype's name: KP_KV_INT8, KP_KV_E4M3, KP_KV_E5M2.
 KV_FORMATS = {"int8": 1, "float8_e4m3fn": 2, "float8_e5m2": 3}

@@ -94,6 +94,16 @@ def pack_q8(codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tenso
     return torch.cat([_block_rows(scale, panel, groups), rows], dim=-1).contiguous().reshape(-1)
 
 
+def pack_e4m3(codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """fp8 e4m3 codes `[N, K]` with per-group `scale` `[N, K / group]` (`w = fp8(q) * scale`)
+    -> the packed bytes for `quant_gemm(..., bits=QUANT_E4M3)`: `pack_q8`'s layout, the codes'
+    bytes as they are, the scales times 2^8 (exact; the kernel decodes a code to 2^-8 of its
+    value, csrc/quant_gemm.c)."""
+    if codes.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"e4m3 codes expected, got {codes.dtype}")
+    return pack_q8(codes.view(torch.int8), scale.float() * 256.0, group)
+
+
 def q8_rows(packed: torch.Tensor, group: int, in_features: int, ids: torch.Tensor
             ) -> torch.Tensor:
     """Rows `ids` of a `pack_q8` weight, dequantized to float32 `[*ids.shape, in_features]`

@@ -199,14 +199,17 @@ KP_API int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float 
 
 /* ---- weight-only quantized GEMM, float32 activations (quant_gemm.c) ---- */
 
+/* `bits` value of a weight stored as fp8 e4m3 codes, one byte each, in the 8-bit layout. */
+#define KP_QUANT_E4M3 9
+
 /* Bytes of one packed group block (one panel of KP_GEMM_PANEL outputs, `group` weights along
- * k): bits 4, [scales][minimums][group / 2 rows of nibble pairs]; bits 8, [scales][group rows
- * of int8 codes]; the layout is spelled out in quant_gemm.c. -1: bits not 4 or 8, or a group
- * that is not positive (and even for 4 bits). */
+ * k): bits 4, [scales][minimums][group / 2 rows of nibble pairs]; bits 8 (and KP_QUANT_E4M3),
+ * [scales][group rows of int8 (e4m3) codes]; the layout is spelled out in quant_gemm.c. -1:
+ * bits not 4, 8 or KP_QUANT_E4M3, or a group that is not positive (and even for 4 bits). */
 KP_API int64_t kp_quant_block_bytes(int32_t bits, int64_t group);
 
 /* y [M, N] = x [M, K] times a weight packed as above (+ bias): w = q * scale + minimum (4 bits)
- * or q * scale (8 bits), dequantized in registers. -1: bits, group or K not as the packing
+ * or q * scale (8 bits; KP_QUANT_E4M3: q the code's fp8 value), dequantized in registers. -1: bits, group or K not as the packing
  * requires (K a multiple of group). */
 KP_API int kp_quant_gemm_f32(const float *x, int64_t ldx, int64_t M, const uint8_t *packed,
                              int32_t bits, int64_t group, int64_t K, int64_t N,

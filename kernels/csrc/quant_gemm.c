@@ -12,7 +12,10 @@
  * NR = KP_GEMM_PANEL (the fp32 GEMM's width), each panel a run of groups, each group one block:
  *   int4: [NR float scales][NR float minimums][G / 2 rows of NR bytes], byte j of row r holding
  *         column j's codes for k = 2r (low nibble) and k = 2r + 1 (high nibble);
- *   int8: [NR float scales][G rows of NR int8 codes].
+ *   int8: [NR float scales][G rows of NR int8 codes];
+ *   e4m3 (bits KP_QUANT_E4M3): int8's layout with fp8 e4m3 codes and scales stored times 2^8,
+ *         `w = fp8(q) * scale` (an fp8 checkpoint's weights kept at one byte; each code
+ *         decoded exactly in registers to fp8(q) / 2^8 through fp16).
  * Columns past N are zero codes with zero scales. A panel is read front to back (the hardware
  * prefetcher streams it); panels are split evenly over the threads, as in gemm.c. Rows of x go
  * MR at a time with MR x NV accumulators; the codes of one k are widened to NV vectors of fp32
@@ -76,6 +79,27 @@ static inline vi vload_i8(const uint8_t *p) {
 
 static inline vf vfloat(vi v) { return __builtin_convertvector(v, vf); }
 
+/* KP_VW fp8 e4m3 codes as their exact fp32 values divided by 2^8 (the packing multiplies the
+ * scales by 2^8): each code sign-extended to 16 bits and shifted left by 7 is the fp16 whose
+ * exponent field is the code's with fp16's bias 15 read in place of e4m3's 7 (so 2^-8 of the
+ * value) once bit 14, the sign's copy, is cleared; subnormal codes become fp16 subnormals,
+ * which the F16C conversion reads exactly (it ignores denormals-are-zero). */
+static inline vf vload_e4m3(const uint8_t *p) {
+#if KP_VW == 16
+    const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    return (vf)_mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(h, 7),
+                                                _mm256_set1_epi16(0xBFFF)));
+#else
+    const __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return (vf)_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(0xBFFF)));
+#endif
+}
+
+/* One k's KP_VW codes of an 8-bit-layout weight as fp32 (int8 or e4m3, `bits` constant). */
+static inline vf vload_q8(const uint8_t *p, const int bits) {
+    return bits == KP_QUANT_E4M3 ? vload_e4m3(p) : vfloat(vload_i8(p));
+}
+
 /* Element i of x: fp32, or bf16 widened exactly (`bf` constant after inlining). */
 static inline __attribute__((always_inline)) float xval(const void *x, int64_t i, const int bf) {
     return bf ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
@@ -99,7 +123,8 @@ static inline __attribute__((always_inline)) void ystore_n(void *y, int64_t i, v
 }
 
 int64_t kp_quant_block_bytes(int32_t bits, int64_t group) {
-    if ((bits != 4 && bits != 8) || group <= 0 || (bits == 4 && group % 2)) return -1;
+    if ((bits != 4 && bits != 8 && bits != KP_QUANT_E4M3) || group <= 0 || (bits == 4 && group % 2))
+        return -1;
     return bits == 4 ? 8 * NR + group / 2 * NR : 4 * NR + group * NR;
 }
 
@@ -143,7 +168,7 @@ static inline __attribute__((always_inline)) void qpanel_block(
             const uint8_t *q = panel + 4 * NR;
             for (int64_t r = 0; r < G; ++r, q += NR) {
                 vf w[NV];
-                for (int v = 0; v < NV; ++v) w[v] = vfloat(vload_i8(q + KP_VW * v)) * s[v];
+                for (int v = 0; v < NV; ++v) w[v] = vload_q8(q + KP_VW * v, bits) * s[v];
                 for (int i = 0; i < mr; ++i) {
                     const vf a = vset1(xval(x, i * ldx + k0 + r, bf));
                     for (int v = 0; v < NV; ++v) acc[i][v] = vfma(a, w[v], acc[i][v]);
@@ -195,7 +220,7 @@ static void dequant_panel(const uint8_t *panel, int64_t K, int64_t G, int64_t bl
             } else {
                 const uint8_t *q = panel + 4 * NR + KP_VW * v;
                 for (int64_t r = 0; r < G; ++r)
-                    vstore(t + r * NR + KP_VW * v, vfloat(vload_i8(q + r * NR)) * s);
+                    vstore(t + r * NR + KP_VW * v, vload_q8(q + r * NR, bits) * s);
             }
         }
     }
@@ -219,8 +244,8 @@ static void dequant_pairs(const uint8_t *panel, int64_t K, int64_t G, int64_t bl
                     w0 = vfma(vfloat(c & 15), s, mn);
                     w1 = vfma(vfloat(c >> 4), s, mn);
                 } else {
-                    w0 = vfloat(vload_i8(q + 2 * r * NR)) * s;
-                    w1 = vfloat(vload_i8(q + (2 * r + 1) * NR)) * s;
+                    w0 = vload_q8(q + 2 * r * NR, bits) * s;
+                    w1 = vload_q8(q + (2 * r + 1) * NR, bits) * s;
                 }
                 vstore((float *)(t + r * NR + KP_VW * v), (vf)vbf16_pairs(w0, w1));
             }
@@ -313,8 +338,11 @@ static void qgemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint8_t 
                     kp_bf16_panel_rows(xm, ldx, mb, tile, K / 2, bias ? b : 0, ym, ldy, ncols, 0);
                 } else if (bits == 4) {
                     qpanel_rows(xm, ldx, mb, panel, K, G, blk, bias ? b : 0, ym, ldy, ncols, 4, 1);
-                } else {
+                } else if (bits == 8) {
                     qpanel_rows(xm, ldx, mb, panel, K, G, blk, bias ? b : 0, ym, ldy, ncols, 8, 1);
+                } else {
+                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, bias ? b : 0, ym, ldy, ncols,
+                                KP_QUANT_E4M3, 1);
                 }
             }
         }
@@ -344,8 +372,10 @@ static void qgemm(const float *x, int64_t ldx, int64_t M, const uint8_t *packed,
                     tile_rows(xm, ldx, mb, tile, K, b, ym, ldy, ncols);
                 } else if (bits == 4) {
                     qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, 4, 0);
-                } else {
+                } else if (bits == 8) {
                     qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, 8, 0);
+                } else {
+                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, KP_QUANT_E4M3, 0);
                 }
             }
         }

@@ -82,6 +82,7 @@ def test_versions_and_constants_agree() -> None:
     formats = {"int8": "INT8", "float8_e4m3fn": "E4M3", "float8_e5m2": "E5M2"}
     assert {name: int(re.search(rf"#define KP_KV_{macro} (\d+)", text).group(1))
             for name, macro in formats.items()} == abi.KV_FORMATS
+    assert int(re.search(r"#define KP_QUANT_E4M3 (\d+)", text).group(1)) == abi.QUANT_E4M3
 
 
 def _header_macro(level: isa.IsaLevel, name: str) -> int:

@@ -163,3 +163,22 @@ def test_int4_and_int8_layers_run_natively_where_chosen() -> None:
     else:
         with pytest.raises(ValueError, match="one scale per output channel"):
             ql.pack_int8(q8, s8, 32, torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k", "group"), [(50, 256, 128), (97, 256, 256)])
+def test_e4m3_codes_decode_exactly(rows: int, n: int, k: int, group: int) -> None:
+    """Every finite e4m3 code (subnormals, both zeros, 448) appears in each weight; the kernel
+    decodes it to torch's own fp8 -> float32 value (a block scale per group, or one per row)."""
+    g = _gen(n, k, group, 9)
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    codes = finite[torch.randint(0, finite.numel(), (n, k), generator=g)]
+    codes[0, :finite.numel()] = finite
+    e4m3 = codes.view(torch.float8_e4m3fn)
+    scale = torch.rand(n, k // group, generator=g) * 0.01 + 0.0005
+    packed = cpu_native.pack_e4m3(e4m3, scale, group)
+    w = e4m3.float() * scale.repeat_interleave(group, dim=1)
+    x = torch.randn(rows, k, generator=g)
+    _close(cpu_native.quant_gemm(x, packed, ql.QUANT_E4M3, group, n), x, w, None)
+    one = torch.eye(k)[:1]  # a single weight row read back: bit for bit
+    assert torch.equal(cpu_native.quant_gemm(one, packed, ql.QUANT_E4M3, group, n)[0], w[:, 0])
