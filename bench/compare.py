@@ -15,7 +15,7 @@ skipped with a message when missing), llamacpp (llama.cpp's llama-server, instal
 peers/setup_llamacpp.sh; its offline figure is the workload sent all at once to the server, one
 `--parallel` slot per request: peers/llamacpp.py), hf-static, hf-cb (transformers, offline only).
 Dtypes (`--dtypes`): float32, bfloat16 (dense), default (each engine's own; ours as a user runs
-it: the default model from its Q4_1 GGUF, 4-bit, `auto` activations), gguf (ours on that GGUF
+it: the default model from its Q4_1 GGUF, 4-bit, `--dtype auto`), gguf (ours on that GGUF
 with `--quantization gguf`, float32 activations; llama.cpp on the same file; vLLM and
 transformers skip it).
 

@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
     gen.add_argument("--dtype", default="auto",
-                     help="auto (the default model: 4-bit from its GGUF, activations in the "
-                     "CPU's auto dtype), float32, bfloat16: the default model dense")
+                     help="auto (the default model: 4-bit from its GGUF, float32 activations "
+                     "on our int4 kernel), float32, bfloat16: the default model dense")
     gen.add_argument("--quantization", default=None,
                      help="as the server's flag (gguf, int4, int8, ...)")
     args = ap.parse_args(argv)

@@ -59,7 +59,9 @@ class LLMEngine:
             tune_glibc_malloc()  # no-op under tcmalloc (see engine.worker.cpu_memory)
         self.model_path, self.quantization = startup.resolve_model(config, self.device.type)
         self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(self.model_path))
-        startup.log_dtype(config.dtype, self.dtype, self.device)
+        self.dtype, why = startup.gguf_activations(config.dtype, self.dtype, self.quantization,
+                                                   self.device.type)
+        startup.log_dtype(config.dtype, self.dtype, self.device, why)
         draft_model = self._load()
         self._size_cache(draft_model)
         self._build(draft_model)

@@ -50,6 +50,21 @@ def packaged_quantization(config: EngineConfig, device_type: str) -> tuple[str |
     return "gguf", "no --dtype or --quantization: its GGUF, 4-bit"
 
 
+def gguf_activations(requested: str, dtype: torch.dtype, quantization: str | None,
+                     device_type: str) -> tuple[torch.dtype, str | None]:
+    """The activation dtype of a GGUF served 4-bit under `--dtype auto`: `auto`'s own where our
+    native quantized kernel takes it, else float32 where it does (PyTorch's packed int4 kernel,
+    the other one, ran the default model 2-10x slower per token with bfloat16 activations than
+    ours with float32, BENCHMARKS.md); an explicit dtype is kept. Returns (dtype, why or None)."""
+    from kernels import quant_linear
+
+    if (requested != "auto" or quantization != "gguf" or device_type != "cpu"
+            or quant_linear.native_for(dtype) or not quant_linear.native_for(torch.float32)):
+        return dtype, None
+    return torch.float32, (f"4-bit: our native int4 kernel takes float32 activations, not "
+                           f"{str(dtype).removeprefix('torch.')}")
+
+
 def resolve_model(config: EngineConfig, device_type: str) -> tuple[str, str | None]:
     """(folder or .gguf to load, the quantization it loads with): the default model, a packaged
     model's id provisioned and converted once (engine/default_model.py), or the path given."""
@@ -221,13 +236,16 @@ def warm_up(config: EngineConfig, runner: Any) -> Any:
                num_groups=runner.layout.num_groups)
 
 
-def log_dtype(requested: str, dtype: torch.dtype, device: torch.device) -> None:
+def log_dtype(requested: str, dtype: torch.dtype, device: torch.device,
+              reason: str | None = None) -> None:
     """The dtype chosen (and why, for `auto`) and, on CPU, the kernels it takes."""
     from kernels import cpu_dtype
     from kernels.cpu_native import isa
 
     why = ""
-    if requested == "auto":
+    if reason is not None:
+        why = f" ({reason})"
+    elif requested == "auto":
         why = (f" ({cpu_dtype.describe(isa.cpu_flags())})" if device.type == "cpu"
                else " (the checkpoint's dtype; float32 checkpoints in bfloat16)")
     logger.info("dtype %s -> %s%s", requested, str(dtype).removeprefix("torch."), why)

@@ -123,9 +123,9 @@ def _add_size_flags(engine: argparse._ArgumentGroup) -> None:
     engine.add_argument("--dtype", default=d["dtype"], choices=DTYPES,
                         help="Weights and activations dtype; auto: on CPU bfloat16 where it "
                         "is native (AVX512-BF16 or AMX), else float32; on CUDA the "
-                        "checkpoint's dtype (float32 checkpoints in bfloat16). The default model: "
-                        "auto serves its GGUF 4-bit with auto's activations, a named dtype its "
-                        "dense float32 conversion.")
+                        "checkpoint's dtype (float32 checkpoints in bfloat16). The default "
+                        "model: auto serves its GGUF 4-bit (float32 activations on our int4 "
+                        "kernel), a named dtype its dense float32 conversion.")
     engine.add_argument("--quantization", default=d["quantization"], choices=QUANTIZATION_METHODS,
                         help="Weight quantization, vLLM's flag: gguf keeps a .gguf model's 4-bit "
                         "projections packed (int4, exact) and Q8_0 as int8 per channel; int4 "

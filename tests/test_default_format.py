@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import default_model, startup
 from engine.config import EngineConfig
@@ -56,3 +57,20 @@ def test_default_model_folder_follows_the_format(
 def test_a_path_is_served_as_given(tmp_path: Path) -> None:
     config = EngineConfig(model=str(tmp_path), quantization="int8")
     assert startup.resolve_model(config, "cpu") == (str(tmp_path), "int8")
+
+
+@pytest.mark.parametrize(("requested", "quantization", "native_bf16", "expected"), [
+    ("auto", "gguf", False, torch.float32),  # PyTorch's int4 kernel would take bf16: ours f32
+    ("auto", "gguf", True, torch.bfloat16),  # a native kernel for auto's dtype: kept
+    ("bfloat16", "gguf", False, torch.bfloat16),  # asked for: kept
+    ("auto", None, False, torch.bfloat16),  # dense: auto's own
+])
+def test_auto_activations_of_a_4_bit_gguf(monkeypatch: pytest.MonkeyPatch, requested: str,
+                                          quantization: str | None, native_bf16: bool,
+                                          expected: torch.dtype) -> None:
+    from kernels import quant_linear
+
+    monkeypatch.setattr(quant_linear, "native_for",
+                        lambda dtype: dtype == torch.float32 or native_bf16)
+    dtype, why = startup.gguf_activations(requested, torch.bfloat16, quantization, "cpu")
+    assert dtype == expected and (why is not None) == (dtype != torch.bfloat16)
