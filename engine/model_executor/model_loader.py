@@ -308,7 +308,8 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
                                       device_type=torch.device(device).type, tp=tp is not None,
                                       checkpoint=ckpt)
     on_the_fly = None if quantization not in ON_THE_FLY_METHODS else (
-        lambda m: quantization_apply(m, on_the_fly_picker(quantization, dtype), quantization))
+        lambda m: quantization_apply(m, fp8_checkpoints.on_the_fly(dtype) if quantization == "fp8"
+                                     else on_the_fly_picker(quantization, dtype), quantization))
     if load_format == "dummy":
         if gguf_file is not None:
             raise ValueError("load_format 'dummy' takes a folder with config.json, not a .gguf")

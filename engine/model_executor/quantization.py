@@ -87,13 +87,8 @@ Picker = Callable[[str, Linear], "tuple[str, quant_linear.QuantWeight | None]"]
 
 
 def on_the_fly(method: str, dtype: torch.dtype) -> Picker:
-    """`--quantization int4|int8|fp8`: each projection's float weight quantized as it is (fp8:
-    engine/model_executor/fp8_checkpoints.py)."""
-    if method == "fp8":
-        from engine.model_executor.fp8_checkpoints import on_the_fly as fp8_on_the_fly
-
-        return fp8_on_the_fly(dtype)
-
+    """`--quantization int4|int8`: each projection's float weight quantized as it is (`fp8`'s
+    picker is engine/model_executor/fp8_checkpoints.py's, which builds on this module)."""
     def pick(name: str, linear: Linear) -> tuple[str, quant_linear.QuantWeight | None]:
         w = linear.weight
         if method == "int8":
