@@ -162,12 +162,13 @@ def test_a_dead_engine_turns_readiness_and_liveness_false_and_nobody_hangs(fault
 def test_sigterm_drains_in_flight_streams_refuses_new_ones_and_exits_0():
     grace = 8.0
     with running_server(["--shutdown_grace_s", str(grace)],
-                        engine_opts={"max_model_len": 1024, "num_kv_blocks": 96}) as srv:
+                        engine_opts={"max_model_len": 4096, "num_kv_blocks": 320}) as srv:
         result = asyncio.run(_drain(srv, grace))
     short, long_, during = result
     assert all(r["status"] == 200 and r["done"] and r["error"] is None for r in short), short
     assert all(r["finish"] == "length" for r in short), short
-    # The long stream cannot finish within the grace period: it is ended, with a message.
+    # The long stream cannot finish within the grace period (4,000 tokens: 24 s at the 4-bit
+    # default's 6 ms a token on a quiet CPU, against 8 s): it is ended, with a message.
     assert long_["status"] == 200 and long_["done"] and long_["error"], long_
     assert srv.proc.returncode == 0, srv.log()[-3000:]
     assert during["ready"] == 503 and during["completion"] == 503 and during["v2"] == 503
@@ -184,7 +185,7 @@ async def _drain(srv: Server, grace: float) -> tuple[list[dict[str, Any]], dict[
         short = [asyncio.ensure_future(read_stream(client, cmpl(max_tokens=12, ignore_eos=True),
                                                    firsts[i])) for i in range(3)]
         long_ = asyncio.ensure_future(read_stream(
-            client, cmpl(max_tokens=1000, ignore_eos=True), firsts[3]))
+            client, cmpl(max_tokens=4000, ignore_eos=True), firsts[3]))
         await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)
         sent = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)

@@ -80,7 +80,8 @@ def test_another_model_or_dtype_gets_another_folder():
 
 
 def test_tier_moves_are_kv_events_with_the_tier_medium(tmp_path: Path):
-    msgpack = pytest.importorskip("msgpack")
+    import msgpack  # a dependency (pyproject.toml): missing, the test must fail
+
     tier = KVTier(tmp_path, SIZE, 1 * SIZE, block_size=4)
     stored(tier, [1, 2])  # 2 pushes 1 out
     _, events = msgpack.unpackb(encode_batch(0.0, tier.take_events(), "CPU"))

@@ -110,6 +110,23 @@ static inline float pa_softmax_step(float *p, int n, int first, float *m, float 
     return corr;
 }
 
+/* One head's accumulator a[hd] rescaled by `corr` plus the chunk's n value rows (fp32, row
+ * stride hd) weighted by p: the online softmax's value step (paged_bf16.c, paged_q8.c). */
+static inline void pa_accumulate_v(float *a, float corr, const float *p, const float *vbuf,
+                                   int n, int hd) {
+    int d = 0;
+    for (; d + KP_VW <= hd; d += KP_VW) {
+        vf x = vload(a + d) * corr;
+        for (int t = 0; t < n; ++t) x = vfma(vset1(p[t]), vload(vbuf + t * hd + d), x);
+        vstore(a + d, x);
+    }
+    for (; d < hd; ++d) {
+        float x = a[d] * corr;
+        for (int t = 0; t < n; ++t) x += p[t] * vbuf[t * hd + d];
+        a[d] = x;
+    }
+}
+
 /* Query heads per tile for R rows: AVX-512 as many as keep the V accumulators of whole heads
  * in registers (head_dim 64: 4 for one row, 3 for two; 128: 2 and 1); AVX2 3 (3 or 6 score
  * rows: enough independent FMAs to hide their latency; its V loop goes over the head in

@@ -99,18 +99,7 @@ static void item_q8(const float *q, const q8_layout *kv, const int32_t *table, i
                 for (int t = 0; t < n; ++t) p[t] = softcap * tanhf(p[t] * inv_cap);
             const float corr = pa_softmax_step(p, n, c0 == start, &m[g], &l[g]);
             for (int t = 0; t < n; ++t) p[t] *= vmul[t];  /* the value's scale, after the sum */
-            float *a = acc + (int64_t)g * hd;
-            int d = 0;
-            for (; d + KP_VW <= hd; d += KP_VW) {
-                vf x = vload(a + d) * corr;
-                for (int t = 0; t < n; ++t) x = vfma(vset1(p[t]), vload(vbuf + t * hd + d), x);
-                vstore(a + d, x);
-            }
-            for (; d < hd; ++d) {
-                float x = a[d] * corr;
-                for (int t = 0; t < n; ++t) x += p[t] * vbuf[t * hd + d];
-                a[d] = x;
-            }
+            pa_accumulate_v(acc + (int64_t)g * hd, corr, p, vbuf, n, hd);
         }
     }
     for (int g = 0; g < group; ++g) {
