@@ -143,3 +143,39 @@ def test_a_grammar_that_matches_nothing_fails_its_request_with_400():
     assert outputs["fine"].error is None and len(outputs["fine"].outputs[0].token_ids) == 4
     assert llm.stats()["kv_blocks_in_use"] == 0
     engine.close()
+
+
+def test_a_compile_done_before_its_callback_is_added_does_not_hang_the_caller():
+    """A compile can end before `submit` registers its size callback (a tiny grammar on a busy
+    machine); the callback then runs in the caller's thread and must not wait on a lock the
+    caller holds. A synchronous pool makes that case certain here."""
+    import concurrent.futures
+    import threading
+
+    from engine.sample.structured_output import GrammarCompiler
+
+    class SyncPool:
+        def submit(self, fn, *args):
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_result(fn(*args))
+            return future
+
+        def shutdown(self, **_):
+            pass
+
+    class Compiled:
+        memory_size_bytes = 10
+
+    compiler = GrammarCompiler(None, 8, [0])
+    compiler._compile = lambda spec: Compiled()  # type: ignore[method-assign]
+    compiler._pool = SyncPool()  # type: ignore[assignment]
+    spec = StructuredOutputs(choice=["a", "b"])
+    submitted: list[concurrent.futures.Future] = []
+    caller = threading.Thread(target=lambda: submitted.append(compiler.submit(spec)),
+                              daemon=True)
+    caller.start()
+    caller.join(timeout=10)
+    assert not caller.is_alive(), "submit hung on its own lock"
+    assert submitted[0].result().memory_size_bytes == 10
+    assert compiler.cached_bytes == 10  # the callback ran and counted it
+    assert compiler.submit(spec) is submitted[0]  # cached

@@ -71,8 +71,10 @@ class GrammarCompiler:
             future = self._pool.submit(self._compile, spec)
             self._cache[spec.key] = future
             self._sizes.pop(spec.key, None)
-            future.add_done_callback(lambda f, key=spec.key: self._sized(key, f))
-            return future
+        # Outside the lock: a compile that already finished runs the callback right here, and
+        # _sized takes the (non-reentrant) lock, which would hang the engine thread for good.
+        future.add_done_callback(lambda f, key=spec.key: self._sized(key, f))
+        return future
 
     def _sized(self, key: str, future: concurrent.futures.Future) -> None:
         """Count a finished compile's bytes, then evict the least recently used to fit."""
