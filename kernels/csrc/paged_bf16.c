@@ -159,6 +159,199 @@ static void item_bf16(const uint16_t *q, const kv16_layout *kv, const int32_t *t
     }
 }
 
+/* ---- Head dims 64 and 128 (pa_vector_head): spans of keys, scores first, then values ---- */
+
+#define SPAN 256      /* keys per span: scores of a span for every head of the group, then V */
+#define PF_AHEAD 32   /* keys ahead whose K and V rows the score loop prefetches */
+#define V_HEADS 4     /* query heads at most per pass over a span's values */
+
+/* Offsets (bf16 elements from k_base or v_base) of the rows of keys c0 .. c0 + n - 1 of KV
+ * head kvh: block by block, one division per span. */
+static inline void span_offsets(const kv16_layout *kv, const int32_t *table, int32_t c0, int n,
+                                int kvh, int hd, int64_t *off) {
+    const int32_t bs = kv->block_size;
+    int32_t b = c0 / bs, u = c0 % bs;
+    for (int t = 0; t < n; ++b, u = 0) {
+        const int64_t base = (int64_t)table[b] * bs * kv->tok_stride + (int64_t)kvh * hd;
+        for (; u < bs && t < n; ++u, ++t) off[t] = base + (int64_t)u * kv->tok_stride;
+    }
+}
+
+/* The K and V rows (hd bf16 each) at offset o toward the caches. */
+static inline void prefetch_kv(const kv16_layout *kv, int64_t o, int hd) {
+    for (int d = 0; d < hd; d += 32) {
+        __builtin_prefetch(kv->k_base + o + d, 0, 3);
+        __builtin_prefetch(kv->v_base + o + d, 0, 3);
+    }
+}
+
+/* s[g * SPAN + t] = scale * q_g.k_t for the n keys at off[0 .. n) and the `group` query heads
+ * from q (bf16, rows of HD), KP_VW keys at a time, their horizontal sums taken together
+ * (vhsum_lanes); lanes past n hold garbage-free zeros. The K and V rows of keys
+ * off[n .. n_ahead) are prefetched on the way. */
+static inline __attribute__((always_inline)) void span_scores(
+    const uint16_t *q, const float *qf, int group, const int HD, const kv16_layout *kv,
+    const int64_t *off, int n, int n_ahead, float scale, float *s) {
+#if !defined(__AVX512BF16__)
+    float kbuf[KP_VW * MAX_HEAD_DIM];
+    (void)q;
+#else
+    (void)qf;
+#endif
+    for (int t = 0; t < n; t += KP_VW) {
+        const int m = n - t < KP_VW ? n - t : KP_VW;
+        for (int u = t + PF_AHEAD; u < t + PF_AHEAD + KP_VW && u < n_ahead; ++u)
+            prefetch_kv(kv, off[u], HD);
+#if defined(__AVX512BF16__)
+        for (int g = 0; g < group; ++g) {
+            __m512bh qv[128 / 32];
+            for (int j = 0; j < HD / 32; ++j)
+                qv[j] = (__m512bh)_mm512_loadu_si512(q + (int64_t)g * HD + 32 * j);
+            vf part[KP_VW];
+            for (int u = 0; u < KP_VW; ++u) {
+                __m512 a = _mm512_setzero_ps();
+                if (u < m) {
+                    const uint16_t *k = kv->k_base + off[t + u];
+                    for (int j = 0; j < HD / 32; ++j)
+                        a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(k + 32 * j));
+                }
+                part[u] = a;
+            }
+            vstore(s + (int64_t)g * SPAN + t, vhsum_lanes(part) * scale);
+        }
+#else
+        for (int u = 0; u < m; ++u)
+            for (int j = 0; j < HD; j += KP_VW)
+                vstore(kbuf + u * HD + j, vload_bf16(kv->k_base + off[t + u] + j));
+        for (int g = 0; g < group; ++g) {
+            const float *qg = qf + (int64_t)g * HD;
+            vf part[KP_VW];
+            for (int u = 0; u < KP_VW; ++u) {
+                vf a = vzero();
+                if (u < m)
+                    for (int j = 0; j < HD; j += KP_VW)
+                        a = vfma(vload(qg + j), vload(kbuf + u * HD + j), a);
+                part[u] = a;
+            }
+            vstore(s + (int64_t)g * SPAN + t, vhsum_lanes(part) * scale);
+        }
+#endif
+    }
+}
+
+/* Online softmax over a span: p[0 .. n) (n <= SPAN) replaced by exp(p - new max), the running
+ * max *m and sum *l updated; returns the factor for the old sum and accumulator. */
+static inline float span_softmax(float *p, int n, int first, float *m, float *l) {
+    const int full = n / KP_VW * KP_VW;
+    vf vmx = vset1(-3.0e38f);
+    for (int t = 0; t < full; t += KP_VW) vmx = vmax(vmx, vload(p + t));
+    if (full < n) vmx = vmax(vmx, vselect(vlanes_below(n - full), vload(p + full), vmx));
+    float mx = vhmax(vmx);
+    if (!first && *m > mx) mx = *m;
+    const float corr = first ? 0.0f : expf(*m - mx);
+    vf sum = vzero();
+    for (int t = 0; t < full; t += KP_VW) {
+        const vf e = vexp(vload(p + t) - mx);
+        vstore(p + t, e);
+        sum += e;
+    }
+    if (full < n) {
+        const vf e = vselect(vlanes_below(n - full), vexp(vload(p + full) - mx), vzero());
+        vstore(p + full, e);
+        sum += e;
+    }
+    *l = *l * corr + vhsum(sum);
+    *m = mx;
+    return corr;
+}
+
+/* HB query heads' accumulators (acc: rows of NV vectors) rescaled by corr[h] plus the n value
+ * rows at off weighted by p (row h at p + h * SPAN): each V row widened once for all HB
+ * heads, the accumulators in registers (a slice of the head at a time where they do not fit:
+ * pa_v_slice). */
+static inline __attribute__((always_inline)) void span_values(
+    float *acc, const float *corr, const float *p, const uint16_t *vb, const int64_t *off, int n,
+    const int HB, const int NV) {
+    const int DV = pa_v_slice(HB, NV);
+    for (int j0 = 0; j0 < NV; j0 += DV) {
+        vf a[V_HEADS][MAX_NV];
+        for (int h = 0; h < HB; ++h)
+            for (int j = 0; j < DV; ++j)
+                a[h][j] = vload(acc + (h * NV + j0 + j) * KP_VW) * corr[h];
+        for (int t = 0; t < n; ++t) {
+            const uint16_t *vt = vb + off[t] + KP_VW * j0;
+            vf v[MAX_NV];
+            for (int j = 0; j < DV; ++j) v[j] = vload_bf16(vt + KP_VW * j);
+            for (int h = 0; h < HB; ++h) {
+                const vf w = vset1(p[h * SPAN + t]);
+                for (int j = 0; j < DV; ++j) a[h][j] = vfma(w, v[j], a[h][j]);
+            }
+        }
+        for (int h = 0; h < HB; ++h)
+            for (int j = 0; j < DV; ++j) vstore(acc + (h * NV + j0 + j) * KP_VW, a[h][j]);
+    }
+}
+
+/* item_bf16 for head dim HD (64 or 128): per span of SPAN keys, the scores of every query head
+ * of the group (each K row read once per head from L1, the next rows prefetched), their online
+ * softmax, then the values, V_HEADS heads at a time. */
+static inline __attribute__((always_inline)) void item_span(
+    const uint16_t *q, const kv16_layout *kv, const int32_t *table, int32_t start, int32_t len,
+    int kvh, int group, const int HD, float scale, float softcap, uint16_t *out) {
+    float s[MAX_GROUP * SPAN], acc[MAX_GROUP * 128], m[MAX_GROUP], l[MAX_GROUP], corr[MAX_GROUP];
+    float qf[MAX_GROUP * 128];
+    int64_t off[SPAN + PF_AHEAD + KP_VW];
+#if !defined(__AVX512BF16__)
+    for (int g = 0; g < group; ++g) widen(q + (int64_t)g * HD, qf + (int64_t)g * HD, HD);
+#endif
+    for (int i = 0; i < group * HD; ++i) acc[i] = 0.0f;
+    for (int g = 0; g < group; ++g) m[g] = l[g] = 0.0f;
+    const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
+    for (int32_t c0 = start; c0 < len; c0 += SPAN) {
+        const int n = (len - c0) < SPAN ? (len - c0) : SPAN;
+        const int ahead = (len - c0) < SPAN + PF_AHEAD + KP_VW ? (len - c0) : SPAN + PF_AHEAD + KP_VW;
+        span_offsets(kv, table, c0, ahead, kvh, HD, off);
+        if (c0 == start)
+            for (int u = 0; u < PF_AHEAD && u < ahead; ++u) prefetch_kv(kv, off[u], HD);
+        span_scores(q, qf, group, HD, kv, off, n, ahead, scale, s);
+        for (int g = 0; g < group; ++g) {
+            float *p = s + (int64_t)g * SPAN;
+            if (softcap > 0.0f)
+                for (int t = 0; t < n; ++t) p[t] = softcap * tanhf(p[t] * inv_cap);
+            corr[g] = span_softmax(p, n, c0 == start, &m[g], &l[g]);
+        }
+        for (int g0 = 0; g0 < group; g0 += V_HEADS) {
+            float *a = acc + (int64_t)g0 * HD;
+            const float *p = s + (int64_t)g0 * SPAN;
+#define SV(HB) span_values(a, corr + g0, p, kv->v_base, off, n, HB, HD / KP_VW)
+            switch (group - g0) {
+                case 1: SV(1); break;
+                case 2: SV(2); break;
+                case 3: SV(3); break;
+                default: SV(4); break;
+            }
+#undef SV
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        const vf inv = vset1(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+        for (int d = 0; d < HD; d += KP_VW)
+            vstore_bf16_n(out + (int64_t)g * HD + d, vload(acc + g * HD + d) * inv, KP_VW);
+    }
+}
+
+static void item_span64(const uint16_t *q, const kv16_layout *kv, const int32_t *table,
+                        int32_t start, int32_t len, int kvh, int group, float scale,
+                        float softcap, uint16_t *out) {
+    item_span(q, kv, table, start, len, kvh, group, 64, scale, softcap, out);
+}
+
+static void item_span128(const uint16_t *q, const kv16_layout *kv, const int32_t *table,
+                         int32_t start, int32_t len, int kvh, int group, float scale,
+                         float softcap, uint16_t *out) {
+    item_span(q, kv, table, start, len, kvh, group, 128, scale, softcap, out);
+}
+
 int kp_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *kv,
                        int64_t num_blocks, int32_t block_size, int32_t num_kv_heads,
                        int32_t head_dim, int32_t num_heads, const int32_t *block_tables,
@@ -214,8 +407,14 @@ int kp_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *
         }
         const int32_t len = row_lens[row];
         const int32_t start = (window > 0 && len > window) ? len - window : 0;
-        item_bf16(q + tok * q_row_stride + head0, &layout, table, start, len, kvh, group,
-                  head_dim, scale, softcap, out + tok * out_row_stride + head0);
+        const uint16_t *qh = q + tok * q_row_stride + head0;
+        uint16_t *oh = out + tok * out_row_stride + head0;
+        if (head_dim == 64)
+            item_span64(qh, &layout, table, start, len, kvh, group, scale, softcap, oh);
+        else if (head_dim == 128)
+            item_span128(qh, &layout, table, start, len, kvh, group, scale, softcap, oh);
+        else
+            item_bf16(qh, &layout, table, start, len, kvh, group, head_dim, scale, softcap, oh);
     }
     free(group_of);
     free(grp);

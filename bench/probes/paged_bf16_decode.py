@@ -1,0 +1,131 @@
+"""bf16 decode attention alone (`kp_paged_rows_bf16`'s row kernel): this tree against a git rev.
+
+A probe for BENCHMARKS.md (not part of the engine). The W1-like decode step of SmolLM2-135M:
+`--rows` decode rows with contexts drawn from 100-600 (seeded), 9 query heads over 3 KV heads
+of 64, blocks of 16 in shuffled order, bf16 cache. The library of this tree (the loader's
+build) and the library built from `--base` (default HEAD: `git archive` of kernels/csrc into a
+temp dir, compiled with the loader's flags for the same level) are called straight through
+ctypes, interleaved round by round, best of `--rounds`, per thread count. `--layers` separate
+caches are cycled through as a model's layers are, so the keys and values come from memory
+rather than a warm L3 (`--layers 1`: one layer, cache-resident). Also printed: each build's
+largest error against fp32 attention over the same bf16 values, and whether the two agree bit
+for bit.
+
+    python bench/probes/paged_bf16_decode.py [--base REV] [--threads 1,2] [--rounds R]
+        [--rows N] [--layers L]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from kernels.cpu_native import abi, loader  # noqa: E402
+from kernels.metadata import AttentionMetadata  # noqa: E402
+from kernels.reference import paged_attention_ref  # noqa: E402
+from kernels.testing import make_case  # noqa: E402
+
+
+def build_base(rev: str, out_dir: Path) -> ctypes.CDLL:
+    """The library as of git rev `rev`, for the level the loader picked here."""
+    src = out_dir / "src"
+    src.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "kernels/csrc"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    csrc = src / "kernels" / "csrc"
+    so = out_dir / "base.so"
+    proc = subprocess.run([loader.find_compiler(), *loader.flags_for(loader.loaded_level()),
+                           *(str(csrc / p.name) for p in loader.SOURCES), "-o", str(so), "-lm"],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(proc.stderr[-2000:])
+    return ctypes.CDLL(str(so))
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    restype, argtypes = abi.FUNCTIONS["kp_paged_rows_bf16"]
+    lib.kp_paged_rows_bf16.restype, lib.kp_paged_rows_bf16.argtypes = restype, list(argtypes)
+    lib.kp_set_threads.restype, lib.kp_set_threads.argtypes = None, [ctypes.c_int]
+    return lib
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", default="HEAD")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rows", type=int, default=48)
+    ap.add_argument("--layers", type=int, default=8)
+    args = ap.parse_args()
+    assert loader.load() is not None
+    new = bind(loader.loaded())
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(100, 601, (args.rows,), generator=gen).tolist()
+    cases = [make_case(lens, [1] * args.rows, num_heads=9, num_kv_heads=3, head_dim=64,
+                       dtype=torch.bfloat16, seed=layer) for layer in range(args.layers)]
+    calls = []
+    for case in cases:
+        q, kv, bt, seq_lens, starts, scale = case.args()
+        meta = AttentionMetadata.build(bt, seq_lens, starts)
+        row_lens, row_seq = meta.rows(args.rows)
+        bt, row_lens = bt.contiguous(), row_lens.int().contiguous()
+        tok, seq = torch.arange(args.rows), row_seq.long().contiguous()
+        calls.append((q, kv, bt, row_lens, tok, seq, scale, torch.zeros_like(q)))
+
+    def run(lib: ctypes.CDLL, c: tuple) -> None:
+        q, kv, bt, row_lens, tok, seq, scale, out = c
+        rc = lib.kp_paged_rows_bf16(
+            q.data_ptr(), q.stride(0), kv.data_ptr(), kv.shape[1], kv.shape[2], kv.shape[3],
+            kv.shape[4], q.shape[1], bt.data_ptr(), bt.stride(0), row_lens.data_ptr(),
+            tok.data_ptr(), seq.data_ptr(), tok.numel(), float(scale), 0, 0.0, out.data_ptr(),
+            out.stride(0))
+        assert rc == 0, rc
+
+    with tempfile.TemporaryDirectory() as tmp:
+        base = bind(build_base(args.base, Path(tmp)))
+        libs = {"base": base, "new": new}
+        outs = {}
+        for name, lib in libs.items():
+            run(lib, calls[0])
+            outs[name] = calls[0][-1].clone()
+        truth = paged_attention_ref(*(t.float() if torch.is_tensor(t) and t.is_floating_point()
+                                      else t for t in cases[0].args()))
+        err = {k: float((o.float() - truth).abs().max()) for k, o in outs.items()}
+        print(f"level {loader.loaded_level().name}, rows {args.rows}, contexts mean "
+              f"{sum(lens) / len(lens):.0f}, layers {args.layers}; max |err| vs fp32: "
+              + ", ".join(f"{k} {v:.2e}" for k, v in err.items())
+              + f"; bitwise equal: {torch.equal(outs['base'], outs['new'])}", flush=True)
+        result = {}
+        for threads in (int(t) for t in args.threads.split(",")):
+            for lib in libs.values():
+                lib.kp_set_threads(threads)
+            best = {k: float("inf") for k in libs}
+            for _ in range(args.rounds):
+                for name, lib in libs.items():
+                    for c in calls:
+                        run(lib, c)  # warm: the same order of layers as timed
+                    t0 = time.perf_counter()
+                    for c in calls:
+                        run(lib, c)
+                    best[name] = min(best[name], (time.perf_counter() - t0) / len(calls) * 1e3)
+            result[threads] = best
+            print(f"threads {threads}: ms per layer call, best of {args.rounds}: base "
+                  f"{best['base']:.3f}, new {best['new']:.3f}, speedup "
+                  f"{best['base'] / best['new']:.2f}x", flush=True)
+    print(json.dumps({"level": loader.loaded_level().name, "rows": args.rows,
+                      "layers": args.layers, "max_err": err, "ms": result}))
+
+
+if __name__ == "__main__":
+    main()
