@@ -186,9 +186,10 @@ static inline void prefetch_kv(const kv16_layout *kv, int64_t o, int hd) {
 }
 
 /* s[g * SPAN + t] = scale * q_g.k_t for the n keys at off[0 .. n) and the `group` query heads
- * from q (bf16, rows of HD), KP_VW keys at a time, their horizontal sums taken together
- * (vhsum_lanes); lanes past n hold garbage-free zeros. The K and V rows of keys
- * off[n .. n_ahead) are prefetched on the way. */
+ * from q (bf16, rows of HD; qf: the same widened, for levels without the BF16 dot), KP_VW keys
+ * at a time, their horizontal sums taken together (vhsum_lanes; a short last group repeats its
+ * first key, lanes past n are never read). The K and V rows of keys up to n_ahead are
+ * prefetched PF_AHEAD keys ahead. */
 static inline __attribute__((always_inline)) void span_scores(
     const uint16_t *q, const float *qf, int group, const int HD, const kv16_layout *kv,
     const int64_t *off, int n, int n_ahead, float scale, float *s) {
@@ -202,35 +203,34 @@ static inline __attribute__((always_inline)) void span_scores(
         const int m = n - t < KP_VW ? n - t : KP_VW;
         for (int u = t + PF_AHEAD; u < t + PF_AHEAD + KP_VW && u < n_ahead; ++u)
             prefetch_kv(kv, off[u], HD);
+        const uint16_t *k[KP_VW];
+        for (int u = 0; u < KP_VW; ++u) k[u] = kv->k_base + off[t + (u < m ? u : 0)];
 #if defined(__AVX512BF16__)
         for (int g = 0; g < group; ++g) {
             __m512bh qv[128 / 32];
             for (int j = 0; j < HD / 32; ++j)
                 qv[j] = (__m512bh)_mm512_loadu_si512(q + (int64_t)g * HD + 32 * j);
             vf part[KP_VW];
+#pragma GCC unroll 16
             for (int u = 0; u < KP_VW; ++u) {
                 __m512 a = _mm512_setzero_ps();
-                if (u < m) {
-                    const uint16_t *k = kv->k_base + off[t + u];
-                    for (int j = 0; j < HD / 32; ++j)
-                        a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(k + 32 * j));
-                }
+                for (int j = 0; j < HD / 32; ++j)
+                    a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(k[u] + 32 * j));
                 part[u] = a;
             }
             vstore(s + (int64_t)g * SPAN + t, vhsum_lanes(part) * scale);
         }
 #else
-        for (int u = 0; u < m; ++u)
-            for (int j = 0; j < HD; j += KP_VW)
-                vstore(kbuf + u * HD + j, vload_bf16(kv->k_base + off[t + u] + j));
+        for (int u = 0; u < KP_VW; ++u)
+            for (int j = 0; j < HD; j += KP_VW) vstore(kbuf + u * HD + j, vload_bf16(k[u] + j));
         for (int g = 0; g < group; ++g) {
             const float *qg = qf + (int64_t)g * HD;
             vf part[KP_VW];
+#pragma GCC unroll 16
             for (int u = 0; u < KP_VW; ++u) {
-                vf a = vzero();
-                if (u < m)
-                    for (int j = 0; j < HD; j += KP_VW)
-                        a = vfma(vload(qg + j), vload(kbuf + u * HD + j), a);
+                vf a = vload(qg) * vload(kbuf + u * HD);
+                for (int j = KP_VW; j < HD; j += KP_VW)
+                    a = vfma(vload(qg + j), vload(kbuf + u * HD + j), a);
                 part[u] = a;
             }
             vstore(s + (int64_t)g * SPAN + t, vhsum_lanes(part) * scale);
