@@ -5,7 +5,7 @@ A probe for BENCHMARKS.md (not part of the engine). The W1-like decode step of S
 of 64, blocks of 16 in shuffled order, bf16 cache. The library of this tree (the loader's
 build) and the library built from `--base` (default HEAD: `git archive` of kernels/csrc into a
 temp dir, compiled with the loader's flags for the same level) are called straight through
-ctypes, interleaved round by round, best of `--rounds`, per thread count. `--layers` separate
+ctypes, interleaved round by round (the order swapped each round), best of `--rounds`, per thread count. `--layers` separate
 caches are cycled through as a model's layers are, so the keys and values come from memory
 rather than a warm L3 (`--layers 1`: one layer, cache-resident). Also printed: each build's
 largest error against fp32 attention over the same bf16 values, and whether the two agree bit
@@ -64,7 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--rows", type=int, default=48)
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args()
@@ -111,10 +111,11 @@ def main() -> None:
             for lib in libs.values():
                 lib.kp_set_threads(threads)
             best = {k: float("inf") for k in libs}
-            for _ in range(args.rounds):
-                for name, lib in libs.items():
-                    for c in calls:
-                        run(lib, c)  # warm: the same order of layers as timed
+            for name, lib in libs.items():
+                for c in calls:
+                    run(lib, c)  # warm: code, scratch, threads
+            for r in range(args.rounds):
+                for name, lib in sorted(libs.items(), reverse=r % 2 == 1):
                     t0 = time.perf_counter()
                     for c in calls:
                         run(lib, c)

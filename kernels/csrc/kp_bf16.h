@@ -36,6 +36,15 @@ static inline vf vload_bf16(const uint16_t *p) {
 /* Lanes as unsigned 32-bit integers (bf16 pairs, rounding by bit arithmetic). */
 typedef uint32_t vu __attribute__((vector_size(4 * KP_VW)));
 
+/* 2 * KP_VW bf16 values from p, widened in their pairs' order: even[j] = p[2j], odd[j] =
+ * p[2j + 1] (no shuffle: a shift and a mask of the 32-bit lanes). */
+typedef uint32_t vu_unaligned __attribute__((vector_size(4 * KP_VW), aligned(2), may_alias));
+static inline void vload_bf16_eo(const uint16_t *p, vf *even, vf *odd) {
+    const vu u = *(const vu_unaligned *)p;
+    *even = (vf)(u << 16);
+    *odd = (vf)(u & 0xffff0000u);
+}
+
 /* v rounded to bf16 lane by lane (nearest even, NaN kept quiet: f32_to_bf16's rule), the bf16 in
  * the high half of each lane and zeros in the low half. */
 static inline vu vbf16_hi(vf v) {
@@ -58,6 +67,12 @@ static inline vu vbf16_pairs(vf w0, vf w1) {
 #else
     return (vbf16_hi(w0) >> 16) | vbf16_hi(w1);
 #endif
+}
+
+/* vload_bf16_eo's inverse: even and odd rounded to bf16 (vbf16_hi) and stored interleaved,
+ * 2 * KP_VW values at p. */
+static inline void vstore_bf16_eo(uint16_t *p, vf even, vf odd) {
+    *(vu_unaligned *)p = (vbf16_hi(even) >> 16) | vbf16_hi(odd);
 }
 
 /* v rounded to bf16 (vbf16_hi), the first n lanes stored at p. */

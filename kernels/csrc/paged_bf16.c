@@ -222,7 +222,12 @@ static inline __attribute__((always_inline)) void span_scores(
         }
 #else
         for (int u = 0; u < KP_VW; ++u)
-            for (int j = 0; j < HD; j += KP_VW) vstore(kbuf + u * HD + j, vload_bf16(k[u] + j));
+            for (int j = 0; j < HD; j += 2 * KP_VW) {
+                vf e, o;
+                vload_bf16_eo(k[u] + j, &e, &o);
+                vstore(kbuf + u * HD + j, e);
+                vstore(kbuf + u * HD + j + KP_VW, o);
+            }
         for (int g = 0; g < group; ++g) {
             const float *qg = qf + (int64_t)g * HD;
             vf part[KP_VW];
@@ -265,10 +270,11 @@ static inline float span_softmax(float *p, int n, int first, float *m, float *l)
     return corr;
 }
 
-/* HB query heads' accumulators (acc: rows of NV vectors) rescaled by corr[h] plus the n value
- * rows at off weighted by p (row h at p + h * SPAN): each V row widened once for all HB
- * heads, the accumulators in registers (a slice of the head at a time where they do not fit:
- * pa_v_slice). */
+/* HB query heads' accumulators (acc: rows of NV vectors in vload_bf16_eo's order, each pair of
+ * vectors the even and odd dims of 2 * KP_VW) rescaled by corr[h] plus the n value rows at off
+ * weighted by p (row h at p + h * SPAN): each V row widened once for all HB heads, the
+ * accumulators in registers (a slice of the head at a time where they do not fit: pa_v_slice,
+ * at least 2 vectors at every level). */
 static inline __attribute__((always_inline)) void span_values(
     float *acc, const float *corr, const float *p, const uint16_t *vb, const int64_t *off, int n,
     const int HB, const int NV) {
@@ -281,7 +287,7 @@ static inline __attribute__((always_inline)) void span_values(
         for (int t = 0; t < n; ++t) {
             const uint16_t *vt = vb + off[t] + KP_VW * j0;
             vf v[MAX_NV];
-            for (int j = 0; j < DV; ++j) v[j] = vload_bf16(vt + KP_VW * j);
+            for (int j = 0; j < DV; j += 2) vload_bf16_eo(vt + KP_VW * j, &v[j], &v[j + 1]);
             for (int h = 0; h < HB; ++h) {
                 const vf w = vset1(p[h * SPAN + t]);
                 for (int j = 0; j < DV; ++j) a[h][j] = vfma(w, v[j], a[h][j]);
@@ -299,10 +305,15 @@ static inline __attribute__((always_inline)) void item_span(
     const uint16_t *q, const kv16_layout *kv, const int32_t *table, int32_t start, int32_t len,
     int kvh, int group, const int HD, float scale, float softcap, uint16_t *out) {
     float s[MAX_GROUP * SPAN], acc[MAX_GROUP * 128], m[MAX_GROUP], l[MAX_GROUP], corr[MAX_GROUP];
-    float qf[MAX_GROUP * 128];
+    float qf[MAX_GROUP * 128];  /* q widened in vload_bf16_eo's order (no BF16 dot) */
     int64_t off[SPAN + PF_AHEAD + KP_VW];
 #if !defined(__AVX512BF16__)
-    for (int g = 0; g < group; ++g) widen(q + (int64_t)g * HD, qf + (int64_t)g * HD, HD);
+    for (int i = 0; i < group * HD; i += 2 * KP_VW) {
+        vf e, o;
+        vload_bf16_eo(q + i, &e, &o);
+        vstore(qf + i, e);
+        vstore(qf + i + KP_VW, o);
+    }
 #endif
     for (int i = 0; i < group * HD; ++i) acc[i] = 0.0f;
     for (int g = 0; g < group; ++g) m[g] = l[g] = 0.0f;
@@ -335,8 +346,9 @@ static inline __attribute__((always_inline)) void item_span(
     }
     for (int g = 0; g < group; ++g) {
         const vf inv = vset1(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
-        for (int d = 0; d < HD; d += KP_VW)
-            vstore_bf16_n(out + (int64_t)g * HD + d, vload(acc + g * HD + d) * inv, KP_VW);
+        for (int d = 0; d < HD; d += 2 * KP_VW)
+            vstore_bf16_eo(out + (int64_t)g * HD + d, vload(acc + g * HD + d) * inv,
+                           vload(acc + g * HD + d + KP_VW) * inv);
     }
 }
 
