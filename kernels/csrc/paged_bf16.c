@@ -173,7 +173,9 @@ static inline void span_offsets(const kv16_layout *kv, const int32_t *table, int
     int32_t b = c0 / bs, u = c0 % bs;
     for (int t = 0; t < n; ++b, u = 0) {
         const int64_t base = (int64_t)table[b] * bs * kv->tok_stride + (int64_t)kvh * hd;
-        for (; u < bs && t < n; ++u, ++t) off[t] = base + (int64_t)u * kv->tok_stride;
+        const int cnt = bs - u < n - t ? bs - u : n - t;
+        for (int i = 0; i < cnt; ++i) off[t + i] = base + (int64_t)(u + i) * kv->tok_stride;
+        t += cnt;
     }
 }
 
@@ -201,8 +203,8 @@ static inline __attribute__((always_inline)) void span_scores(
 #endif
     for (int t = 0; t < n; t += KP_VW) {
         const int m = n - t < KP_VW ? n - t : KP_VW;
-        for (int u = t + PF_AHEAD; u < t + PF_AHEAD + KP_VW && u < n_ahead; ++u)
-            prefetch_kv(kv, off[u], HD);
+        const int pf_end = t + PF_AHEAD + KP_VW < n_ahead ? t + PF_AHEAD + KP_VW : n_ahead;
+        for (int u = t + PF_AHEAD; u < pf_end; ++u) prefetch_kv(kv, off[u], HD);
         const uint16_t *k[KP_VW];
         for (int u = 0; u < KP_VW; ++u) k[u] = kv->k_base + off[t + (u < m ? u : 0)];
 #if defined(__AVX512BF16__)
