@@ -187,17 +187,39 @@ static inline void prefetch_kv(const kv16_layout *kv, int64_t o, int hd) {
     }
 }
 
+#if defined(__AVX512BF16__)
+typedef __m512i vq_t; /* a query's 32 bf16 dims, and the same with its 256-bit halves swapped */
+
+/* The 8 pair sums of span_scores to the 16 keys' dot products, key i in lane i: block b of
+ * the result gathers the halves of block b's keys (vhsum_lanes' tree, three levels). */
+static inline vf hsum_key_pairs(const vf v[8]) {
+    __m512 x[4], y[2];
+    for (int i = 0; i < 4; ++i)
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; ++i) {
+        const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+        y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
+                         _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+}
+#else
+typedef int vq_t; /* unused without the BF16 dot */
+#endif
+
 /* s[g * SPAN + t] = scale * q_g.k_t for the n keys at off[0 .. n) and the `group` query heads
  * from q (bf16, rows of HD; qf: the same widened, for levels without the BF16 dot), KP_VW keys
  * at a time, their horizontal sums taken together (vhsum_lanes; a short last group repeats its
  * first key, lanes past n are never read). The K and V rows of keys up to n_ahead are
  * prefetched PF_AHEAD keys ahead. */
 static inline __attribute__((always_inline)) void span_scores(
-    const uint16_t *q, const float *qf, int group, const int HD, const kv16_layout *kv,
+    const vq_t *qp, const float *qf, int group, const int HD, const kv16_layout *kv,
     const int64_t *off, int n, int n_ahead, float scale, float *s) {
 #if !defined(__AVX512BF16__)
     float kbuf[KP_VW * MAX_HEAD_DIM];
-    (void)q;
+    (void)qp;
 #else
     (void)qf;
 #endif
@@ -208,19 +230,33 @@ static inline __attribute__((always_inline)) void span_scores(
         const uint16_t *k[KP_VW];
         for (int u = 0; u < KP_VW; ++u) k[u] = kv->k_base + off[t + (u < m ? u : 0)];
 #if defined(__AVX512BF16__)
-        for (int g = 0; g < group; ++g) {
-            __m512bh qv[128 / 32];
-            for (int j = 0; j < HD / 32; ++j)
-                qv[j] = (__m512bh)_mm512_loadu_si512(q + (int64_t)g * HD + 32 * j);
-            vf part[KP_VW];
-#pragma GCC unroll 16
-            for (int u = 0; u < KP_VW; ++u) {
-                __m512 a = _mm512_setzero_ps();
-                for (int j = 0; j < HD / 32; ++j)
-                    a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(k[u] + 32 * j));
-                part[u] = a;
+        /* Keys in pairs (c, 4 + c) and (8 + c, 12 + c), c < 4: x holds the first key's low and
+         * the second key's high half of each 32 dims, y the rest, crosswise; against q and q
+         * with its halves swapped, lanes 0-7 of a pair's sum are the first key's partial dot
+         * products and lanes 8-15 the second's. Built once for every head of the group. */
+        __m512i x[8][128 / 32], y[8][128 / 32];
+        for (int p = 0; p < 8; ++p) {
+            const uint16_t *ka = k[(p / 4) * 8 + p % 4], *kb = k[(p / 4) * 8 + p % 4 + 4];
+            for (int j = 0; j < HD / 32; ++j) {
+                const __m512i a = _mm512_loadu_si512(ka + 32 * j);
+                const __m512i b = _mm512_loadu_si512(kb + 32 * j);
+                x[p][j] = _mm512_mask_blend_epi32(0xFF00, a, b);
+                y[p][j] = _mm512_shuffle_i64x2(a, b, 0x4E);
             }
-            vstore(s + (int64_t)g * SPAN + t, vhsum_lanes(part) * scale);
+        }
+        for (int g = 0; g < group; ++g) {
+            const __m512i *qg = qp + (int64_t)g * 2 * (HD / 32);
+            vf part[8];
+#pragma GCC unroll 8
+            for (int p = 0; p < 8; ++p) {
+                __m512 a = _mm512_setzero_ps();
+                for (int j = 0; j < HD / 32; ++j) {
+                    a = _mm512_dpbf16_ps(a, (__m512bh)qg[2 * j], (__m512bh)x[p][j]);
+                    a = _mm512_dpbf16_ps(a, (__m512bh)qg[2 * j + 1], (__m512bh)y[p][j]);
+                }
+                part[p] = a;
+            }
+            vstore(s + (int64_t)g * SPAN + t, hsum_key_pairs(part) * scale);
         }
 #else
         for (int u = 0; u < KP_VW; ++u)
@@ -308,6 +344,17 @@ static inline __attribute__((always_inline)) void item_span(
     int kvh, int group, const int HD, float scale, float softcap, uint16_t *out) {
     float s[MAX_GROUP * SPAN], acc[MAX_GROUP * 128], m[MAX_GROUP], l[MAX_GROUP], corr[MAX_GROUP];
     float qf[MAX_GROUP * 128];  /* q widened in vload_bf16_eo's order (no BF16 dot) */
+#if defined(__AVX512BF16__)
+    vq_t qp[MAX_GROUP * 2 * (128 / 32)];  /* span_scores' query vectors */
+    for (int g = 0; g < group; ++g)
+        for (int j = 0; j < HD / 32; ++j) {
+            const __m512i v = _mm512_loadu_si512(q + (int64_t)g * HD + 32 * j);
+            qp[(g * (HD / 32) + j) * 2] = v;
+            qp[(g * (HD / 32) + j) * 2 + 1] = _mm512_shuffle_i64x2(v, v, 0x4E);
+        }
+#else
+    const vq_t *qp = 0;
+#endif
     int64_t off[SPAN + PF_AHEAD + KP_VW];
 #if !defined(__AVX512BF16__)
     for (int i = 0; i < group * HD; i += 2 * KP_VW) {
@@ -326,7 +373,7 @@ static inline __attribute__((always_inline)) void item_span(
         span_offsets(kv, table, c0, ahead, kvh, HD, off);
         if (c0 == start)
             for (int u = 0; u < PF_AHEAD && u < ahead; ++u) prefetch_kv(kv, off[u], HD);
-        span_scores(q, qf, group, HD, kv, off, n, ahead, scale, s);
+        span_scores(qp, qf, group, HD, kv, off, n, ahead, scale, s);
         for (int g = 0; g < group; ++g) {
             float *p = s + (int64_t)g * SPAN;
             if (softcap > 0.0f)
