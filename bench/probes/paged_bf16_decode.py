@@ -8,7 +8,7 @@ temp dir, compiled with the loader's flags for the same level) are called straig
 ctypes, interleaved round by round (the order swapped each round), best of `--rounds`, per thread count. `--layers` separate
 caches are cycled through as a model's layers are, so the keys and values come from memory
 rather than a warm L3 (`--layers 1`: one layer, cache-resident). Also printed: each build's
-largest error against fp32 attention over the same bf16 values, and whether the two agree bit
+largest and mean error against fp32 attention over the same bf16 values, and whether the two agree bit
 for bit.
 
     python bench/probes/paged_bf16_decode.py [--base REV] [--threads 1,2] [--rounds R]
@@ -60,6 +60,50 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def make_calls(rows: int, layers: int) -> tuple[list, list[int], object]:
+    """One layer's kernel arguments per layer (W1-like decode rows), the contexts, and the
+    first layer's case (for the fp32 truth)."""
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(100, 601, (rows,), generator=gen).tolist()
+    cases = [make_case(lens, [1] * rows, num_heads=9, num_kv_heads=3, head_dim=64,
+                       dtype=torch.bfloat16, seed=layer) for layer in range(layers)]
+    calls = []
+    for case in cases:
+        q, kv, bt, seq_lens, starts, scale = case.args()
+        meta = AttentionMetadata.build(bt, seq_lens, starts)
+        row_lens, row_seq = meta.rows(rows)
+        bt, row_lens = bt.contiguous(), row_lens.int().contiguous()
+        tok, seq = torch.arange(rows), row_seq.long().contiguous()
+        calls.append((q, kv, bt, row_lens, tok, seq, scale, torch.zeros_like(q)))
+    return calls, lens, cases[0]
+
+
+def run(lib: ctypes.CDLL, c: tuple) -> None:
+    q, kv, bt, row_lens, tok, seq, scale, out = c
+    rc = lib.kp_paged_rows_bf16(
+        q.data_ptr(), q.stride(0), kv.data_ptr(), kv.shape[1], kv.shape[2], kv.shape[3],
+        kv.shape[4], q.shape[1], bt.data_ptr(), bt.stride(0), row_lens.data_ptr(),
+        tok.data_ptr(), seq.data_ptr(), tok.numel(), float(scale), 0, 0.0, out.data_ptr(),
+        out.stride(0))
+    assert rc == 0, rc
+
+
+def best_ms(libs: dict[str, ctypes.CDLL], calls: list, threads: int, rounds: int) -> dict:
+    """Best ms per layer call of each library, interleaved, the order swapped each round."""
+    for lib in libs.values():
+        lib.kp_set_threads(threads)
+        for c in calls:
+            run(lib, c)  # warm: code, scratch, threads
+    best = {k: float("inf") for k in libs}
+    for r in range(rounds):
+        for name, lib in sorted(libs.items(), reverse=r % 2 == 1):
+            t0 = time.perf_counter()
+            for c in calls:
+                run(lib, c)
+            best[name] = min(best[name], (time.perf_counter() - t0) / len(calls) * 1e3)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD")
@@ -69,58 +113,24 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args()
     assert loader.load() is not None
-    new = bind(loader.loaded())
-    gen = torch.Generator().manual_seed(0)
-    lens = torch.randint(100, 601, (args.rows,), generator=gen).tolist()
-    cases = [make_case(lens, [1] * args.rows, num_heads=9, num_kv_heads=3, head_dim=64,
-                       dtype=torch.bfloat16, seed=layer) for layer in range(args.layers)]
-    calls = []
-    for case in cases:
-        q, kv, bt, seq_lens, starts, scale = case.args()
-        meta = AttentionMetadata.build(bt, seq_lens, starts)
-        row_lens, row_seq = meta.rows(args.rows)
-        bt, row_lens = bt.contiguous(), row_lens.int().contiguous()
-        tok, seq = torch.arange(args.rows), row_seq.long().contiguous()
-        calls.append((q, kv, bt, row_lens, tok, seq, scale, torch.zeros_like(q)))
-
-    def run(lib: ctypes.CDLL, c: tuple) -> None:
-        q, kv, bt, row_lens, tok, seq, scale, out = c
-        rc = lib.kp_paged_rows_bf16(
-            q.data_ptr(), q.stride(0), kv.data_ptr(), kv.shape[1], kv.shape[2], kv.shape[3],
-            kv.shape[4], q.shape[1], bt.data_ptr(), bt.stride(0), row_lens.data_ptr(),
-            tok.data_ptr(), seq.data_ptr(), tok.numel(), float(scale), 0, 0.0, out.data_ptr(),
-            out.stride(0))
-        assert rc == 0, rc
-
+    calls, lens, case0 = make_calls(args.rows, args.layers)
     with tempfile.TemporaryDirectory() as tmp:
-        base = bind(build_base(args.base, Path(tmp)))
-        libs = {"base": base, "new": new}
+        libs = {"base": bind(build_base(args.base, Path(tmp))), "new": bind(loader.loaded())}
         outs = {}
         for name, lib in libs.items():
             run(lib, calls[0])
             outs[name] = calls[0][-1].clone()
         truth = paged_attention_ref(*(t.float() if torch.is_tensor(t) and t.is_floating_point()
-                                      else t for t in cases[0].args()))
-        err = {k: float((o.float() - truth).abs().max()) for k, o in outs.items()}
+                                      else t for t in case0.args()))
+        diff = {k: (o.float() - truth).abs() for k, o in outs.items()}
+        err = {k: {"max": float(d.max()), "mean": float(d.mean())} for k, d in diff.items()}
         print(f"level {loader.loaded_level().name}, rows {args.rows}, contexts mean "
-              f"{sum(lens) / len(lens):.0f}, layers {args.layers}; max |err| vs fp32: "
-              + ", ".join(f"{k} {v:.2e}" for k, v in err.items())
+              f"{sum(lens) / len(lens):.0f}, layers {args.layers}; |err| vs fp32 (max, mean): "
+              + ", ".join(f"{k} {v['max']:.2e} {v['mean']:.2e}" for k, v in err.items())
               + f"; bitwise equal: {torch.equal(outs['base'], outs['new'])}", flush=True)
         result = {}
         for threads in (int(t) for t in args.threads.split(",")):
-            for lib in libs.values():
-                lib.kp_set_threads(threads)
-            best = {k: float("inf") for k in libs}
-            for name, lib in libs.items():
-                for c in calls:
-                    run(lib, c)  # warm: code, scratch, threads
-            for r in range(args.rounds):
-                for name, lib in sorted(libs.items(), reverse=r % 2 == 1):
-                    t0 = time.perf_counter()
-                    for c in calls:
-                        run(lib, c)
-                    best[name] = min(best[name], (time.perf_counter() - t0) / len(calls) * 1e3)
-            result[threads] = best
+            best = result[threads] = best_ms(libs, calls, threads, args.rounds)
             print(f"threads {threads}: ms per layer call, best of {args.rounds}: base "
                   f"{best['base']:.3f}, new {best['new']:.3f}, speedup "
                   f"{best['base'] / best['new']:.2f}x", flush=True)

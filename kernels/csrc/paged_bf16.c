@@ -7,9 +7,13 @@
  * Queries, keys and values are bf16; scores, the online softmax and the weighted sums are fp32,
  * and each output is rounded to bf16 once, at the end (round to nearest even, as torch's
  * `.to(torch.bfloat16)`). Work item = (row, KV head): the query heads of the group share each
- * K/V row. Per chunk of CHUNK keys the V rows (and, without the dot instruction, the K rows)
- * are widened once into an fp32 scratch that stays in L1, so every query head of the group
- * reads them at fp32 speed; the next chunk's rows are prefetched meanwhile.
+ * K/V row. Head dims 64 and 128 (item_span) go over the keys in spans of SPAN: the scores of
+ * the whole span for every query head, their online softmax, then the values with each V row
+ * widened once, in registers, for up to V_HEADS heads whose accumulators stay in registers
+ * too (independent FMA chains: one chain per accumulator vector through all keys was the old
+ * loop's limit). Other head dims (item_bf16) go per chunk of CHUNK keys: the V rows (and,
+ * without the dot instruction, the K rows) widened once into an fp32 scratch that stays in
+ * L1; the next chunk's rows are prefetched meanwhile.
  *
  * Widening is exact (a bf16 is the top half of an fp32): zero-extend the 16 bits and shift
  * them up, one portable sequence for every level. Where the level has AVX512-BF16

@@ -70,6 +70,27 @@ def test_bf16_rows_equal_fp32_attention_over_the_same_values(case_def: tuple) ->
     _close_to_one_rounding(_rows(case), _fp32_truth(case))
 
 
+SPAN_CASES = [  # (seq_lens, heads, kv_heads, head_dim, block_size): decode rows, head dims
+    # 64 and 128 (spans of 256 keys, V_HEADS = 4 query heads a pass over the values)
+    ([700, 257, 256, 15], 6, 2, 128, 16),  # group 3 at 128 (V in slices); spans and their tails
+    ([513, 16, 17], 5, 1, 64, 8),          # passes of 4 heads and 1; blocks shorter than 16 keys
+    ([300, 33], 7, 7, 64, 1),              # one query head per KV head, blocks of one key
+    ([600, 2], 14, 2, 128, 32),            # passes of 4 heads and 3 at 128
+]
+
+
+@pytest.mark.parametrize("case_def", SPAN_CASES, ids=lambda c: f"h{c[1]}x{c[2]}-d{c[3]}-bs{c[4]}")
+def test_bf16_decode_spans_equal_fp32_attention_over_the_same_values(case_def: tuple) -> None:
+    seq_lens, heads, kv_heads, head_dim, block_size = case_def
+    case = make_case(seq_lens, [1] * len(seq_lens), num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=head_dim, block_size=block_size, dtype=BF16, seed=heads,
+                     wide_table=True)
+    case.query.mul_(3)  # peaked softmax rows: a wrong key, head or span rescale would show
+    _close_to_one_rounding(_rows(case), _fp32_truth(case))
+    # a window that starts inside a block and spans more than one span of keys
+    _close_to_one_rounding(_rows(case, window=300), _fp32_truth(case, window=300))
+
+
 @pytest.mark.parametrize("window,softcap", [(7, None), (None, 5.0), (16, 2.0), (1, None)])
 def test_bf16_rows_window_and_softcap(window: int | None, softcap: float | None) -> None:
     case = make_case([1, 33, 300, 64], [1, 1, 1, 1], num_heads=8, num_kv_heads=2, head_dim=64,
