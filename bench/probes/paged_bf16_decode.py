@@ -2,17 +2,17 @@
 
 A probe for BENCHMARKS.md (not part of the engine). The W1-like decode step of SmolLM2-135M:
 `--rows` decode rows with contexts drawn from 100-600 (seeded), 9 query heads over 3 KV heads
-of 64, blocks of 16 in shuffled order, bf16 cache. The library of this tree (the loader's
-build) and the library built from `--base` (default HEAD: `git archive` of kernels/csrc into a
-temp dir, compiled with the loader's flags for the same level) are called straight through
-ctypes, interleaved round by round (the order swapped each round), best of `--rounds`, per thread count. `--layers` separate
-caches are cycled through as a model's layers are, so the keys and values come from memory
-rather than a warm L3 (`--layers 1`: one layer, cache-resident). Also printed: each build's
-largest and mean error against fp32 attention over the same bf16 values, and whether the two agree bit
-for bit.
+of `--head-dim` (64), blocks of 16 in shuffled order, bf16 cache. The library of this tree
+(the loader's build) and the library built from `--base` (default HEAD: `git archive` of
+kernels/csrc into a temp dir, compiled with the loader's flags for the same level) are called
+straight through ctypes, interleaved round by round (the order swapped each round), best of
+`--rounds`, per thread count. `--layers` separate caches are cycled through as a model's
+layers are, so the keys and values come from memory rather than a warm L3 (`--layers 1`: one
+layer, cache-resident). Also printed: each build's largest and mean error against fp32
+attention over the same bf16 values, and whether the two agree bit for bit.
 
     python bench/probes/paged_bf16_decode.py [--base REV] [--threads 1,2] [--rounds R]
-        [--rows N] [--layers L]
+        [--rows N] [--layers L] [--head-dim D]
 """
 
 from __future__ import annotations
@@ -60,12 +60,12 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def make_calls(rows: int, layers: int) -> tuple[list, list[int], object]:
+def make_calls(rows: int, layers: int, head_dim: int) -> tuple[list, list[int], object]:
     """One layer's kernel arguments per layer (W1-like decode rows), the contexts, and the
     first layer's case (for the fp32 truth)."""
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(100, 601, (rows,), generator=gen).tolist()
-    cases = [make_case(lens, [1] * rows, num_heads=9, num_kv_heads=3, head_dim=64,
+    cases = [make_case(lens, [1] * rows, num_heads=9, num_kv_heads=3, head_dim=head_dim,
                        dtype=torch.bfloat16, seed=layer) for layer in range(layers)]
     calls = []
     for case in cases:
@@ -111,9 +111,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--rows", type=int, default=48)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
     args = ap.parse_args()
     assert loader.load() is not None
-    calls, lens, case0 = make_calls(args.rows, args.layers)
+    calls, lens, case0 = make_calls(args.rows, args.layers, args.head_dim)
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"base": bind(build_base(args.base, Path(tmp))), "new": bind(loader.loaded())}
         outs = {}
@@ -124,7 +125,8 @@ def main() -> None:
                                       else t for t in case0.args()))
         diff = {k: (o.float() - truth).abs() for k, o in outs.items()}
         err = {k: {"max": float(d.max()), "mean": float(d.mean())} for k, d in diff.items()}
-        print(f"level {loader.loaded_level().name}, rows {args.rows}, contexts mean "
+        print(f"level {loader.loaded_level().name}, head dim {args.head_dim}, rows {args.rows}, "
+              f"contexts mean "
               f"{sum(lens) / len(lens):.0f}, layers {args.layers}; |err| vs fp32 (max, mean): "
               + ", ".join(f"{k} {v['max']:.2e} {v['mean']:.2e}" for k, v in err.items())
               + f"; bitwise equal: {torch.equal(outs['base'], outs['new'])}", flush=True)
@@ -134,7 +136,8 @@ def main() -> None:
             print(f"threads {threads}: ms per layer call, best of {args.rounds}: base "
                   f"{best['base']:.3f}, new {best['new']:.3f}, speedup "
                   f"{best['base'] / best['new']:.2f}x", flush=True)
-    print(json.dumps({"level": loader.loaded_level().name, "rows": args.rows,
+    print(json.dumps({"level": loader.loaded_level().name, "head_dim": args.head_dim,
+                      "rows": args.rows,
                       "layers": args.layers, "max_err": err, "ms": result}))
 
 

@@ -111,10 +111,28 @@ static inline float pa_softmax_step(float *p, int n, int first, float *m, float 
 }
 
 /* One head's accumulator a[hd] rescaled by `corr` plus the chunk's n value rows (fp32, row
- * stride hd) weighted by p: the online softmax's value step (paged_bf16.c, paged_q8.c). */
+ * stride hd) weighted by p: the online softmax's value step (paged_bf16.c, paged_q8.c). Four
+ * vectors of the head at a time, so four FMA chains run side by side (each lane's sum in the
+ * same order either way). */
 static inline void pa_accumulate_v(float *a, float corr, const float *p, const float *vbuf,
                                    int n, int hd) {
     int d = 0;
+    for (; d + 4 * KP_VW <= hd; d += 4 * KP_VW) {
+        vf x0 = vload(a + d) * corr, x1 = vload(a + d + KP_VW) * corr;
+        vf x2 = vload(a + d + 2 * KP_VW) * corr, x3 = vload(a + d + 3 * KP_VW) * corr;
+        for (int t = 0; t < n; ++t) {
+            const vf w = vset1(p[t]);
+            const float *v = vbuf + t * hd + d;
+            x0 = vfma(w, vload(v), x0);
+            x1 = vfma(w, vload(v + KP_VW), x1);
+            x2 = vfma(w, vload(v + 2 * KP_VW), x2);
+            x3 = vfma(w, vload(v + 3 * KP_VW), x3);
+        }
+        vstore(a + d, x0);
+        vstore(a + d + KP_VW, x1);
+        vstore(a + d + 2 * KP_VW, x2);
+        vstore(a + d + 3 * KP_VW, x3);
+    }
     for (; d + KP_VW <= hd; d += KP_VW) {
         vf x = vload(a + d) * corr;
         for (int t = 0; t < n; ++t) x = vfma(vset1(p[t]), vload(vbuf + t * hd + d), x);

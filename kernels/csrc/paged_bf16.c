@@ -7,13 +7,13 @@
  * Queries, keys and values are bf16; scores, the online softmax and the weighted sums are fp32,
  * and each output is rounded to bf16 once, at the end (round to nearest even, as torch's
  * `.to(torch.bfloat16)`). Work item = (row, KV head): the query heads of the group share each
- * K/V row. Head dims 64 and 128 (item_span) go over the keys in spans of SPAN: the scores of
- * the whole span for every query head, their online softmax, then the values with each V row
- * widened once, in registers, for up to V_HEADS heads whose accumulators stay in registers
- * too (independent FMA chains: one chain per accumulator vector through all keys was the old
- * loop's limit). Other head dims (item_bf16) go per chunk of CHUNK keys: the V rows (and,
- * without the dot instruction, the K rows) widened once into an fp32 scratch that stays in
- * L1; the next chunk's rows are prefetched meanwhile.
+ * K/V row. Head dims 64, 128 and 256 (item_span) go over the keys in spans of SPAN: the
+ * scores of the whole span for every query head, their online softmax, then the values with
+ * each V row widened once, in registers, for up to V_HEADS heads whose accumulators stay in
+ * registers too (independent FMA chains: one chain per accumulator vector through all keys
+ * was the old loop's limit). Other head dims (item_bf16) go per chunk of CHUNK keys: the V
+ * rows (and, without the dot instruction, the K rows) widened once into an fp32 scratch that
+ * stays in L1; the next chunk's rows are prefetched meanwhile.
  *
  * Widening is exact (a bf16 is the top half of an fp32): zero-extend the 16 bits and shift
  * them up, one portable sequence for every level. Where the level has AVX512-BF16
@@ -163,11 +163,12 @@ static void item_bf16(const uint16_t *q, const kv16_layout *kv, const int32_t *t
     }
 }
 
-/* ---- Head dims 64 and 128 (pa_vector_head): spans of keys, scores first, then values ---- */
+/* ---- Head dims 64, 128 and 256: spans of keys, scores first, then values ---- */
 
 #define SPAN 256      /* keys per span: scores of a span for every head of the group, then V */
 #define PF_AHEAD 32   /* keys ahead whose K and V rows the score loop prefetches */
 #define V_HEADS 4     /* query heads at most per pass over a span's values */
+#define SPAN_NV (MAX_HEAD_DIM / KP_VW) /* vectors of the longest head */
 
 /* Offsets (bf16 elements from k_base or v_base) of the rows of keys c0 .. c0 + n - 1 of KV
  * head kvh: block by block, one division per span. */
@@ -238,7 +239,7 @@ static inline __attribute__((always_inline)) void span_scores(
          * the second key's high half of each 32 dims, y the rest, crosswise; against q and q
          * with its halves swapped, lanes 0-7 of a pair's sum are the first key's partial dot
          * products and lanes 8-15 the second's. Built once for every head of the group. */
-        __m512i x[8][128 / 32], y[8][128 / 32];
+        __m512i x[8][MAX_HEAD_DIM / 32], y[8][MAX_HEAD_DIM / 32];
         for (int p = 0; p < 8; ++p) {
             const uint16_t *ka = k[(p / 4) * 8 + p % 4], *kb = k[(p / 4) * 8 + p % 4 + 4];
             for (int j = 0; j < HD / 32; ++j) {
@@ -320,15 +321,16 @@ static inline float span_softmax(float *p, int n, int first, float *m, float *l)
 static inline __attribute__((always_inline)) void span_values(
     float *acc, const float *corr, const float *p, const uint16_t *vb, const int64_t *off, int n,
     const int HB, const int NV) {
-    const int DV = pa_v_slice(HB, NV);
+    /* pa_v_slice goes down to an eighth of the head; 2 vectors always fit */
+    const int DV = pa_v_slice(HB, NV) < 2 ? 2 : pa_v_slice(HB, NV);
     for (int j0 = 0; j0 < NV; j0 += DV) {
-        vf a[V_HEADS][MAX_NV];
+        vf a[V_HEADS][SPAN_NV];
         for (int h = 0; h < HB; ++h)
             for (int j = 0; j < DV; ++j)
                 a[h][j] = vload(acc + (h * NV + j0 + j) * KP_VW) * corr[h];
         for (int t = 0; t < n; ++t) {
             const uint16_t *vt = vb + off[t] + KP_VW * j0;
-            vf v[MAX_NV];
+            vf v[SPAN_NV];
             for (int j = 0; j < DV; j += 2) vload_bf16_eo(vt + KP_VW * j, &v[j], &v[j + 1]);
             for (int h = 0; h < HB; ++h) {
                 const vf w = vset1(p[h * SPAN + t]);
@@ -340,16 +342,17 @@ static inline __attribute__((always_inline)) void span_values(
     }
 }
 
-/* item_bf16 for head dim HD (64 or 128): per span of SPAN keys, the scores of every query head
- * of the group (each K row read once per head from L1, the next rows prefetched), their online
- * softmax, then the values, V_HEADS heads at a time. */
+/* item_bf16 for head dim HD (64, 128 or 256): per span of SPAN keys, the scores of every
+ * query head of the group (each K row read once per head from L1, the next rows prefetched),
+ * their online softmax, then the values, V_HEADS heads at a time. */
 static inline __attribute__((always_inline)) void item_span(
     const uint16_t *q, const kv16_layout *kv, const int32_t *table, int32_t start, int32_t len,
     int kvh, int group, const int HD, float scale, float softcap, uint16_t *out) {
-    float s[MAX_GROUP * SPAN], acc[MAX_GROUP * 128], m[MAX_GROUP], l[MAX_GROUP], corr[MAX_GROUP];
-    float qf[MAX_GROUP * 128];  /* q widened in vload_bf16_eo's order (no BF16 dot) */
+    float s[MAX_GROUP * SPAN], acc[MAX_GROUP * MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
+    float corr[MAX_GROUP];
+    float qf[MAX_GROUP * MAX_HEAD_DIM];  /* q widened in vload_bf16_eo's order (no BF16 dot) */
 #if defined(__AVX512BF16__)
-    vq_t qp[MAX_GROUP * 2 * (128 / 32)];  /* span_scores' query vectors */
+    vq_t qp[MAX_GROUP * 2 * (MAX_HEAD_DIM / 32)];  /* span_scores' query vectors */
     for (int g = 0; g < group; ++g)
         for (int j = 0; j < HD / 32; ++j) {
             const __m512i v = _mm512_loadu_si512(q + (int64_t)g * HD + 32 * j);
@@ -373,7 +376,8 @@ static inline __attribute__((always_inline)) void item_span(
     const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
     for (int32_t c0 = start; c0 < len; c0 += SPAN) {
         const int n = (len - c0) < SPAN ? (len - c0) : SPAN;
-        const int ahead = (len - c0) < SPAN + PF_AHEAD + KP_VW ? (len - c0) : SPAN + PF_AHEAD + KP_VW;
+        const int ahead = (len - c0) < SPAN + PF_AHEAD + KP_VW ? (len - c0)
+                                                               : SPAN + PF_AHEAD + KP_VW;
         span_offsets(kv, table, c0, ahead, kvh, HD, off);
         if (c0 == start)
             for (int u = 0; u < PF_AHEAD && u < ahead; ++u) prefetch_kv(kv, off[u], HD);
@@ -409,6 +413,12 @@ static void item_span64(const uint16_t *q, const kv16_layout *kv, const int32_t 
                         int32_t start, int32_t len, int kvh, int group, float scale,
                         float softcap, uint16_t *out) {
     item_span(q, kv, table, start, len, kvh, group, 64, scale, softcap, out);
+}
+
+static void item_span256(const uint16_t *q, const kv16_layout *kv, const int32_t *table,
+                         int32_t start, int32_t len, int kvh, int group, float scale,
+                         float softcap, uint16_t *out) {
+    item_span(q, kv, table, start, len, kvh, group, 256, scale, softcap, out);
 }
 
 static void item_span128(const uint16_t *q, const kv16_layout *kv, const int32_t *table,
@@ -478,6 +488,8 @@ int kp_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *
             item_span64(qh, &layout, table, start, len, kvh, group, scale, softcap, oh);
         else if (head_dim == 128)
             item_span128(qh, &layout, table, start, len, kvh, group, scale, softcap, oh);
+        else if (head_dim == 256)
+            item_span256(qh, &layout, table, start, len, kvh, group, scale, softcap, oh);
         else
             item_bf16(qh, &layout, table, start, len, kvh, group, head_dim, scale, softcap, oh);
     }

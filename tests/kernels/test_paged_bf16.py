@@ -71,11 +71,12 @@ def test_bf16_rows_equal_fp32_attention_over_the_same_values(case_def: tuple) ->
 
 
 SPAN_CASES = [  # (seq_lens, heads, kv_heads, head_dim, block_size): decode rows, head dims
-    # 64 and 128 (spans of 256 keys, V_HEADS = 4 query heads a pass over the values)
+    # 64, 128 and 256 (spans of 256 keys, V_HEADS = 4 query heads a pass over the values)
     ([700, 257, 256, 15], 6, 2, 128, 16),  # group 3 at 128 (V in slices); spans and their tails
     ([513, 16, 17], 5, 1, 64, 8),          # passes of 4 heads and 1; blocks shorter than 16 keys
     ([300, 33], 7, 7, 64, 1),              # one query head per KV head, blocks of one key
     ([600, 2], 14, 2, 128, 32),            # passes of 4 heads and 3 at 128
+    ([290, 40], 8, 2, 256, 16),            # Gemma-3's head dim, group 4
 ]
 
 
