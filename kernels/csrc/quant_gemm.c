@@ -272,6 +272,7 @@ static void dequant_pairs(const uint8_t *panel, int64_t K, int64_t G, int64_t bl
  * levels): the codes become exact bf16 integers and the group's scale and minimum are applied
  * to fp32 partial sums, so no weight is rounded (see the header). */
 #define MRQ 8 /* rows of the register block: MRQ x NV group partial sums */
+#define QPF 4 /* groups between the one read and the one prefetched */
 
 /* Entry i: the bf16 of the integer i & 15 (vpermw reads 5 bits of each index). */
 static const uint16_t Q4_BF16[32] = {
@@ -337,6 +338,9 @@ static void q4dot_panel(const uint16_t *x, int64_t ldx, int64_t M, const float *
     for (int64_t k0 = 0; k0 < K; k0 += G, panel += blk, ++xs) {
         const float *sc = (const float *)panel;
         const uint8_t *q = panel + 8 * NR;
+        /* the packed weight is one stream (panels follow each other): fetch QPF groups ahead,
+         * into the next panel at the end of this one (prefetching past the end cannot fault) */
+        for (int64_t c = 0; c < blk; c += 64) __builtin_prefetch(panel + QPF * blk + c, 0, 3);
         int64_t m = 0;
         for (; m + MRQ <= M; m += MRQ)
             q4dot_block(x + m * ldx + k0, ldx, xs + m * ng, ng, q, G / 2, sc, acc + m * NR, MRQ);
@@ -477,6 +481,10 @@ static void qgemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint8_t 
                                 ncols, acc);
 #endif
                 } else if (tile) {
+                    /* the next panel to L2 meanwhile (as gemm_bf16.c does for its own) */
+                    if (p + 1 < panels)
+                        for (int64_t c = 0; c < panel_bytes; c += 64)
+                            __builtin_prefetch(panel + panel_bytes + c, 0, 2);
                     dequant_pairs(panel, K, G, blk, bits, tile);
                     kp_bf16_panel_rows(xm, ldx, mb, tile, K / 2, bias ? b : 0, ym, ldy, ncols, 0);
                 } else if (bits == 4) {
