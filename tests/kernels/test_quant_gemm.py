@@ -7,8 +7,8 @@ this file on the AVX2 build too); the shapes cover panel tails of both widths, r
 4-row tile and odd multiples of the group. What is asserted holds on every machine type: with
 float32 rows the product equals `x @ w.T` of the dequantized weight up to float32 rounding of
 the sums; with bf16 rows (all of its paths: the register path below 8 rows, the bf16-pair tiles
-from 8 on, and for 4 bits with AVX512-BF16 the exact-code dot path from 2 to 39 rows, with full
-and partial blocks of 8) it is within the bound `_bf16_bound` states."""
+from 8 on, and with AVX512-BF16 the exact-code dot path from 2 rows, to 39 for 4 bits and 63 for
+int8, with full and partial blocks of 8) it is within the bound `_bf16_bound` states."""
 
 from __future__ import annotations
 
