@@ -12,7 +12,8 @@ the least disturbed) with the ratios int4pack / ours and dense / ours (> 1: ours
 
 `--baseline DIR` also times another tree's kernel in the same run: DIR's kernels/csrc built
 with this tree's flags for the loaded level (e.g. `git worktree add /tmp/base HEAD~1`), called
-on the same packed weights (the layout must not differ), as base_int4 with base/ours.
+on the same packed weights (the layout must not differ), as base_int4 and base_int8 with
+base/ours and base8/ours8.
 
     python bench/probes/quant_bf16.py [--rows 1 16 64 256 512] [--rounds 9] [--threads 2]
         [--shapes qkv o gate_up down lm_head] [--baseline DIR]
@@ -54,13 +55,13 @@ def _build_baseline(tree: Path) -> ctypes.CDLL:
     return lib
 
 
-def _base_mm(x: torch.Tensor, w: ql.Int4Weight) -> torch.Tensor:
+def _base_mm(x: torch.Tensor, w: ql.Int4Weight | ql.Int8Weight, bits: int) -> torch.Tensor:
     """`x @ w.T` by the baseline library's kp_quant_gemm_bf16 (our packing)."""
     assert _BASE is not None
     n, k = w.out_features, x.shape[1]
     out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
-    rc = _BASE.kp_quant_gemm_bf16(x.data_ptr(), x.stride(0), x.shape[0], w.packed.data_ptr(), 4,
-                                  w.group_size, k, n, None, out.data_ptr(), n)
+    rc = _BASE.kp_quant_gemm_bf16(x.data_ptr(), x.stride(0), x.shape[0], w.packed.data_ptr(),
+                                  bits, w.group_size, k, n, None, out.data_ptr(), n)
     assert rc == 0
     return out
 
@@ -102,7 +103,8 @@ def probe(name: str, rows: int, copies: int, rounds: int) -> dict[str, float | i
         "dense_bf16": lambda i: cpu_native.gemm_bf16(x, ws[i % copies][3], n),
     }
     if _BASE is not None:
-        runs["base_int4"] = lambda i: _base_mm(x, ws[i % copies][0])
+        runs["base_int4"] = lambda i: _base_mm(x, ws[i % copies][0], 4)
+        runs["base_int8"] = lambda i: _base_mm(x, ws[i % copies][2], 8)
     calls = max(copies, min(120, int(2e8 / (2 * rows * n * k + 4e6))))
     times: dict[str, list[float]] = {key: [] for key in runs}
     for fn in runs.values():
@@ -115,7 +117,8 @@ def probe(name: str, rows: int, copies: int, rounds: int) -> dict[str, float | i
             **{f"{key}_us": round(t * 1e6, 1) for key, t in best.items()},
             "int4pack/ours": round(best["int4pack"] / best["ours_int4"], 2),
             "dense/ours": round(best["dense_bf16"] / best["ours_int4"], 2),
-            **({"base/ours": round(best["base_int4"] / best["ours_int4"], 2)}
+            **({"base/ours": round(best["base_int4"] / best["ours_int4"], 2),
+                "base8/ours8": round(best["base_int8"] / best["ours_int8"], 2)}
                if "base_int4" in best else {})}
 
 
