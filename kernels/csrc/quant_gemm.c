@@ -271,9 +271,9 @@ static void dequant_pairs(const uint8_t *panel, int64_t K, int64_t G, int64_t bl
 }
 
 #if defined(__AVX512BF16__)
-/* The 4-bit bf16 path between DOT_MIN_BF16 and DOT_MAX_BF16 rows (the avx512_bf16 and amx
- * levels): the codes become exact bf16 integers and the group's scale and minimum are applied
- * to fp32 partial sums, so no weight is rounded (see the header). */
+/* The dot path for 4-bit and int8 codes (the avx512_bf16 and amx levels; the header says for
+ * which rows): the codes become exact bf16 integers and the group's scale (and minimum) are
+ * applied to fp32 partial sums, so no weight is rounded. */
 #define MRQ 8 /* rows of the register block: MRQ x NV group partial sums */
 #define QPF 4 /* groups between the one read and the one prefetched */
 
@@ -342,7 +342,7 @@ static void int8_pairs(const uint8_t *codes, int64_t G, uint32_t *wt) {
 }
 
 #define QDOT_TAIL(R) \
-    case R: if ((R) < MRQ) qdot_block(xm, ldx, xs + m * ng, ng, q, wt, G / 2, sc, acc + m * NR, R, bits); break;
+    case R: if ((R) < MRQ) qdot_block(xm, ldx, XS(m), ng, q, wt, G / 2, sc, acc + m * NR, R, bits); break;
 
 /* Rows [0, M) of x times one panel (4 bits or int8) into y (bias: fp32 or NULL), group by
  * group: every block of MRQ rows adds its group's terms to its rows of `acc` (M x NR fp32, the
@@ -355,22 +355,24 @@ static inline __attribute__((always_inline)) void qdot_panel(
     for (int64_t i = 0; i < M; ++i)
         for (int v = 0; v < NV; ++v)
             vstore(acc + i * NR + KP_VW * v, bias ? vload(bias + KP_VW * v) : vzero());
-    for (int64_t k0 = 0; k0 < K; k0 += G, panel += blk, ++xs) {
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, panel += blk, ++g) {
         const float *sc = (const float *)panel;
         const uint8_t *q = panel + (bits == 4 ? 8 : 4) * NR;
+#define XS(m) (bits == 4 ? xs + (m) * ng + g : 0) /* int8: no group sums (xs NULL) */
         /* the packed weight is one stream (panels follow each other): fetch QPF groups ahead,
          * into the next panel at the end of this one (prefetching past the end cannot fault) */
         for (int64_t c = 0; c < blk; c += 64) __builtin_prefetch(panel + QPF * blk + c, 0, 3);
         if (bits == 8) int8_pairs(q, G, wt);
         int64_t m = 0;
         for (; m + MRQ <= M; m += MRQ)
-            qdot_block(x + m * ldx + k0, ldx, xs + m * ng, ng, q, wt, G / 2, sc, acc + m * NR,
-                       MRQ, bits);
+            qdot_block(x + m * ldx + k0, ldx, XS(m), ng, q, wt, G / 2, sc, acc + m * NR, MRQ,
+                       bits);
         const uint16_t *xm = x + m * ldx + k0;
         switch (M - m) {
         QDOT_TAIL(1) QDOT_TAIL(2) QDOT_TAIL(3) QDOT_TAIL(4) QDOT_TAIL(5) QDOT_TAIL(6) QDOT_TAIL(7)
         default: break;
         }
+#undef XS
     }
     for (int64_t i = 0; i < M; ++i)
         for (int v = 0; v < NV && KP_VW * v < ncols; ++v)
