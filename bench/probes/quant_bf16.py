@@ -8,15 +8,25 @@ and int8 in groups of 32 (Q8_0) for ours; `--copies` distinct weights per shape 
 layers, so they come from memory as in a real step). The kernels are timed round by round,
 interleaved; the best round's time per call is printed (on a loaded machine the best round is
 the least disturbed) with the ratios int4pack / ours and dense / ours (> 1: ours faster).
+`lm_head` is the tied 49152x576 LM head (one copy: it alone is 14 MiB at 4 bits).
+
+`--baseline DIR` also times another tree's kernel in the same run: DIR's kernels/csrc built
+with this tree's flags for the loaded level (e.g. `git worktree add /tmp/base HEAD~1`), called
+on the same packed weights (the layout must not differ), as base_int4 and base_int8 with
+base/ours and base8/ours8.
 
     python bench/probes/quant_bf16.py [--rows 1 16 64 256 512] [--rounds 9] [--threads 2]
+        [--shapes qkv o gate_up down lm_head] [--baseline DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,9 +35,35 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kernels import cpu_native  # noqa: E402
 from kernels import quant_linear as ql  # noqa: E402
-from kernels.cpu_native import loader  # noqa: E402
+from kernels.cpu_native import abi, loader  # noqa: E402
 
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+          "lm_head": (49152, 576)}
+_BASE: ctypes.CDLL | None = None
+
+
+def _build_baseline(tree: Path) -> ctypes.CDLL:
+    """Another tree's native library, built for the loaded level into a temporary directory."""
+    level = loader.loaded_level()
+    assert level is not None
+    out = Path(tempfile.mkdtemp(prefix="kp_base_")) / "libbase.so"
+    sources = [tree / "kernels" / "csrc" / src.name for src in loader.SOURCES]
+    subprocess.run([loader.find_compiler() or "gcc", *loader.flags_for(level), *map(str, sources),
+                    "-o", str(out), "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    abi.declare(lib)
+    return lib
+
+
+def _base_mm(x: torch.Tensor, w: ql.Int4Weight | ql.Int8Weight, bits: int) -> torch.Tensor:
+    """`x @ w.T` by the baseline library's kp_quant_gemm_bf16 (our packing)."""
+    assert _BASE is not None
+    n, k = w.out_features, x.shape[1]
+    out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+    rc = _BASE.kp_quant_gemm_bf16(x.data_ptr(), x.stride(0), x.shape[0], w.packed.data_ptr(),
+                                  bits, w.group_size, k, n, None, out.data_ptr(), n)
+    assert rc == 0
+    return out
 
 
 def _time(fn, calls: int) -> float:  # noqa: ANN001
@@ -56,6 +92,7 @@ def _weights(n: int, k: int) -> tuple[ql.Int4Weight, ql.Int4Weight, ql.Int8Weigh
 
 def probe(name: str, rows: int, copies: int, rounds: int) -> dict[str, float | int | str]:
     n, k = SHAPES[name]
+    copies = 1 if name == "lm_head" else copies
     ws = [_weights(n, k) for _ in range(copies)]
     assert ws[0][0].kernel == "native" and ws[0][1].kernel == "aten"
     x = torch.randn(rows, k).bfloat16()
@@ -65,6 +102,9 @@ def probe(name: str, rows: int, copies: int, rounds: int) -> dict[str, float | i
         "ours_int8": lambda i: ql.int8_mm(x, ws[i % copies][2]),
         "dense_bf16": lambda i: cpu_native.gemm_bf16(x, ws[i % copies][3], n),
     }
+    if _BASE is not None:
+        runs["base_int4"] = lambda i: _base_mm(x, ws[i % copies][0], 4)
+        runs["base_int8"] = lambda i: _base_mm(x, ws[i % copies][2], 8)
     calls = max(copies, min(120, int(2e8 / (2 * rows * n * k + 4e6))))
     times: dict[str, list[float]] = {key: [] for key in runs}
     for fn in runs.values():
@@ -76,7 +116,10 @@ def probe(name: str, rows: int, copies: int, rounds: int) -> dict[str, float | i
     return {"shape": name, "rows": rows,
             **{f"{key}_us": round(t * 1e6, 1) for key, t in best.items()},
             "int4pack/ours": round(best["int4pack"] / best["ours_int4"], 2),
-            "dense/ours": round(best["dense_bf16"] / best["ours_int4"], 2)}
+            "dense/ours": round(best["dense_bf16"] / best["ours_int4"], 2),
+            **({"base/ours": round(best["base_int4"] / best["ours_int4"], 2),
+                "base8/ours8": round(best["base_int8"] / best["ours_int8"], 2)}
+               if "base_int4" in best else {})}
 
 
 def main() -> None:
@@ -86,10 +129,15 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
+    parser.add_argument("--baseline", type=Path, help="another tree to time in the same run")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     assert cpu_native.native_bf16_quant(), "the bf16 quantized kernel is not chosen here"
+    if args.baseline:
+        global _BASE
+        _BASE = _build_baseline(args.baseline)
+        _BASE.kp_set_threads(torch.get_num_threads())
     print(f"# level {loader.loaded_level().name}, threads {torch.get_num_threads()}")
     for name in args.shapes:
         for rows in args.rows:

@@ -215,9 +215,9 @@ KP_API int kp_quant_gemm_f32(const float *x, int64_t ldx, int64_t M, const uint8
                              int32_t bits, int64_t group, int64_t K, int64_t N,
                              const float *bias, float *y, int64_t ldy);
 
-/* The same with bf16 x, bias and y: fp32 sums, each output rounded to bf16 once; from a few rows
- * on the weights are rounded to bf16 too (quant_gemm.c says when and why). -1 also for an odd
- * group. */
+/* The same with bf16 x, bias and y: fp32 sums, each output rounded to bf16 once; past a few rows
+ * (a few dozen for 4 bits with AVX512-BF16) the weights are rounded to bf16 too (quant_gemm.c
+ * says when and why). -1 also for an odd group. */
 KP_API int kp_quant_gemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint8_t *packed,
                               int32_t bits, int64_t group, int64_t K, int64_t N,
                               const uint16_t *bias, uint16_t *y, int64_t ldy);

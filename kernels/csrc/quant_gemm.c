@@ -26,15 +26,29 @@
  * order of FMAs, so both paths give the same bits.
  *
  * bf16 activations (kp_quant_gemm_bf16: x, bias and y bf16, sums fp32, each output rounded once,
- * as F.linear in bf16): below TILE_MIN_BF16 rows the register path above, each bf16 of x widened
- * exactly, so the weights are the fp32 path's; from TILE_MIN_BF16 rows on each thread dequantizes
- * a panel once into a tile of bf16 pairs (each weight `q * scale + minimum` in fp32, then rounded
- * to bf16 once, nearest even) laid out as gemm_bf16.c's packed panels, and runs that GEMM's
- * register tile (kp_bf16_panel_rows: vdpbf16ps at the avx512_bf16 and amx levels, exact widening
- * and FMAs elsewhere) over it. The tile path's weights are thus the dequantized weights rounded
- * to bf16 (a relative 2^-8 at most), the price of the bf16 dot products; the threshold is
- * where the tile path is measured faster (BENCHMARKS.md, "quantized weights with bf16
- * activations"). Pair tiles need an even group (every 4-bit group is; int8: -1 otherwise).
+ * as F.linear in bf16), three paths by the rows of a block of x:
+ *   - below TILE_MIN_BF16 rows (4 bits and int8 at the avx512_bf16 and amx levels: below
+ *     DOT_MIN_BF16) the register path above, each bf16 of x widened exactly, so the weights
+ *     are the fp32 path's;
+ *   - 4 bits from DOT_MIN_BF16 to DOT_MAX_BF16 rows, int8 to DOT_MAX_INT8, at the avx512_bf16
+ *     and amx levels (decode batches): no weight is formed. Each code becomes the bf16 of its
+ *     integer (exact: a vpermw lookup for 4 bits, the float conversion for int8, at most 8
+ *     significant bits), vdpbf16ps sums x times the codes of one group in fp32 (each product
+ *     exact), and the group's scale (and minimum) are applied to those partial sums,
+ *     y += s P (+ m X, X the group's sum of the row of x, computed once per call):
+ *     sum_k x (q s + m) without rounding any weight, only fp32 sums rounded (as in the fp32
+ *     path). Row blocks of MRQ take MRQ x NV partial sums in registers and add them to the
+ *     thread's fp32 sums in L1 once per group; that per-group work (two FMAs per sum vector
+ *     for 4 bits, one for int8) is what the pair tile below avoids, so the tile is faster again
+ *     from DOT_MAX_BF16 (DOT_MAX_INT8) rows on;
+ *   - otherwise each thread dequantizes a panel once into a tile of bf16 pairs (each weight
+ *     `q * scale + minimum` in fp32, then rounded to bf16 once, nearest even) laid out as
+ *     gemm_bf16.c's packed panels, and runs that GEMM's register tile (kp_bf16_panel_rows:
+ *     vdpbf16ps at the avx512_bf16 and amx levels, exact widening and FMAs elsewhere) over it.
+ *     Its weights are thus the dequantized weights rounded to bf16 (a relative 2^-8 at most),
+ *     the price of the bf16 dot products.
+ * The thresholds are where each path is measured faster (BENCHMARKS.md, "quantized weights with
+ * bf16 activations"). Pair tiles need an even group (every 4-bit group is; int8: -1 otherwise).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -50,6 +64,9 @@
 #define TILE_MIN 16 /* rows from which a panel is dequantized once into an fp32 tile */
 #define TILE_MIN_BF16 8 /* bf16 rows from which a panel is dequantized once into bf16 pairs */
 #define MB_BF16 256 /* bf16 rows per block of x (as gemm_bf16.c) */
+#define DOT_MIN_BF16 2 /* bf16 rows from which 4-bit and int8 codes take the dot path ... */
+#define DOT_MAX_BF16 40 /* ... and from which the pair tile again (4 bits; measured) */
+#define DOT_MAX_INT8 64 /* the same for int8 (one FMA per group less) */
 #if KP_VREGS >= 32
 #define MRF 8 /* rows of the fp32 tile's register block (as gemm.c) */
 #else
@@ -253,6 +270,132 @@ static void dequant_pairs(const uint8_t *panel, int64_t K, int64_t G, int64_t bl
     }
 }
 
+#if defined(__AVX512BF16__)
+/* The dot path for 4-bit and int8 codes (the avx512_bf16 and amx levels; the header says for
+ * which rows): the codes become exact bf16 integers and the group's scale (and minimum) are
+ * applied to fp32 partial sums, so no weight is rounded. */
+#define MRQ 8 /* rows of the register block: MRQ x NV group partial sums */
+#define QPF 4 /* groups between the one read and the one prefetched */
+
+/* Entry i: the bf16 of the integer i & 15 (vpermw reads 5 bits of each index). */
+static const uint16_t Q4_BF16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+/* 16 bytes of a code row as 16 bf16 pairs: lane j holds bf16(low nibble of byte j) in its low
+ * half and bf16(high nibble) in its high half. Lane j = b | b << 12 puts the low nibble in
+ * bits 0-3 of the low half (bit 4 is the high nibble's, which the table ignores) and the high
+ * nibble in bits 0-3 of the high half. */
+static inline __m512i q4_pairs(const uint8_t *p, __m512i table) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table);
+}
+
+/* Rows [0, mr) of x (at the group's first k) times one group of a panel (`bits` constant):
+ * per row i and column j the partial sum P = sum_k x[i][k] q[j][k] (vdpbf16ps; each product
+ * exact), then acc[i][j] += s[j] P (+ m[j] X[i] for 4 bits, X the group's sum of row i: xs,
+ * one per row, `ng` apart). 4 bits: the codes converted here (codes: the group's G / 2 rows of
+ * NR bytes; sc: its scales, then its minimums); 8 bits: read as pairs from wt (int8_pairs). */
+static inline __attribute__((always_inline)) void qdot_block(
+    const uint16_t *x, int64_t ldx, const float *xs, int64_t ng, const uint8_t *codes,
+    const uint32_t *wt, int64_t G2, const float *sc, float *acc, const int mr, const int bits) {
+    const __m512i table = _mm512_loadu_si512(Q4_BF16);
+    vf part[MRQ][NV];
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < NV; ++v) part[i][v] = vzero();
+    for (int64_t r = 0; r < G2; ++r) {
+        __m512i w[NV];
+        for (int v = 0; v < NV; ++v)
+            w[v] = bits == 4 ? q4_pairs(codes + r * NR + KP_VW * v, table)
+                             : _mm512_loadu_si512(wt + r * NR + KP_VW * v);
+        for (int i = 0; i < mr; ++i) {
+            uint32_t pair;
+            __builtin_memcpy(&pair, x + i * ldx + 2 * r, 4);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int v = 0; v < NV; ++v)
+                part[i][v] = _mm512_dpbf16_ps(part[i][v], a, (__m512bh)w[v]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) { /* unrolled, so the partial sums stay in registers */
+        const vf s = vload(sc + KP_VW * v);
+#pragma GCC unroll 16
+        for (int i = 0; i < mr; ++i) {
+            float *a = acc + i * NR + KP_VW * v;
+            const vf t = vfma(part[i][v], s, vload(a));
+            vstore(a, bits == 4 ? vfma(vset1(xs[i * ng]), vload(sc + NR + KP_VW * v), t) : t);
+        }
+    }
+}
+
+/* One group's int8 codes (G rows of NR) as G / 2 rows of NR bf16 pairs in wt, each exact (an
+ * int8 has at most 8 significant bits, as a bf16). */
+static void int8_pairs(const uint8_t *codes, int64_t G, uint32_t *wt) {
+    for (int64_t r = 0; r < G / 2; ++r)
+        for (int v = 0; v < NV; ++v) {
+            const uint8_t *q = codes + 2 * r * NR + KP_VW * v;
+            _mm512_storeu_si512(wt + r * NR + KP_VW * v,
+                                (__m512i)vbf16_pairs(vfloat(vload_i8(q)), vfloat(vload_i8(q + NR))));
+        }
+}
+
+#define QDOT_TAIL(R) \
+    case R: if ((R) < MRQ) qdot_block(xm, ldx, XS(m), ng, q, wt, G / 2, sc, acc + m * NR, R, bits); break;
+
+/* Rows [0, M) of x times one panel (4 bits or int8) into y (bias: fp32 or NULL), group by
+ * group: every block of MRQ rows adds its group's terms to its rows of `acc` (M x NR fp32, the
+ * thread's), so the partial sums of all MRQ x NV chains, not the sums, take the registers.
+ * wt: G / 2 rows of NR pairs (int8 only). */
+static inline __attribute__((always_inline)) void qdot_panel(
+    const uint16_t *x, int64_t ldx, int64_t M, const float *xs, int64_t ng, const uint8_t *panel,
+    int64_t K, int64_t G, int64_t blk, const float *bias, uint16_t *y, int64_t ldy, int ncols,
+    float *acc, uint32_t *wt, const int bits) {
+    for (int64_t i = 0; i < M; ++i)
+        for (int v = 0; v < NV; ++v)
+            vstore(acc + i * NR + KP_VW * v, bias ? vload(bias + KP_VW * v) : vzero());
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, panel += blk, ++g) {
+        const float *sc = (const float *)panel;
+        const uint8_t *q = panel + (bits == 4 ? 8 : 4) * NR;
+#define XS(m) (bits == 4 ? xs + (m) * ng + g : 0) /* int8: no group sums (xs NULL) */
+        /* the packed weight is one stream (panels follow each other): fetch QPF groups ahead,
+         * into the next panel at the end of this one (prefetching past the end cannot fault) */
+        for (int64_t c = 0; c < blk; c += 64) __builtin_prefetch(panel + QPF * blk + c, 0, 3);
+        if (bits == 8) int8_pairs(q, G, wt);
+        int64_t m = 0;
+        for (; m + MRQ <= M; m += MRQ)
+            qdot_block(x + m * ldx + k0, ldx, XS(m), ng, q, wt, G / 2, sc, acc + m * NR, MRQ,
+                       bits);
+        const uint16_t *xm = x + m * ldx + k0;
+        switch (M - m) {
+        QDOT_TAIL(1) QDOT_TAIL(2) QDOT_TAIL(3) QDOT_TAIL(4) QDOT_TAIL(5) QDOT_TAIL(6) QDOT_TAIL(7)
+        default: break;
+        }
+#undef XS
+    }
+    for (int64_t i = 0; i < M; ++i)
+        for (int v = 0; v < NV && KP_VW * v < ncols; ++v)
+            vstore_bf16_n(y + i * ldy + KP_VW * v, vload(acc + i * NR + KP_VW * v),
+                          ncols - KP_VW * v);
+}
+
+/* xs[i * (K / G) + g] = the sum of row i of x over group g, in fp32. */
+static void group_sums(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int64_t G,
+                       float *xs) {
+    for (int64_t i = 0; i < M; ++i)
+        for (int64_t k0 = 0; k0 < K; k0 += G) {
+            const uint16_t *xr = x + i * ldx + k0;
+            int64_t k = 0;
+            vf s = vzero();
+            for (; k + KP_VW <= G; k += KP_VW) s += vload_bf16(xr + k);
+            float t = _mm512_reduce_add_ps(s);
+            for (; k < G; ++k) t += bf16_to_f32(xr[k]);
+            *xs++ = t;
+        }
+}
+#endif
+
 /* Rows [0, mr) of x times an fp32 tile (gemm.c's register tile, without its prefetching). */
 static inline __attribute__((always_inline)) void tile_block(
     const float *x, int64_t ldx, const float *tile, int64_t K, const float *bias, float *y,
@@ -306,24 +449,52 @@ static float *thread_tile(size_t n) {
     static __thread size_t cap;
     if (cap < n) {
         free(buf);
-        buf = malloc(n * sizeof(float));
+        buf = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
         cap = buf ? n : 0;
     }
     return buf;
 }
 
-/* y = bf16 x times the packed weight (kp_quant_gemm_bf16); the register path below
- * TILE_MIN_BF16 rows of a block, the pair tile from there on. */
+#if defined(__AVX512BF16__)
+/* The calling thread's buffer of at least n floats for the group sums of x (as thread_tile). */
+static float *row_sums(size_t n) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (cap < n) {
+        free(buf);
+        buf = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
+        cap = buf ? n : 0;
+    }
+    return buf;
+}
+#endif
+
+/* y = bf16 x times the packed weight (kp_quant_gemm_bf16): per block of rows the register
+ * path, the 4-bit dot path or the pair tile (the header says which when). */
 static void qgemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint8_t *packed,
                        int64_t K, int64_t N, int64_t G, int64_t blk, const uint16_t *bias,
                        uint16_t *y, int64_t ldy, const int bits) {
     const int64_t panels = (N + NR - 1) / NR, panel_bytes = K / G * blk;
     for (int64_t m0 = 0; m0 < M; m0 += MB_BF16) {
         const int64_t mb = (M - m0) < MB_BF16 ? (M - m0) : MB_BF16;
+        const uint16_t *xm = x + m0 * ldx;
+        float *xs = 0; /* 4 bits: the group sums of x */
+        int dot = 0;    /* the dot path (4 bits with xs, int8) */
+#if defined(__AVX512BF16__)
+        if ((bits == 4 || bits == 8) && mb >= DOT_MIN_BF16
+            && mb < (bits == 4 ? DOT_MAX_BF16 : DOT_MAX_INT8)) {
+            if (bits == 4 && (xs = row_sums((size_t)(mb * (K / G)))))
+                group_sums(xm, ldx, mb, K, G, xs);
+            dot = bits == 8 || xs;
+        }
+#else
+        (void)xs;
+#endif
 #pragma omp parallel
         {
-            /* K / 2 rows of NR pairs: K x NR bf16 */
-            uint32_t *tile = mb >= TILE_MIN_BF16 ? (uint32_t *)thread_tile((size_t)K * NR / 2) : 0;
+            /* 4-bit dot path: mb rows of NR fp32 sums; pair tile: K / 2 rows of NR pairs */
+            float *acc = dot ? thread_tile((size_t)(mb + G / 2) * NR) : 0;
+            uint32_t *tile = !dot && mb >= TILE_MIN_BF16 ? (uint32_t *)thread_tile((size_t)K * NR / 2) : 0;
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; ++p) {
                 const int64_t n0 = p * NR;
@@ -331,9 +502,21 @@ static void qgemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint8_t 
                 float b[NR];
                 for (int c = 0; c < NR; ++c) b[c] = bias && c < ncols ? bf16_to_f32(bias[n0 + c]) : 0;
                 const uint8_t *panel = packed + p * panel_bytes;
-                const uint16_t *xm = x + m0 * ldx;
                 uint16_t *ym = y + m0 * ldy + n0;
-                if (tile) {
+                if (acc) {
+#if defined(__AVX512BF16__)
+                    if (bits == 4)
+                        qdot_panel(xm, ldx, mb, xs, K / G, panel, K, G, blk, bias ? b : 0, ym,
+                                   ldy, ncols, acc + G / 2 * NR, 0, 4);
+                    else
+                        qdot_panel(xm, ldx, mb, xs, K / G, panel, K, G, blk, bias ? b : 0, ym,
+                                   ldy, ncols, acc + G / 2 * NR, (uint32_t *)acc, 8);
+#endif
+                } else if (tile) {
+                    /* the next panel to L2 meanwhile (as gemm_bf16.c does for its own) */
+                    if (p + 1 < panels)
+                        for (int64_t c = 0; c < panel_bytes; c += 64)
+                            __builtin_prefetch(panel + panel_bytes + c, 0, 2);
                     dequant_pairs(panel, K, G, blk, bits, tile);
                     kp_bf16_panel_rows(xm, ldx, mb, tile, K / 2, bias ? b : 0, ym, ldy, ncols, 0);
                 } else if (bits == 4) {

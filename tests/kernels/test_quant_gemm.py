@@ -6,8 +6,9 @@ panel is the level's: 48 columns with AVX-512, 16 with AVX2; tests/kernels/test_
 this file on the AVX2 build too); the shapes cover panel tails of both widths, row tails of its
 4-row tile and odd multiples of the group. What is asserted holds on every machine type: with
 float32 rows the product equals `x @ w.T` of the dequantized weight up to float32 rounding of
-the sums; with bf16 rows (both of its paths: the register path below 8 rows, the bf16-pair tiles
-from 8 on) it is within the bound `_bf16_bound` states."""
+the sums; with bf16 rows (all of its paths: the register path below 8 rows, the bf16-pair tiles
+from 8 on, and with AVX512-BF16 the exact-code dot path from 2 rows, to 39 for 4 bits and 63 for
+int8, with full and partial blocks of 8) it is within the bound `_bf16_bound` states."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kernels import cpu_native
 from kernels import quant_linear as ql
 
 ROWS = [1, 3, 17, 64]
-BF16_ROWS = [1, 3, 8, 17, 64, 300]  # 300: two blocks of 256 rows
+BF16_ROWS = [1, 3, 8, 17, 39, 40, 64, 300]  # 300: two blocks of 256 rows
 # (out, in, group): out not a multiple of either panel, in an odd number of groups.
 INT4_SHAPES = [(50, 96, 32), (97, 192, 64), (49, 384, 128), (1, 32, 32)]
 INT8_SHAPES = [(50, 96, 32), (113, 160, 32), (40, 72, 72)]  # the last: one scale per channel
