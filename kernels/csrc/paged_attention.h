@@ -17,8 +17,8 @@
  *   groups;
  * - paged_dispatch.c: kp_paged_rows_f32, which spreads rows over threads and picks the path;
  * - paged_bf16.c, paged_bf16_tile.c: the same over a bf16 cache (row kernel and prefill tiles);
- * - paged_span.h: the decode row kernel for head dims 64/128 (256) in spans of keys, one source
- *   for the fp32, bf16 and one-byte (paged_q8.c) caches.
+ * - paged_span.h: the decode row kernel for head dims 64, 128 and 256 in spans of keys, one
+ *   source for the bf16 and one-byte (paged_q8.c) caches.
  *
  * Layout (docs/kernels.md): kv = [2, num_blocks, block_size, num_kv_heads, head_dim].
  * Functions shared between the files carry the pa_ prefix; none is exported. The vector paths
@@ -195,8 +195,7 @@ void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, 
                      float *out);
 
 /* paged_rows.c: KV heads kvh .. kvh + nkv - 1 of one row over keys start .. len - 1, head_dim
- * 64 or 128 (paged_span.h's spans); `state` (or NULL) is the softmax state to go on from
- * (cascade). */
+ * 64 or 128; `state` (or NULL) is the softmax state to go on from (cascade). */
 void pa_item_vec(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
                     int32_t len, int kvh, int nkv, int group, int hd, float scale,
                     const float *state, float *out);

@@ -189,7 +189,7 @@ static inline __attribute__((always_inline)) void item_span(
 #endif
     for (int i = 0; i < group * HD; ++i) acc[i] = 0.0f;
     for (int g = 0; g < group; ++g) m[g] = l[g] = 0.0f;
-    span_item(qp, qf, &kv, table, start, len, kvh, group, HD, scale, softcap, 1, acc, m, l,
+    span_item(qp, qf, &kv, table, start, len, kvh, group, HD, scale, softcap, acc, m, l,
               ROW_BF16);
     for (int g = 0; g < group; ++g) {
         const vf inv = vset1(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);

@@ -117,7 +117,7 @@ static inline __attribute__((always_inline)) void item_span(
                            q8->block_size, q8->heads, kvq_unit(FMT)};
     for (int i = 0; i < group * HD; ++i) acc[i] = 0.0f;
     for (int g = 0; g < group; ++g) m[g] = l[g] = 0.0f;
-    span_item(0, q, &kv, table, start, len, kvh, group, HD, scale, softcap, 1, acc, m, l, FMT);
+    span_item(0, q, &kv, table, start, len, kvh, group, HD, scale, softcap, acc, m, l, FMT);
     for (int g = 0; g < group; ++g) {
         const vf inv = vset1(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
         for (int d = 0; d < HD; d += KP_VW)

@@ -1,14 +1,15 @@
 /* Paged attention, the row kernel: one query row at a time (paged_attention.h).
  *
  * Work item = (row, KV head) or, with many rows, the whole row: the query heads sharing a KV
- * head are processed together, so each K/V row is loaded once for the group. Head dims 64 and
- * 128 take the spans of paged_span.h (every level: scores of 256 keys for every query head,
- * then each V row loaded once for up to 4 query heads whose accumulators stay in registers).
- * Every other case takes the portable loop, in chunks of CHUNK keys: scores for the chunk, the
- * online softmax's rescale, then the weighted V rows. Consecutive rows of one prefill sequence
- * re-read the same K/V, which stays in cache.
+ * head are processed together, so each K/V row is loaded once for the group. The context is
+ * walked in chunks of CHUNK keys: scores for the chunk, one vectorised exp pass and one rescale
+ * of the running sum and accumulator (online softmax), then the weighted V rows, while the next
+ * chunk is prefetched. Consecutive rows of one prefill sequence re-read the same K/V, which
+ * stays in cache. Head dims 64 and 128 take the vector version (kp_vec.h, every level: q and
+ * the accumulators in registers as far as the register file allows); every other case the
+ * portable loop. CHUNK = 32 measured best for the prefetch distance, against 16, 64 and 128.
  */
-#include "paged_span.h"
+#include "paged_attention.h"
 
 /* Online-softmax bookkeeping for one head over a chunk of n scores in p (replaced by their
  * weights exp(s - new max)); returns the factor that rescales the old accumulator. */
@@ -77,54 +78,191 @@ void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, 
     }
 }
 
-/* pa_item_vec for one head dim (a function each, so span_item is specialised): each KV head
- * in spans (paged_span.h), one after the other (spans outer and KV heads inner, prefetching a
- * whole row's heads, measured slower). */
-static inline __attribute__((always_inline)) void item_span(
-    const float *q, const kv_layout *kvl, const int32_t *table, int32_t start, int32_t len,
-    int kvh, int nkv, int group, const int HD, float scale, const float *state, float *out) {
-    const int heads = nkv * group;
-    float acc[MAX_HEADS * MAX_HEAD_DIM], m[MAX_HEADS], l[MAX_HEADS];
-    const span_cache kv = {kvl->k_base, kvl->v_base, 0, 0, kvl->tok_stride, kvl->block_size, 0,
-                           1.0f};
-    for (int g = 0; g < heads; ++g) {
-        m[g] = state ? state[g] : 0.0f;
-        l[g] = state ? state[heads + g] : 0.0f;
+/* Pull `nfl` floats at each of the n rows toward L2 (prefetcht1): the rows sit in scattered
+ * blocks, which the hardware prefetchers cannot guess, and the loops over them would
+ * otherwise stall on every new row. */
+static inline void prefetch_l2(const float *const *rows, int n, int64_t nfl) {
+    for (int t = 0; t < n; ++t)
+        for (int64_t b = 0; b < nfl; b += 16) __builtin_prefetch(rows[t] + b, 0, 2);
+}
+
+/* softmax_chunk for n <= CHUNK scores, all in registers: no scalar passes over the chunk. */
+#define CHUNK_V (CHUNK / KP_VW)
+static inline float softmax_chunk_vec(float *p, int n, float *m, float *l) {
+    vf s[CHUNK_V];
+    vf top = vset1(-3.0e38f);
+    for (int c = 0; c < CHUNK_V; ++c) {
+        const int left = n - c * KP_VW;
+        s[c] = left >= KP_VW ? vload(p + c * KP_VW)
+               : vselect(vlanes_below(left > 0 ? left : 0), vload_n(p + c * KP_VW, left > 0 ? left : 0),
+                         vset1(-3.0e38f));
+        top = vmax(top, s[c]);
     }
-    for (int64_t i = 0; i < (int64_t)heads * HD; ++i) acc[i] = state ? state[2 * heads + i] : 0.0f;
-    for (int h = 0; h < nkv; ++h) {
-        const int64_t g0 = (int64_t)h * group;
-        span_item(0, q + g0 * HD, &kv, table, start, len, kvh + h, group, HD, scale, 0.0f,
-                  !state, acc + g0 * HD, m + g0, l + g0, ROW_F32);
+    const float cmax = vhmax(top);
+    const float mx = cmax > *m ? cmax : *m;
+    const float corr = (*m == -INFINITY) ? 0.0f : expf(*m - mx);
+    vf sum = vzero();
+    for (int c = 0; c < CHUNK_V; ++c) {
+        const int left = n - c * KP_VW;
+        if (left <= 0) break;
+        const vf e = vexp(s[c] - mx);
+        if (left >= KP_VW) {
+            vstore(p + c * KP_VW, e);
+            sum += e;
+        } else {
+            const vf kept = vselect(vlanes_below(left), e, vzero());
+            vstore_n(p + c * KP_VW, kept, left);
+            sum += kept;
+        }
     }
-    for (int g = 0; g < heads; ++g) {
-        const vf inv = vset1(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
-        for (int j = 0; j < HD; j += KP_VW)
-            vstore(out + (int64_t)g * HD + j, vload(acc + (int64_t)g * HD + j) * inv);
+    *l = *l * corr + vhsum(sum);
+    *m = mx;
+    return corr;
+}
+
+/* Vector version for head_dim = KP_VW * NV. Per chunk of keys and per KV head, the query heads
+ * of the group are taken a few at a time (`gb`, a compile-time constant so q and the
+ * accumulators stay in registers): each K row and each V row is loaded once for all of them.
+ * Scores come KP_VW keys at a time, their horizontal sums taken together (vhsum_lanes). While
+ * a chunk is processed, the next chunk's K and V rows are prefetched toward L2, a few lines
+ * per key, so the memory system keeps fetching the scattered blocks while the core computes
+ * (measurably faster than the loop before it, which stalled on every new block). */
+#define PASS_MAX 4
+static inline __attribute__((always_inline)) void pass_vec(
+    const float *q, const int gb, const int NV, const float *const *krow,
+    const float *const *vrow, const float *const *nkrow, const float *const *nvrow, int n,
+    int nnext, int64_t koff, float scale, float *p, float *m, float *l, float *accbuf) {
+    const int hd = KP_VW * NV;
+    vf qv[PASS_MAX][MAX_NV];
+    for (int i = 0; i < gb; ++i)
+        for (int j = 0; j < NV; ++j) qv[i][j] = vload(q + i * hd + KP_VW * j) * scale;
+    int t = 0;
+    for (; t + KP_VW <= n; t += KP_VW) {
+        vf part[PASS_MAX][KP_VW];
+        for (int u = 0; u < KP_VW; ++u) {
+            const float *kt = krow[t + u] + koff;
+            for (int i = 0; i < gb; ++i) {
+                vf s = qv[i][0] * vload(kt);
+                for (int j = 1; j < NV; ++j) s = vfma(qv[i][j], vload(kt + KP_VW * j), s);
+                part[i][u] = s;
+            }
+        }
+        for (int i = 0; i < gb; ++i) vstore(p + i * CHUNK + t, vhsum_lanes(part[i]));
+    }
+    for (; t < n; ++t) {
+        const float *kt = krow[t] + koff;
+        for (int i = 0; i < gb; ++i) {
+            vf s = qv[i][0] * vload(kt);
+            for (int j = 1; j < NV; ++j) s = vfma(qv[i][j], vload(kt + KP_VW * j), s);
+            p[i * CHUNK + t] = vhsum(s);
+        }
+    }
+    float corr[PASS_MAX];
+    for (int i = 0; i < gb; ++i) corr[i] = softmax_chunk_vec(p + i * CHUNK, n, &m[i], &l[i]);
+    /* The weighted V rows, a slice of the head at a time where the register file is small. */
+    const int DV = pa_v_slice(gb, NV);
+    for (int j0 = 0; j0 < NV; j0 += DV) {
+        vf a[PASS_MAX][MAX_NV];
+        for (int i = 0; i < gb; ++i)
+            for (int j = 0; j < DV; ++j)
+                a[i][j] = vload(accbuf + i * hd + KP_VW * (j0 + j)) * corr[i];
+        for (int u = 0; u < n; ++u) {
+            if (j0 == 0 && u < nnext) {
+                for (int b = 0; b < hd; b += 16) {
+                    __builtin_prefetch(nkrow[u] + koff + b, 0, 2);
+                    __builtin_prefetch(nvrow[u] + koff + b, 0, 2);
+                }
+            }
+            const float *vt = vrow[u] + koff + KP_VW * j0;
+            vf v[MAX_NV];
+            for (int j = 0; j < DV; ++j) v[j] = vload(vt + KP_VW * j);
+            for (int i = 0; i < gb; ++i) {
+                const vf w = vset1(p[i * CHUNK + u]);
+                for (int j = 0; j < DV; ++j) a[i][j] = vfma(w, v[j], a[i][j]);
+            }
+        }
+        for (int i = 0; i < gb; ++i)
+            for (int j = 0; j < DV; ++j) vstore(accbuf + i * hd + KP_VW * (j0 + j), a[i][j]);
     }
 }
 
-static void item_span64(const float *q, const kv_layout *kv, const int32_t *table,
-                        int32_t start, int32_t len, int kvh, int nkv, int group, float scale,
-                        const float *state, float *out) {
-    item_span(q, kv, table, start, len, kvh, nkv, group, 64, scale, state, out);
+/* One pass over a chunk for `gb` query heads of one KV head; gb is dispatched to a constant so
+ * pass_vec is specialised per count. */
+#define DEFINE_PASS(NAME, NV)                                                                   \
+    static void NAME(const float *q, int gb, const float *const *krow,                         \
+                     const float *const *vrow, const float *const *nkrow,                       \
+                     const float *const *nvrow, int n, int nnext, int64_t koff, float scale,    \
+                     float *p, float *m, float *l, float *accbuf) {                             \
+        switch (gb) {                                                                           \
+        case 1: pass_vec(q, 1, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
+        case 2: pass_vec(q, 2, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
+        case 3: pass_vec(q, 3, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
+        default: pass_vec(q, 4, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
+        }                                                                                       \
+    }
+DEFINE_PASS(pass_hd64, 64 / KP_VW)
+DEFINE_PASS(pass_hd128, 128 / KP_VW)
+
+/* Query heads per pass: as many as keep their q vectors in half the register file (AVX-512: 4
+ * of head_dim 64, 2 of 128; AVX2: 1). */
+static inline int heads_per_pass(int hd) {
+    const int per = (KP_VREGS / 2) / (hd / KP_VW);
+    return per < 1 ? 1 : per > PASS_MAX ? PASS_MAX : per;
 }
 
-static void item_span128(const float *q, const kv_layout *kv, const int32_t *table,
-                         int32_t start, int32_t len, int kvh, int nkv, int group, float scale,
-                         const float *state, float *out) {
-    item_span(q, kv, table, start, len, kvh, nkv, group, 128, scale, state, out);
-}
-
-/* KV heads kvh .. kvh + nkv - 1 of one row (q and out at the first of their query heads),
- * head dim 64 or 128. Keys start .. len - 1; with `state` (m, l per head, then the
- * unnormalised accumulators [heads][hd]) the online softmax goes on from there instead of from
- * nothing: how a row's own keys follow a shared prefix done elsewhere (cascade). */
+/* KV heads kvh .. kvh + nkv - 1 of one row (q and out at the first of their query heads). */
+/* Keys start .. len - 1; with `state` (m, l per head, then the unnormalised accumulators
+ * [heads][hd]) the online softmax goes on from there instead of from nothing: how a row's
+ * own keys follow a shared prefix done elsewhere (cascade). */
 void pa_item_vec(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
                  int32_t len, int kvh, int nkv, int group, int hd, float scale,
                  const float *state, float *out) {
-    if (hd == 64)
-        item_span64(q, kv, table, start, len, kvh, nkv, group, scale, state, out);
-    else
-        item_span128(q, kv, table, start, len, kvh, nkv, group, scale, state, out);
+    const int heads = nkv * group;
+    const int per_pass = heads_per_pass(hd);
+    float accbuf[MAX_HEADS * MAX_HEAD_DIM];
+    float p[PASS_MAX * CHUNK];
+    float m[MAX_HEADS], l[MAX_HEADS];
+    const float *rows[4][CHUNK];  /* K and V pointers of this chunk and of the next */
+    int cur = 0;
+    for (int g = 0; g < heads; ++g) {
+        m[g] = state ? state[g] : -INFINITY;
+        l[g] = state ? state[heads + g] : 0.0f;
+    }
+    for (int64_t i = 0; i < (int64_t)heads * hd; ++i)
+        accbuf[i] = state ? state[2 * heads + i] : 0.0f;
+    const int32_t first = len - start < CHUNK ? len - start : CHUNK;
+    const int n0 = first > 0 ? first : 0;
+    chunk_rows(kv, table, start, n0, kvh, hd, rows[0], rows[1]);
+    prefetch_l2(rows[0], n0, (int64_t)nkv * hd);
+    prefetch_l2(rows[1], n0, (int64_t)nkv * hd);
+    for (int32_t c0 = start; c0 < len; c0 += CHUNK) {
+        const int n = (len - c0) < CHUNK ? (len - c0) : CHUNK;
+        const float *const *krow = rows[2 * cur], *const *vrow = rows[2 * cur + 1];
+        const float **nk = rows[2 * (1 - cur)], **nv = rows[2 * (1 - cur) + 1];
+        const int32_t c1 = c0 + CHUNK;
+        const int nnext = c1 < len ? ((len - c1) < CHUNK ? (len - c1) : CHUNK) : 0;
+        if (nnext) chunk_rows(kv, table, c1, nnext, kvh, hd, nk, nv);
+        for (int h = 0; h < nkv; ++h) {
+            const int64_t koff = (int64_t)h * hd;
+            for (int g = 0; g < group; g += per_pass) {
+                const int gb = (group - g) < per_pass ? (group - g) : per_pass;
+                const int head = h * group + g;
+                /* The first pass over this KV head prefetches its slice of the next chunk's
+                 * rows (prefetching whole rows in one pass measured slower). */
+                const int pf = g == 0 ? nnext : 0;
+                if (hd == 64)
+                    pass_hd64(q + (int64_t)head * hd, gb, krow, vrow, nk, nv, n, pf, koff, scale,
+                              p, m + head, l + head, accbuf + (int64_t)head * hd);
+                else
+                    pass_hd128(q + (int64_t)head * hd, gb, krow, vrow, nk, nv, n, pf, koff,
+                               scale, p, m + head, l + head, accbuf + (int64_t)head * hd);
+            }
+        }
+        cur = 1 - cur;
+    }
+    for (int g = 0; g < heads; ++g) {
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int j = 0; j < hd; j += KP_VW)
+            vstore(out + (int64_t)g * hd + j, vload(accbuf + (int64_t)g * hd + j) * inv);
+    }
 }

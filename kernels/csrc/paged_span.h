@@ -1,6 +1,5 @@
-/* Decode attention in spans: the row kernel that the fp32, bf16 and one-byte caches share
- * (paged_rows.c, paged_bf16.c, paged_q8.c) for head dims 64 and 128 (and 256 where the file
- * takes it).
+/* Decode attention in spans: the row kernel that the bf16 and one-byte caches share
+ * (paged_bf16.c, paged_q8.c) for head dims 64, 128 and 256.
  *
  * Why: the value step of a row kernel that walks keys in chunks of 32 and one query head at a
  * time reloads its accumulators every chunk and, where a head's accumulators fill the register
@@ -12,8 +11,11 @@
  * their FMA chains run side by side. Row offsets come a block's run at a time (no division per
  * key); the score loop prefetches the K and V rows PF_AHEAD keys ahead.
  *
- * One source for the three caches: KIND (a compile-time constant) says how a row's elements
- * become fp32 vectors: ROW_F32 loads them; ROW_BF16 widens bf16 pairs (vload_bf16_eo: the
+ * The fp32 cache keeps its chunked row kernel (paged_rows.c): in spans it was faster in L3 but
+ * slower from memory, where that kernel prefetches a whole row's KV heads at once.
+ *
+ * One source for both caches: KIND (a compile-time constant) says how a row's elements become
+ * fp32 vectors: ROW_BF16 widens bf16 pairs (vload_bf16_eo: the
  * accumulators, and q where it is widened, are in that pair order); KP_KV_INT8 / E4M3 / E5M2
  * widen codes (kp_kvq.h), whose per-(block, head) scales multiply each key's score and each
  * value's softmax weight (kmul, vmul: the per-element work is the widening alone). With
@@ -30,11 +32,10 @@
 #define PF_AHEAD 32   /* keys ahead whose K and V rows the score loop prefetches */
 #define V_HEADS 4     /* query heads at most per pass over a span's values */
 #define SPAN_NV (MAX_HEAD_DIM / KP_VW) /* vectors of the longest head */
-#define ROW_F32 0
 #define ROW_BF16 4    /* the one-byte kinds are their KP_KV_* formats, 1 .. 3 */
 
 /* Bytes per element of a row of KIND. */
-#define ROW_BYTES(KIND) ((KIND) == ROW_F32 ? 4 : (KIND) == ROW_BF16 ? 2 : 1)
+#define ROW_BYTES(KIND) ((KIND) == ROW_BF16 ? 2 : 1)
 
 /* The cache as the span kernel reads it: element offsets from k_base / v_base. With one-byte
  * codes, k_scale / v_scale ([num_blocks, heads]) times unit are each (block, head)'s scale. */
@@ -78,11 +79,7 @@ static inline __attribute__((always_inline)) void span_prefetch(const span_cache
  * in their pairs' order). */
 static inline __attribute__((always_inline)) void span_load2(const void *base, int64_t o, int j,
                                                              const int KIND, vf *a, vf *b) {
-    if (KIND == ROW_F32) {
-        const float *r = (const float *)base + o + j;
-        *a = vload(r);
-        *b = vload(r + KP_VW);
-    } else if (KIND == ROW_BF16) {
+    if (KIND == ROW_BF16) {
         vload_bf16_eo((const uint16_t *)base + o + j, a, b);
     } else {
         const uint8_t *r = (const uint8_t *)base + o + j;
@@ -157,7 +154,7 @@ static inline __attribute__((always_inline)) void span_scores(
     const vq_t *qp, const float *qf, int group, const int HD, const span_cache *kv,
     const int64_t *off, int n, int n_ahead, const float *kmul, float scale, float *s,
     const int KIND) {
-    float kbuf[KP_VW * MAX_HEAD_DIM];  /* widened keys (not for fp32 rows or the BF16 dot) */
+    float kbuf[KP_VW * MAX_HEAD_DIM];  /* widened keys (not for the BF16 dot) */
     (void)qp;
     for (int t = 0; t < n; t += KP_VW) {
         const int m = n - t < KP_VW ? n - t : KP_VW;
@@ -174,17 +171,13 @@ static inline __attribute__((always_inline)) void span_scores(
         }
 #endif
         const float *k[KP_VW];
-        if (KIND == ROW_F32) {
-            for (int u = 0; u < KP_VW; ++u) k[u] = (const float *)kv->k_base + ko[u];
-        } else {
-            for (int u = 0; u < KP_VW; ++u) {
-                k[u] = kbuf + u * HD;
-                for (int j = 0; j < HD; j += 2 * KP_VW) {
-                    vf a, b;
-                    span_load2(kv->k_base, ko[u], j, KIND, &a, &b);
-                    vstore(kbuf + u * HD + j, a);
-                    vstore(kbuf + u * HD + j + KP_VW, b);
-                }
+        for (int u = 0; u < KP_VW; ++u) {
+            k[u] = kbuf + u * HD;
+            for (int j = 0; j < HD; j += 2 * KP_VW) {
+                vf a, b;
+                span_load2(kv->k_base, ko[u], j, KIND, &a, &b);
+                vstore(kbuf + u * HD + j, a);
+                vstore(kbuf + u * HD + j + KP_VW, b);
             }
         }
         const vf mul = kmul ? vload(kmul + t) : vset1(scale);
@@ -262,16 +255,16 @@ static inline __attribute__((always_inline)) void span_values(
 
 /* The `group` query heads of KV head kvh over keys start .. len - 1, head dim HD: q in qf
  * (fp32 rows in span_load2's order; qp instead with the BF16 dot), the unnormalised
- * accumulators in acc (same order), the running max and sum in m and l. `fresh`: acc, m and l
- * hold nothing yet (else the softmax goes on from them: a cascade's shared prefix). */
+ * accumulators in acc (same order), the running max and sum in m and l, all starting from
+ * nothing. */
 static inline __attribute__((always_inline)) void span_item(
     const vq_t *qp, const float *qf, const span_cache *kv, const int32_t *table, int32_t start,
-    int32_t len, int kvh, int group, const int HD, float scale, float softcap, int fresh,
-    float *acc, float *m, float *l, const int KIND) {
+    int32_t len, int kvh, int group, const int HD, float scale, float softcap, float *acc,
+    float *m, float *l, const int KIND) {
     float s[MAX_GROUP * SPAN], corr[MAX_GROUP], kmul[SPAN], vmul[SPAN];
     int64_t off[SPAN + PF_AHEAD + KP_VW];
     int32_t blk[SPAN + PF_AHEAD + KP_VW];
-    const int coded = KIND != ROW_F32 && KIND != ROW_BF16;
+    const int coded = KIND != ROW_BF16;
     const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
     for (int32_t c0 = start; c0 < len; c0 += SPAN) {
         const int n = (len - c0) < SPAN ? (len - c0) : SPAN;
@@ -290,7 +283,7 @@ static inline __attribute__((always_inline)) void span_item(
             for (int t = n; t < padded; ++t) kmul[t] = 0.0f;
         }
         span_scores(qp, qf, group, HD, kv, off, n, ahead, coded ? kmul : 0, scale, s, KIND);
-        const int first = fresh && c0 == start;
+        const int first = c0 == start;
         for (int g = 0; g < group; ++g) {
             float *p = s + (int64_t)g * SPAN;
             if (softcap > 0.0f)
