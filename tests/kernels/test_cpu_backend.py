@@ -383,38 +383,3 @@ def test_without_prefill_tiles_only_decode_rows_reach_the_row_kernel(
         calls.clear()
         _check(_torch(*case.args(), window=window), want, torch.float32)
         assert [sorted(c) for c in calls] == expected
-
-
-LONG_DECODE_CASES = [  # (seq_lens, heads, kv_heads, head_dim, block_size): decode rows of
-    # the row kernel (csrc/paged_rows.c) over long contexts and odd groups
-    ([700, 257, 256, 15], 6, 2, 128, 16),  # group 3 at 128 (V in slices), chunk tails
-    ([513, 16, 17], 5, 1, 64, 8),          # passes of 4 heads and 1; blocks shorter than 16 keys
-    ([300, 33], 7, 7, 64, 1),              # one query head per KV head, blocks of one key
-    ([600, 2], 14, 2, 128, 32),            # passes of 2 heads (AVX-512) and of 1 at 128
-    ([290, 40, 3, 260, 9, 77, 1, 512, 31], 9, 3, 64, 16),  # 9 rows: whole rows per item
-]
-
-
-@pytest.mark.parametrize("case_def", LONG_DECODE_CASES,
-                         ids=lambda c: f"h{c[1]}x{c[2]}-d{c[3]}-bs{c[4]}")
-@pytest.mark.parametrize("threads", [1, 2])
-def test_fp32_decode_rows_over_long_contexts_match_reference(case_def: tuple,
-                                                             threads: int) -> None:
-    seq_lens, heads, kv_heads, head_dim, block_size = case_def
-    case = make_case(seq_lens, [1] * len(seq_lens), num_heads=heads, num_kv_heads=kv_heads,
-                     head_dim=head_dim, block_size=block_size, seed=heads, wide_table=True)
-    case.query.mul_(3)  # peaked softmax rows: a wrong key, head or rescale would show
-    q, kv, bt, seq_lens_t, starts, scale = case.args()
-    meta = AttentionMetadata.build(bt, seq_lens_t, starts)
-    row_lens, row_seq = meta.rows(len(seq_lens))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)  # 2 threads with few rows: an item per (row, KV head)
-    try:
-        for window in (None, 300):  # a window that starts inside a block
-            out = torch.zeros_like(q)
-            cpu_native.paged_rows(q, kv, bt, row_lens, torch.arange(len(seq_lens)), row_seq,
-                                  scale, out, window=window)
-            ref = paged_attention_ref(*case.args(), window=window)
-            torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-    finally:
-        torch.set_num_threads(before)
