@@ -16,7 +16,9 @@
  * - paged_prefix.c: finding those groups of rows, prefill runs and cascade (shared-prefix)
  *   groups;
  * - paged_dispatch.c: kp_paged_rows_f32, which spreads rows over threads and picks the path;
- * - paged_bf16.c, paged_bf16_tile.c: the same over a bf16 cache (row kernel and prefill tiles).
+ * - paged_bf16.c, paged_bf16_tile.c: the same over a bf16 cache (row kernel and prefill tiles);
+ * - paged_span.h: the decode row kernel for head dims 64, 128 and 256 in spans of keys, one
+ *   source for the bf16 and one-byte (paged_q8.c) caches.
  *
  * Layout (docs/kernels.md): kv = [2, num_blocks, block_size, num_kv_heads, head_dim].
  * Functions shared between the files carry the pa_ prefix; none is exported. The vector paths

@@ -21,8 +21,7 @@
  * exact in fp32, so only the order of the fp32 sum differs from the widened path. Any head_dim
  * up to MAX_HEAD_DIM: a multiple of the vector width takes the vector loops, others the
  * scalar ones. */
-#include "kp_bf16.h"
-#include "paged_attention.h"
+#include "paged_span.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -163,196 +162,16 @@ static void item_bf16(const uint16_t *q, const kv16_layout *kv, const int32_t *t
     }
 }
 
-/* ---- Head dims 64, 128 and 256: spans of keys, scores first, then values ---- */
-
-#define SPAN 256      /* keys per span: scores of a span for every head of the group, then V */
-#define PF_AHEAD 32   /* keys ahead whose K and V rows the score loop prefetches */
-#define V_HEADS 4     /* query heads at most per pass over a span's values */
-#define SPAN_NV (MAX_HEAD_DIM / KP_VW) /* vectors of the longest head */
-
-/* Offsets (bf16 elements from k_base or v_base) of the rows of keys c0 .. c0 + n - 1 of KV
- * head kvh: block by block, one division per span. */
-static inline void span_offsets(const kv16_layout *kv, const int32_t *table, int32_t c0, int n,
-                                int kvh, int hd, int64_t *off) {
-    const int32_t bs = kv->block_size;
-    int32_t b = c0 / bs, u = c0 % bs;
-    for (int t = 0; t < n; ++b, u = 0) {
-        const int64_t base = (int64_t)table[b] * bs * kv->tok_stride + (int64_t)kvh * hd;
-        const int cnt = bs - u < n - t ? bs - u : n - t;
-        for (int i = 0; i < cnt; ++i) off[t + i] = base + (int64_t)(u + i) * kv->tok_stride;
-        t += cnt;
-    }
-}
-
-/* The K and V rows (hd bf16 each) at offset o toward the caches. */
-static inline void prefetch_kv(const kv16_layout *kv, int64_t o, int hd) {
-    for (int d = 0; d < hd; d += 32) {
-        __builtin_prefetch(kv->k_base + o + d, 0, 3);
-        __builtin_prefetch(kv->v_base + o + d, 0, 3);
-    }
-}
-
-#if defined(__AVX512BF16__)
-typedef __m512i vq_t; /* a query's 32 bf16 dims, and the same with its 256-bit halves swapped */
-
-/* The 8 pair sums of span_scores to the 16 keys' dot products, key i in lane i: block b of
- * the result gathers the halves of block b's keys (vhsum_lanes' tree, three levels). */
-static inline vf hsum_key_pairs(const vf v[8]) {
-    __m512 x[4], y[2];
-    for (int i = 0; i < 4; ++i)
-        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 2; ++i) {
-        const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
-        y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
-                         _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
-}
-#else
-typedef int vq_t; /* unused without the BF16 dot */
-#endif
-
-/* s[g * SPAN + t] = scale * q_g.k_t for the n keys at off[0 .. n) and the `group` query heads
- * from q (bf16, rows of HD; qf: the same widened, for levels without the BF16 dot), KP_VW keys
- * at a time, their horizontal sums taken together (vhsum_lanes; a short last group repeats its
- * first key, lanes past n are never read). The K and V rows of keys up to n_ahead are
- * prefetched PF_AHEAD keys ahead. */
-static inline __attribute__((always_inline)) void span_scores(
-    const vq_t *qp, const float *qf, int group, const int HD, const kv16_layout *kv,
-    const int64_t *off, int n, int n_ahead, float scale, float *s) {
-#if !defined(__AVX512BF16__)
-    float kbuf[KP_VW * MAX_HEAD_DIM];
-    (void)qp;
-#else
-    (void)qf;
-#endif
-    for (int t = 0; t < n; t += KP_VW) {
-        const int m = n - t < KP_VW ? n - t : KP_VW;
-        const int pf_end = t + PF_AHEAD + KP_VW < n_ahead ? t + PF_AHEAD + KP_VW : n_ahead;
-        for (int u = t + PF_AHEAD; u < pf_end; ++u) prefetch_kv(kv, off[u], HD);
-        const uint16_t *k[KP_VW];
-        for (int u = 0; u < KP_VW; ++u) k[u] = kv->k_base + off[t + (u < m ? u : 0)];
-#if defined(__AVX512BF16__)
-        /* Keys in pairs (c, 4 + c) and (8 + c, 12 + c), c < 4: x holds the first key's low and
-         * the second key's high half of each 32 dims, y the rest, crosswise; against q and q
-         * with its halves swapped, lanes 0-7 of a pair's sum are the first key's partial dot
-         * products and lanes 8-15 the second's. Built once for every head of the group. */
-        __m512i x[8][MAX_HEAD_DIM / 32], y[8][MAX_HEAD_DIM / 32];
-        for (int p = 0; p < 8; ++p) {
-            const uint16_t *ka = k[(p / 4) * 8 + p % 4], *kb = k[(p / 4) * 8 + p % 4 + 4];
-            for (int j = 0; j < HD / 32; ++j) {
-                const __m512i a = _mm512_loadu_si512(ka + 32 * j);
-                const __m512i b = _mm512_loadu_si512(kb + 32 * j);
-                x[p][j] = _mm512_mask_blend_epi32(0xFF00, a, b);
-                y[p][j] = _mm512_shuffle_i64x2(a, b, 0x4E);
-            }
-        }
-        for (int g = 0; g < group; ++g) {
-            const __m512i *qg = qp + (int64_t)g * 2 * (HD / 32);
-            vf part[8];
-#pragma GCC unroll 8
-            for (int p = 0; p < 8; ++p) {
-                __m512 a = _mm512_setzero_ps();
-                for (int j = 0; j < HD / 32; ++j) {
-                    a = _mm512_dpbf16_ps(a, (__m512bh)qg[2 * j], (__m512bh)x[p][j]);
-                    a = _mm512_dpbf16_ps(a, (__m512bh)qg[2 * j + 1], (__m512bh)y[p][j]);
-                }
-                part[p] = a;
-            }
-            vstore(s + (int64_t)g * SPAN + t, hsum_key_pairs(part) * scale);
-        }
-#else
-        for (int u = 0; u < KP_VW; ++u)
-            for (int j = 0; j < HD; j += 2 * KP_VW) {
-                vf e, o;
-                vload_bf16_eo(k[u] + j, &e, &o);
-                vstore(kbuf + u * HD + j, e);
-                vstore(kbuf + u * HD + j + KP_VW, o);
-            }
-        for (int g = 0; g < group; ++g) {
-            const float *qg = qf + (int64_t)g * HD;
-            vf part[KP_VW];
-#pragma GCC unroll 16
-            for (int u = 0; u < KP_VW; ++u) {
-                vf a = vload(qg) * vload(kbuf + u * HD);
-                for (int j = KP_VW; j < HD; j += KP_VW)
-                    a = vfma(vload(qg + j), vload(kbuf + u * HD + j), a);
-                part[u] = a;
-            }
-            vstore(s + (int64_t)g * SPAN + t, vhsum_lanes(part) * scale);
-        }
-#endif
-    }
-}
-
-/* Online softmax over a span: p[0 .. n) (n <= SPAN) replaced by exp(p - new max), the running
- * max *m and sum *l updated; returns the factor for the old sum and accumulator. */
-static inline float span_softmax(float *p, int n, int first, float *m, float *l) {
-    const int full = n / KP_VW * KP_VW;
-    vf vmx = vset1(-3.0e38f);
-    for (int t = 0; t < full; t += KP_VW) vmx = vmax(vmx, vload(p + t));
-    if (full < n) vmx = vmax(vmx, vselect(vlanes_below(n - full), vload(p + full), vmx));
-    float mx = vhmax(vmx);
-    if (!first && *m > mx) mx = *m;
-    const float corr = first ? 0.0f : expf(*m - mx);
-    vf sum = vzero();
-    for (int t = 0; t < full; t += KP_VW) {
-        const vf e = vexp(vload(p + t) - mx);
-        vstore(p + t, e);
-        sum += e;
-    }
-    if (full < n) {
-        const vf e = vselect(vlanes_below(n - full), vexp(vload(p + full) - mx), vzero());
-        vstore(p + full, e);
-        sum += e;
-    }
-    *l = *l * corr + vhsum(sum);
-    *m = mx;
-    return corr;
-}
-
-/* HB query heads' accumulators (acc: rows of NV vectors in vload_bf16_eo's order, each pair of
- * vectors the even and odd dims of 2 * KP_VW) rescaled by corr[h] plus the n value rows at off
- * weighted by p (row h at p + h * SPAN): each V row widened once for all HB heads, the
- * accumulators in registers (a slice of the head at a time where they do not fit: pa_v_slice,
- * at least 2 vectors at every level). */
-static inline __attribute__((always_inline)) void span_values(
-    float *acc, const float *corr, const float *p, const uint16_t *vb, const int64_t *off, int n,
-    const int HB, const int NV) {
-    /* pa_v_slice goes down to an eighth of the head; 2 vectors always fit */
-    const int DV = pa_v_slice(HB, NV) < 2 ? 2 : pa_v_slice(HB, NV);
-    for (int j0 = 0; j0 < NV; j0 += DV) {
-        vf a[V_HEADS][SPAN_NV];
-        for (int h = 0; h < HB; ++h)
-            for (int j = 0; j < DV; ++j)
-                a[h][j] = vload(acc + (h * NV + j0 + j) * KP_VW) * corr[h];
-        for (int t = 0; t < n; ++t) {
-            const uint16_t *vt = vb + off[t] + KP_VW * j0;
-            vf v[SPAN_NV];
-            for (int j = 0; j < DV; j += 2) vload_bf16_eo(vt + KP_VW * j, &v[j], &v[j + 1]);
-            for (int h = 0; h < HB; ++h) {
-                const vf w = vset1(p[h * SPAN + t]);
-                for (int j = 0; j < DV; ++j) a[h][j] = vfma(w, v[j], a[h][j]);
-            }
-        }
-        for (int h = 0; h < HB; ++h)
-            for (int j = 0; j < DV; ++j) vstore(acc + (h * NV + j0 + j) * KP_VW, a[h][j]);
-    }
-}
-
-/* item_bf16 for head dim HD (64, 128 or 256): per span of SPAN keys, the scores of every
- * query head of the group (each K row read once per head from L1, the next rows prefetched),
- * their online softmax, then the values, V_HEADS heads at a time. */
+/* item_bf16 for head dim HD (64, 128 or 256): in spans (paged_span.h). */
 static inline __attribute__((always_inline)) void item_span(
-    const uint16_t *q, const kv16_layout *kv, const int32_t *table, int32_t start, int32_t len,
-    int kvh, int group, const int HD, float scale, float softcap, uint16_t *out) {
-    float s[MAX_GROUP * SPAN], acc[MAX_GROUP * MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
-    float corr[MAX_GROUP];
+    const uint16_t *q, const kv16_layout *kv16, const int32_t *table, int32_t start,
+    int32_t len, int kvh, int group, const int HD, float scale, float softcap, uint16_t *out) {
+    float acc[MAX_GROUP * MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
     float qf[MAX_GROUP * MAX_HEAD_DIM];  /* q widened in vload_bf16_eo's order (no BF16 dot) */
+    const span_cache kv = {kv16->k_base, kv16->v_base, 0, 0, kv16->tok_stride,
+                           kv16->block_size, 0, 1.0f};
 #if defined(__AVX512BF16__)
-    vq_t qp[MAX_GROUP * 2 * (MAX_HEAD_DIM / 32)];  /* span_scores' query vectors */
+    vq_t qp[MAX_GROUP * 2 * (MAX_HEAD_DIM / 32)];  /* span_scores_dp's query vectors */
     for (int g = 0; g < group; ++g)
         for (int j = 0; j < HD / 32; ++j) {
             const __m512i v = _mm512_loadu_si512(q + (int64_t)g * HD + 32 * j);
@@ -361,9 +180,6 @@ static inline __attribute__((always_inline)) void item_span(
         }
 #else
     const vq_t *qp = 0;
-#endif
-    int64_t off[SPAN + PF_AHEAD + KP_VW];
-#if !defined(__AVX512BF16__)
     for (int i = 0; i < group * HD; i += 2 * KP_VW) {
         vf e, o;
         vload_bf16_eo(q + i, &e, &o);
@@ -373,34 +189,8 @@ static inline __attribute__((always_inline)) void item_span(
 #endif
     for (int i = 0; i < group * HD; ++i) acc[i] = 0.0f;
     for (int g = 0; g < group; ++g) m[g] = l[g] = 0.0f;
-    const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
-    for (int32_t c0 = start; c0 < len; c0 += SPAN) {
-        const int n = (len - c0) < SPAN ? (len - c0) : SPAN;
-        const int ahead = (len - c0) < SPAN + PF_AHEAD + KP_VW ? (len - c0)
-                                                               : SPAN + PF_AHEAD + KP_VW;
-        span_offsets(kv, table, c0, ahead, kvh, HD, off);
-        if (c0 == start)
-            for (int u = 0; u < PF_AHEAD && u < ahead; ++u) prefetch_kv(kv, off[u], HD);
-        span_scores(qp, qf, group, HD, kv, off, n, ahead, scale, s);
-        for (int g = 0; g < group; ++g) {
-            float *p = s + (int64_t)g * SPAN;
-            if (softcap > 0.0f)
-                for (int t = 0; t < n; ++t) p[t] = softcap * tanhf(p[t] * inv_cap);
-            corr[g] = span_softmax(p, n, c0 == start, &m[g], &l[g]);
-        }
-        for (int g0 = 0; g0 < group; g0 += V_HEADS) {
-            float *a = acc + (int64_t)g0 * HD;
-            const float *p = s + (int64_t)g0 * SPAN;
-#define SV(HB) span_values(a, corr + g0, p, kv->v_base, off, n, HB, HD / KP_VW)
-            switch (group - g0) {
-                case 1: SV(1); break;
-                case 2: SV(2); break;
-                case 3: SV(3); break;
-                default: SV(4); break;
-            }
-#undef SV
-        }
-    }
+    span_item(qp, qf, &kv, table, start, len, kvh, group, HD, scale, softcap, acc, m, l,
+              ROW_BF16);
     for (int g = 0; g < group; ++g) {
         const vf inv = vset1(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
         for (int d = 0; d < HD; d += 2 * KP_VW)

@@ -6,10 +6,10 @@
  * which made a quantized cache about three times slower than a float32 one. Here a decode row
  * reads the codes themselves: a quarter of float32's bytes.
  *
- * A single row of a sequence (a decode token) is a work item per (row, KV head), walked in
- * chunks of CHUNK keys as the bf16 kernel does (paged_bf16.c): the chunk's K and V codes are
- * widened into fp32 scratch that stays in L1 (kp_kvq.h: exact), so every query head of the
- * group reads them at fp32 speed. A key's scale (times the softmax scale) multiplies its
+ * A single row of a sequence (a decode token) is a work item per (row, KV head): head dims
+ * 64, 128 and 256 in spans (paged_span.h, as the bf16 kernel: codes widened in registers,
+ * kp_kvq.h, exact), others in chunks of CHUNK keys whose K and V codes are widened into fp32
+ * scratch that stays in L1, so every query head of the group reads them at fp32 speed. A key's scale (times the softmax scale) multiplies its
  * score, a value's scale its softmax weight, so the per-element work is the widening alone.
  * Scores, the online softmax and the sums are fp32.
  *
@@ -19,8 +19,7 @@
  * kernel, kp_paged_rows_f32, runs over it. Each row there reads its context many times, so
  * widening it once is cheaper than once per row.
  */
-#include "kp_kvq.h"
-#include "paged_attention.h"
+#include "paged_span.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -106,6 +105,56 @@ static void item_q8(const float *q, const q8_layout *kv, const int32_t *table, i
         const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
         for (int d = 0; d < hd; ++d) out[(int64_t)g * hd + d] = acc[g * hd + d] * inv;
     }
+}
+
+/* item_q8 for head dim HD (64, 128 or 256): in spans (paged_span.h), q and the accumulators
+ * fp32 in their natural order. */
+static inline __attribute__((always_inline)) void item_span(
+    const float *q, const q8_layout *q8, const int32_t *table, int32_t start, int32_t len,
+    int kvh, int group, const int HD, float scale, float softcap, float *out, const int FMT) {
+    float acc[MAX_GROUP * MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
+    const span_cache kv = {q8->k_base, q8->v_base, q8->k_scale, q8->v_scale, q8->tok_stride,
+                           q8->block_size, q8->heads, kvq_unit(FMT)};
+    for (int i = 0; i < group * HD; ++i) acc[i] = 0.0f;
+    for (int g = 0; g < group; ++g) m[g] = l[g] = 0.0f;
+    span_item(0, q, &kv, table, start, len, kvh, group, HD, scale, softcap, acc, m, l, FMT);
+    for (int g = 0; g < group; ++g) {
+        const vf inv = vset1(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+        for (int d = 0; d < HD; d += KP_VW)
+            vstore(out + (int64_t)g * HD + d, vload(acc + g * HD + d) * inv);
+    }
+}
+
+/* One (row, KV head): the spans for head dims 64, 128 and 256 (a function per format and head
+ * dim, so each is specialised), item_q8 for the others. */
+#define SPAN_FN(NAME, HD, FMT)                                                                  \
+    static void NAME(const float *q, const q8_layout *kv, const int32_t *table, int32_t start, \
+                     int32_t len, int kvh, int group, float scale, float softcap, float *out) { \
+        item_span(q, kv, table, start, len, kvh, group, HD, scale, softcap, out, FMT);          \
+    }
+#define SPAN_FNS(FMT, SUF) SPAN_FN(span64##SUF, 64, FMT) SPAN_FN(span128##SUF, 128, FMT)         \
+    SPAN_FN(span256##SUF, 256, FMT)
+SPAN_FNS(KP_KV_INT8, _i8)
+SPAN_FNS(KP_KV_E4M3, _e4)
+SPAN_FNS(KP_KV_E5M2, _e5)
+#undef SPAN_FNS
+#undef SPAN_FN
+
+typedef void (*span_fn)(const float *, const q8_layout *, const int32_t *, int32_t, int32_t, int,
+                        int, float, float, float *);
+
+static void row_item(const float *q, const q8_layout *kv, const int32_t *table, int32_t start,
+                     int32_t len, int kvh, int group, int hd, float scale, float softcap,
+                     float *out) {
+    static const span_fn fns[3][3] = {{span64_i8, span128_i8, span256_i8},
+                                      {span64_e4, span128_e4, span256_e4},
+                                      {span64_e5, span128_e5, span256_e5}};
+    const int which = hd == 64 ? 0 : hd == 128 ? 1 : hd == 256 ? 2 : -1;
+    if (which < 0)
+        item_q8(q, kv, table, start, len, kvh, group, hd, scale, softcap, out);
+    else
+        fns[kv->fmt - KP_KV_INT8][which](q, kv, table, start, len, kvh, group, scale, softcap,
+                                         out);
 }
 
 /* The calling thread's fp32 scratch for dequantized blocks (kept from call to call, like the
@@ -228,9 +277,9 @@ int kp_paged_rows_q8(const float *q, int64_t q_row_stride, const uint8_t *codes,
         const int64_t head0 = (int64_t)kvh * group * head_dim;
         const int32_t len = row_lens[row];
         const int32_t start = (window > 0 && len > window) ? len - window : 0;
-        item_q8(q + tok_idx[row] * q_row_stride + head0, &kv,
-                block_tables + seq_idx[row] * bt_stride, start, len, kvh, group, head_dim, scale,
-                softcap, out + tok_idx[row] * out_row_stride + head0);
+        row_item(q + tok_idx[row] * q_row_stride + head0, &kv,
+                 block_tables + seq_idx[row] * bt_stride, start, len, kvh, group, head_dim,
+                 scale, softcap, out + tok_idx[row] * out_row_stride + head0);
     }
     free(run);
     return rc;

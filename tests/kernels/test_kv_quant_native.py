@@ -109,6 +109,37 @@ CASES = [
 ]
 
 
+SPAN_CASES = [  # (seq_lens, heads, kv_heads, head_dim, block_size): decode rows through the
+    # spans (csrc/paged_span.h: 256 keys, up to 4 query heads a pass over the values)
+    ([700, 257, 256, 15], 6, 2, 128, 16),  # group 3 at 128 (V in slices); spans and their tails
+    ([513, 16, 17], 5, 1, 64, 8),          # passes of 4 heads and 1; blocks shorter than 16 keys
+    ([300, 33], 7, 7, 64, 1),              # one query head per KV head, blocks of one key
+    ([600, 2], 14, 2, 128, 32),            # passes of 4 heads and 3 at 128
+    ([290, 40], 8, 2, 256, 16),            # head dim 256, group 4
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case_def", SPAN_CASES, ids=lambda c: f"h{c[1]}x{c[2]}-d{c[3]}-bs{c[4]}")
+def test_decode_spans_equal_dequantize_then_attend(case_def: tuple, fmt: str) -> None:
+    seq_lens, heads, kv_heads, head_dim, bs = case_def
+    c = make_case(seq_lens, [1] * len(seq_lens), num_heads=heads, num_kv_heads=kv_heads,
+                  head_dim=head_dim, block_size=bs, seed=heads, wide_table=True)
+    c.query.mul_(3)  # peaked softmax rows: a wrong key, scale or span rescale would show
+    kv = QuantKV.zeros(tuple(c.kv_cache.shape), storage_dtype(fmt))
+    n = c.kv_cache.shape[1] * bs
+    flat = c.kv_cache.reshape(2, n, kv_heads, head_dim)
+    store_kv_quant(flat[0], flat[1], kv, torch.arange(n))
+    # every (block, head) its own scale, so a key read with another's scale would show
+    kv.scales.mul_(torch.rand(kv.scales.shape, generator=torch.Generator().manual_seed(1)) + 0.5)
+    meta = AttentionMetadata.build(c.block_tables, c.seq_lens, c.query_start_loc, backend="cpu")
+    for window in (None, 300):  # a window that starts inside a block, across spans
+        ref = paged_attention_ref(c.query, dequantize(kv), c.block_tables, c.seq_lens,
+                                  c.query_start_loc, c.scale, window=window)
+        out = attend(c.query, kv, meta, c.scale, window=window)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_native_attention_equals_dequantize_then_attend(case: tuple, fmt: str,
