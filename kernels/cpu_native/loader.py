@@ -33,7 +33,7 @@ SOURCES = tuple(CSRC / name for name in (
     "paged_bf16.c", "paged_bf16_tile.c", "cpu_ops.c", "cpu_ops_bf16.c", "gemm.c", "decoder_stack.c", "lora_sgmv.c",
     "quant_gemm.c", "gemm_bf16.c", "kv_q8.c", "paged_q8.c"))
 HEADERS = tuple(CSRC / name for name in ("kp_native.h", "kp_vec.h", "kp_bf16.h", "kp_kvq.h",
-                                          "paged_attention.h", "paged_span.h"))
+                                          "paged_attention.h", "paged_span.h", "kp_team.h"))
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wextra", "-shared",
          "-fPIC")  # plus the level's -march (isa.LEVELS)
 ISA_TAG = b"kp-native-isa="  # library.c embeds this, then KP_ISA, then ";"

@@ -15,15 +15,16 @@
 
 #include "kp_bf16.h"
 #include "kp_native.h"
+#include "kp_team.h"
 
 #define PAR_MIN_ROWS 32
 
 static inline float rbf(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-void kp_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual,
-                          const uint16_t *w, uint16_t *out, int64_t rows, int64_t hidden,
-                          float eps) {
-#pragma omp parallel for schedule(static) if (rows >= PAR_MIN_ROWS)
+void kp_team_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual,
+                               const uint16_t *w, uint16_t *out, int64_t rows, int64_t hidden,
+                               float eps) {
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < rows; ++t) {
         const uint16_t *xr = x + t * x_stride;
         if (residual) {
@@ -47,8 +48,15 @@ void kp_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residua
     }
 }
 
-void kp_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t inter) {
-#pragma omp parallel for schedule(static) if (rows >= PAR_MIN_ROWS)
+void kp_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual,
+                          const uint16_t *w, uint16_t *out, int64_t rows, int64_t hidden,
+                          float eps) {
+#pragma omp parallel if (rows >= PAR_MIN_ROWS)
+    kp_team_add_rms_norm_bf16(x, x_stride, residual, w, out, rows, hidden, eps);
+}
+
+void kp_team_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t inter) {
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < rows; ++t) {
         const uint16_t *g = gu + t * 2 * inter, *u = g + inter;
         uint16_t *o = out + t * inter;
@@ -57,6 +65,11 @@ void kp_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t i
             o[i] = f32_to_bf16(rbf(x / (1.0f + expf(-x))) * bf16_to_f32(u[i]));
         }
     }
+}
+
+void kp_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t inter) {
+#pragma omp parallel if (rows >= PAR_MIN_ROWS)
+    kp_team_silu_mul_bf16(gu, out, rows, inter);
 }
 
 int kp_store_kv_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
@@ -74,14 +87,15 @@ int kp_store_kv_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int
 }
 
 /* Rotary embedding in place over bf16 rows with a bf16 table, each product and each sum
- * rounded to bf16 as eager bf16 (transformers' rotate-half) rounds them. */
-int kp_rope_bf16(uint16_t *x, int64_t row_stride, const int64_t *positions,
-                 const uint16_t *cos_table, const uint16_t *sin_table, int64_t max_positions,
-                 int64_t rows, int64_t heads, int64_t head_dim) {
+ * rounded to bf16 as eager bf16 (transformers' rotate-half) rounds them; with a cache, the
+ * row's k and v then stored (kp_team.h). */
+void kp_team_rope_store_bf16(uint16_t *x, int64_t row_stride, const int64_t *positions,
+                             const uint16_t *cos_table, const uint16_t *sin_table, int64_t rows,
+                             int64_t heads, int64_t head_dim, const int64_t *slots,
+                             uint16_t *cache, int64_t num_slots, int64_t k_off, int64_t v_off,
+                             int64_t row_elems) {
     const int64_t half = head_dim / 2;
-    for (int64_t t = 0; t < rows; ++t)
-        if (positions[t] < 0 || positions[t] >= max_positions) return -1;
-#pragma omp parallel for schedule(static) if (rows >= PAR_MIN_ROWS)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < rows; ++t) {
         const uint16_t *c = cos_table + positions[t] * half;
         const uint16_t *s = sin_table + positions[t] * half;
@@ -95,6 +109,21 @@ int kp_rope_bf16(uint16_t *x, int64_t row_stride, const int64_t *positions,
                 x2[i] = f32_to_bf16(rbf(b * ci) + rbf(a * si));
             }
         }
+        if (cache && slots[t] >= 0) {
+            memcpy(cache + slots[t] * row_elems, row + k_off, (size_t)row_elems * 2);
+            memcpy(cache + (num_slots + slots[t]) * row_elems, row + v_off,
+                   (size_t)row_elems * 2);
+        }
     }
+}
+
+int kp_rope_bf16(uint16_t *x, int64_t row_stride, const int64_t *positions,
+                 const uint16_t *cos_table, const uint16_t *sin_table, int64_t max_positions,
+                 int64_t rows, int64_t heads, int64_t head_dim) {
+    for (int64_t t = 0; t < rows; ++t)
+        if (positions[t] < 0 || positions[t] >= max_positions) return -1;
+#pragma omp parallel if (rows >= PAR_MIN_ROWS)
+    kp_team_rope_store_bf16(x, row_stride, positions, cos_table, sin_table, rows, heads,
+                            head_dim, 0, 0, 0, 0, 0, 0);
     return 0;
 }

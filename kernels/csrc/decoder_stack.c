@@ -21,6 +21,7 @@
 
 #include "kp_bf16.h"
 #include "kp_native.h"
+#include "kp_team.h"
 
 enum { QKV, O, GATE_UP, DOWN };
 
@@ -147,6 +148,99 @@ static int project_bf16(const kp_decoder_stack *m, int64_t l, int j, const uint1
                               (const uint16_t *)b, y, ldy);
 }
 
+/* Whether one_region_bf16 takes this step: a bf16 cache, no sliding window, every
+ * projection's format and the attention's shapes ones its kernels take, every position and
+ * slot in range. Otherwise the
+ * kernel-by-kernel loop below runs, which returns the error where there is one. */
+static int one_region_ok(const kp_decoder_stack *m, const kp_decoder_step *s) {
+    const int64_t K[4] = {m->hidden, m->heads * m->head_dim, m->hidden, m->inter};
+    if (m->kv_format) return 0;
+    for (int64_t l = 0; l < m->layers; ++l) {
+        if ((m->window && m->window[l]) ||
+            !kp_team_attention_ok((int32_t)m->block_size, (int32_t)m->kv_heads,
+                                  (int32_t)m->head_dim, (int32_t)m->heads, 0, 0.0f))
+            return 0;
+        for (int j = 0; j < 4; ++j) {
+            const int32_t bits = m->qbits ? m->qbits[4 * l + j] : 0;
+            const int64_t g = bits ? m->qgroup[4 * l + j] : 0;
+            if (bits ? kp_quant_block_bytes(bits, g) < 0 || K[j] % g || g % 2 : K[j] % 2)
+                return 0;
+        }
+    }
+    const int64_t num_slots = m->num_blocks * m->block_size;
+    for (int64_t t = 0; t < s->tokens; ++t)
+        if (s->positions[t] < 0 || s->positions[t] >= m->max_positions ||
+            s->slots[t] >= num_slots)
+            return 0;
+    return 1;
+}
+
+/* project_bf16 as a team body (kp_team.h): the format is checked. */
+static void team_project_bf16(const kp_decoder_stack *m, int64_t l, int j, const uint16_t *x,
+                              int64_t ldx, int64_t T, const void *w, int64_t K, int64_t N,
+                              const void *b, uint16_t *y, int64_t ldy) {
+    const int32_t bits = m->qbits ? m->qbits[4 * l + j] : 0;
+    if (!bits)
+        kp_team_gemm_bf16(x, ldx, T, (const uint32_t *)w, K, N, (const uint16_t *)b, y, ldy);
+    else
+        kp_team_quant_gemm_bf16(x, ldx, T, (const uint8_t *)w, bits, m->qgroup[4 * l + j], K, N,
+                                (const uint16_t *)b, y, ldy);
+}
+
+/* kp_decoder_stack_bf16's loop in one parallel region: the same kernels as team bodies, in the
+ * same order, each ending in its barrier (the next one reads whole rows of what the last one
+ * wrote by columns, or the reverse), RoPE and the KV store one pass over the rows, the
+ * attention's plan (the prefill runs among the rows) made once for all layers. */
+static int one_region_bf16(const kp_decoder_stack *m, const kp_decoder_step *s) {
+    typedef uint16_t bf;
+    const int64_t T = s->tokens, H = m->hidden, hd = m->head_dim;
+    const int64_t q_size = m->heads * hd, kv_size = m->kv_heads * hd;
+    const int64_t qkv_size = q_size + 2 * kv_size, inter = m->inter;
+    const int64_t num_slots = m->num_blocks * m->block_size;
+    bf *x = (bf *)s->x, *res = (bf *)s->residual, *normed = (bf *)s->normed;
+    bf *qkv = (bf *)s->qkv, *attn = (bf *)s->attn, *gu = (bf *)s->gate_up, *act = (bf *)s->act;
+    kp_team_attention sh;
+    kp_team_attention_plan(&sh, (int32_t)m->block_size, (int32_t)hd, (int32_t)m->kv_heads,
+                           s->block_tables, s->bt_stride, s->row_lens, s->seq_idx, T, 0, 0.0f);
+#pragma omp parallel
+    {
+        for (int64_t l = 0; l < m->layers; ++l) {
+            if (l == 0) {  /* the first residual is the embedding itself (the norm reads x too) */
+#pragma omp for schedule(static) nowait
+                for (int64_t t = 0; t < T; ++t)
+                    memcpy(res + t * H, x + t * H, (size_t)H * sizeof(bf));
+            }
+            kp_team_add_rms_norm_bf16(x, H, l ? res : 0, (const bf *)m->in_norm[l], normed, T, H,
+                                      m->eps);
+            team_project_bf16(m, l, QKV, normed, H, T, m->qkv_w[l], H, qkv_size, m->qkv_b[l], qkv,
+                              qkv_size);
+            kp_team_rope_store_bf16(qkv, qkv_size, s->positions, (const bf *)m->cos_table,
+                                    (const bf *)m->sin_table, T, m->heads + m->kv_heads, hd,
+                                    s->slots, (bf *)m->kv[l], num_slots, q_size,
+                                    q_size + kv_size, kv_size);
+            kp_team_paged_rows_bf16(
+                qkv, qkv_size, (const bf *)m->kv[l], m->num_blocks, (int32_t)m->block_size,
+                (int32_t)m->kv_heads, (int32_t)hd, (int32_t)m->heads, s->block_tables,
+                s->bt_stride, s->row_lens, s->tok_idx, s->seq_idx, T, m->scale,
+                0, 0.0f, attn, q_size, &sh);
+            if (sh.failed) break;  /* read after the loop's barrier: the same for every thread */
+            team_project_bf16(m, l, O, attn, q_size, T, m->o_w[l], q_size, H, m->o_b[l], x, H);
+            kp_team_add_rms_norm_bf16(x, H, res, (const bf *)m->post_norm[l], normed, T, H,
+                                      m->eps);
+            team_project_bf16(m, l, GATE_UP, normed, H, T, m->gate_up_w[l], H, 2 * inter,
+                              m->gate_up_b[l], gu, 2 * inter);
+            kp_team_silu_mul_bf16(gu, act, T, inter);
+            team_project_bf16(m, l, DOWN, act, inter, T, m->down_w[l], inter, H, m->down_b[l], x,
+                              H);
+        }
+        if (!sh.failed)
+            kp_team_add_rms_norm_bf16(x, H, res, (const bf *)m->final_norm, (bf *)s->out, T, H,
+                                      m->eps);
+    }
+    kp_team_attention_free(&sh);
+    return sh.failed ? -5 : 0;
+}
+
 int kp_decoder_stack_bf16(const kp_decoder_stack *m, const kp_decoder_step *s) {
     typedef uint16_t bf;
     const int64_t T = s->tokens, H = m->hidden, hd = m->head_dim;
@@ -157,6 +251,7 @@ int kp_decoder_stack_bf16(const kp_decoder_stack *m, const kp_decoder_step *s) {
     bf *qkv = (bf *)s->qkv, *attn = (bf *)s->attn, *gu = (bf *)s->gate_up, *act = (bf *)s->act;
     if (T <= 0) return 0;
     if (m->q_norm) return -4;
+    if (one_region_ok(m, s)) return one_region_bf16(m, s);
     for (int64_t l = 0; l < m->layers; ++l) {
         kp_add_rms_norm_bf16(x, H, l ? res : 0, (const bf *)m->in_norm[l], normed, T, H, m->eps);
         if (l == 0) memcpy(res, x, (size_t)(T * H) * sizeof(bf));

@@ -20,6 +20,7 @@
 
 #include "kp_bf16.h"
 #include "kp_native.h"
+#include "kp_team.h"
 #include "kp_vec.h"
 
 #define NR KP_GEMM_PANEL
@@ -100,15 +101,13 @@ void kp_bf16_panel_rows(const uint16_t *x, int64_t ldx, int64_t M, const uint32_
 }
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) times the pair-packed weight
- * (+ bias), all bf16; panels split evenly over the threads. -1: K odd. */
-int kp_gemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint32_t *packed, int64_t K,
-                 int64_t N, const uint16_t *bias, uint16_t *y, int64_t ldy) {
-    if (K % 2) return -1;
-    if (M <= 0 || N <= 0) return 0;
+ * (+ bias), all bf16; panels split evenly over the threads (a team body, kp_team.h). */
+void kp_team_gemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint32_t *packed,
+                       int64_t K, int64_t N, const uint16_t *bias, uint16_t *y, int64_t ldy) {
     const int64_t panels = (N + NR - 1) / NR, K2 = K / 2;
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t mb = (M - m0) < MB ? (M - m0) : MB;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
             const int64_t n0 = p * NR;
             const int ncols = (N - n0) < NR ? (int)(N - n0) : NR;
@@ -120,5 +119,14 @@ int kp_gemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint32_t *pack
                                p + 1 < panels ? packed + (p + 1) * K2 * NR : 0);
         }
     }
+}
+
+/* The team body in a region of its own; -1: K odd. */
+int kp_gemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint32_t *packed, int64_t K,
+                 int64_t N, const uint16_t *bias, uint16_t *y, int64_t ldy) {
+    if (K % 2) return -1;
+    if (M <= 0 || N <= 0) return 0;
+#pragma omp parallel
+    kp_team_gemm_bf16(x, ldx, M, packed, K, N, bias, y, ldy);
     return 0;
 }

@@ -232,12 +232,18 @@ typedef struct {
     int32_t block_size;
 } kv16_layout;
 
-/* paged_bf16_tile.c: the prefill runs among n rows (pa_find_key_groups without cascade) with
- * their keys laid out transposed in bf16 pairs; returns how many (0: none, or no memory), with
- * the layout in *kt. Head dims 64 and 128, no window or cap (the caller checks). */
-int64_t pa_kt16_groups(const kv16_layout *kv, const int32_t *row_lens, const int64_t *seq_idx,
-                       const int32_t *block_tables, int64_t bt_stride, int64_t n, int nkv, int hd,
-                       int32_t *group_of, key_group *grp, const uint32_t **kt);
+/* paged_bf16_tile.c: the prefill runs among n rows (pa_find_key_groups without cascade) and
+ * the calling thread's buffer for their keys laid out transposed in bf16 pairs (*kt), to be
+ * filled in *slices pieces by pa_kt16_fill (any thread, any order); returns how many runs (0:
+ * none, or no memory). Head dims 64 and 128, no window or cap (the caller checks). */
+int64_t pa_kt16_plan(const kv16_layout *kv, const int32_t *row_lens, const int64_t *seq_idx,
+                     const int32_t *block_tables, int64_t bt_stride, int64_t n, int nkv, int hd,
+                     int32_t *group_of, key_group *grp, const uint32_t **kt, int64_t *slices);
+
+/* paged_bf16_tile.c: piece si of pa_kt16_plan's transposed keys. */
+void pa_kt16_fill(const kv16_layout *kv, const int64_t *seq_idx, const int32_t *block_tables,
+                  int64_t bt_stride, const key_group *grp, int nkv, int hd, const uint32_t *kt,
+                  int64_t si);
 
 /* paged_bf16_tile.c: the query heads of KV head kvh for R (1 or 2) rows of a prefill run over
  * the transposed bf16 keys; q[r] and out[r] point at the first of those heads. -1: the score

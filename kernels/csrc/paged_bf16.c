@@ -21,6 +21,7 @@
  * exact in fp32, so only the order of the fp32 sum differs from the widened path. Any head_dim
  * up to MAX_HEAD_DIM: a multiple of the vector width takes the vector loops, others the
  * scalar ones. */
+#include "kp_team.h"
 #include "paged_span.h"
 
 #ifdef _OPENMP
@@ -217,38 +218,66 @@ static void item_span128(const uint16_t *q, const kv16_layout *kv, const int32_t
     item_span(q, kv, table, start, len, kvh, group, 128, scale, softcap, out);
 }
 
-int kp_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *kv,
-                       int64_t num_blocks, int32_t block_size, int32_t num_kv_heads,
-                       int32_t head_dim, int32_t num_heads, const int32_t *block_tables,
-                       int64_t bt_stride, const int32_t *row_lens, const int64_t *tok_idx,
-                       const int64_t *seq_idx, int64_t n, float scale, int32_t window,
-                       float softcap, uint16_t *out, int64_t out_row_stride) {
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0) return -1;
+int kp_team_attention_ok(int32_t block_size, int32_t num_kv_heads, int32_t head_dim,
+                         int32_t num_heads, int32_t window, float softcap) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0) return 0;
+    return num_heads / num_kv_heads <= MAX_GROUP && head_dim <= MAX_HEAD_DIM &&
+           block_size <= MAX_BLOCK && window >= 0 && softcap >= 0.0f;
+}
+
+void kp_team_attention_plan(kp_team_attention *sh, int32_t block_size, int32_t head_dim,
+                            int32_t num_kv_heads, const int32_t *block_tables,
+                            int64_t bt_stride, const int32_t *row_lens, const int64_t *seq_idx,
+                            int64_t n, int32_t window, float softcap) {
+    sh->group_of = 0;
+    sh->grp = 0;
+    sh->kt = 0;
+    sh->groups = sh->slices = 0;
+    sh->failed = 0;
+    /* Prefill runs go through the transposed keys (paged_bf16_tile.c); group_of[r] is row r's
+     * run, or -1. Windowed and capped layers do not: the tiles have neither. */
+    if (pa_vector_head(head_dim) && n >= 2 && window == 0 && softcap == 0.0f) {
+        kv16_layout layout = {0};
+        layout.block_size = block_size;
+        sh->group_of = malloc((size_t)n * sizeof *sh->group_of);
+        sh->grp = malloc((size_t)n * sizeof(key_group));
+        if (sh->group_of && sh->grp)
+            sh->groups = pa_kt16_plan(&layout, row_lens, seq_idx, block_tables, bt_stride, n,
+                                      num_kv_heads, head_dim, sh->group_of, sh->grp, &sh->kt,
+                                      &sh->slices);
+    }
+}
+
+void kp_team_attention_free(kp_team_attention *sh) {
+    free(sh->group_of);
+    free(sh->grp);
+}
+
+void kp_team_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *kv,
+                             int64_t num_blocks, int32_t block_size, int32_t num_kv_heads,
+                             int32_t head_dim, int32_t num_heads, const int32_t *block_tables,
+                             int64_t bt_stride, const int32_t *row_lens, const int64_t *tok_idx,
+                             const int64_t *seq_idx, int64_t n, float scale, int32_t window,
+                             float softcap, uint16_t *out, int64_t out_row_stride,
+                             kp_team_attention *sh) {
     const int group = num_heads / num_kv_heads;
-    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || window < 0 ||
-        !(softcap >= 0.0f))
-        return -1;
     kv16_layout layout;
     layout.tok_stride = (int64_t)num_kv_heads * head_dim;
     layout.k_base = kv;
     layout.v_base = kv + num_blocks * (int64_t)block_size * layout.tok_stride;
     layout.block_size = block_size;
-    /* Prefill runs go through the transposed keys (paged_bf16_tile.c); group_of[r] is row r's
-     * run, or -1. Windowed and capped layers do not: the tiles have neither. */
-    int32_t *group_of = 0;
-    key_group *grp = 0;
-    const uint32_t *kt = 0;
-    int64_t groups = 0;
-    if (pa_vector_head(head_dim) && n >= 2 && window == 0 && softcap == 0.0f) {
-        group_of = malloc((size_t)n * sizeof *group_of);
-        grp = malloc((size_t)n * sizeof *grp);
-        if (group_of && grp)
-            groups = pa_kt16_groups(&layout, row_lens, seq_idx, block_tables, bt_stride, n,
-                                    num_kv_heads, head_dim, group_of, grp, &kt);
+    const int32_t *group_of = sh->group_of;
+    const key_group *grp = sh->grp;
+    const uint32_t *kt = sh->kt;
+    const int64_t groups = sh->groups, slices = sh->slices;
+    if (slices) {  /* the prefill runs' keys, transposed: items (run, 16-key slice) */
+#pragma omp for schedule(static)
+        for (int64_t si = 0; si < slices; ++si)
+            pa_kt16_fill(&layout, seq_idx, block_tables, bt_stride, grp, num_kv_heads, head_dim,
+                         kt, si);
     }
-    int failed = 0;
     const int64_t items = n * num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 2)
+#pragma omp for schedule(dynamic, 2)
     for (int64_t item = 0; item < items; ++item) {
         const int64_t row = item / num_kv_heads;
         const int kvh = (int)(item % num_kv_heads);
@@ -266,7 +295,7 @@ int kp_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *
             if (pa_kt16_item(qr, kt + g->off, g->ld, &layout, table, row_lens + row, R, kvh,
                              group, head_dim, scale, orow)) {
 #pragma omp atomic write
-                failed = 1;
+                sh->failed = 1;
             }
             continue;
         }
@@ -283,7 +312,23 @@ int kp_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *
         else
             item_bf16(qh, &layout, table, start, len, kvh, group, head_dim, scale, softcap, oh);
     }
-    free(group_of);
-    free(grp);
-    return failed ? -2 : 0;
+}
+
+int kp_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *kv,
+                       int64_t num_blocks, int32_t block_size, int32_t num_kv_heads,
+                       int32_t head_dim, int32_t num_heads, const int32_t *block_tables,
+                       int64_t bt_stride, const int32_t *row_lens, const int64_t *tok_idx,
+                       const int64_t *seq_idx, int64_t n, float scale, int32_t window,
+                       float softcap, uint16_t *out, int64_t out_row_stride) {
+    if (!kp_team_attention_ok(block_size, num_kv_heads, head_dim, num_heads, window, softcap))
+        return -1;
+    kp_team_attention sh;
+    kp_team_attention_plan(&sh, block_size, head_dim, num_kv_heads, block_tables, bt_stride,
+                           row_lens, seq_idx, n, window, softcap);
+#pragma omp parallel
+    kp_team_paged_rows_bf16(q, q_row_stride, kv, num_blocks, block_size, num_kv_heads, head_dim,
+                            num_heads, block_tables, bt_stride, row_lens, tok_idx, seq_idx, n,
+                            scale, window, softcap, out, out_row_stride, &sh);
+    kp_team_attention_free(&sh);
+    return sh.failed ? -2 : 0;
 }

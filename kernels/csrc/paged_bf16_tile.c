@@ -52,29 +52,32 @@ static void kt16_fill(const kv16_layout *kv, const int32_t *table, int32_t len, 
     }
 }
 
-int64_t pa_kt16_groups(const kv16_layout *kv, const int32_t *row_lens, const int64_t *seq_idx,
-                       const int32_t *block_tables, int64_t bt_stride, int64_t n, int nkv, int hd,
-                       int32_t *group_of, key_group *grp, const uint32_t **kt) {
+int64_t pa_kt16_plan(const kv16_layout *kv, const int32_t *row_lens, const int64_t *seq_idx,
+                     const int32_t *block_tables, int64_t bt_stride, int64_t n, int nkv, int hd,
+                     int32_t *group_of, key_group *grp, const uint32_t **kt, int64_t *slices) {
     int64_t groups = pa_find_key_groups(row_lens, seq_idx, block_tables, bt_stride,
                                         kv->block_size, n, 0, group_of, grp);
-    int64_t total = 0, slices = 0;
+    int64_t total = 0;
+    *slices = 0;
     for (int64_t k = 0; k < groups; ++k) {
         grp[k].off = total;
         total += grp[k].ld * nkv * (hd / 2);
-        slices += grp[k].ld / KT_KEYS;
+        *slices += grp[k].ld / KT_KEYS;
     }
     /* The calling thread's buffer, as fp32's (pa_transposed_keys): a float per pair. */
     uint32_t *buf = groups ? (uint32_t *)pa_transposed_keys(total) : 0;
-    if (!buf) return 0;
-#pragma omp parallel for schedule(static)
-    for (int64_t si = 0; si < slices; ++si) {  /* items: (group, 16-key slice) */
-        int64_t k = 0, first = 0;
-        while (si >= first + grp[k].ld / KT_KEYS) first += grp[k++].ld / KT_KEYS;
-        kt16_fill(kv, block_tables + seq_idx[grp[k].first] * bt_stride, grp[k].keys, nkv, hd,
-                  grp[k].ld, (int32_t)((si - first) * KT_KEYS), buf + grp[k].off);
-    }
     *kt = buf;
-    return groups;
+    if (!buf) *slices = 0;
+    return buf ? groups : 0;
+}
+
+void pa_kt16_fill(const kv16_layout *kv, const int64_t *seq_idx, const int32_t *block_tables,
+                  int64_t bt_stride, const key_group *grp, int nkv, int hd, const uint32_t *kt,
+                  int64_t si) {
+    int64_t k = 0, first = 0;
+    while (si >= first + grp[k].ld / KT_KEYS) first += grp[k++].ld / KT_KEYS;
+    kt16_fill(kv, block_tables + seq_idx[grp[k].first] * bt_stride, grp[k].keys, nkv, hd,
+              grp[k].ld, (int32_t)((si - first) * KT_KEYS), (uint32_t *)kt + grp[k].off);
 }
 
 /* Scores of key group `col` ([hd / 2][KT_KEYS] pairs) for M query rows, scaled, to s + m * ld.

@@ -55,6 +55,7 @@
 
 #include "kp_bf16.h"
 #include "kp_native.h"
+#include "kp_team.h"
 #include "kp_vec.h"
 
 #define NR KP_GEMM_PANEL
@@ -469,64 +470,66 @@ static float *row_sums(size_t n) {
 }
 #endif
 
-/* y = bf16 x times the packed weight (kp_quant_gemm_bf16): per block of rows the register
- * path, the 4-bit dot path or the pair tile (the header says which when). */
-static void qgemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint8_t *packed,
-                       int64_t K, int64_t N, int64_t G, int64_t blk, const uint16_t *bias,
-                       uint16_t *y, int64_t ldy, const int bits) {
+/* y = bf16 x times the packed weight (kp_quant_gemm_bf16), a team body (kp_team.h): per block
+ * of rows the register path, the 4-bit dot path or the pair tile (the header says which
+ * when). */
+void kp_team_quant_gemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint8_t *packed,
+                             int32_t bits, int64_t G, int64_t K, int64_t N,
+                             const uint16_t *bias, uint16_t *y, int64_t ldy) {
+    const int64_t blk = kp_quant_block_bytes(bits, G);
     const int64_t panels = (N + NR - 1) / NR, panel_bytes = K / G * blk;
     for (int64_t m0 = 0; m0 < M; m0 += MB_BF16) {
         const int64_t mb = (M - m0) < MB_BF16 ? (M - m0) : MB_BF16;
         const uint16_t *xm = x + m0 * ldx;
-        float *xs = 0; /* 4 bits: the group sums of x */
+        float *xs = 0; /* 4 bits: the group sums of x (one thread's buffer, read by all) */
         int dot = 0;    /* the dot path (4 bits with xs, int8) */
 #if defined(__AVX512BF16__)
         if ((bits == 4 || bits == 8) && mb >= DOT_MIN_BF16
             && mb < (bits == 4 ? DOT_MAX_BF16 : DOT_MAX_INT8)) {
-            if (bits == 4 && (xs = row_sums((size_t)(mb * (K / G)))))
-                group_sums(xm, ldx, mb, K, G, xs);
-            dot = bits == 8 || xs;
+#pragma omp single copyprivate(xs, dot)
+            {
+                if (bits == 4 && (xs = row_sums((size_t)(mb * (K / G)))))
+                    group_sums(xm, ldx, mb, K, G, xs);
+                dot = bits == 8 || xs;
+            }
         }
 #else
         (void)xs;
 #endif
-#pragma omp parallel
-        {
-            /* 4-bit dot path: mb rows of NR fp32 sums; pair tile: K / 2 rows of NR pairs */
-            float *acc = dot ? thread_tile((size_t)(mb + G / 2) * NR) : 0;
-            uint32_t *tile = !dot && mb >= TILE_MIN_BF16 ? (uint32_t *)thread_tile((size_t)K * NR / 2) : 0;
+        /* 4-bit dot path: mb rows of NR fp32 sums; pair tile: K / 2 rows of NR pairs */
+        float *acc = dot ? thread_tile((size_t)(mb + G / 2) * NR) : 0;
+        uint32_t *tile = !dot && mb >= TILE_MIN_BF16 ? (uint32_t *)thread_tile((size_t)K * NR / 2) : 0;
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; ++p) {
-                const int64_t n0 = p * NR;
-                const int ncols = (N - n0) < NR ? (int)(N - n0) : NR;
-                float b[NR];
-                for (int c = 0; c < NR; ++c) b[c] = bias && c < ncols ? bf16_to_f32(bias[n0 + c]) : 0;
-                const uint8_t *panel = packed + p * panel_bytes;
-                uint16_t *ym = y + m0 * ldy + n0;
-                if (acc) {
+        for (int64_t p = 0; p < panels; ++p) {
+            const int64_t n0 = p * NR;
+            const int ncols = (N - n0) < NR ? (int)(N - n0) : NR;
+            float b[NR];
+            for (int c = 0; c < NR; ++c) b[c] = bias && c < ncols ? bf16_to_f32(bias[n0 + c]) : 0;
+            const uint8_t *panel = packed + p * panel_bytes;
+            uint16_t *ym = y + m0 * ldy + n0;
+            if (acc) {
 #if defined(__AVX512BF16__)
-                    if (bits == 4)
-                        qdot_panel(xm, ldx, mb, xs, K / G, panel, K, G, blk, bias ? b : 0, ym,
-                                   ldy, ncols, acc + G / 2 * NR, 0, 4);
-                    else
-                        qdot_panel(xm, ldx, mb, xs, K / G, panel, K, G, blk, bias ? b : 0, ym,
-                                   ldy, ncols, acc + G / 2 * NR, (uint32_t *)acc, 8);
+                if (bits == 4)
+                    qdot_panel(xm, ldx, mb, xs, K / G, panel, K, G, blk, bias ? b : 0, ym,
+                               ldy, ncols, acc + G / 2 * NR, 0, 4);
+                else
+                    qdot_panel(xm, ldx, mb, xs, K / G, panel, K, G, blk, bias ? b : 0, ym,
+                               ldy, ncols, acc + G / 2 * NR, (uint32_t *)acc, 8);
 #endif
-                } else if (tile) {
-                    /* the next panel to L2 meanwhile (as gemm_bf16.c does for its own) */
-                    if (p + 1 < panels)
-                        for (int64_t c = 0; c < panel_bytes; c += 64)
-                            __builtin_prefetch(panel + panel_bytes + c, 0, 2);
-                    dequant_pairs(panel, K, G, blk, bits, tile);
-                    kp_bf16_panel_rows(xm, ldx, mb, tile, K / 2, bias ? b : 0, ym, ldy, ncols, 0);
-                } else if (bits == 4) {
-                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, bias ? b : 0, ym, ldy, ncols, 4, 1);
-                } else if (bits == 8) {
-                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, bias ? b : 0, ym, ldy, ncols, 8, 1);
-                } else {
-                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, bias ? b : 0, ym, ldy, ncols,
-                                KP_QUANT_E4M3, 1);
-                }
+            } else if (tile) {
+                /* the next panel to L2 meanwhile (as gemm_bf16.c does for its own) */
+                if (p + 1 < panels)
+                    for (int64_t c = 0; c < panel_bytes; c += 64)
+                        __builtin_prefetch(panel + panel_bytes + c, 0, 2);
+                dequant_pairs(panel, K, G, blk, bits, tile);
+                kp_bf16_panel_rows(xm, ldx, mb, tile, K / 2, bias ? b : 0, ym, ldy, ncols, 0);
+            } else if (bits == 4) {
+                qpanel_rows(xm, ldx, mb, panel, K, G, blk, bias ? b : 0, ym, ldy, ncols, 4, 1);
+            } else if (bits == 8) {
+                qpanel_rows(xm, ldx, mb, panel, K, G, blk, bias ? b : 0, ym, ldy, ncols, 8, 1);
+            } else {
+                qpanel_rows(xm, ldx, mb, panel, K, G, blk, bias ? b : 0, ym, ldy, ncols,
+                            KP_QUANT_E4M3, 1);
             }
         }
     }
@@ -581,6 +584,7 @@ int kp_quant_gemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const uint8_t 
     const int64_t blk = kp_quant_block_bytes(bits, group);
     if (blk < 0 || K <= 0 || K % group || group % 2) return -1;
     if (M <= 0 || N <= 0) return 0;
-    qgemm_bf16(x, ldx, M, packed, K, N, group, blk, bias, y, ldy, bits);
+#pragma omp parallel
+    kp_team_quant_gemm_bf16(x, ldx, M, packed, bits, group, K, N, bias, y, ldy);
     return 0;
 }

@@ -17,7 +17,7 @@ import torch
 from engine.model_executor.model_loader import load_model
 from kernels import cpu_native
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
-from tests.kernels.test_decoder_stack import _long_steps, _steps
+from tests.kernels.test_decoder_stack import _long_steps, _one_step_inputs, _steps
 
 # Families the bf16 stack declines even where the bf16 GEMM runs, and why.
 DECLINED_BF16 = {
@@ -68,3 +68,30 @@ def test_bf16_stack_declines_what_it_cannot_compute_and_says_why(name: str,
     want = (DECLINED_BF16[name] if cpu_native.native_bf16_linear()
             else "a projection is not on the native bf16 GEMM or quantized kernel")
     assert model.native_stack_declined == want or want in model.native_stack_declined
+
+
+def test_bf16_stack_rejects_a_position_past_the_table_and_a_slot_past_the_cache(
+        tmp_path: Path) -> None:
+    """The bf16 stack checks positions and slots before its one parallel region and leaves the
+    cache untouched when one is out of range (the per-layer loop raises as the modules do)."""
+    path, _ = save_checkpoint(CONFIGS["llama_hd64_inter100"], tmp_path)
+    model, _ = load_model(path, torch.bfloat16, torch.device("cpu"))
+    if model.native_stack is None:
+        assert not cpu_native.native_bf16_linear()
+        return
+    ids, _, kv, meta = _one_step_inputs(model, [0, 1], [0, 1])
+    kv = [c.bfloat16() for c in kv]
+    pos = torch.tensor([0, model.max_position_embeddings])
+    with torch.inference_mode(), pytest.raises(IndexError, match="rotary table"):
+        model(ids, pos, kv, meta)
+    assert all(not c.any() for c in kv)
+    ids, pos, kv, meta = _one_step_inputs(model, [0, 1], [0, 8 * 4])
+    kv = [c.bfloat16() for c in kv]
+    with torch.inference_mode(), pytest.raises(IndexError, match="KV slot"):
+        model(ids, pos, kv, meta)
+    assert all(not c.any() for c in kv)
+    ids, pos, kv, meta = _one_step_inputs(model, [0, 1], [0, 1])
+    kv = [c.bfloat16() for c in kv]
+    with torch.inference_mode():
+        model(ids, pos, kv, meta)
+    assert all(c.any() for c in kv)  # in range: the step writes every layer's cache

@@ -1,0 +1,132 @@
+"""Decode steps of the default model's one-call decoder stack (the 4-bit GGUF with bf16
+activations), timed around the native call alone: `--rows` sequences with prompts of 64-448
+tokens are prefilled, then one step of one token per sequence.
+
+Two builds of the native library are compared in the same process, call by call (the fairest
+A/B on a machine other processes load): the stack of this checkout and the one of `--base`
+(another checkout's csrc, built into a temporary directory with the same flags) each run the
+same captured decode step `--calls` times, alternating, with the same inputs (the step's KV
+writes are idempotent: the same values to the same slots). Printed: each build's median and
+best call, the ratio, the process's voluntary and involuntary context switches over the calls
+of each build, and whether the two builds' outputs are equal bit for bit.
+
+    OMP_NUM_THREADS=2 python bench/probes/stack_step.py --base /work/main [--rows 48]
+        [--calls 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from engine.default_model import find_gguf  # noqa: E402
+from engine.model_executor.model_loader import load_model  # noqa: E402
+from kernels.cpu_native import decoder_stack, isa, loader  # noqa: E402
+from tests.helpers.tiny_models import PagedSim  # noqa: E402
+
+
+def build_from(root: Path, out: Path) -> ctypes.CDLL:
+    """`root`'s native sources built for this CPU's level with this checkout's flags."""
+    level = isa.current()
+    sources = [root / "kernels" / "csrc" / p.name for p in loader.SOURCES]
+    compiler = loader.find_compiler()
+    subprocess.run([compiler, *loader.flags_for(level), *map(str, sources), "-o", str(out),
+                    "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(out))
+    lib.kp_decoder_stack_bf16.restype = ctypes.c_int
+    lib.kp_decoder_stack_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.kp_set_threads.argtypes = [ctypes.c_int]
+    lib.kp_set_threads.restype = None
+    return lib
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", required=True, help="the other checkout's root")
+    ap.add_argument("--rows", type=int, default=48)
+    ap.add_argument("--calls", type=int, default=200)
+    args = ap.parse_args()
+    gguf = find_gguf()
+    assert gguf is not None
+    model, _ = load_model(gguf, torch.bfloat16, torch.device("cpu"), quantization="gguf")
+    assert model.native_stack is not None, model.native_stack_declined
+    sim = PagedSim(model, seed=0, num_blocks=args.rows * 30, block_size=16)
+    sim.kv = [kv.bfloat16() for kv in sim.kv]
+    rng = random.Random(0)
+    last = {}
+    for sid in range(args.rows):
+        prompt = [rng.randrange(100, 20000) for _ in range(rng.randrange(64, 448))]
+        last[sid] = int(sim.step([(sid, prompt)])[-1].argmax())
+
+    tmp = Path(tempfile.mkdtemp(prefix="stack_step_"))
+    libs = {"base": build_from(Path(args.base), tmp / "base.so"),
+            "this": build_from(Path(__file__).resolve().parents[2], tmp / "this.so")}
+    threads = torch.get_num_threads()
+    for lib in libs.values():
+        lib.kp_set_threads(threads)
+    result: dict[str, object] = {}
+    real_loaded = decoder_stack.loaded
+
+    class Proxy:
+        """The loaded library, its bf16 stack replaced by the interleaved A/B."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real_loaded(), name)
+
+        def kp_decoder_stack_bf16(self, m, s) -> int:  # noqa: ANN001
+            step = s._obj
+            t, hidden = step.tokens, model.native_stack.hidden
+            x = torch.frombuffer((ctypes.c_uint16 * (t * hidden)).from_address(step.x),
+                                 dtype=torch.bfloat16)
+            out = torch.frombuffer((ctypes.c_uint16 * (t * hidden)).from_address(step.out),
+                                   dtype=torch.bfloat16)
+            x0, outs = x.clone(), {}
+            times = {name: [] for name in libs}
+            csw = {name: [0, 0] for name in libs}
+            for i in range(2 * args.calls):
+                name = ("base", "this")[i % 2]
+                x.copy_(x0)
+                ru0 = resource.getrusage(resource.RUSAGE_SELF)
+                t0 = time.perf_counter()
+                rc = libs[name].kp_decoder_stack_bf16(ctypes.addressof(m._obj),
+                                                      ctypes.addressof(step))
+                times[name].append(time.perf_counter() - t0)
+                ru1 = resource.getrusage(resource.RUSAGE_SELF)
+                csw[name][0] += ru1.ru_nvcsw - ru0.ru_nvcsw
+                csw[name][1] += ru1.ru_nivcsw - ru0.ru_nivcsw
+                assert rc == 0, rc
+                outs.setdefault(name, out.clone())
+                assert torch.equal(out, outs[name]), "a build is not deterministic"
+            result.update(times=times, csw=csw, equal=torch.equal(outs["base"], outs["this"]),
+                          tokens=t)
+            return 0
+
+    decoder_stack.loaded = lambda: Proxy()
+    sim.step([(sid, [last[sid]]) for sid in range(args.rows)])
+    decoder_stack.loaded = real_loaded
+    times, csw = result["times"], result["csw"]
+    med = {k: 1000 * statistics.median(v) for k, v in times.items()}
+    best = {k: 1000 * min(v) for k, v in times.items()}
+    print(f"threads={threads} rows={result['tokens']} calls={args.calls} each, interleaved; "
+          f"loadavg {os.getloadavg()[0]:.2f}")
+    for k in libs:
+        print(f"  {k:4s}: median {med[k]:.3f} ms, best {best[k]:.3f} ms, context switches "
+              f"voluntary {csw[k][0]} involuntary {csw[k][1]}")
+    print(f"  this/base: median {med['this'] / med['base']:.3f}, best "
+          f"{best['this'] / best['base']:.3f}; outputs equal bit for bit: {result['equal']}")
+
+
+if __name__ == "__main__":
+    main()
