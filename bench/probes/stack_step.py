@@ -52,24 +52,29 @@ def build_from(root: Path, out: Path) -> ctypes.CDLL:
     return lib
 
 
+def prefilled(rows: int) -> tuple[torch.nn.Module, PagedSim, dict[int, int]]:
+    """The default model at 4 bits in bf16, `rows` sequences prefilled, each one's next token."""
+    gguf = find_gguf()
+    assert gguf is not None
+    model, _ = load_model(gguf, torch.bfloat16, torch.device("cpu"), quantization="gguf")
+    assert model.native_stack is not None, model.native_stack_declined
+    sim = PagedSim(model, seed=0, num_blocks=rows * 30, block_size=16)
+    sim.kv = [kv.bfloat16() for kv in sim.kv]
+    rng = random.Random(0)
+    last = {}
+    for sid in range(rows):
+        prompt = [rng.randrange(100, 20000) for _ in range(rng.randrange(64, 448))]
+        last[sid] = int(sim.step([(sid, prompt)])[-1].argmax())
+    return model, sim, last
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", required=True, help="the other checkout's root")
     ap.add_argument("--rows", type=int, default=48)
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
-    gguf = find_gguf()
-    assert gguf is not None
-    model, _ = load_model(gguf, torch.bfloat16, torch.device("cpu"), quantization="gguf")
-    assert model.native_stack is not None, model.native_stack_declined
-    sim = PagedSim(model, seed=0, num_blocks=args.rows * 30, block_size=16)
-    sim.kv = [kv.bfloat16() for kv in sim.kv]
-    rng = random.Random(0)
-    last = {}
-    for sid in range(args.rows):
-        prompt = [rng.randrange(100, 20000) for _ in range(rng.randrange(64, 448))]
-        last[sid] = int(sim.step([(sid, prompt)])[-1].argmax())
-
+    model, sim, last = prefilled(args.rows)
     tmp = Path(tempfile.mkdtemp(prefix="stack_step_"))
     libs = {"base": build_from(Path(args.base), tmp / "base.so"),
             "this": build_from(Path(__file__).resolve().parents[2], tmp / "this.so")}
@@ -116,12 +121,17 @@ def main() -> None:
     decoder_stack.loaded = lambda: Proxy()
     sim.step([(sid, [last[sid]]) for sid in range(args.rows)])
     decoder_stack.loaded = real_loaded
+    report(result, threads, args.calls)
+
+
+def report(result: dict, threads: int, calls: int) -> None:
+    """Each build's median and best call, their ratios, context switches, bit equality."""
     times, csw = result["times"], result["csw"]
     med = {k: 1000 * statistics.median(v) for k, v in times.items()}
     best = {k: 1000 * min(v) for k, v in times.items()}
-    print(f"threads={threads} rows={result['tokens']} calls={args.calls} each, interleaved; "
+    print(f"threads={threads} rows={result['tokens']} calls={calls} each, interleaved; "
           f"loadavg {os.getloadavg()[0]:.2f}")
-    for k in libs:
+    for k in times:
         print(f"  {k:4s}: median {med[k]:.3f} ms, best {best[k]:.3f} ms, context switches "
               f"voluntary {csw[k][0]} involuntary {csw[k][1]}")
     print(f"  this/base: median {med['this'] / med['base']:.3f}, best "
