@@ -28,7 +28,33 @@ static inline float softmax_chunk(float *p, int n, float *m, float *l) {
     return corr;
 }
 
-/* Portable version: any head_dim up to MAX_HEAD_DIM, keys start .. len - 1 (a sliding window
+/* a . b over hd floats: whole vectors on four independent FMA chains (a single chain would
+ * wait on each FMA's latency), the remainder scalar. */
+static inline float dot_chains(const float *a, const float *b, int hd) {
+    vf s0 = vzero(), s1 = vzero(), s2 = vzero(), s3 = vzero();
+    int d = 0;
+    for (; d + 4 * KP_VW <= hd; d += 4 * KP_VW) {
+        s0 = vfma(vload(a + d), vload(b + d), s0);
+        s1 = vfma(vload(a + d + KP_VW), vload(b + d + KP_VW), s1);
+        s2 = vfma(vload(a + d + 2 * KP_VW), vload(b + d + 2 * KP_VW), s2);
+        s3 = vfma(vload(a + d + 3 * KP_VW), vload(b + d + 3 * KP_VW), s3);
+    }
+    for (; d + KP_VW <= hd; d += KP_VW) s0 = vfma(vload(a + d), vload(b + d), s0);
+    float s = vhsum((s0 + s1) + (s2 + s3));
+    for (; d < hd; ++d) s += a[d] * b[d];
+    return s;
+}
+
+/* acc += w * v over hd floats (whole vectors, then the remainder). */
+static inline void axpy_rows(float *acc, float w, const float *v, int hd) {
+    const vf wv = vset1(w);
+    int d = 0;
+    for (; d + KP_VW <= hd; d += KP_VW) vstore(acc + d, vfma(wv, vload(v + d), vload(acc + d)));
+    for (; d < hd; ++d) acc[d] += w * v[d];
+}
+
+/* Portable version (the head dims without a register pass, e.g. Gemma-3's 256, and soft-capped
+ * layers): any head_dim up to MAX_HEAD_DIM, keys start .. len - 1 (a sliding window
  * starts past 0); softcap > 0 caps each scaled score s to softcap * tanh(s / softcap). */
 void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
                      int32_t len, int kvh, int group, int hd, float scale, float softcap,
@@ -54,22 +80,13 @@ void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, 
         for (int g = 0; g < group; ++g) {
             const float *qg = qs + g * hd;
             float *pg = p + g * CHUNK;
-            for (int t = 0; t < n; ++t) {
-                const float *kt = krow[t];
-                float s = 0.0f;
-                for (int d = 0; d < hd; ++d) s += qg[d] * kt[d];
-                pg[t] = s;
-            }
+            for (int t = 0; t < n; ++t) pg[t] = dot_chains(qg, krow[t], hd);
             if (softcap > 0.0f)
                 for (int t = 0; t < n; ++t) pg[t] = softcap * tanhf(pg[t] * inv_cap);
             const float corr = softmax_chunk(pg, n, &m[g], &l[g]);
             float *ag = acc + g * hd;
             for (int d = 0; d < hd; ++d) ag[d] *= corr;
-            for (int t = 0; t < n; ++t) {
-                const float w = pg[t];
-                const float *vt = vrow[t];
-                for (int d = 0; d < hd; ++d) ag[d] += w * vt[d];
-            }
+            for (int t = 0; t < n; ++t) axpy_rows(ag, pg[t], vrow[t], hd);
         }
     }
     for (int g = 0; g < group; ++g) {

@@ -78,8 +78,10 @@ def test_matches_reference(kind: str, heads: tuple[int, int], dtype: torch.dtype
         _check(_torch(*case.args(), decode_token_budget=budget), ref, dtype)
 
 
-@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 68, 72, 80, 96, 128, 200, 256])
 def test_head_dims(head_dim: int, decode_path: str) -> None:
+    """64 and 128 take the register passes; the rest the portable item, whose loops take whole
+    vectors and then a scalar remainder (68 and 200 leave one at every vector width)."""
     case = make_case([1, 17, 300, 64], [1, 17, 5, 1], num_heads=4, num_kv_heads=2,
                      head_dim=head_dim, block_size=16, seed=head_dim)
     _check(paged_attention(*case.args(), backend="cpu"),
