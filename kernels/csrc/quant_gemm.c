@@ -443,17 +443,22 @@ static void tile_rows(const float *x, int64_t ldx, int64_t M, const float *tile,
     }
 }
 
-/* The calling thread's tile of at least n floats, kept between calls (a fresh allocation of this
- * size is an mmap whose pages fault in on every call); NULL when memory runs out. */
+/* *buf grown to at least n floats (64-byte aligned), kept between calls: a fresh allocation of a
+ * tile's size is an mmap whose pages fault in on every call. NULL when memory runs out. */
+static float *grown(float **buf, size_t *cap, size_t n) {
+    if (*cap < n) {
+        free(*buf);
+        *buf = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
+        *cap = *buf ? n : 0;
+    }
+    return *buf;
+}
+
+/* The calling thread's tile of at least n floats (see grown). */
 static float *thread_tile(size_t n) {
     static __thread float *buf;
     static __thread size_t cap;
-    if (cap < n) {
-        free(buf);
-        buf = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
-        cap = buf ? n : 0;
-    }
-    return buf;
+    return grown(&buf, &cap, n);
 }
 
 #if defined(__AVX512BF16__)
@@ -461,12 +466,7 @@ static float *thread_tile(size_t n) {
 static float *row_sums(size_t n) {
     static __thread float *buf;
     static __thread size_t cap;
-    if (cap < n) {
-        free(buf);
-        buf = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
-        cap = buf ? n : 0;
-    }
-    return buf;
+    return grown(&buf, &cap, n);
 }
 #endif
 
