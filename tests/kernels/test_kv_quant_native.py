@@ -21,6 +21,7 @@ from kernels import AttentionMetadata, attend, cpu_native
 from kernels.kv_quant import QMAX, QuantKV, dequantize, storage_dtype, store_kv_quant
 from kernels.reference import paged_attention_ref
 from kernels.testing import make_case
+from tests.kernels.test_paged_bf16 import SPAN_CASES  # the span kernel's cases, one home
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2"]
 
@@ -106,16 +107,6 @@ CASES = [
     ("mixed_bs16_d64", [50, 9, 37, 70], [12, 1, 37, 1], 6, 2, 64, 16, None, None),
     ("mixed_bs4_d32", [19, 1, 23], [19, 1, 4], 4, 4, 32, 4, None, None),
     ("window_softcap", [30, 1, 45], [1, 1, 20], 4, 2, 64, 16, 7, 30.0),
-]
-
-
-SPAN_CASES = [  # (seq_lens, heads, kv_heads, head_dim, block_size): decode rows through the
-    # spans (csrc/paged_span.h: 256 keys, up to 4 query heads a pass over the values)
-    ([700, 257, 256, 15], 6, 2, 128, 16),  # group 3 at 128 (V in slices); spans and their tails
-    ([513, 16, 17], 5, 1, 64, 8),          # passes of 4 heads and 1; blocks shorter than 16 keys
-    ([300, 33], 7, 7, 64, 1),              # one query head per KV head, blocks of one key
-    ([600, 2], 14, 2, 128, 32),            # passes of 4 heads and 3 at 128
-    ([290, 40], 8, 2, 256, 16),            # head dim 256, group 4
 ]
 
 
