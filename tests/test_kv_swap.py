@@ -16,6 +16,7 @@ preemption already rely on.
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -95,10 +96,35 @@ def test_slow_copies_make_the_cost_model_recompute(dirs, never_preempted, tmp_pa
     llm.engine.close()
 
 
-def test_a_tier_too_small_or_failing_recomputes_with_the_right_answer(
-        dirs, never_preempted, tmp_path, monkeypatch):  # noqa: F811
+def failing_writes(monkeypatch, gate: threading.Event | None = None) -> None:
+    """Every tier write fails (a full disk), once `gate` is set if one is given: until then
+    the writer thread waits in its first write and every later one stays queued."""
     import engine.core.kv_tier_files as files
 
+    def broken(*args, **kwargs):
+        if gate is not None:
+            gate.wait()
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(files, "write_block", broken)
+
+
+def writes_done_after_each_step(llm) -> None:
+    """The tier writer finishes a step's writes before the next step looks anything up (on
+    its own thread it may still be writing then: a lookup reads a queued block's bytes)."""
+    eng, step = llm.engine, llm.engine.step
+
+    def stepped():
+        try:
+            return step()
+        finally:
+            eng.kv_tier.writer.flush()
+
+    eng.step = stepped
+
+
+def test_a_tier_too_small_or_failing_recomputes_with_the_right_answer(
+        dirs, never_preempted, tmp_path, monkeypatch):  # noqa: F811
     small = engine(dirs, "float32", tmp_path / "small")
     stub_rates(small, prefill=10.0)
     small.engine.kv_tier.capacity_blocks = 1  # holds no victim's blocks
@@ -107,12 +133,10 @@ def test_a_tier_too_small_or_failing_recomputes_with_the_right_answer(
     assert s["num_preemptions"] > 0 and s["kv_swap_outs"] == 0
     small.engine.close()
 
-    def broken(*args, **kwargs):
-        raise OSError("no space left on device")
-
-    monkeypatch.setattr(files, "write_block", broken)
+    failing_writes(monkeypatch)
     failing = engine(dirs, "float32", tmp_path / "failing")
     stub_rates(failing, prefill=10.0)
+    writes_done_after_each_step(failing)  # each write has failed before the victim resumes
     assert generate(failing) == never_preempted["float32"]
     s = failing.stats()
     # The swap's writes failed: it resumed short (what was lost computed again), and the
@@ -122,6 +146,31 @@ def test_a_tier_too_small_or_failing_recomputes_with_the_right_answer(
         "recompute: a tier write failed recently")
     assert failing.engine.kv.pool.num_used_blocks == 0
     failing.engine.close()
+
+
+def test_a_swap_read_back_before_its_failing_writes_ran_resumes_whole(
+        dirs, never_preempted, tmp_path, monkeypatch):  # noqa: F811
+    """The tier writer is a thread: a write that will fail may still be queued when the
+    victim resumes, and the lookup then reads the queued bytes (the very bytes copied out of
+    the pool). That is a whole swap-in, counted as one; only a write that has failed by then
+    loses its block."""
+    gate = threading.Event()
+    failing_writes(monkeypatch, gate)
+    llm = engine(dirs, "float32", tmp_path)
+    stub_rates(llm, prefill=10.0)
+    try:
+        assert generate(llm) == never_preempted["float32"]
+        s = llm.stats()
+        assert s["kv_swap_outs"] > 0 and s["kv_swap_ins"] == s["kv_swap_outs"]
+        assert s["kv_swap_short"] == 0 and s["num_requests_swapped"] == 0
+        assert llm.engine.kv_tier.writer.errors == 0  # not one write has failed yet
+    finally:
+        gate.set()
+    llm.engine.kv_tier.writer.flush()
+    assert llm.engine.kv_tier.writer.errors > 0
+    assert llm.engine.kv.tier.swaps.choose(40, 1, 1).why == (
+        "recompute: a tier write failed recently")
+    llm.engine.close()
 
 
 def test_the_cost_model_weighs_measured_rates(tmp_path: Path):
