@@ -173,6 +173,28 @@ def test_a_swap_read_back_before_its_failing_writes_ran_resumes_whole(
     llm.engine.close()
 
 
+def test_a_swapped_request_that_ends_while_waiting_is_counted_dropped(dirs, tmp_path):  # noqa: F811
+    """Every swap-out ends as one of ins, short or dropped: an abort while swapped is no
+    swap-in, and its record and tier blocks go."""
+    llm = engine(dirs, "float32", tmp_path)
+    stub_rates(llm, prefill=10.0)
+    eng, swaps = llm.engine, llm.engine.kv.tier.swaps
+    for prompt in PROMPTS:
+        eng.add_request(eng.next_request_id(), prompt, LONG)
+    while not swaps.swapped:  # up to the step that swaps the victim out
+        assert eng.has_unfinished_requests()
+        eng.step()
+    (victim,) = swaps.swapped
+    eng.abort_request(victim)
+    while eng.has_unfinished_requests():
+        eng.step()
+    s = llm.stats()
+    assert s["kv_swap_outs"] == 1 and s["kv_swap_dropped"] == 1
+    assert s["kv_swap_ins"] == s["kv_swap_short"] == 0 and s["num_requests_swapped"] == 0
+    assert eng.kv.pool.num_used_blocks == 0 and not eng.kv_tier.private
+    eng.close()
+
+
 def test_the_cost_model_weighs_measured_rates(tmp_path: Path):
     tier = KVTier(tmp_path, 1000, 100_000, 4)
     swaps = Swapper(tier, 4)

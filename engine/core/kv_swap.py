@@ -66,6 +66,7 @@ class SwapStats:
     ins: int = 0  # swapped requests resumed with every token they had
     recomputes: int = 0  # preemptions (with a tier) that recomputed
     short: int = 0  # swapped requests resumed short (the tier lost a block): computed again
+    dropped: int = 0  # swapped requests that ended while waiting (aborted, failed): never resumed
 
 
 class Swapper:
@@ -163,9 +164,13 @@ class Swapper:
         return rec.num_tokens % self.block_size if restored else 0
 
     def forget(self, request_id: str) -> None:
-        """A request that ends or is freed while swapped: its partial block is useless."""
+        """A request that ends or is freed while swapped: its partial block is useless. Every
+        swap-out ends as one of ins, short or dropped (or is still waiting)."""
         rec = self.swapped.pop(request_id, None)
-        if rec is not None and rec.key is not None:
+        if rec is None:
+            return
+        self.stats.dropped += 1
+        if rec.key is not None:
             self.done.append(rec.key)
 
     def observe_step(self, num_scheduled: dict[str, int], spec: dict[str, list[int]],
@@ -178,4 +183,5 @@ class Swapper:
     def stat_dict(self) -> dict[str, int]:
         s = self.stats
         return {"kv_swap_outs": s.outs, "kv_swap_ins": s.ins, "kv_swap_recomputes": s.recomputes,
-                "kv_swap_short": s.short, "num_requests_swapped": len(self.swapped)}
+                "kv_swap_short": s.short, "kv_swap_dropped": s.dropped,
+                "num_requests_swapped": len(self.swapped)}
