@@ -45,8 +45,12 @@
 #define KV_VECS (KT_KEYS / KP_VW) /* vectors per group of transposed keys */
 #define MAX_M 6 /* score rows of one key tile: R rows x gb heads */
 
-/* The head dims the vector paths take. */
+/* The head dims the transposed-key tiles take. */
 static inline int pa_vector_head(int hd) { return hd == 64 || hd == 128; }
+
+/* The head dims the vector row kernel (pa_item_vec) takes: those, and 256 (Gemma-3), whose
+ * scores keep q in memory (scores_wide in paged_rows.c). */
+static inline int pa_row_head(int hd) { return pa_vector_head(hd) || hd == 256; }
 
 /* Vectors of an accumulator row that a V loop over m rows holds at once: the largest power of
  * two, at most nv, with which the m rows' accumulators (and, for m > 1, the V vectors they

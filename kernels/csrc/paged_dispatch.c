@@ -13,7 +13,7 @@
 static void run_item(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
                      int32_t len, int kvh, int nkv, int group, int hd, float scale,
                      float softcap, float *out) {
-    if (pa_vector_head(hd) && nkv * group <= MAX_HEADS && softcap == 0.0f) {
+    if (pa_row_head(hd) && nkv * group <= MAX_HEADS && softcap == 0.0f) {
         pa_item_vec(q, kv, table, start, len, kvh, nkv, group, hd, scale, 0, out);
         return;
     }
