@@ -14,7 +14,6 @@ in shuffled order. Every variant's answer is checked against the first's.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys

@@ -22,8 +22,8 @@
  *
  * Layout (docs/kernels.md): kv = [2, num_blocks, block_size, num_kv_heads, head_dim].
  * Functions shared between the files carry the pa_ prefix; none is exported. The vector paths
- * are written once over kp_vec.h for every level; head dims 64 and 128 take them, any other
- * the portable loop.
+ * are written once over kp_vec.h for every level; head dims 64 and 128 take them all, 256 the
+ * row kernel (pa_row_head), any other the portable loop.
  */
 #ifndef KP_PAGED_ATTENTION_H
 #define KP_PAGED_ATTENTION_H
@@ -199,7 +199,7 @@ void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, 
                      float *out);
 
 /* paged_rows.c: KV heads kvh .. kvh + nkv - 1 of one row over keys start .. len - 1, head_dim
- * 64 or 128; `state` (or NULL) is the softmax state to go on from (cascade). */
+ * 64, 128 or 256 (pa_row_head); `state` (or NULL) is the softmax state to go on from (cascade). */
 void pa_item_vec(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
                     int32_t len, int kvh, int nkv, int group, int hd, float scale,
                     const float *state, float *out);

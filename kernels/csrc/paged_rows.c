@@ -5,9 +5,9 @@
  * walked in chunks of CHUNK keys: scores for the chunk, one vectorised exp pass and one rescale
  * of the running sum and accumulator (online softmax), then the weighted V rows, while the next
  * chunk is prefetched. Consecutive rows of one prefill sequence re-read the same K/V, which
- * stays in cache. Head dims 64 and 128 take the vector version (kp_vec.h, every level: q and
- * the accumulators in registers as far as the register file allows); every other case the
- * portable loop. CHUNK = 32 measured best for the prefetch distance, against 16, 64 and 128.
+ * stays in cache. Head dims 64, 128 and 256 take the vector version (kp_vec.h, every level: q
+ * and the accumulators in registers as far as the register file allows; q of 256 stays in
+ * memory, scores_wide); soft-capped layers and other head dims the portable loop. CHUNK = 32 measured best for the prefetch distance, against 16, 64 and 128.
  */
 #include "paged_attention.h"
 

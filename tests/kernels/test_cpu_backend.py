@@ -80,12 +80,30 @@ def test_matches_reference(kind: str, heads: tuple[int, int], dtype: torch.dtype
 
 @pytest.mark.parametrize("head_dim", [64, 68, 72, 80, 96, 128, 200, 256])
 def test_head_dims(head_dim: int, decode_path: str) -> None:
-    """64 and 128 take the register passes; the rest the portable item, whose loops take whole
-    vectors and then a scalar remainder (68 and 200 leave one at every vector width)."""
+    """64, 128 and 256 take the register passes; the rest the portable item, whose loops take
+    whole vectors and then a scalar remainder (68 and 200 leave one at every vector width)."""
     case = make_case([1, 17, 300, 64], [1, 17, 5, 1], num_heads=4, num_kv_heads=2,
                      head_dim=head_dim, block_size=16, seed=head_dim)
     _check(paged_attention(*case.args(), backend="cpu"),
            paged_attention_ref(*case.args()), torch.float32)
+
+
+@pytest.mark.parametrize("heads", [(4, 1), (3, 1), (8, 1), (2, 2), (8, 2)],
+                         ids=lambda h: f"{h[0]}x{h[1]}")
+@pytest.mark.parametrize("window", [None, 40])
+def test_head_dim_256_groups(heads: tuple[int, int], window: int | None,
+                             decode_path: str) -> None:
+    """Head dim 256 (Gemma-3) on the row kernel: its score blocks take the query heads of a
+    KV head four at a time (3: one short pass; 8: two), and keys in blocks, the last one
+    short: context lengths leave every remainder at both vector widths and chunk ends
+    (a 37-token prompt, decode rows of 1 .. 100 keys), with and without a window."""
+    seq_lens = [37, 1, 15, 16, 17, 31, 33, 63, 65, 100]
+    q_lens = [37] + [1] * 9
+    case = make_case(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                     head_dim=256, block_size=16, seed=sum(heads), wide_table=True)
+    case.query.mul_(3)  # sharper softmax: a wrong max or a stale rescale shows
+    _check(_torch(*case.args(), window=window),
+           paged_attention_ref(*case.args(), window=window), torch.float32)
 
 
 def test_padding_tokens_are_zero_and_hints_accepted() -> None:
