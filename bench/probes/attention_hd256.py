@@ -5,7 +5,10 @@ A probe for BENCHMARKS.md (not part of the engine). It compiles `kernels/csrc` o
 checkout for the given level (as `gemm_levels.py` does) and times `kp_paged_rows_f32` on
 decode batches of 16 rows at several context lengths, on windowed (512, as Gemma's local
 layers) and global layers, and on prefill runs (one prompt, every token a row), blocks of 16
-in shuffled order. Every variant's answer is checked against the first's.
+in shuffled order. Every variant's answer is checked against the first's. `--layers L` cycles
+through L layers' caches (from memory, as in serving, where every layer has its own cache) and
+reports the time per layer. `--sdpa` adds the CPU backend's torch path (native kernels off:
+block gathers and SDPA), timed on the first cache only.
 
     python bench/probes/attention_hd256.py --variant old=/tmp/base:avx512 \
         --variant new=.:avx512 [--threads N] [--rounds R]
@@ -28,6 +31,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench" / "probes"))
 from attention_levels import load_variants  # noqa: E402
 
+from kernels import cpu_native  # noqa: E402
+from kernels.cpu_backend import paged_attention_cpu  # noqa: E402
 from kernels.cpu_native import isa  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 from kernels.testing import make_case  # noqa: E402
@@ -46,16 +51,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default="", help="run the cases whose label contains this")
+    ap.add_argument("--layers", type=int, default=1, help="caches cycled (1: one, in cache)")
+    ap.add_argument("--sdpa", action="store_true", help="time the torch path too")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     variants = args.variant or [f"new={ROOT}:{isa.current().name}"]
     with tempfile.TemporaryDirectory() as tmp:
         libs = load_variants(variants, Path(tmp), args.threads)
+        if args.sdpa:
+            cpu_native.usable = lambda *a: False  # the torch path of the backend
+            libs["SDPA"] = None
         for label, seq_lens, q_lens, window in CASES:
             if args.only not in label:
                 continue
             case = make_case(seq_lens, q_lens, num_heads=4, num_kv_heads=1, head_dim=256,
                              block_size=16, seed=0)
+            caches = [case.kv_cache] + [torch.randn_like(case.kv_cache)
+                                        for _ in range(args.layers - 1)]
             meta = AttentionMetadata.build(*case.args()[2:5])
             row_lens, seq_idx = meta.rows(case.query.shape[0])
             tok = torch.arange(case.query.shape[0])
@@ -63,7 +75,11 @@ def main() -> None:
             q, kv = case.query, case.kv_cache
 
             def native(lib, q=q, kv=kv, bt=bt, row_lens=row_lens, seq_idx=seq_idx, tok=tok,
-                       scale=case.scale, window=window):
+                       scale=case.scale, window=window, case=case):
+                if lib is None:  # SDPA
+                    m = AttentionMetadata.build(*case.args()[2:5])
+                    return paged_attention_cpu(case.query, case.kv_cache, m, case.scale,
+                                               window=window or None)
                 out = torch.empty_like(q)
                 rc = lib.kp_paged_rows_f32(
                     q.data_ptr(), q.stride(0), kv.data_ptr(), kv.shape[1], kv.shape[2],
@@ -76,6 +92,8 @@ def main() -> None:
             want = None
             for lib in libs.values():  # check, and warm
                 got = native(lib)
+                for kv_l in caches[1:] if lib is not None else []:
+                    native(lib, kv=kv_l)
                 if want is None:
                     want = got
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -83,13 +101,16 @@ def main() -> None:
             for _ in range(args.rounds):
                 for name, lib in libs.items():
                     t0 = time.perf_counter()
-                    native(lib)
-                    times[name].append(time.perf_counter() - t0)
+                    for kv_l in caches if lib is not None else caches[:1]:
+                        native(lib, kv=kv_l)
+                    times[name].append((time.perf_counter() - t0)
+                                       / (len(caches) if lib is not None else 1))
             best = {name: min(ts) for name, ts in times.items()}
             first = next(iter(best.values()))
             for name, ts in times.items():
                 ts.sort()
                 print(json.dumps({"case": label, "variant": name, "threads": args.threads,
+                                  "layers": args.layers,
                                   "ms_min": round(ts[0] * 1e3, 3),
                                   "ms_median": round(ts[len(ts) // 2] * 1e3, 3),
                                   "vs_first": round(first / best[name], 2),
