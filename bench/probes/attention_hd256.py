@@ -44,6 +44,60 @@ CASES += [("prefill 1x496 local", [496], [496], 512), ("prefill 1x496 global", [
           ("prefill 4x300 local", [300] * 4, [300] * 4, 512)]
 
 
+def runner(case, window: int):
+    """A call of one variant's kernel (or, for None, the torch path) on `case` over a cache."""
+    meta = AttentionMetadata.build(*case.args()[2:5])
+    row_lens, seq_idx = meta.rows(case.query.shape[0])
+    tok = torch.arange(case.query.shape[0])
+    bt = meta.block_tables.int().contiguous()
+    q = case.query
+
+    def run(lib, kv):
+        if lib is None:  # SDPA, on the case's own cache
+            m = AttentionMetadata.build(*case.args()[2:5])
+            return paged_attention_cpu(q, case.kv_cache, m, case.scale, window=window or None)
+        out = torch.empty_like(q)
+        rc = lib.kp_paged_rows_f32(
+            q.data_ptr(), q.stride(0), kv.data_ptr(), kv.shape[1], kv.shape[2], kv.shape[3],
+            kv.shape[4], q.shape[1], bt.data_ptr(), bt.stride(0), row_lens.data_ptr(),
+            tok.data_ptr(), seq_idx.data_ptr(), tok.numel(), case.scale, window, 0.0,
+            out.data_ptr(), out.stride(0))
+        assert rc == 0
+        return out
+    return run
+
+
+def time_case(libs: dict, label: str, seq_lens, q_lens, window: int, args) -> None:
+    """Check every variant against the first, then time them interleaved; one JSON line each."""
+    case = make_case(seq_lens, q_lens, num_heads=4, num_kv_heads=1, head_dim=256,
+                     block_size=16, seed=0)
+    caches = [case.kv_cache] + [torch.randn_like(case.kv_cache) for _ in range(args.layers - 1)]
+    run = runner(case, window)
+    want = None
+    for lib in libs.values():  # check, and warm
+        got = run(lib, caches[0])
+        for kv in caches[1:] if lib is not None else []:
+            run(lib, kv)
+        want = got if want is None else want
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    times: dict[str, list[float]] = {name: [] for name in libs}
+    for _ in range(args.rounds):
+        for name, lib in libs.items():
+            used = caches if lib is not None else caches[:1]
+            t0 = time.perf_counter()
+            for kv in used:
+                run(lib, kv)
+            times[name].append((time.perf_counter() - t0) / len(used))
+    first = min(next(iter(times.values())))
+    for name, ts in times.items():
+        ts.sort()
+        print(json.dumps({"case": label, "variant": name, "threads": args.threads,
+                          "layers": args.layers, "ms_min": round(ts[0] * 1e3, 3),
+                          "ms_median": round(ts[len(ts) // 2] * 1e3, 3),
+                          "vs_first": round(first / ts[0], 2),
+                          "load": round(os.getloadavg()[0], 1)}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", action="append", default=[],
@@ -62,59 +116,8 @@ def main() -> None:
             cpu_native.usable = lambda *a: False  # the torch path of the backend
             libs["SDPA"] = None
         for label, seq_lens, q_lens, window in CASES:
-            if args.only not in label:
-                continue
-            case = make_case(seq_lens, q_lens, num_heads=4, num_kv_heads=1, head_dim=256,
-                             block_size=16, seed=0)
-            caches = [case.kv_cache] + [torch.randn_like(case.kv_cache)
-                                        for _ in range(args.layers - 1)]
-            meta = AttentionMetadata.build(*case.args()[2:5])
-            row_lens, seq_idx = meta.rows(case.query.shape[0])
-            tok = torch.arange(case.query.shape[0])
-            bt = meta.block_tables.int().contiguous()
-            q, kv = case.query, case.kv_cache
-
-            def native(lib, q=q, kv=kv, bt=bt, row_lens=row_lens, seq_idx=seq_idx, tok=tok,
-                       scale=case.scale, window=window, case=case):
-                if lib is None:  # SDPA
-                    m = AttentionMetadata.build(*case.args()[2:5])
-                    return paged_attention_cpu(case.query, case.kv_cache, m, case.scale,
-                                               window=window or None)
-                out = torch.empty_like(q)
-                rc = lib.kp_paged_rows_f32(
-                    q.data_ptr(), q.stride(0), kv.data_ptr(), kv.shape[1], kv.shape[2],
-                    kv.shape[3], kv.shape[4], q.shape[1], bt.data_ptr(), bt.stride(0),
-                    row_lens.data_ptr(), tok.data_ptr(), seq_idx.data_ptr(), tok.numel(),
-                    scale, window, 0.0, out.data_ptr(), out.stride(0))
-                assert rc == 0
-                return out
-
-            want = None
-            for lib in libs.values():  # check, and warm
-                got = native(lib)
-                for kv_l in caches[1:] if lib is not None else []:
-                    native(lib, kv=kv_l)
-                if want is None:
-                    want = got
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-            times: dict[str, list[float]] = {name: [] for name in libs}
-            for _ in range(args.rounds):
-                for name, lib in libs.items():
-                    t0 = time.perf_counter()
-                    for kv_l in caches if lib is not None else caches[:1]:
-                        native(lib, kv=kv_l)
-                    times[name].append((time.perf_counter() - t0)
-                                       / (len(caches) if lib is not None else 1))
-            best = {name: min(ts) for name, ts in times.items()}
-            first = next(iter(best.values()))
-            for name, ts in times.items():
-                ts.sort()
-                print(json.dumps({"case": label, "variant": name, "threads": args.threads,
-                                  "layers": args.layers,
-                                  "ms_min": round(ts[0] * 1e3, 3),
-                                  "ms_median": round(ts[len(ts) // 2] * 1e3, 3),
-                                  "vs_first": round(first / best[name], 2),
-                                  "load": round(os.getloadavg()[0], 1)}), flush=True)
+            if args.only in label:
+                time_case(libs, label, seq_lens, q_lens, window, args)
 
 
 if __name__ == "__main__":

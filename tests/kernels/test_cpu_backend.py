@@ -88,20 +88,15 @@ def test_head_dims(head_dim: int, decode_path: str) -> None:
            paged_attention_ref(*case.args()), torch.float32)
 
 
-@pytest.mark.parametrize("heads", [(4, 1), (3, 1), (8, 1), (2, 2), (8, 2)],
-                         ids=lambda h: f"{h[0]}x{h[1]}")
+@pytest.mark.parametrize("heads", [(4, 1), (3, 1), (8, 1), (2, 2), (8, 2)], ids=str)
 @pytest.mark.parametrize("window", [None, 40])
-def test_head_dim_256_groups(heads: tuple[int, int], window: int | None,
-                             decode_path: str) -> None:
-    """Head dim 256 (Gemma-3) on the row kernel: its score blocks take the query heads of a
-    KV head four at a time (3: one short pass; 8: two), and keys in blocks, the last one
-    short: context lengths leave every remainder at both vector widths and chunk ends
-    (a 37-token prompt, decode rows of 1 .. 100 keys), with and without a window."""
-    seq_lens = [37, 1, 15, 16, 17, 31, 33, 63, 65, 100]
-    q_lens = [37] + [1] * 9
-    case = make_case(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1],
-                     head_dim=256, block_size=16, seed=sum(heads), wide_table=True)
-    case.query.mul_(3)  # sharper softmax: a wrong max or a stale rescale shows
+def test_head_dim_256_groups(heads: tuple[int, int], window: int | None, decode_path: str):
+    """Head dim 256 (Gemma-3) on the row kernel: query heads of a KV head 4 at a time (3: a
+    short pass; 8: two), keys in blocks with every remainder at both widths (a 37-token
+    prompt, decode rows of 1 .. 100 keys); a 3x query sharpens the softmax."""
+    case = make_case([37, 1, 15, 16, 17, 31, 33, 63, 65, 100], [37] + [1] * 9, num_heads=heads[0],
+                     num_kv_heads=heads[1], head_dim=256, seed=sum(heads), wide_table=True)
+    case.query.mul_(3)
     _check(_torch(*case.args(), window=window),
            paged_attention_ref(*case.args(), window=window), torch.float32)
 
