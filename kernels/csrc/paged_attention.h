@@ -22,8 +22,8 @@
  *
  * Layout (docs/kernels.md): kv = [2, num_blocks, block_size, num_kv_heads, head_dim].
  * Functions shared between the files carry the pa_ prefix; none is exported. The vector paths
- * are written once over kp_vec.h for every level; head dims 64 and 128 take them, any other
- * the portable loop.
+ * are written once over kp_vec.h for every level; head dims 64 and 128 take them all, 256 the
+ * row kernel (pa_row_head), any other the portable loop.
  */
 #ifndef KP_PAGED_ATTENTION_H
 #define KP_PAGED_ATTENTION_H
@@ -45,8 +45,12 @@
 #define KV_VECS (KT_KEYS / KP_VW) /* vectors per group of transposed keys */
 #define MAX_M 6 /* score rows of one key tile: R rows x gb heads */
 
-/* The head dims the vector paths take. */
+/* The head dims the transposed-key tiles take. */
 static inline int pa_vector_head(int hd) { return hd == 64 || hd == 128; }
+
+/* The head dims the vector row kernel (pa_item_vec) takes: those, and 256 (Gemma-3), whose
+ * scores keep q in memory (scores_wide in paged_rows.c). */
+static inline int pa_row_head(int hd) { return pa_vector_head(hd) || hd == 256; }
 
 /* Vectors of an accumulator row that a V loop over m rows holds at once: the largest power of
  * two, at most nv, with which the m rows' accumulators (and, for m > 1, the V vectors they
@@ -195,7 +199,7 @@ void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, 
                      float *out);
 
 /* paged_rows.c: KV heads kvh .. kvh + nkv - 1 of one row over keys start .. len - 1, head_dim
- * 64 or 128; `state` (or NULL) is the softmax state to go on from (cascade). */
+ * 64, 128 or 256 (pa_row_head); `state` (or NULL) is the softmax state to go on from (cascade). */
 void pa_item_vec(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
                     int32_t len, int kvh, int nkv, int group, int hd, float scale,
                     const float *state, float *out);

@@ -9,11 +9,11 @@
 
 /* KV heads kvh .. kvh + nkv - 1 of one row over keys start .. len - 1; q and out point at
  * the first of their heads. A soft-capped layer takes the portable loop (the vector passes
- * have no cap). */
+ * have no cap), and so does a head dim other than 64, 128 and 256. */
 static void run_item(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
                      int32_t len, int kvh, int nkv, int group, int hd, float scale,
                      float softcap, float *out) {
-    if (pa_vector_head(hd) && nkv * group <= MAX_HEADS && softcap == 0.0f) {
+    if (pa_row_head(hd) && nkv * group <= MAX_HEADS && softcap == 0.0f) {
         pa_item_vec(q, kv, table, start, len, kvh, nkv, group, hd, scale, 0, out);
         return;
     }

@@ -5,9 +5,9 @@
  * walked in chunks of CHUNK keys: scores for the chunk, one vectorised exp pass and one rescale
  * of the running sum and accumulator (online softmax), then the weighted V rows, while the next
  * chunk is prefetched. Consecutive rows of one prefill sequence re-read the same K/V, which
- * stays in cache. Head dims 64 and 128 take the vector version (kp_vec.h, every level: q and
- * the accumulators in registers as far as the register file allows); every other case the
- * portable loop. CHUNK = 32 measured best for the prefetch distance, against 16, 64 and 128.
+ * stays in cache. Head dims 64, 128 and 256 take the vector version (kp_vec.h, every level: q
+ * and the accumulators in registers as far as the register file allows; q of 256 stays in
+ * memory, scores_wide); soft-capped layers and other head dims the portable loop. CHUNK = 32 measured best for the prefetch distance, against 16, 64 and 128.
  */
 #include "paged_attention.h"
 
@@ -145,11 +145,69 @@ static inline float softmax_chunk_vec(float *p, int n, float *m, float *l) {
  * per key, so the memory system keeps fetching the scattered blocks while the core computes
  * (measurably faster than the loop before it, which stalled on every new block). */
 #define PASS_MAX 4
+
+/* Keys per block of the wide score pass: as many as keep gb x KU sums, the gb q vectors and
+ * a K vector in registers (AVX-512: 4 keys for 4 heads, 8 for fewer; AVX2: 2, 4 and 8). */
+static inline __attribute__((always_inline)) int wide_keys(int gb) {
+#define WK_FITS(u) (gb * (u) + gb + 1 <= KP_VREGS - 2)
+    return WK_FITS(8) ? 8 : WK_FITS(4) ? 4 : WK_FITS(2) ? 2 : 1;
+#undef WK_FITS
+}
+
+/* Scores of gb query heads over n keys for heads too long to keep q in registers (head_dim
+ * 256): KU keys at a time, each q vector loaded once for the KU keys and each K vector once
+ * for the gb heads, gb x KU independent FMA chains; the sums of KP_VW keys go into their
+ * lanes together (vhsum_lanes). The last block computes whole groups of KU keys (rows past n
+ * repeat the last key; their scores are masked by the softmax). */
+static inline __attribute__((always_inline)) void scores_wide(
+    const float *q, const int gb, const int NV, const float *const *krow, int n, int64_t koff,
+    float scale, float *p) {
+    const int hd = KP_VW * NV;
+    const int KU = wide_keys(gb);
+    for (int t = 0; t < n; t += KP_VW) {
+        const int nb = (n - t) < KP_VW ? (n - t) : KP_VW;
+        vf part[PASS_MAX][KP_VW];
+        for (int u0 = 0; u0 < KP_VW; u0 += KU) {
+            if (u0 >= nb) {
+                for (int i = 0; i < gb; ++i)
+                    for (int u = 0; u < KU; ++u) part[i][u0 + u] = vzero();
+                continue;
+            }
+            const float *kr[8];
+            for (int u = 0; u < KU; ++u)
+                kr[u] = krow[t + (u0 + u < nb ? u0 + u : nb - 1)] + koff;
+            vf acc[PASS_MAX][8];
+            for (int i = 0; i < gb; ++i)
+                for (int u = 0; u < KU; ++u) acc[i][u] = vzero();
+            for (int j = 0; j < NV; ++j) {
+                vf k[8];
+                for (int u = 0; u < KU; ++u) k[u] = vload(kr[u] + KP_VW * j);
+                for (int i = 0; i < gb; ++i) {
+                    const vf qv = vload(q + i * hd + KP_VW * j);
+                    for (int u = 0; u < KU; ++u) acc[i][u] = vfma(qv, k[u], acc[i][u]);
+                }
+            }
+            for (int i = 0; i < gb; ++i)
+                for (int u = 0; u < KU; ++u) part[i][u0 + u] = acc[i][u];
+        }
+        for (int i = 0; i < gb; ++i) {
+            const vf s = vhsum_lanes(part[i]) * scale;
+            if (nb == KP_VW)
+                vstore(p + i * CHUNK + t, s);
+            else
+                vstore_n(p + i * CHUNK + t, s, nb);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void pass_vec(
     const float *q, const int gb, const int NV, const float *const *krow,
     const float *const *vrow, const float *const *nkrow, const float *const *nvrow, int n,
     int nnext, int64_t koff, float scale, float *p, float *m, float *l, float *accbuf) {
     const int hd = KP_VW * NV;
+    if (NV > MAX_NV) {
+        scores_wide(q, gb, NV, krow, n, koff, scale, p);
+    } else {
     vf qv[PASS_MAX][MAX_NV];
     for (int i = 0; i < gb; ++i)
         for (int j = 0; j < NV; ++j) qv[i][j] = vload(q + i * hd + KP_VW * j) * scale;
@@ -174,10 +232,11 @@ static inline __attribute__((always_inline)) void pass_vec(
             p[i * CHUNK + t] = vhsum(s);
         }
     }
+    }
     float corr[PASS_MAX];
     for (int i = 0; i < gb; ++i) corr[i] = softmax_chunk_vec(p + i * CHUNK, n, &m[i], &l[i]);
     /* The weighted V rows, a slice of the head at a time where the register file is small. */
-    const int DV = pa_v_slice(gb, NV);
+    const int DV = pa_v_slice(gb, NV < MAX_NV ? NV : MAX_NV);
     for (int j0 = 0; j0 < NV; j0 += DV) {
         vf a[PASS_MAX][MAX_NV];
         for (int i = 0; i < gb; ++i)
@@ -219,10 +278,12 @@ static inline __attribute__((always_inline)) void pass_vec(
     }
 DEFINE_PASS(pass_hd64, 64 / KP_VW)
 DEFINE_PASS(pass_hd128, 128 / KP_VW)
+DEFINE_PASS(pass_hd256, 256 / KP_VW)
 
 /* Query heads per pass: as many as keep their q vectors in half the register file (AVX-512: 4
  * of head_dim 64, 2 of 128; AVX2: 1). */
 static inline int heads_per_pass(int hd) {
+    if (hd > KP_VW * MAX_NV) return PASS_MAX;  /* scores_wide: q stays in memory */
     const int per = (KP_VREGS / 2) / (hd / KP_VW);
     return per < 1 ? 1 : per > PASS_MAX ? PASS_MAX : per;
 }
@@ -270,8 +331,11 @@ void pa_item_vec(const float *q, const kv_layout *kv, const int32_t *table, int3
                 if (hd == 64)
                     pass_hd64(q + (int64_t)head * hd, gb, krow, vrow, nk, nv, n, pf, koff, scale,
                               p, m + head, l + head, accbuf + (int64_t)head * hd);
-                else
+                else if (hd == 128)
                     pass_hd128(q + (int64_t)head * hd, gb, krow, vrow, nk, nv, n, pf, koff,
+                               scale, p, m + head, l + head, accbuf + (int64_t)head * hd);
+                else
+                    pass_hd256(q + (int64_t)head * hd, gb, krow, vrow, nk, nv, n, pf, koff,
                                scale, p, m + head, l + head, accbuf + (int64_t)head * hd);
             }
         }

@@ -80,12 +80,25 @@ def test_matches_reference(kind: str, heads: tuple[int, int], dtype: torch.dtype
 
 @pytest.mark.parametrize("head_dim", [64, 68, 72, 80, 96, 128, 200, 256])
 def test_head_dims(head_dim: int, decode_path: str) -> None:
-    """64 and 128 take the register passes; the rest the portable item, whose loops take whole
-    vectors and then a scalar remainder (68 and 200 leave one at every vector width)."""
+    """64, 128 and 256 take the register passes; the rest the portable item, whose loops take
+    whole vectors and then a scalar remainder (68 and 200 leave one at every vector width)."""
     case = make_case([1, 17, 300, 64], [1, 17, 5, 1], num_heads=4, num_kv_heads=2,
                      head_dim=head_dim, block_size=16, seed=head_dim)
     _check(paged_attention(*case.args(), backend="cpu"),
            paged_attention_ref(*case.args()), torch.float32)
+
+
+@pytest.mark.parametrize("heads", [(4, 1), (3, 1), (8, 1), (2, 2), (8, 2)], ids=str)
+@pytest.mark.parametrize("window", [None, 40])
+def test_head_dim_256_groups(heads: tuple[int, int], window: int | None, decode_path: str):
+    """Head dim 256 (Gemma-3) on the row kernel: query heads of a KV head 4 at a time (3: a
+    short pass; 8: two), keys in blocks with every remainder at both widths (a 37-token
+    prompt, decode rows of 1 .. 100 keys); a 3x query sharpens the softmax."""
+    case = make_case([37, 1, 15, 16, 17, 31, 33, 63, 65, 100], [37] + [1] * 9, num_heads=heads[0],
+                     num_kv_heads=heads[1], head_dim=256, seed=sum(heads), wide_table=True)
+    case.query.mul_(3)
+    _check(_torch(*case.args(), window=window),
+           paged_attention_ref(*case.args(), window=window), torch.float32)
 
 
 def test_padding_tokens_are_zero_and_hints_accepted() -> None:
