@@ -148,19 +148,25 @@ int kp_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int
     return 0;
 }
 
-/* The SwiGLU MLP's first half: act [M, inter] = silu(x Wg^T + bg) * (x Wu^T + bu), with the
- * gate and up weights packed as panel pairs (panel 2q: gate outputs NR q .. NR q + NR - 1,
- * panel 2q + 1: the same up outputs; cpu_native.pack_gate_up_weight). One thread computes both
- * panels of a pair and applies the SiLU-and-multiply to them at once, while they are in its
- * own cache. Separately, the SiLU pass read half of its input from the other core's cache
- * (the GEMM splits columns, the pass rows), measurably slower.
- * `gu` is scratch of [M, 2 * pairs * NR] (row stride ldgu). */
-int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
-                     int64_t inter, const float *bias, float *gu, int64_t ldgu, float *act,
-                     int64_t ldact) {
+/* The gated MLP's first half: act [M, inter] = f(x Wg^T + bg) * (x Wu^T + bu), f SiLU (SwiGLU)
+ * or tanh-GELU (GeGLU: Gemma), with the gate and up weights packed as panel pairs (panel 2q:
+ * gate outputs NR q .. NR q + NR - 1, panel 2q + 1: the same up outputs;
+ * cpu_native.pack_gate_up_weight). One thread computes both panels of a pair and applies the
+ * activation-and-multiply to them at once, while they are in its own cache. Separately, the
+ * activation pass read half of its input from the other core's cache (the GEMM splits columns,
+ * the pass rows), measurably slower, and for GeGLU torch's GELU was a pass of its own.
+ * `gu` is scratch of [M, 2 * pairs * NR] (row stride ldgu).
+ * Both activations are g * sigmoid(z): z = g for SiLU; for tanh-GELU,
+ * 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)) with u = sqrt(2 / pi) (g + 0.044715 g^3), a form
+ * without the cancellation of 1 + tanh(u) at large negative u. */
+static inline __attribute__((always_inline)) int gemm_act(
+    const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K, int64_t inter,
+    const float *bias, float *gu, int64_t ldgu, float *act, int64_t ldact, const int gelu) {
     if (M <= 0 || inter <= 0) return 0;
     const int64_t pairs = (inter + NR - 1) / NR;
     if (ldgu < 2 * pairs * NR) return -1;
+    const float c1 = 1.5957691216057308f;             /* 2 sqrt(2 / pi) */
+    const float c3 = 1.5957691216057308f * 0.044715f; /* times the cubic's coefficient */
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t mb = (M - m0) < MB ? (M - m0) : MB;
 #pragma omp parallel for schedule(static)
@@ -178,7 +184,9 @@ int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed
                 float *o = act + (m0 + i) * ldact + c0;
                 for (int c = 0; c < ncols; c += KP_VW) {
                     const vf gv = vload(g + c);
-                    const vf r = gv / (1.0f + vexp(-gv)) * vload(u + c);
+                    vf z = gv;
+                    if (gelu) z = gv * vfma(gv * gv, vset1(c3), vset1(c1));
+                    const vf r = gv / (1.0f + vexp(-z)) * vload(u + c);
                     if (ncols - c >= KP_VW)
                         vstore(o + c, r);
                     else
@@ -188,4 +196,16 @@ int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed
         }
     }
     return 0;
+}
+
+int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
+                     int64_t inter, const float *bias, float *gu, int64_t ldgu, float *act,
+                     int64_t ldact) {
+    return gemm_act(x, ldx, M, packed, K, inter, bias, gu, ldgu, act, ldact, 0);
+}
+
+int kp_gemm_gelu_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
+                     int64_t inter, const float *bias, float *gu, int64_t ldgu, float *act,
+                     int64_t ldact) {
+    return gemm_act(x, ldx, M, packed, K, inter, bias, gu, ldgu, act, ldact, 1);
 }
