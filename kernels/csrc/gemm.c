@@ -167,10 +167,15 @@ static inline __attribute__((always_inline)) int gemm_act(
     if (ldgu < 2 * pairs * NR) return -1;
     const float c1 = 1.5957691216057308f;             /* 2 sqrt(2 / pi) */
     const float c3 = 1.5957691216057308f * 0.044715f; /* times the cubic's coefficient */
-    for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        const int64_t mb = (M - m0) < MB ? (M - m0) : MB;
+    /* One region over (row block, pair) in that order, split evenly, as kp_gemm_f32 splits
+     * (row block, panel): past MB rows each thread takes whole row blocks. */
+    const int64_t blocks = (M + MB - 1) / MB;
+    const int64_t bm = ((M + blocks - 1) / blocks + MR - 1) / MR * MR;
 #pragma omp parallel for schedule(static)
-        for (int64_t q = 0; q < pairs; ++q) {
+    for (int64_t it = 0; it < blocks * pairs; ++it) {
+        const int64_t m0 = (it / pairs) * bm, q = it % pairs;
+        const int64_t mb = (M - m0) < bm ? (M - m0) : bm;
+        if (mb > 0) {
             const int64_t c0 = q * NR;
             const int ncols = (inter - c0) < NR ? (int)(inter - c0) : NR;
             const float *gate = packed + 2 * q * K * NR, *up = gate + K * NR;
