@@ -116,7 +116,7 @@ def _swiglu_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
 @pytest.mark.parametrize(("inter", "k"), [(1536, 576), (100, 64), (48, 32), (47, 19)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("gelu", [False, True])
-def test_gemm_silu_matches_linear_then_silu(rows: int, inter: int, k: int,
+def test_gemm_silu_and_gelu_match_linear_then_activation(rows: int, inter: int, k: int,
                                             with_bias: bool, gelu: bool) -> None:
     """Gate/up interleaved panel by panel (each half padded to whole panels when inter is not
     a multiple of 48), SiLU-and-multiply in the GEMM: the SwiGLU half-MLP; with `gemm_gelu`
