@@ -30,8 +30,11 @@ def test_the_panel_is_the_loaded_levels() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 11, 13, 64, 300, 1037])
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (50, 33), (49, 7), (97, 160), (90, 40)])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (50, 33), (49, 7), (97, 160), (90, 40),
+                                      (640, 64), (75, 24)])
 def test_gemm_matches_matmul(rows: int, n: int, k: int) -> None:
+    """Tail panels of every kind: one, two or three vectors of columns (AVX-512: 640 ends in
+    one whole vector, 75 in a vector and a part, 50 in a part), whole and partial last vectors."""
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     w = torch.randn(n, k, generator=gen)
     bias = torch.randn(n, generator=gen)
