@@ -365,6 +365,7 @@ class SwiGLUMLP(nn.Module):
 
     _fused: torch.Tensor | None = None
     _fused_bias: torch.Tensor | None = None
+    gelu = False  # tanh-GELU for SiLU: GeGLU (a subclass sets it: models/gemma.py)
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -373,8 +374,8 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def pack(self) -> bool:
-        """Interleave gate/up for `gemm_silu` when the gate/up projection is on the native
-        GEMM (call after its `pack()`); True if done."""
+        """Interleave gate/up for `gemm_silu` (`gemm_gelu`) when the gate/up projection is on
+        the native GEMM (call after its `pack()`); True if done."""
         proj = self.gate_up_proj
         self._fused = self._fused_bias = None
         if not proj._native:
@@ -387,13 +388,16 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None and x.dim() == 2 and not torch.is_grad_enabled():
-            act = cpu_native.gemm_silu(x, self._fused, self.intermediate_size, self._fused_bias)
+            act = (cpu_native.gemm_gelu if self.gelu else cpu_native.gemm_silu)(
+                x, self._fused, self.intermediate_size, self._fused_bias)
             if act is not None:
                 return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
         if gate_up.dim() == 2 and not torch.is_grad_enabled():
-            fused = fused_ops.act_mul(gate_up)
+            fused = fused_ops.act_mul(gate_up, gelu=self.gelu)
             if fused is not None:
                 return self.down_proj(fused)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        if self.gelu:
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj(F.silu(gate) * up)

@@ -38,6 +38,7 @@ from kernels.cpu_native.decoder_stack import DecoderStack
 from kernels.cpu_native.gemm import (
     gemm,
     gemm_available,
+    gemm_gelu,
     gemm_panel,
     gemm_silu,
     pack_gate_up_bias,
@@ -84,6 +85,7 @@ __all__ = [
     "gemm_bf16",
     "gemm_available",
     "gemm_panel",
+    "gemm_gelu",
     "gemm_silu",
     "kvq_usable",
     "load",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 11  # KP_ABI_VERSION in csrc/kp_native.h
+ABI_VERSION = 12  # KP_ABI_VERSION in csrc/kp_native.h
 QUANT_E4M3 = 9  # KP_QUANT_E4M3 in csrc/kp_native.h: `bits` of an fp8 e4m3 weight
 LORA_MAX_RANK = 256  # KP_LORA_MAX_RANK in csrc/kp_native.h
 # The quantized KV formats by their code dtype's name: KP_KV_INT8, KP_KV_E4M3, KP_KV_E5M2.
@@ -74,6 +74,8 @@ FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "kp_gemm_panel": (_int, ()),
     "kp_gemm_f32": (_int, (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64)),
     "kp_gemm_silu_f32": (_int, (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr,
+                                _i64)),
+    "kp_gemm_gelu_f32": (_int, (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr,
                                 _i64)),
     "kp_quant_block_bytes": (_i64, (_i32, _i64)),
     "kp_quant_gemm_f32": (_int, (_ptr, _i64, _i64, _ptr, _i32, _i64, _i64, _i64, _ptr, _ptr,

@@ -2,7 +2,8 @@
 
 `csrc/gemm.c` multiplies by a weight packed into column panels of `gemm_panel()` outputs (the
 loaded level's width: 48 with AVX-512, 16 with AVX2; `KP_GEMM_PANEL` in csrc/kp_native.h);
-`gemm_silu` is the SwiGLU MLP's first half with the SiLU-and-multiply done inside the product.
+`gemm_silu` is the SwiGLU MLP's first half with the SiLU-and-multiply done inside the product,
+`gemm_gelu` the same for GeGLU (tanh-GELU).
 A packed weight fits the library it was packed for, so packing asks the loaded library. The
 convention for "cannot run here" is the package's (kernels/cpu_native/__init__.py).
 """
@@ -115,6 +116,18 @@ def gemm_silu(x: torch.Tensor, packed: torch.Tensor, inter: int,
     `pack_gate_up_weight` / `pack_gate_up_bias`; None when `x` is not in the kernel's layout.
     (A plain `pack_gemm_weight` of the fused weight has the same shape when inter is a multiple
     of the panel, but not the pair order: only pass what `pack_gate_up_weight` made.)"""
+    return _gemm_act("kp_gemm_silu_f32", x, packed, inter, bias)
+
+
+def gemm_gelu(x: torch.Tensor, packed: torch.Tensor, inter: int,
+              bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`gemm_silu` with tanh-GELU for SiLU (GeGLU, Gemma's MLP): `gelu_tanh(x @ gate.T + bg) *
+    (x @ up.T + bu)`, the GELU inside the GEMM (csrc/gemm.c), not a pass of its own."""
+    return _gemm_act("kp_gemm_gelu_f32", x, packed, inter, bias)
+
+
+def _gemm_act(entry: str, x: torch.Tensor, packed: torch.Tensor, inter: int,
+              bias: torch.Tensor | None) -> torch.Tensor | None:
     lib = load()
     if lib is None:
         return None
@@ -131,7 +144,7 @@ def gemm_silu(x: torch.Tensor, packed: torch.Tensor, inter: int,
     scratch = torch.empty((rows, 2 * pairs * panel), dtype=torch.float32)
     out = torch.empty((rows, inter), dtype=torch.float32)
     sync_threads(lib)
-    rc = lib.kp_gemm_silu_f32(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), x.shape[1],
-                              inter, bias.data_ptr() if bias is not None else None,
-                              scratch.data_ptr(), scratch.stride(0), out.data_ptr(), inter)
+    rc = getattr(lib, entry)(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), x.shape[1],
+                             inter, bias.data_ptr() if bias is not None else None,
+                             scratch.data_ptr(), scratch.stride(0), out.data_ptr(), inter)
     return out if rc == 0 else None

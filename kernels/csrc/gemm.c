@@ -33,13 +33,16 @@ _Static_assert(MR * NV + NV + 1 <= KP_VREGS, "the register tile fits the registe
 
 int kp_gemm_panel(void) { return NR; }
 
-/* Rows [0, mr) of x times one panel; columns past `ncols` (< NR at the tail) are not stored. */
+/* Rows [0, mr) of x times the first nv vectors of one panel; columns past `ncols` (< NR at
+ * the tail) are not stored. nv < NV only where the vectors past it hold no column (a tail
+ * panel: the zero padding is neither multiplied nor read). */
 static inline __attribute__((always_inline)) void panel_block(
     const float *x, int64_t ldx, const float *panel, int64_t K, const float *bias,
-    float *y, int64_t ldy, int ncols, const int mr, const float *prefetch, const int pf_every, float *ynext) {
+    float *y, int64_t ldy, int ncols, const int mr, const int nv, const float *prefetch,
+    const int pf_every, float *ynext) {
     vf acc[MR][NV];
     for (int i = 0; i < mr; ++i)
-        for (int v = 0; v < NV; ++v) {
+        for (int v = 0; v < nv; ++v) {
             const int c = ncols - KP_VW * v;  /* columns of this vector that exist */
             acc[i][v] = !bias || c <= 0 ? vzero()
                         : c >= KP_VW    ? vload(bias + KP_VW * v)
@@ -64,18 +67,18 @@ static inline __attribute__((always_inline)) void panel_block(
             __builtin_prefetch(ynext + (line / YLINES) * ldy + (line % YLINES) * LINE, 1, 3);
         }
         vf w[NV];
-        for (int v = 0; v < NV; ++v) w[v] = vload(wk + KP_VW * v);
+        for (int v = 0; v < nv; ++v) w[v] = vload(wk + KP_VW * v);
         for (int i = 0; i < mr; ++i) {
             const vf a = vset1(x[i * ldx + k]);
-            for (int v = 0; v < NV; ++v) acc[i][v] = vfma(a, w[v], acc[i][v]);
+            for (int v = 0; v < nv; ++v) acc[i][v] = vfma(a, w[v], acc[i][v]);
         }
     }
-    if (ncols == NR) {
+    if (ncols == nv * KP_VW) {
         for (int i = 0; i < mr; ++i)
-            for (int v = 0; v < NV; ++v) vstore(y + i * ldy + KP_VW * v, acc[i][v]);
+            for (int v = 0; v < nv; ++v) vstore(y + i * ldy + KP_VW * v, acc[i][v]);
     } else {
         for (int i = 0; i < mr; ++i) {
-            for (int v = 0; v < NV; ++v) {
+            for (int v = 0; v < nv; ++v) {
                 const int c = ncols - KP_VW * v;
                 if (c <= 0) break;
                 if (c >= KP_VW)
@@ -93,10 +96,10 @@ static inline __attribute__((always_inline)) void panel_block(
  * with the whole fetch in the first block, that block outran the memory system and stalled
  * (bench/probes/linear_gemm.py measures it; figures in BENCHMARKS.md). */
 #define TAIL(R, EVERY) /* a tail of R rows exists only when R < MR */                                    \
-    case R: if ((R) < MR) panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, R, PF(b), EVERY, 0); break;
+    case R: if ((R) < MR) panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, R, NVEC, PF(b), EVERY, 0); break;
 #define PANEL_ROWS_BODY(EVERY)                                                                   \
     for (; m + MR <= M; m += MR, ++b)                                                            \
-        panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, MR, PF(b), EVERY, \
+        panel_block(x + m * ldx, ldx, panel, K, bias, y + m * ldy, ldy, ncols, MR, NVEC, PF(b), EVERY, \
                     m + 2 * MR <= M ? y + (m + MR) * ldy : next_panel ? y + NR : 0);             \
     switch (M - m) { /* constant row counts so each tail keeps its accumulators in registers */  \
     TAIL(1, EVERY) TAIL(2, EVERY) TAIL(3, EVERY) TAIL(4, EVERY) TAIL(5, EVERY) TAIL(6, EVERY)        \
@@ -105,9 +108,9 @@ static inline __attribute__((always_inline)) void panel_block(
     }
 #define MAX_SPREAD 4
 
-static void panel_rows(const float *x, int64_t ldx, int64_t M, const float *panel, int64_t K,
-                       const float *bias, float *y, int64_t ldy, int ncols,
-                       const float *next_panel) {
+static inline __attribute__((always_inline)) void panel_rows_nv(
+    const float *x, int64_t ldx, int64_t M, const float *panel, int64_t K, const float *bias,
+    float *y, int64_t ldy, int ncols, const float *next_panel, const int NVEC) {
     const int64_t blocks = (M + MR - 1) / MR;
     const int spread = blocks < MAX_SPREAD ? (int)blocks : MAX_SPREAD;
     const int64_t slice = (K + spread - 1) / spread;  /* next-panel rows per prefetching block */
@@ -119,6 +122,22 @@ static void panel_rows(const float *x, int64_t ldx, int64_t M, const float *pane
         PANEL_ROWS_BODY(spread)
     }
 #undef PF
+}
+
+/* panel_rows_nv with the vectors that hold columns: all NV but at a tail panel (N = 640 is 13
+ * AVX-512 panels and one of 16 columns: a whole panel's work for a third of it). */
+static void panel_rows(const float *x, int64_t ldx, int64_t M, const float *panel, int64_t K,
+                       const float *bias, float *y, int64_t ldy, int ncols,
+                       const float *next_panel) {
+    const int nvec = (ncols + KP_VW - 1) / KP_VW;
+    if (NV > 1 && nvec == 1)
+        panel_rows_nv(x, ldx, M, panel, K, bias, y, ldy, ncols, next_panel, 1);
+#if NV > 2
+    else if (nvec == 2)
+        panel_rows_nv(x, ldx, M, panel, K, bias, y, ldy, ncols, next_panel, 2);
+#endif
+    else
+        panel_rows_nv(x, ldx, M, panel, K, bias, y, ldy, ncols, next_panel, NV);
 }
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) times the packed weight (+ bias).
@@ -148,23 +167,34 @@ int kp_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int
     return 0;
 }
 
-/* The SwiGLU MLP's first half: act [M, inter] = silu(x Wg^T + bg) * (x Wu^T + bu), with the
- * gate and up weights packed as panel pairs (panel 2q: gate outputs NR q .. NR q + NR - 1,
- * panel 2q + 1: the same up outputs; cpu_native.pack_gate_up_weight). One thread computes both
- * panels of a pair and applies the SiLU-and-multiply to them at once, while they are in its
- * own cache. Separately, the SiLU pass read half of its input from the other core's cache
- * (the GEMM splits columns, the pass rows), measurably slower.
- * `gu` is scratch of [M, 2 * pairs * NR] (row stride ldgu). */
-int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
-                     int64_t inter, const float *bias, float *gu, int64_t ldgu, float *act,
-                     int64_t ldact) {
+/* The gated MLP's first half: act [M, inter] = f(x Wg^T + bg) * (x Wu^T + bu), f SiLU (SwiGLU)
+ * or tanh-GELU (GeGLU: Gemma), with the gate and up weights packed as panel pairs (panel 2q:
+ * gate outputs NR q .. NR q + NR - 1, panel 2q + 1: the same up outputs;
+ * cpu_native.pack_gate_up_weight). One thread computes both panels of a pair and applies the
+ * activation-and-multiply to them at once, while they are in its own cache. Separately, the
+ * activation pass read half of its input from the other core's cache (the GEMM splits columns,
+ * the pass rows), measurably slower, and for GeGLU torch's GELU was a pass of its own.
+ * `gu` is scratch of [M, 2 * pairs * NR] (row stride ldgu).
+ * Both activations are g * sigmoid(z): z = g for SiLU; for tanh-GELU,
+ * 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)) with u = sqrt(2 / pi) (g + 0.044715 g^3), a form
+ * without the cancellation of 1 + tanh(u) at large negative u. */
+static inline __attribute__((always_inline)) int gemm_act(
+    const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K, int64_t inter,
+    const float *bias, float *gu, int64_t ldgu, float *act, int64_t ldact, const int gelu) {
     if (M <= 0 || inter <= 0) return 0;
     const int64_t pairs = (inter + NR - 1) / NR;
     if (ldgu < 2 * pairs * NR) return -1;
-    for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        const int64_t mb = (M - m0) < MB ? (M - m0) : MB;
+    const float c1 = 1.5957691216057308f;             /* 2 sqrt(2 / pi) */
+    const float c3 = 1.5957691216057308f * 0.044715f; /* times the cubic's coefficient */
+    /* One region over (row block, pair) in that order, split evenly, as kp_gemm_f32 splits
+     * (row block, panel): past MB rows each thread takes whole row blocks. */
+    const int64_t blocks = (M + MB - 1) / MB;
+    const int64_t bm = ((M + blocks - 1) / blocks + MR - 1) / MR * MR;
 #pragma omp parallel for schedule(static)
-        for (int64_t q = 0; q < pairs; ++q) {
+    for (int64_t it = 0; it < blocks * pairs; ++it) {
+        const int64_t m0 = (it / pairs) * bm, q = it % pairs;
+        const int64_t mb = (M - m0) < bm ? (M - m0) : bm;
+        if (mb > 0) {
             const int64_t c0 = q * NR;
             const int ncols = (inter - c0) < NR ? (int)(inter - c0) : NR;
             const float *gate = packed + 2 * q * K * NR, *up = gate + K * NR;
@@ -178,7 +208,9 @@ int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed
                 float *o = act + (m0 + i) * ldact + c0;
                 for (int c = 0; c < ncols; c += KP_VW) {
                     const vf gv = vload(g + c);
-                    const vf r = gv / (1.0f + vexp(-gv)) * vload(u + c);
+                    vf z = gv;
+                    if (gelu) z = gv * vfma(gv * gv, vset1(c3), vset1(c1));
+                    const vf r = gv / (1.0f + vexp(-z)) * vload(u + c);
                     if (ncols - c >= KP_VW)
                         vstore(o + c, r);
                     else
@@ -188,4 +220,16 @@ int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed
         }
     }
     return 0;
+}
+
+int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
+                     int64_t inter, const float *bias, float *gu, int64_t ldgu, float *act,
+                     int64_t ldact) {
+    return gemm_act(x, ldx, M, packed, K, inter, bias, gu, ldgu, act, ldact, 0);
+}
+
+int kp_gemm_gelu_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
+                     int64_t inter, const float *bias, float *gu, int64_t ldgu, float *act,
+                     int64_t ldact) {
+    return gemm_act(x, ldx, M, packed, K, inter, bias, gu, ldgu, act, ldact, 1);
 }

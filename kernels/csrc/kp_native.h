@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define KP_ABI_VERSION 11
+#define KP_ABI_VERSION 12
 
 /* Output columns per packed GEMM weight panel: three vectors where the register file holds 32
  * (AVX-512: an 8 x 48 tile), two where it holds 16 (AVX2: 6 x 16). A packed weight fits only
@@ -194,6 +194,11 @@ KP_API int kp_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *pack
 /* act [M, inter] = silu(x Wg^T + bg) * (x Wu^T + bu), gate/up packed as panel pairs; gu is
  * scratch of [M, 2 * pairs * KP_GEMM_PANEL]. */
 KP_API int kp_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed,
+                            int64_t K, int64_t inter, const float *bias, float *gu, int64_t ldgu,
+                            float *act, int64_t ldact);
+
+/* The same with tanh-GELU for SiLU (GeGLU: Gemma): act = gelu_tanh(x Wg^T + bg) * (x Wu^T + bu). */
+KP_API int kp_gemm_gelu_f32(const float *x, int64_t ldx, int64_t M, const float *packed,
                             int64_t K, int64_t inter, const float *bias, float *gu, int64_t ldgu,
                             float *act, int64_t ldact);
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from engine.model_executor import layers
 from engine.model_executor.layers import Linear, SwiGLUMLP
+from engine.model_executor.models.gemma import GeGLUMLP
 from kernels import cpu_native
 from kernels.cpu_native import loader
 
@@ -29,8 +30,11 @@ def test_the_panel_is_the_loaded_levels() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 11, 13, 64, 300, 1037])
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (50, 33), (49, 7), (97, 160), (90, 40)])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (50, 33), (49, 7), (97, 160), (90, 40),
+                                      (640, 64), (75, 24)])
 def test_gemm_matches_matmul(rows: int, n: int, k: int) -> None:
+    """Tail panels of every kind: one, two or three vectors of columns (AVX-512: 640 ends in
+    one whole vector, 75 in a vector and a part, 50 in a part), whole and partial last vectors."""
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     w = torch.randn(n, k, generator=gen)
     bias = torch.randn(n, generator=gen)
@@ -103,19 +107,23 @@ def test_bf16_linear_packs_for_the_cpu_it_is_on(onednn: bool,
     torch.testing.assert_close(one.float(), expected[:1], rtol=2 ** -7, atol=1e-2)
 
 
-def _swiglu_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def _swiglu_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                gelu: bool = False) -> torch.Tensor:
     inter = w.shape[0] // 2
     gu = F.linear(x.double(), w.double(), None if b is None else b.double())
-    return (F.silu(gu[:, :inter]) * gu[:, inter:]).float()
+    gate = F.gelu(gu[:, :inter], approximate="tanh") if gelu else F.silu(gu[:, :inter])
+    return (gate * gu[:, inter:]).float()
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 33, 300])
 @pytest.mark.parametrize(("inter", "k"), [(1536, 576), (100, 64), (48, 32), (47, 19)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemm_silu_matches_linear_then_silu(rows: int, inter: int, k: int,
-                                            with_bias: bool) -> None:
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gemm_silu_and_gelu_match_linear_then_activation(rows: int, inter: int, k: int,
+                                            with_bias: bool, gelu: bool) -> None:
     """Gate/up interleaved panel by panel (each half padded to whole panels when inter is not
-    a multiple of 48), SiLU-and-multiply in the GEMM: the SwiGLU half-MLP."""
+    a multiple of 48), SiLU-and-multiply in the GEMM: the SwiGLU half-MLP; with `gemm_gelu`
+    tanh-GELU-and-multiply, the GeGLU one (Gemma)."""
     gen = torch.Generator().manual_seed(rows * 7 + inter)
     w = torch.randn(2 * inter, k, generator=gen) * 0.2
     b = torch.randn(2 * inter, generator=gen) if with_bias else None
@@ -124,9 +132,22 @@ def test_gemm_silu_matches_linear_then_silu(rows: int, inter: int, k: int,
     p = cpu_native.gemm_panel()
     assert packed.shape == (2 * -(-inter // p), k, p)
     fused_b = cpu_native.pack_gate_up_bias(b) if b is not None else None
-    got = cpu_native.gemm_silu(x, packed, inter, fused_b)
+    got = (cpu_native.gemm_gelu if gelu else cpu_native.gemm_silu)(x, packed, inter, fused_b)
     assert got is not None and got.shape == (rows, inter)
-    torch.testing.assert_close(got, _swiglu_ref(x, w, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got, _swiglu_ref(x, w, b, gelu), rtol=1e-5, atol=1e-4)
+
+
+def test_gemm_gelu_is_finite_and_saturates_at_large_gates() -> None:
+    """Gates far out on both sides: GELU(g) * u is g * u for large positive g and 0 for large
+    negative g (its e^x is clamped, so neither overflows into inf or NaN)."""
+    k, inter = 8, 48
+    w = torch.zeros(2 * inter, k)
+    w[:inter, 0] = torch.linspace(-300.0, 300.0, inter)  # gate g = x0 * that
+    w[inter:, 1] = 1.0  # up u = x1
+    x = torch.tensor([[1.0, 2.0] + [0.0] * (k - 2)])
+    got = cpu_native.gemm_gelu(x, cpu_native.pack_gate_up_weight(w), inter)
+    assert got is not None and torch.isfinite(got).all()
+    torch.testing.assert_close(got, _swiglu_ref(x, w, None, gelu=True), rtol=1e-5, atol=1e-4)
 
 
 def test_gemm_silu_reads_strided_rows_and_refuses_other_layouts() -> None:
@@ -143,9 +164,12 @@ def test_gemm_silu_reads_strided_rows_and_refuses_other_layouts() -> None:
         cpu_native.pack_gate_up_weight(torch.randn(201, 64))
 
 
-def test_swiglu_module_packs_once_and_matches_the_unfused_path() -> None:
+@pytest.mark.parametrize("gelu", [False, True])
+def test_swiglu_module_packs_once_and_matches_the_unfused_path(gelu: bool) -> None:
+    """SwiGLU (Llama family) and GeGLU (Gemma) modules: once packed, one fused GEMM call."""
     torch.manual_seed(0)
-    mlp = SwiGLUMLP(64, 100, bias=True)
+    mlp = GeGLUMLP(64, 100) if gelu else SwiGLUMLP(64, 100, bias=True)
+    entry = "gemm_gelu" if gelu else "gemm_silu"
     x = torch.randn(11, 64)
     with torch.no_grad():
         expected = mlp(x)  # plain F.linear path
@@ -153,11 +177,11 @@ def test_swiglu_module_packs_once_and_matches_the_unfused_path() -> None:
         assert mlp.pack()
         assert mlp.gate_up_proj._packed is None  # no second packed copy of gate/up
         calls = []
-        real = cpu_native.gemm_silu
+        real = getattr(cpu_native, entry)
         try:
-            cpu_native.gemm_silu = lambda *a, **k: calls.append(1) or real(*a, **k)
+            setattr(cpu_native, entry, lambda *a, **k: calls.append(1) or real(*a, **k))
             got = mlp(x)
         finally:
-            cpu_native.gemm_silu = real
+            setattr(cpu_native, entry, real)
     assert calls == [1]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -146,7 +146,8 @@ _NATIVE_TESTS = ("tests/kernels/test_cpu_ops.py", "tests/kernels/test_gemm.py",
 _AVX2_SELECTION = "not torch-decode and not native-decode and not bfloat16 and not float16"
 _AVX2_MUST_PASS = (
     "test_gemm.py::test_gemm_matches_matmul[90-40-11]",
-    "test_gemm.py::test_gemm_silu_matches_linear_then_silu[True-47-19-33]",
+    "test_gemm.py::test_gemm_silu_and_gelu_match_linear_then_activation[False-True-47-19-33]",
+    "test_gemm.py::test_gemm_silu_and_gelu_match_linear_then_activation[True-True-47-19-33]",  # GELU
     "test_cpu_backend.py::test_long_prefill_runs_match_reference[16-9x3-128]",
     "test_cpu_backend.py::test_decode_rows_over_a_shared_prefix_match_reference[0]",
     "test_decoder_stack.py::test_stack_equals_per_layer_modules_bit_for_bit[llama_hd64_inter100]",

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -23,6 +22,7 @@ from engine.model_executor.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    SwiGLUMLP,
     rope_max_positions,
     rope_parameters,
 )
@@ -55,23 +55,14 @@ class GemmaRMSNorm(RMSNorm):
         return self._norm(x), x
 
 
-class GeGLUMLP(nn.Module):
-    """`down(gelu_tanh(gate(x)) * up(x))`, gate and up fused into one matmul."""
+class GeGLUMLP(SwiGLUMLP):
+    """`down(gelu_tanh(gate(x)) * up(x))`, gate and up fused into one matmul; once `pack()`ed
+    on the native GEMM, the GELU-and-multiply inside that GEMM (`cpu_native.gemm_gelu`)."""
+
+    gelu = True
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        fused = (fused_ops.act_mul(gate_up, gelu=True)
-                 if gate_up.dim() == 2 and not torch.is_grad_enabled() else None)
-        if fused is not None:
-            return self.down_proj(fused)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        super().__init__(hidden_size, intermediate_size, bias=False)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -184,9 +175,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return logits
 
     def pack_weights(self) -> int:
-        """Pre-pack every projection for the CPU matmul kernels (no native decoder stack: it
-        has neither Gemma's norms nor windows)."""
-        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+        """Pre-pack every projection for the CPU matmul kernels, the MLP's gate/up as panel
+        pairs for `gemm_gelu` (no native decoder stack: it has neither Gemma's norms nor
+        windows)."""
+        packed = sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+        for layer in self.model.layers:
+            layer.mlp.pack()
+        return packed
 
     def materialize(self, device: torch.device) -> None:
         super().materialize(device)
