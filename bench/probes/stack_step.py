@@ -1,5 +1,5 @@
 """Decode steps of the default model's one-call decoder stack (the 4-bit GGUF with bf16
-activations), timed around the native call alone: `--rows` sequences with prompts of 64-448
+activations, or with `--dtype float32` fp32 ones), timed around the native call alone: `--rows` sequences with prompts of 64-448
 tokens are prefilled, then one step of one token per sequence.
 
 Two builds of the native library are compared in the same process, call by call (the fairest
@@ -11,7 +11,7 @@ best call, the ratio, the process's voluntary and involuntary context switches o
 of each build, and whether the two builds' outputs are equal bit for bit.
 
     OMP_NUM_THREADS=2 python bench/probes/stack_step.py --base /work/main [--rows 48]
-        [--calls 200]
+        [--calls 200] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -45,21 +45,23 @@ def build_from(root: Path, out: Path) -> ctypes.CDLL:
     subprocess.run([compiler, *loader.flags_for(level), *map(str, sources), "-o", str(out),
                     "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(out))
-    lib.kp_decoder_stack_bf16.restype = ctypes.c_int
-    lib.kp_decoder_stack_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    for fn in (lib.kp_decoder_stack_bf16, lib.kp_decoder_stack_f32):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.kp_set_threads.argtypes = [ctypes.c_int]
     lib.kp_set_threads.restype = None
     return lib
 
 
-def prefilled(rows: int) -> tuple[torch.nn.Module, PagedSim, dict[int, int]]:
-    """The default model at 4 bits in bf16, `rows` sequences prefilled, each one's next token."""
+def prefilled(rows: int, dtype: torch.dtype) -> tuple[torch.nn.Module, PagedSim, dict[int, int]]:
+    """The default model at 4 bits in `dtype`, `rows` sequences prefilled, each one's next
+    token."""
     gguf = find_gguf()
     assert gguf is not None
-    model, _ = load_model(gguf, torch.bfloat16, torch.device("cpu"), quantization="gguf")
+    model, _ = load_model(gguf, dtype, torch.device("cpu"), quantization="gguf")
     assert model.native_stack is not None, model.native_stack_declined
     sim = PagedSim(model, seed=0, num_blocks=rows * 30, block_size=16)
-    sim.kv = [kv.bfloat16() for kv in sim.kv]
+    sim.kv = [kv.to(dtype) for kv in sim.kv]
     rng = random.Random(0)
     last = {}
     for sid in range(rows):
@@ -73,8 +75,12 @@ def main() -> None:
     ap.add_argument("--base", required=True, help="the other checkout's root")
     ap.add_argument("--rows", type=int, default=48)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = ap.parse_args()
-    model, sim, last = prefilled(args.rows)
+    dtype = getattr(torch, args.dtype)
+    fn_name = "kp_decoder_stack_bf16" if dtype == torch.bfloat16 else "kp_decoder_stack_f32"
+    elem = ctypes.c_uint16 if dtype == torch.bfloat16 else ctypes.c_float
+    model, sim, last = prefilled(args.rows, dtype)
     tmp = Path(tempfile.mkdtemp(prefix="stack_step_"))
     libs = {"base": build_from(Path(args.base), tmp / "base.so"),
             "this": build_from(Path(__file__).resolve().parents[2], tmp / "this.so")}
@@ -85,18 +91,18 @@ def main() -> None:
     real_loaded = decoder_stack.loaded
 
     class Proxy:
-        """The loaded library, its bf16 stack replaced by the interleaved A/B."""
+        """The loaded library, its stack of `dtype` replaced by the interleaved A/B."""
 
         def __getattr__(self, name: str) -> object:
+            if name == fn_name:
+                return self.ab
             return getattr(real_loaded(), name)
 
-        def kp_decoder_stack_bf16(self, m, s) -> int:  # noqa: ANN001
+        def ab(self, m, s) -> int:  # noqa: ANN001
             step = s._obj
             t, hidden = step.tokens, model.native_stack.hidden
-            x = torch.frombuffer((ctypes.c_uint16 * (t * hidden)).from_address(step.x),
-                                 dtype=torch.bfloat16)
-            out = torch.frombuffer((ctypes.c_uint16 * (t * hidden)).from_address(step.out),
-                                   dtype=torch.bfloat16)
+            x = torch.frombuffer((elem * (t * hidden)).from_address(step.x), dtype=dtype)
+            out = torch.frombuffer((elem * (t * hidden)).from_address(step.out), dtype=dtype)
             x0, outs = x.clone(), {}
             times = {name: [] for name in libs}
             csw = {name: [0, 0] for name in libs}
@@ -105,8 +111,8 @@ def main() -> None:
                 x.copy_(x0)
                 ru0 = resource.getrusage(resource.RUSAGE_SELF)
                 t0 = time.perf_counter()
-                rc = libs[name].kp_decoder_stack_bf16(ctypes.addressof(m._obj),
-                                                      ctypes.addressof(step))
+                rc = getattr(libs[name], fn_name)(ctypes.addressof(m._obj),
+                                                  ctypes.addressof(step))
                 times[name].append(time.perf_counter() - t0)
                 ru1 = resource.getrusage(resource.RUSAGE_SELF)
                 csw[name][0] += ru1.ru_nvcsw - ru0.ru_nvcsw

@@ -3,13 +3,15 @@
  * passes over the activations (and strided ones for RoPE's half-rotations), or for the store a
  * handful of small ops with their dispatch cost; each of these is one pass.
  *
- * Rows are spread over OpenMP threads when there are enough of them to pay for the fork.
+ * Rows are spread over OpenMP threads when there are enough of them to pay for the fork. The
+ * row loops are team bodies (kp_team.h), so the fp32 decoder stack runs them in its own region.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "kp_native.h"
+#include "kp_team.h"
 #include "kp_vec.h"
 
 #define PAR_MIN_ROWS 32
@@ -37,9 +39,9 @@ static inline void rms_norm_row(const float *x, const float *w, float *o, int64_
 
 /* out[t] = w * normalize(x[t] (+ residual[t])); with a residual, residual[t] becomes the sum.
  * The mean of squares is accumulated in float, as transformers does in float32. */
-void kp_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, const float *w,
-                         float *out, int64_t rows, int64_t hidden, float eps) {
-#pragma omp parallel for schedule(static) if (rows >= PAR_MIN_ROWS)
+void kp_team_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, const float *w,
+                              float *out, int64_t rows, int64_t hidden, float eps) {
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < rows; ++t) {
         const float *xr = x + t * x_stride;
         if (residual) {
@@ -51,11 +53,18 @@ void kp_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, cons
     }
 }
 
+void kp_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, const float *w,
+                         float *out, int64_t rows, int64_t hidden, float eps) {
+#pragma omp parallel if (rows >= PAR_MIN_ROWS)
+    kp_team_add_rms_norm_f32(x, x_stride, residual, w, out, rows, hidden, eps);
+}
+
 /* Qwen3's q/k norm: an RMSNorm over each head, in place on fused qkv rows, the first q_heads
  * heads with q_w, the next k_heads with k_w (each [head_dim]). */
-void kp_qk_norm_f32(float *x, int64_t row_stride, int64_t rows, int64_t q_heads, int64_t k_heads,
-                    int64_t head_dim, const float *q_w, const float *k_w, float eps) {
-#pragma omp parallel for schedule(static) if (rows >= PAR_MIN_ROWS)
+void kp_team_qk_norm_f32(float *x, int64_t row_stride, int64_t rows, int64_t q_heads,
+                         int64_t k_heads, int64_t head_dim, const float *q_w, const float *k_w,
+                         float eps) {
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < rows; ++t)
         for (int64_t h = 0; h < q_heads + k_heads; ++h) {
             float *hx = x + t * row_stride + h * head_dim;
@@ -63,16 +72,23 @@ void kp_qk_norm_f32(float *x, int64_t row_stride, int64_t rows, int64_t q_heads,
         }
 }
 
+void kp_qk_norm_f32(float *x, int64_t row_stride, int64_t rows, int64_t q_heads, int64_t k_heads,
+                    int64_t head_dim, const float *q_w, const float *k_w, float eps) {
+#pragma omp parallel if (rows >= PAR_MIN_ROWS)
+    kp_team_qk_norm_f32(x, row_stride, rows, q_heads, k_heads, head_dim, q_w, k_w, eps);
+}
+
 /* Rotate, in place, the first `heads` heads of each row (rotate-half layout): for each head,
  * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with the angles of the row's position. The
- * q and k heads sit next to each other at the start of a fused qkv row, so one call does both. */
-int kp_rope_f32(float *x, int64_t row_stride, const int64_t *positions, const float *cos_table,
-                const float *sin_table, int64_t max_positions, int64_t rows, int64_t heads,
-                int64_t head_dim) {
+ * q and k heads sit next to each other at the start of a fused qkv row, so one call does both.
+ * With a cache, the row's k and v then go to its slot as kp_store_kv_f32 stores them (kp_team.h). */
+void kp_team_rope_store_f32(float *x, int64_t row_stride, const int64_t *positions,
+                            const float *cos_table, const float *sin_table, int64_t rows,
+                            int64_t heads, int64_t head_dim, const int64_t *slots, float *cache,
+                            int64_t num_slots, int64_t k_off, int64_t v_off,
+                            int64_t row_floats) {
     const int64_t half = head_dim / 2;
-    for (int64_t t = 0; t < rows; ++t)
-        if (positions[t] < 0 || positions[t] >= max_positions) return -1;
-#pragma omp parallel for schedule(static) if (rows >= PAR_MIN_ROWS)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < rows; ++t) {
         const float *c = cos_table + positions[t] * half;
         const float *s = sin_table + positions[t] * half;
@@ -86,19 +102,39 @@ int kp_rope_f32(float *x, int64_t row_stride, const int64_t *positions, const fl
                 x2[i] = b * c[i] + a * s[i];
             }
         }
+        if (cache && slots[t] >= 0) {
+            memcpy(cache + slots[t] * row_floats, row + k_off, (size_t)row_floats * sizeof(float));
+            memcpy(cache + (num_slots + slots[t]) * row_floats, row + v_off,
+                   (size_t)row_floats * sizeof(float));
+        }
     }
+}
+
+int kp_rope_f32(float *x, int64_t row_stride, const int64_t *positions, const float *cos_table,
+                const float *sin_table, int64_t max_positions, int64_t rows, int64_t heads,
+                int64_t head_dim) {
+    for (int64_t t = 0; t < rows; ++t)
+        if (positions[t] < 0 || positions[t] >= max_positions) return -1;
+#pragma omp parallel if (rows >= PAR_MIN_ROWS)
+    kp_team_rope_store_f32(x, row_stride, positions, cos_table, sin_table, rows, heads, head_dim,
+                           0, 0, 0, 0, 0, 0);
     return 0;
 }
 
 /* out[t, i] = silu(gu[t, i]) * gu[t, inter + i] for the fused gate/up projection's output. */
-void kp_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter) {
-#pragma omp parallel for schedule(static) if (rows >= PAR_MIN_ROWS / 4)
+void kp_team_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter) {
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < rows; ++t) {
         const float *g = gu + t * 2 * inter;
         const float *u = g + inter;
         float *o = out + t * inter;
         for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
+}
+
+void kp_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter) {
+#pragma omp parallel if (rows >= PAR_MIN_ROWS / 4)
+    kp_team_silu_mul_f32(gu, out, rows, inter);
 }
 
 /* KV store: row t of k and v (row_floats contiguous floats each, rows k_stride / v_stride

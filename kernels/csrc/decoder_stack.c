@@ -14,10 +14,16 @@
  * The gate/up weight comes as panel pairs (kp_gemm_silu_f32), as the MLP module packs it. A
  * weight-only quantized projection (m->qbits) runs kp_quant_gemm_f32 instead; its gate/up is
  * one fused weight, followed by kp_silu_mul_f32, as the per-layer modules do. A quantized KV
- * cache (m->kv_format) takes the store and attention of kv_q8.c / paged_q8.c.
+ * cache (m->kv_format) takes the store and attention of kv_q8.c / paged_q8.c. The kernels
+ * run as team bodies (kp_team.h) in one OpenMP region per layer (regions_f32), where the step
+ * allows it.
  */
 #include <stdlib.h>
 #include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "kp_bf16.h"
 #include "kp_native.h"
@@ -36,9 +42,11 @@ static int project(const kp_decoder_stack *m, int64_t l, int j, const float *x, 
 }
 
 /* Layer l's KV store and attention over s->qkv into s->attn, float or quantized cache (the
- * per-layer modules' kernels for each); the stack's return codes. */
+ * per-layer modules' kernels for each); the stack's return codes. A float cache's store is
+ * skipped when `stored` (the layer's region made it). */
 static int attention(const kp_decoder_stack *m, const kp_decoder_step *s, int64_t l,
-                     int64_t qkv_size, int64_t q_size, int64_t kv_size, int64_t num_slots) {
+                     int64_t qkv_size, int64_t q_size, int64_t kv_size, int64_t num_slots,
+                     int stored) {
     const int64_t T = s->tokens, hd = m->head_dim;
     const float *k = s->qkv + q_size, *v = s->qkv + q_size + kv_size;
     const int32_t window = m->window ? m->window[l] : 0;
@@ -54,7 +62,8 @@ static int attention(const kp_decoder_stack *m, const kp_decoder_step *s, int64_
                               s->block_tables, s->bt_stride, s->row_lens, s->tok_idx, s->seq_idx,
                               T, m->scale, window, 0.0f, s->attn, q_size);
     } else {
-        if (kp_store_kv_f32(k, qkv_size, v, qkv_size, s->slots, T, m->kv[l], num_slots, kv_size))
+        if (!stored &&
+            kp_store_kv_f32(k, qkv_size, v, qkv_size, s->slots, T, m->kv[l], num_slots, kv_size))
             return -2;
         rc = kp_paged_rows_f32(s->qkv, qkv_size, m->kv[l], m->num_blocks, (int32_t)m->block_size,
                                (int32_t)m->kv_heads, (int32_t)hd, (int32_t)m->heads,
@@ -62,6 +71,160 @@ static int attention(const kp_decoder_stack *m, const kp_decoder_step *s, int64_
                                s->seq_idx, T, m->scale, window, 0.0f, s->attn, q_size);
     }
     return rc == 0 ? 0 : rc == -2 ? -5 : -3;
+}
+
+/* Every position and slot of the step in range: the team bodies do not check them. */
+static int step_in_range(const kp_decoder_stack *m, const kp_decoder_step *s) {
+    const int64_t num_slots = m->num_blocks * m->block_size;
+    for (int64_t t = 0; t < s->tokens; ++t)
+        if (s->positions[t] < 0 || s->positions[t] >= m->max_positions ||
+            s->slots[t] >= num_slots)
+            return 0;
+    return 1;
+}
+
+/* Whether every projection's format is one its kernel takes: a quantized one's group a valid
+ * one dividing K (and even in bf16); a plain bf16 one's K even (pairs). */
+static int formats_ok(const kp_decoder_stack *m, int bf16) {
+    const int64_t K[4] = {m->hidden, m->heads * m->head_dim, m->hidden, m->inter};
+    for (int64_t l = 0; l < m->layers; ++l)
+        for (int j = 0; j < 4; ++j) {
+            const int32_t bits = m->qbits ? m->qbits[4 * l + j] : 0;
+            const int64_t g = bits ? m->qgroup[4 * l + j] : 0;
+            if (bits ? kp_quant_block_bytes(bits, g) < 0 || K[j] % g || (bf16 && g % 2)
+                     : bf16 && K[j] % 2)
+                return 0;
+        }
+    return 1;
+}
+
+/* Whether regions_f32 takes this step: positions and slots in range, every quantized
+ * projection's format one kp_quant_gemm_f32 takes, and nested regions inactive (team_gemm_f32
+ * calls kp_gemm_f32 inside the stack's region, where its own region must be one thread).
+ * Otherwise the kernel-by-kernel loop runs, which returns the error where there is one. */
+static int team_ok(const kp_decoder_stack *m, const kp_decoder_step *s) {
+#ifdef _OPENMP
+    /* omp_get_nested: deprecated in OpenMP 5, but the one query both libgomps answer right
+     * (torch's older one reports unlimited active levels with nesting off) */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    if (omp_get_nested()) return 0;
+#pragma GCC diagnostic pop
+#endif
+    return formats_ok(m, 0) && step_in_range(m, s);
+}
+
+/* This thread's share [*p0, *p1) of n items, contiguous, as a static schedule cuts them. */
+static void team_share(int64_t n, int64_t *p0, int64_t *p1) {
+#ifdef _OPENMP
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+    const int64_t nt = 1, t = 0;
+#endif
+    *p0 = n * t / nt;
+    *p1 = n * (t + 1) / nt;
+}
+
+/* kp_gemm_f32 as a team body: each thread runs it over its share of the panels (inside the
+ * stack's region its own region is one thread), then the team meets. A panel's outputs come
+ * from the same panel pass over the same rows whoever computes them, so the bits are the
+ * kernel's. (gemm.c has no team body of its own; its home is there.) */
+static void team_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *packed, int64_t K,
+                          int64_t N, const float *bias, float *y, int64_t ldy) {
+    const int64_t NR = KP_GEMM_PANEL;
+    int64_t p0, p1;
+    team_share((N + NR - 1) / NR, &p0, &p1);
+    const int64_t n1 = p1 * NR < N ? p1 * NR : N;
+    if (p1 > p0)
+        kp_gemm_f32(x, ldx, M, packed + p0 * K * NR, K, n1 - p0 * NR, bias ? bias + p0 * NR : 0,
+                    y + p0 * NR, ldy);
+#pragma omp barrier
+}
+
+/* kp_gemm_silu_f32 the same way, over its panel pairs. */
+static void team_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed,
+                               int64_t K, int64_t inter, const float *bias, float *gu,
+                               int64_t ldgu, float *act, int64_t ldact) {
+    const int64_t NR = KP_GEMM_PANEL;
+    int64_t q0, q1;
+    team_share((inter + NR - 1) / NR, &q0, &q1);
+    const int64_t c1 = q1 * NR < inter ? q1 * NR : inter;
+    if (q1 > q0)
+        kp_gemm_silu_f32(x, ldx, M, packed + 2 * q0 * K * NR, K, c1 - q0 * NR,
+                         bias ? bias + 2 * q0 * NR : 0, gu + 2 * q0 * NR, ldgu, act + q0 * NR,
+                         ldact);
+#pragma omp barrier
+}
+
+/* project() as a team body (its format checked by team_ok). */
+static void team_project(const kp_decoder_stack *m, int64_t l, int j, const float *x,
+                         int64_t ldx, int64_t T, const void *w, int64_t K, int64_t N,
+                         const float *b, float *y, int64_t ldy) {
+    const int32_t bits = m->qbits ? m->qbits[4 * l + j] : 0;
+    if (!bits)
+        team_gemm_f32(x, ldx, T, (const float *)w, K, N, b, y, ldy);
+    else
+        kp_team_quant_gemm_f32(x, ldx, T, (const uint8_t *)w, bits, m->qgroup[4 * l + j], K, N,
+                               b, y, ldy);
+}
+
+/* kp_decoder_stack_f32's loop in one parallel region per layer: the same kernels as team
+ * bodies, in the same order, each ending in its barrier. A region runs from the last layer's
+ * attention output (its output projection and MLP) to the next layer's queries and keys (its
+ * norm, qkv projection, q/k norm, RoPE and, for a float cache, the KV store in the same pass);
+ * the attention between (paged_dispatch.c, or the quantized cache's store and attention) runs
+ * in its own regions. Layers + 1 regions a step instead of 5-9 a layer. */
+static int regions_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
+    const int64_t T = s->tokens, H = m->hidden, hd = m->head_dim, inter = m->inter;
+    const int64_t q_size = m->heads * hd, kv_size = m->kv_heads * hd;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    const int64_t num_slots = m->num_blocks * m->block_size;
+    const int64_t gu_width = 2 * ((inter + KP_GEMM_PANEL - 1) / KP_GEMM_PANEL) * KP_GEMM_PANEL;
+    float *x = s->x, *res = s->residual, *normed = s->normed, *qkv = s->qkv;
+    for (int64_t l = 0; l <= m->layers; ++l) {
+#pragma omp parallel
+        {
+            if (l > 0) {  /* layer l - 1 after its attention */
+                const int64_t p = l - 1;
+                team_project(m, p, O, s->attn, q_size, T, m->o_w[p], q_size, H, m->o_b[p], x, H);
+                kp_team_add_rms_norm_f32(x, H, res, m->post_norm[p], normed, T, H, m->eps);
+                if (m->qbits && m->qbits[4 * p + GATE_UP]) {
+                    team_project(m, p, GATE_UP, normed, H, T, m->gate_up_w[p], H, 2 * inter,
+                                 m->gate_up_b[p], s->gate_up, 2 * inter);
+                    kp_team_silu_mul_f32(s->gate_up, s->act, T, inter);
+                } else {
+                    team_gemm_silu_f32(normed, H, T, m->gate_up_w[p], H, inter, m->gate_up_b[p],
+                                       s->gate_up, gu_width, s->act, inter);
+                }
+                team_project(m, p, DOWN, s->act, inter, T, m->down_w[p], inter, H, m->down_b[p],
+                             x, H);
+            }
+            if (l == 0) {  /* the first residual is the embedding itself (the norm reads x too) */
+#pragma omp for schedule(static) nowait
+                for (int64_t t = 0; t < T; ++t)
+                    memcpy(res + t * H, x + t * H, (size_t)H * sizeof(float));
+            }
+            if (l < m->layers) {  /* layer l up to its attention */
+                kp_team_add_rms_norm_f32(x, H, l ? res : 0, m->in_norm[l], normed, T, H, m->eps);
+                team_project(m, l, QKV, normed, H, T, m->qkv_w[l], H, qkv_size, m->qkv_b[l], qkv,
+                             qkv_size);
+                if (m->q_norm)
+                    kp_team_qk_norm_f32(qkv, qkv_size, T, m->heads, m->kv_heads, hd,
+                                        m->q_norm[l], m->k_norm[l], m->eps);
+                kp_team_rope_store_f32(qkv, qkv_size, s->positions, m->cos_table, m->sin_table, T,
+                                       m->heads + m->kv_heads, hd, s->slots,
+                                       m->kv_format ? 0 : m->kv[l], num_slots, q_size,
+                                       q_size + kv_size, kv_size);
+            } else {
+                kp_team_add_rms_norm_f32(x, H, res, m->final_norm, s->out, T, H, m->eps);
+            }
+        }
+        if (l < m->layers) {
+            const int rc = attention(m, s, l, qkv_size, q_size, kv_size, num_slots, 1);
+            if (rc) return rc;
+        }
+    }
+    return 0;
 }
 
 int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
@@ -72,6 +235,7 @@ int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
     const int64_t gu_width =  /* gate/up panel pairs */
         2 * ((m->inter + KP_GEMM_PANEL - 1) / KP_GEMM_PANEL) * KP_GEMM_PANEL;
     if (T <= 0) return 0;
+    if (team_ok(m, s)) return regions_f32(m, s);
     for (int64_t l = 0; l < m->layers; ++l) {
         /* Input norm; from the second layer on, the residual add of the last layer's MLP. */
         kp_add_rms_norm_f32(s->x, H, l ? s->residual : 0, m->in_norm[l], s->normed, T, H, m->eps);
@@ -86,7 +250,7 @@ int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
         if (kp_rope_f32(s->qkv, qkv_size, s->positions, m->cos_table, m->sin_table,
                         m->max_positions, T, m->heads + m->kv_heads, hd))
             return -1;
-        const int rc = attention(m, s, l, qkv_size, q_size, kv_size, num_slots);
+        const int rc = attention(m, s, l, qkv_size, q_size, kv_size, num_slots, 0);
         if (rc) return rc;
         if (project(m, l, O, s->attn, q_size, T, m->o_w[l], q_size, H, m->o_b[l], s->x, H))
             return -4;
@@ -122,7 +286,7 @@ static int attention_q8_bf16(const kp_decoder_stack *m, const kp_decoder_step *s
     kp_decoder_step fs = *s;
     fs.qkv = f;
     fs.attn = f + T * qkv_size;
-    const int rc = attention(m, &fs, l, qkv_size, q_size, kv_size, 0);
+    const int rc = attention(m, &fs, l, qkv_size, q_size, kv_size, 0, 0);
     uint16_t *attn = (uint16_t *)s->attn;
     for (int64_t i = 0; i < T * q_size && !rc; ++i) attn[i] = f32_to_bf16(fs.attn[i]);
     free(f);
@@ -153,26 +317,13 @@ static int project_bf16(const kp_decoder_stack *m, int64_t l, int j, const uint1
  * slot in range. Otherwise the
  * kernel-by-kernel loop below runs, which returns the error where there is one. */
 static int one_region_ok(const kp_decoder_stack *m, const kp_decoder_step *s) {
-    const int64_t K[4] = {m->hidden, m->heads * m->head_dim, m->hidden, m->inter};
     if (m->kv_format) return 0;
-    for (int64_t l = 0; l < m->layers; ++l) {
+    for (int64_t l = 0; l < m->layers; ++l)
         if ((m->window && m->window[l]) ||
             !kp_team_attention_ok((int32_t)m->block_size, (int32_t)m->kv_heads,
                                   (int32_t)m->head_dim, (int32_t)m->heads, 0, 0.0f))
             return 0;
-        for (int j = 0; j < 4; ++j) {
-            const int32_t bits = m->qbits ? m->qbits[4 * l + j] : 0;
-            const int64_t g = bits ? m->qgroup[4 * l + j] : 0;
-            if (bits ? kp_quant_block_bytes(bits, g) < 0 || K[j] % g || g % 2 : K[j] % 2)
-                return 0;
-        }
-    }
-    const int64_t num_slots = m->num_blocks * m->block_size;
-    for (int64_t t = 0; t < s->tokens; ++t)
-        if (s->positions[t] < 0 || s->positions[t] >= m->max_positions ||
-            s->slots[t] >= num_slots)
-            return 0;
-    return 1;
+    return formats_ok(m, 1) && step_in_range(m, s);
 }
 
 /* project_bf16 as a team body (kp_team.h): the format is checked. */

@@ -1,8 +1,9 @@
-/* Team bodies of the kernels the bf16 decoder stack runs: each is its exported kernel without
+/* Team bodies of the kernels the decoder stacks run: each is its exported kernel without
  * the kernel's own `omp parallel`, its loops orphaned `omp for` constructs that end in their
  * implied barriers. Called by every thread of a parallel region they share the work among the
- * team, so the stack (decoder_stack.c) opens one region per step instead of one per kernel
- * (6-9 per layer: each a fork, a join and a chance to wait on a descheduled thread); called
+ * team, so a stack (decoder_stack.c) opens one region per step (bf16) or per layer (fp32: its
+ * attention, paged_dispatch.c, keeps its own regions) instead of one per kernel (6-9 per layer:
+ * each a fork, a join and a chance to wait on a descheduled thread); called
  * outside a region, one thread does all of it. The exported kernels are these bodies inside
  * their region, so both give the same bits.
  *
@@ -75,5 +76,23 @@ void kp_team_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint
                              const int64_t *seq_idx, int64_t n, float scale, int32_t window,
                              float softcap, uint16_t *out, int64_t out_row_stride,
                              kp_team_attention *sh);
+
+/* The fp32 kernels': kp_add_rms_norm_f32's, kp_qk_norm_f32's and kp_silu_mul_f32's rows;
+ * kp_rope_f32's rows with an optional store of each row's k and v, as kp_team_rope_store_bf16
+ * (positions in range, slots below num_slots); kp_quant_gemm_f32 (its format checked). */
+void kp_team_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, const float *w,
+                              float *out, int64_t rows, int64_t hidden, float eps);
+void kp_team_qk_norm_f32(float *x, int64_t row_stride, int64_t rows, int64_t q_heads,
+                         int64_t k_heads, int64_t head_dim, const float *q_w, const float *k_w,
+                         float eps);
+void kp_team_rope_store_f32(float *x, int64_t row_stride, const int64_t *positions,
+                            const float *cos_table, const float *sin_table, int64_t rows,
+                            int64_t heads, int64_t head_dim, const int64_t *slots, float *cache,
+                            int64_t num_slots, int64_t k_off, int64_t v_off,
+                            int64_t row_floats);
+void kp_team_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter);
+void kp_team_quant_gemm_f32(const float *x, int64_t ldx, int64_t M, const uint8_t *packed,
+                            int32_t bits, int64_t group, int64_t K, int64_t N, const float *bias,
+                            float *y, int64_t ldy);
 
 #endif

@@ -535,34 +535,34 @@ void kp_team_quant_gemm_bf16(const uint16_t *x, int64_t ldx, int64_t M, const ui
     }
 }
 
-static void qgemm(const float *x, int64_t ldx, int64_t M, const uint8_t *packed, int64_t K,
-                  int64_t N, int64_t G, int64_t blk, const float *bias, float *y, int64_t ldy,
-                  const int bits) {
+/* y = x times the packed weight (kp_quant_gemm_f32), a team body (kp_team.h): per block of
+ * rows, the panels split over the team, each through a dequantized tile or the register path. */
+void kp_team_quant_gemm_f32(const float *x, int64_t ldx, int64_t M, const uint8_t *packed,
+                            int32_t bits, int64_t G, int64_t K, int64_t N, const float *bias,
+                            float *y, int64_t ldy) {
+    const int64_t blk = kp_quant_block_bytes(bits, G);
     const int64_t panels = (N + NR - 1) / NR, panel_bytes = K / G * blk;
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t mb = (M - m0) < MB ? (M - m0) : MB;
-#pragma omp parallel
-        {
-            /* A thread's tile: one panel, K x NR floats (no memory: the register path) */
-            float *tile = mb >= TILE_MIN ? thread_tile((size_t)K * NR) : 0;
+        /* A thread's tile: one panel, K x NR floats (no memory: the register path) */
+        float *tile = mb >= TILE_MIN ? thread_tile((size_t)K * NR) : 0;
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; ++p) {
-                const int64_t n0 = p * NR;
-                const int ncols = (N - n0) < NR ? (int)(N - n0) : NR;
-                const float *b = bias ? bias + n0 : 0;
-                const uint8_t *panel = packed + p * panel_bytes;
-                const float *xm = x + m0 * ldx;
-                float *ym = y + m0 * ldy + n0;
-                if (tile) {
-                    dequant_panel(panel, K, G, blk, bits, tile);
-                    tile_rows(xm, ldx, mb, tile, K, b, ym, ldy, ncols);
-                } else if (bits == 4) {
-                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, 4, 0);
-                } else if (bits == 8) {
-                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, 8, 0);
-                } else {
-                    qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, KP_QUANT_E4M3, 0);
-                }
+        for (int64_t p = 0; p < panels; ++p) {
+            const int64_t n0 = p * NR;
+            const int ncols = (N - n0) < NR ? (int)(N - n0) : NR;
+            const float *b = bias ? bias + n0 : 0;
+            const uint8_t *panel = packed + p * panel_bytes;
+            const float *xm = x + m0 * ldx;
+            float *ym = y + m0 * ldy + n0;
+            if (tile) {
+                dequant_panel(panel, K, G, blk, bits, tile);
+                tile_rows(xm, ldx, mb, tile, K, b, ym, ldy, ncols);
+            } else if (bits == 4) {
+                qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, 4, 0);
+            } else if (bits == 8) {
+                qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, 8, 0);
+            } else {
+                qpanel_rows(xm, ldx, mb, panel, K, G, blk, b, ym, ldy, ncols, KP_QUANT_E4M3, 0);
             }
         }
     }
@@ -574,7 +574,8 @@ int kp_quant_gemm_f32(const float *x, int64_t ldx, int64_t M, const uint8_t *pac
     const int64_t blk = kp_quant_block_bytes(bits, group);
     if (blk < 0 || K <= 0 || K % group) return -1;
     if (M <= 0 || N <= 0) return 0;
-    qgemm(x, ldx, M, packed, K, N, group, blk, bias, y, ldy, bits);
+#pragma omp parallel
+    kp_team_quant_gemm_f32(x, ldx, M, packed, bits, group, K, N, bias, y, ldy);
     return 0;
 }
 
