@@ -54,6 +54,7 @@ def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
+    """Long because the probe is one interleaved table: threads x shapes x rows, three ways each."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 512])

@@ -357,11 +357,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class SwiGLUMLP(nn.Module):
     """`down(silu(gate(x)) * up(x))` with gate and up fused into one `[2*I, H]` matmul.
 
-    One larger GEMM instead of two keeps the CPU's cores busier on small batches and reads x once.
-    Once `pack()`ed on the native GEMM, the gate and up weights are interleaved panel by panel
-    and the SiLU-and-multiply happens inside that GEMM (`cpu_native.gemm_silu`), on the core
-    that computed both halves; the gate/up `Linear` then keeps no packed copy of its own.
-    """
+    One larger GEMM reads x once. Once `pack()`ed natively, gate and up are interleaved panel by
+    panel and the activation-and-multiply happens inside that GEMM (`cpu_native.gemm_silu`, or
+    `gemm_gelu` for GeGLU), on the core that computed both halves; no second packed copy."""
 
     _fused: torch.Tensor | None = None
     _fused_bias: torch.Tensor | None = None
@@ -398,6 +396,5 @@ class SwiGLUMLP(nn.Module):
             if fused is not None:
                 return self.down_proj(fused)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        if self.gelu:
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
