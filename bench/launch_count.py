@@ -121,8 +121,8 @@ def count_decode_step(name: str = "llama", batch: int = 3, padded: int = 1, laye
     layer = model.model.layers[layers - 1]
     with torch.no_grad():
         x = model.model.embed_tokens(ids)
-        # A steady-state layer: Llama's takes the running residual, Gemma's adds its own.
-        args = (x,) if name == "gemma3" else (x, torch.randn_like(x))
+        # A steady-state layer: the running residual comes in with the last block's output.
+        args = (x, torch.randn_like(x))
         cache = s["kv"][0].clone()
         with counting() as one_layer:
             layer(positions, *args, cache, triton_meta)

@@ -95,6 +95,53 @@ def test_bfloat16_load_runs(name: str, tmp_path: Path) -> None:
     assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
 
 
+@pytest.mark.parametrize("name", ["gemma2_window_softcap", "gemma3_window_local_rope"])
+def test_gemma_float32_norms_take_the_native_kernels(name: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """In float32 on CPU every Gemma norm runs on the native RMSNorm with `1 + weight` kept at
+    packing: transformers' values to float rounding, the residual updated in place; Gemma 3's
+    q/k norm runs in place on the fused qkv rows (so its RoPE is native too). In bfloat16
+    nothing is kept (the native bf16 norm rounds where Gemma does not)."""
+    from engine.model_executor.models.gemma import GemmaRMSNorm
+    from kernels import cpu_native
+
+    assert cpu_native.gemm_available(), "the native CPU kernels did not build"
+    path, _ = save_checkpoint(CONFIGS[name], tmp_path)
+    model, config = load_model(path, torch.float32, torch.device("cpu"))
+    norms = [m for m in model.modules() if isinstance(m, GemmaRMSNorm)]
+    assert len(norms) >= 4 * config.num_hidden_layers + 1
+    assert all(n.offset_weight is not None for n in norms)
+    calls: list[int] = []
+    real = cpu_native.add_rms_norm
+    monkeypatch.setattr(cpu_native, "add_rms_norm",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    norm = model.model.layers[0].pre_feedforward_layernorm
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(norm.weight.shape, generator=g))
+    norm.pack()
+    x, residual = (torch.randn(5, config.hidden_size, generator=g) for _ in range(2))
+    want_sum = x + residual
+    with torch.inference_mode():
+        got, summed = norm(x, residual)
+    assert calls and summed is residual
+    torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
+    torch.testing.assert_close(got, norm._norm(want_sum), rtol=1e-5, atol=1e-6)
+
+    attn = model.model.layers[0].self_attn
+    if attn.q_norm is not None:
+        qkv = torch.randn(3, attn.q_size + 2 * attn.kv_size, generator=g)
+        q = qkv[:, :attn.q_size].reshape(-1, attn.head_dim)
+        with torch.inference_mode():
+            want_q = attn.q_norm._norm(q)
+            assert attn._norm_heads_(qkv)
+        torch.testing.assert_close(qkv[:, :attn.q_size].reshape(-1, attn.head_dim), want_q,
+                                   rtol=1e-5, atol=1e-6)
+
+    bf16, _ = load_model(path, torch.bfloat16, torch.device("cpu"))
+    assert all(m.offset_weight is None for m in bf16.modules() if isinstance(m, GemmaRMSNorm))
+
+
 # --- greedy decoding through the engine, past the sliding window -----------------------------
 
 

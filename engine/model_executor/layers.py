@@ -141,18 +141,17 @@ class RMSNorm(nn.Module):
         if x.dim() == 2 and not torch.is_grad_enabled():
             # One fused pass (native on CPU fp32, Triton on CUDA). The residual is updated in
             # place: the model's first residual is the embedding output, which nothing else holds.
-            if residual is not None:
-                fused = fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
-                if fused is not None:
-                    return fused, residual
-            else:
-                fused = fused_ops.add_rms_norm(x, None, self.weight, self.eps)
-                if fused is not None:
-                    return fused
+            fused = fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused if residual is None else (fused, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def native_weight(self) -> torch.Tensor | None:
+        """What the native kernels multiply the normalised row by (None: not this norm)."""
+        return self.weight
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -28,12 +28,27 @@ from engine.model_executor.layers import (
 )
 from engine.model_executor.models.architectures import architecture_of
 from engine.model_executor.models.llama import LlamaAttention, LlamaForCausalLM, layer_windows
-from kernels import fused_ops
+from kernels import cpu_native, fused_ops
 
 
 class GemmaRMSNorm(RMSNorm):
     """RMSNorm times (1 + weight), in float32 and cast back after the multiply (transformers'
-    Gemma order). The checkpoint stores the offset weight, which is what `weight` holds."""
+    Gemma order). The checkpoint stores the offset weight, which is what `weight` holds; once
+    `pack()`ed in float32 on CPU, `1 + weight` is kept for the native RMSNorm, which then
+    computes exactly this order (`w * (x * inv)`)."""
+
+    offset_weight: torch.Tensor | None = None
+
+    def pack(self) -> bool:
+        """Keep `1 + weight` for the native kernel (float32 on CPU; call after the weights are
+        final, as `Linear.pack`); True if kept."""
+        w = self.weight
+        native = w.device.type == "cpu" and w.dtype == torch.float32
+        self.offset_weight = (1.0 + w.detach()).contiguous() if native else None
+        return native
+
+    def native_weight(self) -> torch.Tensor | None:
+        return self.offset_weight
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -43,10 +58,14 @@ class GemmaRMSNorm(RMSNorm):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)` (fused on CUDA,
-        residual updated in place; no native path: it multiplies by the weight itself)."""
+        """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)` (fused natively
+        on CPU float32 and on CUDA, the residual updated in place)."""
         if x.dim() == 2 and not torch.is_grad_enabled():
-            fused = fused_ops.add_rms_norm(x, residual, self.weight, self.eps, gemma=True)
+            offset = self.offset_weight
+            fused = (cpu_native.add_rms_norm(x, residual, offset, self.eps)
+                     if offset is not None and x.dtype == offset.dtype else None)
+            if fused is None:
+                fused = fused_ops.add_rms_norm(x, residual, self.weight, self.eps, gemma=True)
             if fused is not None:
                 return fused if residual is None else (fused, residual)
         if residual is None:
@@ -83,12 +102,18 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(h)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(post-normed MLP output, residual stream)`: the stream's add is fused into the next
+        norm, as in the Llama layer (`residual` None in the first layer: `x` is the stream)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class GemmaModel(nn.Module):
@@ -163,9 +188,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
             meta.backend = kernels.resolve_backend(
                 x.device, block_size=kv_caches[0].shape[2] if kv_caches else None,
                 head_dim=self.head_dim, dtype=x.dtype)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        x, _ = self.model.norm(x, residual)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden `[N, hidden_size]` -> float32 logits `[N, vocab_size]`, soft-capped."""
@@ -181,6 +210,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         packed = sum(m.pack() for m in self.modules() if isinstance(m, Linear))
         for layer in self.model.layers:
             layer.mlp.pack()
+        for norm in self.modules():
+            if isinstance(norm, GemmaRMSNorm):
+                norm.pack()
         return packed
 
     def materialize(self, device: torch.device) -> None:

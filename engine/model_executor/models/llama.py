@@ -125,12 +125,14 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.q_size))
 
     def _norm_heads_(self, qkv: torch.Tensor) -> bool:
-        """The plain-RMSNorm q/k norm in place on fused rows (native); False: not done."""
+        """The q/k norm in place on fused rows (native, with each norm's `native_weight`);
+        False: not done."""
         qn, kn = self.q_norm, self.k_norm
-        return (type(qn) is RMSNorm and type(kn) is RMSNorm and not torch.is_grad_enabled()
-                and qn.eps == kn.eps and cpu_native.qk_norm_inplace(
-                    qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight, kn.weight,
-                    qn.eps) is not None)
+        if qn is None or kn is None or torch.is_grad_enabled() or qn.eps != kn.eps:
+            return False
+        qw, kw = qn.native_weight(), kn.native_weight()
+        return (qw is not None and kw is not None and cpu_native.qk_norm_inplace(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, qw, kw, qn.eps) is not None)
 
 
 class LlamaDecoderLayer(nn.Module):
