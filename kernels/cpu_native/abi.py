@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 12  # KP_ABI_VERSION in csrc/kp_native.h
+ABI_VERSION = 13  # KP_ABI_VERSION in csrc/kp_native.h
 QUANT_E4M3 = 9  # KP_QUANT_E4M3 in csrc/kp_native.h: `bits` of an fp8 e4m3 weight
 LORA_MAX_RANK = 256  # KP_LORA_MAX_RANK in csrc/kp_native.h
 # The quantized KV formats by their code dtype's name: KP_KV_INT8, KP_KV_E4M3, KP_KV_E5M2.
@@ -33,7 +33,9 @@ class DecoderStackStruct(ctypes.Structure):
             "down_w", "down_b", "kv")] + [
         (name, _ptr) for name in ("final_norm", "cos_table", "sin_table", "window")] + [
         (name, _ptrs) for name in ("q_norm", "k_norm")] + [
-        (name, _ptr) for name in ("qbits", "qgroup")] + [("kv_scales", _ptrs), ("kv_format", _i64)]
+        (name, _ptr) for name in ("qbits", "qgroup")] + [("kv_scales", _ptrs), ("kv_format", _i64)] + [
+        (name, _ptrs) for name in ("attn_out_norm", "mlp_out_norm", "layer_cos",
+                                   "layer_sin")] + [("softcap", _f32), ("gelu", _i32)]
 
 
 class DecoderStepStruct(ctypes.Structure):
@@ -43,7 +45,8 @@ class DecoderStepStruct(ctypes.Structure):
         (name, _ptr) for name in (
             "x", "residual", "normed", "qkv", "attn", "gate_up", "act", "out", "positions",
             "slots", "block_tables")] + [("bt_stride", _i64)] + [
-        (name, _ptr) for name in ("row_lens", "tok_idx", "seq_idx")]
+        (name, _ptr) for name in ("row_lens", "tok_idx", "seq_idx")] + [
+        (name, _ptrs) for name in ("layer_slots", "layer_tables")] + [("layer_bt_stride", _ptr)]
 
 
 # name -> (return type, argument types), in the header's order.

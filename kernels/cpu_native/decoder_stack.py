@@ -60,7 +60,8 @@ def _check_layers(layers: list[dict], dims: tuple[int, int, int, int], panel: in
         plain = dtype != torch.float32 or "gate_up_w" in fmt
         padded = 2 * inter if plain else 2 * -(-inter // panel) * panel
         shapes = {"in_norm": hidden, "post_norm": hidden, "qkv_b": qkv, "o_b": hidden,
-                  "gate_up_b": padded, "down_b": hidden}
+                  "gate_up_b": padded, "down_b": hidden, "attn_out_norm": hidden,
+                  "mlp_out_norm": hidden}
         for key, n in shapes.items():
             if not _f32_vector(layer.get(key), n, dtype):
                 raise ValueError(f"layer {i}: {key} is not a contiguous {_NAME[dtype]} CPU vector "
@@ -75,6 +76,10 @@ def _check_layers(layers: list[dict], dims: tuple[int, int, int, int], panel: in
     qk_norm = [layer.get("q_norm") is not None for layer in layers]
     if any(qk_norm) and not all(qk_norm):
         raise ValueError("q_norm must be given for every layer or for none")
+    sandwich = [layer.get("attn_out_norm") is not None for layer in layers]
+    if any(sandwich) and not (all(sandwich) and all(layer.get("mlp_out_norm") is not None
+                                                    for layer in layers)):
+        raise ValueError("attn_out_norm and mlp_out_norm must be given for every layer or none")
     if any(qk_norm) and dtype != torch.float32:
         raise ValueError("no q/k norm in the bf16 stack")
     for i, layer in enumerate(layers):
@@ -83,6 +88,19 @@ def _check_layers(layers: list[dict], dims: tuple[int, int, int, int], panel: in
                 raise ValueError(f"layer {i}: {key} is not a contiguous fp32 CPU vector of "
                                  f"{head_dim}")
     return qk_norm
+
+
+def _check_tables(tables: list[tuple[torch.Tensor, torch.Tensor]], head_dim: int,
+                  dtype: torch.dtype) -> None:
+    """ValueError unless every (cos, sin) is a contiguous [positions, head_dim / 2] pair of
+    one shape and the stack's dtype."""
+    shape = tables[0][0].shape
+    for cos, sin in tables:
+        if (cos.dtype != dtype or sin.dtype != dtype or not cos.is_contiguous()
+                or not sin.is_contiguous() or cos.shape != shape or sin.shape != shape
+                or cos.dim() != 2 or cos.shape[-1] * 2 != head_dim):
+            raise ValueError(f"the rotary tables must be contiguous {_NAME[dtype]} "
+                             "[positions, head_dim / 2], all of one shape")
 
 
 def _quant_formats(layers: list[dict]) -> tuple[Any, Any, bool]:
@@ -106,9 +124,13 @@ class DecoderStack:
 
     `layers` holds, per layer, the packed weights (`pack_gemm_weight`; gate/up from
     `pack_gate_up_weight`, its bias from `pack_gate_up_bias`) and optional biases of
-    qkv / o / gate_up / down, the two norm weights and, for Qwen3, the per-head `q_norm` and
-    `k_norm` weights (in every layer or in none); `windows` gives each layer's sliding window
-    (None: global attention). The tensors are kept referenced here so the pointers stay valid. `run` takes one step's embeddings and metadata and returns the
+    qkv / o / gate_up / down, the two norm weights and, for Qwen3 and Gemma 3, the per-head
+    `q_norm` and `k_norm` weights (in every layer or in none); `windows` gives each layer's
+    sliding window (None: global attention). Gemma's layer (fp32 only): `attn_out_norm` and
+    `mlp_out_norm` per layer (the norms of the attention and MLP outputs; `post_norm` is then
+    the MLP's input norm; every norm weight as the kernel multiplies by it, i.e. 1 + w),
+    `gelu` (GeGLU), `softcap` (the attention scores') and `layer_tables` (each layer's own
+    (cos, sin), for Gemma 3's local rotary base). The tensors are kept referenced here so the pointers stay valid. `run` takes one step's embeddings and metadata and returns the
     final normed hidden state, the same values the per-layer modules compute. Its activation
     scratch is reused from step to step, so one stack serves one step at a time (as the engine
     runs them).
@@ -120,7 +142,9 @@ class DecoderStack:
     def __init__(self, layers: list[dict[str, torch.Tensor | None]], final_norm: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, *, hidden: int, heads: int,
                  kv_heads: int, head_dim: int, inter: int, eps: float, scale: float,
-                 windows: list[int | None] | None = None) -> None:
+                 windows: list[int | None] | None = None, gelu: bool = False,
+                 softcap: float | None = None,
+                 layer_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         if not gemm_available():
             raise ValueError("the native GEMM is not available (the library is not loaded)")
         panel, dtype = gemm_panel(), final_norm.dtype
@@ -136,22 +160,32 @@ class DecoderStack:
             raise ValueError("windows: one positive window (or None) per layer")
         if not _f32_vector(final_norm, hidden, dtype):
             raise ValueError("final_norm is not a contiguous CPU vector")
-        if (cos.dtype != dtype or sin.dtype != dtype or not cos.is_contiguous()
-                or not sin.is_contiguous() or cos.shape != sin.shape
-                or cos.shape[-1] * 2 != head_dim):
-            raise ValueError(f"the rotary tables must be contiguous {_NAME[dtype]} "
-                             "[positions, head_dim / 2]")
+        _check_tables([(cos, sin)] + (layer_tables or []), head_dim, dtype)
+        if layer_tables is not None and len(layer_tables) != len(layers):
+            raise ValueError("layer_tables: one (cos, sin) per layer")
+        gemma = gelu or bool(softcap) or layer_tables is not None or any(
+            layer.get("attn_out_norm") is not None for layer in layers)
+        if gemma and dtype != torch.float32:
+            raise ValueError("Gemma's layer (its norms, GELU, soft cap, tables) runs in fp32 only")
+        if gelu and any("gate_up_w" in (layer.get("formats") or {}) for layer in layers):
+            raise ValueError("GELU needs gate/up as fp32 panel pairs (not quantized)")
         if heads % kv_heads or heads // kv_heads > 32 or head_dim > 256 or head_dim % 2:
             raise ValueError("head layout outside the native attention kernel's limits")
-        self._keep = (layers, final_norm, cos, sin)
+        self._keep = (layers, final_norm, cos, sin, layer_tables)
         self.num_layers = len(layers)
         self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
         self.inter, self._gate_up_width, self.dtype = inter, padded, dtype
-        keys = self._KEYS + (("q_norm", "k_norm") if any(qk_norm) else ())
+        keys = self._KEYS + (("q_norm", "k_norm") if any(qk_norm) else ()) + (
+            ("attn_out_norm", "mlp_out_norm") if layers[0].get("attn_out_norm") is not None
+            else ())
         self._arrays = {key: (ctypes.c_void_p * len(layers))(
             *[(layer[key].data_ptr() if layer.get(key) is not None else None) for layer in layers])
             for key in keys}
         self._windows = (ctypes.c_int32 * len(layers))(*[w or 0 for w in windows])
+        tables = {name: ctypes.cast((ctypes.c_void_p * len(layers))(
+            *[t[i].data_ptr() for t in layer_tables]), _ptrs)
+            for i, name in enumerate(("layer_cos", "layer_sin"))} if layer_tables else {}
+        self._tables = tables
         self._qbits, self._qgroup, quantized = _quant_formats(layers)
         self._struct = abi.DecoderStackStruct(
             layers=len(layers), hidden=hidden, heads=heads, kv_heads=kv_heads,
@@ -160,6 +194,7 @@ class DecoderStack:
             window=ctypes.addressof(self._windows) if any(windows) else None,
             qbits=ctypes.addressof(self._qbits) if quantized else None,
             qgroup=ctypes.addressof(self._qgroup) if quantized else None,
+            softcap=softcap or 0.0, gelu=int(gelu), **tables,
             **{key: ctypes.cast(arr, _ptrs) for key, arr in self._arrays.items()})
         self._kv_key: tuple | None = None
         self._scratch = torch.empty(0, dtype=dtype)
@@ -209,13 +244,40 @@ class DecoderStack:
         self._struct.num_blocks, self._struct.block_size = shape[1], shape[2]
         self._kv_key = key
 
+    def _per_layer(self, groups: tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]],
+                   t: int) -> dict[str, Any]:
+        """The step struct's per-layer slots and tables (their tensors kept until the call
+        returns)."""
+        layer_group, tables = groups
+        if self.dtype != torch.float32:
+            raise ValueError("KV groups' tables per layer: the fp32 stack only")
+        if len(layer_group) != self.num_layers or not all(0 <= g < len(tables)
+                                                          for g in layer_group):
+            raise ValueError("groups: one KV group per layer, each with its slots and tables")
+        kept = [(s.to(torch.int64).contiguous(), b.to(torch.int32).contiguous())
+                for s, b in tables]
+        if any(s.dim() != 1 or s.numel() != t or b.dim() != 2 for s, b in kept):
+            raise ValueError("each group's slots must be [tokens] and its tables [seqs, blocks]")
+        self._groups_kept = kept
+        n = self.num_layers
+        return {"layer_slots": ctypes.cast((ctypes.c_void_p * n)(
+                    *[kept[g][0].data_ptr() for g in layer_group]), _ptrs),
+                "layer_tables": ctypes.cast((ctypes.c_void_p * n)(
+                    *[kept[g][1].data_ptr() for g in layer_group]), _ptrs),
+                "layer_bt_stride": ctypes.cast((ctypes.c_int64 * n)(
+                    *[kept[g][1].stride(0) for g in layer_group]), ctypes.c_void_p)}
+
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             kv_caches: list[Any], block_tables: torch.Tensor, row_lens: torch.Tensor,
-            seq_idx: torch.Tensor) -> torch.Tensor:
+            seq_idx: torch.Tensor,
+            groups: tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+            ) -> torch.Tensor:
         """x `[T, hidden]` embeddings (overwritten as scratch) -> final hidden `[T, hidden]`.
 
         positions/slots int64 `[T]`; token t is an attention row over the first row_lens[t]
-        (int32) keys of block-table row seq_idx[t] (int64) of `block_tables` (int32)."""
+        (int32) keys of block-table row seq_idx[t] (int64) of `block_tables` (int32).
+        `groups`, for layers in several KV groups (fp32 only): each layer's group and each
+        group's (slots, block_tables), group 0's being `slots` and `block_tables`."""
         lib = loaded()
         t = x.shape[0]
         if not (x.dtype == self.dtype and x.is_contiguous() and x.dim() == 2
@@ -231,6 +293,7 @@ class DecoderStack:
                 raise ValueError(f"{name} must be a CPU vector with one entry per token")
         if block_tables.dim() != 2:
             raise ValueError("block_tables must be [seqs, blocks]")
+        per_layer = self._per_layer(groups, t) if groups is not None else {}
         self._bind_kv(kv_caches)
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         # Each activation gets its own contiguous [T, n] block of one allocation.
@@ -251,10 +314,11 @@ class DecoderStack:
             tokens=t, x=x.data_ptr(), out=out.data_ptr(), positions=positions.data_ptr(),
             slots=slots.data_ptr(), block_tables=block_tables.data_ptr(),
             bt_stride=block_tables.stride(0), row_lens=row_lens.data_ptr(),
-            tok_idx=tok_idx.data_ptr(), seq_idx=seq_idx.data_ptr(), **ptrs)
+            tok_idx=tok_idx.data_ptr(), seq_idx=seq_idx.data_ptr(), **per_layer, **ptrs)
         sync_threads(lib)
         fn = lib.kp_decoder_stack_f32 if self.dtype == torch.float32 else lib.kp_decoder_stack_bf16
         rc = fn(ctypes.byref(self._struct), ctypes.byref(step))
+        self._groups_kept = None
         if rc != 0:
             exc, msg = _STACK_ERRORS.get(rc, (RuntimeError, f"decoder stack failed ({rc})"))
             raise exc(msg)

@@ -1,7 +1,8 @@
-/* A whole stack of pre-norm decoder layers (Llama family: RMSNorm, fused qkv, Qwen3's per-head
- * q/k norm where present, RoPE, paged attention with the layer's sliding window, output
- * projection, RMSNorm, fused gate/up with SiLU, down projection) in one call, on CPU in fp32,
- * out of the other kernels of this library.
+/* A whole stack of decoder layers (Llama family: RMSNorm, fused qkv, Qwen3's per-head q/k norm
+ * where present, RoPE, paged attention with the layer's sliding window, output projection,
+ * RMSNorm, fused gate/up with SiLU, down projection; in fp32 also Gemma's: a norm after the
+ * attention and after the MLP, GELU, soft-capped scores, a rotary table per layer) in one call,
+ * on CPU, out of the other kernels of this library.
  *
  * Why: the same kernels called layer by layer from Python pay for Python and dispatch on every
  * call (module calls, argument checks, tensor allocation: about ten calls a layer), a large
@@ -41,6 +42,28 @@ static int project(const kp_decoder_stack *m, int64_t l, int j, const float *x, 
                              y, ldy);
 }
 
+/* Layer l's rotary tables: its own (Gemma 3's local layers) or the model's. */
+static const float *cos_of(const kp_decoder_stack *m, int64_t l) {
+    return m->layer_cos ? m->layer_cos[l] : m->cos_table;
+}
+
+static const float *sin_of(const kp_decoder_stack *m, int64_t l) {
+    return m->layer_sin ? m->layer_sin[l] : m->sin_table;
+}
+
+/* Layer l's slots and block tables: its KV group's, or the step's one set. */
+static const int64_t *slots_of(const kp_decoder_step *s, int64_t l) {
+    return s->layer_slots ? s->layer_slots[l] : s->slots;
+}
+
+static const int32_t *tables_of(const kp_decoder_step *s, int64_t l) {
+    return s->layer_tables ? s->layer_tables[l] : s->block_tables;
+}
+
+static int64_t bt_stride_of(const kp_decoder_step *s, int64_t l) {
+    return s->layer_bt_stride ? s->layer_bt_stride[l] : s->bt_stride;
+}
+
 /* Layer l's KV store and attention over s->qkv into s->attn, float or quantized cache (the
  * per-layer modules' kernels for each); the stack's return codes. A float cache's store is
  * skipped when `stored` (the layer's region made it). */
@@ -52,34 +75,41 @@ static int attention(const kp_decoder_stack *m, const kp_decoder_step *s, int64_
     const int32_t window = m->window ? m->window[l] : 0;
     int rc;
     if (m->kv_format) {
-        rc = kp_store_kv_q8(k, qkv_size, v, qkv_size, s->slots, T, (uint8_t *)m->kv[l],
+        rc = kp_store_kv_q8(k, qkv_size, v, qkv_size, slots_of(s, l), T, (uint8_t *)m->kv[l],
                             m->kv_scales[l], m->num_blocks, (int32_t)m->block_size,
                             (int32_t)m->kv_heads, (int32_t)hd, (int32_t)m->kv_format);
         if (rc) return rc == -2 ? -5 : -2;
         rc = kp_paged_rows_q8(s->qkv, qkv_size, (const uint8_t *)m->kv[l], m->kv_scales[l],
                               (int32_t)m->kv_format, m->num_blocks, (int32_t)m->block_size,
                               (int32_t)m->kv_heads, (int32_t)hd, (int32_t)m->heads,
-                              s->block_tables, s->bt_stride, s->row_lens, s->tok_idx, s->seq_idx,
-                              T, m->scale, window, 0.0f, s->attn, q_size);
+                              tables_of(s, l), bt_stride_of(s, l), s->row_lens, s->tok_idx,
+                              s->seq_idx,
+                              T, m->scale, window, m->softcap, s->attn, q_size);
     } else {
         if (!stored &&
-            kp_store_kv_f32(k, qkv_size, v, qkv_size, s->slots, T, m->kv[l], num_slots, kv_size))
+            kp_store_kv_f32(k, qkv_size, v, qkv_size, slots_of(s, l), T, m->kv[l], num_slots,
+                            kv_size))
             return -2;
         rc = kp_paged_rows_f32(s->qkv, qkv_size, m->kv[l], m->num_blocks, (int32_t)m->block_size,
                                (int32_t)m->kv_heads, (int32_t)hd, (int32_t)m->heads,
-                               s->block_tables, s->bt_stride, s->row_lens, s->tok_idx,
-                               s->seq_idx, T, m->scale, window, 0.0f, s->attn, q_size);
+                               tables_of(s, l), bt_stride_of(s, l), s->row_lens, s->tok_idx,
+                               s->seq_idx, T, m->scale, window, m->softcap, s->attn, q_size);
     }
     return rc == 0 ? 0 : rc == -2 ? -5 : -3;
 }
 
-/* Every position and slot of the step in range: the team bodies do not check them. */
+/* Every position and every layer's slot of the step in range: the team bodies do not check
+ * them. */
 static int step_in_range(const kp_decoder_stack *m, const kp_decoder_step *s) {
     const int64_t num_slots = m->num_blocks * m->block_size;
     for (int64_t t = 0; t < s->tokens; ++t)
-        if (s->positions[t] < 0 || s->positions[t] >= m->max_positions ||
-            s->slots[t] >= num_slots)
+        if (s->positions[t] < 0 || s->positions[t] >= m->max_positions)
             return 0;
+    for (int64_t l = 0; l < (s->layer_slots ? m->layers : 1); ++l) {
+        const int64_t *slots = slots_of(s, l);
+        for (int64_t t = 0; t < s->tokens; ++t)
+            if (slots[t] >= num_slots) return 0;
+    }
     return 1;
 }
 
@@ -91,7 +121,8 @@ static int formats_ok(const kp_decoder_stack *m, int bf16) {
         for (int j = 0; j < 4; ++j) {
             const int32_t bits = m->qbits ? m->qbits[4 * l + j] : 0;
             const int64_t g = bits ? m->qgroup[4 * l + j] : 0;
-            if (bits ? kp_quant_block_bytes(bits, g) < 0 || K[j] % g || (bf16 && g % 2)
+            if (bits ? kp_quant_block_bytes(bits, g) < 0 || K[j] % g || (bf16 && g % 2) ||
+                           (j == GATE_UP && m->gelu)  /* no GELU after a quantized gate/up */
                      : bf16 && K[j] % 2)
                 return 0;
         }
@@ -141,18 +172,18 @@ static void team_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *p
 #pragma omp barrier
 }
 
-/* kp_gemm_silu_f32 the same way, over its panel pairs. */
-static void team_gemm_silu_f32(const float *x, int64_t ldx, int64_t M, const float *packed,
-                               int64_t K, int64_t inter, const float *bias, float *gu,
-                               int64_t ldgu, float *act, int64_t ldact) {
+/* kp_gemm_silu_f32 (kp_gemm_gelu_f32 with gelu) the same way, over its panel pairs. */
+static void team_gemm_act_f32(const float *x, int64_t ldx, int64_t M, const float *packed,
+                              int64_t K, int64_t inter, const float *bias, float *gu,
+                              int64_t ldgu, float *act, int64_t ldact, int gelu) {
     const int64_t NR = KP_GEMM_PANEL;
     int64_t q0, q1;
     team_share((inter + NR - 1) / NR, &q0, &q1);
     const int64_t c1 = q1 * NR < inter ? q1 * NR : inter;
     if (q1 > q0)
-        kp_gemm_silu_f32(x, ldx, M, packed + 2 * q0 * K * NR, K, c1 - q0 * NR,
-                         bias ? bias + 2 * q0 * NR : 0, gu + 2 * q0 * NR, ldgu, act + q0 * NR,
-                         ldact);
+        (gelu ? kp_gemm_gelu_f32 : kp_gemm_silu_f32)(
+            x, ldx, M, packed + 2 * q0 * K * NR, K, c1 - q0 * NR, bias ? bias + 2 * q0 * NR : 0,
+            gu + 2 * q0 * NR, ldgu, act + q0 * NR, ldact);
 #pragma omp barrier
 }
 
@@ -187,17 +218,21 @@ static int regions_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
             if (l > 0) {  /* layer l - 1 after its attention */
                 const int64_t p = l - 1;
                 team_project(m, p, O, s->attn, q_size, T, m->o_w[p], q_size, H, m->o_b[p], x, H);
+                if (m->attn_out_norm)  /* Gemma: the attention output normed, in place */
+                    kp_team_add_rms_norm_f32(x, H, 0, m->attn_out_norm[p], x, T, H, m->eps);
                 kp_team_add_rms_norm_f32(x, H, res, m->post_norm[p], normed, T, H, m->eps);
                 if (m->qbits && m->qbits[4 * p + GATE_UP]) {
                     team_project(m, p, GATE_UP, normed, H, T, m->gate_up_w[p], H, 2 * inter,
                                  m->gate_up_b[p], s->gate_up, 2 * inter);
                     kp_team_silu_mul_f32(s->gate_up, s->act, T, inter);
                 } else {
-                    team_gemm_silu_f32(normed, H, T, m->gate_up_w[p], H, inter, m->gate_up_b[p],
-                                       s->gate_up, gu_width, s->act, inter);
+                    team_gemm_act_f32(normed, H, T, m->gate_up_w[p], H, inter, m->gate_up_b[p],
+                                      s->gate_up, gu_width, s->act, inter, m->gelu);
                 }
                 team_project(m, p, DOWN, s->act, inter, T, m->down_w[p], inter, H, m->down_b[p],
                              x, H);
+                if (m->mlp_out_norm)  /* Gemma: the MLP output normed, in place */
+                    kp_team_add_rms_norm_f32(x, H, 0, m->mlp_out_norm[p], x, T, H, m->eps);
             }
             if (l == 0) {  /* the first residual is the embedding itself (the norm reads x too) */
 #pragma omp for schedule(static) nowait
@@ -211,8 +246,8 @@ static int regions_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
                 if (m->q_norm)
                     kp_team_qk_norm_f32(qkv, qkv_size, T, m->heads, m->kv_heads, hd,
                                         m->q_norm[l], m->k_norm[l], m->eps);
-                kp_team_rope_store_f32(qkv, qkv_size, s->positions, m->cos_table, m->sin_table, T,
-                                       m->heads + m->kv_heads, hd, s->slots,
+                kp_team_rope_store_f32(qkv, qkv_size, s->positions, cos_of(m, l), sin_of(m, l), T,
+                                       m->heads + m->kv_heads, hd, slots_of(s, l),
                                        m->kv_format ? 0 : m->kv[l], num_slots, q_size,
                                        q_size + kv_size, kv_size);
             } else {
@@ -247,27 +282,33 @@ int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step *s) {
         if (m->q_norm)
             kp_qk_norm_f32(s->qkv, qkv_size, T, m->heads, m->kv_heads, hd, m->q_norm[l],
                            m->k_norm[l], m->eps);
-        if (kp_rope_f32(s->qkv, qkv_size, s->positions, m->cos_table, m->sin_table,
+        if (kp_rope_f32(s->qkv, qkv_size, s->positions, cos_of(m, l), sin_of(m, l),
                         m->max_positions, T, m->heads + m->kv_heads, hd))
             return -1;
         const int rc = attention(m, s, l, qkv_size, q_size, kv_size, num_slots, 0);
         if (rc) return rc;
         if (project(m, l, O, s->attn, q_size, T, m->o_w[l], q_size, H, m->o_b[l], s->x, H))
             return -4;
+        if (m->attn_out_norm)
+            kp_add_rms_norm_f32(s->x, H, 0, m->attn_out_norm[l], s->x, T, H, m->eps);
         kp_add_rms_norm_f32(s->x, H, s->residual, m->post_norm[l], s->normed, T, H, m->eps);
         if (m->qbits && m->qbits[4 * l + GATE_UP]) {
+            if (m->gelu) return -4;  /* no native GELU-and-multiply after a quantized gate/up */
             /* gate_up is [T, 2 inter] here, within the scratch's T x gu_width */
             if (project(m, l, GATE_UP, s->normed, H, T, m->gate_up_w[l], H, 2 * m->inter,
                         m->gate_up_b[l], s->gate_up, 2 * m->inter))
                 return -4;
             kp_silu_mul_f32(s->gate_up, s->act, T, m->inter);
-        } else if (kp_gemm_silu_f32(s->normed, H, T, m->gate_up_w[l], H, m->inter,
-                                    m->gate_up_b[l], s->gate_up, gu_width, s->act, m->inter)) {
+        } else if ((m->gelu ? kp_gemm_gelu_f32 : kp_gemm_silu_f32)(
+                       s->normed, H, T, m->gate_up_w[l], H, m->inter, m->gate_up_b[l],
+                       s->gate_up, gu_width, s->act, m->inter)) {
             return -4;
         }
         if (project(m, l, DOWN, s->act, m->inter, T, m->down_w[l], m->inter, H, m->down_b[l],
                     s->x, H))
             return -4;
+        if (m->mlp_out_norm)
+            kp_add_rms_norm_f32(s->x, H, 0, m->mlp_out_norm[l], s->x, T, H, m->eps);
     }
     kp_add_rms_norm_f32(s->x, H, s->residual, m->final_norm, s->out, T, H, m->eps);
     return 0;
@@ -401,7 +442,9 @@ int kp_decoder_stack_bf16(const kp_decoder_stack *m, const kp_decoder_step *s) {
     bf *x = (bf *)s->x, *res = (bf *)s->residual, *normed = (bf *)s->normed;
     bf *qkv = (bf *)s->qkv, *attn = (bf *)s->attn, *gu = (bf *)s->gate_up, *act = (bf *)s->act;
     if (T <= 0) return 0;
-    if (m->q_norm) return -4;
+    if (m->q_norm || m->attn_out_norm || m->mlp_out_norm || m->layer_cos || m->softcap != 0.0f ||
+        m->gelu || s->layer_slots || s->layer_tables || s->layer_bt_stride)
+        return -4;
     if (one_region_ok(m, s)) return one_region_bf16(m, s);
     for (int64_t l = 0; l < m->layers; ++l) {
         kp_add_rms_norm_bf16(x, H, l ? res : 0, (const bf *)m->in_norm[l], normed, T, H, m->eps);

@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define KP_ABI_VERSION 12
+#define KP_ABI_VERSION 13
 
 /* Output columns per packed GEMM weight panel: three vectors where the register file holds 32
  * (AVX-512: an 8 x 48 tile), two where it holds 16 (AVX2: 6 x 16). A packed weight fits only
@@ -272,6 +272,16 @@ typedef struct {
      * rounds the attention output to bf16 once, as the per-layer modules do. */
     float *const *kv_scales;
     int64_t kv_format;
+    /* Gemma's sandwich layer (NULL: Llama's pre-norm layer): per layer, the norm of the
+     * attention output before its residual add and of the MLP output before its own (each
+     * weight already 1 + w, as every Gemma norm weight given here); post_norm is then the
+     * MLP's input norm. fp32 stack only. */
+    const float *const *attn_out_norm, *const *mlp_out_norm;
+    /* Per layer, its own rotary tables (Gemma 3's local layers have another base), each
+     * [max_positions, head_dim / 2]; NULL: cos_table and sin_table for every layer. */
+    const float *const *layer_cos, *const *layer_sin;
+    float softcap; /* every layer's attention-score soft cap (Gemma 2); 0: none */
+    int32_t gelu;  /* the MLP's activation: 0 SiLU, 1 tanh-GELU (GeGLU; fp32 panel pairs only) */
 } kp_decoder_stack;
 
 /* One step: T new tokens (their embeddings in x, which is overwritten) and scratch for each
@@ -285,6 +295,12 @@ typedef struct {
     int64_t bt_stride;
     const int32_t *row_lens;
     const int64_t *tok_idx, *seq_idx;
+    /* Layers in several KV groups (engine/core/kv_groups.py): per layer, its group's slots [T]
+     * and block tables (row stride layer_bt_stride[l]); NULL: slots, block_tables and
+     * bt_stride for every layer. The fp32 stack only. */
+    const int64_t *const *layer_slots;
+    const int32_t *const *layer_tables;
+    const int64_t *layer_bt_stride;
 } kp_decoder_step;
 
 /* A whole stack of decoder layers for one step. 0 on success; -1 a position outside the
@@ -294,7 +310,8 @@ KP_API int kp_decoder_stack_f32(const kp_decoder_stack *m, const kp_decoder_step
 
 /* The stack over bf16 with the same structs (decoder_stack.c says how their pointers are
  * read): weights pair-packed for kp_gemm_bf16 or, where qbits says so, quant_gemm.c weights
- * (kp_quant_gemm_bf16), everything else bf16; same return codes. */
+ * (kp_quant_gemm_bf16), everything else bf16; same return codes (-4 also for what only the
+ * fp32 stack computes: q/k norm, Gemma's layer, KV groups' tables per layer). */
 KP_API int kp_decoder_stack_bf16(const kp_decoder_stack *m, const kp_decoder_step *s);
 
 #endif

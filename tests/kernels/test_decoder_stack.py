@@ -3,7 +3,8 @@
 Both run the same kernels in the same order, so hidden states and the KV they write must be equal
 bit for bit, on every tiny config of tests/test_models.py the stack takes (GQA and MHA, biases,
 head_dim 24, 32 and 64, tied heads, sliding windows smaller than the prompts, Qwen3's per-head
-q/k norm, an intermediate size that is not a multiple of the panel), over a prefill + chunked
+q/k norm, an intermediate size that is not a multiple of the panel, Gemma 2 and 3's sandwich
+norms, GeGLU, soft cap and local rotary base), over a prefill + chunked
 prefill + decode sequence of steps (with head_dim 64 also prefill runs long enough for the
 transposed-key path, one starting at an odd position). The transformers
 comparison in test_models.py already runs through the stack; this shows the stack is what ran.
@@ -19,7 +20,7 @@ import torch
 from engine.model_executor.attention import AttentionMetadata
 from engine.model_executor.model_loader import load_model
 from kernels import cpu_native
-from tests.helpers.tiny_models import CONFIGS, VOCAB, PagedSim, save_checkpoint
+from tests.helpers.tiny_models import CONFIGS, VOCAB, PagedSim, save_checkpoint, save_tokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -56,9 +57,6 @@ def _long_steps(seed: int) -> list[list[tuple[int, list[int]]]]:
 # The families the stack declines, and the feature each answer must name: every other family
 # of tests/test_models.py must get the stack, at every level.
 DECLINED = {
-    "gemma2_window_softcap": "Gemma's layer",
-    "gemma3_mha_tied": "Gemma's layer",
-    "gemma3_window_local_rope": "Gemma's layer",
     "mixtral_4x_top2": "mixture-of-experts",
     "qwen3_moe_4x_top2": "mixture-of-experts",
     "qwen3_moe_norm_topk": "mixture-of-experts",
@@ -108,8 +106,40 @@ def test_stack_declines_what_it_cannot_compute_and_says_why(name: str, tmp_path:
         model, _ = load_model(path, torch.float32, torch.device("cpu"))
     assert model.native_stack is None
     assert DECLINED[name] in model.native_stack_declined
-    if not name.startswith("gemma"):  # the Llama-family models log their reason at packing
-        assert DECLINED[name] in caplog.text
+    assert DECLINED[name] in caplog.text  # logged at packing
+
+
+@pytest.mark.parametrize("name", ["gemma2_window_softcap", "gemma3_window_local_rope"])
+def test_stack_reads_each_layers_kv_group(name: str, tmp_path: Path) -> None:
+    """In the engine, Gemma's sliding and global layers keep their K/V in separate KV groups,
+    each with its own slots and block tables (engine/core/kv_groups.py); the stack gives each
+    layer its group's. Prompts past the window, prefix-cache hits and out-of-window blocks
+    freed: the tokens and log-probabilities equal the per-layer modules' exactly."""
+    from engine import LLM, SamplingParams
+
+    path, _ = save_checkpoint(CONFIGS[name], tmp_path)
+    save_tokenizer(path)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (25, 40, 31)]
+    prompts.append(prompts[1][:36] + [5, 6])
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_kv_blocks=128,
+              max_model_len=64)
+    model = llm.engine.model
+    assert model.native_stack is not None, model.native_stack_declined
+    assert llm.engine.kv.num_groups > 1
+    calls = []
+    real_run = model.native_stack.run
+    model.native_stack.run = lambda *a, **kw: calls.append(kw["groups"]) or real_run(*a, **kw)
+    results = {}
+    for use in (True, False):
+        model.use_native_stack = use
+        llm.reset_prefix_cache()
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        results[use] = [(o.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.logprobs])
+                        for o in outs]
+    assert calls and all(c is not None and len(set(c[0])) > 1 for c in calls)
+    assert results[True] == results[False]
 
 
 def _tiny_stack(tmp_path: Path):

@@ -25,6 +25,7 @@ DECLINED_BF16 = {
     "phi3_window_mha": "sliding windows in bf16",
     "qwen3_qk_norm": "q/k norm in bf16",
     "llama_gqa_llama3": "head dim 16 in bf16",
+    "gemma3_window_local_rope": "Gemma's layer in bf16",
 }
 
 

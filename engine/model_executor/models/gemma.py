@@ -173,10 +173,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.model = GemmaModel(config, layers)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        self.native_stack = None
-        self.use_native_stack = False
-        self.native_stack_declined = ("Gemma's layer (scaled embeddings, (1 + w) norms around "
-                                      "both blocks, GELU MLP, windows and soft-capping)")
+        self.native_stack = None  # set by pack_weights, as the Llama family's
+        self.use_native_stack = True
+        self.native_stack_declined = "weights not packed yet"
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -188,6 +187,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
             meta.backend = kernels.resolve_backend(
                 x.device, block_size=kv_caches[0].shape[2] if kv_caches else None,
                 head_dim=self.head_dim, dtype=x.dtype)
+        stacked = self._native_forward(x, positions, kv_caches, meta)
+        if stacked is not None:
+            return stacked
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)
@@ -205,14 +207,15 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def pack_weights(self) -> int:
         """Pre-pack every projection for the CPU matmul kernels, the MLP's gate/up as panel
-        pairs for `gemm_gelu` (no native decoder stack: it has neither Gemma's norms nor
-        windows)."""
+        pairs for `gemm_gelu`, each norm's `1 + weight`, then the native decoder stack as the
+        Llama family's (fp32: Gemma's layer is one of the stack's)."""
         packed = sum(m.pack() for m in self.modules() if isinstance(m, Linear))
         for layer in self.model.layers:
             layer.mlp.pack()
         for norm in self.modules():
             if isinstance(norm, GemmaRMSNorm):
                 norm.pack()
+        self.native_stack = self._build_native_stack()
         return packed
 
     def materialize(self, device: torch.device) -> None:

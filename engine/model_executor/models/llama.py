@@ -289,20 +289,36 @@ class LlamaForCausalLM(TransformersCheckpoint):
             meta.backend = kernels.resolve_backend(
                 x.device, block_size=kv_caches[0].shape[2] if kv_caches else None,
                 head_dim=self.head_dim, dtype=x.dtype)
-        # The whole-stack native call is the CPU backend's form for a whole step.
-        stack = self.native_stack
-        if (stack is not None and self.use_native_stack and meta.backend == "cpu"
-                and not torch.is_grad_enabled() and x.device.type == "cpu"
-                and x.dtype == stack.dtype and stack.takes_cache(kv_caches[0])):
-            rows = meta.rows(x.shape[0])
-            if rows is not None:
-                return stack.run(x.contiguous(), positions, meta.slot_mapping, kv_caches,
-                                 meta.block_tables, *rows)
+        stacked = self._native_forward(x, positions, kv_caches, meta)
+        if stacked is not None:
+            return stacked
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         x, _ = self.model.norm(x, residual)
         return x
+
+    def _native_forward(self, x: torch.Tensor, positions: torch.Tensor,
+                        kv_caches: list[torch.Tensor], meta: AttentionMetadata
+                        ) -> torch.Tensor | None:
+        """The whole stack in one native call from the embeddings `x` (the CPU backend's form
+        of a whole step), or None where it does not run this step."""
+        stack = self.native_stack
+        if (stack is not None and self.use_native_stack and meta.backend == "cpu"
+                and not torch.is_grad_enabled() and x.device.type == "cpu"
+                and x.dtype == stack.dtype and stack.takes_cache(kv_caches[0])):
+            rows = meta.rows(x.shape[0])
+            group_metas = getattr(meta, "groups", None)  # GroupedMetadata: KV groups
+            groups = None
+            if group_metas:
+                if stack.dtype != torch.float32:
+                    return None
+                groups = ([layer.self_attn.attn.kv_group for layer in self.model.layers],
+                          [(g.slot_mapping, g.block_tables) for g in [meta, *group_metas]])
+            if rows is not None:
+                return stack.run(x.contiguous(), positions, meta.slot_mapping, kv_caches,
+                                 meta.block_tables, *rows, groups=groups)
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden `[N, hidden_size]` -> float32 logits `[N, vocab_size]`; under tensor
@@ -327,15 +343,14 @@ class LlamaForCausalLM(TransformersCheckpoint):
 
     def native_stack_unsupported(self) -> str | None:
         """What of this model the native decoder stack cannot compute, or None. The stack is
-        Llama's layer exactly (kernels/csrc/decoder_stack.c); each answer names the feature, so
-        the log and the tests say why a family runs on per-layer modules."""
+        Llama's or Gemma's layer exactly (kernels/csrc/decoder_stack.c); each answer names the
+        feature, so the log and the tests say why a family runs on per-layer modules."""
         layers = list(self.model.layers)
         if self.tp is not None:
             return "tensor parallelism (one native call leaves no place for the all-reduces)"
         eps = self.model.norm.eps
-        if any(n is not None and n.eps != eps for layer in layers
-               for n in (layer.input_layernorm, layer.post_attention_layernorm,
-                         layer.self_attn.q_norm, layer.self_attn.k_norm)):
+        if any(n.eps != eps for layer in layers for n in layer.modules()
+               if isinstance(n, RMSNorm)):
             return "norms with different epsilons"
         return None
 

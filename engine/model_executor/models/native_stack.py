@@ -1,6 +1,7 @@
-"""The one-call native decoder stack of a Llama-family model (kernels/csrc/decoder_stack.c):
-whether a model's layers can take it, and its per-layer weights as `DecoderStack` reads them
-(float32 panels or bf16 pairs, either with weight-only quantized projections)."""
+"""The one-call native decoder stack of a Llama-family or Gemma model
+(kernels/csrc/decoder_stack.c): whether a model's layers can take it, and its per-layer weights
+as `DecoderStack` reads them (float32 panels or bf16 pairs, either with weight-only quantized
+projections)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,35 @@ def _bf16_ready(linear: Linear) -> bool:
     return getattr(quant, "kernel", None) == "native" and quant.group_size % 2 == 0
 
 
+def layer_norms(layer: nn.Module) -> dict[str, torch.Tensor | None]:
+    """A layer's norm weights under the stack's names, each as the native kernel multiplies by
+    it (None: a norm it does not compute): Llama's two, or Gemma's four (the norms of the
+    attention and MLP outputs besides; its MLP input norm is `post_norm`)."""
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma's sandwich
+        norms = {"in_norm": layer.input_layernorm,
+                 "attn_out_norm": layer.post_attention_layernorm,
+                 "post_norm": layer.pre_feedforward_layernorm,
+                 "mlp_out_norm": layer.post_feedforward_layernorm}
+    else:
+        norms = {"in_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm}
+    weights = {key: norm.native_weight() for key, norm in norms.items()}
+    return {key: None if w is None else w.detach() for key, w in weights.items()}
+
+
+def attention_declined(layers: list[nn.Module]) -> str | None:
+    """Why the stack cannot take these layers' attention and MLP settings, or None: it holds one
+    scale and soft cap for every layer, and no GELU after a quantized gate/up."""
+    attns = [layer.self_attn.attn for layer in layers]
+    if len({(a.scale, a.softcap or 0.0) for a in attns}) > 1:
+        return "attention scales or soft caps that differ between layers"
+    if any(getattr(layer.mlp, "gelu", False) and layer.mlp.gate_up_proj.quant is not None
+           for layer in layers):
+        return "GeGLU after a quantized gate/up (no native GELU-and-multiply there)"
+    if any(None in layer_norms(layer).values() for layer in layers):
+        return "a norm the native kernels do not compute"
+    return None
+
+
 def projections_declined(model: Any, layers: list[nn.Module], bf16: bool) -> str | None:
     """Why the stack cannot take these layers, or None. bf16 needs every projection on the
     native bf16 GEMM or the native quantized kernel, and attention whose rows all go to the
@@ -53,11 +83,13 @@ def projections_declined(model: Any, layers: list[nn.Module], bf16: bool) -> str
                    if isinstance(m, Linear)):
             return "a projection is not on the native GEMM"
         return None
-    if any(type(layer.mlp) is not SwiGLUMLP for layer in layers):
+    if any(not isinstance(layer.mlp, SwiGLUMLP) for layer in layers):
         return "a sparse (mixture-of-experts) MLP in bf16"
     linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
     if not linears or not all(_bf16_ready(m) for m in linears):
         return "a projection is not on the native bf16 GEMM or quantized kernel"
+    if any(hasattr(layer, "pre_feedforward_layernorm") for layer in layers):
+        return "Gemma's layer in bf16 (its norms, GELU and soft cap are fp32 only)"
     if any(layer.self_attn.q_norm is not None for layer in layers):
         return "q/k norm in bf16"
     if any(layer.self_attn.attn.window for layer in layers):
@@ -77,7 +109,8 @@ def build_native_stack(model: Any) -> cpu_native.DecoderStack | None:
         return None
     layers = list(model.model.layers)
     bf16 = model.model.norm.weight.dtype == torch.bfloat16
-    model.native_stack_declined = projections_declined(model, layers, bf16)
+    model.native_stack_declined = (projections_declined(model, layers, bf16)
+                                   or attention_declined(layers))
     if model.native_stack_declined is not None:
         logger.info("decoder stack stays on per-layer modules: %s", model.native_stack_declined)
         return None
@@ -90,22 +123,26 @@ def build_native_stack(model: Any) -> cpu_native.DecoderStack | None:
                    if not bf16 and mlp._fused is not None
                    else _stack_weight(mlp.gate_up_proj, "gate_up", formats))
         weights.append({**gate_up,
-            **({} if attn.q_norm is None else {"q_norm": attn.q_norm.weight.detach(),
-                                               "k_norm": attn.k_norm.weight.detach()}),
-            "in_norm": layer.input_layernorm.weight.detach(),
-            "post_norm": layer.post_attention_layernorm.weight.detach(),
+            **({} if attn.q_norm is None else {"q_norm": attn.q_norm.native_weight().detach(),
+                                               "k_norm": attn.k_norm.native_weight().detach()}),
+            **layer_norms(layer),
             **_stack_weight(attn.qkv_proj, "qkv", formats),
             **_stack_weight(attn.o_proj, "o", formats),
             **_stack_weight(mlp.down_proj, "down", formats),
             "formats": formats})
+    rotaries = [layer.self_attn.rotary[0] for layer in layers]
+    tables = (None if all(r is model.rotary_emb for r in rotaries)
+              else [(r.cos, r.sin) for r in rotaries])  # Gemma 3's local layers
     try:
         return cpu_native.DecoderStack(
-            weights, model.model.norm.weight.detach(), model.rotary_emb.cos,
+            weights, model.model.norm.native_weight().detach(), model.rotary_emb.cos,
             model.rotary_emb.sin, hidden=model.hidden_size, heads=model.num_heads,
             kv_heads=model.num_kv_heads, head_dim=model.head_dim,
             inter=layers[0].mlp.intermediate_size, eps=eps,
             scale=layers[0].self_attn.attn.scale,
-            windows=[layer.self_attn.attn.window for layer in layers])
+            windows=[layer.self_attn.attn.window for layer in layers],
+            gelu=layers[0].mlp.gelu, softcap=layers[0].self_attn.attn.softcap,
+            layer_tables=tables)
     except ValueError as exc:
         model.native_stack_declined = str(exc)
         logger.info("decoder stack stays on per-layer modules: %s", exc)
