@@ -78,13 +78,18 @@ def main() -> None:
             runs[use].append((wall, prefill, decode))
             print(f"stack {'on ' if use else 'off'}: wall {wall:.3f} s, prefill steps "
                   f"{prefill:.3f} s, decode steps {decode:.3f} s", flush=True)
+    _report(runs)
+    print("greedy tokens equal:", tokens[True] == tokens[False])
+
+
+def _report(runs: dict[bool, list[tuple[float, float, float]]]) -> None:
+    """Best and median of (wall, prefill steps, decode steps) per path."""
     for use in (True, False):
         best = [min(r[i] for r in runs[use]) for i in range(3)]
         med = [sorted(r[i] for r in runs[use])[len(runs[use]) // 2] for i in range(3)]
         print(f"stack {'on ' if use else 'off'} best  wall/prefill/decode "
               f"{best[0]:.3f} / {best[1]:.3f} / {best[2]:.3f} s; median "
               f"{med[0]:.3f} / {med[1]:.3f} / {med[2]:.3f} s")
-    print("greedy tokens equal:", tokens[True] == tokens[False])
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-import kernels
 from engine.model_executor.attention import AttentionMetadata
 from engine.model_executor.layers import (
     Linear,
@@ -183,20 +182,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         x = self.model.embed_tokens(input_ids)
         # sqrt(hidden) in the weights' dtype, as transformers rounds it.
         x = x * torch.tensor(self.hidden_size ** 0.5, dtype=x.dtype)
-        if meta.backend is None:  # the runner sets it; a hand-built step gets it once here
-            meta.backend = kernels.resolve_backend(
-                x.device, block_size=kv_caches[0].shape[2] if kv_caches else None,
-                head_dim=self.head_dim, dtype=x.dtype)
-        stacked = self._native_forward(x, positions, kv_caches, meta)
-        if stacked is not None:
-            return stacked
-        residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
-        if residual is None:  # no layers
-            return self.model.norm(x)
-        x, _ = self.model.norm(x, residual)
-        return x
+        return self._decode(x, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden `[N, hidden_size]` -> float32 logits `[N, vocab_size]`, soft-capped."""

@@ -284,7 +284,13 @@ class LlamaForCausalLM(TransformersCheckpoint):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids/positions `[T]` (all sequences' new tokens) -> hidden `[T, hidden_size]`."""
-        x = self.model.embed_tokens(input_ids)
+        return self._decode(self.model.embed_tokens(input_ids), positions, kv_caches, meta)
+
+    def _decode(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder layers and final norm from the embeddings `x`: one native call where the
+        stack runs, else the per-layer modules (each layer takes the running residual and
+        returns its last block's output; the add is fused into the next norm)."""
         if meta.backend is None:  # the runner sets it; a hand-built step gets it once here
             meta.backend = kernels.resolve_backend(
                 x.device, block_size=kv_caches[0].shape[2] if kv_caches else None,
