@@ -109,12 +109,16 @@ def test_stack_declines_what_it_cannot_compute_and_says_why(name: str, tmp_path:
     assert DECLINED[name] in caplog.text  # logged at packing
 
 
-@pytest.mark.parametrize("name", ["gemma2_window_softcap", "gemma3_window_local_rope"])
-def test_stack_reads_each_layers_kv_group(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "kv_cache_dtype"), [
+    ("gemma2_window_softcap", "auto"), ("gemma3_window_local_rope", "auto"),
+    ("gemma2_window_softcap", "int8")])
+def test_stack_reads_each_layers_kv_group(name: str, kv_cache_dtype: str,
+                                          tmp_path: Path) -> None:
     """In the engine, Gemma's sliding and global layers keep their K/V in separate KV groups,
     each with its own slots and block tables (engine/core/kv_groups.py); the stack gives each
     layer its group's. Prompts past the window, prefix-cache hits and out-of-window blocks
-    freed: the tokens and log-probabilities equal the per-layer modules' exactly."""
+    freed, a float and an int8 cache (soft-capped scores over codes): the tokens and
+    log-probabilities equal the per-layer modules' exactly."""
     from engine import LLM, SamplingParams
 
     path, _ = save_checkpoint(CONFIGS[name], tmp_path)
@@ -124,7 +128,7 @@ def test_stack_reads_each_layers_kv_group(name: str, tmp_path: Path) -> None:
     prompts.append(prompts[1][:36] + [5, 6])
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
     llm = LLM(model=str(path), dtype="float32", block_size=4, num_kv_blocks=128,
-              max_model_len=64)
+              max_model_len=64, kv_cache_dtype=kv_cache_dtype)
     model = llm.engine.model
     assert model.native_stack is not None, model.native_stack_declined
     assert llm.engine.kv.num_groups > 1
