@@ -4,15 +4,16 @@ step is outside the GEMM and attention kernels, the most a one-call decoder stac
 
 A random checkpoint (hidden 1024, 16 heads of 64 over 4 KV heads, `--experts` experts top-2
 with `--inter` intermediate, `--layers` layers, all sparse) is saved with transformers into a
-temporary folder and loaded with `load_model` (which packs the experts). The old path gets
-float stacks unpacked from the panels, so both paths run the same weights in one process.
+temporary folder and loaded with `load_model` (which packs the experts). The old path is
+`SparseMoE.forward` as it was before (`old_forward`, a copy) over float stacks unpacked from
+the panels, so both paths run the same weights in one process.
 Timed: the model's forward of a decode step of 16 and of 64 sequences (prompts of 64-192
 tokens) and of one 512-token prefill, the two paths alternating, `--rounds` each, per thread
 count. Then one profiled step of each kind and path: every native call timed by kind (GEMM,
 attention, other kernels: norms, RoPE, KV store) and the old path's `F.linear`; the rest of the
 step is Python and torch's glue (routing, gathers, `index_add_`, dispatch).
 
-    python bench/probes/moe_step.py [--threads 1,2] [--rounds 7] [--layers 6] [--experts 16]
+    python bench/probes/moe_step.py [--threads 1,2] [--rounds 11] [--layers 6] [--experts 16]
         [--inter 768]
 """
 
@@ -29,6 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,6 +41,9 @@ from engine.model_executor.models.moe import SparseMoE  # noqa: E402
 from kernels.cpu_native import loader  # noqa: E402
 from tests.helpers.tiny_models import PagedSim  # noqa: E402
 
+# old: the loop as it was (old_forward) on F.linear; torch: today's loop on F.linear; new:
+# today's loop on the native GEMM.
+PATHS = ("old", "torch", "new")
 KINDS = (("decode 16", 16, 1), ("decode 64", 64, 1), ("prefill 512", 1, 512))
 
 
@@ -67,10 +72,39 @@ class Paths:
             self.saved.append(((m._gate_up_panels, m._down_panels), floats))
 
     def use(self, name: str) -> None:
+        SparseMoE.forward = old_forward if name == "old" else NEW_FORWARD
         for m, (panels, floats) in zip(self.layers, self.saved, strict=True):
             m.experts_gate_up, m.experts_down = (torch.nn.Parameter(f, requires_grad=False)
                                                  for f in floats)
             m._gate_up_panels, m._down_panels = panels if name == "new" else (None, None)
+
+
+NEW_FORWARD = SparseMoE.forward
+
+
+def old_forward(self: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """`SparseMoE.forward` before the native experts (main at 30fed6c): per expert a gather,
+    `F.linear` over the float stacks, a weighted `index_add_`."""
+    probs = torch.softmax(self.gate(x).float(), dim=-1)
+    weights, experts = torch.topk(probs, self.top_k, dim=-1)
+    if self.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+    flat_weights = weights.flatten()
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tokens = pairs // self.top_k
+        gate, up = F.linear(x[tokens], self.experts_gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, self.experts_down[e])
+        out.index_add_(0, tokens, (y * flat_weights[pairs, None]).to(out.dtype))
+    return out
 
 
 class Profile:
@@ -130,7 +164,7 @@ class Profile:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--inter", type=int, default=768)
@@ -157,6 +191,8 @@ def main() -> None:
           f"1024; loadavg {os.getloadavg()[0]:.2f}")
     for threads in map(int, args.threads.split(",")):
         torch.set_num_threads(threads)
+        for rows in (16, 64, 512):
+            measure_layer(paths, rows, threads, 5 * args.rounds)
         for label, seqs, tokens in KINDS:
             measure(sim, paths, label, seqs, tokens, threads, args.rounds)
 
@@ -179,32 +215,62 @@ def step(sim: PagedSim, seqs: int, tokens: int) -> float:
 
 def measure(sim: PagedSim, paths: Paths, label: str, seqs: int, tokens: int, threads: int,
             rounds: int) -> None:
-    """Interleaved old/new rounds, then one profiled step of each."""
-    times: dict[str, list[float]] = {"old": [], "new": []}
-    for name in ("old", "new"):  # warm-up
+    """Interleaved rounds of each path, then the fastest of 3 profiled steps of each."""
+    times: dict[str, list[float]] = {name: [] for name in PATHS}
+    for name in PATHS:  # warm-up
         paths.use(name)
         step(sim, seqs, tokens)
     for _ in range(rounds):
-        for name in ("old", "new"):
+        for name in PATHS:
             paths.use(name)
             times[name].append(step(sim, seqs, tokens))
     best = {k: 1000 * min(v) for k, v in times.items()}
     med = {k: 1000 * statistics.median(v) for k, v in times.items()}
-    print(f"threads={threads} {label}: old median {med['old']:.1f} ms best {best['old']:.1f}; "
-          f"new median {med['new']:.1f} best {best['new']:.1f}; old/new median "
-          f"{med['old'] / med['new']:.2f} best {best['old'] / best['new']:.2f}")
-    for name in ("old", "new"):
+    print(f"threads={threads} {label}: " + "; ".join(
+        f"{k} median {med[k]:.1f} ms best {best[k]:.1f}" for k in PATHS) + "; old/new median "
+        f"{med['old'] / med['new']:.2f} best {best['old'] / best['new']:.2f}")
+    for name in PATHS:
         paths.use(name)
-        with Profile() as prof:
-            total = step(sim, seqs, tokens)
-        parts = dict(prof.spent)
-        rest = total - sum(parts.values())
-        shares = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(parts.items()))
+        runs = []
+        for _ in range(3):
+            with Profile() as prof:
+                runs.append((step(sim, seqs, tokens), prof))
+        total, prof = min(runs, key=lambda r: r[0])
+        rest = total - sum(prof.spent.values())
+        shares = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(prof.spent.items()))
         moe_glue = prof.moe[0] - prof.moe[1]
-        print(f"    {name} profiled step {1000 * total:.1f} ms: {shares}, outside kernels "
-              f"(Python + glue) {100 * rest / total:.0f}% = {1000 * rest:.2f} ms, of which in "
-              f"the sparse layers {100 * moe_glue / total:.0f}% (sparse layers in all "
+        print(f"    {name:5s} profiled {1000 * total:.1f} ms: {shares}; outside kernels "
+              f"{100 * rest / total:.0f}% = {1000 * rest:.2f} ms, in the sparse layers "
+              f"{100 * moe_glue / total:.0f}% (the sparse layers in all "
               f"{100 * prof.moe[0] / total:.0f}%)")
+
+
+def measure_layer(paths: Paths, rows: int, threads: int, calls: int) -> None:
+    """One sparse layer's forward alone over `rows` random rows, `calls` per path interleaved:
+    the best call of each, and of the fastest of 5 profiled calls the time outside kernels."""
+    layer = paths.layers[0]
+    x = torch.randn(rows, layer.hidden_size, generator=torch.Generator().manual_seed(rows))
+    times: dict[str, list[float]] = {name: [] for name in PATHS}
+    with torch.inference_mode():
+        for i in range(calls + 1):
+            for name in PATHS:
+                paths.use(name)
+                t0 = time.perf_counter()
+                layer(x)
+                if i:  # the first round warms up
+                    times[name].append(time.perf_counter() - t0)
+        glue = {}
+        for name in PATHS:
+            paths.use(name)
+            runs = []
+            for _ in range(5):
+                with Profile() as prof:
+                    layer(x)
+                runs.append((prof.moe[0], prof.moe[0] - prof.moe[1]))
+            glue[name] = min(runs)
+    print(f"threads={threads} one sparse layer, {rows} rows: " + "; ".join(
+        f"{k} best {1e3 * min(v):.2f} ms (outside kernels {1e3 * glue[k][1]:.2f} ms of "
+        f"{1e3 * glue[k][0]:.2f})" for k, v in times.items()))
 
 
 if __name__ == "__main__":

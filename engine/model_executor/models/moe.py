@@ -105,17 +105,19 @@ class SparseMoE(nn.Module):
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        flat_weights = weights.flatten()
-        out = torch.zeros_like(x)
-        start = 0
+        tokens = order // self.top_k
+        # One gather and one weighted scatter for the layer: each expert's rows are a
+        # contiguous slice of `rows`, so the loop is only the experts' matmuls.
+        rows = x[tokens]
+        ys, start = [], 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs = order[start:start + n]
-            start += n
-            tokens = pairs // self.top_k
-            y = self._expert(e, x[tokens])
-            out.index_add_(0, tokens, (y * flat_weights[pairs, None]).to(out.dtype))
+            if n:
+                ys.append(self._expert(e, rows[start:start + n]))
+                start += n
+        out = torch.zeros_like(x)
+        if ys:
+            y = torch.cat(ys) * weights.flatten()[order, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
         return out
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
@@ -171,7 +173,12 @@ class MoEForCausalLM(LlamaForCausalLM):
         self.use_native_stack = False
 
     def native_stack_unsupported(self) -> str | None:
-        return "sparse (mixture-of-experts) MLPs"
+        """The stack has no router and no grouped experts. The per-layer path has the experts
+        on the native GEMM already; what a stack would still remove is the Python between the
+        kernels, measured by bench/probes/moe_step.py (BENCHMARKS.md)."""
+        return ("router or grouped experts for sparse (mixture-of-experts) MLPs; their experts "
+                "run on the native GEMM per layer (what a stack would still remove: "
+                "bench/probes/moe_step.py)")
 
     def expected_weights(self) -> set[str]:
         names: set[str] = set()
