@@ -7,11 +7,13 @@ with `--inter` intermediate, `--layers` layers, all sparse) is saved with transf
 temporary folder and loaded with `load_model` (which packs the experts). The old path is
 `SparseMoE.forward` as it was before (`old_forward`, a copy) over float stacks unpacked from
 the panels, so both paths run the same weights in one process.
-Timed: the model's forward of a decode step of 16 and of 64 sequences (prompts of 64-192
-tokens) and of one 512-token prefill, the two paths alternating, `--rounds` each, per thread
-count. Then one profiled step of each kind and path: every native call timed by kind (GEMM,
-attention, other kernels: norms, RoPE, KV store) and the old path's `F.linear`; the rest of the
-step is Python and torch's glue (routing, gathers, `index_add_`, dispatch).
+Timed, per thread count: one sparse layer alone at 16, 64 and 512 rows, the paths alternating,
+and the same with the GEMMs stubbed (`Stubbed`: the layer's glue alone, routing real); then the
+model's forward of a decode step of 16 and of 64 sequences (prompts of 64-192 tokens) and of one
+512-token prefill, the paths alternating, `--rounds` each, and the fastest of 3 profiled steps
+of each kind and path: every native call timed by kind (GEMM, attention, other kernels: norms,
+RoPE, KV store) and `F.linear`; the rest of the step, less the profiler's own cost per call
+(`calibrate`), is Python and torch's glue (routing, gathers, `index_add_`, dispatch).
 
     python bench/probes/moe_step.py [--threads 1,2] [--rounds 11] [--layers 6] [--experts 16]
         [--inter 768]
@@ -44,6 +46,7 @@ from tests.helpers.tiny_models import PagedSim  # noqa: E402
 # old: the loop as it was (old_forward) on F.linear; torch: today's loop on F.linear; new:
 # today's loop on the native GEMM.
 PATHS = ("old", "torch", "new")
+OVERHEAD = 0.0  # seconds the profiler adds to a native call (`calibrate`)
 KINDS = (("decode 16", 16, 1), ("decode 64", 64, 1), ("prefill 512", 1, 512))
 
 
@@ -114,6 +117,7 @@ class Profile:
         self.lib = loader._lib
         self.spent: dict[str, float] = defaultdict(float)
         self.moe = [0.0, 0.0]  # the sparse layers' time: all of it, inside kernels
+        self.calls = [0, 0]  # timed calls: all, in the sparse layers
         self.in_moe = False
 
     def __getattr__(self, name: str) -> object:
@@ -152,13 +156,31 @@ class Profile:
 
     def _add(self, kind: str, seconds: float) -> None:
         self.spent[kind] += seconds
+        self.calls[0] += 1
         if self.in_moe:
             self.moe[1] += seconds
+            self.calls[1] += 1
 
     def __exit__(self, *exc: object) -> None:
         loader._lib = self.lib
         torch.nn.functional.linear = self.linear
         SparseMoE.forward = self.moe_forward
+
+
+def calibrate() -> float:
+    """Seconds the profiler adds to one native call: its wrapper around a trivial call
+    (`kp_gemm_panel`) against the call alone, best of 5 x 2000; subtracted from the glue."""
+    lib, prof = loader._lib, Profile()
+
+    def per_call(owner: object) -> float:
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(2000):
+                owner.kp_gemm_panel()
+            best = min(best, (time.perf_counter() - t0) / 2000)
+        return best
+    return max(0.0, per_call(prof) - per_call(lib))
 
 
 def main() -> None:
@@ -189,6 +211,9 @@ def main() -> None:
               for sid, n in enumerate(lens)])
     print(f"{args.layers} layers, {args.experts} experts top-2, inter {args.inter}, hidden "
           f"1024; loadavg {os.getloadavg()[0]:.2f}")
+    global OVERHEAD
+    OVERHEAD = calibrate()
+    print(f"the profiler adds {1e6 * OVERHEAD:.2f} us to a native call (subtracted)")
     for threads in map(int, args.threads.split(",")):
         torch.set_num_threads(threads)
         for rows in (16, 64, 512):
@@ -236,18 +261,43 @@ def measure(sim: PagedSim, paths: Paths, label: str, seqs: int, tokens: int, thr
             with Profile() as prof:
                 runs.append((step(sim, seqs, tokens), prof))
         total, prof = min(runs, key=lambda r: r[0])
-        rest = total - sum(prof.spent.values())
+        rest = total - sum(prof.spent.values()) - prof.calls[0] * OVERHEAD
         shares = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(prof.spent.items()))
-        moe_glue = prof.moe[0] - prof.moe[1]
+        moe_glue = prof.moe[0] - prof.moe[1] - prof.calls[1] * OVERHEAD
         print(f"    {name:5s} profiled {1000 * total:.1f} ms: {shares}; outside kernels "
               f"{100 * rest / total:.0f}% = {1000 * rest:.2f} ms, in the sparse layers "
               f"{100 * moe_glue / total:.0f}% (the sparse layers in all "
               f"{100 * prof.moe[0] / total:.0f}%)")
 
 
+class Stubbed:
+    """The expert GEMMs as no-ops (the native ones return at once, `F.linear` only allocates)
+    and the router's logits computed once: a sparse layer's Python and torch glue alone."""
+
+    def __init__(self, layer: SparseMoE, x: torch.Tensor) -> None:
+        self.layer, self.logits, self.lib = layer, layer.gate(x), loader._lib
+
+    def __getattr__(self, name: str) -> object:
+        if "gemm" in name and name != "kp_gemm_panel":
+            return lambda *args: 0
+        return getattr(self.lib, name)
+
+    def __enter__(self) -> Stubbed:
+        self.linear = torch.nn.functional.linear
+        torch.nn.functional.linear = lambda a, w, b=None: a.new_empty(a.shape[0], w.shape[0])
+        self.layer.gate.forward = lambda x: self.logits
+        loader._lib = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        loader._lib = self.lib
+        torch.nn.functional.linear = self.linear
+        del self.layer.gate.forward
+
+
 def measure_layer(paths: Paths, rows: int, threads: int, calls: int) -> None:
     """One sparse layer's forward alone over `rows` random rows, `calls` per path interleaved:
-    the best call of each, and of the fastest of 5 profiled calls the time outside kernels."""
+    the best call of each, and the best with the kernels stubbed (`Stubbed`): its glue."""
     layer = paths.layers[0]
     x = torch.randn(rows, layer.hidden_size, generator=torch.Generator().manual_seed(rows))
     times: dict[str, list[float]] = {name: [] for name in PATHS}
@@ -259,18 +309,17 @@ def measure_layer(paths: Paths, rows: int, threads: int, calls: int) -> None:
                 layer(x)
                 if i:  # the first round warms up
                     times[name].append(time.perf_counter() - t0)
-        glue = {}
-        for name in PATHS:
-            paths.use(name)
-            runs = []
-            for _ in range(5):
-                with Profile() as prof:
+        glue: dict[str, list[float]] = {name: [] for name in PATHS}
+        with Stubbed(layer, x):
+            for _ in range(calls):
+                for name in PATHS:
+                    paths.use(name)
+                    t0 = time.perf_counter()
                     layer(x)
-                runs.append((prof.moe[0], prof.moe[0] - prof.moe[1]))
-            glue[name] = min(runs)
-    print(f"threads={threads} one sparse layer, {rows} rows: " + "; ".join(
-        f"{k} best {1e3 * min(v):.2f} ms (outside kernels {1e3 * glue[k][1]:.2f} ms of "
-        f"{1e3 * glue[k][0]:.2f})" for k, v in times.items()))
+                    glue[name].append(time.perf_counter() - t0)
+    print(f"threads={threads} one sparse layer, {rows} rows, best: " + "; ".join(
+        f"{k} {1e3 * min(v):.2f} ms (glue alone {1e3 * min(glue[k]):.2f}, "
+        f"{100 * min(glue[k]) / min(v):.0f}%)" for k, v in times.items()))
 
 
 if __name__ == "__main__":
