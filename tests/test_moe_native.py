@@ -102,3 +102,12 @@ def test_loading_in_fp32_puts_the_experts_on_the_native_gemm(
         ids = torch.tensor([prompt + tokens])
         ref_logits = ref(ids).logits[0].float()
     torch.testing.assert_close(torch.cat(logits), ref_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_packing_leaves_a_layer_triton_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the Triton fused MoE taking the layer (the triton backend forced in the interpreter,
+    as the GPU-path tests run on CPU), `pack` declines and the float stacks it reads stay."""
+    layer = _layer(hidden=32, inter=16, experts=4, seed=2)
+    monkeypatch.setattr(moe, "_fused_moe_kernel", lambda device: lambda *args: None)
+    assert not layer.pack()
+    assert layer._gate_up_panels is None and not layer.experts_gate_up.is_meta

@@ -77,7 +77,8 @@ class SparseMoE(nn.Module):
             return True
         gate_up, down = self.experts_gate_up, self.experts_down
         if (gate_up.device.type != "cpu" or gate_up.dtype != torch.float32
-                or not settings.onednn_enabled() or not cpu_native.gemm_available()):
+                or not settings.onednn_enabled() or not cpu_native.gemm_available()
+                or _fused_moe_kernel(gate_up.device) is not None):  # Triton forced: keep floats
             return False
         self._gate_up_panels = _stacked(cpu_native.pack_gate_up_weight, gate_up)
         self._down_panels = _stacked(cpu_native.pack_gemm_weight, down)
