@@ -45,6 +45,8 @@ from kernels.cpu_native.gemm import (
     pack_gate_up_weight,
     pack_gemm_weight,
     prefill_tiles,
+    unpack_gate_up_weight,
+    unpack_gemm_weight,
 )
 from kernels.cpu_native.gemm_bf16 import gemm_bf16, native_bf16_linear, pack_gemm_weight_bf16
 from kernels.cpu_native.kvq import kvq_usable, paged_rows_q8, store_kv_q8
@@ -109,5 +111,7 @@ __all__ = [
     "silu_mul",
     "store_kv",
     "store_kv_q8",
+    "unpack_gate_up_weight",
+    "unpack_gemm_weight",
     "usable",
 ]

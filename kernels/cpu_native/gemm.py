@@ -102,6 +102,19 @@ def pack_gate_up_weight(weight: torch.Tensor) -> torch.Tensor:
     return pack_gemm_weight(_gate_up_pairs(weight[:inter], weight[inter:]))
 
 
+def unpack_gemm_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`pack_gemm_weight`'s inverse: the `[out_features, K]` weight, a new tensor."""
+    panels, k, panel = packed.shape
+    return packed.transpose(1, 2).reshape(panels * panel, k)[:out_features].clone()
+
+
+def unpack_gate_up_weight(packed: torch.Tensor, inter: int) -> torch.Tensor:
+    """`pack_gate_up_weight`'s inverse: the fused `[2 * inter, K]` weight (gate rows, then up)."""
+    twice, k, panel = packed.shape
+    halves = packed.view(twice // 2, 2, k, panel).transpose(2, 3)  # [pairs, gate/up, P, K]
+    return torch.cat([halves[:, h].reshape(-1, k)[:inter] for h in (0, 1)])
+
+
 def pack_gate_up_bias(bias: torch.Tensor) -> torch.Tensor:
     """The fused gate/up bias in the order of `pack_gate_up_weight`'s outputs."""
     if bias.dim() != 1 or bias.shape[0] % 2:

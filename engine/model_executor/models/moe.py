@@ -9,7 +9,8 @@ weights are stacked per layer (`[experts, 2 * inter, hidden]` and `[experts, hid
 and loaded from the checkpoint's per-expert tensors. On CUDA the experts run as one Triton
 fused-MoE call (`kernels/moe_triton.py`: grouped GEMMs over blocks of one expert's tokens,
 routed on the device; also in Triton's interpreter with the triton backend forced); elsewhere
-the torch loop over experts below serves (its per-expert counts are read on the host).
+the loop over experts below serves (its per-expert counts are read on the host): on CPU in
+float32 each expert on the native packed GEMM (`SparseMoE.pack`), otherwise `F.linear`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 
 from engine.model_executor.layers import Linear
 from engine.model_executor.models.llama import LlamaForCausalLM
-from kernels import fused_ops
+from kernels import cpu_native, fused_ops, settings
 
 # Checkpoint expert names -> (our stacked parameter, shard): Mixtral's w1/w3/w2, Qwen3-MoE's
 # gate/up/down projections.
@@ -43,21 +44,56 @@ def _fused_moe_kernel(device: torch.device) -> Callable[..., torch.Tensor] | Non
 
 
 class SparseMoE(nn.Module):
-    """Router plus stacked SwiGLU experts, computed grouped by expert."""
+    """Router plus stacked SwiGLU experts, computed grouped by expert.
 
-    _fused = None  # no native gate/up packing (LlamaForCausalLM.pack_weights asks)
+    On CPU in float32 with the native library, `pack()` lays each expert out for the native
+    GEMM: gate/up as panel pairs for `gemm_silu` (the SiLU-and-multiply inside the product) and
+    down as panels for `gemm`, stacked per layer (`[E, ...]`, one expert a contiguous slice).
+    The float stacked weights are then dropped: they become meta tensors of the same shapes,
+    so the parameter count (ModelFacts, the planner) stays and their memory goes. The experts
+    are nearly all of an MoE model's weights, so keeping both copies would double the model
+    (BENCHMARKS.md, "Mixture-of-experts on the native GEMM", has the arithmetic for Mixtral and
+    Qwen3-MoE); nothing reads them once packed (the rows are always fp32 rows the GEMM takes,
+    and `expert_weights` unpacks one expert from its panels should a call be refused).
+    """
+
+    _fused = None  # no fused SwiGLU packing (LlamaForCausalLM.pack_weights, the LoRA manager)
+    _gate_up_panels: torch.Tensor | None = None  # [E, 2 * pairs, hidden, P]
+    _down_panels: torch.Tensor | None = None  # [E, ceil(hidden / P), inter, P]
 
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int,
                  renormalize: bool) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.intermediate_size = inter
+        self.hidden_size, self.intermediate_size = hidden, inter
         self.gate = Linear(hidden, num_experts, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
     def pack(self) -> bool:
-        return False
+        """Pack the experts for the native GEMM (CPU, float32, library loaded) and drop the
+        float stacked weights; True if packed (now or before)."""
+        if self._gate_up_panels is not None:
+            return True
+        gate_up, down = self.experts_gate_up, self.experts_down
+        if (gate_up.device.type != "cpu" or gate_up.dtype != torch.float32
+                or not settings.onednn_enabled() or not cpu_native.gemm_available()
+                or _fused_moe_kernel(gate_up.device) is not None):  # Triton forced: keep floats
+            return False
+        self._gate_up_panels = _stacked(cpu_native.pack_gate_up_weight, gate_up)
+        self._down_panels = _stacked(cpu_native.pack_gemm_weight, down)
+        for name in ("experts_gate_up", "experts_down"):
+            meta = torch.empty(getattr(self, name).shape, dtype=torch.float32, device="meta")
+            setattr(self, name, nn.Parameter(meta, requires_grad=False))
+        return True
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `e`'s float `[2 * inter, hidden]` gate/up and `[hidden, inter]` down weights
+        (unpacked from its panels once packed: a copy)."""
+        if self._gate_up_panels is None:
+            return self.experts_gate_up[e], self.experts_down[e]
+        return (cpu_native.unpack_gate_up_weight(self._gate_up_panels[e], self.intermediate_size),
+                cpu_native.unpack_gemm_weight(self._down_panels[e], self.hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -70,19 +106,42 @@ class SparseMoE(nn.Module):
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        flat_weights = weights.flatten()
-        out = torch.zeros_like(x)
-        start = 0
+        tokens = order // self.top_k
+        # One gather and one weighted scatter for the layer: each expert's rows are a
+        # contiguous slice of `rows`, so the loop is only the experts' matmuls.
+        rows = x[tokens]
+        ys, start = [], 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs = order[start:start + n]
-            start += n
-            tokens = pairs // self.top_k
-            gate, up = F.linear(x[tokens], self.experts_gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts_down[e])
-            out.index_add_(0, tokens, (y * flat_weights[pairs, None]).to(out.dtype))
+            if n:
+                ys.append(self._expert(e, rows[start:start + n]))
+                start += n
+        out = torch.zeros_like(x)
+        if ys:
+            y = torch.cat(ys) * weights.flatten()[order, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
         return out
+
+    def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert `e`'s SwiGLU MLP over its gathered rows: the native GEMMs once packed."""
+        if self._gate_up_panels is not None:
+            act = cpu_native.gemm_silu(rows, self._gate_up_panels[e], self.intermediate_size)
+            if act is not None:
+                y = cpu_native.gemm(act, self._down_panels[e], self.hidden_size)
+                if y is not None:
+                    return y
+        gate_up, down = self.expert_weights(e)
+        gate, up = F.linear(rows, gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, down)
+
+
+def _stacked(pack: Callable[[torch.Tensor], torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """`pack` of each expert's weight, stacked `[E, ...]` (one layer's panels at a time)."""
+    first = pack(weights[0].detach())
+    out = torch.empty((weights.shape[0], *first.shape), dtype=first.dtype)
+    out[0] = first
+    for e in range(1, weights.shape[0]):
+        out[e] = pack(weights[e].detach())
+    return out
 
 
 def _sparse_layers(config: Any) -> list[bool]:
@@ -115,7 +174,12 @@ class MoEForCausalLM(LlamaForCausalLM):
         self.use_native_stack = False
 
     def native_stack_unsupported(self) -> str | None:
-        return "sparse (mixture-of-experts) MLPs"
+        """The stack has no router and no grouped experts. The per-layer path has the experts
+        on the native GEMM already; what a stack would still remove is the Python between the
+        kernels, measured by bench/probes/moe_step.py (BENCHMARKS.md)."""
+        return ("router or grouped experts for sparse (mixture-of-experts) MLPs; their experts "
+                "run on the native GEMM per layer (what a stack would still remove: "
+                "bench/probes/moe_step.py)")
 
     def expected_weights(self) -> set[str]:
         names: set[str] = set()
