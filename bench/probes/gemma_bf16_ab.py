@@ -99,7 +99,7 @@ def main() -> None:
             print(f"native {'on ' if on else 'off'}: wall {wall:.3f} s, prefill steps "
                   f"{runs[on][-1][1]:.3f} s, decode steps {runs[on][-1][2]:.3f} s", flush=True)
     _toggle(True, real)
-    _report(runs, args.num_prompts * args.max_tokens)
+    _report(runs, sum(len(t) for t in tokens[True]))
     print("greedy tokens equal:", tokens[True] == tokens[False])
 
 
