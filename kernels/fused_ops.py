@@ -3,8 +3,8 @@
 The engine's layers call these and fall back to their eager PyTorch code on None / False, so a
 layer holds one line per op and the choice of kernel lives here:
 - CUDA: the Triton kernels (`norm_triton`, `rope_triton`, `act_triton`);
-- CPU: the native library where it has the op (fp32; `cpu_native`), or the Triton kernels in
-  Triton's interpreter when the `triton` attention backend is forced (the step's backend, else
+- CPU: the native library where it has the op (fp32, bf16; `cpu_native`), or the Triton kernels
+  in Triton's interpreter when the `triton` attention backend is forced (the step's backend, else
   `KSERVE_PAGED_ATTENTION_BACKEND`) under `TRITON_INTERPRET=1` (tests and the acceptance dry
   run) and the kernels were defined interpreted;
 - otherwise nothing: None / False.
@@ -93,6 +93,6 @@ def act_mul(gate_up: torch.Tensor, *, gelu: bool = False) -> torch.Tensor | None
     mod = triton_module("act_triton", gate_up.device)
     if mod is not None:
         return mod.act_mul_triton(gate_up, gelu=gelu) if mod.usable(gate_up) else None
-    if gate_up.device.type == "cpu" and not gelu:
-        return cpu_native.silu_mul(gate_up)
+    if gate_up.device.type == "cpu":
+        return cpu_native.gelu_mul(gate_up) if gelu else cpu_native.silu_mul(gate_up)
     return None

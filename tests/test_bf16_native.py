@@ -15,7 +15,7 @@ import torch
 from engine.model_executor.layers import Linear
 from engine.model_executor.model_loader import load_model
 from kernels import cpu_native
-from kernels.cpu_native import ops
+from kernels.cpu_native import ops, ops_gemma
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
 
 # Past Gemma's window of 8; 37 tokens: a prefill run for the bf16 tiles (head_dim 64 configs).
@@ -68,6 +68,7 @@ def test_native_bf16_is_as_close_to_fp32_as_eager_bf16(name: str, tmp_path: Path
     assert calls["paged_rows"] > 0  # decode attention ran natively (per layer or in the stack)
     assert calls["add_rms_norm"] > 0 or name.startswith("gemma") or stack is not None
     monkeypatch.setattr(ops, "load", lambda: None)  # the fused ops' eager code
+    monkeypatch.setattr(ops_gemma, "load", lambda: None)  # Gemma's too
     monkeypatch.setattr(cpu_native, "usable", lambda *a: False)  # gather + SDPA
     model.use_native_stack = False
     eager, eager_tokens = _run(model, torch.bfloat16, tokens)

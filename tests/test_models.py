@@ -100,8 +100,8 @@ def test_gemma_float32_norms_take_the_native_kernels(name: str, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """In float32 on CPU every Gemma norm runs on the native RMSNorm with `1 + weight` kept at
     packing: transformers' values to float rounding, the residual updated in place; Gemma 3's
-    q/k norm runs in place on the fused qkv rows (so its RoPE is native too). In bfloat16
-    nothing is kept (the native bf16 norm rounds where Gemma does not)."""
+    q/k norm runs in place on the fused qkv rows (so its RoPE is native too). In bfloat16 the
+    same fp32 `1 + weight` is kept (for Gemma's bf16 kernels: the next test)."""
     from engine.model_executor.models.gemma import GemmaRMSNorm
     from kernels import cpu_native
 
@@ -112,8 +112,8 @@ def test_gemma_float32_norms_take_the_native_kernels(name: str, tmp_path: Path,
     assert len(norms) >= 4 * config.num_hidden_layers + 1
     assert all(n.offset_weight is not None for n in norms)
     calls: list[int] = []
-    real = cpu_native.add_rms_norm
-    monkeypatch.setattr(cpu_native, "add_rms_norm",
+    real = cpu_native.gemma_add_rms_norm  # in fp32, the native RMSNorm (the same order)
+    monkeypatch.setattr(cpu_native, "gemma_add_rms_norm",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     g = torch.Generator().manual_seed(3)
     norm = model.model.layers[0].pre_feedforward_layernorm
@@ -139,7 +139,47 @@ def test_gemma_float32_norms_take_the_native_kernels(name: str, tmp_path: Path,
                                    rtol=1e-5, atol=1e-6)
 
     bf16, _ = load_model(path, torch.bfloat16, torch.device("cpu"))
-    assert all(m.offset_weight is None for m in bf16.modules() if isinstance(m, GemmaRMSNorm))
+    assert all(m.offset_weight.dtype == torch.float32
+               for m in bf16.modules() if isinstance(m, GemmaRMSNorm))
+
+
+@pytest.mark.parametrize("name", ["gemma2_window_softcap", "gemma3_window_local_rope"])
+def test_gemma_bfloat16_takes_the_native_kernels(name: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """In bfloat16 on CPU (per-layer modules: the bf16 stack declines Gemma) every Gemma norm,
+    Gemma 3's q/k norm with the RoPE after it, and the GELU-and-multiply run on the native
+    kernels, each rounded as transformers' Gemma rounds: the logits are the torch ops' (those
+    kernels declined) and as close to transformers' bf16 as those are."""
+    from kernels import cpu_native
+
+    path, ref = save_checkpoint(CONFIGS[name], tmp_path)
+    model, config = load_model(path, torch.bfloat16, torch.device("cpu"))
+    assert model.native_stack is None
+    qk = config.model_type == "gemma3_text"
+    names = ["gemma_add_rms_norm", "gelu_mul"] + (["gemma_qk_norm_inplace", "rope_inplace"]
+                                                  if qk else [])
+    real = {n: getattr(cpu_native, n) for n in names}
+    calls = dict.fromkeys(names, 0)
+
+    def run(native: bool) -> torch.Tensor:
+        for n in names:
+            monkeypatch.setattr(cpu_native, n, (lambda *a, n=n, **k: calls.__setitem__(
+                n, calls[n] + 1) or real[n](*a, **k)) if native else (lambda *a, **k: None))
+        sim = PagedSim(model)
+        sim.kv = [kv.to(torch.bfloat16) for kv in sim.kv]
+        return torch.cat([sim.step([(0, list(range(1, 22)))]), sim.step([(0, [5])])])
+
+    ours = run(True)
+    layers = config.num_hidden_layers
+    assert calls == {"gemma_add_rms_norm": 2 * (4 * layers + 1), "gelu_mul": 2 * layers,
+                     **({"gemma_qk_norm_inplace": 2 * layers, "rope_inplace": 2 * layers}
+                        if qk else {})}
+    eager = run(False)
+    torch.testing.assert_close(ours, eager, rtol=0.02, atol=0.02)  # equal here, bit for bit
+    with torch.inference_mode():
+        expected = ref.to(torch.bfloat16)(torch.tensor([list(range(1, 22)) + [5]])).logits[0]
+    agree = (ours.argmax(-1) == expected.argmax(-1)).float().mean()
+    assert agree >= (eager.argmax(-1) == expected.argmax(-1)).float().mean() - 0.05
 
 
 # --- greedy decoding through the engine, past the sliding window -----------------------------

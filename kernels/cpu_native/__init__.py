@@ -12,6 +12,7 @@ The modules, one job each:
   loads it, refusing a library of another ABI version;
 - `abi`: the ctypes view of `csrc/kp_native.h` (version, signatures, struct mirrors);
 - `ops`: paged attention and the fused elementwise ops;
+- `ops_gemma`: Gemma's (its norms times fp32 `1 + w`, the bf16 tanh-GELU-and-multiply);
 - `gemm`: weight packing (in the loaded level's panel width) and the matrix products;
 - `gemm_bf16`: the bf16 product over weights packed in bf16 pairs;
 - `decoder_stack`: `DecoderStack`;
@@ -64,6 +65,7 @@ from kernels.cpu_native.ops import (
     store_kv,
     usable,
 )
+from kernels.cpu_native.ops_gemma import gelu_mul, gemma_add_rms_norm, gemma_qk_norm_inplace
 from kernels.cpu_native.quant_gemm import (
     native_bf16_quant,
     pack_e4m3,
@@ -88,6 +90,9 @@ __all__ = [
     "gemm_available",
     "gemm_panel",
     "gemm_gelu",
+    "gelu_mul",
+    "gemma_add_rms_norm",
+    "gemma_qk_norm_inplace",
     "gemm_silu",
     "kvq_usable",
     "load",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 13  # KP_ABI_VERSION in csrc/kp_native.h
+ABI_VERSION = 14  # KP_ABI_VERSION in csrc/kp_native.h
 QUANT_E4M3 = 9  # KP_QUANT_E4M3 in csrc/kp_native.h: `bits` of an fp8 e4m3 weight
 LORA_MAX_RANK = 256  # KP_LORA_MAX_RANK in csrc/kp_native.h
 # The quantized KV formats by their code dtype's name: KP_KV_INT8, KP_KV_E4M3, KP_KV_E5M2.
@@ -72,6 +72,9 @@ FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "kp_silu_mul_bf16": (None, (_ptr, _ptr, _i64, _i64)),
     "kp_store_kv_bf16": (_int, (_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64)),
     "kp_rope_bf16": (_int, (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64)),
+    "kp_add_rms_norm_gemma_bf16": (None, (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32)),
+    "kp_qk_norm_gemma_bf16": (None, (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _f32)),
+    "kp_gelu_mul_bf16": (None, (_ptr, _ptr, _i64, _i64)),
     "kp_lora_sgmv_f32": (_int, (_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                 _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64)),
     "kp_gemm_panel": (_int, ()),

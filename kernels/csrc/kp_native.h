@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define KP_ABI_VERSION 13
+#define KP_ABI_VERSION 14
 
 /* Output columns per packed GEMM weight panel: three vectors where the register file holds 32
  * (AVX-512: an 8 x 48 tile), two where it holds 16 (AVX2: 6 x 16). A packed weight fits only
@@ -165,6 +165,23 @@ KP_API int kp_store_kv_bf16(const uint16_t *k, int64_t k_stride, const uint16_t 
 KP_API int kp_rope_bf16(uint16_t *x, int64_t row_stride, const int64_t *positions,
                         const uint16_t *cos_table, const uint16_t *sin_table,
                         int64_t max_positions, int64_t rows, int64_t heads, int64_t head_dim);
+
+/* ---- Gemma's elementwise ops over bf16 (gemma_bf16.c): rounded where transformers' Gemma
+ * rounds, which is not the Llama order above ---- */
+
+/* kp_add_rms_norm_bf16 with an fp32 weight w = 1 + Gemma's weight: the row (the bf16 sum with
+ * a residual, stored there) normalised and multiplied by w in fp32, rounded once. */
+KP_API void kp_add_rms_norm_gemma_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual,
+                                       const float *w, uint16_t *out, int64_t rows,
+                                       int64_t hidden, float eps);
+
+/* kp_qk_norm_f32 over bf16 rows with fp32 weights (1 + Gemma's), each head rounded as above. */
+KP_API void kp_qk_norm_gemma_bf16(uint16_t *x, int64_t row_stride, int64_t rows, int64_t q_heads,
+                                  int64_t k_heads, int64_t head_dim, const float *q_w,
+                                  const float *k_w, float eps);
+
+/* out[t, i] = bf16(bf16(gelu_tanh(gu[t, i])) * gu[t, inter + i]) (GeGLU, torch's tanh form). */
+KP_API void kp_gelu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t inter);
 
 /* ---- LoRA (lora_sgmv.c) ---- */
 

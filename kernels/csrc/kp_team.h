@@ -25,6 +25,16 @@ void kp_team_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *re
 /* kp_silu_mul_bf16's rows. */
 void kp_team_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t inter);
 
+/* gemma_bf16.c's kernels' rows (kp_add_rms_norm_gemma_bf16, kp_qk_norm_gemma_bf16,
+ * kp_gelu_mul_bf16). */
+void kp_team_add_rms_norm_gemma_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual,
+                                     const float *w, uint16_t *out, int64_t rows,
+                                     int64_t hidden, float eps);
+void kp_team_qk_norm_gemma_bf16(uint16_t *x, int64_t row_stride, int64_t rows, int64_t q_heads,
+                                int64_t k_heads, int64_t head_dim, const float *q_w,
+                                const float *k_w, float eps);
+void kp_team_gelu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t inter);
+
 /* kp_rope_bf16's rows (positions already in range); with a cache, each row's k and v (k_off
  * and v_off elements into the row, row_elems each) then go to its slot as kp_store_kv_bf16
  * stores them (slots already below num_slots; negative ones skipped). */

@@ -34,7 +34,10 @@ def test_cpu_fp32_goes_native_and_the_rest_to_the_caller() -> None:
         gate_up = torch.randn(2, 16)
         torch.testing.assert_close(fused_ops.act_mul(gate_up), act_mul_ref(gate_up),
                                    atol=1e-6, rtol=1e-5)
-    # No native Gemma norm, GELU or fused RoPE + store on CPU: the caller's eager path.
+        bf16 = torch.randn(2, 16).to(torch.bfloat16)  # GeGLU in bf16: native (gemma_bf16.c)
+        assert torch.equal(fused_ops.act_mul(bf16, gelu=True), act_mul_ref(bf16, gelu=True))
+    # No native Gemma norm from the raw weight (GemmaRMSNorm calls cpu_native with its 1 + w),
+    # fp32 GELU (inside the GEMM) or fused RoPE + store on CPU: the caller's eager path.
     assert fused_ops.add_rms_norm(x, None, w, 1e-6, gemma=True) is None
     assert fused_ops.act_mul(torch.randn(2, 16), gelu=True) is None
     qkv, cos = torch.randn(2, 64), torch.randn(10, 8)

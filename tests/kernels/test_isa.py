@@ -138,7 +138,8 @@ def test_the_loaded_library_is_this_machines_level() -> None:
 _NATIVE_TESTS = ("tests/kernels/test_cpu_ops.py", "tests/kernels/test_gemm.py",
                  "tests/kernels/test_cpu_backend.py", "tests/kernels/test_lora_native.py",
                  "tests/kernels/test_decoder_stack.py", "tests/kernels/test_paged_bf16.py",
-                 "tests/kernels/test_cpu_ops_bf16.py", "tests/kernels/test_quant_gemm.py",
+                 "tests/kernels/test_cpu_ops_bf16.py", "tests/kernels/test_gemma_bf16.py",
+                 "tests/kernels/test_quant_gemm.py",
                  "tests/kernels/test_gemm_bf16.py", "tests/kernels/test_kv_quant_native.py")
 # What differs by level is the native code (the GEMM, the attention paths, the fused ops, the
 # stack): the CPU backend's torch-only cases (other dtypes, native off) do not change with it,
@@ -159,6 +160,8 @@ _AVX2_MUST_PASS = (
     "test_quant_gemm.py::test_int4_with_bf16_rows_within_the_bf16_bound[97-192-64-17]",
     "test_quant_gemm.py::test_int8_with_bf16_rows_within_the_bf16_bound[40-72-72-8]",
     "test_gemm_bf16.py::test_gemm_bf16_is_the_fp32_product_rounded_once[97-160-13]",
+    "test_gemma_bf16.py::test_gelu_mul_bf16_takes_every_bf16_gate",
+    "test_gemma_bf16.py::test_gemma_norm_bf16_is_eager_bf16[residual-7-100]",
     "test_kv_quant_native.py::test_one_key_reads_back_its_value_exactly_for_every_code[fp8_e4m3-40]",
     "test_kv_quant_native.py::test_native_attention_equals_dequantize_then_attend[mixed_bs16_d64-int8]",
     "test_kv_quant_native.py::test_decoder_stack_over_codes_equals_per_layer_modules_bit_for_bit"

@@ -33,17 +33,18 @@ from kernels import cpu_native, fused_ops
 class GemmaRMSNorm(RMSNorm):
     """RMSNorm times (1 + weight), in float32 and cast back after the multiply (transformers'
     Gemma order). The checkpoint stores the offset weight, which is what `weight` holds; once
-    `pack()`ed in float32 on CPU, `1 + weight` is kept for the native RMSNorm, which then
-    computes exactly this order (`w * (x * inv)`)."""
+    `pack()`ed on CPU (float32 or bfloat16), `1 + weight` is kept in float32 for the native
+    kernels, which compute exactly this order (`w * (x * inv)`, rounded once:
+    `cpu_native.gemma_add_rms_norm`)."""
 
     offset_weight: torch.Tensor | None = None
 
     def pack(self) -> bool:
-        """Keep `1 + weight` for the native kernel (float32 on CPU; call after the weights are
-        final, as `Linear.pack`); True if kept."""
+        """Keep `1 + weight` in float32 for the native kernels (float32 or bfloat16 on CPU; call
+        after the weights are final, as `Linear.pack`); True if kept."""
         w = self.weight
-        native = w.device.type == "cpu" and w.dtype == torch.float32
-        self.offset_weight = (1.0 + w.detach()).contiguous() if native else None
+        native = w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
+        self.offset_weight = (1.0 + w.detach().float()).contiguous() if native else None
         return native
 
     def native_weight(self) -> torch.Tensor | None:
@@ -58,11 +59,11 @@ class GemmaRMSNorm(RMSNorm):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)` (fused natively
-        on CPU float32 and on CUDA, the residual updated in place)."""
+        on CPU float32 and bfloat16 and on CUDA, the residual updated in place)."""
         if x.dim() == 2 and not torch.is_grad_enabled():
             offset = self.offset_weight
-            fused = (cpu_native.add_rms_norm(x, residual, offset, self.eps)
-                     if offset is not None and x.dtype == offset.dtype else None)
+            fused = (None if offset is None
+                     else cpu_native.gemma_add_rms_norm(x, residual, offset, self.eps))
             if fused is None:
                 fused = fused_ops.add_rms_norm(x, residual, self.weight, self.eps, gemma=True)
             if fused is not None:
@@ -73,9 +74,24 @@ class GemmaRMSNorm(RMSNorm):
         return self._norm(x), x
 
 
+class GemmaAttention(LlamaAttention):
+    """The Llama family's attention whose Gemma 3 q/k norm runs natively in place on the fused
+    qkv rows in bfloat16 too (Gemma's rounding: `cpu_native.gemma_qk_norm_inplace`), so RoPE
+    then runs natively there as well."""
+
+    def _norm_heads_(self, qkv: torch.Tensor) -> bool:
+        qn, kn = self.q_norm, self.k_norm
+        if qn is None or kn is None or torch.is_grad_enabled() or qn.eps != kn.eps:
+            return False
+        qw, kw = qn.native_weight(), kn.native_weight()
+        return (qw is not None and kw is not None and cpu_native.gemma_qk_norm_inplace(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, qw, kw, qn.eps) is not None)
+
+
 class GeGLUMLP(SwiGLUMLP):
     """`down(gelu_tanh(gate(x)) * up(x))`, gate and up fused into one matmul; once `pack()`ed
-    on the native GEMM, the GELU-and-multiply inside that GEMM (`cpu_native.gemm_gelu`)."""
+    on the native GEMM, the GELU-and-multiply inside that GEMM (`cpu_native.gemm_gelu`); in
+    bfloat16 on CPU one native pass after it (`fused_ops.act_mul`: `cpu_native.gelu_mul`)."""
 
     gelu = True
 
@@ -90,7 +106,7 @@ class GemmaDecoderLayer(nn.Module):
                  attn_softcap: float | None, qk_norm: bool) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = LlamaAttention(
+        self.self_attn = GemmaAttention(
             config, head_dim, rotary, bool(getattr(config, "attention_bias", False)),
             bool(getattr(config, "attention_bias", False)), qk_norm, window=window,
             softcap=attn_softcap, scale=float(config.query_pre_attn_scalar) ** -0.5,
