@@ -8,7 +8,7 @@ from the sequence metadata (read once on the host):
   paged cache. Prefill rows go there too: its transposed-key tiles (every level's build, fp32
   and bf16) make it faster than SDPA (a prefill token at position p is a row that sees p + 1
   keys, which is the causal mask). The bf16 tiles take head dims 64 and 128 and layers
-  without window or cap; other bf16 prefill rows take SDPA. Without them (`cpu_native.
+  without window or cap; the row kernel the other bf16 prefill rows. Without them (`cpu_native.
   prefill_tiles()` False) the kernel would walk one query row at a time, several times slower
   than SDPA for prefill, so prefill sequences would take the torch path (BENCHMARKS.md,
   "Attention on AVX2" and "One source for every level"). Otherwise (no C compiler, other
@@ -211,12 +211,12 @@ def _plan_for(meta: AttentionMetadata, block_size: int, budget: int | None,
 
 
 def _prefill_native(query: torch.Tensor, shaped: bool) -> bool:
-    """Whether prefill rows go to the native kernel too: where its transposed-key tiles take
-    them (fp32: every layer; bf16: head dims 64 and 128 without window or cap, the others'
-    prefill rows would run the row kernel, slower than SDPA)."""
-    if query.dtype == torch.bfloat16 and (shaped or not cpu_native.bf16_prefill_tiles(
-            query.shape[2])):
-        return False
+    """Whether prefill rows go to the native kernel too: wherever it is loaded, fp32 and bf16,
+    windowed, capped or not. Its transposed-key tiles take the runs they can (bf16: head dims
+    64 and 128 without window or cap); its row kernel the others, in bf16 as fast as the tiles
+    or 2-16x faster than SDPA with its explicit masks (BENCHMARKS.md, "bf16 prefill rows of
+    every layer on the native kernel"). `query` and `shaped` stay in the signature for tests
+    that route by them."""
     return cpu_native.prefill_tiles()
 
 

@@ -159,10 +159,14 @@ def test_bf16_prefill_tiles_keep_their_rows_apart_and_repeat_bit_for_bit() -> No
 
 
 @pytest.mark.parametrize("head_dim,window,prefill_native", [
-    (64, None, True), (128, None, True), (72, None, False), (64, 16, False)])
-def test_backend_routes_bf16_prefill_to_the_tiles_where_they_take_it(
+    (64, None, True), (128, None, True), (72, None, True), (64, 16, True), (256, 16, True),
+    (64, 16, False)])
+def test_backend_routes_every_bf16_prefill_row_to_the_native_kernel(
         monkeypatch: pytest.MonkeyPatch, head_dim: int, window: int | None,
         prefill_native: bool) -> None:
+    """The tiles take head dims 64 and 128 without a window, the row kernel the others
+    (windowed, other head dims: faster than SDPA there, BENCHMARKS.md); only with
+    `prefill_tiles()` False (`prefill_native` here) the prefill goes to SDPA."""
     case = make_case([50, 40, 90], [1, 40, 1], num_heads=8, num_kv_heads=2, head_dim=head_dim,
                      block_size=16, dtype=BF16, seed=9, wide_table=True)
     calls: list[list[int]] = []
@@ -173,7 +177,7 @@ def test_backend_routes_bf16_prefill_to_the_tiles_where_they_take_it(
         return real(query, kv_cache, block_tables, row_lens, token_idx, *args, **kw)
 
     monkeypatch.setattr(cpu_native, "paged_rows", spy)
-    monkeypatch.setattr(cpu_native, "prefill_tiles", lambda: True)
+    monkeypatch.setattr(cpu_native, "prefill_tiles", lambda: prefill_native)
     meta = AttentionMetadata.build(*case.args()[2:5])
     out = paged_attention_cpu(case.query, case.kv_cache, meta, case.scale, window=window)
     # every row natively, or the two decode tokens only (the prefill by SDPA)

@@ -75,9 +75,8 @@ def attention_declined(layers: list[nn.Module]) -> str | None:
 
 def projections_declined(model: Any, layers: list[nn.Module], bf16: bool) -> str | None:
     """Why the stack cannot take these layers, or None. bf16 needs every projection on the
-    native bf16 GEMM or the native quantized kernel, and attention whose rows all go to the
-    native kernel per layer too (no window, a head dim the bf16 prefill tiles take: else
-    prefill takes SDPA)."""
+    native bf16 GEMM or the native quantized kernel, and attention its one region runs (no
+    window, a head dim the bf16 prefill tiles take)."""
     if not bf16:
         if not all(_stack_ready(layer.mlp, m) for layer in layers for m in layer.modules()
                    if isinstance(m, Linear)):
@@ -93,9 +92,10 @@ def projections_declined(model: Any, layers: list[nn.Module], bf16: bool) -> str
     if any(layer.self_attn.q_norm is not None for layer in layers):
         return "q/k norm in bf16"
     if any(layer.self_attn.attn.window for layer in layers):
-        return "sliding windows in bf16 (their prefill rows take SDPA)"
+        return "sliding windows in bf16 (the bf16 stack's region attends without windows)"
     if not cpu_native.bf16_prefill_tiles(model.head_dim):
-        return f"head dim {model.head_dim} in bf16 (its prefill rows take SDPA)"
+        return (f"head dim {model.head_dim} in bf16 (the bf16 stack's region needs the prefill "
+                "tiles: head dims 64 and 128)")
     return None
 
 
