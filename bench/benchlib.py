@@ -63,6 +63,27 @@ def warmup_prompts(n: int = 4, seed: int = 12345) -> list[list[int]]:
 
 # -- arrivals ----------------------------------------------------------------------------------
 
+def timed_steps() -> list[tuple[int, float]]:
+    """Patch the model runner's forward (for the rest of the process) to record (rows,
+    seconds) per step into the list returned; the probes split prefill from decode steps by
+    rows."""
+    import time
+
+    from engine.worker.model_runner import ModelRunner
+
+    steps: list[tuple[int, float]] = []
+    forward = ModelRunner.forward
+
+    def timed(self, inputs, block_copies):  # noqa: ANN001, ANN202
+        t0 = time.perf_counter()
+        result = forward(self, inputs, block_copies)
+        steps.append((inputs.input_ids.shape[0], time.perf_counter() - t0))
+        return result
+
+    ModelRunner.forward = timed
+    return steps
+
+
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     """Send times (seconds from the start) of `n` requests arriving as a Poisson process.
 

@@ -40,23 +40,6 @@ def _toggle(on: bool, real: dict) -> None:
         setattr(cpu_native, name, real[name] if on else _declined)
 
 
-def _timed_steps() -> list[tuple[int, float]]:
-    """Patch the model runner's forward to record (rows, seconds) per step."""
-    from engine.worker.model_runner import ModelRunner
-
-    steps: list[tuple[int, float]] = []
-    forward = ModelRunner.forward
-
-    def timed(self, inputs, block_copies):  # noqa: ANN001, ANN202
-        t0 = time.perf_counter()
-        result = forward(self, inputs, block_copies)
-        steps.append((inputs.input_ids.shape[0], time.perf_counter() - t0))
-        return result
-
-    ModelRunner.forward = timed
-    return steps
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -67,12 +50,12 @@ def main() -> None:
     from engine.worker.cpu_memory import reexec_with_tcmalloc
 
     reexec_with_tcmalloc()
-    from benchlib import load_workload, warmup_prompts
+    from benchlib import load_workload, timed_steps, warmup_prompts
 
     from engine import LLM, SamplingParams
     from kernels import cpu_native
 
-    steps = _timed_steps()
+    steps = timed_steps()
     reqs = load_workload("random", args.num_prompts, args.max_tokens)
     llm = LLM(model=args.model, dtype="bfloat16", enable_prefix_caching=False, max_model_len=2048)
     model = llm.engine.model

@@ -35,21 +35,11 @@ def main() -> None:
     from engine.worker.cpu_memory import reexec_with_tcmalloc
 
     reexec_with_tcmalloc()
-    from benchlib import load_workload, warmup_prompts
+    from benchlib import load_workload, timed_steps, warmup_prompts
 
     from engine import LLM, SamplingParams
-    from engine.worker.model_runner import ModelRunner
 
-    steps: list[tuple[int, float]] = []
-    forward = ModelRunner.forward
-
-    def timed(self, inputs, block_copies):  # noqa: ANN001, ANN202
-        t0 = time.perf_counter()
-        result = forward(self, inputs, block_copies)
-        steps.append((inputs.input_ids.shape[0], time.perf_counter() - t0))
-        return result
-
-    ModelRunner.forward = timed
+    steps = timed_steps()
     reqs = load_workload("random", args.num_prompts, args.max_tokens)
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False,
               max_model_len=2048)

@@ -79,13 +79,7 @@ class GemmaAttention(LlamaAttention):
     qkv rows in bfloat16 too (Gemma's rounding: `cpu_native.gemma_qk_norm_inplace`), so RoPE
     then runs natively there as well."""
 
-    def _norm_heads_(self, qkv: torch.Tensor) -> bool:
-        qn, kn = self.q_norm, self.k_norm
-        if qn is None or kn is None or torch.is_grad_enabled() or qn.eps != kn.eps:
-            return False
-        qw, kw = qn.native_weight(), kn.native_weight()
-        return (qw is not None and kw is not None and cpu_native.gemma_qk_norm_inplace(
-            qkv, self.num_heads, self.num_kv_heads, self.head_dim, qw, kw, qn.eps) is not None)
+    qk_norm_kernel = "gemma_qk_norm_inplace"
 
 
 class GeGLUMLP(SwiGLUMLP):

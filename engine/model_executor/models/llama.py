@@ -124,14 +124,18 @@ class LlamaAttention(nn.Module):
         out = self.attn(q, k, v if stored else v.contiguous(), kv_cache, meta, stored=stored)
         return self.o_proj(out.reshape(t, self.q_size))
 
+    # The `cpu_native` q/k norm in place on fused rows, by name (looked up per call); Gemma's
+    # rounds as Gemma does in bf16.
+    qk_norm_kernel = "qk_norm_inplace"
+
     def _norm_heads_(self, qkv: torch.Tensor) -> bool:
-        """The q/k norm in place on fused rows (native, with each norm's `native_weight`);
-        False: not done."""
+        """The q/k norm in place on fused rows (`qk_norm_kernel`, with each norm's
+        `native_weight`); False: not done."""
         qn, kn = self.q_norm, self.k_norm
         if qn is None or kn is None or torch.is_grad_enabled() or qn.eps != kn.eps:
             return False
         qw, kw = qn.native_weight(), kn.native_weight()
-        return (qw is not None and kw is not None and cpu_native.qk_norm_inplace(
+        return (qw is not None and kw is not None and getattr(cpu_native, self.qk_norm_kernel)(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, qw, kw, qn.eps) is not None)
 
 
