@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from engine.core.block_hash import HASH_ALGOS, BlockHasher
+from kserve_paged_engine.core.block_hash import HASH_ALGOS, BlockHasher
 
 
 def int64_sha256(parent: bytes | None, tokens: list[int], extra=None) -> bytes:

@@ -38,7 +38,7 @@ def measure(engine: Any, prompt: list[int], params: Any, request_id: str) -> dic
 
 def run(model: str | None, prompt_tokens: int, new_tokens: int, beam_width: int,
         n: int) -> dict[str, Any]:
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     llm = LLM(model=model, dtype="float32", block_size=16, enable_prefix_caching=False,
               max_model_len=prompt_tokens + new_tokens + 16,

@@ -67,14 +67,14 @@ def main() -> None:
     timed rounds, the record), its `timed` closure sharing the prompts and the best runs."""
     args = _parse_args()
 
-    from engine.worker.cpu_memory import reexec_with_tcmalloc
+    from kserve_paged_engine.worker.cpu_memory import reexec_with_tcmalloc
 
     reexec_with_tcmalloc()
     import torch
 
-    from engine import LLM, SamplingParams
-    from engine.default_model import ensure_default_model
-    from engine.lora import LoRARequest
+    from kserve_paged_engine import LLM, SamplingParams
+    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.lora import LoRARequest
 
     base = Path(ensure_default_model(progress=lambda _: None))
     reqs = load_workload("random", args.num_prompts, args.max_tokens)

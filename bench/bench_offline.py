@@ -71,12 +71,12 @@ def _parse_args() -> argparse.Namespace:
 def main() -> None:
     args = _parse_args()
 
-    from engine.worker.cpu_memory import reexec_with_tcmalloc
+    from kserve_paged_engine.worker.cpu_memory import reexec_with_tcmalloc
 
     reexec_with_tcmalloc()  # as the server does (KSERVE_PAGED_TCMALLOC=0: glibc malloc)
     import torch
 
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)

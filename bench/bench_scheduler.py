@@ -15,10 +15,10 @@ import random
 import statistics
 import time
 
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request
-from engine.core.scheduler import Scheduler, SchedulerConfig
-from engine.sampling_params import SamplingParams
+from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
+from kserve_paged_engine.core.request import Request
+from kserve_paged_engine.core.scheduler import Scheduler, SchedulerConfig
+from kserve_paged_engine.sampling_params import SamplingParams
 
 
 def main() -> None:

@@ -67,7 +67,7 @@ def _run_workload(llm, decoder, steps: list[int], name: str, prompts: list, max_
                   ignore_eos: bool, repeats: int) -> dict:
     """One workload, speculation off and on in alternating order per repeat; each run's rate,
     steps and draft figures, and whether the outputs were identical."""
-    from engine import SamplingParams
+    from kserve_paged_engine import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=ignore_eos)
               for m in max_tokens]
@@ -122,7 +122,7 @@ def _spec_config(args: argparse.Namespace) -> dict:
     if args.method == "draft_model":
         from layer_skip_draft import make_layer_skip_draft
 
-        from engine.default_model import ensure_default_model
+        from kserve_paged_engine.default_model import ensure_default_model
 
         target = args.model or str(ensure_default_model())
         if args.draft_layers is not None:
@@ -161,12 +161,12 @@ def main() -> None:
     args = _parse_args()
     load_at_start = os.getloadavg()
 
-    from engine.worker.cpu_memory import reexec_with_tcmalloc
+    from kserve_paged_engine.worker.cpu_memory import reexec_with_tcmalloc
 
     reexec_with_tcmalloc()
     import torch
 
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     spec_config = _spec_config(args)
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=2048,

@@ -71,13 +71,13 @@ def _parse_args() -> argparse.Namespace:
 def main() -> None:
     args = _parse_args()
 
-    from engine.worker.cpu_memory import reexec_with_tcmalloc
+    from kserve_paged_engine.worker.cpu_memory import reexec_with_tcmalloc
 
     reexec_with_tcmalloc()
     import torch
 
-    from engine import LLM, SamplingParams
-    from engine.sampling_params import StructuredOutputs
+    from kserve_paged_engine import LLM, SamplingParams
+    from kserve_paged_engine.sampling_params import StructuredOutputs
 
     reqs = load_workload("random", args.num_prompts, args.max_tokens)
     llm = LLM(dtype=args.dtype, enable_prefix_caching=False, max_model_len=2048)

@@ -24,7 +24,7 @@ from benchlib import WORKLOAD_NAMES, load_workload, warmup_prompts  # noqa: E402
 def run(tp: int, threads: int, reqs: list[dict], args: argparse.Namespace) -> dict:
     import torch
 
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)  # TP = 2: the pool divides them between the ranks
     t0 = time.perf_counter()
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
 
-    from engine.worker.cpu_memory import reexec_with_tcmalloc
+    from kserve_paged_engine.worker.cpu_memory import reexec_with_tcmalloc
 
     reexec_with_tcmalloc()  # as the server does
     reqs = load_workload(args.workload, args.num_prompts, args.max_tokens)

@@ -2,7 +2,7 @@
 
 Block accounting only (no model runs, so the figures are deterministic): the engine's scheduler
 and KV manager serve 4k-token requests for a Gemma-3-shaped config, once with the sliding
-layers in their own KV groups (engine/core/kv_groups.py) and once with one block table for every
+layers in their own KV groups (engine/kserve_paged_engine/core/kv_groups.py) and once with one block table for every
 layer (`disable_hybrid_kv_cache_manager`). Printed per layout: KV bytes per block, the blocks
 one request holds while decoding (per group) and at its peak (a prefill chunk on top of the
 window), and how many such requests a fixed KV budget serves at once: the most decoding
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_groups import KVLayout, kv_layout
-from engine.core.request import Request
-from engine.core.scheduler import Scheduler, SchedulerConfig
-from engine.sampling_params import SamplingParams
+from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
+from kserve_paged_engine.core.kv_groups import KVLayout, kv_layout
+from kserve_paged_engine.core.request import Request
+from kserve_paged_engine.core.scheduler import Scheduler, SchedulerConfig
+from kserve_paged_engine.sampling_params import SamplingParams
 
 # (name, layers, KV heads, head_dim, window, every n-th layer global): Gemma 3's text configs.
 SHAPES = [("gemma-3-270m", 18, 1, 256, 512, 6), ("gemma-3-1b", 26, 1, 256, 512, 6)]

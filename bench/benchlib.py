@@ -22,6 +22,22 @@ WORKLOAD_NAMES = ("random", "shared")
 TOKEN_LO, TOKEN_HI = 100, 49151
 
 
+def source_roots(tree: Path) -> list[str]:
+    """The folders a checkout's packages are imported from (pyproject's source roots): what
+    PYTHONPATH needs to run `tree` without installing it."""
+    import tomllib  # Python 3.11+; the rest of this module runs on 3.10 too
+
+    find = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    return [str((tree / where).resolve()) for where in find["find"]["where"]]
+
+
+def csrc_of(tree: Path) -> Path:
+    """A checkout's native C sources: kernels/kserve_paged_kernels/csrc, or kernels/csrc in a
+    tree from before the package rename (2026-12-04), so probes still compare old commits."""
+    new = tree / "kernels" / "kserve_paged_kernels" / "csrc"
+    return new if new.is_dir() else tree / "kernels" / "csrc"
+
+
 # -- workloads ---------------------------------------------------------------------------------
 
 def load_workload(name: str, num_prompts: int | None = None,
@@ -69,7 +85,7 @@ def timed_steps() -> list[tuple[int, float]]:
     rows."""
     import time
 
-    from engine.worker.model_runner import ModelRunner
+    from kserve_paged_engine.worker.model_runner import ModelRunner
 
     steps: list[tuple[int, float]] = []
     forward = ModelRunner.forward

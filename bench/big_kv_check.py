@@ -8,7 +8,7 @@ arithmetic would wrap). One varlen step mixes decodes of short and long contexts
 prefill (new tokens over a cached part), two sequences sharing their leading blocks (a prefix
 hit) and padded rows (slot -1, past `query_start_loc[-1]`); the new keys and values go in with
 the Triton store, then attention runs with the split count forced to 1, 4 and 32. Every real
-row must match `kernels.reference.paged_attention_ref` (bf16 bound 2e-2; fp32 1e-4), padded
+row must match `kserve_paged_kernels.reference.paged_attention_ref` (bf16 bound 2e-2; fp32 1e-4), padded
 rows must be exactly zero, and the store must have written every real slot and no other.
 `--tiny` (and any run without CUDA, Triton interpreted) does the same at a small size. The last
 stdout line is JSON; exit status 1 when a check failed.
@@ -61,8 +61,8 @@ def step(blocks_total: int, block_size: int, g: torch.Generator) -> dict:
 
 
 def run(tiny: bool) -> dict:
-    from kernels.reference import paged_attention_ref
-    from kernels.triton_backend import paged_attention_triton, store_kv_triton
+    from kserve_paged_kernels.reference import paged_attention_ref
+    from kserve_paged_kernels.triton_backend import paged_attention_triton, store_kv_triton
 
     cfg = TINY if tiny else BIG
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -84,7 +84,7 @@ def _sync(device: str) -> None:
 
 def time_batch(llm: Any, batch: int, prompt: int, steps: int, device: str) -> dict:
     """Prefill `batch` requests, then time `steps` decode steps one by one."""
-    from engine import SamplingParams
+    from kserve_paged_engine import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
@@ -116,7 +116,7 @@ def floor_ms(model: Any, context_tokens: int, gbs: float) -> float:
 
 
 def run(tiny: bool, batches: list[int], shape_name: str = "llama3-8b") -> dict:
-    from engine import LLM
+    from kserve_paged_engine import LLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = TINY if tiny else SHAPES[shape_name]

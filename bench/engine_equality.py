@@ -97,7 +97,7 @@ class Model:
                                       pad_token_id=0)[0, len(p):].tolist() for p in prompts]
 
     def llm(self, **kw: Any):
-        from engine import LLM
+        from kserve_paged_engine import LLM
 
         opts = dict(model=str(self.path), block_size=4, max_model_len=64, dtype=self.dtype,
                     num_kv_blocks=64)
@@ -126,7 +126,7 @@ def _prefix(a: list[int], b: list[int]) -> int:
 
 
 def greedy(n: int = 1, new: int = NEW):
-    from engine import SamplingParams
+    from kserve_paged_engine import SamplingParams
 
     return SamplingParams(n=n, max_tokens=new, temperature=0.0, ignore_eos=True)
 
@@ -202,7 +202,7 @@ def run_ngram(m: Model) -> dict[str, Any]:
 
 def run_lora(m: Model) -> dict[str, Any]:
     """One batch: two adapters (attention r4, MLP r8) and the base, against PEFT."""
-    from engine.lora import LoRARequest
+    from kserve_paged_engine.lora import LoRARequest
     from tests.helpers.lora import make_adapter, peft_greedy
 
     adapters = {"attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
@@ -224,10 +224,10 @@ def run_lora(m: Model) -> dict[str, Any]:
 
 
 def run_graphs(m: Model) -> dict[str, Any]:
-    """Decode through the graph runner's padded buffers (engine/worker/cuda_graphs.py): captured
+    """Decode through the graph runner's padded buffers (engine/kserve_paged_engine/worker/cuda_graphs.py): captured
     on CUDA, the recording stand-in elsewhere; three requests finishing at different steps
     replay sizes 4 (one padded row), 2 and 1."""
-    from engine.worker.cuda_graphs import CudaCapture, RecordReplay
+    from kserve_paged_engine.worker.cuda_graphs import CudaCapture, RecordReplay
 
     prompts = [p[:n] for p, n in zip(m.prompts, (6, 9, 3))]  # short: decode is the point
     news = [NEW, 3, NEW + 2]
@@ -244,11 +244,11 @@ def run_graphs(m: Model) -> dict[str, Any]:
 
 
 def run_host_tier(m: Model) -> dict[str, Any]:
-    """`basic` over the host KV tier (engine/core/kv_tier_host.py): the second pass hits host
+    """`basic` over the host KV tier (engine/kserve_paged_engine/core/kv_tier_host.py): the second pass hits host
     memory, preemptions swap out and back in through it; nothing leaks."""
-    from engine.core.kv_tier_config import KVTierConfig
-    from engine.core.measured_rate import MeasuredRate
-    from engine.worker.kv_host_copy import StreamCopier
+    from kserve_paged_engine.core.kv_tier_config import KVTierConfig
+    from kserve_paged_engine.core.measured_rate import MeasuredRate
+    from kserve_paged_engine.worker.kv_host_copy import StreamCopier
 
     cuda = torch.cuda.is_available()
     want = m.expected(m.prompts)

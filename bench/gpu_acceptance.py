@@ -62,6 +62,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchlib import source_roots
+
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LAUNCHES_PER_LAYER = 12
 KERNEL_TESTS = [
@@ -265,8 +267,8 @@ def _importable(name: str) -> bool:
 
 def _child_env(args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]]
-                                                      if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join(source_roots(ROOT) + ([env["PYTHONPATH"]]
+                                                             if env.get("PYTHONPATH") else []))
     env["TRITON_CACHE_DIR"] = str(args.cache_dir)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     if args.dry_run:

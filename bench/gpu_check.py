@@ -83,7 +83,7 @@ def bench_decode(device: str, timer: Callable, batches: tuple[int, ...],
     import torch
     import torch.nn.functional as F
 
-    from kernels import paged_attention
+    from kserve_paged_kernels import paged_attention
 
     heads, kv_heads, head_dim, block = shape
     dtype = torch.bfloat16
@@ -148,7 +148,7 @@ def markdown_table(rows: list[dict], copy_gbs: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"  # before kernels.triton_backend is imported
+        os.environ["TRITON_INTERPRET"] = "1"  # before kserve_paged_kernels.triton_backend is imported
     import torch
 
     device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         result["triton"] = f"unavailable: {exc}"
     if device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
-    from kernels import resolve_backend
+    from kserve_paged_kernels import resolve_backend
 
     result["default_backend"] = resolve_backend(device, block_size=BLOCK, head_dim=HEAD_DIM,
                                                 dtype=torch.bfloat16)

@@ -70,7 +70,7 @@ def count_step(llm: Any, prompts: list[list[int]], params: Any, step: int) -> di
 
 
 def run(cases: list[str]) -> dict[str, Any]:
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
     from tests.helpers.tiny_models import CONFIGS, save_checkpoint, save_tokenizer
 
     out: dict[str, Any] = {"device": "cuda" if torch.cuda.is_available() else "cpu"}

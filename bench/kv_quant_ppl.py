@@ -52,7 +52,7 @@ TARGETS = {"int8": 1.01, "fp8": 1.02, "fp8_e4m3": 1.02, "fp8_e5m2": 1.02}
 
 def score(kv_cache_dtype: str, chunk: int, model: str | None = None) -> list[float]:
     """Log-probability of every token of TEXT after the first, under this KV format."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     llm = LLM(model=model, dtype="float32", kv_cache_dtype=kv_cache_dtype,
               enable_prefix_caching=False, max_num_batched_tokens=chunk, max_model_len=1024)

@@ -26,7 +26,7 @@ from typing import Any
 
 
 def build(args: argparse.Namespace, root: Path | None) -> Any:
-    from engine.llm_engine import LLMEngine
+    from kserve_paged_engine.llm_engine import LLMEngine
 
     need = args.requests * (args.prompt + args.gen)
     tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -41,7 +41,7 @@ def build(args: argparse.Namespace, root: Path | None) -> Any:
 
 def always_recompute(engine: Any) -> None:
     """The recompute engine: every preemption's choice is recompute (logged as forced)."""
-    from engine.core.kv_swap import SwapChoice
+    from kserve_paged_engine.core.kv_swap import SwapChoice
 
     engine.kv.tier.swaps.choose = lambda tokens, out, back: SwapChoice(
         False, "recompute: forced by the benchmark", tokens, out, back, 0.0, 0.0)
@@ -60,7 +60,7 @@ def one_round(engine: Any, prompts: list[list[int]], params: Any) -> tuple[float
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.sampling_params import SamplingParams
+    from kserve_paged_engine.sampling_params import SamplingParams
 
     root = Path(tempfile.mkdtemp(prefix="kv-swap-bench-"))
     engines = {"no_tier": build(args, None), "recompute": build(args, root / "recompute"),

@@ -6,7 +6,7 @@
 Builds a tiny Llama or Gemma 3 (hidden 64, 4 query / 2 KV heads of 16, random weights, fp32;
 Gemma's first layer sliding) over a paged cache of noise, and runs one decode step of `--batch` sequences plus `--padded` padding rows
 (slot -1, as a CUDA graph's padded batch) on the Triton backend with the fused layer ops,
-counting launches with `kernels.launches`: one steady-state layer (a residual coming in), and
+counting launches with `kserve_paged_kernels.launches`: one steady-state layer (a residual coming in), and
 the whole forward. On CUDA the kernels are compiled; without it they run in Triton's
 interpreter (this script sets TRITON_INTERPRET=1 and the triton backend before Triton is
 imported), which launches the same kernels. The same step on the eager path (the `cpu`
@@ -35,7 +35,7 @@ os.environ["KSERVE_PAGED_ATTENTION_BACKEND"] = "triton"
 if "--unfused" in sys.argv:  # CPU: no native ops either, so the eager ops are what is counted
     os.environ["KSERVE_PAGED_NATIVE"] = "0"
 
-from kernels.launches import LaunchCount, counting  # noqa: E402
+from kserve_paged_kernels.launches import LaunchCount, counting  # noqa: E402
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5,
@@ -47,7 +47,7 @@ BLOCK_SIZE = 4
 def _model(name: str, layers: int) -> torch.nn.Module:
     from transformers import Gemma3TextConfig, LlamaConfig
 
-    from engine.model_executor.models import GemmaForCausalLM, LlamaForCausalLM
+    from kserve_paged_engine.model_executor.models import GemmaForCausalLM, LlamaForCausalLM
 
     if name == "llama":
         return LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **TINY))
@@ -61,7 +61,7 @@ def _step(name: str, batch: int, padded: int, layers: int, device: str) -> dict[
     """A tiny model and one decode step's inputs: contexts of different lengths in shuffled
     blocks, new tokens' slots at each context's end, padded rows with slot -1 past
     query_start_loc[-1]."""
-    from engine.model_executor.attention import AttentionMetadata
+    from kserve_paged_engine.model_executor.attention import AttentionMetadata
 
     torch.manual_seed(0)
     model = _model(name, layers).eval()
@@ -95,7 +95,7 @@ def _with_backend(meta: Any, backend: str) -> Any:
 
 
 def _fused_ops_off() -> None:
-    from kernels import fused_ops
+    from kserve_paged_kernels import fused_ops
 
     fused_ops.add_rms_norm = lambda *args, **kwargs: None
     fused_ops.act_mul = lambda *args, **kwargs: None
@@ -110,7 +110,7 @@ def count_decode_step(name: str = "llama", batch: int = 3, padded: int = 1, laye
         _fused_ops_off()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
-        from kernels.testing import faithful_interpreter
+        from kserve_paged_kernels.testing import faithful_interpreter
 
         faithful_interpreter()
     s = _step(name, batch, padded, layers, device)

@@ -6,7 +6,7 @@ GPU-busy fraction, eagerly and through a CUDA graph (issue 32, item 7).
 The model folder and dummy weights are bench/decode_8b.py's. `--batch` requests (64 by
 default) of `PROMPT` tokens are prefilled, then one decode step is profiled eagerly (the graphs
 set aside) and one through the captured graph. Per step: the wall time between syncs; the
-launches `kernels.launches` counts (Triton launches and ATen ops); on CUDA the kernels the
+launches `kserve_paged_kernels.launches` counts (Triton launches and ATen ops); on CUDA the kernels the
 profiler saw on the device, the launch calls it saw on the host (`cudaLaunchKernel`,
 `cuLaunchKernelEx`, `cudaGraphLaunch`, ...) and the GPU-busy fraction: the union of the device
 kernels' intervals over the step's wall time (1.0: the GPU never waited for the host).
@@ -56,7 +56,7 @@ def _profiled_step(engine: Any, device: str) -> dict[str, Any]:
     """One engine step under the profiler and the launch counter."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kernels.launches import counting
+    from kserve_paged_kernels.launches import counting
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=acts) as prof, counting() as count:
@@ -84,8 +84,8 @@ def _profiled_step(engine: Any, device: str) -> dict[str, Any]:
 
 
 def run(tiny: bool, batch: int) -> dict[str, Any]:
-    from engine import LLM, SamplingParams
-    from engine.worker.cuda_graphs import CudaCapture, RecordReplay
+    from kserve_paged_engine import LLM, SamplingParams
+    from kserve_paged_engine.worker.cuda_graphs import CudaCapture, RecordReplay
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tiny = tiny or device == "cpu"

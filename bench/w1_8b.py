@@ -57,7 +57,7 @@ def _release(device: str) -> None:
 
 
 def run_engine(folder: Path, reqs: list[dict], device: str, dtype: str) -> dict[str, Any]:
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     t0 = time.perf_counter()
     longest = max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in reqs)

@@ -29,6 +29,6 @@ def server() -> Iterator[Server]:
 @pytest.fixture(scope="session")
 def offline_llm():
     """The offline engine with the server's options: the reference for greedy outputs."""
-    from engine import LLM
+    from kserve_paged_engine import LLM
 
     return LLM(**ENGINE_OPTS)

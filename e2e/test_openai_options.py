@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine import SamplingParams
+from kserve_paged_engine import SamplingParams
 from tests.helpers.e2e_server import MODEL, Server
 
 PROMPT = "The capital of France is"

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from engine import SamplingParams
+from kserve_paged_engine import SamplingParams
 from tests.helpers.e2e_server import (
     MODEL,
     Server,
@@ -68,7 +68,7 @@ def server() -> Iterator[Server]:
 def reference() -> list[str]:
     """Offline greedy texts (float32, prefix caching on, as the server; a pool big enough for
     all prompts at once, so the reference itself is never preempted)."""
-    from engine import LLM
+    from kserve_paged_engine import LLM
 
     llm = LLM(max_model_len=MAX_MODEL_LEN, num_kv_blocks=NUM_STREAMS * 10, dtype="float32",
               enable_prefix_caching=True)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import SamplingParams
+from kserve_paged_engine import SamplingParams
 from tests.helpers.e2e_server import ENGINE_OPTS, MODEL, Server, wait_idle
 from tests.helpers.metrics_contract import CONTRACT_NAMES, HISTOGRAMS
 

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from engine import SamplingParams
+from kserve_paged_engine import SamplingParams
 from tests.helpers.e2e_server import MODEL, Server
 
 WEATHER = {"type": "function", "function": {

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine import SamplingParams
+from kserve_paged_engine import SamplingParams
 from tests.helpers.e2e_server import ENGINE_OPTS, MODEL, Server, running_server
 
 PROMPTS = ["The capital of France is", "1, 2, 3,"]

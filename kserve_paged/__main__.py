@@ -8,7 +8,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry (``kserve-paged``); see kserve_paged.server.
 
-    The tcmalloc re-exec comes first and engine.worker.cpu_memory imports nothing heavy, so the
+    The tcmalloc re-exec comes first and kserve_paged_engine.worker.cpu_memory imports nothing heavy, so the
     process re-executes before torch (or anything else that allocates much) is loaded.
     ``kserve-paged plan ...`` is the capacity planner instead (kserve_paged/plan_cli.py)."""
     args = sys.argv[1:] if argv is None else list(argv)
@@ -17,9 +17,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(args[1:])
     if argv is None:
-        from engine.worker.cpu_memory import reexec_with_tcmalloc
+        from kserve_paged_engine.worker.cpu_memory import reexec_with_tcmalloc
 
         reexec_with_tcmalloc()  # returns only when tcmalloc is absent, disabled or loaded
+    from kserve_paged_engine.installation import check_or_exit
+
+    check_or_exit()  # a broken environment in words, before transformers can fail inside
     from kserve_paged.server import main as serve_main
 
     return serve_main(argv)

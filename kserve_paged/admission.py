@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from engine import limits
+from kserve_paged_engine import limits
 
 TIMEOUT_HEADER = "x-request-timeout"
 MICROSECONDS = 1_000_000  # per second: the unit of v1/v2 ``parameters.timeout``

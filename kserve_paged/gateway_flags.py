@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kernels.kv_formats import KV_CACHE_DTYPES
 from kserve_paged.flag_types import BoolFlag, fraction, json_object, parse_kv_transfer_config
 from kserve_paged.openai.reasoning import REASONING_PARSERS
+from kserve_paged_kernels.kv_formats import KV_CACHE_DTYPES
 
 
 def add_gateway_flags(parser: argparse.ArgumentParser, d: dict[str, Any]) -> None:

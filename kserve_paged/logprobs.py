@@ -14,7 +14,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from engine.outputs import Logprob
+from kserve_paged_engine.outputs import Logprob
 
 # OpenAI's stand-in for a log-probability too small to represent (JSON has no -Infinity).
 VERY_UNLIKELY = -9999.0

@@ -18,13 +18,13 @@ from typing import Any
 from kserve import Model
 from kserve.protocol.infer_type import InferRequest, InferResponse
 
-from engine.async_llm import RequestStream
-from engine.lora import LoRARequest
-from engine.model_info import ModelInfo
-from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
 from kserve_paged import v2
 from kserve_paged.served import ServedModel
+from kserve_paged_engine.async_llm import RequestStream
+from kserve_paged_engine.lora import LoRARequest
+from kserve_paged_engine.model_info import ModelInfo
+from kserve_paged_engine.pooling_params import PoolingParams
+from kserve_paged_engine.sampling_params import SamplingParams
 
 
 class AdapterView:

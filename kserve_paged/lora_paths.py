@@ -5,7 +5,7 @@ to name any folder: the path has to lie under one of the configured roots (defau
 model-storage mount ``/mnt/models`` and ``/mnt/lora``, where KServe mounts adapters). The check
 is on the fully resolved path: ``..`` and symbolic links are resolved first, so a link inside a
 root that points out of it is refused, and a link that stays inside is fine. The engine then
-reads the resolved path, never following a link in its last component (engine/lora/adapter.py),
+reads the resolved path, never following a link in its last component (engine/kserve_paged_engine/lora/adapter.py),
 so a link swapped in after this check is not followed either.
 """
 

@@ -37,7 +37,7 @@ VLLM_OFFLOAD_TIERING = frozenset({
     "vllm:kv_offload_tiering_read_bytes_total", "vllm:kv_offload_tiering_write_bytes_total",
     "vllm:kv_offload_tiering_read_time_total", "vllm:kv_offload_tiering_write_time_total"})
 TIER_LABELS = (*LABELS, "tier")
-# Preemption by swap to the second tier (engine/core/kv_swap.py), series only while a tier is
+# Preemption by swap to the second tier (engine/kserve_paged_engine/core/kv_swap.py), series only while a tier is
 # on: vLLM V0's gauge of swapped requests, and counters of ours in its style beside
 # vllm:num_preemptions_total (V0 counted no swaps; a preemption that did not swap recomputed).
 VLLM_STYLE_SWAP = frozenset({"vllm:num_requests_swapped", "vllm:num_swap_outs_total",
@@ -57,7 +57,7 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 # and quantiles read the same as vLLM's.
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(8) for m in (1, 2, 5))
 
-# Finish reasons (engine.core.request.RequestStatus values; "error" is this engine's own, vLLM has
+# Finish reasons (kserve_paged_engine.core.request.RequestStatus values; "error" is this engine's own, vLLM has
 # the other three). Every series exists from the start, so rates work before the first error.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # vllm:lora_requests_info before the engine reports adapters (and without LoRA): none, max_lora 0.

@@ -26,13 +26,6 @@ from kserve import Model
 from kserve.errors import ModelNotReady
 from kserve.protocol.infer_type import InferRequest, InferResponse
 
-from engine import limits
-from engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from engine.config import EngineConfig
-from engine.lora import LoRARequest
-from engine.model_info import ModelInfo
-from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
 from kserve_paged import v2
 from kserve_paged.admission import queue_full, request_deadline
 from kserve_paged.lora import AdapterModel, LoRAError
@@ -44,6 +37,13 @@ from kserve_paged.sampling import (
     with_defaults,
 )
 from kserve_paged.tracing import RequestTracer, request_attributes, request_headers
+from kserve_paged_engine import limits
+from kserve_paged_engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from kserve_paged_engine.config import EngineConfig
+from kserve_paged_engine.lora import LoRARequest
+from kserve_paged_engine.model_info import ModelInfo
+from kserve_paged_engine.pooling_params import PoolingParams
+from kserve_paged_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("kserve.paged")
 
@@ -54,7 +54,7 @@ class PagedLLMModel(Model):
     """``kserve.Model`` serving one LLM with the paged engine (a `ServedModel`, served.py).
 
     ``max_prompt_chars`` caps prompt text before it is tokenized (None: derived from the
-    context window, see engine.limits.max_prompt_chars)."""
+    context window, see kserve_paged_engine.limits.max_prompt_chars)."""
 
     def __init__(self, name: str, config: EngineConfig, *, llm: AsyncLLM | None = None,
                  metrics: EngineMetrics | None = None,
@@ -205,7 +205,7 @@ class PagedLLMModel(Model):
                      ) -> list[int]:
         """Token ids of a prompt (the tokenizer adds BOS as LLM.generate would), with the one
         prompt check of the front ends: text must be non-empty, valid Unicode and within
-        ``max_prompt_chars``; ids must be in the vocabulary (engine.limits.check_prompt_ids).
+        ``max_prompt_chars``; ids must be in the vocabulary (kserve_paged_engine.limits.check_prompt_ids).
         Text is tokenized on a worker thread: a long prompt would stall the event loop."""
         info = self.info
         if isinstance(prompt, str):

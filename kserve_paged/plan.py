@@ -5,8 +5,8 @@ What a platform engineer would otherwise guess: how much of the device the weigh
 many KV blocks the engine will allocate at start-up, how many requests fit, and a floor on
 decode time from memory bandwidth (every decode step reads all the weights and every running
 sequence's KV once). The model's facts are the engine's own (its model built on the meta device,
-engine/model_executor/model_facts.py) and the KV figures come from the engine's sizing rule
-(engine/core/kv_sizing.py), so the planner derives nothing about a family itself.
+engine/kserve_paged_engine/model_executor/model_facts.py) and the KV figures come from the engine's sizing rule
+(engine/kserve_paged_engine/core/kv_sizing.py), so the planner derives nothing about a family itself.
 docs/operations.md explains each figure; the figures are estimates except the KV block count,
 which is exact given the free memory the engine will see.
 """
@@ -19,17 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
-from engine.core.kv_groups import KVLayout
-from engine.core.kv_sizing import (
+from kserve_paged_engine.config import EngineConfig
+from kserve_paged_engine.core.kv_groups import KVLayout
+from kserve_paged_engine.core.kv_sizing import (
     CUDA_KV_FRACTION,
     kv_bytes_per_token,
     resolve_dtype,
     size_kv_cache,
 )
-from engine.model_executor.model_facts import ModelFacts
-from engine.model_executor.tp_layout import TP_ARCHITECTURES, TPLayout
-from kernels import kv_formats
+from kserve_paged_engine.model_executor.model_facts import ModelFacts
+from kserve_paged_engine.model_executor.tp_layout import TP_ARCHITECTURES, TPLayout
+from kserve_paged_kernels import kv_formats
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -169,7 +169,7 @@ def activation_peak(model: ModelFacts, tokens: int, seqs: int, dtype_bytes: int,
 
 
 def check_tensor_parallel(model: ModelFacts, tp: int) -> None:
-    """The engine's own rule (engine/model_executor/tp_layout.py): ValueError if it would
+    """The engine's own rule (engine/kserve_paged_engine/model_executor/tp_layout.py): ValueError if it would
     refuse to shard this model over `tp` ranks."""
     if tp < 1:
         raise ValueError(f"--tensor_parallel_size must be >= 1 (got {tp})")

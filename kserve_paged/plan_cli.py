@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.model_executor.model_facts import describe_folder
-from kernels import kv_formats
 from kserve_paged.flag_types import parse_memory
 from kserve_paged.plan import GPUS, make_plan, parse_device, render
 from kserve_paged.plan_overlay import write_overlay
+from kserve_paged_engine.model_executor.model_facts import describe_folder
+from kserve_paged_kernels import kv_formats
 
 
 def _workload(text: str) -> tuple[int, int]:

@@ -12,9 +12,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from engine.limits import LOGIT_BIAS_RANGE, MIN_MAX_TOKENS
-from engine.sampling_params import SamplingParams
 from kserve_paged.structured import StructuredOptionError, structured_outputs_option
+from kserve_paged_engine.limits import LOGIT_BIAS_RANGE, MIN_MAX_TOKENS
+from kserve_paged_engine.sampling_params import SamplingParams
 
 # Options every front end accepts, with the types JSON / v2 parameters may carry them in.
 SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",

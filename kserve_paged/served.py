@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from engine.async_llm import RequestStream
-from engine.lora import LoRARequest
-from engine.model_info import ModelInfo
-from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
+from kserve_paged_engine.async_llm import RequestStream
+from kserve_paged_engine.lora import LoRARequest
+from kserve_paged_engine.model_info import ModelInfo
+from kserve_paged_engine.pooling_params import PoolingParams
+from kserve_paged_engine.sampling_params import SamplingParams
 
 
 class ServedModel(Protocol):

@@ -22,9 +22,6 @@ from fastapi.responses import JSONResponse
 from kserve.errors import InvalidInput, ModelNotFound, ModelNotReady
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_llm import AsyncLLM
-from engine.config import EngineConfig
-from engine.limits import DEFAULT_MAX_REQUEST_BYTES
 from kserve_paged.admission import DeadlineMiddleware, RequestRefused, refused_route
 from kserve_paged.args import DEFAULT_MODEL_DIR, engine_kwargs
 from kserve_paged.auth import APIKeyMiddleware
@@ -52,6 +49,9 @@ from kserve_paged.openapi_doc import document_errors
 from kserve_paged.shutdown import PagedModelServer
 from kserve_paged.tracing import RequestTracer, TraceContextMiddleware
 from kserve_paged.vllm_routes import register_vllm_routes
+from kserve_paged_engine.async_llm import AsyncLLM
+from kserve_paged_engine.config import EngineConfig
+from kserve_paged_engine.limits import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger("kserve.paged")
 
@@ -121,7 +121,7 @@ def model_dir_given(argv: list[str]) -> bool:
 
 def build_model(args: argparse.Namespace, argv: list[str]) -> PagedLLMModel:
     if args.model_id is not None:  # parse_args refused it beside --model_dir
-        model_path: str | None = args.model_id  # the engine provisions it (engine.default_model)
+        model_path: str | None = args.model_id  # the engine provisions it (kserve_paged_engine.default_model)
     else:
         model_path = resolve_model_dir(args.model_dir, model_dir_given(argv))
     config = EngineConfig(model=model_path, **engine_kwargs(args))
@@ -216,7 +216,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> None:
     model.repository = server.registered_models  # adapters become v2 models there
     for alias in names[1:]:  # v1/v2 under every served name (KServe's own model aliases)
         server.register_model(model, name=alias)
-    _share_kserve_logging("engine")  # load progress, KV sizing, engine-thread failures
+    _share_kserve_logging("kserve_paged_engine")  # load progress, KV sizing, engine-thread failures
     logger.info("serving model %r from %s on :%d (gRPC %s)", model.name,
                 model.config.model or "the default model", args.http_port,
                 f":{args.grpc_port}" if args.enable_grpc else "off")

@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from engine.sampling_params import StructuredOutputs
+from kserve_paged_engine.sampling_params import StructuredOutputs
 
 # Names a constraint may come under; the server reads these, nothing else does.
 GUIDED_NAMES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

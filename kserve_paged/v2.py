@@ -20,8 +20,6 @@ import numpy as np
 from kserve.errors import InferenceError, InvalidInput, ModelNotReady
 from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 
-from engine.async_llm import EngineDeadError, RequestStream
-from engine.outputs import RequestOutput
 from kserve_paged.admission import RequestRefused, parse_timeout_us, tighten
 from kserve_paged.logprobs import TokenText, v2_logprobs
 from kserve_paged.sampling import (
@@ -34,6 +32,8 @@ from kserve_paged.sampling import (
 from kserve_paged.served import ServedModel, submit_all
 from kserve_paged.structured import STRUCTURED_OPTION_NAMES
 from kserve_paged.v2_pooling import predict_pooled
+from kserve_paged_engine.async_llm import EngineDeadError, RequestStream
+from kserve_paged_engine.outputs import RequestOutput
 
 logger = logging.getLogger("kserve.paged")
 

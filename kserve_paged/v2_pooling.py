@@ -13,11 +13,11 @@ import torch
 from kserve.errors import InferenceError, InvalidInput
 from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 
-from engine.pooling_params import PoolingParams
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.pooling import pool
 from kserve_paged.sampling import OptionError
 from kserve_paged.served import ServedModel
+from kserve_paged_engine.pooling_params import PoolingParams
 
 OUTPUT_NAMES = {"embed": "embedding", "classify": "logits"}
 _OPTIONS = frozenset({"dimensions", "normalize"})

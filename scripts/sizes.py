@@ -18,11 +18,18 @@ MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 EXCUSE = "Long because"
 # Files allowed past MAX_FILE_LINES: path -> why.
-FILE_EXCEPTIONS: dict[str, str] = {}
+FILE_EXCEPTIONS: dict[str, str] = {
+    "engine/kserve_paged_engine/core/scheduler.py":
+        "past 400 only by its imports, wrapped at the package rename (issue 46); the step's "
+        "re-layout (issue 50) splits it by job",
+    "engine/kserve_paged_engine/engine_loop.py":
+        "past 400 only by its imports and docstring paths at the package rename (issue 46); "
+        "the step's re-layout (issue 50) splits it by job",
+}
 # Functions allowed past MAX_FUNCTION_LINES, listed here rather than excused in their
 # docstrings: "path:qualified name" -> why.
 FUNCTION_EXCEPTIONS: dict[str, str] = {
-    "kernels/triton_backend.py:paged_attention_triton":
+    "kernels/kserve_paged_kernels/triton_backend.py:paged_attention_triton":
         "the kernel's one launch: its grid, split and constexpr choices read together",
 }
 SKIP_DIRS = {".venv", ".git", "__pycache__", "build", "dist", ".hypothesis", ".pytest_cache"}

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
-from engine.outputs import RequestOutput
+from kserve_paged_engine.outputs import RequestOutput
 from tests.helpers.server import FakeEngine, client, ready, run, sse
 
 CMPL = "/openai/v1/completions"

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from engine.async_llm import AsyncLLM, EngineDeadError, StepInfo
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from kserve_paged_engine.async_llm import AsyncLLM, EngineDeadError, StepInfo
+from kserve_paged_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kserve_paged_engine.sampling_params import SamplingParams
 
 
 class FakeEngine:
@@ -231,7 +231,7 @@ def test_engine_failure_fails_requests_and_marks_unhealthy():
 
 
 def test_a_fatal_report_from_another_thread_fails_the_engine_even_while_idle():
-    """What a dead tensor-parallel worker does (engine/worker/tp_executor.py): the engine's
+    """What a dead tensor-parallel worker does (engine/kserve_paged_engine/worker/tp_executor.py): the engine's
     `on_fatal` callback, called from the watchdog thread, fails everything in flight and the
     engine stays unhealthy, whether or not a step is running."""
     class WatchedEngine(FakeEngine):
@@ -328,7 +328,7 @@ def test_shutdown_fails_in_flight_requests():
 @pytest.mark.slow
 def test_real_engine_matches_offline_llm():
     """The tiny real engine: streamed greedy output equals LLM.generate's."""
-    from engine import LLM, EngineConfig
+    from kserve_paged_engine import LLM, EngineConfig
 
     opts = {"max_model_len": 256, "num_kv_blocks": 64}
     prompts = ["The capital of France is", "1, 2, 3,"]

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.model_executor.model_facts import describe_folder
 from kserve_paged.plan import Plan, keda_target, make_plan, parse_device
+from kserve_paged_engine.model_executor.model_facts import describe_folder
 from tests.helpers import manifests as h
 from tests.helpers import monitoring_checks as mon
 

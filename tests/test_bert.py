@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM
+from kserve_paged_engine import LLM
 from tests.helpers.tiny_models import save_cross_encoder
 
 SENTENCES = [

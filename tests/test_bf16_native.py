@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model_executor.layers import Linear
-from engine.model_executor.model_loader import load_model
-from kernels import cpu_native
-from kernels.cpu_native import ops, ops_gemma
+from kserve_paged_engine.model_executor.layers import Linear
+from kserve_paged_engine.model_executor.model_loader import load_model
+from kserve_paged_kernels import cpu_native
+from kserve_paged_kernels.cpu_native import ops, ops_gemma
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
 
 # Past Gemma's window of 8; 37 tokens: a prefill run for the bf16 tiles (head_dim 64 configs).

@@ -1,4 +1,4 @@
-"""Prefix-cache block keys against vLLM's definition (engine/core/block_hash.py).
+"""Prefix-cache block keys against vLLM's definition (engine/kserve_paged_engine/core/block_hash.py).
 
 The expected values are computed here from the definition itself, with hashlib, pickle and cbor2
 (and, for one block, CBOR bytes written out by hand), never with the engine's hasher: a key is
@@ -14,9 +14,9 @@ import pickle
 import cbor2
 import pytest
 
-from engine.core.block_hash import BlockHasher, external_block_hash
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.lora.request import LoRARequest
+from kserve_paged_engine.core.block_hash import BlockHasher, external_block_hash
+from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
+from kserve_paged_engine.lora.request import LoRARequest
 from tests.helpers.core import make_request
 
 SEED = "42"
@@ -106,8 +106,8 @@ def test_events_carry_the_low_64_bits():
 
 
 def test_unknown_algorithm_is_refused():
-    from engine.config import EngineConfig
     from kserve_paged.args import parse_args
+    from kserve_paged_engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
         BlockHasher("xxhash")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.core.block_hash import BlockHasher
-from engine.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from kserve_paged_engine.core.block_hash import BlockHasher
+from kserve_paged_engine.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 hash_block = BlockHasher()  # keys as the KV manager makes them (tests/test_block_hash.py)
 

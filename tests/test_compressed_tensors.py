@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from engine.model_executor import compressed_tensors  # noqa: E402
-from engine.model_executor.model_loader import load_model  # noqa: E402
-from engine.model_executor.quantization import projections  # noqa: E402
-from kernels import int4_layouts, quant_linear  # noqa: E402
+from kserve_paged_engine.model_executor import compressed_tensors  # noqa: E402
+from kserve_paged_engine.model_executor.model_loader import load_model  # noqa: E402
+from kserve_paged_engine.model_executor.quantization import projections  # noqa: E402
+from kserve_paged_kernels import int4_layouts, quant_linear  # noqa: E402
 from tests.helpers.int4_packing import IN_ORDER, pack_along, read_checkpoint  # noqa: E402
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint  # noqa: E402
 from tests.kernels.interpreted import run_calls  # noqa: E402
@@ -125,7 +125,7 @@ def test_checkpoint_served_as_stored_where_a_layout_holds_it(
     monkeypatch.setattr(compressed_tensors, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     folder = write(float_checkpoint, tmp_path, scheme)
     reference, _ = load_model(folder / "float", torch.float32, CPU)
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO, logger="kserve_paged_engine"):
         kept, _ = load_model(folder, torch.float32, CPU)
     assert "quantization compressed-tensors (checkpoint)" in caplog.text
     assert ("activations (int 8 token): they stay float here (this CPU has no VNNI"
@@ -155,7 +155,7 @@ def test_cuda_gets_the_stored_form_for_the_triton_gemms(
         kept[name] = weight
     name = "model.layers.1.self_attn.qkv_proj"
     x = torch.randn(4, kept[name].in_features)
-    ((got, _),) = run_calls([("kernels.quant_linear", "matmul", (x, kept[name]), {})], tmp_path)
+    ((got, _),) = run_calls([("kserve_paged_kernels.quant_linear", "matmul", (x, kept[name]), {})], tmp_path)
     torch.testing.assert_close(got, x @ dict(projections(reference))[name].weight.t(),
                                atol=1e-4, rtol=1e-5)
 

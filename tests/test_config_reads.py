@@ -1,4 +1,4 @@
-"""config.json fields the engine ignores are listed at start-up (engine/model_executor/config_reads.py)."""
+"""config.json fields the engine ignores are listed at start-up (engine/kserve_paged_engine/model_executor/config_reads.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from engine.model_executor.config_reads import ignored_fields, recording_reads
-from engine.model_executor.model_loader import load_model
-from engine.model_executor.models import MODEL_REGISTRY, architecture_of
+from kserve_paged_engine.model_executor.config_reads import ignored_fields, recording_reads
+from kserve_paged_engine.model_executor.model_loader import load_model
+from kserve_paged_engine.model_executor.models import MODEL_REGISTRY, architecture_of
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
@@ -55,7 +55,7 @@ def test_unread_fields_are_listed_at_load_and_off_or_inert_ones_are_not(tmp_path
     _saved(tmp_path, "LlamaForCausalLM", {"attn_temperature_tuning": True, "use_cache": True,
                                           "experimental_off_switch": False,
                                           "rope_interleaved_experiment": True})
-    with caplog.at_level(logging.WARNING, logger="engine"):
+    with caplog.at_level(logging.WARNING, logger="kserve_paged_engine"):
         load_model(tmp_path, torch.float32, torch.device("cpu"), load_format="dummy")
     lines = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
     assert lines == ["config.json fields this engine ignores (they change nothing here): "
@@ -72,7 +72,7 @@ def test_a_quantization_config_not_read_is_refused_not_ignored(tmp_path):
 
 def test_a_config_the_model_reads_whole_logs_nothing(tmp_path, caplog):
     _saved(tmp_path, "LlamaForCausalLM")
-    with caplog.at_level(logging.WARNING, logger="engine"):
+    with caplog.at_level(logging.WARNING, logger="kserve_paged_engine"):
         load_model(tmp_path, torch.float32, torch.device("cpu"), load_format="dummy")
     assert not [r for r in caplog.records if "ignores" in r.getMessage()]
 

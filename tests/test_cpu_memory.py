@@ -1,4 +1,4 @@
-"""engine.worker.cpu_memory: huge-page KV storage, glibc tuning, re-exec with tcmalloc."""
+"""kserve_paged_engine.worker.cpu_memory: huge-page KV storage, glibc tuning, re-exec with tcmalloc."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from engine.worker.cpu_memory import (
+from kserve_paged_engine.worker.cpu_memory import (
     find_tcmalloc,
     hugepage_zeros,
     prefault_bytes,
@@ -40,7 +40,7 @@ def test_tune_glibc_malloc_runs_and_allocation_still_works() -> None:
     assert torch.ones(1 << 22).sum() == float(1 << 22)
 
 
-_PROBE = ("from engine.worker.cpu_memory import reexec_with_tcmalloc; reexec_with_tcmalloc(); "
+_PROBE = ("from kserve_paged_engine.worker.cpu_memory import reexec_with_tcmalloc; reexec_with_tcmalloc(); "
           "print(any('tcmalloc' in line for line in open('/proc/self/maps')))")
 
 

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from engine.worker.cuda_graphs import (
+import kserve_paged_kernels as kernels
+from kserve_paged_engine.worker.cuda_graphs import (
     GraphBuffers,
     RecordReplay,
     capture_sizes,
     padded_size,
 )
-from kernels.reference import paged_attention_ref
+from kserve_paged_kernels.reference import paged_attention_ref
 from tests.kernels.interpreted import run_calls
 
 
@@ -93,7 +93,7 @@ def test_padded_rows_attend_to_exactly_zero_in_the_triton_kernel(tmp_path: Path)
     even when the scratch memory holds NaN (the child's float32 `torch.empty` is poisoned)."""
     query, cache, meta, real = _padded_attention_inputs(1)
     calls = [("tests.kernels.interpreted", "poison_empty", (), {})]
-    calls += [("kernels.triton_backend", "paged_attention_triton",
+    calls += [("kserve_paged_kernels.triton_backend", "paged_attention_triton",
               (query, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.25),
               {"max_seq_len": 16, "max_query_len": 1, "num_splits": splits})
              for splits in (1, 4)]
@@ -109,7 +109,7 @@ def test_replayed_decode_gives_the_eager_tokens(tmp_path: Path, max_num_seqs: in
     """Three requests of different lengths (a padded size-4 step, then size 2 and 1 as they
     finish): the stand-in's replays give what the eager engine gives, every decode step is a
     replay, and prefill is not."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
     from tests.helpers.tiny_models import CONFIGS, save_checkpoint, save_tokenizer
 
     path, _ = save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path)

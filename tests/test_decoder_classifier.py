@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM
+from kserve_paged_engine import LLM
 from tests.helpers.tiny_models import CONFIGS, VOCAB, save_decoder_classifier
 
 PROMPTS = [[(5 * i + 3 * j) % (VOCAB - 2) + 2 for j in range(n)]
@@ -42,8 +42,8 @@ def test_a_classifier_cannot_be_served_to_generate(tmp_path):
 def test_start_up_dummy_steps_run_on_a_decoder_classifier(tmp_path):
     """The CUDA warm-up and the profile run's dummy steps (run here on CPU) skip the LM head a
     pooling model does not have, instead of failing at start-up."""
-    from engine.worker.profile_run import largest_step
-    from engine.worker.warmup import warm_up
+    from kserve_paged_engine.worker.profile_run import largest_step
+    from kserve_paged_engine.worker.warmup import warm_up
 
     save_decoder_classifier(CONFIGS["qwen3_qk_norm"], tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", num_kv_blocks=64,

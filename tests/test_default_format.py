@@ -1,4 +1,4 @@
-"""Which form of a packaged model an engine config serves (engine/startup.py): the default model
+"""Which form of a packaged model an engine config serves (engine/kserve_paged_engine/startup.py): the default model
 from its GGUF, 4-bit, when neither --dtype nor --quantization says otherwise; its dense float32
 conversion for an explicit dtype. Config resolution only: nothing is converted or loaded."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import default_model, startup
-from engine.config import EngineConfig
+from kserve_paged_engine import default_model, startup
+from kserve_paged_engine.config import EngineConfig
 
 
 @pytest.mark.parametrize(("kwargs", "device", "expected"), [
@@ -47,7 +47,7 @@ def test_default_model_folder_follows_the_format(
         return Path(f"/cache/{model_id}{'-gguf' if gguf_folder else ''}")
 
     monkeypatch.setattr(default_model, "ensure_model", fake_ensure)
-    caplog.set_level("INFO", logger="engine")
+    caplog.set_level("INFO", logger="kserve_paged_engine")
     path, quant = startup.resolve_model(EngineConfig(**kwargs), "cpu")
     assert calls == [(default_model.DEFAULT_MODEL_ID, gguf_folder)]
     assert quant == quantization and path.endswith("-gguf") == gguf_folder
@@ -68,7 +68,7 @@ def test_a_path_is_served_as_given(tmp_path: Path) -> None:
 def test_auto_activations_of_a_4_bit_gguf(monkeypatch: pytest.MonkeyPatch, requested: str,
                                           quantization: str | None, native_bf16: bool,
                                           expected: torch.dtype) -> None:
-    from kernels import quant_linear
+    from kserve_paged_kernels import quant_linear
 
     monkeypatch.setattr(quant_linear, "native_for",
                         lambda dtype: dtype == torch.float32 or native_bf16)

@@ -14,9 +14,9 @@ import tokenizers
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from engine.default_model import ensure_default_model
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams as SP
+from kserve_paged_engine.default_model import ensure_default_model
+from kserve_paged_engine.detokenizer import IncrementalDetokenizer
+from kserve_paged_engine.sampling_params import SamplingParams as SP
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

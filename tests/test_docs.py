@@ -59,10 +59,10 @@ def test_every_path_the_docs_name_exists() -> None:
 
 
 def test_the_path_check_sees_a_missing_path() -> None:
-    assert named_paths("see `engine/no_such_file.py`, and engine/core/ here") == {
-        "engine/no_such_file.py", "engine/core/"}
-    assert named_paths("engine/core/kv_sizing.kv_budget_bytes, e2e/test_*.py") == {
-        "engine/core/kv_sizing.py"}
+    assert named_paths("see `engine/no_such_file.py`, and engine/kserve_paged_engine/core/ here") == {
+        "engine/no_such_file.py", "engine/kserve_paged_engine/core/"}
+    assert named_paths("engine/kserve_paged_engine/core/kv_sizing.kv_budget_bytes, e2e/test_*.py") == {
+        "engine/kserve_paged_engine/core/kv_sizing.py"}
 
 
 def entered_files(entered: set[str]):
@@ -79,9 +79,9 @@ def entered_files(entered: set[str]):
 
 @pytest.mark.slow
 def test_a_streamed_chat_completion_enters_only_files_the_trace_names() -> None:
-    from engine.config import EngineConfig
-    from engine.default_model import ensure_default_model
-    from engine.llm_engine import LLMEngine
+    from kserve_paged_engine.config import EngineConfig
+    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.llm_engine import LLMEngine
 
     path = str(ensure_default_model(progress=lambda _: None))
     app, model = build(factory=lambda: LLMEngine(EngineConfig(
@@ -109,6 +109,6 @@ def test_a_streamed_chat_completion_enters_only_files_the_trace_names() -> None:
 
     body = asyncio.run(asyncio.wait_for(main(), 600))  # loading the model takes a while
     assert body.rstrip().endswith("data: [DONE]")
-    assert {"engine/core/scheduler.py", "kserve_paged/openai/chat.py"} <= entered
+    assert {"engine/kserve_paged_engine/core/scheduler.py", "kserve_paged/openai/chat.py"} <= entered
     unnamed = sorted(entered - named_paths(trace_section()))
     assert unnamed == [], f"entered but not in docs/architecture.md's trace: {unnamed}"

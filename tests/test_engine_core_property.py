@@ -13,8 +13,8 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.core.kv_events import BlockRemoved, BlockStored
-from engine.core.request import RequestStatus
+from kserve_paged_engine.core.kv_events import BlockRemoved, BlockStored
+from kserve_paged_engine.core.request import RequestStatus
 from tests.helpers.core import make_request, make_scheduler
 
 BS = 4
@@ -41,7 +41,7 @@ op_strategy = st.one_of(
 
 
 def apply_events(pool, mirror: dict[bytes, int]) -> None:
-    """A router's index rebuilt from the pool's KV-cache events (engine/core/kv_events.py): each
+    """A router's index rebuilt from the pool's KV-cache events (engine/kserve_paged_engine/core/kv_events.py): each
     hash stored once while not announced, removed once while announced."""
     for event in pool.take_events():
         if isinstance(event, BlockStored):

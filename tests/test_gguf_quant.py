@@ -16,11 +16,11 @@ from gguf.quants import dequantize
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from engine.model_executor import gguf_blocks  # noqa: E402
-from engine.model_executor.layers import Linear  # noqa: E402
-from engine.model_executor.model_loader import load_model  # noqa: E402
-from engine.model_executor.quantization import Int8Embedding, projections  # noqa: E402
-from kernels import quant_linear  # noqa: E402
+from kserve_paged_engine.model_executor import gguf_blocks  # noqa: E402
+from kserve_paged_engine.model_executor.layers import Linear  # noqa: E402
+from kserve_paged_engine.model_executor.model_loader import load_model  # noqa: E402
+from kserve_paged_engine.model_executor.quantization import Int8Embedding, projections  # noqa: E402
+from kserve_paged_kernels import quant_linear  # noqa: E402
 from tests.helpers import tiny_gguf  # noqa: E402
 from tests.helpers.tiny_models import greedy  # noqa: E402
 
@@ -189,7 +189,7 @@ def test_gguf_in_bf16_close_to_the_dequantized_bf16_model(tmp_path: Path) -> Non
     (its scales rounded to bf16, the Q8_0 vocabulary re-quantized per row). Where the bf16
     decoder stack is built it equals the per-layer modules bit for bit; elsewhere it says
     why."""
-    from kernels import cpu_native
+    from kserve_paged_kernels import cpu_native
 
     path = tiny_gguf.write(tmp_path / "m.gguf", dict.fromkeys(ALL_PROJECTIONS, QT.Q4_1),
                            vocab=QT.Q8_0)
@@ -248,13 +248,13 @@ def _old_two_read_groups(path: Path, config: object) -> dict[str, tuple[torch.Te
 
 
 def test_one_read_gives_the_two_read_paths_groups_and_floats(tmp_path: Path) -> None:
-    """The file read once (engine/model_executor/gguf_read.py) gives each 4-bit projection the
+    """The file read once (engine/kserve_paged_engine/model_executor/gguf_read.py) gives each 4-bit projection the
     very codes, scales and minimums (so the very packed weight) the old two-read path found, in
     the same row order (q and k permuted back), and the float tensors transformers gives."""
     from transformers import AutoConfig
 
-    from engine.model_executor import gguf_read
-    from engine.model_executor.model_loader import _expected_weights
+    from kserve_paged_engine.model_executor import gguf_read
+    from kserve_paged_engine.model_executor.model_loader import _expected_weights
 
     path = tiny_gguf.write(tmp_path / "m.gguf", dict.fromkeys(ALL_PROJECTIONS, QT.Q4_K))
     config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
@@ -281,7 +281,7 @@ def test_one_read_gives_the_two_read_paths_groups_and_floats(tmp_path: Path) -> 
 def test_start_up_log_names_each_kind_of_projection(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     types, vocab, _ = CASES["mixed-q8_0-vocab"]
-    caplog.set_level("INFO", logger="engine")
+    caplog.set_level("INFO", logger="kserve_paged_engine")
     load_model(tiny_gguf.write(tmp_path / "m.gguf", types, vocab=vocab), torch.float32, CPU,
                quantization="gguf")
     line = next(r.getMessage() for r in caplog.records if "decoder projections" in

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from engine.sample.grammar_worker import CompileWorker, GrammarCompileTimeout
-from engine.sampling_params import StructuredOutputs
+from kserve_paged_engine.sample.grammar_worker import CompileWorker, GrammarCompileTimeout
+from kserve_paged_engine.sampling_params import StructuredOutputs
 
 pytestmark = pytest.mark.slow  # each child imports xgrammar: seconds per start
 

@@ -4,7 +4,7 @@
 worker, tests/helpers/gpu_path_worker.py: Triton interpreted without CUDA) and counts, by call site, every host read of a tensor
 (`.item()`, `.tolist()`, `bool()`, ...) and pageable `torch.tensor(list, device=)` the
 project's code makes in the device part of one step (tests/helpers/host_reads.py). The count
-is held at one: the read-back of the sampled ids (engine/model_executor/host_io.py), in
+is held at one: the read-back of the sampled ids (engine/kserve_paged_engine/model_executor/host_io.py), in
 prefill, decode, an n=2 fork's copy-on-write, Mixtral's routed experts and top-p sampling.
 """
 
@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model_executor.host_io import ReadBack, upload
-from engine.sample.sampler import Sampler, make_generator
-from engine.sampling_params import SamplingParams
+from kserve_paged_engine.model_executor.host_io import ReadBack, upload
+from kserve_paged_engine.sample.sampler import Sampler, make_generator
+from kserve_paged_engine.sampling_params import SamplingParams
 from tests.helpers.gpu_path_worker import GpuPathWorker
 from tests.helpers.host_reads import host_reads
 
-READ_BACK = "engine/model_executor/host_io.py"
+READ_BACK = "engine/kserve_paged_engine/model_executor/host_io.py"
 
 
 CASES = ["prefill", "decode", "fork", "moe", "sampled"]
@@ -43,7 +43,7 @@ def test_the_counter_sees_project_reads_and_uploads_only() -> None:
     with host_reads() as reads:
         assert ReadBack().tokens(t) == [0, 1, 2, 3]  # a project file's tolist: counted
         assert int(t.sum()) == 6 and t.tolist()  # this test's own reads: not counted
-        import engine.sample.draw as draw
+        import kserve_paged_engine.sample.draw as draw
 
         vals = torch.tensor([[0.5, 0.3, 0.2]])
         one = torch.ones(1)
@@ -51,8 +51,8 @@ def test_the_counter_sees_project_reads_and_uploads_only() -> None:
         draw.cutoffs(vals, torch.zeros(1, dtype=torch.long), one * 0.5, one * 0, True,
                      any_p=True)  # told on the host: no read
     where = sorted((site.split(":")[0], site.split()[-1]) for site in reads.sites)
-    assert where == [("engine/model_executor/host_io.py", "tolist"),
-                     ("engine/sample/draw.py", "bool")]
+    assert where == [("engine/kserve_paged_engine/model_executor/host_io.py", "tolist"),
+                     ("engine/kserve_paged_engine/sample/draw.py", "bool")]
 
 
 def test_upload_keeps_values_and_dtype() -> None:

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from engine import limits
-from engine.sampling_params import SamplingParams, StructuredOutputs
+from kserve_paged_engine import limits
+from kserve_paged_engine.sampling_params import SamplingParams, StructuredOutputs
 from tests.helpers.hostile_requests import SLOW_REGEX
 
 
@@ -73,7 +73,7 @@ def test_ten_thousand_tools_and_deep_tool_schemas_are_400s_at_once():
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from engine.default_model import ensure_default_model
+    from kserve_paged_engine.default_model import ensure_default_model
 
     return AutoTokenizer.from_pretrained(ensure_default_model(progress=lambda _: None))
 
@@ -82,8 +82,8 @@ def tokenizer():
 def test_a_compile_past_the_deadline_is_killed_and_fails_only_itself(tokenizer):
     """Long because it times one slow compile in the worker process, then checks that the
     worker restarts for the next constraint and that the slow one stays refused."""
-    from engine.sample.grammar_worker import GrammarCompileTimeout
-    from engine.sample.structured_output import GrammarCompiler
+    from kserve_paged_engine.sample.grammar_worker import GrammarCompileTimeout
+    from kserve_paged_engine.sample.structured_output import GrammarCompiler
 
     compiler = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id], timeout_s=3.0)
     try:
@@ -108,7 +108,7 @@ def test_a_compile_past_the_deadline_is_killed_and_fails_only_itself(tokenizer):
 
 @pytest.mark.slow
 def test_the_compile_cache_is_bounded_in_bytes(tokenizer):
-    from engine.sample.structured_output import GrammarCompiler
+    from kserve_paged_engine.sample.structured_output import GrammarCompiler
 
     compiler = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id])
     one = compiler.submit(StructuredOutputs(json={"type": "object", "title": "0"})).result()
@@ -125,8 +125,8 @@ def test_the_compile_cache_is_bounded_in_bytes(tokenizer):
 
 @pytest.mark.slow
 def test_a_grammar_that_matches_nothing_fails_its_request_with_400():
-    from engine.default_model import ensure_default_model
-    from engine.llm import LLM
+    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.llm import LLM
 
     llm = LLM(model=str(ensure_default_model(progress=lambda _: None)), num_kv_blocks=64,
               max_model_len=256, dtype="float32", max_grammar_compile_s=30.0)
@@ -152,7 +152,7 @@ def test_a_compile_done_before_its_callback_is_added_does_not_hang_the_caller():
     import concurrent.futures
     import threading
 
-    from engine.sample.structured_output import GrammarCompiler
+    from kserve_paged_engine.sample.structured_output import GrammarCompiler
 
     class SyncPool:
         def submit(self, fn, *args):

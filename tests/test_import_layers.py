@@ -19,14 +19,14 @@ from tests.helpers.import_graph import circles, import_graph, project_files
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("server", ("kserve_paged/",)),
     ("front", ("engine/",)),
-    ("speculation", ("engine/spec_decode/",)),
-    ("worker", ("engine/worker/",)),
-    ("core", ("engine/core/",)),
-    ("sample", ("engine/sample/",)),
-    ("model_executor", ("engine/model_executor/", "engine/lora/")),
-    ("shared", ("engine/distributed/", "engine/sampling_params.py", "engine/pooling_params.py",
-                "engine/limits.py",
-                "engine/outputs.py")),
+    ("speculation", ("engine/kserve_paged_engine/spec_decode/",)),
+    ("worker", ("engine/kserve_paged_engine/worker/",)),
+    ("core", ("engine/kserve_paged_engine/core/",)),
+    ("sample", ("engine/kserve_paged_engine/sample/",)),
+    ("model_executor", ("engine/kserve_paged_engine/model_executor/", "engine/kserve_paged_engine/lora/")),
+    ("shared", ("engine/kserve_paged_engine/distributed/", "engine/kserve_paged_engine/sampling_params.py", "engine/kserve_paged_engine/pooling_params.py",
+                "engine/kserve_paged_engine/limits.py",
+                "engine/kserve_paged_engine/outputs.py")),
     ("kernels", ("kernels/",)),
 ]
 RANK = {name: len(LAYERS) - i for i, (name, _) in enumerate(LAYERS)}
@@ -62,9 +62,9 @@ def test_lower_packages_never_import_upper_ones(lower: str, upper: str) -> None:
 
 
 def test_the_runner_knows_no_other_process() -> None:
-    """Tensor parallelism is the executor's business (engine/worker/tp_executor.py)."""
-    assert [i.target for i in GRAPH["engine/worker/model_runner.py"]
-            if i.target.startswith("engine/distributed/")] == []
+    """Tensor parallelism is the executor's business (engine/kserve_paged_engine/worker/tp_executor.py)."""
+    assert [i.target for i in GRAPH["engine/kserve_paged_engine/worker/model_runner.py"]
+            if i.target.startswith("engine/kserve_paged_engine/distributed/")] == []
 
 
 def test_no_circles() -> None:
@@ -76,7 +76,7 @@ def test_the_checks_see_an_upward_import_and_a_circle() -> None:
     from tests.helpers.import_graph import Import
 
     planted = dict(GRAPH)
-    planted["kernels/settings.py"] = [*GRAPH["kernels/settings.py"],
-                                      Import("kernels/settings.py", "engine/llm.py", 1)]
-    assert RANK[layer_of("engine/llm.py")] > RANK[layer_of("kernels/settings.py")]
-    assert any("kernels/settings.py" in group for group in circles(planted))
+    planted["kernels/kserve_paged_kernels/settings.py"] = [*GRAPH["kernels/kserve_paged_kernels/settings.py"],
+                                      Import("kernels/kserve_paged_kernels/settings.py", "engine/kserve_paged_engine/llm.py", 1)]
+    assert RANK[layer_of("engine/kserve_paged_engine/llm.py")] > RANK[layer_of("kernels/kserve_paged_kernels/settings.py")]
+    assert any("kernels/kserve_paged_kernels/settings.py" in group for group in circles(planted))

@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from engine.model_executor import int4_checkpoints  # noqa: E402
-from engine.model_executor.model_loader import load_model  # noqa: E402
-from engine.model_executor.quantization import projections  # noqa: E402
-from kernels import int4_layouts, quant_linear  # noqa: E402
+from kserve_paged_engine.model_executor import int4_checkpoints  # noqa: E402
+from kserve_paged_engine.model_executor.model_loader import load_model  # noqa: E402
+from kserve_paged_engine.model_executor.quantization import projections  # noqa: E402
+from kserve_paged_kernels import int4_layouts, quant_linear  # noqa: E402
 from tests.helpers.int4_packing import checkpoint_parts, int32_words, read_checkpoint  # noqa: E402
 from tests.helpers.tiny_models import CONFIGS, greedy, save_checkpoint  # noqa: E402
 from tests.kernels.interpreted import run_calls  # noqa: E402
@@ -79,7 +79,7 @@ def test_checkpoint_served_with_its_own_codes(float_checkpoint: Path, tmp_path: 
                                               method: str) -> None:
     folder = _write(float_checkpoint, tmp_path, method)
     reference, _ = load_model(folder / "float", torch.float32, CPU)
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO, logger="kserve_paged_engine"):
         kept, _ = load_model(folder, torch.float32, CPU)  # no flag: the checkpoint says
     assert f"quantization {method} (checkpoint): decoder projections" in caplog.text
     floats = dict(projections(reference))
@@ -98,7 +98,7 @@ def test_activation_order_gptq_is_served_dequantized_and_said(
         float_checkpoint: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     folder = _write(float_checkpoint, tmp_path, "gptq", act_order=True)
     reference, _ = load_model(folder / "float", torch.float32, CPU)
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO, logger="kserve_paged_engine"):
         kept, _ = load_model(folder, torch.float32, CPU, quantization="gptq")
     assert "dequantized: groups the packed kernel cannot read" in caplog.text
     assert all(linear.quant is None for _, linear in projections(kept))
@@ -148,6 +148,6 @@ def test_words_kept_as_stored_for_the_triton_gemm(float_checkpoint: Path, tmp_pa
         kept[name] = weight
     name = "model.layers.0.mlp.gate_up_proj" if not act_order else "model.layers.0.mlp.down_proj"
     x = torch.randn(3, kept[name].in_features)
-    ((got, _),) = run_calls([("kernels.quant_linear", "matmul", (x, kept[name]), {})], tmp_path)
+    ((got, _),) = run_calls([("kserve_paged_kernels.quant_linear", "matmul", (x, kept[name]), {})], tmp_path)
     torch.testing.assert_close(got, x @ dict(projections(reference))[name].weight.t(),
                                atol=1e-4, rtol=1e-5)

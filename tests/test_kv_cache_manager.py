@@ -2,7 +2,7 @@
 
 import random
 
-from engine.core.request import RequestStatus
+from kserve_paged_engine.core.request import RequestStatus
 from tests.helpers.core import fake_step, make_request, make_scheduler, run_to_completion
 
 BS = 16

@@ -1,4 +1,4 @@
-"""KV-cache events (engine/core/kv_events.py) received by a plain ZMQ subscriber.
+"""KV-cache events (engine/kserve_paged_engine/core/kv_events.py) received by a plain ZMQ subscriber.
 
 The subscriber keeps a mirror of the publishing engine's prefix-cache index from nothing but the
 messages: BlockStored adds hashes, BlockRemoved takes them away, AllBlocksCleared empties it.
@@ -17,9 +17,9 @@ import msgpack
 import pytest
 import zmq
 
-from engine.core.block_hash import external_block_hash
-from engine.core.kv_event_publisher import ZmqEventPublisher
-from engine.core.kv_events import KVEventsConfig
+from kserve_paged_engine.core.block_hash import external_block_hash
+from kserve_paged_engine.core.kv_event_publisher import ZmqEventPublisher
+from kserve_paged_engine.core.kv_events import KVEventsConfig
 from tests.helpers.core import fake_step, make_request, make_scheduler
 
 TOPIC = "kv@test-pod@smol"
@@ -165,8 +165,8 @@ def test_stored_event_carries_the_chain():
 def test_wire_hashes_are_64_bit_ints_or_vllms_raw_bytes(monkeypatch):
     """vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: unset or 1, the low 64 bits; 0, the 32
     bytes; a LoRA request's BlockStored names its adapter by lora_int_id."""
-    from engine.core.kv_events import encode_batch, int_hashes_from_env
-    from engine.lora.request import LoRARequest
+    from kserve_paged_engine.core.kv_events import encode_batch, int_hashes_from_env
+    from kserve_paged_engine.lora.request import LoRARequest
 
     sched = make_scheduler(num_blocks=16, block_size=4)
     sched.kv.pool.record_events()
@@ -205,7 +205,7 @@ def test_bad_config_is_refused(text, message):
 
 
 def test_bind_or_connect_follows_vllms_rule():
-    from engine.core.kv_event_publisher import binds
+    from kserve_paged_engine.core.kv_event_publisher import binds
 
     assert binds("tcp://*:5557") and binds("ipc:///tmp/kv") and binds("tcp://0.0.0.0:5557")
     assert not binds("tcp://paged-llm-epp-service.ns.svc.cluster.local:5557")
@@ -239,10 +239,10 @@ def test_engine_publishes_through_the_server_flag(tmp_path, monkeypatch):
     sha256_cbor and PYTHONHASHSEED: prefix hits, evictions under a small cache, and a reset;
     the mirror matches the engine's index after every step, and a scorer that knows only the
     prompt's tokens, the seed and the block size finds every full prompt block by its own keys."""
-    from engine.default_model import ensure_default_model
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
     from kserve_paged.args import engine_kwargs, parse_args
+    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.llm_engine import LLMEngine
+    from kserve_paged_engine.sampling_params import SamplingParams
 
     seed, bs = "1337", 8
     monkeypatch.setenv("PYTHONHASHSEED", seed)
@@ -252,7 +252,7 @@ def test_engine_publishes_through_the_server_flag(tmp_path, monkeypatch):
                        "--kv_events_config",
                        f'{{"enable_kv_cache_events": true, "publisher": "zmq", '
                        f'"endpoint": "{endpoint}", "topic": "{TOPIC}"}}'])
-    from engine.config import EngineConfig
+    from kserve_paged_engine.config import EngineConfig
 
     engine = LLMEngine(EngineConfig(model=str(ensure_default_model(progress=lambda _: None)),
                                     **engine_kwargs(args)))

@@ -5,9 +5,9 @@ import zlib
 import pytest
 import torch
 
-from engine.core.request import RequestStatus
-from kernels import cpu_native
-from kernels.block_copy import copy_blocks, copy_blocks_ref
+from kserve_paged_engine.core.request import RequestStatus
+from kserve_paged_kernels import cpu_native
+from kserve_paged_kernels.block_copy import copy_blocks, copy_blocks_ref
 from tests.helpers.core import fake_step, make_request, make_scheduler
 
 BS = 16

@@ -1,12 +1,12 @@
-"""KV groups (engine/core/kv_groups.py): global and sliding-window layers with their own block tables
+"""KV groups (engine/kserve_paged_engine/core/kv_groups.py): global and sliding-window layers with their own block tables
 from one pool; the block accounting of a Gemma-style model serving requests past its window."""
 
 from __future__ import annotations
 
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_groups import kv_layout
-from engine.core.preemption import num_reclaimable
-from engine.core.scheduler import Scheduler, SchedulerConfig
+from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
+from kserve_paged_engine.core.kv_groups import kv_layout
+from kserve_paged_engine.core.preemption import num_reclaimable
+from kserve_paged_engine.core.scheduler import Scheduler, SchedulerConfig
 from tests.helpers.core import fake_step, make_request
 
 GEMMA3 = ([512] * 5 + [None]) * 2  # 5 local : 1 global, 12 layers

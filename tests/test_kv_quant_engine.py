@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.model_executor.model_facts import describe_folder
-from engine.model_executor.model_loader import load_model
-from kernels.kv_quant import QMAX, QuantKV, storage_dtype
+from kserve_paged_engine.config import EngineConfig
+from kserve_paged_engine.model_executor.model_facts import describe_folder
+from kserve_paged_engine.model_executor.model_loader import load_model
+from kserve_paged_kernels.kv_quant import QMAX, QuantKV, storage_dtype
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
 
 # Max |logit error| (logits span about +-3 to +-5) and greedy choices kept of 18, with
@@ -75,7 +75,7 @@ def test_tiny_model_logits_stay_close_to_float32_kv(name: str, tmp_path: Path) -
 def test_llm_serves_with_an_int8_cache_without_leaking(tmp_path: Path) -> None:
     """The engine path: sized, allocated as QuantKV, copy-on-write (n=2) and prefix hits, and
     every block back at the end."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
     from tests.helpers.tiny_models import save_tokenizer
 
     path, _ = save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path)
@@ -116,7 +116,7 @@ def test_block_count_doubles_against_bf16_and_quadruples_against_fp32(fmt: str) 
 
 
 def test_engine_start_up_sizing_counts_one_byte_and_the_scales(tmp_path: Path) -> None:
-    from engine import startup
+    from kserve_paged_engine import startup
 
     path, _ = save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path)
     model = load_model(path, torch.float32, torch.device("cpu"))[0]

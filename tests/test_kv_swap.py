@@ -1,4 +1,4 @@
-"""Preemption by swap (engine/core/kv_swap.py): a victim's KV, partial last block included,
+"""Preemption by swap (engine/kserve_paged_engine/core/kv_swap.py): a victim's KV, partial last block included,
 written to the second tier when it is preempted and restored when it resumes, so it continues
 token for token as if it had never been preempted; the cost model recomputes when copying is
 slower than prefill; a tier that cannot hold the blocks, or whose writes fail, recomputes and
@@ -9,7 +9,7 @@ restores the very bytes the victim computed, so its continuation is the one of a
 never preempted, in float32 and bfloat16 alike (the two prompts on a pool that holds both).
 That reference batches the victim's later steps with the other request where the swapped run
 computes them alone: the native kernels sum each row in an order that does not depend on the
-batch's other rows, at every ISA level (kernels/csrc/gemm_bf16.c), as the float32 tests of
+batch's other rows, at every ISA level (kernels/kserve_paged_kernels/csrc/gemm_bf16.c), as the float32 tests of
 preemption already rely on.
 """
 
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import SamplingParams
-from engine.core.kv_swap import Swapper
-from engine.core.kv_tier import KVTier
-from engine.core.measured_rate import MeasuredRate
+from kserve_paged_engine import SamplingParams
+from kserve_paged_engine.core.kv_swap import Swapper
+from kserve_paged_engine.core.kv_tier import KVTier
+from kserve_paged_engine.core.measured_rate import MeasuredRate
 from tests.test_kv_tier import FLOODS, PROMPT, dirs, engine  # noqa: F401 - dirs: a fixture
 
 LONG = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
@@ -67,7 +67,7 @@ def test_a_swapped_request_continues_as_if_never_preempted(dirs, never_preempted
                                                           tmp_path, dtype, caplog):
     llm = engine(dirs, dtype, tmp_path)
     stub_rates(llm, prefill=10.0)  # a slow prefill: every preemption swaps
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO, logger="kserve_paged_engine"):
         assert generate(llm) == never_preempted[dtype]
     s = llm.stats()
     assert s["num_preemptions"] > 0 and s["kv_swap_outs"] == s["num_preemptions"]
@@ -86,7 +86,7 @@ def test_slow_copies_make_the_cost_model_recompute(dirs, never_preempted, tmp_pa
     other request's growth evicted them); only the rest is computed."""
     llm = engine(dirs, "float32", tmp_path)
     stub_rates(llm, write=1e3)  # a disk of 1 kB/s
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO, logger="kserve_paged_engine"):
         assert generate(llm) == never_preempted["float32"]
     s = llm.stats()
     assert s["num_preemptions"] > 0 and s["kv_swap_outs"] == 0
@@ -99,7 +99,7 @@ def test_slow_copies_make_the_cost_model_recompute(dirs, never_preempted, tmp_pa
 def failing_writes(monkeypatch, gate: threading.Event | None = None) -> None:
     """Every tier write fails (a full disk), once `gate` is set if one is given: until then
     the writer thread waits in its first write and every later one stays queued."""
-    import engine.core.kv_tier_files as files
+    import kserve_paged_engine.core.kv_tier_files as files
 
     def broken(*args, **kwargs):
         if gate is not None:

@@ -1,4 +1,4 @@
-"""The second KV tier end to end (engine/core/kv_tier.py): a prompt whose prefix blocks were
+"""The second KV tier end to end (engine/kserve_paged_engine/core/kv_tier.py): a prompt whose prefix blocks were
 evicted from the pool to the disk tier comes back, is restored instead of recomputed, and
 continues greedily token for token as computed from scratch; cache salts and LoRA adapters
 isolate; a corrupt tier file is a miss, never a wrong answer.
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.lora import LoRARequest
+from kserve_paged_engine import LLM, SamplingParams
+from kserve_paged_engine.lora import LoRARequest
 from tests.helpers.lora import make_adapter, tiny_base
 
 BS = 4
@@ -179,7 +179,7 @@ def test_a_corrupt_tier_file_is_a_miss(dirs, tmp_path):
 
 def test_a_failed_restore_fails_only_that_step_and_leaves_nothing_wrong(dirs, tmp_path,
                                                                         monkeypatch):
-    import engine.worker.kv_tier_copy as tier_copy
+    import kserve_paged_engine.worker.kv_tier_copy as tier_copy
 
     llm = engine(dirs, "float32", tmp_path)
     first = run(llm, PROMPT)

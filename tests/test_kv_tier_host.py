@@ -1,4 +1,4 @@
-"""The host-memory KV tier (engine/core/kv_tier_host.py), its logic tested on CPU: built here
+"""The host-memory KV tier (engine/kserve_paged_engine/core/kv_tier_host.py), its logic tested on CPU: built here
 through the internal `host_on_cpu` option (on a CPU server `cpu_bytes_to_use` alone adds
 nothing, the pool already being in host memory). A tier hit from host memory, or from the disk
 below it after a spill, continues as computed; a swapped request comes back through it; the
@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.core.kv_events import BlockStored
-from engine.core.kv_tier import KVTier
-from engine.core.kv_tier_config import NO_TIER, FsTier, KVTierConfig, tier_plan
-from engine.core.kv_tier_host import HOST_MEDIUM, HostSlot, HostTier
-from engine.worker.kv_host_copy import SyncCopier, runs
+from kserve_paged_engine import SamplingParams
+from kserve_paged_engine.core.kv_events import BlockStored
+from kserve_paged_engine.core.kv_tier import KVTier
+from kserve_paged_engine.core.kv_tier_config import NO_TIER, FsTier, KVTierConfig, tier_plan
+from kserve_paged_engine.core.kv_tier_host import HOST_MEDIUM, HostSlot, HostTier
+from kserve_paged_engine.worker.kv_host_copy import SyncCopier, runs
 from tests.test_kv_swap import Fixed
 from tests.test_kv_tier import PROMPT, dirs, engine, flood, run  # noqa: F401 - dirs: a fixture
 

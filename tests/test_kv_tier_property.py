@@ -4,7 +4,7 @@ simulated KV store checks that every position a request reads holds its own toke
 restored into the wrong place, from the wrong key or not at all would be caught, as would a
 leaked block or a tier hit counted without its bytes. Preemptions swap (the victim's blocks,
 its partial last one included, written at preemption and restored on resume) or recompute, as
-the stubbed prefill rate of each run makes the cost model choose (engine/core/kv_swap.py).
+the stubbed prefill rate of each run makes the cost model choose (engine/kserve_paged_engine/core/kv_swap.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.core.kv_tier import KVTier
-from engine.core.kv_tier_host import HostSlot, HostTier
-from engine.core.measured_rate import MeasuredRate
+from kserve_paged_engine.core.kv_tier import KVTier
+from kserve_paged_engine.core.kv_tier_host import HostSlot, HostTier
+from kserve_paged_engine.core.measured_rate import MeasuredRate
 from tests.helpers.core import make_scheduler
 from tests.test_engine_core_property import (
     BS,
@@ -45,7 +45,7 @@ def block_payload(kv_store: dict[int, tuple[int, int]], block_id: int) -> bytes:
 
 
 def apply_moves(sched, tier: KVTier | HostTier, kv_store: dict[int, tuple[int, int]]) -> None:
-    """What the model runner does before the forward (engine/worker/kv_tier_copy.py): for
+    """What the model runner does before the forward (engine/kserve_paged_engine/worker/kv_tier_copy.py): for
     the host tier, the saves' bytes taken first, then the loads, then the saves placed."""
     moves = sched._pending_moves
     if moves is None:

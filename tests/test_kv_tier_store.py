@@ -1,4 +1,4 @@
-"""The disk tier's store on its own (engine/core/kv_tier.py, kv_tier_files.py): LRU within its
+"""The disk tier's store on its own (engine/kserve_paged_engine/core/kv_tier.py, kv_tier_files.py): LRU within its
 capacity, files checked on every read (short, flipped or another key's: a miss), folders
 apart per model identity, KV events naming the tier's medium, and the config's two forms."""
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.kv_events import encode_batch
-from engine.core.kv_tier import TIER_MEDIUM, KVTier, tier_folder
-from engine.core.kv_tier_config import KVTierConfig, tier_plan
+from kserve_paged_engine.core.kv_events import encode_batch
+from kserve_paged_engine.core.kv_tier import TIER_MEDIUM, KVTier, tier_folder
+from kserve_paged_engine.core.kv_tier_config import KVTierConfig, tier_plan
 
 SIZE = 64
 
@@ -101,7 +101,7 @@ def test_the_config_without_a_disk_tier_leaves_none():
     with pytest.raises(ValueError, match="no second KV tier"):
         tier_plan(cfg, "cpu")
     with pytest.raises(ValueError, match="no second KV tier"):
-        from engine.config import EngineConfig
+        from kserve_paged_engine.config import EngineConfig
         EngineConfig(kv_transfer_config=cfg, device="cpu")
     assert EngineConfig(kv_transfer_config=cfg, device="cuda").kv_transfer_config == cfg
 
@@ -112,7 +112,7 @@ def test_a_policy_keeps_its_capacity_and_accounts_for_every_key(name: str):
     gone, everything else stored is still there, and it never holds more than its capacity."""
     import random
 
-    from engine.core.kv_tier_policy import make_policy
+    from kserve_paged_engine.core.kv_tier_policy import make_policy
 
     rng = random.Random(7)
     policy, kept = make_policy(name, 8), set()
@@ -133,7 +133,7 @@ def test_a_policy_keeps_its_capacity_and_accounts_for_every_key(name: str):
 
 
 def test_arc_keeps_returning_blocks_through_a_burst_that_lru_lets_push_them_out():
-    from engine.core.kv_tier_policy import make_policy
+    from kserve_paged_engine.core.kv_tier_policy import make_policy
 
     def survivors(name: str) -> int:
         policy = make_policy(name, 8)
@@ -163,7 +163,7 @@ def test_the_tier_evicts_by_its_policy(tmp_path: Path):
 def test_a_lookup_repeated_over_steps_reads_the_file_once(tmp_path: Path, monkeypatch):
     """The head of a full queue looks its prefix up every step: the block read for the first
     lookup is kept (up to STAGED_BYTES), and dropped with the block when the tier lets it go."""
-    import engine.core.kv_tier as kv_tier
+    import kserve_paged_engine.core.kv_tier as kv_tier
 
     tier = KVTier(tmp_path, SIZE, 2 * SIZE)
     stored(tier, [1])

@@ -3,7 +3,7 @@ Llama decoder layer (issue 32), and computes what the eager path computes, for L
 
 `bench/launch_count.py`'s `count_steps` runs in the session's GPU-path worker
 (tests/helpers/gpu_path_worker.py: Triton's interpreter without CUDA), counting with
-`kernels.launches`.
+`kserve_paged_kernels.launches`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kernels.launches import counting
+from kserve_paged_kernels.launches import counting
 from tests.helpers.gpu_path_worker import GpuPathWorker
 
 MAX_PER_LAYER = 12

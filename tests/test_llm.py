@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.default_model import ensure_default_model
+from kserve_paged_engine import LLM, SamplingParams
+from kserve_paged_engine.default_model import ensure_default_model
 
 PROMPTS = [
     "The capital of France is",

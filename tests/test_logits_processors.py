@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from engine.sample.logits_processors import apply_penalties, top_logprobs
-from engine.sampling_params import SamplingParams
+from kserve_paged_engine.sample.logits_processors import apply_penalties, top_logprobs
+from kserve_paged_engine.sampling_params import SamplingParams
 
 V = 8
 

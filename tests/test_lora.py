@@ -17,9 +17,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.lora import LoRARequest  # noqa: E402
-from engine.lora.batch import group_rows  # noqa: E402
+from kserve_paged_engine import LLM, SamplingParams  # noqa: E402
+from kserve_paged_engine.lora import LoRARequest  # noqa: E402
+from kserve_paged_engine.lora.batch import group_rows  # noqa: E402
 from tests.helpers.core import make_request, make_scheduler  # noqa: E402
 from tests.helpers.lora import make_adapter, peft_greedy, tiny_base  # noqa: E402
 
@@ -158,7 +158,7 @@ def test_scheduler_counts_active_adapters_against_max_loras():
 
 
 def test_block_hashes_differ_per_adapter():
-    from engine.core.kv_cache_manager import KVCacheManager
+    from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
 
     kv = KVCacheManager(16, 4)
     reqs = [make_request(f"r{i}", [5] * 9) for i in range(3)]

@@ -12,11 +12,11 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from engine.async_llm import AsyncLLM
-from engine.config import EngineConfig
 from kserve_paged import server as srv
 from kserve_paged.metrics import EngineMetrics
 from kserve_paged.model import PagedLLMModel
+from kserve_paged_engine.async_llm import AsyncLLM
+from kserve_paged_engine.config import EngineConfig
 from tests.helpers.lora import make_adapter, peft_greedy, tiny_base
 
 pytestmark = pytest.mark.slow  # builds a tiny model and two adapters, loads them

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.lora.safe_read import read_config, read_safetensors
 from kserve_paged.lora_paths import AdapterPathError, confine
+from kserve_paged_engine.lora.safe_read import read_config, read_safetensors
 
 
 def _safetensors(path: Path, header: dict, data: bytes = b"") -> Path:

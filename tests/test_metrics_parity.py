@@ -11,11 +11,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.async_llm import StepInfo
-from engine.core.request import RequestStatus
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kserve_paged import metric_families as mf
 from kserve_paged import metrics as m
+from kserve_paged_engine.async_llm import StepInfo
+from kserve_paged_engine.core.request import RequestStatus
+from kserve_paged_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tests.helpers.core import fake_step, make_request, make_scheduler
 
 VLLM = json.loads((Path(__file__).parent / "data" / "vllm_metrics.json").read_text())["metrics"]

@@ -1,6 +1,6 @@
 """One source of model facts: the capacity planner and the engine's start-up sizing agree on
 every family, because both read the engine's own model (`ModelFacts`) and size the KV cache
-with one function (`engine/core/kv_sizing.size_kv_cache`).
+with one function (`engine/kserve_paged_engine/core/kv_sizing.size_kv_cache`).
 
 For each family's tiny config (tests/helpers/tiny_models.py): the planner reads config.json
 alone; the engine loads the folder (random weights) with the same KV budget. The block count,
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.model_executor.model_facts import ModelFacts, describe_folder
 from kserve_paged.plan import make_plan, parse_device
+from kserve_paged_engine.config import EngineConfig
+from kserve_paged_engine.model_executor.model_facts import ModelFacts, describe_folder
 from tests.helpers.tiny_models import CONFIGS, save_tokenizer
 
 KV_BUDGET = 4 << 20  # bytes: room for the longest request of every tiny config
@@ -31,7 +31,7 @@ def _folder(name: str, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_planner_and_engine_size_every_family_alike(name: str, tmp_path: Path) -> None:
-    from engine.llm_engine import LLMEngine
+    from kserve_paged_engine.llm_engine import LLMEngine
 
     folder = _folder(name, tmp_path)
     plan = make_plan(describe_folder(folder), parse_device("cpu:4"), dtype="float32",
@@ -58,7 +58,7 @@ def test_facts_are_those_of_the_model_code(name: str) -> None:
     its layer types say."""
     from transformers import AutoModelForCausalLM
 
-    from engine.model_executor.model_facts import describe
+    from kserve_paged_engine.model_executor.model_facts import describe
 
     config = CONFIGS[name]()
     with torch.device("meta"):

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.worker.model_runner import ModelRunner
+from kserve_paged_engine.worker.model_runner import ModelRunner
 from tests.helpers.core import fake_step, make_request, make_scheduler
 
 BS = 4

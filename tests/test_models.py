@@ -17,7 +17,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-from engine.model_executor.model_loader import load_model  # noqa: E402
+from kserve_paged_engine.model_executor.model_loader import load_model  # noqa: E402
 from tests.helpers.tiny_models import (  # noqa: E402
     CONFIGS,
     VOCAB,
@@ -102,8 +102,8 @@ def test_gemma_float32_norms_take_the_native_kernels(name: str, tmp_path: Path,
     packing: transformers' values to float rounding, the residual updated in place; Gemma 3's
     q/k norm runs in place on the fused qkv rows (so its RoPE is native too). In bfloat16 the
     same fp32 `1 + weight` is kept (for Gemma's bf16 kernels: the next test)."""
-    from engine.model_executor.models.gemma import GemmaRMSNorm
-    from kernels import cpu_native
+    from kserve_paged_engine.model_executor.models.gemma import GemmaRMSNorm
+    from kserve_paged_kernels import cpu_native
 
     assert cpu_native.gemm_available(), "the native CPU kernels did not build"
     path, _ = save_checkpoint(CONFIGS[name], tmp_path)
@@ -150,7 +150,7 @@ def test_gemma_bfloat16_takes_the_native_kernels(name: str, tmp_path: Path,
     Gemma 3's q/k norm with the RoPE after it, and the GELU-and-multiply run on the native
     kernels, each rounded as transformers' Gemma rounds: the logits are the torch ops' (those
     kernels declined) and as close to transformers' bf16 as those are."""
-    from kernels import cpu_native
+    from kserve_paged_kernels import cpu_native
 
     path, ref = save_checkpoint(CONFIGS[name], tmp_path)
     model, config = load_model(path, torch.bfloat16, torch.device("cpu"))
@@ -193,7 +193,7 @@ def test_greedy_equals_generate_past_the_window(name: str, tmp_path: Path) -> No
     """Prompts 3-5x the window, 12 new tokens: the engine's greedy tokens equal transformers'
     generate with prefix caching on (run twice, the second run hitting the cache) and off
     with chunked prefill and preemptions."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     path, ref = save_checkpoint(CONFIGS[name], tmp_path)
     save_tokenizer(path)
@@ -246,7 +246,7 @@ def test_samples_fork_from_a_table_whose_blocks_left_the_window(tmp_path: Path) 
     """n > 1 on a model whose every layer slides: the samples fork after a prompt longer than
     the window, whose leading blocks are already back in the pool; greedy samples all equal
     transformers' generate, and every block comes back."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     path, ref = save_checkpoint(CONFIGS["mistral_window"], tmp_path)
     save_tokenizer(path)
@@ -266,7 +266,7 @@ def test_samples_fork_from_a_table_whose_blocks_left_the_window(tmp_path: Path) 
 def test_moe_experts_run_grouped_by_expert(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sparse layer's experts are one gate/up and one down matmul per expert that got tokens,
     however many tokens there are; top-k picks and weights match a direct computation."""
-    import engine.model_executor.models.moe as moe
+    import kserve_paged_engine.model_executor.models.moe as moe
 
     torch.manual_seed(0)
     layer = moe.SparseMoE(hidden=16, inter=8, num_experts=4, top_k=2, renormalize=True)
@@ -301,7 +301,7 @@ def test_gemma_kv_groups_with_samples_beams_and_speculation(tmp_path: Path) -> N
     """A Gemma 3 with its sliding layers in their own KV groups, prompts past the window: n = 2
     greedy samples (forks), beam search and n-gram speculation give what one shared table
     gives (greedy: transformers' tokens), under a small pool, and every block comes back."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     path, ref = save_checkpoint(CONFIGS["gemma3_window_local_rope"], tmp_path)
     save_tokenizer(path)

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model_executor.model_loader import load_model
-from engine.model_executor.models import moe
-from kernels import cpu_native
+from kserve_paged_engine.model_executor.model_loader import load_model
+from kserve_paged_engine.model_executor.models import moe
+from kserve_paged_kernels import cpu_native
 from tests.helpers.tiny_models import CONFIGS, greedy, save_checkpoint
 
 

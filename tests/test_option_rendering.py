@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from engine.outputs import Logprob
 from kserve_paged.logprobs import (
     VERY_UNLIKELY,
     TokenText,
@@ -22,6 +21,7 @@ from kserve_paged.sampling import (
     normalize_options,
     unsupported_options,
 )
+from kserve_paged_engine.outputs import Logprob
 
 # -- option parsing and rendering (no model) -----------------------------------------------------
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.model_executor.model_facts import describe_folder
 from kserve_paged import args as server_args
 from kserve_paged.__main__ import main as cli_main
 from kserve_paged.plan import GPUS, make_plan, parse_device
 from kserve_paged.plan_overlay import write_overlay
+from kserve_paged_engine.model_executor.model_facts import describe_folder
 from tests.helpers import manifests as h
 from tests.helpers import monitoring_checks as mon
 
@@ -92,11 +92,11 @@ def test_the_engine_allocates_what_the_planner_says(monkeypatch):
     the planner's block count; so does an explicit --kv_cache_memory."""
     import torch
 
-    import engine.core.kv_sizing as kv_sizing
-    from engine import startup
-    from engine.config import EngineConfig
-    from engine.default_model import ensure_default_model
-    from engine.llm_engine import LLMEngine
+    import kserve_paged_engine.core.kv_sizing as kv_sizing
+    from kserve_paged_engine import startup
+    from kserve_paged_engine.config import EngineConfig
+    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.llm_engine import LLMEngine
 
     model_dir = ensure_default_model(progress=lambda _: None)
     cfg = describe_folder(model_dir)
@@ -189,8 +189,8 @@ def test_overlay_is_refused_for_what_the_engine_cannot_serve(tmp_path):
 def test_tensor_parallel_plan_shards_as_the_engine_does():
     """The KV heads a rank holds come from the engine's layout: SmolLM2's 3 KV heads over 2
     ranks are 2 + 1, and rank 0 (which sizes the cache) holds 2; 8 over 3 are 3 + 3 + 2."""
-    from engine.default_model import ensure_default_model
-    from engine.model_executor.tp_layout import TPLayout
+    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.model_executor.tp_layout import TPLayout
 
     smol = describe_folder(ensure_default_model(progress=lambda _: None))
     plan = make_plan(smol, parse_device("h200"), max_model_len=2048, tp=2)

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.model_executor.pooler import PoolerConfig, read_pooler_config
-from engine.model_job import resolve_job
-from engine.pooling_params import PoolingParams, WrongJobError
+from kserve_paged_engine import LLM, SamplingParams
+from kserve_paged_engine.model_executor.pooler import PoolerConfig, read_pooler_config
+from kserve_paged_engine.model_job import resolve_job
+from kserve_paged_engine.pooling_params import PoolingParams, WrongJobError
 from tests.helpers.tiny_models import CONFIGS, VOCAB, save_checkpoint, save_tokenizer
 
 # Lengths 3..40 with a 16-token budget: the long ones are computed over several steps.

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM
-from engine.lora import LoRARequest
-from engine.pooling_params import PoolingParams
+from kserve_paged_engine import LLM
+from kserve_paged_engine.lora import LoRARequest
+from kserve_paged_engine.pooling_params import PoolingParams
 from tests.helpers.lora import make_adapter, tiny_base
 
 PROMPTS = [list(range(100, 123)), [7, 8, 9, 10, 11] * 5, list(range(3000, 3011))]

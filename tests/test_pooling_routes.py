@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm_engine import LLMEngine
 from kserve_paged.args import engine_kwargs, parse_args
+from kserve_paged_engine.llm_engine import LLMEngine
 from tests.helpers.server import NAME, build, client, run
 from tests.helpers.tiny_models import save_cross_encoder
 

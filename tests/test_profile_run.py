@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.worker.profile_run import MemoryProfile, largest_step, profile_memory
+from kserve_paged_engine.worker.profile_run import MemoryProfile, largest_step, profile_memory
 
 GiB = 1 << 30
 
@@ -65,8 +65,8 @@ def test_the_peak_is_the_steps_not_an_earlier_one() -> None:
 def test_explicit_kv_cache_memory_wins_over_the_profile(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA without an explicit size the profile's budget sizes the cache; with
     kv_cache_memory (or num_kv_blocks) set, no profile runs."""
-    from engine import startup
-    from engine.config import EngineConfig
+    from kserve_paged_engine import startup
+    from kserve_paged_engine.config import EngineConfig
 
     profiled: list[int] = []
     monkeypatch.setattr(startup, "profiled_kv_memory",
@@ -88,7 +88,7 @@ def test_explicit_kv_cache_memory_wins_over_the_profile(monkeypatch: pytest.Monk
 def test_the_largest_step_runs_a_model_without_storing() -> None:
     from transformers import LlamaConfig
 
-    from engine.model_executor.models import LlamaForCausalLM
+    from kserve_paged_engine.model_executor.models import LlamaForCausalLM
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48,
                                          num_hidden_layers=2, num_attention_heads=2,

@@ -13,12 +13,12 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.model_executor.model_loader import load_model  # noqa: E402
-from engine.model_executor.quant_methods import BUILT_METHODS  # noqa: E402
-from engine.model_executor.quantization import projections  # noqa: E402
-from kernels import quant_linear  # noqa: E402
 from kserve_paged.args import parse_args  # noqa: E402
+from kserve_paged_engine.config import EngineConfig  # noqa: E402
+from kserve_paged_engine.model_executor.model_loader import load_model  # noqa: E402
+from kserve_paged_engine.model_executor.quant_methods import BUILT_METHODS  # noqa: E402
+from kserve_paged_engine.model_executor.quantization import projections  # noqa: E402
+from kserve_paged_kernels import quant_linear  # noqa: E402
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -61,7 +61,7 @@ def test_on_the_fly_quantization_of_a_float_checkpoint(
     what the float model does with those dequantized weights put in its place."""
     folder, _ = save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path)
     dense, _ = load_model(folder, torch.float32, CPU)
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO, logger="kserve_paged_engine"):
         quantized, _ = load_model(folder, torch.float32, CPU, quantization=method)
     assert f"quantization {method}: decoder projections" in caplog.text
     floats = dict(projections(dense))
@@ -87,8 +87,8 @@ def test_engine_serves_with_quantization(tmp_path: Path) -> None:
     import json
     import shutil
 
-    from engine import LLM, SamplingParams
-    from engine.default_model import ensure_default_model
+    from kserve_paged_engine import LLM, SamplingParams
+    from kserve_paged_engine.default_model import ensure_default_model
 
     model_dir = ensure_default_model()
     config = json.loads((model_dir / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""Request limits (engine.limits): one set of numbers for SamplingParams, the server's parsers and
+"""Request limits (kserve_paged_engine.limits): one set of numbers for SamplingParams, the server's parsers and
 the published OpenAPI schema; oversized bodies and prompts refused before they are parsed or
 tokenized, and tokenization off the event loop (issue 16)."""
 
@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from engine import limits as L
-from engine.sampling_params import SamplingParams
 from kserve_paged import args as server_args
 from kserve_paged.openai.openapi import operation_schema
 from kserve_paged.openai.schemas import ChatBody, ChatCompletionOut, CompletionBody, CompletionOut
 from kserve_paged.sampling import OptionError, make_sampling_params
+from kserve_paged_engine import limits as L
+from kserve_paged_engine.sampling_params import SamplingParams
 from tests.helpers.server import NAME, V2_BODY, FakeEngine, FakeTokenizer, client, ready, run
 
 # -- the numbers, and who reads them -----------------------------------------------------------

@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.sample.sampler import GREEDY_EPS, Sampler, make_generator
-from engine.sampling_params import SamplingParams as SP
+from kserve_paged_engine.sample.sampler import GREEDY_EPS, Sampler, make_generator
+from kserve_paged_engine.sampling_params import SamplingParams as SP
 
 
 def run(sampler: Sampler, logits: torch.Tensor, params: list[SP], gens=None, outs=None,

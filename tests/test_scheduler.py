@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.core.request import RequestStatus
+from kserve_paged_engine.core.request import RequestStatus
 from tests.helpers.core import fake_step, make_request, make_scheduler, run_to_completion
 
 
@@ -138,8 +138,8 @@ def test_request_stops_at_max_model_len_with_length():
 
 
 def test_eos_stop_token_and_min_tokens():
-    from engine.core.request import Request
-    from engine.sampling_params import SamplingParams
+    from kserve_paged_engine.core.request import Request
+    from kserve_paged_engine.sampling_params import SamplingParams
     sched = make_scheduler()
     eos = Request("eos", [5, 6, 7], SamplingParams(max_tokens=10), eos_token_id=7)
     stop = Request("stop", [5, 6], SamplingParams(max_tokens=10, stop_token_ids=[7]))

@@ -8,10 +8,10 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import EngineConfig
 from kserve_paged import args as server_args
 from kserve_paged import metric_families as mf
 from kserve_paged import metrics as m
+from kserve_paged_engine.config import EngineConfig
 from tests.helpers.metrics_contract import CONTRACT_NAMES, HISTOGRAMS, OWN_NAMES
 
 # What Prometheus 2.x sends when scraping (it prefers OpenMetrics).

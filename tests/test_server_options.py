@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from engine import LLM, SamplingParams
 from kserve_paged.logprobs import (
     TokenText,
 )
+from kserve_paged_engine import LLM, SamplingParams
 from tests.helpers.served_options import (
     CHAT,
     CHAT_URL,

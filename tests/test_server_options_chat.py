@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine import SamplingParams
+from kserve_paged_engine import SamplingParams
 from tests.helpers.served_options import (
     CHAT,
     CHAT_URL,

@@ -1,5 +1,5 @@
 """No Python file over 400 lines and no function over 60 without its reason: the count of
-scripts/sizes.py (the README's contributing section) held at zero."""
+scripts/sizes.py (docs/contributing.md) held at zero."""
 
 from __future__ import annotations
 

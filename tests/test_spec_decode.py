@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.spec_decode import SpeculativeConfig
-from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.rejection import accept_greedy, rejection_sample
+from kserve_paged_engine.spec_decode import SpeculativeConfig
+from kserve_paged_engine.spec_decode.ngram import NgramProposer
+from kserve_paged_engine.spec_decode.rejection import accept_greedy, rejection_sample
 from tests.helpers.core import make_request, make_scheduler
 from tests.helpers.spec import (
     repetitive_prompts,
@@ -93,7 +93,7 @@ def test_rejection_sampling_outputs_follow_the_target_distribution(draft_model):
 def test_a_request_whose_drafts_miss_pauses_proposing_and_tries_again_later():
     """Two verified steps keeping nothing pause the request's proposals for PAUSE_MIN steps,
     then for twice as long after the next miss run; a kept draft resets the pause."""
-    from engine.spec_decode import decoder as d
+    from kserve_paged_engine.spec_decode import decoder as d
 
     spec = d.SpecDecoder(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1))
     req = make_request("a", [5, 6, 5, 6], max_tokens=50)
@@ -219,7 +219,7 @@ def test_greedy_speculation_equals_plain_decoding_with_prefix_cache_and_preempti
     (run twice, the second hitting it) and with a pool so small that requests are preempted
     and prompts are chunked. Drafts were kept, and a step mixed speculating and plain requests
     (a request under min_tokens does not speculate)."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     prompts = repetitive_prompts()
     params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -279,7 +279,7 @@ def test_greedy_speculation_equals_plain_decoding_on_the_benchmark_workloads(tin
                                                                              workload):
     """W1 and W2's prompts (cut to the tiny model): with speculation on, with the prefix cache
     and with a pool small enough to preempt, every output equals plain greedy decoding."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     prompts = _bench_workload_prompts(workload, 6)
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -303,7 +303,7 @@ def test_speculation_keeps_stop_strings_stop_tokens_max_tokens_and_n(tiny_model)
     """Stops decided inside a run of kept drafts end the request where plain decoding ends it:
     a stop string, a stop token held back by min_tokens, max_tokens; n = 2 samples fork and
     speculate each."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     prompts = repetitive_prompts(3)
     plain = LLM(model=tiny_model, block_size=4, num_kv_blocks=128, max_model_len=96)
@@ -332,7 +332,7 @@ def test_speculation_keeps_stop_strings_stop_tokens_max_tokens_and_n(tiny_model)
 def test_sampled_speculation_runs_seeded_and_keeps_drafts(tiny_model):
     """temperature > 0 goes through rejection sampling (its distribution is the unit test's):
     a seeded request gives the same output twice, and drafts are kept."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     prompts = repetitive_prompts(3)
     spec = LLM(model=tiny_model, block_size=4, num_kv_blocks=128, max_model_len=96,
@@ -355,10 +355,10 @@ def test_the_server_flag_is_parsed_and_served_outputs_are_unchanged(tiny_model):
 
     from prometheus_client import generate_latest
 
-    from engine import LLM, SamplingParams
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
     from kserve_paged import args as server_args
+    from kserve_paged_engine import LLM, SamplingParams
+    from kserve_paged_engine.config import EngineConfig
+    from kserve_paged_engine.llm_engine import LLMEngine
     from tests.helpers.server import build, client
 
     with pytest.raises(SystemExit):

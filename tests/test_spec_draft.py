@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.spec_decode import SpeculativeConfig
+from kserve_paged_engine.spec_decode import SpeculativeConfig
 from tests.helpers.spec import (
     repetitive_prompts,
     run_recording_steps,
@@ -74,7 +74,7 @@ def test_config_takes_vllms_draft_model_spellings_and_refuses_bad_ones(models, t
                         "for method draft_model")]:
         with pytest.raises(ValueError, match=words):
             SpeculativeConfig.from_json(bad)
-    from engine.config import EngineConfig
+    from kserve_paged_engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         EngineConfig(tensor_parallel_size=2, speculative_config=_spec(draft))
@@ -85,7 +85,7 @@ def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused_at_start_up(model
     import tokenizers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-    from engine import LLM
+    from kserve_paged_engine import LLM
     from tests.helpers.tiny_models import VOCAB, common_config
 
     target, _ = models
@@ -108,7 +108,7 @@ def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused_at_start_up(model
 def test_the_target_drafting_for_itself_keeps_every_draft(models):
     """A deterministic check of the catch-up and rollback bookkeeping: the draft is the target,
     so every greedy draft is the target's own token and is kept, whatever the output length."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     target, _ = models
     prompts = repetitive_prompts()
@@ -127,7 +127,7 @@ def test_greedy_with_a_draft_model_equals_plain_decoding(models):
     (run twice), and with a 24-block pool (draft pool the same), a 16-token budget (chunked
     prefill of both models) and preemptions; a request under min_tokens decodes plainly in
     the same steps. Drafts were kept and rejected; no block leaks in either cache."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     target, draft = models
     prompts = repetitive_prompts()
@@ -164,7 +164,7 @@ def test_greedy_with_a_draft_model_equals_plain_decoding(models):
 def test_draft_model_speculation_keeps_stops_max_tokens_n_and_aborts(models):
     """Stop strings, stop tokens after min_tokens, max_tokens and n = 2 end where plain
     decoding ends them; an abort mid-decode frees the request's draft KV at once."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     target, _ = models
     prompts = repetitive_prompts(3)
@@ -198,7 +198,7 @@ def test_draft_model_speculation_keeps_stops_max_tokens_n_and_aborts(models):
 
 
 def test_a_failing_draft_forward_costs_only_its_drafts(models):
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     target, draft = models
     prompts = repetitive_prompts(2)
@@ -226,7 +226,7 @@ def test_a_failing_draft_forward_costs_only_its_drafts(models):
 def test_sampled_speculation_with_a_draft_model_is_seeded_and_keeps_drafts(models):
     """temperature > 0: the target drafting for itself has q = p, so rejection sampling keeps
     nearly every draft; a seeded request gives the same output twice."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     target, _ = models
     prompts = repetitive_prompts(3)
@@ -245,7 +245,7 @@ def test_drafts_after_rollbacks_equal_those_of_a_fresh_draft_cache(models):
     at every step each request's drafts, and for sampled requests the distributions q they
     were drawn from, equal those of a second proposer that holds nothing for it (its cache is
     emptied before each proposal; its draws use copies of the requests' generators)."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     target, draft = models
     llm = LLM(model=target, **OPTS, speculative_config=_spec(draft))
@@ -285,11 +285,11 @@ def test_the_server_flag_takes_a_draft_model_and_serves_unchanged_outputs(models
     is a usage error."""
     import asyncio
 
-    from engine import LLM, SamplingParams
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.spec_decode.draft_model import DraftModelProposer
     from kserve_paged import args as server_args
+    from kserve_paged_engine import LLM, SamplingParams
+    from kserve_paged_engine.config import EngineConfig
+    from kserve_paged_engine.llm_engine import LLMEngine
+    from kserve_paged_engine.spec_decode.draft_model import DraftModelProposer
     from tests.helpers.server import build, client
 
     target, draft = models
@@ -325,7 +325,7 @@ def test_a_draft_that_never_pays_stops_drafting_for_the_whole_batch(models, tmp_
     """A draft as large as the target with other random weights: its k passes cost about k
     target steps and it is almost never right, so the gate pauses drafting for the batch;
     greedy outputs stay those of plain decoding and no block is left behind."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
     from tests.helpers.tiny_models import CONFIGS, save_checkpoint, save_tokenizer
 
     target, _ = models

@@ -54,11 +54,11 @@ def test_draft_model_rejection_sampling_outputs_follow_the_target(small_vocab):
     is about 0.015). The first draft is kept at the rate sum(min(p_0, q_0)) that Leviathan et
     al.'s test gives (0.02: reading the drafts as point masses, also unbiased, keeps fewer).
     """
-    from engine.core.request import Request
-    from engine.model_executor.model_loader import load_model
-    from engine.sampling_params import SamplingParams
-    from engine.spec_decode.draft_model import DraftModelProposer
-    from engine.spec_decode.rejection import rejection_sample
+    from kserve_paged_engine.core.request import Request
+    from kserve_paged_engine.model_executor.model_loader import load_model
+    from kserve_paged_engine.sampling_params import SamplingParams
+    from kserve_paged_engine.spec_decode.draft_model import DraftModelProposer
+    from kserve_paged_engine.spec_decode.rejection import rejection_sample
 
     target_path, draft_path = small_vocab
     temp, ctx = 0.7, [1, 5, 2, 7]
@@ -107,7 +107,7 @@ def test_the_draft_gate_pauses_a_losing_draft_for_the_whole_batch_and_probes_aga
     """The gate's arithmetic on given times: a window of draft steps whose kept drafts do not
     buy back the draft's time pauses drafting for PAUSE_MIN steps, a second losing window for
     twice that; a winning window resets the pause length and drafting goes on."""
-    from engine.spec_decode.draft_gate import PAUSE_MIN, WINDOW, DraftGate
+    from kserve_paged_engine.spec_decode.draft_gate import PAUSE_MIN, WINDOW, DraftGate
 
     gate = DraftGate()
 

@@ -10,9 +10,9 @@ import re
 import jsonschema
 import pytest
 
-from engine.default_model import ensure_default_model
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams, StructuredOutputs
+from kserve_paged_engine.default_model import ensure_default_model
+from kserve_paged_engine.llm import LLM
+from kserve_paged_engine.sampling_params import SamplingParams, StructuredOutputs
 
 PERSON = {
     "type": "object",

@@ -15,14 +15,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from engine.config import EngineConfig
-from engine.default_model import ensure_default_model
-from engine.llm_engine import LLMEngine
-from engine.model_executor.model_loader import _iter_weights
-from engine.model_executor.tp_layout import TPLayout
-from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
-from engine.worker.tp_executor import TPExecutor
+from kserve_paged_engine.config import EngineConfig
+from kserve_paged_engine.default_model import ensure_default_model
+from kserve_paged_engine.llm_engine import LLMEngine
+from kserve_paged_engine.model_executor.model_loader import _iter_weights
+from kserve_paged_engine.model_executor.tp_layout import TPLayout
+from kserve_paged_engine.pooling_params import PoolingParams
+from kserve_paged_engine.sampling_params import SamplingParams
+from kserve_paged_engine.worker.tp_executor import TPExecutor
 
 LOGITS_ATOL = 1e-5
 VOCAB = 49153  # odd: the last vocabulary shard has a padding row

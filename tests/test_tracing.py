@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kserve_paged.tracing import RequestTracer, otlp_protocol, request_attributes
+from kserve_paged_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tests.helpers.otlp_receivers import GrpcReceiver, HttpReceiver
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model_executor import compressed_tensors
-from engine.model_executor.model_loader import load_model
-from engine.model_executor.quantization import projections
-from kernels import int8_dynamic, quant_linear
+from kserve_paged_engine.model_executor import compressed_tensors
+from kserve_paged_engine.model_executor.model_loader import load_model
+from kserve_paged_engine.model_executor.quantization import projections
+from kserve_paged_kernels import int8_dynamic, quant_linear
 from tests.helpers.int4_packing import read_checkpoint
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
 from tests.test_compressed_tensors import PROMPT, write
@@ -50,7 +50,7 @@ def test_each_machine_type_gets_its_choice(w8a8_folders: dict[str, Path], machin
     monkeypatch.setattr(compressed_tensors, "cpu_flags", lambda: flags)
     reader = read_checkpoint(compressed_tensors.CTReader, compressed_tensors.read_config,
                              w8a8_folders["w8a8"])
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO, logger="kserve_paged_engine"):
         pick = reader.picker(torch.float32, triton=False)
     layout = quant_linear.Int8Weight if flag is None else int8_dynamic.W8A8Weight
     kept = dict(projections(load_model(w8a8_folders["w8a8"] / "float", torch.float32, CPU)[0]))

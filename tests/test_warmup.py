@@ -2,13 +2,13 @@
 then launches: a tiny model on the Triton backend (interpreted without CUDA, in the session's
 GPU-path worker: tests/helpers/gpu_path_worker.py) is warmed up, then serves prompts of several
 lengths through chunked prefill and batched decode under the launch counter; every compile key
-serving launched (`kernels.launches.variant`) was launched by the warm-up."""
+serving launched (`kserve_paged_kernels.launches.variant`) was launched by the warm-up."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.worker.warmup import warmup_steps
+from kserve_paged_engine.worker.warmup import warmup_steps
 from tests.helpers.gpu_path_worker import GpuPathWorker
 
 

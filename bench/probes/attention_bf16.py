@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels import cpu_backend, cpu_native  # noqa: E402
-from kernels.cpu_backend import paged_attention_cpu  # noqa: E402
-from kernels.cpu_native import loader  # noqa: E402
-from kernels.metadata import AttentionMetadata  # noqa: E402
-from kernels.testing import make_case  # noqa: E402
+from kserve_paged_kernels import cpu_backend, cpu_native  # noqa: E402
+from kserve_paged_kernels.cpu_backend import paged_attention_cpu  # noqa: E402
+from kserve_paged_kernels.cpu_native import loader  # noqa: E402
+from kserve_paged_kernels.metadata import AttentionMetadata  # noqa: E402
+from kserve_paged_kernels.testing import make_case  # noqa: E402
 
 W1_STEP = [512, 400, 300, 200, 100, 64, 472]  # 7 prompts, as bench/probes/prefill_attention.py
 CASES = [("decode 64x600", [600] * 64, [1] * 64), ("decode 8x2048", [2048] * 8, [1] * 8),

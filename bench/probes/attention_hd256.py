@@ -1,7 +1,7 @@
 """fp32 paged attention at Gemma-3-270M's shape (head_dim 256, 4 query heads on 1 KV head): the
 native kernel of two checkouts, interleaved round by round.
 
-A probe for BENCHMARKS.md (not part of the engine). It compiles `kernels/csrc` of each given
+A probe for BENCHMARKS.md (not part of the engine). It compiles `kernels/kserve_paged_kernels/csrc` of each given
 checkout for the given level (as `gemm_levels.py` does) and times `kp_paged_rows_f32` on
 decode batches of 16 rows at several context lengths, on windowed (512, as Gemma's local
 layers) and global layers, and on prefill runs (one prompt, every token a row), blocks of 16
@@ -31,11 +31,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench" / "probes"))
 from attention_levels import load_variants  # noqa: E402
 
-from kernels import cpu_native  # noqa: E402
-from kernels.cpu_backend import paged_attention_cpu  # noqa: E402
-from kernels.cpu_native import isa  # noqa: E402
-from kernels.metadata import AttentionMetadata  # noqa: E402
-from kernels.testing import make_case  # noqa: E402
+from kserve_paged_kernels import cpu_native  # noqa: E402
+from kserve_paged_kernels.cpu_backend import paged_attention_cpu  # noqa: E402
+from kserve_paged_kernels.cpu_native import isa  # noqa: E402
+from kserve_paged_kernels.metadata import AttentionMetadata  # noqa: E402
+from kserve_paged_kernels.testing import make_case  # noqa: E402
 
 # (label, seq_lens, q_lens, window)
 CASES = [(f"decode 16x{c} {w}", [c] * 16, [1] * 16, win)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from kernels import cpu_native
-from kernels.cpu_backend import paged_attention_cpu
-from kernels.metadata import AttentionMetadata
-from kernels.testing import make_case
+from kserve_paged_kernels import cpu_native
+from kserve_paged_kernels.cpu_backend import paged_attention_cpu
+from kserve_paged_kernels.metadata import AttentionMetadata
+from kserve_paged_kernels.testing import make_case
 
 SHAPES = {"smollm2": (9, 3, 64, (None,)), "gemma3": (4, 1, 256, (512, None))}
 BATCHES = [("decode 4x300", [300] * 4, [1] * 4, 15), ("decode 8x2048", [2048] * 8, [1] * 8, 15),

@@ -1,6 +1,6 @@
 """CPU attention per instruction-set level: the native kernel of each build against SDPA.
 
-A probe for BENCHMARKS.md (not part of the engine). It compiles `kernels/csrc` of each given
+A probe for BENCHMARKS.md (not part of the engine). It compiles `kernels/kserve_paged_kernels/csrc` of each given
 checkout for each given level (as `gemm_levels.py` does), and times one attention layer of
 SmolLM2's shape (9 query heads over 3 KV heads of 64, fp32, blocks of 16 in shuffled order)
 through `kp_paged_rows_f32` of every build and through the CPU backend's SDPA path (native
@@ -28,11 +28,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench" / "probes"))
 from gemm_levels import build  # noqa: E402
 
-from kernels import cpu_native  # noqa: E402
-from kernels.cpu_backend import paged_attention_cpu  # noqa: E402
-from kernels.cpu_native import isa  # noqa: E402
-from kernels.metadata import AttentionMetadata  # noqa: E402
-from kernels.testing import make_case  # noqa: E402
+from kserve_paged_kernels import cpu_native  # noqa: E402
+from kserve_paged_kernels.cpu_backend import paged_attention_cpu  # noqa: E402
+from kserve_paged_kernels.cpu_native import isa  # noqa: E402
+from kserve_paged_kernels.metadata import AttentionMetadata  # noqa: E402
+from kserve_paged_kernels.testing import make_case  # noqa: E402
 
 CASES = [("decode 64x600", [600] * 64, [1] * 64), ("decode 8x2048", [2048] * 8, [1] * 8),
          ("prefill 1x1024", [1024], [1024]), ("chunk 512 of 2048", [2048], [512])]

@@ -1,5 +1,5 @@
 """Which CPU attention path serves W1 best on this machine: the native row kernel for every
-row, the row kernel for decode rows with SDPA for prefill (kernels/cpu_backend.py's routing
+row, the row kernel for decode rows with SDPA for prefill (kernels/kserve_paged_kernels/cpu_backend.py's routing
 without the AVX-512 prefill tiles), or SDPA for everything.
 
 A probe for BENCHMARKS.md (not part of the engine). One engine per run, the default model in
@@ -29,14 +29,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
 
-    from kernels import cpu_native
+    from kserve_paged_kernels import cpu_native
 
     if args.mode == "torch":
         cpu_native.usable = lambda *a: False
     else:
         cpu_native.prefill_tiles = lambda: args.mode == "rows"
-    from engine import LLM, SamplingParams
-    from engine.default_model import ensure_default_model
+    from kserve_paged_engine import LLM, SamplingParams
+    from kserve_paged_engine.default_model import ensure_default_model
 
     base = ensure_default_model(progress=lambda _: None)
     llm = LLM(model=str(base), dtype="float32", enable_prefix_caching=False, max_model_len=2048,

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels import cpu_native  # noqa: E402
-from kernels.cpu_native import loader  # noqa: E402
+from kserve_paged_kernels import cpu_native  # noqa: E402
+from kserve_paged_kernels.cpu_native import loader  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 

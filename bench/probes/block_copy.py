@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from kernels import cpu_native
-from kernels.block_copy import copy_blocks
+from kserve_paged_kernels import cpu_native
+from kserve_paged_kernels.block_copy import copy_blocks
 
 LAYERS, BLOCK, HEADS, DIM, NUM_BLOCKS = 30, 16, 3, 64, 4096
 

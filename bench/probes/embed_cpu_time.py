@@ -35,8 +35,8 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
 
     from bench.embeddings import sentences
-    from engine import LLM
-    from engine.packaged_folders import ensure_folder_model
+    from kserve_paged_engine import LLM
+    from kserve_paged_engine.packaged_folders import ensure_folder_model
 
     torch.set_num_threads(int(os.environ.get("NT", "1")))
     folder = str(ensure_folder_model("all-minilm-l6-v2"))

@@ -1,4 +1,4 @@
-"""Gemma-3-270M's fp32 projections: the native GEMM (kernels/csrc/gemm.c) against torch.
+"""Gemma-3-270M's fp32 projections: the native GEMM (kernels/kserve_paged_kernels/csrc/gemm.c) against torch.
 
 A probe for BENCHMARKS.md (not part of the engine). Gemma-3-270M's layer has qkv 1536x640
 (fused), o 640x1024, gate/up 4096x640 (fused) and down 640x2048, 18 layers, and a tied
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels import cpu_native  # noqa: E402
+from kserve_paged_kernels import cpu_native  # noqa: E402
 
 HIDDEN, LAYERS, VOCAB = 640, 18, 262144
 SHAPES = {"qkv": (1536, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048),

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels import cpu_native  # noqa: E402
-from kernels.cpu_native import loader  # noqa: E402
+from kserve_paged_kernels import cpu_native  # noqa: E402
+from kserve_paged_kernels.cpu_native import loader  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}

@@ -1,6 +1,6 @@
 """The native GEMM per instruction-set level, against another checkout's build and oneDNN.
 
-A probe for BENCHMARKS.md (not part of the engine). It compiles `kernels/csrc` of each given
+A probe for BENCHMARKS.md (not part of the engine). It compiles `kernels/kserve_paged_kernels/csrc` of each given
 checkout for each given level (`isa.py`'s flags, the loader's sources), loads every build side
 by side, and times one pass of SmolLM2's projections (qkv 960x576, o 576x576, gate/up
 3072x576, down 576x1536; 30 layers' distinct weights at decode row counts, more than L3 so
@@ -29,7 +29,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from kernels.cpu_native import isa, loader  # noqa: E402
+from bench.benchlib import csrc_of  # noqa: E402
+from kserve_paged_kernels.cpu_native import isa, loader  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -37,7 +38,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 def build(checkout: Path, level: isa.IsaLevel, out: Path) -> ctypes.CDLL:
     """The library of `checkout`'s sources (its own file list) for `level`."""
-    csrc = checkout / "kernels" / "csrc"
+    csrc = csrc_of(checkout)
     sources = sorted(str(p) for p in csrc.glob("*.c"))
     subprocess.run(["gcc", *loader.flags_for(level), *sources, "-o", str(out), "-lm"],
                    check=True)

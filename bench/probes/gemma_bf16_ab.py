@@ -34,7 +34,7 @@ def _declined(*_args: object, **_kwargs: object) -> None:
 
 
 def _toggle(on: bool, real: dict) -> None:
-    from kernels import cpu_native
+    from kserve_paged_kernels import cpu_native
 
     for name in NATIVE:
         setattr(cpu_native, name, real[name] if on else _declined)
@@ -47,13 +47,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    from engine.worker.cpu_memory import reexec_with_tcmalloc
+    from kserve_paged_engine.worker.cpu_memory import reexec_with_tcmalloc
 
     reexec_with_tcmalloc()
     from benchlib import load_workload, timed_steps, warmup_prompts
 
-    from engine import LLM, SamplingParams
-    from kernels import cpu_native
+    from kserve_paged_engine import LLM, SamplingParams
+    from kserve_paged_kernels import cpu_native
 
     steps = timed_steps()
     reqs = load_workload("random", args.num_prompts, args.max_tokens)

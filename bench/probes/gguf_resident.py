@@ -29,7 +29,7 @@ def gemma_gguf(scratch: Path) -> Path:
 
 def resident_mib(model) -> tuple[float, float]:
     """(quantized weights, everything else) MiB held by the model."""
-    from engine.model_executor.quantization import projections
+    from kserve_paged_engine.model_executor.quantization import projections
 
     quant = sum(lin.quant.nbytes() for _, lin in projections(model) if lin.quant is not None)
     emb = getattr(model.model.embed_tokens, "weight_q", None)
@@ -46,8 +46,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import torch
 
-    from engine import LLM, SamplingParams
-    from engine.model_executor.model_loader import load_model
+    from kserve_paged_engine import LLM, SamplingParams
+    from kserve_paged_engine.model_executor.model_loader import load_model
 
     path = args.gguf or gemma_gguf(Path("/tmp"))
     model, _ = load_model(path, torch.float32, torch.device("cpu"), quantization="gguf")

@@ -44,7 +44,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -89,8 +89,8 @@ def main() -> int:
 
 def _torch_path():  # noqa: ANN202
     """Route a quantized cache through PyTorch (store, dequantize); returns the undo."""
-    import kernels.cpu_kvq as cpu_kvq
-    import kernels.dispatch as dispatch
+    import kserve_paged_kernels.cpu_kvq as cpu_kvq
+    import kserve_paged_kernels.dispatch as dispatch
 
     saved = (dispatch.cpu_native.store_kv_q8, cpu_kvq.cpu_native.kvq_usable)
     dispatch.cpu_native.store_kv_q8 = lambda *a, **k: None

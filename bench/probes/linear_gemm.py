@@ -1,4 +1,4 @@
-"""The linear layers of one SmolLM2 forward: native GEMM (kernels/csrc/gemm.c) vs oneDNN.
+"""The linear layers of one SmolLM2 forward: native GEMM (kernels/kserve_paged_kernels/csrc/gemm.c) vs oneDNN.
 
 A probe for BENCHMARKS.md (not part of the engine). It builds 30 layers' worth of distinct
 weights (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536: 424 MB, far more than L3,
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels import cpu_native  # noqa: E402
+from kserve_paged_kernels import cpu_native  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer
 LAYERS = 30

@@ -1,6 +1,6 @@
 """What the LoRA delta of one projection costs per call: the native one-call kernel
-(`kernels.cpu_native.lora_sgmv`) against the per-adapter torch loop it replaced on CPU
-(index_select, two matmuls and index_add per adapter; `engine/lora/batch.py`).
+(`kserve_paged_kernels.cpu_native.lora_sgmv`) against the per-adapter torch loop it replaced on CPU
+(index_select, two matmuls and index_add per adapter; `engine/kserve_paged_engine/lora/batch.py`).
 
 A probe for BENCHMARKS.md (not part of the engine). Shapes are the default model's: hidden 576,
 the widest projection 576 -> 3072 (gate and up fused); four rank-8 adapters; decode steps of
@@ -19,9 +19,15 @@ import time
 import numpy as np
 import torch
 
-from engine.lora.adapter import LoRAAdapter, LoRAWeights
-from engine.lora.batch import LoRAStep, SlotStacks, add_lora_delta, group_rows, sgmv_step
-from kernels import cpu_native
+from kserve_paged_engine.lora.adapter import LoRAAdapter, LoRAWeights
+from kserve_paged_engine.lora.batch import (
+    LoRAStep,
+    SlotStacks,
+    add_lora_delta,
+    group_rows,
+    sgmv_step,
+)
+from kserve_paged_kernels import cpu_native
 
 HIDDEN, ADAPTERS, RANK = 576, 4, 8
 SHAPES = (("q/o 576->576", 576), ("gate_up 576->3072", 3072))

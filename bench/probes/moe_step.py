@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # noqa: E402
 
-from engine.model_executor.model_loader import load_model  # noqa: E402
-from engine.model_executor.models.moe import SparseMoE  # noqa: E402
-from kernels.cpu_native import loader  # noqa: E402
+from kserve_paged_engine.model_executor.model_loader import load_model  # noqa: E402
+from kserve_paged_engine.model_executor.models.moe import SparseMoE  # noqa: E402
+from kserve_paged_kernels.cpu_native import loader  # noqa: E402
 from tests.helpers.tiny_models import PagedSim  # noqa: E402
 
 # old: the loop as it was (old_forward) on F.linear; torch: today's loop on F.linear; new:

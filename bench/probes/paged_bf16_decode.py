@@ -6,7 +6,7 @@ A probe for BENCHMARKS.md (not part of the engine). The W1-like decode step of S
 of `--head-dim` (64), blocks of 16 in shuffled order, a `--kv` cache: bf16 (bf16 queries),
 fp32, or int8 codes (fp32 queries). `KSERVE_PAGED_ISA=avx2` times the AVX2 build here. The library of this tree
 (the loader's build) and the library built from `--base` (default HEAD: `git archive` of
-kernels/csrc into a temp dir, compiled with the loader's flags for the same level) are called
+kernels/kserve_paged_kernels/csrc into a temp dir, compiled with the loader's flags for the same level) are called
 straight through ctypes, interleaved round by round (the order swapped each round), best of
 `--rounds`, per thread count. `--layers` separate caches are cycled through as a model's
 layers are, so the keys and values come from memory rather than a warm L3 (`--layers 1`: one
@@ -32,21 +32,22 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from kernels.cpu_native import abi, loader  # noqa: E402
-from kernels.kv_quant import QuantKV, dequantize, storage_dtype, store_kv_quant  # noqa: E402
-from kernels.metadata import AttentionMetadata  # noqa: E402
-from kernels.reference import paged_attention_ref  # noqa: E402
-from kernels.testing import make_case  # noqa: E402
+from bench.benchlib import csrc_of  # noqa: E402
+from kserve_paged_kernels.cpu_native import abi, loader  # noqa: E402
+from kserve_paged_kernels.kv_quant import QuantKV, dequantize, storage_dtype, store_kv_quant  # noqa: E402
+from kserve_paged_kernels.metadata import AttentionMetadata  # noqa: E402
+from kserve_paged_kernels.reference import paged_attention_ref  # noqa: E402
+from kserve_paged_kernels.testing import make_case  # noqa: E402
 
 
 def build_base(rev: str, out_dir: Path) -> ctypes.CDLL:
     """The library as of git rev `rev`, for the level the loader picked here."""
     src = out_dir / "src"
     src.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "kernels/csrc"],
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "kernels"],
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
-    csrc = src / "kernels" / "csrc"
+    csrc = csrc_of(src)
     so = out_dir / "base.so"
     proc = subprocess.run([loader.find_compiler(), *loader.flags_for(loader.loaded_level()),
                            *(str(csrc / p.name) for p in loader.SOURCES), "-o", str(so), "-lm"],

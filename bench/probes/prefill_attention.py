@@ -1,7 +1,7 @@
 """Prefill attention on CPU: the per-row kernel against the transposed-key path for runs.
 
 A probe for BENCHMARKS.md (not part of the engine). It builds the native library
-(`kernels/csrc`, the sources `kernels.cpu_native.loader` builds) twice, as shipped and with the transposed-key path for prefill runs turned off
+(`kernels/kserve_paged_kernels/csrc`, the sources `kserve_paged_kernels.cpu_native.loader` builds) twice, as shipped and with the transposed-key path for prefill runs turned off
 (`-DKT_MIN_ROWS=huge`: every row through the per-row loop), and times one layer's attention
 for prefill chunks of SmolLM2's shape (9 query heads over 3 KV heads of 64, fp32, blocks of 16
 in shuffled order), the two libraries alternating so machine drift hits both alike.
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels.cpu_native import abi, isa, loader  # noqa: E402
+from kserve_paged_kernels.cpu_native import abi, isa, loader  # noqa: E402
 
 CASES = {
     "W1 prefill step (7 prompts, 64-512)": [512, 400, 300, 200, 100, 64, 472],

@@ -10,7 +10,7 @@ interleaved; the best round's time per call is printed (on a loaded machine the 
 the least disturbed) with the ratios int4pack / ours and dense / ours (> 1: ours faster).
 `lm_head` is the tied 49152x576 LM head (one copy: it alone is 14 MiB at 4 bits).
 
-`--baseline DIR` also times another tree's kernel in the same run: DIR's kernels/csrc built
+`--baseline DIR` also times another tree's kernel in the same run: DIR's kernels/kserve_paged_kernels/csrc built
 with this tree's flags for the loaded level (e.g. `git worktree add /tmp/base HEAD~1`), called
 on the same packed weights (the layout must not differ), as base_int4 and base_int8 with
 base/ours and base8/ours8.
@@ -33,9 +33,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels import cpu_native  # noqa: E402
-from kernels import quant_linear as ql  # noqa: E402
-from kernels.cpu_native import abi, loader  # noqa: E402
+from bench.benchlib import csrc_of  # noqa: E402
+from kserve_paged_kernels import cpu_native  # noqa: E402
+from kserve_paged_kernels import quant_linear as ql  # noqa: E402
+from kserve_paged_kernels.cpu_native import abi, loader  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
@@ -47,7 +48,7 @@ def _build_baseline(tree: Path) -> ctypes.CDLL:
     level = loader.loaded_level()
     assert level is not None
     out = Path(tempfile.mkdtemp(prefix="kp_base_")) / "libbase.so"
-    sources = [tree / "kernels" / "csrc" / src.name for src in loader.SOURCES]
+    sources = [csrc_of(tree) / src.name for src in loader.SOURCES]
     subprocess.run([loader.find_compiler() or "gcc", *loader.flags_for(level), *map(str, sources),
                     "-o", str(out), "-lm"], check=True)
     lib = ctypes.CDLL(str(out))

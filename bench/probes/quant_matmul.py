@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels import cpu_native  # noqa: E402
-from kernels import quant_linear as ql  # noqa: E402
+from kserve_paged_kernels import cpu_native  # noqa: E402
+from kserve_paged_kernels import quant_linear as ql  # noqa: E402
 
 SHAPES = [(1728, 576), (3072, 576), (576, 1536), (49152, 576)]  # qkv, gate/up, down, LM head
 
@@ -74,8 +74,8 @@ def q8_error() -> None:
     (group-wise: 0, the blocks' own codes and scales)."""
     import gguf
 
-    from engine.default_model import find_gguf
-    from engine.model_executor import gguf_blocks
+    from kserve_paged_engine.default_model import find_gguf
+    from kserve_paged_engine.model_executor import gguf_blocks
 
     path = find_gguf()
     if path is None:

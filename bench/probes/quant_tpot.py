@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 
 def weight_bytes(model: object) -> int:
     """Bytes of the parameters plus the packed quantized projections (ties counted once)."""
-    from engine.model_executor.layers import Linear
+    from kserve_paged_engine.model_executor.layers import Linear
 
     seen, total = set(), 0
     for p in model.parameters():  # type: ignore[attr-defined]
@@ -46,7 +46,7 @@ def weight_bytes(model: object) -> int:
 
 
 def run_once(llm: object, prompt: list[int], output: int) -> float:
-    from engine import SamplingParams
+    from kserve_paged_engine import SamplingParams
 
     engine = llm.engine  # type: ignore[attr-defined]
     times: list[float] = []
@@ -91,8 +91,8 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    from engine import LLM
-    from engine.default_model import default_model_dir, ensure_default_model, find_gguf
+    from kserve_paged_engine import LLM
+    from kserve_paged_engine.default_model import default_model_dir, ensure_default_model, find_gguf
 
     ensure_default_model()
     gguf = find_gguf()

@@ -31,16 +31,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from engine.default_model import find_gguf  # noqa: E402
-from engine.model_executor.model_loader import load_model  # noqa: E402
-from kernels.cpu_native import decoder_stack, isa, loader  # noqa: E402
+from bench.benchlib import csrc_of  # noqa: E402
+from kserve_paged_engine.default_model import find_gguf  # noqa: E402
+from kserve_paged_engine.model_executor.model_loader import load_model  # noqa: E402
+from kserve_paged_kernels.cpu_native import decoder_stack, isa, loader  # noqa: E402
 from tests.helpers.tiny_models import PagedSim  # noqa: E402
 
 
 def build_from(root: Path, out: Path) -> ctypes.CDLL:
     """`root`'s native sources built for this CPU's level with this checkout's flags."""
     level = isa.current()
-    sources = [root / "kernels" / "csrc" / p.name for p in loader.SOURCES]
+    sources = [csrc_of(root) / p.name for p in loader.SOURCES]
     compiler = loader.find_compiler()
     subprocess.run([compiler, *loader.flags_for(level), *map(str, sources), "-o", str(out),
                     "-lm"], check=True, capture_output=True)

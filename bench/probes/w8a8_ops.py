@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, quant_linear
-from kernels.int8_dynamic import quantize_rows
+from kserve_paged_kernels import cpu_native, quant_linear
+from kserve_paged_kernels.int8_dynamic import quantize_rows
 
 SHAPES = ((1536, 576), (576, 1536), (8192, 2048))
 

@@ -13,8 +13,6 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from kserve.errors import ModelNotReady
 
-from engine.async_llm import EngineDeadError
-from engine.outputs import CompletionOutput
 from kserve_paged.anthropic.convert import (
     ERROR_TYPES,
     CountTokensBody,
@@ -37,6 +35,8 @@ from kserve_paged.openai.tools import tool_plan
 from kserve_paged.openai.turn import CallPiece, TurnPiece
 from kserve_paged.openai.turn_feed import TurnFeed, failure_message, whole_output
 from kserve_paged.served import ServedModel
+from kserve_paged_engine.async_llm import EngineDeadError
+from kserve_paged_engine.outputs import CompletionOutput
 
 logger = logging.getLogger("kserve.paged.anthropic")
 

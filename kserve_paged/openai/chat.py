@@ -21,8 +21,6 @@ from openai.types.chat.chat_completion_chunk import (
     ChoiceDeltaToolCallFunction,
 )
 
-from engine.async_llm import EngineDeadError, RequestStream
-from engine.outputs import RequestOutput
 from kserve_paged.logprobs import TokenText, chat_logprobs, prompt_logprobs_json
 from kserve_paged.openai.chat_turn import split_turn, start_turn
 from kserve_paged.openai.errors import APIError, error_body
@@ -38,6 +36,8 @@ from kserve_paged.openai.stream import (
 from kserve_paged.openai.tools import StreamedCalls, ToolPlan, with_calls
 from kserve_paged.openai.turn import TurnPiece, TurnStream
 from kserve_paged.served import ServedModel
+from kserve_paged_engine.async_llm import EngineDeadError, RequestStream
+from kserve_paged_engine.outputs import RequestOutput
 
 
 async def chat_completions(model: ServedModel, request: Request, body: ChatBody) -> Response:

@@ -4,7 +4,7 @@ tokenizer, the tool plan, and, for a reasoning model, where a constraint may sta
 
 Structured outputs and reasoning: a JSON schema (or a tool call's constraint) holds the answer,
 not the thinking. The engine's grammar can wait (`StructuredOutputs.start_after_token_id`,
-engine/sample/structured_output.py): it is inactive until the model samples the end-of-thinking
+engine/kserve_paged_engine/sample/structured_output.py): it is inactive until the model samples the end-of-thinking
 token, and holds from the next token on. When the prompt already closed the thinking (Qwen3 with
 `enable_thinking` false), the grammar holds from the first token.
 """
@@ -17,7 +17,6 @@ from typing import Any
 
 from fastapi import Request
 
-from engine.async_llm import RequestStream
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.parse import chat_conversation, conversation_chars
 from kserve_paged.openai.reasoning import END, START, split_reasoning
@@ -27,6 +26,7 @@ from kserve_paged.openai.tools import ToolCall, ToolPlan, template_messages, too
 from kserve_paged.sampling import OptionError
 from kserve_paged.served import ServedModel
 from kserve_paged.structured import structured_outputs_given
+from kserve_paged_engine.async_llm import RequestStream
 
 # apply_chat_template's own arguments: chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_KWARGS = frozenset({

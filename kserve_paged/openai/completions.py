@@ -10,8 +10,6 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.async_llm import EngineDeadError, RequestStream
-from engine.outputs import RequestOutput
 from kserve_paged.logprobs import TokenText
 from kserve_paged.openai.errors import APIError, error_body
 from kserve_paged.openai.parse import split_prompts
@@ -34,6 +32,8 @@ from kserve_paged.openai.stream import (
 from kserve_paged.openai.submit import open_streams
 from kserve_paged.sampling import OptionError
 from kserve_paged.served import ServedModel
+from kserve_paged_engine.async_llm import EngineDeadError, RequestStream
+from kserve_paged_engine.outputs import RequestOutput
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /completions
 

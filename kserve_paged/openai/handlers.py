@@ -19,7 +19,6 @@ from fastapi.responses import Response
 from kserve.errors import InferenceError, ModelNotReady
 from openai.types import Model as OpenAIModel
 
-from engine.async_llm import EngineDeadError
 from kserve_paged.admission import RequestRefused
 from kserve_paged.anthropic.messages import register_messages_routes
 from kserve_paged.lora import AdapterView
@@ -37,6 +36,7 @@ from kserve_paged.openai.pooling_schemas import ClassifyBody, EmbeddingBody, Rer
 from kserve_paged.openai.responses import create_response, parse_responses
 from kserve_paged.openai.schemas import ChatBody, ChatCompletionOut, CompletionBody, CompletionOut
 from kserve_paged.served import ServedModel
+from kserve_paged_engine.async_llm import EngineDeadError
 
 logger = logging.getLogger("kserve.paged.openai")
 

@@ -2,7 +2,7 @@
 
 The handlers parse bodies themselves (to answer in OpenAI's error shape, not FastAPI's 422), so
 FastAPI cannot derive the schemas: they are built here from the pydantic bodies, with the value
-ranges of engine.limits (the numbers the engine validates against) laid over them.
+ranges of kserve_paged_engine.limits (the numbers the engine validates against) laid over them.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from engine import limits as L
 from kserve_paged.openai.errors import ERROR_SCHEMA
+from kserve_paged_engine import limits as L
 
 
 def _number(value: float) -> int | float:

@@ -1,5 +1,5 @@
 """The pooling routes: embeddings (OpenAI's shape), rerank (Jina/Cohere's), score and classify
-(vLLM's), answered by a model whose job is to embed or classify (engine/model_job.py).
+(vLLM's), answered by a model whose job is to embed or classify (engine/kserve_paged_engine/model_job.py).
 
 A pair (query, document) is scored by the model's job: a classifier (cross-encoder) reads the
 pair as one input, `[CLS] query [SEP] document [SEP]`, and scores it by its logit (sigmoid for
@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from fastapi.responses import JSONResponse
 
-from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.pooling_schemas import ClassifyBody, EmbeddingBody, RerankBody, ScoreBody
 from kserve_paged.sampling import OptionError
 from kserve_paged.served import ServedModel
+from kserve_paged_engine.pooling_params import PoolingParams
+from kserve_paged_engine.sampling_params import SamplingParams
 
 _PROMPT_ONLY = SamplingParams(max_tokens=0)
 

@@ -8,10 +8,10 @@ from typing import Any
 
 from openai.types import CompletionUsage
 
-from engine.outputs import CompletionOutput, RequestOutput
 from kserve_paged.logprobs import Entry, TokenText, completion_logprobs, prompt_logprobs_json
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.schemas import CompletionBody
+from kserve_paged_engine.outputs import CompletionOutput, RequestOutput
 
 _FINISH_REASONS = {"stop", "length"}
 

@@ -10,8 +10,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.async_llm import EngineDeadError
-from engine.outputs import CompletionOutput, RequestOutput
 from kserve_paged.openai.chat_turn import ChatTurn, split_turn, start_turn
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.parse import validate
@@ -33,6 +31,8 @@ from kserve_paged.openai.schemas import ChatBody
 from kserve_paged.openai.stream import ClosingStreamingResponse
 from kserve_paged.openai.turn_feed import TurnFeed, failure_message, whole_output
 from kserve_paged.served import ServedModel
+from kserve_paged_engine.async_llm import EngineDeadError
+from kserve_paged_engine.outputs import CompletionOutput, RequestOutput
 
 
 def parse_responses(data: dict[str, Any]) -> tuple[ResponsesBody, ChatBody]:

@@ -60,7 +60,7 @@ class SamplingBody(BaseModel):
     best_of: int | None = None
     length_penalty: float | None = None
     early_stopping: bool | str | None = None
-    # vLLM's token filters and prompt cut (engine/sampling_params.py)
+    # vLLM's token filters and prompt cut (engine/kserve_paged_engine/sampling_params.py)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None

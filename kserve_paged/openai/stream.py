@@ -18,9 +18,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from engine.async_llm import RequestStream
-from engine.outputs import RequestOutput
 from kserve_paged.openai.errors import APIError
+from kserve_paged_engine.async_llm import RequestStream
+from kserve_paged_engine.outputs import RequestOutput
 
 logger = logging.getLogger("kserve.paged.openai")
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.async_llm import RequestStream
-from engine.sampling_params import SamplingParams
 from kserve_paged.admission import parse_timeout, tighten
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.schemas import SamplingBody
 from kserve_paged.sampling import OptionError
 from kserve_paged.served import ServedModel, submit_all
 from kserve_paged.structured import structured_outputs_given
+from kserve_paged_engine.async_llm import RequestStream
+from kserve_paged_engine.sampling_params import SamplingParams
 
 
 async def open_streams(model: ServedModel, prompt_ids: list[list[int]], body: SamplingBody,

@@ -17,12 +17,12 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictInt
 
-from engine import limits
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.parse import chat_conversation, conversation_chars
 from kserve_paged.openai.tools import template_messages
 from kserve_paged.sampling import OptionError
 from kserve_paged.served import ServedModel
+from kserve_paged_engine import limits
 
 
 class _Body(BaseModel):

@@ -21,8 +21,8 @@ from typing import Any
 
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
-from engine import limits
 from kserve_paged.openai.errors import APIError
+from kserve_paged_engine import limits
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "none")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"

@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from engine.async_llm import EngineDeadError
-from engine.outputs import RequestOutput
 from kserve_paged.openai.chat_turn import ChatTurn
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.render import check_output, finish_reason
 from kserve_paged.openai.stream import final_outputs, until_disconnect
 from kserve_paged.openai.turn import TurnPiece, TurnStream
+from kserve_paged_engine.async_llm import EngineDeadError
+from kserve_paged_engine.outputs import RequestOutput
 
 
 async def whole_output(request: Request, turn: ChatTurn) -> RequestOutput | None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 import zlib
 
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request
-from engine.core.scheduler import Scheduler, SchedulerConfig
-from engine.core.scheduler_output import SchedulerOutput
-from engine.sampling_params import SamplingParams
+from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
+from kserve_paged_engine.core.request import Request
+from kserve_paged_engine.core.scheduler import Scheduler, SchedulerConfig
+from kserve_paged_engine.core.scheduler_output import SchedulerOutput
+from kserve_paged_engine.sampling_params import SamplingParams
 
 EOS = 2
 
@@ -32,7 +32,7 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 16, *, budget: int = 
                    max_model_len: int | None = None, max_loras: int = 1,
                    sliding_window: int | None = None,
                    group_windows: list[int | None] | None = None) -> Scheduler:
-    """`group_windows`: one KV group per entry (engine/core/kv_groups.py), e.g. [None, 8] for a
+    """`group_windows`: one KV group per entry (engine/kserve_paged_engine/core/kv_groups.py), e.g. [None, 8] for a
     model whose global and sliding layers have their own tables."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              policy=policy, max_loras=max_loras)

@@ -99,7 +99,7 @@ def _serve() -> None:
     """The child: one JSON request per stdin line, one answer per stdout line; what the called
     code prints goes to stderr."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        from kernels.testing import faithful_interpreter
+        from kserve_paged_kernels.testing import faithful_interpreter
 
         faithful_interpreter()  # every call sees the same interpreter, whatever ran before
     import importlib

@@ -5,7 +5,7 @@ CUDA each read is a sync with the stream; each list copy a pageable upload.
 
     with host_reads() as reads:
         ...
-    reads.sites  # Counter {"engine/sample/sampler.py:117 tolist": 1, ...}
+    reads.sites  # Counter {"engine/kserve_paged_engine/sample/sampler.py:117 tolist": 1, ...}
 
 Only calls made from the project's own files (engine/, kernels/) are counted, so torch's and
 Triton's internals (the interpreter reads its tensors on the host) are not. The counter

@@ -13,35 +13,37 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "kernels", "kserve_paged")
+from tests.helpers.layout import PACKAGES, REPO, module_file, python_files
 
 
 @dataclass(frozen=True, slots=True)
 class Import:
-    source: str  # the importing file, relative to the repository ("engine/llm.py")
+    source: str  # the importing file, relative to the repository ("engine/kserve_paged_engine/llm.py")
     target: str  # the imported project file
     line: int
 
 
 def project_files() -> list[str]:
-    return sorted(str(p.relative_to(REPO)) for pkg in PACKAGES
-                  for p in (REPO / pkg).rglob("*.py"))
+    return [str(p.relative_to(REPO)) for p in python_files()]
 
 
 def _module_file(module: str) -> str | None:
-    """The file that defines a dotted module name of the project, if any."""
-    path = REPO.joinpath(*module.split("."))
-    if (path / "__init__.py").is_file():
-        return str((path / "__init__.py").relative_to(REPO))
-    if path.with_suffix(".py").is_file():
-        return str(path.with_suffix(".py").relative_to(REPO))
-    return None
+    """The file that defines a dotted module name of the project, if any (repository-relative)."""
+    path = module_file(module)
+    return None if path is None else str(path.relative_to(REPO))
+
+
+def _module_of(file: str) -> str:
+    """The dotted module name of a project file."""
+    path = (REPO / file).resolve()
+    for folder in PACKAGES.values():
+        if path.is_relative_to(folder):
+            return ".".join(path.relative_to(folder.parent).with_suffix("").parts)
+    raise ValueError(f"{file} is in none of the packages")
 
 
 def _package_of(file: str) -> str:
-    parts = Path(file).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] != "__init__" else parts[:-1])
+    return _module_of(file).rsplit(".", 1)[0]
 
 
 def imports_of(file: str) -> list[Import]:

@@ -15,7 +15,7 @@ def serve(kv_cache_dtype: str) -> dict[str, Any]:
     copies a block on write), plus the backend that served them."""
     import torch
 
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
     from tests.helpers.tiny_models import CONFIGS, save_checkpoint, save_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,7 +18,7 @@ def serve() -> dict[str, Any]:
     prompts on a 12-block pool) restored (partly from the disk); the tier's hits and the backend."""
     import torch
 
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
     from tests.helpers.tiny_models import CONFIGS, save_checkpoint, save_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,11 +13,11 @@ from kserve.protocol.model_repository_extension import ModelRepositoryExtension
 from kserve.protocol.rest.server import RESTServer
 from prometheus_client import CollectorRegistry
 
-from engine.async_llm import AsyncLLM
-from engine.config import EngineConfig
 from kserve_paged import server as srv
 from kserve_paged.metrics import EngineMetrics
 from kserve_paged.model import PagedLLMModel
+from kserve_paged_engine.async_llm import AsyncLLM
+from kserve_paged_engine.config import EngineConfig
 
 PROMPT = list(range(100, 120))
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:  # tests/conftest.py imports this module: keep its collection light
-    from engine import LLM
     from kserve_paged.model import PagedLLMModel
+    from kserve_paged_engine import LLM
 
 OPTS = {"max_model_len": 256, "num_kv_blocks": 64}
 PROMPTS = ["The capital of France is", "1, 2, 3,"]
@@ -27,15 +27,15 @@ TOL = 2e-3  # batch composition changes float sums a little between server and r
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from engine.default_model import ensure_default_model
+    from kserve_paged_engine.default_model import ensure_default_model
 
     return str(ensure_default_model(progress=lambda _: None))
 
 
 @pytest.fixture(scope="session")
 def served(model_dir: str) -> Iterator[tuple[Any, PagedLLMModel]]:
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from kserve_paged_engine.config import EngineConfig
+    from kserve_paged_engine.llm_engine import LLMEngine
     from tests.helpers.server import build
 
     app, model = build(engine=LLMEngine(EngineConfig(model=model_dir, **OPTS)))
@@ -46,7 +46,7 @@ def served(model_dir: str) -> Iterator[tuple[Any, PagedLLMModel]]:
 
 @pytest.fixture(scope="session")
 def ref(model_dir: str) -> LLM:
-    from engine import LLM
+    from kserve_paged_engine import LLM
 
     return LLM(model=model_dir, **OPTS)
 

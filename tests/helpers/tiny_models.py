@@ -31,8 +31,8 @@ from transformers import (  # noqa: E402
     Qwen3MoeConfig,
 )
 
-from engine.model_executor.attention import AttentionMetadata  # noqa: E402
-from engine.model_executor.models import LlamaForCausalLM  # noqa: E402
+from kserve_paged_engine.model_executor.attention import AttentionMetadata  # noqa: E402
+from kserve_paged_engine.model_executor.models import LlamaForCausalLM  # noqa: E402
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48

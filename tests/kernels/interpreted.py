@@ -6,13 +6,13 @@ includes triton.language's own jit helpers (`tl.sum`, `tl.max`, ...), which are 
 Triton is first imported; an interpreted kernel cannot call compiled helpers. A process that
 sets the variable before importing Triton is the only clean way in either order of tests.
 
-    results = run_calls([("kernels.act_triton", "act_mul_triton", (x,), {"gelu": True})], tmp)
+    results = run_calls([("kserve_paged_kernels.act_triton", "act_mul_triton", (x,), {"gelu": True})], tmp)
 
 Each call's return value and its positional arguments after the call (for in-place kernels)
 come back through `torch.save` files. Child: `python -m tests.kernels.interpreted IN OUT`.
 
 The child also makes the interpreter compute what the GPU computes
-(`kernels.testing.faithful_interpreter`): bf16 casts rounded to nearest even, not truncated.
+(`kserve_paged_kernels.testing.faithful_interpreter`): bf16 casts rounded to nearest even, not truncated.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.testing import faithful_interpreter
+from kserve_paged_kernels.testing import faithful_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"

@@ -30,7 +30,7 @@ ATTENTION_CASES = {  # dtype, group, BLOCK_M, BLOCK_N, BLOCK_D, splits, f32, one
     "attention-bf16-window-split": ("bf16", 4, 16, 64, 256, 4, False, False, True, False),
     # encoders (issue 35): bidirectional prefill, no causal mask (CAUSAL False)
     "attention-fp32-bidirectional": ("fp32", 3, 64, 32, 64, 1, True, False, False, False),
-    # a quantized KV cache (kernels/kv_quant.py): int8 codes under split decode, fp8 in prefill
+    # a quantized KV cache (kernels/kserve_paged_kernels/kv_quant.py): int8 codes under split decode, fp8 in prefill
     "attention-bf16-int8kv": ("bf16", 4, 16, 64, 128, 8, False, False, False, False),
     "attention-bf16-fp8kv": ("bf16", 4, 64, 64, 128, 1, False, False, True, False),
 }
@@ -62,7 +62,7 @@ def _compile(fn: object, sig: dict[str, str], consts: dict[str, object], warps: 
 
 
 def _attention(case: str) -> list[int]:
-    import kernels.triton_backend as tb
+    import kserve_paged_kernels.triton_backend as tb
 
     (dtype, group, block_m, block_n, block_d, splits, f32, one_seq, window,
      softcap) = ATTENTION_CASES[case]
@@ -84,7 +84,7 @@ def _attention(case: str) -> list[int]:
 
 
 def _store_merge() -> list[int]:
-    import kernels.triton_backend as tb
+    import kserve_paged_kernels.triton_backend as tb
 
     sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*bf16", "slot_ptr": "*i64",
            **dict.fromkeys(["stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ckv",
@@ -95,7 +95,7 @@ def _store_merge() -> list[int]:
            "head_dim": "i32", "stride_ot": "i32", "stride_oh": "i32"}
     merge = _compile(tb._merge_splits_kernel, sig,
                      {"NUM_SPLITS": 5, "SPLITS_P2": 8, "BLOCK_D": 128})
-    import kernels.kv_quant_triton as kqt
+    import kserve_paged_kernels.kv_quant_triton as kqt
 
     sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "code_ptr": "*u8", "scale_ptr": "*fp32",
            "slot_ptr": "*i64", **dict.fromkeys(
@@ -105,7 +105,7 @@ def _store_merge() -> list[int]:
     quant = [_compile(kqt._store_quant_kernel, dict(sig),  # int8 and fp8_e4m3 codes
                       {"BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128, "FMT": fmt, "QMAX": qmax})
              for fmt, qmax in ((0, 127.0), (1, 448.0))]
-    import kernels.block_copy_triton as bct
+    import kserve_paged_kernels.block_copy_triton as bct
 
     sig = {"cache_ptr": "*bf16", "src_ptr": "*i64", "dst_ptr": "*i64", "half_elems": "i64",
            "block_elems": "i32"}
@@ -115,7 +115,7 @@ def _store_merge() -> list[int]:
 
 
 def _lora_sgmv() -> list[int]:
-    import kernels.lora_triton as lt
+    import kserve_paged_kernels.lora_triton as lt
 
     seg = {"rows_ptr": "*i64", "seg_start_ptr": "*i64", "seg_len_ptr": "*i64",
            "seg_slot_ptr": "*i64"}
@@ -131,7 +131,7 @@ def _lora_sgmv() -> list[int]:
 
 
 def _fused_moe() -> list[int]:
-    import kernels.moe_triton as mt
+    import kserve_paged_kernels.moe_triton as mt
 
     route = {"sorted_ptr": "*i64", "block_expert_ptr": "*i32", "num_pairs": "i32"}
     consts = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "F32_DOT": False}
@@ -149,9 +149,9 @@ def _fused_moe() -> list[int]:
 def _fused_ops() -> list[int]:
     """The layer's fused elementwise kernels at Llama-3-8B's shape (hidden 4096, 32 + 8 heads
     of 128, block 16), bf16, with every flag of each, plus fp32 rows (the exact-dtype path)."""
-    import kernels.act_triton as at
-    import kernels.norm_triton as nt
-    import kernels.rope_triton as rt
+    import kserve_paged_kernels.act_triton as at
+    import kserve_paged_kernels.norm_triton as nt
+    import kserve_paged_kernels.rope_triton as rt
 
     shared = []
     for dtype, gemma, residual in (("bf16", False, True), ("bf16", True, True),
@@ -180,7 +180,7 @@ def _fused_ops() -> list[int]:
 def _quant_gemm() -> list[int]:
     """The AWQ and GPTQ int4 GEMMs and the fp8 GEMM (per tensor, per channel and [128, 128]
     blocks), bf16 activations, tensor-core dots."""
-    import kernels.quant_gemm_triton as qg
+    import kserve_paged_kernels.quant_gemm_triton as qg
 
     tiles = {"F32_DOT": False, "BLOCK_M": qg.BLOCK_M, "BLOCK_N": qg.BLOCK_N,
              "BLOCK_K": qg.BLOCK_K}

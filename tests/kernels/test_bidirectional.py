@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import AttentionMetadata, attend, paged_attention
-from kernels.dense_attention import dense_attention, dense_batch
-from kernels.reference import paged_attention_ref
-from kernels.testing import make_case, tolerance
+from kserve_paged_kernels import AttentionMetadata, attend, paged_attention
+from kserve_paged_kernels.dense_attention import dense_attention, dense_batch
+from kserve_paged_kernels.reference import paged_attention_ref
+from kserve_paged_kernels.testing import make_case, tolerance
 
 # (seq_lens, q_lens): whole sequences (encoders), a one-token sequence, an idle one, and
 # new tokens after a context (the contract holds there too: all keys are visible).
@@ -63,7 +63,7 @@ def test_window_or_softcap_with_bidirectional_is_refused():
 
 @pytest.mark.parametrize("seq_lens,q_lens", CASES)
 def test_triton_equals_the_reference(triton_interpreter, seq_lens, q_lens):
-    tb = triton_interpreter.load("kernels.triton_backend")
+    tb = triton_interpreter.load("kserve_paged_kernels.triton_backend")
     case = make_case(seq_lens, q_lens, num_heads=4, num_kv_heads=2, head_dim=32)
     want = paged_attention_ref(*case.args(), causal=False)
     got = tb.paged_attention_triton(*case.args(), max_seq_len=case.max_seq_len,
@@ -82,7 +82,7 @@ def _own_rows(case, j: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("seq_lens", [[5, 33, 120], [1, 17, 9], [64], [30, 8, 29, 7, 30, 40]])
 def test_dense_attention_equals_the_paged_reference(seq_lens):
-    """The encoder's path (kernels.dense_attention: the step's own K/V, one padded SDPA)
+    """The encoder's path (kserve_paged_kernels.dense_attention: the step's own K/V, one padded SDPA)
     gives what the paged contract defines when every sequence is whole in the step."""
     case = make_case(seq_lens, seq_lens, num_heads=4, num_kv_heads=4, head_dim=32)
     t = case.query.shape[0]

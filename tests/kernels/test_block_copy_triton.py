@@ -1,4 +1,4 @@
-"""The CUDA copy-on-write block copy (kernels/block_copy_triton.py) against the block-by-block
+"""The CUDA copy-on-write block copy (kernels/kserve_paged_kernels/block_copy_triton.py) against the block-by-block
 reference, in Triton's interpreter without CUDA (the `triton_interpreter` fixture)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.block_copy import copy_blocks_ref
+from kserve_paged_kernels.block_copy import copy_blocks_ref
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("bct")  # every test runs with the kernels 
 
 @pytest.fixture(scope="module")
 def bct(triton_interpreter):
-    return triton_interpreter.load("kernels.block_copy_triton")
+    return triton_interpreter.load("kserve_paged_kernels.block_copy_triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

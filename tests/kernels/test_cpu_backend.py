@@ -8,11 +8,11 @@ import zlib
 import pytest
 import torch
 
-from kernels import cpu_native, paged_attention, store_kv
-from kernels.cpu_backend import paged_attention_cpu, store_kv_cpu
-from kernels.metadata import AttentionMetadata
-from kernels.reference import paged_attention_ref, store_kv_ref
-from kernels.testing import make_case, tolerance
+from kserve_paged_kernels import cpu_native, paged_attention, store_kv
+from kserve_paged_kernels.cpu_backend import paged_attention_cpu, store_kv_cpu
+from kserve_paged_kernels.metadata import AttentionMetadata
+from kserve_paged_kernels.reference import paged_attention_ref, store_kv_ref
+from kserve_paged_kernels.testing import make_case, tolerance
 
 HEAD_RATIOS = [(4, 4), (8, 2), (9, 3), (8, 1)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -113,7 +113,7 @@ def test_padding_tokens_are_zero_and_hints_accepted() -> None:
 def test_plan_lives_with_its_step_metadata(decode_path: str, monkeypatch) -> None:
     """Layers of a step share one metadata object and build the plan once; the next step's
     metadata (the same tensors changed in place, as the runner's buffers are) gets its own."""
-    import kernels.cpu_backend as backend
+    import kserve_paged_kernels.cpu_backend as backend
 
     builds = []
     real_build = backend._build_plan

@@ -1,4 +1,4 @@
-"""`--dtype auto` on CPU (kernels/cpu_dtype.py, through engine/core/kv_sizing.resolve_dtype):
+"""`--dtype auto` on CPU (kernels/kserve_paged_kernels/cpu_dtype.py, through engine/kserve_paged_engine/core/kv_sizing.resolve_dtype):
 bfloat16 where the CPU has native bf16, float32 where bf16 would be emulated, checked for
 every machine type seen with its flags stubbed; CUDA's `auto` is the checkpoint's dtype."""
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import startup
-from engine.core.kv_sizing import checkpoint_dtype, resolve_dtype
-from kernels import cpu_dtype
-from kernels.cpu_native import isa
+from kserve_paged_engine import startup
+from kserve_paged_engine.core.kv_sizing import checkpoint_dtype, resolve_dtype
+from kserve_paged_kernels import cpu_dtype
+from kserve_paged_kernels.cpu_native import isa
 from tests.helpers.cpu_flags import MACHINES
 
 AUTO = {  # machine type -> what `auto` must be there, and why
@@ -91,7 +91,7 @@ def test_start_up_logs_the_choice_and_the_kernels(monkeypatch: pytest.MonkeyPatc
                                                   caplog: pytest.LogCaptureFixture) -> None:
     spr = frozenset(MACHINES["Intel Xeon Sapphire Rapids (AMX)"][0].split())
     monkeypatch.setattr(isa, "cpu_flags", lambda: spr)
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO, logger="kserve_paged_engine"):
         startup.log_dtype("auto", torch.bfloat16, CPU)
     text = caplog.text
     assert "dtype auto -> bfloat16 (native bf16 on this CPU: amx_bf16, avx512_bf16)" in text

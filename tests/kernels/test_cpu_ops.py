@@ -1,4 +1,4 @@
-"""The native fused CPU ops (kernels/csrc/cpu_ops.c) against their PyTorch definitions."""
+"""The native fused CPU ops (kernels/kserve_paged_kernels/csrc/cpu_ops.c) against their PyTorch definitions."""
 
 from __future__ import annotations
 
@@ -6,8 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model_executor.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rope_parameters
-from kernels import cpu_native
+from kserve_paged_engine.model_executor.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLUMLP,
+    rope_parameters,
+)
+from kserve_paged_kernels import cpu_native
 
 
 @pytest.fixture(autouse=True)
@@ -124,7 +129,7 @@ def test_silu_mul_matches_torch(rows: int) -> None:
 
 
 def test_store_kv_native_matches_reference_and_skips_negative_slots() -> None:
-    from kernels.reference import store_kv_ref
+    from kserve_paged_kernels.reference import store_kv_ref
 
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(6, 9 * 4 + 2 * 2 * 4, generator=gen)  # k and v are strided views, as in

@@ -1,5 +1,5 @@
 """The native fused ops over bf16 (csrc/cpu_ops_bf16.c) against their definitions in
-kernels/reference.py evaluated by torch in bf16: residual add + RMSNorm, SiLU-and-multiply and
+kernels/kserve_paged_kernels/reference.py evaluated by torch in bf16: residual add + RMSNorm, SiLU-and-multiply and
 the KV store, RoPE. They round where eager bf16 rounds, so they agree with it value for value but for
 the order of an fp32 sum (and exp's last fp32 bit): a bf16 step or two anywhere, and almost
 everywhere exactly. tests/kernels/test_isa.py runs this file again at avx2."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_native, fused_ops
-from kernels.reference import act_mul_ref, add_rms_norm_ref, rope_ref, store_kv_ref
+from kserve_paged_kernels import cpu_native, fused_ops
+from kserve_paged_kernels.reference import act_mul_ref, add_rms_norm_ref, rope_ref, store_kv_ref
 
 BF16 = torch.bfloat16
 

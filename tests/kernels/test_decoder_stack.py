@@ -1,4 +1,4 @@
-"""The one-call native decoder stack (kernels/csrc/decoder_stack.c) against the per-layer modules.
+"""The one-call native decoder stack (kernels/kserve_paged_kernels/csrc/decoder_stack.c) against the per-layer modules.
 
 Both run the same kernels in the same order, so hidden states and the KV they write must be equal
 bit for bit, on every tiny config of tests/test_models.py the stack takes (GQA and MHA, biases,
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model_executor.attention import AttentionMetadata
-from engine.model_executor.model_loader import load_model
-from kernels import cpu_native
+from kserve_paged_engine.model_executor.attention import AttentionMetadata
+from kserve_paged_engine.model_executor.model_loader import load_model
+from kserve_paged_kernels import cpu_native
 from tests.helpers.tiny_models import CONFIGS, VOCAB, PagedSim, save_checkpoint, save_tokenizer
 
 
@@ -102,7 +102,7 @@ def test_stack_equals_per_layer_modules_bit_for_bit(name: str, tmp_path: Path) -
 def test_stack_declines_what_it_cannot_compute_and_says_why(name: str, tmp_path: Path,
                                                              caplog) -> None:
     path, _ = save_checkpoint(CONFIGS[name], tmp_path)
-    with caplog.at_level("INFO", logger="engine"):
+    with caplog.at_level("INFO", logger="kserve_paged_engine"):
         model, _ = load_model(path, torch.float32, torch.device("cpu"))
     assert model.native_stack is None
     assert DECLINED[name] in model.native_stack_declined
@@ -115,11 +115,11 @@ def test_stack_declines_what_it_cannot_compute_and_says_why(name: str, tmp_path:
 def test_stack_reads_each_layers_kv_group(name: str, kv_cache_dtype: str,
                                           tmp_path: Path) -> None:
     """In the engine, Gemma's sliding and global layers keep their K/V in separate KV groups,
-    each with its own slots and block tables (engine/core/kv_groups.py); the stack gives each
+    each with its own slots and block tables (engine/kserve_paged_engine/core/kv_groups.py); the stack gives each
     layer its group's. Prompts past the window, prefix-cache hits and out-of-window blocks
     freed, a float and an int8 cache (soft-capped scores over codes): the tokens and
     log-probabilities equal the per-layer modules' exactly."""
-    from engine import LLM, SamplingParams
+    from kserve_paged_engine import LLM, SamplingParams
 
     path, _ = save_checkpoint(CONFIGS[name], tmp_path)
     save_tokenizer(path)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model_executor.model_loader import load_model
-from kernels import cpu_native
+from kserve_paged_engine.model_executor.model_loader import load_model
+from kserve_paged_kernels import cpu_native
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
 from tests.kernels.test_decoder_stack import _long_steps, _one_step_inputs, _steps
 

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels.dispatch
-from kernels import ENV_VAR, paged_attention, resolve_backend
+import kserve_paged_kernels.dispatch
+from kserve_paged_kernels import ENV_VAR, paged_attention, resolve_backend
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
-    monkeypatch.setattr(kernels.dispatch, "_logged", set())
+    monkeypatch.setattr(kserve_paged_kernels.dispatch, "_logged", set())
 
 
 def test_cpu_default_is_the_cpu_backend(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,13 +59,13 @@ def test_triton_on_cpu_without_interpreter_says_why(monkeypatch: pytest.MonkeyPa
 def test_flash_attn_off_cuda_falls_back_with_logged_reason(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with caplog.at_level(logging.INFO, logger="kernels"):
+    with caplog.at_level(logging.INFO, logger="kserve_paged_kernels"):
         assert resolve_backend("cpu", "flash_attn", block_size=16) == "triton"
     assert any("flash_attn needs CUDA" in r.getMessage() for r in caplog.records)
 
 
 def test_flash_attn_block_size_rule() -> None:
-    from kernels.flash_attn_backend import unusable_reason
+    from kserve_paged_kernels.flash_attn_backend import unusable_reason
 
     cuda = torch.device("cuda")
     why = unusable_reason(cuda, 16, 128, torch.bfloat16)
@@ -76,15 +76,15 @@ def test_flash_attn_block_size_rule() -> None:
 
 
 def test_choice_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="kernels"):
+    with caplog.at_level(logging.INFO, logger="kserve_paged_kernels"):
         for _ in range(3):
             resolve_backend("cpu")
-    msgs = [r.getMessage() for r in caplog.records if r.name == "kernels"]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "kserve_paged_kernels"]
     assert msgs == ["paged-attention backend: cpu (device cpu, default)"]
 
 
 def test_import_pulls_neither_engine_nor_triton() -> None:
-    code = ("import sys, kernels; "
-            "assert 'engine' not in sys.modules, 'engine'; "
+    code = ("import sys, kserve_paged_kernels; "
+            "assert 'kserve_paged_engine' not in sys.modules, 'kserve_paged_engine'; "
             "assert 'triton' not in sys.modules, 'triton'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

@@ -1,4 +1,4 @@
-"""kernels.fused_ops picks the kernel: on CPU the native library (fp32) unless the triton
+"""kserve_paged_kernels.fused_ops picks the kernel: on CPU the native library (fp32) unless the triton
 backend is forced under the interpreter, and nothing (None / False, the caller's eager path)
 where no kernel takes the call; never Triton on CPU tensors otherwise. The Triton side is
 tests/kernels/test_fused_triton.py and tests/test_launch_count.py."""
@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
-from kernels import cpu_native, fused_ops
-from kernels.reference import act_mul_ref, add_rms_norm_ref
+from kserve_paged_kernels import cpu_native, fused_ops
+from kserve_paged_kernels.reference import act_mul_ref, add_rms_norm_ref
+from tests.helpers.layout import pythonpath
 from tests.kernels.interpreted import REPO
 
 
@@ -51,15 +52,15 @@ def test_forced_triton_on_cpu_needs_the_interpreter_and_interpreted_kernels() ->
     code = (
         "import os, torch\n"
         "os.environ['KSERVE_PAGED_ATTENTION_BACKEND'] = 'triton'\n"
-        "from kernels import fused_ops\n"
+        "from kserve_paged_kernels import fused_ops\n"
         "cpu = torch.device('cpu')\n"
         "assert fused_ops.triton_module('norm_triton', cpu) is None  # no interpreter\n"
-        "import kernels.norm_triton  # compiled: TRITON_INTERPRET unset at definition\n"
+        "import kserve_paged_kernels.norm_triton  # compiled: TRITON_INTERPRET unset at definition\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n"
         "assert fused_ops.triton_module('norm_triton', cpu) is None  # compiled kernels\n"
         "assert fused_ops.add_rms_norm(torch.randn(2, 8), None, torch.ones(8), 1e-6,"
         " gemma=True) is None\n")
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath()}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     if "No module named 'triton'" in proc.stderr:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.reference import act_mul_ref, add_rms_norm_ref, rope_ref, store_kv_ref
+from kserve_paged_kernels.reference import act_mul_ref, add_rms_norm_ref, rope_ref, store_kv_ref
 from tests.kernels.interpreted import DEVICE, Call, run_calls
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -95,20 +95,20 @@ def _calls() -> dict[str, Call]:
     for case in NORM_CASES:
         x, residual, weight = _norm_inputs(*case)
         gemma = case[2]
-        calls[f"norm{case}"] = ("kernels.norm_triton", "add_rms_norm_triton",
+        calls[f"norm{case}"] = ("kserve_paged_kernels.norm_triton", "add_rms_norm_triton",
                                 (x, residual, weight, EPS), {"gemma": gemma})  # in place
-        calls[f"norm-alone{case}"] = ("kernels.norm_triton", "add_rms_norm_triton",
+        calls[f"norm-alone{case}"] = ("kserve_paged_kernels.norm_triton", "add_rms_norm_triton",
                                       (x, None, weight, EPS), {"gemma": gemma})
     x, weight = _strided_inputs()
-    calls["norm-strided"] = ("kernels.norm_triton", "add_rms_norm_triton",
+    calls["norm-strided"] = ("kserve_paged_kernels.norm_triton", "add_rms_norm_triton",
                              (x, None, weight, 1e-5), {})
     for shape, dtype in ROPE_CASES:
         qkv, positions, cos, sin, cache, slots = _rope_inputs(*shape, dtype)
         heads, kv_heads, _ = shape
         calls[f"rope-store{shape}{dtype}"] = (
-            "kernels.rope_triton", "rope_store_triton",
+            "kserve_paged_kernels.rope_triton", "rope_store_triton",
             (qkv, positions, cos, sin, heads, kv_heads, cache, slots), {})
-        calls[f"rope{shape}{dtype}"] = ("kernels.rope_triton", "rope_store_triton",
+        calls[f"rope{shape}{dtype}"] = ("kserve_paged_kernels.rope_triton", "rope_store_triton",
                                         (qkv.clone(), positions, cos, sin, heads, kv_heads), {})
     qkv, positions, cos, sin, cache, slots = _rope_inputs(4, 2, 16, torch.float32)
     for name, args in {  # the layouts the RoPE kernel refuses (the caller then runs eager)
@@ -119,10 +119,10 @@ def _calls() -> dict[str, Call]:
             "cache-heads": (qkv, positions, cos, sin, 4, 2, cache[:, :, :, :1], slots),
             "column-stride": (torch.cat([qkv, qkv], 1)[:, ::2], positions, cos, sin, 4, 2,
                               None, None)}.items():
-        calls[f"rope-usable-{name}"] = ("kernels.rope_triton", "usable", args, {})
+        calls[f"rope-usable-{name}"] = ("kserve_paged_kernels.rope_triton", "usable", args, {})
     for rows, inter, gelu, dtype in ACT_CASES:
         calls[f"act{(rows, inter, gelu, dtype)}"] = (
-            "kernels.act_triton", "act_mul_triton", (_act_inputs(rows, inter, dtype),),
+            "kserve_paged_kernels.act_triton", "act_mul_triton", (_act_inputs(rows, inter, dtype),),
             {"gelu": gelu})
     return calls
 

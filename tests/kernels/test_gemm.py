@@ -1,6 +1,6 @@
-"""The native fp32 GEMM (kernels/csrc/gemm.c) and the Linear layer that uses it.
+"""The native fp32 GEMM (kernels/kserve_paged_kernels/csrc/gemm.c) and the Linear layer that uses it.
 
-The GEMM is in every level's build (kernels/csrc/kp_vec.h), with the level's panel width; the
+The GEMM is in every level's build (kernels/kserve_paged_kernels/csrc/kp_vec.h), with the level's panel width; the
 shapes below cover every tail of both widths (16 and 48 columns, 6 and 8 rows)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model_executor import layers
-from engine.model_executor.layers import Linear, SwiGLUMLP
-from engine.model_executor.models.gemma import GeGLUMLP
-from kernels import cpu_native
-from kernels.cpu_native import loader
+from kserve_paged_engine.model_executor import layers
+from kserve_paged_engine.model_executor.layers import Linear, SwiGLUMLP
+from kserve_paged_engine.model_executor.models.gemma import GeGLUMLP
+from kserve_paged_kernels import cpu_native
+from kserve_paged_kernels.cpu_native import loader
 
 
 @pytest.fixture(autouse=True)

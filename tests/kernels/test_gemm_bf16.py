@@ -1,4 +1,4 @@
-"""The native bf16 GEMM (kernels/csrc/gemm_bf16.c) and the Linear layer that uses it.
+"""The native bf16 GEMM (kernels/kserve_paged_kernels/csrc/gemm_bf16.c) and the Linear layer that uses it.
 
 What holds on every machine type: the product of bf16 rows and a pair-packed bf16 weight is
 the fp32 product of the same (bf16) values, rounded once to bf16. Per output, with
@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model_executor.layers import Linear
-from kernels import cpu_native
+from kserve_paged_engine.model_executor.layers import Linear
+from kserve_paged_kernels import cpu_native
 
 
 @pytest.fixture(autouse=True)

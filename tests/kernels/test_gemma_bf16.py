@@ -1,5 +1,5 @@
-"""Gemma's native ops over bf16 (csrc/gemma_bf16.c, kernels/cpu_native/ops_gemma.py) against
-their definitions in kernels/reference.py evaluated by torch in bf16.
+"""Gemma's native ops over bf16 (csrc/gemma_bf16.c, kernels/kserve_paged_kernels/cpu_native/ops_gemma.py) against
+their definitions in kernels/kserve_paged_kernels/reference.py evaluated by torch in bf16.
 
 The norms round where transformers' Gemma rounds (the residual sum to bf16; normalised and
 times fp32 `1 + w`, then one rounding), so they equal eager bf16 value for value but where the
@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_native, fused_ops
-from kernels.reference import act_mul_ref, add_rms_norm_ref
+from kserve_paged_kernels import cpu_native, fused_ops
+from kserve_paged_kernels.reference import act_mul_ref, add_rms_norm_ref
 
 BF16 = torch.bfloat16
 

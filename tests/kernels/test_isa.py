@@ -1,4 +1,4 @@
-"""Instruction-set levels of the native library (kernels/cpu_native/isa.py).
+"""Instruction-set levels of the native library (kernels/kserve_paged_kernels/cpu_native/isa.py).
 
 What holds on every machine: each level's table of needed CPU flags is what gcc's `-march` for
 it enables; each machine type seen chooses its level (CPU flags stubbed, so an AVX2 machine
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_native
-from kernels.cpu_native import isa, loader
+from kserve_paged_kernels import cpu_native
+from kserve_paged_kernels.cpu_native import isa, loader
 from tests.helpers.cpu_flags import MACHINES
 
 # gcc's predefined macro for an instruction family -> the /proc/cpuinfo flag of that family.
@@ -177,7 +177,7 @@ def test_native_kernel_tests_pass_on_the_avx2_build_too(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "KSERVE_PAGED_ISA": "avx2"}
     check = subprocess.run(
-        [sys.executable, "-c", "from kernels.cpu_native import loader; "
+        [sys.executable, "-c", "from kserve_paged_kernels.cpu_native import loader; "
          "assert loader.load() is not None; print(loader.loaded_level().name)"],
         cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert check.stdout.strip() == "avx2", check.stderr[-2000:]

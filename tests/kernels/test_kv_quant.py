@@ -1,4 +1,4 @@
-"""A quantized KV cache (kernels/kv_quant.py): the store's codes and scales, their growth as a
+"""A quantized KV cache (kernels/kserve_paged_kernels/kv_quant.py): the store's codes and scales, their growth as a
 block fills, and the CPU backend over int8 / fp8 blocks against the reference on the same
 dequantized values (the Triton kernel's cases are in test_triton_backend.py).
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import AttentionMetadata, attend, copy_blocks, store_kv
-from kernels.kv_quant import QMAX, QuantKV, dequantize, storage_dtype
-from kernels.reference import paged_attention_ref
-from kernels.testing import make_case
+from kserve_paged_kernels import AttentionMetadata, attend, copy_blocks, store_kv
+from kserve_paged_kernels.kv_quant import QMAX, QuantKV, dequantize, storage_dtype
+from kserve_paged_kernels.reference import paged_attention_ref
+from kserve_paged_kernels.testing import make_case
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2"]
 MANTISSA = {"fp8_e4m3": 3, "fp8_e5m2": 2}

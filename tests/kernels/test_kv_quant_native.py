@@ -1,5 +1,5 @@
 """The native kernels of a quantized KV cache (csrc/kv_q8.c, csrc/paged_q8.c) against the
-PyTorch reference (kernels/kv_quant.py, kernels/reference.py).
+PyTorch reference (kernels/kserve_paged_kernels/kv_quant.py, kernels/kserve_paged_kernels/reference.py).
 
 What holds on every machine type (AVX2-only, AVX-512 with or without BF16, AMX: the kernels
 are one source over kp_vec.h, and test_isa.py runs this file at KSERVE_PAGED_ISA=avx2 too):
@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.cpu_kvq as cpu_kvq
-from kernels import AttentionMetadata, attend, cpu_native
-from kernels.kv_quant import QMAX, QuantKV, dequantize, storage_dtype, store_kv_quant
-from kernels.reference import paged_attention_ref
-from kernels.testing import make_case
+import kserve_paged_kernels.cpu_kvq as cpu_kvq
+from kserve_paged_kernels import AttentionMetadata, attend, cpu_native
+from kserve_paged_kernels.kv_quant import QMAX, QuantKV, dequantize, storage_dtype, store_kv_quant
+from kserve_paged_kernels.reference import paged_attention_ref
+from kserve_paged_kernels.testing import make_case
 from tests.kernels.test_paged_bf16 import SPAN_CASES  # the span kernel's cases, one home
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2"]
@@ -161,7 +161,7 @@ def test_decoder_stack_over_codes_equals_per_layer_modules_bit_for_bit(
         name: str, fmt: str, tmp_path) -> None:  # noqa: ANN001
     """The one-call stack takes a quantized cache (float32 models): the same store and
     attention kernels as the per-layer modules, so the same codes, scales and logits."""
-    from engine.model_executor.model_loader import load_model
+    from kserve_paged_engine.model_executor.model_loader import load_model
     from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
     from tests.kernels.test_decoder_stack import _steps
 
@@ -193,7 +193,7 @@ def test_engine_greedy_tokens_equal_the_pytorch_paths(fmt: str,
     """The engine served by the native store and attention (and its one-call stack), then by
     the PyTorch store and dequantize-then-attend: the same greedy tokens (chunked prefill over
     partly filled blocks, an n=2 fork), log-probabilities to fp32 summation order."""
-    import kernels.dispatch as dispatch
+    import kserve_paged_kernels.dispatch as dispatch
     from tests.helpers.kv_quant_child import serve
 
     runs = []
@@ -218,7 +218,7 @@ def test_bf16_stack_over_codes_equals_per_layer_modules_bit_for_bit(fmt: str, tm
     """Where the bf16 stack is built (AVX512-BF16 without AMX: test_decoder_stack_bf16.py
     says where), it widens q, k, v to fp32 and rounds the output once, as the per-layer
     modules do: the same logits, codes and scales. Elsewhere a bf16 model runs per layer."""
-    from engine.model_executor.model_loader import load_model
+    from kserve_paged_engine.model_executor.model_loader import load_model
     from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
     from tests.kernels.test_decoder_stack import _steps
 

@@ -1,5 +1,5 @@
-"""The CUDA store of a quantized KV cache (kernels/kv_quant_triton.py) against the PyTorch
-store (kernels/kv_quant.py), in Triton's interpreter without CUDA (`triton_interpreter`): the
+"""The CUDA store of a quantized KV cache (kernels/kserve_paged_kernels/kv_quant_triton.py) against the PyTorch
+store (kernels/kserve_paged_kernels/kv_quant.py), in Triton's interpreter without CUDA (`triton_interpreter`): the
 same codes and scales bit for bit, for int8 and both fp8 formats: blocks filled over several
 calls (their scales grow and their codes are requantized), blocks restarted at their first
 slot, a skipped slot, and every code and midpoint between codes at scale 1 (round to nearest
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_quant import QMAX, QuantKV, storage_dtype, store_kv_quant
+from kserve_paged_kernels.kv_quant import QMAX, QuantKV, storage_dtype, store_kv_quant
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2"]
@@ -18,7 +18,7 @@ FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2"]
 
 @pytest.fixture(scope="module")
 def kqt(triton_interpreter):
-    return triton_interpreter.load("kernels.kv_quant_triton")
+    return triton_interpreter.load("kserve_paged_kernels.kv_quant_triton")
 
 
 def _same(a: QuantKV, b: QuantKV) -> bool:

@@ -1,5 +1,5 @@
-"""The native LoRA SGMV (kernels/cpu_native/lora.py, csrc/lora_sgmv.c) against
-kernels.reference.lora_sgmv_ref, and the engine's CPU path through it."""
+"""The native LoRA SGMV (kernels/kserve_paged_kernels/cpu_native/lora.py, csrc/lora_sgmv.c) against
+kserve_paged_kernels.reference.lora_sgmv_ref, and the engine's CPU path through it."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu_native
-from kernels.reference import lora_sgmv_ref
-from kernels.testing import LORA_CASES, make_lora_case
+from kserve_paged_kernels import cpu_native
+from kserve_paged_kernels.reference import lora_sgmv_ref
+from kserve_paged_kernels.testing import LORA_CASES, make_lora_case
 
 
 @pytest.fixture(autouse=True)
@@ -72,10 +72,16 @@ def test_what_the_kernel_does_not_take_is_left_to_torch():
 
 
 def test_the_engines_cpu_step_gives_the_per_adapter_torch_delta(monkeypatch):
-    """engine/lora/batch.py with the native backend: adapters of different ranks in slots, one
+    """engine/kserve_paged_engine/lora/batch.py with the native backend: adapters of different ranks in slots, one
     adapting a projection the other does not, rows of a mixed step, against the torch loop."""
-    from engine.lora.adapter import LoRAAdapter, LoRAWeights
-    from engine.lora.batch import LoRAStep, SlotStacks, add_lora_delta, group_rows, sgmv_step
+    from kserve_paged_engine.lora.adapter import LoRAAdapter, LoRAWeights
+    from kserve_paged_engine.lora.batch import (
+        LoRAStep,
+        SlotStacks,
+        add_lora_delta,
+        group_rows,
+        sgmv_step,
+    )
 
     g = torch.Generator().manual_seed(1)
     calls = []

@@ -1,4 +1,4 @@
-"""Triton SGMV shrink/expand (kernels/lora_triton.py) against kernels.reference.lora_sgmv_ref.
+"""Triton SGMV shrink/expand (kernels/kserve_paged_kernels/lora_triton.py) against kserve_paged_kernels.reference.lora_sgmv_ref.
 
 Without CUDA the kernels run in Triton's interpreter (the `triton_interpreter` fixture);
 shapes are kept small.
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.reference import lora_sgmv_ref
-from kernels.testing import LORA_CASES, make_lora_case
+from kserve_paged_kernels.reference import lora_sgmv_ref
+from kserve_paged_kernels.testing import LORA_CASES, make_lora_case
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("lt")  # every test runs with the kernels l
 
 @pytest.fixture(scope="module")
 def lt(triton_interpreter):
-    return triton_interpreter.load("kernels.lora_triton")
+    return triton_interpreter.load("kserve_paged_kernels.lora_triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -50,11 +50,17 @@ def test_an_empty_step_changes_nothing(lt):
 
 
 def test_the_engines_sgmv_step_gives_the_per_adapter_torch_delta():
-    """engine/lora/batch.py on its CUDA path (here in the interpreter): adapters stacked into
+    """engine/kserve_paged_engine/lora/batch.py on its CUDA path (here in the interpreter): adapters stacked into
     slots with different ranks, one adapting a projection the other does not, rows of a
     mixed step (no adapter, adapter 1, adapter 2) against the per-adapter torch matmuls."""
-    from engine.lora.adapter import LoRAAdapter, LoRAWeights
-    from engine.lora.batch import LoRAStep, SlotStacks, add_lora_delta, group_rows, sgmv_step
+    from kserve_paged_engine.lora.adapter import LoRAAdapter, LoRAWeights
+    from kserve_paged_engine.lora.batch import (
+        LoRAStep,
+        SlotStacks,
+        add_lora_delta,
+        group_rows,
+        sgmv_step,
+    )
 
     g = torch.Generator().manual_seed(1)
 

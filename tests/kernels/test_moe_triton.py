@@ -1,4 +1,4 @@
-"""Triton fused MoE (kernels/moe_triton.py) against kernels.reference.fused_moe_ref.
+"""Triton fused MoE (kernels/kserve_paged_kernels/moe_triton.py) against kserve_paged_kernels.reference.fused_moe_ref.
 
 Without CUDA the kernels run in Triton's interpreter (the `triton_interpreter` fixture; the
 kernels call triton_backend's helpers, so both are loaded); shapes are kept small so the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import fused_moe_ref
+from kserve_paged_kernels.reference import fused_moe_ref
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("mt")  # every test runs with the kernels l
 
 @pytest.fixture(scope="module")
 def mt(triton_interpreter):
-    return triton_interpreter.load("kernels.triton_backend", "kernels.moe_triton")
+    return triton_interpreter.load("kserve_paged_kernels.triton_backend", "kserve_paged_kernels.moe_triton")
 
 
 NUM_EXPERTS = 4
@@ -87,9 +87,9 @@ def test_align_pairs_pads_each_expert_to_whole_blocks(mt):
 
 
 def test_sparse_moe_uses_the_kernel_and_matches_the_grouped_torch_path(mt, monkeypatch):
-    """engine/model_executor/models/moe.py's SparseMoE on its CUDA path (forced here, in the interpreter)
+    """engine/kserve_paged_engine/model_executor/models/moe.py's SparseMoE on its CUDA path (forced here, in the interpreter)
     against its own torch grouped path on the same weights, renormalised top-2."""
-    from engine.model_executor.models import moe
+    from kserve_paged_engine.model_executor.models import moe
 
     torch.manual_seed(0)
     layer = moe.SparseMoE(hidden=32, inter=48, num_experts=NUM_EXPERTS, top_k=2,

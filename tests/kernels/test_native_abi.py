@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from kernels import cpu_native
-from kernels.cpu_native import abi, isa, loader
+from kserve_paged_kernels import cpu_native
+from kserve_paged_kernels.cpu_native import abi, isa, loader
 
 HEADER = loader.CSRC / "kp_native.h"
 _SCALARS = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "int": ctypes.c_int,
@@ -118,7 +118,7 @@ def test_library_of_another_abi_version_is_rejected(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(loader, "_tried", False)
     monkeypatch.setattr(loader, "_lib", None)
     monkeypatch.setattr(abi, "ABI_VERSION", abi.ABI_VERSION + 1)
-    with caplog.at_level(logging.WARNING, logger="kernels"):
+    with caplog.at_level(logging.WARNING, logger="kserve_paged_kernels"):
         assert loader.load() is None
     assert "ABI version" in caplog.text
 
@@ -131,7 +131,7 @@ def test_build_key_follows_the_level_and_the_compiler(monkeypatch: pytest.Monkey
     # The same machine in another process finds the same library (no per-process salt such as
     # Python's randomised hash() in the key).
     other = subprocess.run(
-        [sys.executable, "-c", "from kernels.cpu_native import isa, loader; "
+        [sys.executable, "-c", "from kserve_paged_kernels.cpu_native import isa, loader; "
          f"print(loader.build_key({compiler!r}, isa.BY_NAME['avx2']))"],
         capture_output=True, text=True, check=True, timeout=120,
         env={**os.environ, "PYTHONHASHSEED": "random"}).stdout.strip()

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_native
-from kernels.cpu_backend import paged_attention_cpu
-from kernels.metadata import AttentionMetadata
-from kernels.reference import paged_attention_ref
-from kernels.testing import make_case
+from kserve_paged_kernels import cpu_native
+from kserve_paged_kernels.cpu_backend import paged_attention_cpu
+from kserve_paged_kernels.metadata import AttentionMetadata
+from kserve_paged_kernels.reference import paged_attention_ref
+from kserve_paged_kernels.testing import make_case
 
 BF16 = torch.bfloat16
 

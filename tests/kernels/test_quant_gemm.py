@@ -1,4 +1,4 @@
-"""The native quantized GEMM (kernels/csrc/quant_gemm.c) against the dequantized float32 weight.
+"""The native quantized GEMM (kernels/kserve_paged_kernels/csrc/quant_gemm.c) against the dequantized float32 weight.
 
 int4 with a scale and a minimum per group, int8 with a scale per group (Q8_0) or per output
 channel, with float32 and with bfloat16 activations. The kernel is in every level's build (the
@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_native
-from kernels import quant_linear as ql
+from kserve_paged_kernels import cpu_native
+from kserve_paged_kernels import quant_linear as ql
 
 ROWS = [1, 3, 17, 64]
 BF16_ROWS = [1, 3, 8, 17, 39, 40, 64, 300]  # 300: two blocks of 256 rows

@@ -1,4 +1,4 @@
-"""The Triton dequantize-in-the-loop GEMMs (kernels/quant_gemm_triton.py) against a matmul with
+"""The Triton dequantize-in-the-loop GEMMs (kernels/kserve_paged_kernels/quant_gemm_triton.py) against a matmul with
 the dequantized weight. Without CUDA they run in Triton's interpreter, in one child process
 (tests/kernels/interpreted.py); the weights are packed by tests/helpers/int4_packing.py from
 the formats' definitions.
@@ -59,7 +59,7 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 def test_int4_gemm_equals_the_dequantized_matmul(tmp_path: Path) -> None:
     cases = [_int4_case(*c) for c in INT4_CASES]
-    calls = [("kernels.quant_gemm_triton", "int4_gemm",
+    calls = [("kserve_paged_kernels.quant_gemm_triton", "int4_gemm",
               (x.to(DEVICE), kw.pop("qweight").to(DEVICE), kw.pop("qzeros").to(DEVICE),
                kw.pop("scales").to(DEVICE), kw.pop("g_idx").to(DEVICE)), kw)
              for kw, x, _ in cases]
@@ -87,7 +87,7 @@ def _fp8_case(fmt: torch.dtype, per: str | tuple[int, int], dtype: torch.dtype, 
 
 def test_fp8_gemm_equals_the_dequantized_matmul(tmp_path: Path) -> None:
     cases = [_fp8_case(*c) for c in FP8_CASES]
-    results = run_calls([("kernels.quant_gemm_triton", "fp8_gemm",
+    results = run_calls([("kserve_paged_kernels.quant_gemm_triton", "fp8_gemm",
                           (x.to(DEVICE), w8.to(DEVICE), s.to(DEVICE)), kw)
                          for x, w8, s, _, kw in cases], tmp_path)
     for (got, _), (x, _, _, deq, _) in zip(results, cases, strict=True):
@@ -96,7 +96,7 @@ def test_fp8_gemm_equals_the_dequantized_matmul(tmp_path: Path) -> None:
 
 def test_shapes_it_cannot_read_are_refused_before_launch() -> None:
     pytest.importorskip("triton")
-    from kernels.quant_gemm_triton import fp8_gemm, int4_gemm
+    from kserve_paged_kernels.quant_gemm_triton import fp8_gemm, int4_gemm
 
     kw, x, _ = _int4_case("gptq", 2, 64, 40, False, torch.float32)
     with pytest.raises(ValueError, match="g_idx"):

@@ -1,4 +1,4 @@
-"""Weight-only quantized matmuls (kernels/quant_linear.py) against the dequantized float
+"""Weight-only quantized matmuls (kernels/kserve_paged_kernels/quant_linear.py) against the dequantized float
 reference: int4 group-wise, int8 per channel; float32 activations on our native kernel
 (tests/kernels/test_quant_gemm.py covers it shape by shape), bfloat16 on PyTorch's packed CPU
 kernel. PyTorch picks its kernel's vector code by the CPU itself; what is asserted holds on
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import quant_linear as ql
+from kserve_paged_kernels import quant_linear as ql
 
 OUT, IN = 40, 256  # 40: not a multiple of any tile the packing might assume
 

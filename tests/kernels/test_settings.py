@@ -1,4 +1,4 @@
-"""kernels.settings: the one place `KSERVE_PAGED_*` variables are read, lazily."""
+"""kserve_paged_kernels.settings: the one place `KSERVE_PAGED_*` variables are read, lazily."""
 
 from __future__ import annotations
 
@@ -9,20 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from kernels import settings
-
-REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "kernels", "kserve_paged")
+from kserve_paged_kernels import settings
+from tests.helpers.layout import REPO, python_files
 
 
 def _sources() -> list[Path]:
-    return [p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")]
+    return python_files()
 
 
 def test_every_variable_named_in_the_packages_is_a_setting() -> None:
     known = {var.name for var in settings.ALL}
     named = {m for p in _sources() for m in re.findall(r"KSERVE_PAGED_[A-Z0-9_]+", p.read_text())}
-    assert named <= known, f"not in kernels/settings.py: {sorted(named - known)}"
+    assert named <= known, f"not in kernels/kserve_paged_kernels/settings.py: {sorted(named - known)}"
     assert all(var.doc for var in settings.ALL)
 
 
@@ -56,7 +54,7 @@ def test_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 def test_settings_and_cpu_memory_import_without_torch() -> None:
-    code = ("import sys, kernels.settings, engine.worker.cpu_memory; "
+    code = ("import sys, kserve_paged_kernels.settings, kserve_paged_engine.worker.cpu_memory; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True, cwd=REPO)

@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-from kernels import paged_attention, store_kv
-from kernels.reference import paged_attention_ref, store_kv_ref
-from kernels.testing import make_case, tolerance
+from kserve_paged_kernels import paged_attention, store_kv
+from kserve_paged_kernels.reference import paged_attention_ref, store_kv_ref
+from kserve_paged_kernels.testing import make_case, tolerance
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("tb")  # every test runs with the kernels l
 
 @pytest.fixture(scope="module")
 def tb(triton_interpreter):
-    return triton_interpreter.load("kernels.triton_backend")
+    return triton_interpreter.load("kserve_paged_kernels.triton_backend")
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -163,7 +163,7 @@ def test_window_and_softcap_match_reference(tb, case: tuple, dtype: torch.dtype)
     _check(out, paged_attention_ref(*c.args(), window=window, softcap=softcap), dtype)
 
 
-# Quantized KV (kernels/kv_quant.py): (name, seq_lens, q_lens, heads, kv_heads, block_size,
+# Quantized KV (kernels/kserve_paged_kernels/kv_quant.py): (name, seq_lens, q_lens, heads, kv_heads, block_size,
 # window, softcap, num_splits); head_dim 64.
 QUANT_CASES = [
     ("decode_split", [1, 17, 300], [1] * 3, 8, 2, 16, None, None, 3),
@@ -179,7 +179,7 @@ def test_quantized_kv_matches_reference_on_dequantized_values(tb, case: tuple, f
     """int8 / fp8 codes times their (block, head) scale as the kernel loads them, against the
     reference over the dequantized float32 cache: fp32 to summation order, bf16 to bf16
     rounding of the dequantized K/V (the kernel rounds them to the query's dtype)."""
-    from kernels.kv_quant import QuantKV, dequantize, storage_dtype
+    from kserve_paged_kernels.kv_quant import QuantKV, dequantize, storage_dtype
 
     _, seq_lens, q_lens, heads, kv_heads, bs, window, softcap, splits = case
     c = make_case(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=64,

@@ -45,7 +45,7 @@ def test_attention_kernel_compiles_for_sm90(case: str, tmp_path: Path) -> None:
 
 def test_store_merge_and_block_copy_kernels_compile_for_sm90(tmp_path: Path) -> None:
     """The float store, the split-KV merge, the block copy and the quantized store (int8,
-    fp8_e4m3: kernels/kv_quant_triton.py)."""
+    fp8_e4m3: kernels/kserve_paged_kernels/kv_quant_triton.py)."""
     for shared in _compile_in_child("store-merge", tmp_path):
         assert shared <= SHARED_LIMIT
 
@@ -70,7 +70,7 @@ def test_fused_layer_ops_compile_for_sm90(tmp_path: Path) -> None:
 
 def test_quantized_weight_gemms_compile_for_sm90(tmp_path: Path) -> None:
     """AWQ and GPTQ int4, fp8 per tensor, per channel and in blocks
-    (kernels/quant_gemm_triton.py)."""
+    (kernels/kserve_paged_kernels/quant_gemm_triton.py)."""
     shared = _compile_in_child("quant-gemm", tmp_path)
     assert len(shared) == 5
     for one in shared:

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.triton import TritonKernels
 
-MODULE = "kernels.block_copy_triton"
+MODULE = "kserve_paged_kernels.block_copy_triton"
 
 
 def test_the_interpreter_is_set_for_its_tests_and_restored_after(

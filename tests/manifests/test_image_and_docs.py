@@ -10,6 +10,7 @@ import pytest
 
 from kserve_paged import args as server_args
 from tests.helpers import manifests as h
+from tests.helpers.layout import PACKAGES
 
 DOCKERFILE = h.MANIFESTS / "image" / "Dockerfile"
 README = h.MANIFESTS / "README.md"
@@ -68,22 +69,33 @@ def test_entrypoint_matches_the_runtime_and_its_args_parse():
     assert args.model_dir == "/mnt/models" and args.http_port == 8080
 
 
-def test_copies_every_package_of_the_project():
-    # [tool.setuptools.packages.find] include = [...] (read without tomllib: Python 3.10)
-    pyproject = (h.REPO / "pyproject.toml").read_text()
-    section = pyproject.split("[tool.setuptools.packages.find]", 1)[1].split("\n[", 1)[0]
-    include = re.search(r"include\s*=\s*\[([^\]]*)\]", section).group(1)
-    packages = {p.rstrip("*") for p in re.findall(r'"([^"]+)"', include)}
-    assert packages
+def test_copies_every_package_of_the_project_and_the_lock():
+    # The top folder of each package (pyproject's source roots: engine/, kernels/, the root).
+    folders = {folder.relative_to(h.REPO).parts[0] for folder in PACKAGES.values()}
+    assert folders == {"engine", "kernels", "kserve_paged"}
     copied = {src.rstrip("/") for k, a in INSTR if k == "COPY"
               for src in a.split()[:-1] if not src.startswith("--")}
     assert "pyproject.toml" in copied
-    for package in packages:
-        assert package in copied, f"package {package} not copied into the image"
-        assert (h.REPO / package).is_dir()
+    for folder in folders:
+        assert folder in copied, f"{folder}/ not copied into the image"
     ignore = (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().split()
-    for package in packages:
-        assert f"!{package}/" in ignore
+    for folder in folders:
+        assert f"!{folder}/" in ignore
+    assert "!requirements.lock" in ignore
+
+
+def test_every_pip_install_takes_the_lock():
+    """Both torch stages make /tmp/constraints.txt from requirements.lock (the CUDA one without
+    Triton, which its torch build pins); every pip install takes it."""
+    for stage in ("torch-cpu", "torch-cuda"):
+        start = next(i for i, (k, a) in enumerate(INSTR) if k == "FROM" and a.endswith(stage))
+        body = INSTR[start + 1:next(i for i, (k, _) in enumerate(INSTR) if k == "FROM" and i > start)]
+        made = [a for k, a in body if "requirements.lock" in a and "/tmp/constraints.txt" in a]
+        assert made, f"{stage} does not make /tmp/constraints.txt from requirements.lock"
+    installs = [a for k, a in INSTR if k == "RUN" and "pip install" in a]
+    assert len(installs) == 3  # torch (cpu), torch (cuda), the project
+    for run in installs:
+        assert re.search(r"pip install [^&]*-c /tmp/constraints\.txt", run), run
 
 
 @pytest.fixture(scope="module")

@@ -147,7 +147,7 @@ def test_the_documented_precise_scorer_settings_parse_and_agree():
 
     import yaml
 
-    from engine.core.kv_event_publisher import binds
+    from kserve_paged_engine.core.kv_event_publisher import binds
 
     text = (h.MANIFESTS / "README.md").read_text()
     text = re.split(r"To switch the\s+shipped manifest over", text)[1]

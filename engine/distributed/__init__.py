@@ -1,3 +1,0 @@
-"""Communication between tensor-parallel ranks on torch.distributed (gloo on CPU, NCCL on
-CUDA): joining the group and the collectives a sharded layer calls. The sharded layers are
-in engine/model_executor/, the worker processes in engine/worker/."""
