@@ -201,15 +201,15 @@ def test_thinking_model_on_the_real_server(thinking, stream):
     assert reasoning.strip() == REASONING and content.strip() == ANSWER
 
 
-def test_the_readme_example_runs(server: Server, capsys):
-    """README.md's Responses/Messages example, as written but for the server's address."""
+def test_the_docs_example_runs(server: Server, capsys):
+    """docs/serving.md's Responses/Messages example, as written but for the server's address."""
     import re
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("### Responses, Messages and reasoning models"):]
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    section = text[text.index("## Responses, Messages and reasoning models"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert "http://localhost:8080" in code
-    exec(compile(code.replace("http://localhost:8080", server.url), "README.md", "exec"), {})
+    exec(compile(code.replace("http://localhost:8080", server.url), "serving.md", "exec"), {})
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 3 and printed[0].strip() and printed[1].strip()
     assert int(printed[2]) > 0  # count_tokens' input_tokens

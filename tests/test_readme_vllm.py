@@ -1,4 +1,4 @@
-"""Every example of README.md's section on vLLM's command line and routes runs: each `vllm
+"""Every example of docs/serving.md's section on vLLM's command line and routes runs: each `vllm
 serve` line goes through our `vllm` command's translation and the server's parser and checks
 (as the container would, up to starting the server), each `curl` line is sent to the server in
 process (fake engine, the default model's real tokenizer) with the flags of the examples: the
@@ -19,14 +19,14 @@ from kserve_paged.gateway import api_key, check_gateway_args, served_names
 from kserve_paged.vllm_cli import VLLM_DEFAULT_PORT, serve_argv
 from tests.helpers.server import FakeEngine, client, ready
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SECTION = "### vLLM's command line and routes"
+README = Path(__file__).resolve().parents[1] / "docs" / "serving.md"
+SECTION = "## vLLM's command line and routes"
 
 
 def _examples() -> list[str]:
     text = README.read_text()
     start = text.index(SECTION)
-    section = text[start:text.index("\n### ", start + 1)]
+    section = text[start:text.index("\n## ", start + 1)]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     return [line for block in blocks for line in block.replace("\\\n", " ").splitlines()
             if line.strip()]
@@ -92,7 +92,7 @@ def _key_and_names() -> tuple[str, list[str]]:
 def test_each_curl_example_answers_and_without_the_key_is_refused():
     from transformers import AutoTokenizer
 
-    from engine.default_model import ensure_default_model
+    from kserve_paged_engine.default_model import ensure_default_model
 
     key, names = _key_and_names()
     engine = FakeEngine()
@@ -111,6 +111,6 @@ def test_each_curl_example_answers_and_without_the_key_is_refused():
                     assert bare.status_code == 401, line
                 if path.startswith("tokenize") and body.get("prompt") == "Hello world":
                     detok = next(_request(x)[3] for x in CURLS if "/detokenize" in x)
-                    assert r.json()["tokens"] == detok["tokens"]  # the README agrees
+                    assert r.json()["tokens"] == detok["tokens"]  # the doc agrees
         model.stop_engine()
     asyncio.run(asyncio.wait_for(main(), 120))
