@@ -28,7 +28,8 @@ def source_roots(tree: Path) -> list[str]:
     import tomllib  # Python 3.11+; the rest of this module runs on 3.10 too
 
     find = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    return [str((tree / where).resolve()) for where in find["find"]["where"]]
+    wheres = find["find"].get("where", ["."])  # a tree from before the rename: its root alone
+    return [str((tree / where).resolve()) for where in wheres]
 
 
 def csrc_of(tree: Path) -> Path:

@@ -6,7 +6,7 @@
 
 Tiny random checkpoints of each family (tests/helpers/tiny_models.py: Llama with Llama 3.1
 rope scaling, Qwen3's q/k norms, Gemma 3's windows, local RoPE and soft-capping, Mixtral's
-experts) are saved with a word-level tokenizer and served by `engine.LLM` on the Triton
+experts) are saved with a word-level tokenizer and served by `kserve_paged_engine.LLM` on the Triton
 backend, forced: compiled on CUDA, in Triton's interpreter on CPU (this script sets
 TRITON_INTERPRET=1 before anything imports Triton). Scenarios:
 

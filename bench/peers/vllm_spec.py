@@ -76,7 +76,7 @@ def main() -> None:
                      use_tqdm=False)
         chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}],
                                                     add_generation_prompt=True, tokenize=False),
-                            add_special_tokens=False)  # as engine.LLM.apply_chat_template
+                            add_special_tokens=False)  # as kserve_paged_engine.LLM.apply_chat_template
                  for p in repetitive_prompts(args.num_repetitive)]
         workloads = {
             "repetitive": (chats, [args.repetitive_max_tokens] * len(chats), False),

@@ -1,4 +1,4 @@
-"""What copy-on-write costs per step: `kernels.copy_blocks` on its native path (one memcpy per
+"""What copy-on-write costs per step: `kserve_paged_kernels.copy_blocks` on its native path (one memcpy per
 block, layer and K/V half) and on its torch path (index_select / index_copy_ per layer cache).
 
 A probe for BENCHMARKS.md (not part of the engine). The shape is the default model's cache in

@@ -15,7 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.environ.get("TREE", str(Path(__file__).resolve().parents[2])))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: benchlib
+from benchlib import source_roots  # noqa: E402
+
+# The tree to measure (another checkout with TREE=...): its three source roots first on the path.
+sys.path[:0] = source_roots(Path(os.environ.get("TREE", Path(__file__).resolve().parents[2])))
 
 import torch  # noqa: E402
 

@@ -28,7 +28,7 @@ class AttentionMetadata:
       its sequence's block-table row (int64). None until `rows()` computes them, or when some
       tokens belong to no sequence (padding rows).
     backend: the paged-attention backend for this step, chosen once by the runner
-      (`kernels.resolve_backend`); None: resolved per call.
+      (`kserve_paged_kernels.resolve_backend`); None: resolved per call.
     plan: what a backend derived from the fields above for this step; built by the first layer
       that needs it and reused by the others (the CPU backend keeps one per sliding-window
       size, so Gemma's local and global layers each derive theirs once). The fields above must
