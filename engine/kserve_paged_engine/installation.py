@@ -20,6 +20,8 @@ import sys
 from collections.abc import Iterable, Mapping
 from importlib import metadata
 
+from packaging.utils import canonicalize_name
+
 DISTRIBUTION = "kserve-paged"
 # Our import names: each named for the project, so that no other distribution is likely to own
 # one (docs/packaging.md).
@@ -32,12 +34,8 @@ class BrokenInstallation(RuntimeError):
     """The environment cannot run kserve-paged; the message says what is wrong and the fix."""
 
 
-def _normalized(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
 def _ours(dist: metadata.Distribution) -> bool:
-    return _normalized(dist.metadata.get("Name") or "") == DISTRIBUTION
+    return canonicalize_name(dist.metadata.get("Name") or "") == DISTRIBUTION
 
 
 def name_clashes(owners: Mapping[str, list[str]] | None = None) -> list[str]:
@@ -46,7 +44,7 @@ def name_clashes(owners: Mapping[str, list[str]] | None = None) -> list[str]:
     owners = metadata.packages_distributions() if owners is None else owners
     out = []
     for name in PACKAGES:
-        others = sorted({d for d in owners.get(name, []) if _normalized(d) != DISTRIBUTION})
+        others = sorted({d for d in owners.get(name, []) if canonicalize_name(d) != DISTRIBUTION})
         if others:
             out.append(f"the import name `{name}` is provided by {', '.join(others)} as well as "
                        f"by {DISTRIBUTION}: uninstall {others[0]} or rename its package")
