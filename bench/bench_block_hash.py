@@ -17,7 +17,8 @@ import time
 
 import numpy as np
 
-from kserve_paged_engine.core.block_hash import HASH_ALGOS, BlockHasher
+from kserve_paged_engine.config.engine import HASH_ALGOS
+from kserve_paged_engine.core.block_hash import BlockHasher
 
 
 def int64_sha256(parent: bytes | None, tokens: list[int], extra=None) -> bytes:

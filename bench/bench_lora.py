@@ -73,7 +73,7 @@ def main() -> None:
     import torch
 
     from kserve_paged_engine import LLM, SamplingParams
-    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
     from kserve_paged_engine.lora import LoRARequest
 
     base = Path(ensure_default_model(progress=lambda _: None))

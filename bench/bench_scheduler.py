@@ -15,9 +15,10 @@ import random
 import statistics
 import time
 
+from kserve_paged_engine.config.scheduler import SchedulerConfig
 from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
 from kserve_paged_engine.core.request import Request
-from kserve_paged_engine.core.scheduler import Scheduler, SchedulerConfig
+from kserve_paged_engine.core.scheduler import Scheduler
 from kserve_paged_engine.sampling_params import SamplingParams
 
 

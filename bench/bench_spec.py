@@ -122,7 +122,7 @@ def _spec_config(args: argparse.Namespace) -> dict:
     if args.method == "draft_model":
         from layer_skip_draft import make_layer_skip_draft
 
-        from kserve_paged_engine.default_model import ensure_default_model
+        from kserve_paged_engine.frontend.default_model import ensure_default_model
 
         target = args.model or str(ensure_default_model())
         if args.draft_layers is not None:

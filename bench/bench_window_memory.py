@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 
+from kserve_paged_engine.config.scheduler import SchedulerConfig
 from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
 from kserve_paged_engine.core.kv_groups import KVLayout, kv_layout
 from kserve_paged_engine.core.request import Request
-from kserve_paged_engine.core.scheduler import Scheduler, SchedulerConfig
+from kserve_paged_engine.core.scheduler import Scheduler
 from kserve_paged_engine.sampling_params import SamplingParams
 
 # (name, layers, KV heads, head_dim, window, every n-th layer global): Gemma 3's text configs.

@@ -78,16 +78,16 @@ def vllm_env(peer_dir: Path) -> dict[str, str] | None:
 def default_gguf() -> str:
     """The default model's GGUF folder (its Q4_1 file, config and tokenizer): the gguf dtype's."""
     sys.path.insert(0, str(REPO))
-    from kserve_paged_engine.default_model import DEFAULT_MODEL_ID, ensure_model
+    from kserve_paged_engine.frontend.default_model import DEFAULT_MODEL_ID, ensure_model
 
     return str(ensure_model(DEFAULT_MODEL_ID, progress=lambda m: log(m), gguf_folder=True))
 
 
 def default_as_served() -> tuple[str | None, list[str]]:
-    """What ours serves with no --dtype/--quantization (engine/kserve_paged_engine/startup.py's rule, on CPU)."""
+    """What ours serves with no --dtype/--quantization (engine/kserve_paged_engine/frontend/startup.py's rule, on CPU)."""
     sys.path.insert(0, str(REPO))
-    from kserve_paged_engine.config import EngineConfig
-    from kserve_paged_engine.startup import packaged_quantization
+    from kserve_paged_engine.config.engine import EngineConfig
+    from kserve_paged_engine.frontend.startup import packaged_quantization
 
     if packaged_quantization(EngineConfig(), "cpu")[0] == "gguf":
         return default_gguf(), ["--quantization", "gguf"]
@@ -97,7 +97,7 @@ def default_as_served() -> tuple[str | None, list[str]]:
 def default_model_dir() -> str:
     """Our converted float32 default model: the one folder every engine here loads."""
     sys.path.insert(0, str(REPO))
-    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
 
     return str(ensure_default_model(progress=lambda m: log(m)))
 

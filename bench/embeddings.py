@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from sentence_transformers import SentenceTransformer
 
     from kserve_paged_engine import LLM
-    from kserve_paged_engine.packaged_folders import ensure_folder_model
+    from kserve_paged_engine.frontend.packaged_folders import ensure_folder_model
 
     torch.set_num_threads(args.threads)
     folder = str(ensure_folder_model("all-minilm-l6-v2"))

@@ -244,10 +244,10 @@ def run_graphs(m: Model) -> dict[str, Any]:
 
 
 def run_host_tier(m: Model) -> dict[str, Any]:
-    """`basic` over the host KV tier (engine/kserve_paged_engine/core/kv_tier_host.py): the second pass hits host
+    """`basic` over the host KV tier (engine/kserve_paged_engine/core/kv_tier/host.py): the second pass hits host
     memory, preemptions swap out and back in through it; nothing leaks."""
-    from kserve_paged_engine.core.kv_tier_config import KVTierConfig
-    from kserve_paged_engine.core.measured_rate import MeasuredRate
+    from kserve_paged_engine.config.kv_tier import KVTierConfig
+    from kserve_paged_engine.core.kv_tier.measured_rate import MeasuredRate
     from kserve_paged_engine.worker.kv_host_copy import StreamCopier
 
     cuda = torch.cuda.is_available()

@@ -26,7 +26,7 @@ from typing import Any
 
 
 def build(args: argparse.Namespace, root: Path | None) -> Any:
-    from kserve_paged_engine.llm_engine import LLMEngine
+    from kserve_paged_engine.frontend.llm_engine import LLMEngine
 
     need = args.requests * (args.prompt + args.gen)
     tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -41,7 +41,7 @@ def build(args: argparse.Namespace, root: Path | None) -> Any:
 
 def always_recompute(engine: Any) -> None:
     """The recompute engine: every preemption's choice is recompute (logged as forced)."""
-    from kserve_paged_engine.core.kv_swap import SwapChoice
+    from kserve_paged_engine.core.kv_tier.swap import SwapChoice
 
     engine.kv.tier.swaps.choose = lambda tokens, out, back: SwapChoice(
         False, "recompute: forced by the benchmark", tokens, out, back, 0.0, 0.0)

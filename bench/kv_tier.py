@@ -89,7 +89,7 @@ def summary(ttft: list[float], e2e: list[float], tokens: int) -> dict[str, float
 
 
 def build(args: argparse.Namespace, root: Path | None) -> Any:
-    from kserve_paged_engine.llm_engine import LLMEngine
+    from kserve_paged_engine.frontend.llm_engine import LLMEngine
 
     kw: dict[str, Any] = dict(model=args.model, dtype=args.dtype, block_size=16,
                               num_kv_blocks=args.pool_tokens // 16, max_num_seqs=4,

@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="source folder (default: the default model)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
 
     print(make_layer_skip_draft(args.model or ensure_default_model(), args.layers, args.out))
 

@@ -122,7 +122,7 @@ def run_with_own_server(settings: SoakSettings, out: Path) -> dict[str, Any]:
     from soak_adapters import make_adapters
 
     from kserve_paged.testing import ServerProcess, free_port
-    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
 
     base = Path(ensure_default_model(progress=lambda _: None))
     port = free_port()

@@ -56,7 +56,7 @@ async def run_soak(s: SoakSettings, url: str, pid: int | None) -> dict[str, Any]
                               "tolerance": soak_checks.TOLERANCE}
     paths = {}
     if s.lora:
-        from kserve_paged_engine.default_model import ensure_default_model
+        from kserve_paged_engine.frontend.default_model import ensure_default_model
 
         base = Path(ensure_default_model(progress=lambda _: None))
         paths = await asyncio.to_thread(make_adapters, base, s.adapters_dir)

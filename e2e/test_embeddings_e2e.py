@@ -13,7 +13,7 @@ import numpy as np
 import openai
 import pytest
 
-from kserve_paged_engine.packaged_folders import FOLDER_MODELS, ensure_folder_model
+from kserve_paged_engine.frontend.packaged_folders import FOLDER_MODELS, ensure_folder_model
 from tests.helpers.e2e_server import MODEL, Server, running_server
 
 SENTENCES = ["A man is eating food.", "Paged attention keeps the KV cache in blocks.",

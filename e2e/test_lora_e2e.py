@@ -13,7 +13,7 @@ import peft
 import pytest
 import torch
 
-from kserve_paged_engine.default_model import ensure_default_model
+from kserve_paged_engine.frontend.default_model import ensure_default_model
 from tests.helpers.e2e_server import MODEL, running_server, scrape
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when movable type "

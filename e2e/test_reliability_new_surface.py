@@ -30,7 +30,7 @@ TIMEOUT = httpx.Timeout(300.0)  # a shared 2-core machine with LoRA on: slow ste
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
     from tests.helpers.lora import make_adapter
 
     base = Path(ensure_default_model(progress=lambda _: None))

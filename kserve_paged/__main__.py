@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         from kserve_paged_engine.worker.cpu_memory import reexec_with_tcmalloc
 
         reexec_with_tcmalloc()  # returns only when tcmalloc is absent, disabled or loaded
-    from kserve_paged_engine.installation import check_or_exit
+    from kserve_paged_engine.frontend.installation import check_or_exit
 
     check_or_exit()  # a broken environment in words, before transformers can fail inside
     from kserve_paged.server import main as serve_main

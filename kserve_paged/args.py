@@ -2,7 +2,7 @@
 
 KServe's own flags (``--http_port``, ``--grpc_port``, ``--model_name``, ``--workers``, ...) come
 from ``kserve.model_server.parser``; this module adds the model directory and the engine flags.
-Defaults of the engine flags are those of :class:`kserve_paged_engine.config.EngineConfig`, and the parsed
+Defaults of the engine flags are those of :class:`kserve_paged_engine.config.engine.EngineConfig`, and the parsed
 values are validated by constructing one, so the flags and the engine cannot drift apart.
 
 Note: importing ``kserve.model_server`` runs ``parser.parse_known_args()`` on ``sys.argv`` once, to
@@ -34,17 +34,21 @@ from kserve_paged.gateway_flags import add_gateway_flags
 from kserve_paged.lora_paths import DEFAULT_LORA_ROOTS
 from kserve_paged.openai.tools import TOOL_CALL_PARSERS
 from kserve_paged.vllm_flags import add_vllm_spellings
-from kserve_paged_engine.config import SCHEDULING_POLICIES, EngineConfig
-from kserve_paged_engine.core.block_hash import HASH_ALGOS
-from kserve_paged_engine.default_model import PACKAGED_MODELS
+from kserve_paged_engine.config.engine import (
+    CONVERTS,
+    HASH_ALGOS,
+    RUNNERS,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+)
+from kserve_paged_engine.config.quantization import QUANTIZATION_METHODS
+from kserve_paged_engine.frontend.default_model import PACKAGED_MODELS
+from kserve_paged_engine.frontend.packaged_folders import FOLDER_MODELS
 from kserve_paged_engine.limits import (
     DEFAULT_MAX_GRAMMAR_COMPILE_S,
     DEFAULT_MAX_REQUEST_BYTES,
     PROMPT_CHARS_PER_TOKEN,
 )
-from kserve_paged_engine.model_executor.quant_methods import QUANTIZATION_METHODS
-from kserve_paged_engine.model_job import CONVERTS, RUNNERS
-from kserve_paged_engine.packaged_folders import FOLDER_MODELS
 
 DEFAULT_MODEL_DIR = "/mnt/models"
 DEFAULT_HTTP_HOST = "0.0.0.0"  # what KServe's RESTServer binds

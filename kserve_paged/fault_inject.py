@@ -67,7 +67,7 @@ def engine_factory_from_env(config: Any) -> Callable[[], Any] | None:
     logger.warning("TEST-ONLY fault injection is on (%s=%s)", ENV_VAR, path)
 
     def build() -> Any:
-        from kserve_paged_engine.llm_engine import LLMEngine
+        from kserve_paged_engine.frontend.llm_engine import LLMEngine
 
         engine = LLMEngine(config)
         engine.fault_hook = FileFaultHook(path)

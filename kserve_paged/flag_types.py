@@ -9,8 +9,8 @@ import re
 from typing import Any
 
 from kserve_paged.vllm_flags import negated
-from kserve_paged_engine.core.kv_events import KVEventsConfig
-from kserve_paged_engine.core.kv_tier_config import KVTierConfig
+from kserve_paged_engine.config.kv_events import KVEventsConfig
+from kserve_paged_engine.config.kv_tier import KVTierConfig
 from kserve_paged_engine.spec_decode import SpeculativeConfig
 
 _TRUE = frozenset({"1", "true", "yes", "y", "on", "t"})
@@ -78,7 +78,7 @@ def parse_kv_transfer_config(text: str) -> KVTierConfig:
     spec.kvCacheOffloading, e.g. ``{"kv_connector": "OffloadingConnector", "kv_role":
     "kv_both", "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
     "cpu_bytes_to_use": 1073741824, "eviction_policy": "lru", "secondary_tiers": [{"type":
-    "fs", "root_dir": "/mnt/kv-cache-0"}]}}`` (engine/kserve_paged_engine/core/kv_tier_config.py)."""
+    "fs", "root_dir": "/mnt/kv-cache-0"}]}}`` (engine/kserve_paged_engine/config/kv_tier.py)."""
     try:
         return KVTierConfig.from_json(text)
     except (ValueError, TypeError) as exc:

@@ -20,7 +20,7 @@ from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from kserve_paged import v2
 from kserve_paged.served import ServedModel
-from kserve_paged_engine.async_llm import RequestStream
+from kserve_paged_engine.frontend.async_llm import RequestStream
 from kserve_paged_engine.lora import LoRARequest
 from kserve_paged_engine.model_info import ModelInfo
 from kserve_paged_engine.pooling_params import PoolingParams

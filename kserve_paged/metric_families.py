@@ -37,7 +37,7 @@ VLLM_OFFLOAD_TIERING = frozenset({
     "vllm:kv_offload_tiering_read_bytes_total", "vllm:kv_offload_tiering_write_bytes_total",
     "vllm:kv_offload_tiering_read_time_total", "vllm:kv_offload_tiering_write_time_total"})
 TIER_LABELS = (*LABELS, "tier")
-# Preemption by swap to the second tier (engine/kserve_paged_engine/core/kv_swap.py), series only while a tier is
+# Preemption by swap to the second tier (engine/kserve_paged_engine/core/kv_tier/swap.py), series only while a tier is
 # on: vLLM V0's gauge of swapped requests, and counters of ours in its style beside
 # vllm:num_preemptions_total (V0 counted no swaps; a preemption that did not swap recomputed).
 VLLM_STYLE_SWAP = frozenset({"vllm:num_requests_swapped", "vllm:num_swap_outs_total",

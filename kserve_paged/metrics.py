@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from kserve_paged.metric_families import FINISH_REASONS, MAX_LORA, families
 
 if TYPE_CHECKING:  # annotations only: importing the engine package would load torch
-    from kserve_paged_engine.async_llm import StepInfo
+    from kserve_paged_engine.frontend.async_llm import StepInfo
     from kserve_paged_engine.outputs import RequestOutput
 
 # Engine stats keys (LLM.stats()) -> gauge attribute / counter attribute.
@@ -39,7 +39,7 @@ TIER_GAUGE_STATS = {"kv_tier_usage": "kv_tier_usage"}
 SWAP_COUNTER_STATS = {"kv_swap_outs": "num_swap_outs", "kv_swap_ins": "num_swap_ins"}
 SWAP_GAUGE_STATS = {"num_requests_swapped": "num_requests_swapped"}
 TIER = "1:fs"
-# The host-memory tier on a GPU (engine/kserve_paged_engine/core/kv_tier_host.py): the same families, label "0:CPU"
+# The host-memory tier on a GPU (engine/kserve_paged_engine/core/kv_tier/host.py): the same families, label "0:CPU"
 # (ours: the level above the first fs tier), no corrupt reads (nothing there is read from disk).
 HOST_TIER = "0:CPU"
 HOST_COUNTER_STATS = {f"kv_host_tier_{k}": f"kv_tier_{k}" for k in (

@@ -30,7 +30,7 @@ from kserve_paged import v2
 from kserve_paged.admission import queue_full, request_deadline
 from kserve_paged.lora import AdapterModel, LoRAError
 from kserve_paged.metrics import EngineMetrics, MetricsObserver
-from kserve_paged.sampling import (
+from kserve_paged.request_options import (
     OptionError,
     generation_defaults,
     make_sampling_params,
@@ -38,8 +38,8 @@ from kserve_paged.sampling import (
 )
 from kserve_paged.tracing import RequestTracer, request_attributes, request_headers
 from kserve_paged_engine import limits
-from kserve_paged_engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from kserve_paged_engine.config import EngineConfig
+from kserve_paged_engine.config.engine import EngineConfig
+from kserve_paged_engine.frontend.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from kserve_paged_engine.lora import LoRARequest
 from kserve_paged_engine.model_info import ModelInfo
 from kserve_paged_engine.pooling_params import PoolingParams

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kserve_paged_engine.config import EngineConfig
+from kserve_paged_engine.config.engine import EngineConfig
 from kserve_paged_engine.core.kv_groups import KVLayout
 from kserve_paged_engine.core.kv_sizing import (
     CUDA_KV_FRACTION,

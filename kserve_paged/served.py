@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from kserve_paged_engine.async_llm import RequestStream
+from kserve_paged_engine.frontend.async_llm import RequestStream
 from kserve_paged_engine.lora import LoRARequest
 from kserve_paged_engine.model_info import ModelInfo
 from kserve_paged_engine.pooling_params import PoolingParams

@@ -14,7 +14,6 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -34,8 +33,6 @@ from kserve_paged.gateway import (
     served_names,
 )
 from kserve_paged.lora_paths import DEFAULT_LORA_ROOTS
-from kserve_paged.lora_routes import register_lora_routes
-from kserve_paged.metric_families import render
 from kserve_paged.middleware import (
     DisconnectAbortMiddleware,
     RequestSizeLimitMiddleware,
@@ -44,21 +41,15 @@ from kserve_paged.middleware import (
     V2VersionGuardMiddleware,
 )
 from kserve_paged.model import PagedLLMModel
-from kserve_paged.openai import register_openai_routes
 from kserve_paged.openapi_doc import document_errors
+from kserve_paged.routes import register_routes
 from kserve_paged.shutdown import PagedModelServer
 from kserve_paged.tracing import RequestTracer, TraceContextMiddleware
-from kserve_paged.vllm_routes import register_vllm_routes
-from kserve_paged_engine.async_llm import AsyncLLM
-from kserve_paged_engine.config import EngineConfig
+from kserve_paged_engine.config.engine import EngineConfig
+from kserve_paged_engine.frontend.async_llm import AsyncLLM
 from kserve_paged_engine.limits import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger("kserve.paged")
-
-
-async def metrics_route(request: Request) -> Response:
-    body, content_type = render(request.headers.get("accept"))
-    return Response(content=body, headers={"content-type": content_type})
 
 
 async def validation_error_route(request: Request, exc: RequestValidationError) -> Response:
@@ -121,7 +112,7 @@ def model_dir_given(argv: list[str]) -> bool:
 
 def build_model(args: argparse.Namespace, argv: list[str]) -> PagedLLMModel:
     if args.model_id is not None:  # parse_args refused it beside --model_dir
-        model_path: str | None = args.model_id  # the engine provisions it (kserve_paged_engine.default_model)
+        model_path: str | None = args.model_id  # the engine provisions it (kserve_paged_engine.frontend.default_model)
     else:
         model_path = resolve_model_dir(args.model_dir, model_dir_given(argv))
     config = EngineConfig(model=model_path, **engine_kwargs(args))
@@ -163,26 +154,9 @@ def install(app: FastAPI, model: PagedLLMModel, *,
     app.add_exception_handler(StarletteHTTPException, http_error_route)
     app.add_exception_handler(RequestRefused, refused_route)
     logging.getLogger("kserve").addFilter(_QuietClientErrors())
-    app.add_api_route("/metrics", metrics_route, methods=["GET"], include_in_schema=False)
-    app.add_api_route("/v2/health/live", _live_route([model]), methods=["GET"],
-                      include_in_schema=False)
-    register_lora_routes(app, model, runtime_updates=lora_runtime_updates, roots=lora_roots)
-    routes = register_openai_routes(app, {name: model for name in names or [model.name]})
-    register_vllm_routes(app, model, routes)
+    register_routes(app, model, names=names or [model.name],
+                    lora_runtime_updates=lora_runtime_updates, lora_roots=lora_roots)
     document_errors(app)
-
-
-def _live_route(models: list[PagedLLMModel]) -> Any:
-    """``/v2/health/live``, registered before KServe's (which is always 200): 503 once an
-    engine thread died, so a liveness probe on it restarts the pod. Loading and draining are
-    alive (a restart would not help them)."""
-    async def live() -> Response:
-        dead = [m.name for m in models if m.llm.error is not None]
-        if dead:
-            return JSONResponse(status_code=503,
-                                content={"error": f"engine of model(s) {dead} died"})
-        return JSONResponse({"live": True})  # the v2 protocol's ServerLiveResponse
-    return live
 
 
 def serve(args: argparse.Namespace, argv: list[str]) -> None:

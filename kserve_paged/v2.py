@@ -22,7 +22,7 @@ from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 
 from kserve_paged.admission import RequestRefused, parse_timeout_us, tighten
 from kserve_paged.logprobs import TokenText, v2_logprobs
-from kserve_paged.sampling import (
+from kserve_paged.request_options import (
     SAMPLING_OPTIONS,
     V2_UNSUPPORTED_OPTIONS,
     OptionError,
@@ -32,7 +32,7 @@ from kserve_paged.sampling import (
 from kserve_paged.served import ServedModel, submit_all
 from kserve_paged.structured import STRUCTURED_OPTION_NAMES
 from kserve_paged.v2_pooling import predict_pooled
-from kserve_paged_engine.async_llm import EngineDeadError, RequestStream
+from kserve_paged_engine.frontend.async_llm import EngineDeadError, RequestStream
 from kserve_paged_engine.outputs import RequestOutput
 
 logger = logging.getLogger("kserve.paged")

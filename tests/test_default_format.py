@@ -1,4 +1,4 @@
-"""Which form of a packaged model an engine config serves (engine/kserve_paged_engine/startup.py): the default model
+"""Which form of a packaged model an engine config serves (engine/kserve_paged_engine/frontend/startup.py): the default model
 from its GGUF, 4-bit, when neither --dtype nor --quantization says otherwise; its dense float32
 conversion for an explicit dtype. Config resolution only: nothing is converted or loaded."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kserve_paged_engine import default_model, startup
-from kserve_paged_engine.config import EngineConfig
+from kserve_paged_engine.config.engine import EngineConfig
+from kserve_paged_engine.frontend import default_model, startup
 
 
 @pytest.mark.parametrize(("kwargs", "device", "expected"), [

@@ -18,8 +18,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kserve_paged_engine import default_model  # noqa: E402
-from kserve_paged_engine.default_model import ensure_default_model  # noqa: E402
+from kserve_paged_engine.frontend import default_model  # noqa: E402
+from kserve_paged_engine.frontend.default_model import ensure_default_model  # noqa: E402
 from kserve_paged_engine.model_executor.model_loader import load_model, load_tokenizer  # noqa: E402
 from tests.helpers.tiny_models import PagedSim  # noqa: E402
 

@@ -14,8 +14,8 @@ import tokenizers
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kserve_paged_engine.default_model import ensure_default_model
-from kserve_paged_engine.detokenizer import IncrementalDetokenizer
+from kserve_paged_engine.frontend.default_model import ensure_default_model
+from kserve_paged_engine.frontend.detokenizer import IncrementalDetokenizer
 from kserve_paged_engine.sampling_params import SamplingParams as SP
 
 CORPUS = [

@@ -79,9 +79,9 @@ def entered_files(entered: set[str]):
 
 @pytest.mark.slow
 def test_a_streamed_chat_completion_enters_only_files_the_trace_names() -> None:
-    from kserve_paged_engine.config import EngineConfig
-    from kserve_paged_engine.default_model import ensure_default_model
-    from kserve_paged_engine.llm_engine import LLMEngine
+    from kserve_paged_engine.config.engine import EngineConfig
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.llm_engine import LLMEngine
 
     path = str(ensure_default_model(progress=lambda _: None))
     app, model = build(factory=lambda: LLMEngine(EngineConfig(

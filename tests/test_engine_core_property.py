@@ -135,7 +135,7 @@ def add(sched, kv_store, counter, op) -> None:
     tokens = PREFIXES[p] + [1000 + (i * 7 + int(rid[1:])) % 50 for i in range(length)]
     req = make_request(rid, tokens, max_tokens=max_tokens, salt=salt, priority=prio,
                        ignore_eos=bool(prio % 2))
-    # A beam-search root: its forks are admitted as a group (Scheduler._admit_group).
+    # A beam-search root: its forks are admitted as a group (Scheduler._admit_forks).
     req.sampling_params.use_beam_search = lockstep
     try:
         sched.add_request(req)

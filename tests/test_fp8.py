@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kserve_paged.args import parse_args
-from kserve_paged_engine.model_executor import fp8_checkpoints
 from kserve_paged_engine.model_executor.model_loader import load_model
-from kserve_paged_engine.model_executor.quantization import projections
+from kserve_paged_engine.model_executor.quantization import fp8_checkpoints
+from kserve_paged_engine.model_executor.quantization.layouts import projections
 from kserve_paged_kernels import quant_linear
 from tests.helpers.int4_packing import read_checkpoint
 from tests.helpers.tiny_models import CONFIGS, PagedSim, greedy, save_checkpoint

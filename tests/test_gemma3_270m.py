@@ -19,7 +19,12 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kserve_paged_engine import LLM, SamplingParams  # noqa: E402
-from kserve_paged_engine.default_model import PACKAGED_MODELS, _is_complete, ensure_model, model_dir  # noqa: E402
+from kserve_paged_engine.frontend.default_model import (  # noqa: E402
+    PACKAGED_MODELS,
+    _is_complete,
+    ensure_model,
+    model_dir,
+)
 
 MODEL_ID = "gemma3-270m"
 DISTS = PACKAGED_MODELS[MODEL_ID].distributions
@@ -113,8 +118,8 @@ def test_openai_completions_route_equals_transformers(folder, reference) -> None
     the OpenAI route carry transformers' tokens, the long prompt included."""
     import asyncio
 
-    from kserve_paged_engine.config import EngineConfig
-    from kserve_paged_engine.llm_engine import LLMEngine
+    from kserve_paged_engine.config.engine import EngineConfig
+    from kserve_paged_engine.frontend.llm_engine import LLMEngine
     from tests.helpers.server import NAME, build, client
 
     app, model = build(engine=LLMEngine(EngineConfig(model=MODEL_ID, max_model_len=1024,

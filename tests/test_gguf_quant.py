@@ -16,10 +16,10 @@ from gguf.quants import dequantize
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kserve_paged_engine.model_executor import gguf_blocks  # noqa: E402
 from kserve_paged_engine.model_executor.layers import Linear  # noqa: E402
 from kserve_paged_engine.model_executor.model_loader import load_model  # noqa: E402
-from kserve_paged_engine.model_executor.quantization import Int8Embedding, projections  # noqa: E402
+from kserve_paged_engine.model_executor.quantization import gguf_blocks  # noqa: E402
+from kserve_paged_engine.model_executor.quantization.layouts import Int8Embedding, projections  # noqa: E402
 from kserve_paged_kernels import quant_linear  # noqa: E402
 from tests.helpers import tiny_gguf  # noqa: E402
 from tests.helpers.tiny_models import greedy  # noqa: E402
@@ -248,13 +248,13 @@ def _old_two_read_groups(path: Path, config: object) -> dict[str, tuple[torch.Te
 
 
 def test_one_read_gives_the_two_read_paths_groups_and_floats(tmp_path: Path) -> None:
-    """The file read once (engine/kserve_paged_engine/model_executor/gguf_read.py) gives each 4-bit projection the
+    """The file read once (engine/kserve_paged_engine/model_executor/quantization/gguf_read.py) gives each 4-bit projection the
     very codes, scales and minimums (so the very packed weight) the old two-read path found, in
     the same row order (q and k permuted back), and the float tensors transformers gives."""
     from transformers import AutoConfig
 
-    from kserve_paged_engine.model_executor import gguf_read
     from kserve_paged_engine.model_executor.model_loader import _expected_weights
+    from kserve_paged_engine.model_executor.quantization import gguf_read
 
     path = tiny_gguf.write(tmp_path / "m.gguf", dict.fromkeys(ALL_PROJECTIONS, QT.Q4_K))
     config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)

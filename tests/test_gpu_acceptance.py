@@ -120,7 +120,7 @@ def test_the_decode_smol_shape_is_the_default_models(tmp_path: Path) -> None:
     must be that model's, field for field, as transformers reads both."""
     from transformers import AutoConfig
 
-    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
 
     sys.path.insert(0, str(BENCH))
     try:

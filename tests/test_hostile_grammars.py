@@ -73,7 +73,7 @@ def test_ten_thousand_tools_and_deep_tool_schemas_are_400s_at_once():
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
 
     return AutoTokenizer.from_pretrained(ensure_default_model(progress=lambda _: None))
 
@@ -125,8 +125,8 @@ def test_the_compile_cache_is_bounded_in_bytes(tokenizer):
 
 @pytest.mark.slow
 def test_a_grammar_that_matches_nothing_fails_its_request_with_400():
-    from kserve_paged_engine.default_model import ensure_default_model
-    from kserve_paged_engine.llm import LLM
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.llm import LLM
 
     llm = LLM(model=str(ensure_default_model(progress=lambda _: None)), num_kv_blocks=64,
               max_model_len=256, dtype="float32", max_grammar_compile_s=30.0)

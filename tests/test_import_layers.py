@@ -1,12 +1,13 @@
-"""The layers of the code, pinned (docs/architecture.md draws them).
+"""The layers of the code, pinned as folders (docs/architecture.md draws them).
 
-From the top: the server (kserve_paged/), the engine's front (engine/*.py: LLM, AsyncLLM,
-LLMEngine and what turns requests into steps and steps into outputs), speculation, the worker
-(model runner and executors), the core (scheduler, requests, KV cache), sampling, the model
-executor (layers, models, loader; LoRA beside it), communication and the request definitions
-every layer shares, and the kernels. A file may import its own layer and those below, never
-one above; no files import each other in a loop, function-level and annotation-only imports
-included.
+From the top: the server (kserve_paged/), the engine's front (frontend/: LLM, AsyncLLM, LLMEngine's
+step and its stages), speculation, the worker (model runner and executors), the core (scheduler,
+requests, KV cache and its second tier), sampling, the model executor (layers, models, loader,
+weight formats; LoRA beside it), the options (config/), the request definitions every layer
+shares (the engine package's own files) with communication between ranks, and the kernels. A
+file may import its own layer and those below, never one above; no files import each other in a
+loop, function-level and annotation-only imports included. The engine package's doors
+(`__init__.py`'s public names, `__main__.py`'s command line) stand with the front.
 """
 
 from __future__ import annotations
@@ -15,24 +16,27 @@ import pytest
 
 from tests.helpers.import_graph import circles, import_graph, project_files
 
-# Top first. A file belongs to the layer of the longest path that contains it.
+# Top first. A file belongs to the layer of the longest folder that holds it.
+ENGINE = "engine/kserve_paged_engine/"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("server", ("kserve_paged/",)),
-    ("front", ("engine/",)),
-    ("speculation", ("engine/kserve_paged_engine/spec_decode/",)),
-    ("worker", ("engine/kserve_paged_engine/worker/",)),
-    ("core", ("engine/kserve_paged_engine/core/",)),
-    ("sample", ("engine/kserve_paged_engine/sample/",)),
-    ("model_executor", ("engine/kserve_paged_engine/model_executor/", "engine/kserve_paged_engine/lora/")),
-    ("shared", ("engine/kserve_paged_engine/distributed/", "engine/kserve_paged_engine/sampling_params.py", "engine/kserve_paged_engine/pooling_params.py",
-                "engine/kserve_paged_engine/limits.py",
-                "engine/kserve_paged_engine/outputs.py")),
+    ("front", (ENGINE + "frontend/",)),
+    ("speculation", (ENGINE + "spec_decode/",)),
+    ("worker", (ENGINE + "worker/",)),
+    ("core", (ENGINE + "core/",)),
+    ("sample", (ENGINE + "sample/",)),
+    ("model_executor", (ENGINE + "model_executor/", ENGINE + "lora/")),
+    ("config", (ENGINE + "config/",)),
+    ("shared", (ENGINE, ENGINE + "distributed/")),
     ("kernels", ("kernels/",)),
 ]
+DOORS = (ENGINE + "__init__.py", ENGINE + "__main__.py")
 RANK = {name: len(LAYERS) - i for i, (name, _) in enumerate(LAYERS)}
 
 
 def layer_of(file: str) -> str:
+    if file in DOORS:
+        return "front"
     best = max(((len(p), name) for name, paths in LAYERS for p in paths if file.startswith(p)),
                default=None)
     assert best is not None, f"{file} is in no layer: add it to LAYERS"
@@ -40,6 +44,10 @@ def layer_of(file: str) -> str:
 
 
 GRAPH = import_graph()
+
+
+def test_the_layers_are_folders() -> None:
+    assert all(p.endswith("/") for _, paths in LAYERS for p in paths)
 
 
 def test_every_file_has_a_layer() -> None:
@@ -77,6 +85,6 @@ def test_the_checks_see_an_upward_import_and_a_circle() -> None:
 
     planted = dict(GRAPH)
     planted["kernels/kserve_paged_kernels/settings.py"] = [*GRAPH["kernels/kserve_paged_kernels/settings.py"],
-                                      Import("kernels/kserve_paged_kernels/settings.py", "engine/kserve_paged_engine/llm.py", 1)]
-    assert RANK[layer_of("engine/kserve_paged_engine/llm.py")] > RANK[layer_of("kernels/kserve_paged_kernels/settings.py")]
+                                      Import("kernels/kserve_paged_kernels/settings.py", "engine/kserve_paged_engine/frontend/llm.py", 1)]
+    assert RANK[layer_of("engine/kserve_paged_engine/frontend/llm.py")] > RANK[layer_of("kernels/kserve_paged_kernels/settings.py")]
     assert any("kernels/kserve_paged_kernels/settings.py" in group for group in circles(planted))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kserve_paged_engine import installation
+from kserve_paged_engine.frontend import installation
 from tests.helpers.layout import PACKAGES, REPO
 
 

@@ -1,4 +1,4 @@
-"""kserve_paged_engine.installation: a broken environment is named in words at start-up (what is
+"""kserve_paged_engine.frontend.installation: a broken environment is named in words at start-up (what is
 wrong, how to fix it), before transformers can fail with a traceback from inside itself."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kserve_paged_engine import installation
+from kserve_paged_engine.frontend import installation
 from tests.helpers.layout import REPO
 
 

@@ -17,9 +17,9 @@ import msgpack
 import pytest
 import zmq
 
+from kserve_paged_engine.config.kv_events import KVEventsConfig
 from kserve_paged_engine.core.block_hash import external_block_hash
 from kserve_paged_engine.core.kv_event_publisher import ZmqEventPublisher
-from kserve_paged_engine.core.kv_events import KVEventsConfig
 from tests.helpers.core import fake_step, make_request, make_scheduler
 
 TOPIC = "kv@test-pod@smol"
@@ -240,8 +240,8 @@ def test_engine_publishes_through_the_server_flag(tmp_path, monkeypatch):
     the mirror matches the engine's index after every step, and a scorer that knows only the
     prompt's tokens, the seed and the block size finds every full prompt block by its own keys."""
     from kserve_paged.args import engine_kwargs, parse_args
-    from kserve_paged_engine.default_model import ensure_default_model
-    from kserve_paged_engine.llm_engine import LLMEngine
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.llm_engine import LLMEngine
     from kserve_paged_engine.sampling_params import SamplingParams
 
     seed, bs = "1337", 8
@@ -252,7 +252,7 @@ def test_engine_publishes_through_the_server_flag(tmp_path, monkeypatch):
                        "--kv_events_config",
                        f'{{"enable_kv_cache_events": true, "publisher": "zmq", '
                        f'"endpoint": "{endpoint}", "topic": "{TOPIC}"}}'])
-    from kserve_paged_engine.config import EngineConfig
+    from kserve_paged_engine.config.engine import EngineConfig
 
     engine = LLMEngine(EngineConfig(model=str(ensure_default_model(progress=lambda _: None)),
                                     **engine_kwargs(args)))

@@ -187,7 +187,7 @@ def test_a_following_beam_waits_for_the_shared_tokens_instead_of_computing_them_
     sched = make_scheduler(num_blocks=64, caching=False, budget=2 * BS)
     kv = sched.kv
     root = make_request("g", 4 * BS, max_tokens=100)
-    root.sampling_params.use_beam_search = True  # admitted as a group (Scheduler._admit_group)
+    root.sampling_params.use_beam_search = True  # admitted as a group (Scheduler._admit_forks)
     sched.add_request(root)
     while not root.output_token_ids:
         step_own(sched)

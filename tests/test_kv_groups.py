@@ -3,10 +3,11 @@ from one pool; the block accounting of a Gemma-style model serving requests past
 
 from __future__ import annotations
 
+from kserve_paged_engine.config.scheduler import SchedulerConfig
 from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
 from kserve_paged_engine.core.kv_groups import kv_layout
 from kserve_paged_engine.core.preemption import num_reclaimable
-from kserve_paged_engine.core.scheduler import Scheduler, SchedulerConfig
+from kserve_paged_engine.core.scheduler import Scheduler
 from tests.helpers.core import fake_step, make_request
 
 GEMMA3 = ([512] * 5 + [None]) * 2  # 5 local : 1 global, 12 layers

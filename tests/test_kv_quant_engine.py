@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kserve_paged_engine.config import EngineConfig
+from kserve_paged_engine.config.engine import EngineConfig
 from kserve_paged_engine.model_executor.model_facts import describe_folder
 from kserve_paged_engine.model_executor.model_loader import load_model
 from kserve_paged_kernels.kv_quant import QMAX, QuantKV, storage_dtype
@@ -116,7 +116,7 @@ def test_block_count_doubles_against_bf16_and_quadruples_against_fp32(fmt: str) 
 
 
 def test_engine_start_up_sizing_counts_one_byte_and_the_scales(tmp_path: Path) -> None:
-    from kserve_paged_engine import startup
+    from kserve_paged_engine.frontend import startup
 
     path, _ = save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path)
     model = load_model(path, torch.float32, torch.device("cpu"))[0]

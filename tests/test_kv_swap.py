@@ -1,4 +1,4 @@
-"""Preemption by swap (engine/kserve_paged_engine/core/kv_swap.py): a victim's KV, partial last block included,
+"""Preemption by swap (engine/kserve_paged_engine/core/kv_tier/swap.py): a victim's KV, partial last block included,
 written to the second tier when it is preempted and restored when it resumes, so it continues
 token for token as if it had never been preempted; the cost model recomputes when copying is
 slower than prefill; a tier that cannot hold the blocks, or whose writes fail, recomputes and
@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from kserve_paged_engine import SamplingParams
-from kserve_paged_engine.core.kv_swap import Swapper
-from kserve_paged_engine.core.kv_tier import KVTier
-from kserve_paged_engine.core.measured_rate import MeasuredRate
+from kserve_paged_engine.core.kv_tier.disk import DiskTier
+from kserve_paged_engine.core.kv_tier.measured_rate import MeasuredRate
+from kserve_paged_engine.core.kv_tier.swap import Swapper
 from tests.test_kv_tier import FLOODS, PROMPT, dirs, engine  # noqa: F401 - dirs: a fixture
 
 LONG = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
@@ -99,7 +99,7 @@ def test_slow_copies_make_the_cost_model_recompute(dirs, never_preempted, tmp_pa
 def failing_writes(monkeypatch, gate: threading.Event | None = None) -> None:
     """Every tier write fails (a full disk), once `gate` is set if one is given: until then
     the writer thread waits in its first write and every later one stays queued."""
-    import kserve_paged_engine.core.kv_tier_files as files
+    import kserve_paged_engine.core.kv_tier.files as files
 
     def broken(*args, **kwargs):
         if gate is not None:
@@ -196,7 +196,7 @@ def test_a_swapped_request_that_ends_while_waiting_is_counted_dropped(dirs, tmp_
 
 
 def test_the_cost_model_weighs_measured_rates(tmp_path: Path):
-    tier = KVTier(tmp_path, 1000, 100_000, 4)
+    tier = DiskTier(tmp_path, 1000, 100_000, 4)
     swaps = Swapper(tier, 4)
     tier.writer.write_rate = MeasuredRate(1e6, measured=True)
     tier.read_rate = MeasuredRate(1e6, measured=True)

@@ -1,4 +1,4 @@
-"""The second KV tier end to end (engine/kserve_paged_engine/core/kv_tier.py): a prompt whose prefix blocks were
+"""The second KV tier end to end (engine/kserve_paged_engine/core/kv_tier/disk.py): a prompt whose prefix blocks were
 evicted from the pool to the disk tier comes back, is restored instead of recomputed, and
 continues greedily token for token as computed from scratch; cache salts and LoRA adapters
 isolate; a corrupt tier file is a miss, never a wrong answer.

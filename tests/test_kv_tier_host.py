@@ -1,4 +1,4 @@
-"""The host-memory KV tier (engine/kserve_paged_engine/core/kv_tier_host.py), its logic tested on CPU: built here
+"""The host-memory KV tier (engine/kserve_paged_engine/core/kv_tier/host.py), its logic tested on CPU: built here
 through the internal `host_on_cpu` option (on a CPU server `cpu_bytes_to_use` alone adds
 nothing, the pool already being in host memory). A tier hit from host memory, or from the disk
 below it after a spill, continues as computed; a swapped request comes back through it; the
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kserve_paged_engine import SamplingParams
+from kserve_paged_engine.config.kv_tier import NO_TIER, FsTier, KVTierConfig, tier_plan
 from kserve_paged_engine.core.kv_events import BlockStored
-from kserve_paged_engine.core.kv_tier import KVTier
-from kserve_paged_engine.core.kv_tier_config import NO_TIER, FsTier, KVTierConfig, tier_plan
-from kserve_paged_engine.core.kv_tier_host import HOST_MEDIUM, HostSlot, HostTier
+from kserve_paged_engine.core.kv_tier.disk import DiskTier
+from kserve_paged_engine.core.kv_tier.host import HOST_MEDIUM, HostSlot, HostTier
 from kserve_paged_engine.worker.kv_host_copy import SyncCopier, runs
 from tests.test_kv_swap import Fixed
 from tests.test_kv_tier import PROMPT, dirs, engine, flood, run  # noqa: F401 - dirs: a fixture
@@ -83,7 +83,7 @@ def test_a_swap_goes_through_host_memory(dirs):  # noqa: F811
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_slots_stay_bounded_and_spill_in_policy_order(tmp_path, policy):
-    lower = KVTier(tmp_path, 8, 8 * 64, block_size=4, keep_files=False)
+    lower = DiskTier(tmp_path, 8, 8 * 64, block_size=4, keep_files=False)
     tier = HostTier(8, 8 * 4, 4, policy, lower, pin=False)
     keys = [bytes([i]) * 32 for i in range(12)]
     for i, key in enumerate(keys):

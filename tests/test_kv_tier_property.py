@@ -4,7 +4,7 @@ simulated KV store checks that every position a request reads holds its own toke
 restored into the wrong place, from the wrong key or not at all would be caught, as would a
 leaked block or a tier hit counted without its bytes. Preemptions swap (the victim's blocks,
 its partial last one included, written at preemption and restored on resume) or recompute, as
-the stubbed prefill rate of each run makes the cost model choose (engine/kserve_paged_engine/core/kv_swap.py).
+the stubbed prefill rate of each run makes the cost model choose (engine/kserve_paged_engine/core/kv_tier/swap.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kserve_paged_engine.core.kv_tier import KVTier
-from kserve_paged_engine.core.kv_tier_host import HostSlot, HostTier
-from kserve_paged_engine.core.measured_rate import MeasuredRate
+from kserve_paged_engine.core.kv_tier.disk import DiskTier
+from kserve_paged_engine.core.kv_tier.host import HostSlot, HostTier
+from kserve_paged_engine.core.kv_tier.measured_rate import MeasuredRate
 from tests.helpers.core import make_scheduler
 from tests.test_engine_core_property import (
     BS,
@@ -44,7 +44,7 @@ def block_payload(kv_store: dict[int, tuple[int, int]], block_id: int) -> bytes:
                     for off in range(BS))
 
 
-def apply_moves(sched, tier: KVTier | HostTier, kv_store: dict[int, tuple[int, int]]) -> None:
+def apply_moves(sched, tier: DiskTier | HostTier, kv_store: dict[int, tuple[int, int]]) -> None:
     """What the model runner does before the forward (engine/kserve_paged_engine/worker/kv_tier_copy.py): for
     the host tier, the saves' bytes taken first, then the loads, then the saves placed."""
     moves = sched._pending_moves
@@ -52,7 +52,7 @@ def apply_moves(sched, tier: KVTier | HostTier, kv_store: dict[int, tuple[int, i
         return
     keys = [k for _, k in moves.saves]
     rows = [block_payload(kv_store, b) for b, _ in moves.saves]
-    if isinstance(tier, KVTier):
+    if isinstance(tier, DiskTier):
         tier.store(keys, rows)
     for block_id, payload in moves.loads:
         if isinstance(payload, HostSlot):
@@ -75,7 +75,7 @@ class TierScheduler:
     """The scheduler, with its step's tier moves applied to the simulated store before the
     step's writes (run_step reads `schedule()`'s output)."""
 
-    def __init__(self, sched, tier: KVTier | HostTier, kv_store: dict[int, tuple[int, int]]) -> None:
+    def __init__(self, sched, tier: DiskTier | HostTier, kv_store: dict[int, tuple[int, int]]) -> None:
         self._sched, self._tier, self._store = sched, tier, kv_store
         self._pending_moves = None
 
@@ -99,7 +99,7 @@ def test_random_operations_with_tier_moves_keep_pool_and_reads_right(host_blocks
     """`host_blocks`: a host-memory tier of that many blocks above the disk (0: none; 8, half
     the pool, spills to the disk and hits in both)."""
     with tempfile.TemporaryDirectory() as root:
-        tier = disk = KVTier(Path(root), BS * SLOT.size, tier_blocks * BS * SLOT.size, BS)
+        tier = disk = DiskTier(Path(root), BS * SLOT.size, tier_blocks * BS * SLOT.size, BS)
         if host_blocks:
             tier = HostTier(BS * SLOT.size, host_blocks * BS * SLOT.size, BS, lower=disk,
                             pin=False)

@@ -1,4 +1,4 @@
-"""The disk tier's store on its own (engine/kserve_paged_engine/core/kv_tier.py, kv_tier_files.py): LRU within its
+"""The disk tier's store on its own (engine/kserve_paged_engine/core/kv_tier/disk.py, kv_tier_files.py): LRU within its
 capacity, files checked on every read (short, flipped or another key's: a miss), folders
 apart per model identity, KV events naming the tier's medium, and the config's two forms."""
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from kserve_paged_engine.config.kv_tier import KVTierConfig, tier_plan
 from kserve_paged_engine.core.kv_events import encode_batch
-from kserve_paged_engine.core.kv_tier import TIER_MEDIUM, KVTier, tier_folder
-from kserve_paged_engine.core.kv_tier_config import KVTierConfig, tier_plan
+from kserve_paged_engine.core.kv_tier.disk import TIER_MEDIUM, DiskTier, tier_folder
 
 SIZE = 64
 
@@ -23,13 +23,13 @@ def payload(i: int) -> bytes:
     return bytes((i + j) % 256 for j in range(SIZE))
 
 
-def stored(tier: KVTier, ids: list[int]) -> None:
+def stored(tier: DiskTier, ids: list[int]) -> None:
     tier.store([key(i) for i in ids], [payload(i) for i in ids])
     tier.writer.flush()
 
 
 def test_blocks_come_back_byte_for_byte_and_the_least_recent_leaves_first(tmp_path: Path):
-    tier = KVTier(tmp_path, SIZE, 3 * SIZE, block_size=4)
+    tier = DiskTier(tmp_path, SIZE, 3 * SIZE, block_size=4)
     stored(tier, [1, 2, 3])
     assert tier.fetch(key(1))  # 1 is now the most recent
     assert tier.take(key(1)) == payload(1)
@@ -42,7 +42,7 @@ def test_blocks_come_back_byte_for_byte_and_the_least_recent_leaves_first(tmp_pa
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "rename", "delete"])
 def test_a_damaged_file_is_a_miss_and_is_forgotten(tmp_path: Path, damage: str):
-    tier = KVTier(tmp_path, SIZE, 10 * SIZE)
+    tier = DiskTier(tmp_path, SIZE, 10 * SIZE)
     stored(tier, [1, 2])
     path = tmp_path / f"{key(1).hex()}.kv"
     data = path.read_bytes()
@@ -61,13 +61,13 @@ def test_a_damaged_file_is_a_miss_and_is_forgotten(tmp_path: Path, damage: str):
 
 
 def test_a_new_process_keeps_files_only_with_a_fixed_hash_seed(tmp_path: Path):
-    tier = KVTier(tmp_path, SIZE, 10 * SIZE)
+    tier = DiskTier(tmp_path, SIZE, 10 * SIZE)
     stored(tier, [1, 2])
     tier.close()
-    again = KVTier(tmp_path, SIZE, 10 * SIZE, keep_files=True)
+    again = DiskTier(tmp_path, SIZE, 10 * SIZE, keep_files=True)
     assert again.fetch(key(2)) and again.take(key(2)) == payload(2)
     again.close()
-    fresh = KVTier(tmp_path, SIZE, 10 * SIZE, keep_files=False)
+    fresh = DiskTier(tmp_path, SIZE, 10 * SIZE, keep_files=False)
     assert fresh.num_blocks == 0 and not list(tmp_path.glob("*.kv"))
     fresh.close()
 
@@ -82,7 +82,7 @@ def test_another_model_or_dtype_gets_another_folder():
 def test_tier_moves_are_kv_events_with_the_tier_medium(tmp_path: Path):
     import msgpack  # a dependency (pyproject.toml): missing, the test must fail
 
-    tier = KVTier(tmp_path, SIZE, 1 * SIZE, block_size=4)
+    tier = DiskTier(tmp_path, SIZE, 1 * SIZE, block_size=4)
     stored(tier, [1, 2])  # 2 pushes 1 out
     _, events = msgpack.unpackb(encode_batch(0.0, tier.take_events(), "CPU"))
     assert [e[0] for e in events] == ["BlockStored", "BlockRemoved", "BlockStored"]
@@ -92,7 +92,7 @@ def test_tier_moves_are_kv_events_with_the_tier_medium(tmp_path: Path):
 
 def test_a_tier_of_no_block_is_refused(tmp_path: Path):
     with pytest.raises(ValueError, match="holds no block"):
-        KVTier(tmp_path, SIZE, SIZE - 1)
+        DiskTier(tmp_path, SIZE, SIZE - 1)
 
 
 def test_the_config_without_a_disk_tier_leaves_none():
@@ -101,7 +101,7 @@ def test_the_config_without_a_disk_tier_leaves_none():
     with pytest.raises(ValueError, match="no second KV tier"):
         tier_plan(cfg, "cpu")
     with pytest.raises(ValueError, match="no second KV tier"):
-        from kserve_paged_engine.config import EngineConfig
+        from kserve_paged_engine.config.engine import EngineConfig
         EngineConfig(kv_transfer_config=cfg, device="cpu")
     assert EngineConfig(kv_transfer_config=cfg, device="cuda").kv_transfer_config == cfg
 
@@ -112,7 +112,7 @@ def test_a_policy_keeps_its_capacity_and_accounts_for_every_key(name: str):
     gone, everything else stored is still there, and it never holds more than its capacity."""
     import random
 
-    from kserve_paged_engine.core.kv_tier_policy import make_policy
+    from kserve_paged_engine.core.kv_tier.policy import make_policy
 
     rng = random.Random(7)
     policy, kept = make_policy(name, 8), set()
@@ -133,7 +133,7 @@ def test_a_policy_keeps_its_capacity_and_accounts_for_every_key(name: str):
 
 
 def test_arc_keeps_returning_blocks_through_a_burst_that_lru_lets_push_them_out():
-    from kserve_paged_engine.core.kv_tier_policy import make_policy
+    from kserve_paged_engine.core.kv_tier.policy import make_policy
 
     def survivors(name: str) -> int:
         policy = make_policy(name, 8)
@@ -151,7 +151,7 @@ def test_arc_keeps_returning_blocks_through_a_burst_that_lru_lets_push_them_out(
 
 
 def test_the_tier_evicts_by_its_policy(tmp_path: Path):
-    tier = KVTier(tmp_path, SIZE, 2 * SIZE, policy="arc")
+    tier = DiskTier(tmp_path, SIZE, 2 * SIZE, policy="arc")
     stored(tier, [1])
     assert tier.fetch(key(1))  # a hit: 1 moves to ARC's frequent list
     stored(tier, [2, 3])  # 2 leaves, not 1
@@ -163,9 +163,9 @@ def test_the_tier_evicts_by_its_policy(tmp_path: Path):
 def test_a_lookup_repeated_over_steps_reads_the_file_once(tmp_path: Path, monkeypatch):
     """The head of a full queue looks its prefix up every step: the block read for the first
     lookup is kept (up to STAGED_BYTES), and dropped with the block when the tier lets it go."""
-    import kserve_paged_engine.core.kv_tier as kv_tier
+    import kserve_paged_engine.core.kv_tier.disk as kv_tier
 
-    tier = KVTier(tmp_path, SIZE, 2 * SIZE)
+    tier = DiskTier(tmp_path, SIZE, 2 * SIZE)
     stored(tier, [1])
     reads = []
     real = kv_tier.read_block

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kserve_paged_engine import LLM, SamplingParams
-from kserve_paged_engine.default_model import ensure_default_model
+from kserve_paged_engine.frontend.default_model import ensure_default_model
 
 PROMPTS = [
     "The capital of France is",

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 from kserve_paged import server as srv
 from kserve_paged.metrics import EngineMetrics
 from kserve_paged.model import PagedLLMModel
-from kserve_paged_engine.async_llm import AsyncLLM
-from kserve_paged_engine.config import EngineConfig
+from kserve_paged_engine.config.engine import EngineConfig
+from kserve_paged_engine.frontend.async_llm import AsyncLLM
 from tests.helpers.lora import make_adapter, peft_greedy, tiny_base
 
 pytestmark = pytest.mark.slow  # builds a tiny model and two adapters, loads them

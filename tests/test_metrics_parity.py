@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kserve_paged import metric_families as mf
 from kserve_paged import metrics as m
-from kserve_paged_engine.async_llm import StepInfo
 from kserve_paged_engine.core.request import RequestStatus
+from kserve_paged_engine.frontend.async_llm import StepInfo
 from kserve_paged_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tests.helpers.core import fake_step, make_request, make_scheduler
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kserve_paged.plan import make_plan, parse_device
-from kserve_paged_engine.config import EngineConfig
+from kserve_paged_engine.config.engine import EngineConfig
 from kserve_paged_engine.model_executor.model_facts import ModelFacts, describe_folder
 from tests.helpers.tiny_models import CONFIGS, save_tokenizer
 
@@ -31,7 +31,7 @@ def _folder(name: str, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_planner_and_engine_size_every_family_alike(name: str, tmp_path: Path) -> None:
-    from kserve_paged_engine.llm_engine import LLMEngine
+    from kserve_paged_engine.frontend.llm_engine import LLMEngine
 
     folder = _folder(name, tmp_path)
     plan = make_plan(describe_folder(folder), parse_device("cpu:4"), dtype="float32",

@@ -14,7 +14,7 @@ from kserve_paged.logprobs import (
     completion_logprobs,
     prompt_logprobs_json,
 )
-from kserve_paged.sampling import (
+from kserve_paged.request_options import (
     V2_UNSUPPORTED_OPTIONS,
     OptionError,
     make_sampling_params,

@@ -93,10 +93,10 @@ def test_the_engine_allocates_what_the_planner_says(monkeypatch):
     import torch
 
     import kserve_paged_engine.core.kv_sizing as kv_sizing
-    from kserve_paged_engine import startup
-    from kserve_paged_engine.config import EngineConfig
-    from kserve_paged_engine.default_model import ensure_default_model
-    from kserve_paged_engine.llm_engine import LLMEngine
+    from kserve_paged_engine.config.engine import EngineConfig
+    from kserve_paged_engine.frontend import startup
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.llm_engine import LLMEngine
 
     model_dir = ensure_default_model(progress=lambda _: None)
     cfg = describe_folder(model_dir)
@@ -189,7 +189,7 @@ def test_overlay_is_refused_for_what_the_engine_cannot_serve(tmp_path):
 def test_tensor_parallel_plan_shards_as_the_engine_does():
     """The KV heads a rank holds come from the engine's layout: SmolLM2's 3 KV heads over 2
     ranks are 2 + 1, and rank 0 (which sizes the cache) holds 2; 8 over 3 are 3 + 3 + 2."""
-    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
     from kserve_paged_engine.model_executor.tp_layout import TPLayout
 
     smol = describe_folder(ensure_default_model(progress=lambda _: None))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kserve_paged_engine import LLM, SamplingParams
+from kserve_paged_engine.model_executor.model_job import resolve_job
 from kserve_paged_engine.model_executor.pooler import PoolerConfig, read_pooler_config
-from kserve_paged_engine.model_job import resolve_job
 from kserve_paged_engine.pooling_params import PoolingParams, WrongJobError
 from tests.helpers.tiny_models import CONFIGS, VOCAB, save_checkpoint, save_tokenizer
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kserve_paged.args import engine_kwargs, parse_args
-from kserve_paged_engine.llm_engine import LLMEngine
+from kserve_paged_engine.frontend.llm_engine import LLMEngine
 from tests.helpers.server import NAME, build, client, run
 from tests.helpers.tiny_models import save_cross_encoder
 

@@ -65,8 +65,8 @@ def test_the_peak_is_the_steps_not_an_earlier_one() -> None:
 def test_explicit_kv_cache_memory_wins_over_the_profile(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA without an explicit size the profile's budget sizes the cache; with
     kv_cache_memory (or num_kv_blocks) set, no profile runs."""
-    from kserve_paged_engine import startup
-    from kserve_paged_engine.config import EngineConfig
+    from kserve_paged_engine.config.engine import EngineConfig
+    from kserve_paged_engine.frontend import startup
 
     profiled: list[int] = []
     monkeypatch.setattr(startup, "profiled_kv_memory",

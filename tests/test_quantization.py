@@ -14,10 +14,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kserve_paged.args import parse_args  # noqa: E402
-from kserve_paged_engine.config import EngineConfig  # noqa: E402
+from kserve_paged_engine.config.engine import EngineConfig  # noqa: E402
+from kserve_paged_engine.config.quantization import BUILT_METHODS  # noqa: E402
 from kserve_paged_engine.model_executor.model_loader import load_model  # noqa: E402
-from kserve_paged_engine.model_executor.quant_methods import BUILT_METHODS  # noqa: E402
-from kserve_paged_engine.model_executor.quantization import projections  # noqa: E402
+from kserve_paged_engine.model_executor.quantization.layouts import projections  # noqa: E402
 from kserve_paged_kernels import quant_linear  # noqa: E402
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint  # noqa: E402
 
@@ -88,7 +88,7 @@ def test_engine_serves_with_quantization(tmp_path: Path) -> None:
     import shutil
 
     from kserve_paged_engine import LLM, SamplingParams
-    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
 
     model_dir = ensure_default_model()
     config = json.loads((model_dir / "config.json").read_text())

@@ -92,7 +92,7 @@ def _key_and_names() -> tuple[str, list[str]]:
 def test_each_curl_example_answers_and_without_the_key_is_refused():
     from transformers import AutoTokenizer
 
-    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
 
     key, names = _key_and_names()
     engine = FakeEngine()

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kserve_paged_engine.config import EngineConfig
-from kserve_paged_engine.llm_engine import LLMEngine
+from kserve_paged_engine.config.engine import EngineConfig
+from kserve_paged_engine.frontend.llm_engine import LLMEngine
 from tests.helpers.server import build
 from tests.helpers.thinking_model import ANSWER, REASONING, write_thinking_model
 

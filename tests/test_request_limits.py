@@ -15,7 +15,7 @@ import pytest
 from kserve_paged import args as server_args
 from kserve_paged.openai.openapi import operation_schema
 from kserve_paged.openai.schemas import ChatBody, ChatCompletionOut, CompletionBody, CompletionOut
-from kserve_paged.sampling import OptionError, make_sampling_params
+from kserve_paged.request_options import OptionError, make_sampling_params
 from kserve_paged_engine import limits as L
 from kserve_paged_engine.sampling_params import SamplingParams
 from tests.helpers.server import NAME, V2_BODY, FakeEngine, FakeTokenizer, client, ready, run

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kserve_paged import args as server_args
 from kserve_paged import metric_families as mf
 from kserve_paged import metrics as m
-from kserve_paged_engine.config import EngineConfig
+from kserve_paged_engine.config.engine import EngineConfig
 from tests.helpers.metrics_contract import CONTRACT_NAMES, HISTOGRAMS, OWN_NAMES
 
 # What Prometheus 2.x sends when scraping (it prefers OpenMetrics).

@@ -21,8 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from kserve_paged import server as srv  # noqa: E402
 from kserve_paged.metrics import EngineMetrics  # noqa: E402
 from kserve_paged.model import PagedLLMModel  # noqa: E402
-from kserve_paged_engine.async_llm import AsyncLLM  # noqa: E402
-from kserve_paged_engine.config import EngineConfig  # noqa: E402
+from kserve_paged_engine.config.engine import EngineConfig  # noqa: E402
+from kserve_paged_engine.frontend.async_llm import AsyncLLM  # noqa: E402
 from tests.helpers.lora import make_adapter, peft_greedy, tiny_base  # noqa: E402
 
 PROMPT = list(range(100, 120))

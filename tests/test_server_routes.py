@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kserve_paged import server as srv
-from kserve_paged.sampling import OptionError, make_sampling_params, resolve_max_tokens
+from kserve_paged.request_options import OptionError, make_sampling_params, resolve_max_tokens
 from kserve_paged.v2 import v2_parameters
 from tests.helpers.server import (
     NAME,

@@ -357,8 +357,8 @@ def test_the_server_flag_is_parsed_and_served_outputs_are_unchanged(tiny_model):
 
     from kserve_paged import args as server_args
     from kserve_paged_engine import LLM, SamplingParams
-    from kserve_paged_engine.config import EngineConfig
-    from kserve_paged_engine.llm_engine import LLMEngine
+    from kserve_paged_engine.config.engine import EngineConfig
+    from kserve_paged_engine.frontend.llm_engine import LLMEngine
     from tests.helpers.server import build, client
 
     with pytest.raises(SystemExit):

@@ -74,7 +74,7 @@ def test_config_takes_vllms_draft_model_spellings_and_refuses_bad_ones(models, t
                         "for method draft_model")]:
         with pytest.raises(ValueError, match=words):
             SpeculativeConfig.from_json(bad)
-    from kserve_paged_engine.config import EngineConfig
+    from kserve_paged_engine.config.engine import EngineConfig
 
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         EngineConfig(tensor_parallel_size=2, speculative_config=_spec(draft))
@@ -287,8 +287,8 @@ def test_the_server_flag_takes_a_draft_model_and_serves_unchanged_outputs(models
 
     from kserve_paged import args as server_args
     from kserve_paged_engine import LLM, SamplingParams
-    from kserve_paged_engine.config import EngineConfig
-    from kserve_paged_engine.llm_engine import LLMEngine
+    from kserve_paged_engine.config.engine import EngineConfig
+    from kserve_paged_engine.frontend.llm_engine import LLMEngine
     from kserve_paged_engine.spec_decode.draft_model import DraftModelProposer
     from tests.helpers.server import build, client
 

@@ -10,8 +10,8 @@ import re
 import jsonschema
 import pytest
 
-from kserve_paged_engine.default_model import ensure_default_model
-from kserve_paged_engine.llm import LLM
+from kserve_paged_engine.frontend.default_model import ensure_default_model
+from kserve_paged_engine.frontend.llm import LLM
 from kserve_paged_engine.sampling_params import SamplingParams, StructuredOutputs
 
 PERSON = {

@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from kserve_paged_engine.config import EngineConfig
-from kserve_paged_engine.default_model import ensure_default_model
-from kserve_paged_engine.llm_engine import LLMEngine
+from kserve_paged_engine.config.engine import EngineConfig
+from kserve_paged_engine.frontend.default_model import ensure_default_model
+from kserve_paged_engine.frontend.llm_engine import LLMEngine
 from kserve_paged_engine.model_executor.model_loader import _iter_weights
 from kserve_paged_engine.model_executor.tp_layout import TPLayout
 from kserve_paged_engine.pooling_params import PoolingParams

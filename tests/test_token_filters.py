@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kserve_paged.sampling import OptionError, generation_defaults, make_sampling_params
+from kserve_paged.request_options import OptionError, generation_defaults, make_sampling_params
 from kserve_paged_engine import LLM, SamplingParams
 from kserve_paged_engine.sample.logits_processors import apply_penalties, bad_words_token_ids
 from tests.helpers.thinking_model import VOCAB, write_thinking_model

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kserve_paged_engine.model_executor import compressed_tensors
 from kserve_paged_engine.model_executor.model_loader import load_model
-from kserve_paged_engine.model_executor.quantization import projections
+from kserve_paged_engine.model_executor.quantization import compressed_tensors
+from kserve_paged_engine.model_executor.quantization.layouts import projections
 from kserve_paged_kernels import int8_dynamic, quant_linear
 from tests.helpers.int4_packing import read_checkpoint
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint

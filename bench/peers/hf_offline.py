@@ -137,7 +137,7 @@ def main() -> None:
     model_dir = args.model
     if model_dir is None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-        from kserve_paged_engine.default_model import ensure_default_model
+        from kserve_paged_engine.frontend.default_model import ensure_default_model
 
         model_dir = str(ensure_default_model())
     reqs = load_workload(args.workload, args.num_prompts, args.max_tokens)

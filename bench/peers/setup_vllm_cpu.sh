@@ -92,7 +92,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export VLLM_CPU_KVCACHE_SPACE=\${VLLM_CPU_KVCACHE_SPACE:-4}
 export VLLM_CPU_OMP_THREADS_BIND=\${VLLM_CPU_OMP_THREADS_BIND:-0-1}
-# The same float32 folder our engine serves (engine/kserve_paged_engine/default_model.py converts it).
+# The same float32 folder our engine serves (engine/kserve_paged_engine/frontend/default_model.py converts it).
 export KSERVE_PAGED_PEER_MODEL=\${KSERVE_PAGED_PEER_MODEL:-\${KSERVE_PAGED_CACHE:-\$HOME/.cache/kserve-paged}/models/SmolLM2-135M-Instruct}
 if [ "\${KSERVE_PAGED_VLLM_NO_PRELOAD:-0}" != 1 ]; then
   export LD_PRELOAD="$TCMALLOC${TCMALLOC:+:}$DIR/venv/lib/libiomp5.so"

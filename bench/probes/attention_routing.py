@@ -36,7 +36,7 @@ def main() -> None:
     else:
         cpu_native.prefill_tiles = lambda: args.mode == "rows"
     from kserve_paged_engine import LLM, SamplingParams
-    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
 
     base = ensure_default_model(progress=lambda _: None)
     llm = LLM(model=str(base), dtype="float32", enable_prefix_caching=False, max_model_len=2048,

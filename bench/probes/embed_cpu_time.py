@@ -40,7 +40,7 @@ def main() -> None:
 
     from bench.embeddings import sentences
     from kserve_paged_engine import LLM
-    from kserve_paged_engine.packaged_folders import ensure_folder_model
+    from kserve_paged_engine.frontend.packaged_folders import ensure_folder_model
 
     torch.set_num_threads(int(os.environ.get("NT", "1")))
     folder = str(ensure_folder_model("all-minilm-l6-v2"))

@@ -29,7 +29,7 @@ def gemma_gguf(scratch: Path) -> Path:
 
 def resident_mib(model) -> tuple[float, float]:
     """(quantized weights, everything else) MiB held by the model."""
-    from kserve_paged_engine.model_executor.quantization import projections
+    from kserve_paged_engine.model_executor.quantization.layouts import projections
 
     quant = sum(lin.quant.nbytes() for _, lin in projections(model) if lin.quant is not None)
     emb = getattr(model.model.embed_tokens, "weight_q", None)

@@ -74,8 +74,8 @@ def q8_error() -> None:
     (group-wise: 0, the blocks' own codes and scales)."""
     import gguf
 
-    from kserve_paged_engine.default_model import find_gguf
-    from kserve_paged_engine.model_executor import gguf_blocks
+    from kserve_paged_engine.frontend.default_model import find_gguf
+    from kserve_paged_engine.model_executor.quantization import gguf_blocks
 
     path = find_gguf()
     if path is None:

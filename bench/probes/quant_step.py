@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kserve_paged_engine.default_model import find_gguf  # noqa: E402
+from kserve_paged_engine.frontend.default_model import find_gguf  # noqa: E402
 from kserve_paged_engine.model_executor.model_loader import load_model  # noqa: E402
 from tests.helpers.tiny_models import PagedSim  # noqa: E402
 

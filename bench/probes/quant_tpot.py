@@ -92,14 +92,14 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
     from kserve_paged_engine import LLM
-    from kserve_paged_engine.default_model import default_model_dir, ensure_default_model, find_gguf
+    from kserve_paged_engine.frontend import default_model
 
-    ensure_default_model()
-    gguf = find_gguf()
+    default_model.ensure_default_model()
+    gguf = default_model.find_gguf()
     assert gguf is not None
     rng = random.Random(0)
     prompt = [rng.randrange(100, 40000) for _ in range(args.prompt)]
-    configs = {k: v for k, v in _configs(gguf, default_model_dir()).items()
+    configs = {k: v for k, v in _configs(gguf, default_model.default_model_dir()).items()
                if not args.configs or any(k.startswith(c) for c in args.configs)}
     llms = {name: LLM(model=str(model), dtype=dtype, quantization=q, max_model_len=1024,
                       num_kv_blocks=128, enable_prefix_caching=False)

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.benchlib import csrc_of  # noqa: E402
-from kserve_paged_engine.default_model import find_gguf  # noqa: E402
+from kserve_paged_engine.frontend.default_model import find_gguf  # noqa: E402
 from kserve_paged_engine.model_executor.model_loader import load_model  # noqa: E402
 from kserve_paged_kernels.cpu_native import decoder_stack, isa, loader  # noqa: E402
 from tests.helpers.tiny_models import PagedSim  # noqa: E402

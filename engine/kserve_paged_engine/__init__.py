@@ -10,9 +10,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _HOMES = {
-    "EngineConfig": "kserve_paged_engine.config",
-    "LLM": "kserve_paged_engine.llm",
-    "LLMEngine": "kserve_paged_engine.llm_engine",
+    "EngineConfig": "kserve_paged_engine.config.engine",
+    "LLM": "kserve_paged_engine.frontend.llm",
+    "LLMEngine": "kserve_paged_engine.frontend.llm_engine",
     "LoRARequest": "kserve_paged_engine.lora.request",
     "CompletionOutput": "kserve_paged_engine.outputs",
     "RequestOutput": "kserve_paged_engine.outputs",
@@ -23,9 +23,9 @@ __all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "LoRARequest"
            "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
-    from kserve_paged_engine.config import EngineConfig
-    from kserve_paged_engine.llm import LLM
-    from kserve_paged_engine.llm_engine import LLMEngine
+    from kserve_paged_engine.config.engine import EngineConfig
+    from kserve_paged_engine.frontend.llm import LLM
+    from kserve_paged_engine.frontend.llm_engine import LLMEngine
     from kserve_paged_engine.lora.request import LoRARequest
     from kserve_paged_engine.outputs import CompletionOutput, RequestOutput
     from kserve_paged_engine.sampling_params import SamplingParams

@@ -28,12 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--quantization", default=None,
                      help="as the server's flag (gguf, int4, int8, ...)")
     args = ap.parse_args(argv)
-    from kserve_paged_engine.installation import check_or_exit
+    from kserve_paged_engine.frontend.installation import check_or_exit
 
     check_or_exit()  # a broken environment in words, before transformers can fail inside
     if args.cmd == "prepare":
-        from kserve_paged_engine.default_model import DEFAULT_MODEL_ID
-        from kserve_paged_engine.default_model import main as prepare
+        from kserve_paged_engine.frontend.default_model import DEFAULT_MODEL_ID
+        from kserve_paged_engine.frontend.default_model import main as prepare
         return prepare(args.model or DEFAULT_MODEL_ID)
     from kserve_paged_engine import LLM, SamplingParams
 

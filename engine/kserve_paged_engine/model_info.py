@@ -20,5 +20,5 @@ class ModelInfo:
     block_size: int
     num_kv_blocks: int
     has_chat_template: bool  # whether chat requests can be rendered to a prompt
-    job: str = "generate"  # the model's one job (engine/kserve_paged_engine/model_job.py): generate, embed, classify
+    job: str = "generate"  # the model's one job (engine/kserve_paged_engine/model_executor/model_job.py): generate, embed, classify
     labels: tuple[str, ...] = ()  # a classifier's label names, by logit index

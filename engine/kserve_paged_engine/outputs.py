@@ -66,5 +66,5 @@ class RequestOutput:
     # Only when SamplingParams.prompt_logprobs is set: None for the first prompt token.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # A pooling request's result (float32, CPU): its embedding, or its classification logits
-    # (engine/kserve_paged_engine/pooling.py); None for generation.
+    # (engine/kserve_paged_engine/frontend/pooling.py); None for generation.
     pooled: torch.Tensor | None = None

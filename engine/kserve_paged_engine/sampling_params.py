@@ -145,7 +145,7 @@ class SamplingParams:
     # compiled and enforced by engine/kserve_paged_engine/sample/structured_output.py); a dict is taken as its
     # fields.
     structured_outputs: StructuredOutputs | None = None
-    # Beam search (engine/kserve_paged_engine/beam_search.py): `best_of` beams (default n), the n best returned;
+    # Beam search (engine/kserve_paged_engine/frontend/beam_search.py): `best_of` beams (default n), the n best returned;
     # length_penalty and early_stopping (True, False or "never") as transformers defines them.
     use_beam_search: bool = False
     best_of: int | None = None

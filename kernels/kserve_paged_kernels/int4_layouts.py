@@ -1,6 +1,6 @@
 """AWQ's and GPTQ's 4-bit weight layouts: how their int32 words hold codes, and the weight a
 checkpoint's tensors stand for. One home for the formats' rules; the engine reads checkpoints
-with it (engine/kserve_paged_engine/model_executor/int4_checkpoints.py) and the Triton GEMM
+with it (engine/kserve_paged_engine/model_executor/quantization/int4_checkpoints.py) and the Triton GEMM
 (kernels/kserve_paged_kernels/quant_gemm_triton.py) reads the same words in its loop.
 
 Both store `w = (q - z) s` per group of input features, as int32 words of eight codes:

@@ -1,7 +1,7 @@
 """Dequantize-in-the-loop GEMMs for quantized checkpoints on CUDA, in Triton: `x @ w.T` where
 `w` stays as the checkpoint stores it and is expanded tile by tile in registers.
 
-- `int4_gemm`: AWQ's and GPTQ's 4-bit layouts (engine/kserve_paged_engine/model_executor/int4_checkpoints.py says
+- `int4_gemm`: AWQ's and GPTQ's 4-bit layouts (engine/kserve_paged_engine/model_executor/quantization/int4_checkpoints.py says
   what each stores), `w = (q - z) s` per group of input features, with GPTQ's `g_idx` read per
   input row, so activation-order checkpoints need no permutation.
 - `fp8_gemm`: e4m3/e5m2 weights `[out, in]` with one scale for the tensor, one per output

@@ -19,7 +19,7 @@ reads codes centred on 8 (`zero = minimum + 8 * scale`) with scales in the activ
 (bfloat16 rounds fp16 GGUF scales), and `aten._weight_int8pack_mm`, which takes one scale per
 output channel only. Both are 10-90x slower than `F.linear` with float32 activations, hence ours.
 
-The engine picks which layout a layer gets (engine/kserve_paged_engine/model_executor/quantization.py); this module
+The engine picks which layout a layer gets (engine/kserve_paged_engine/model_executor/quantization/layouts.py); this module
 only packs and multiplies, and gives the dequantized float reference the tests compare with.
 """
 

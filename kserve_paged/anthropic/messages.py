@@ -35,7 +35,7 @@ from kserve_paged.openai.tools import tool_plan
 from kserve_paged.openai.turn import CallPiece, TurnPiece
 from kserve_paged.openai.turn_feed import TurnFeed, failure_message, whole_output
 from kserve_paged.served import ServedModel
-from kserve_paged_engine.async_llm import EngineDeadError
+from kserve_paged_engine.frontend.async_llm import EngineDeadError
 from kserve_paged_engine.outputs import CompletionOutput
 
 logger = logging.getLogger("kserve.paged.anthropic")

@@ -36,7 +36,7 @@ from kserve_paged.openai.stream import (
 from kserve_paged.openai.tools import StreamedCalls, ToolPlan, with_calls
 from kserve_paged.openai.turn import TurnPiece, TurnStream
 from kserve_paged.served import ServedModel
-from kserve_paged_engine.async_llm import EngineDeadError, RequestStream
+from kserve_paged_engine.frontend.async_llm import EngineDeadError, RequestStream
 from kserve_paged_engine.outputs import RequestOutput
 
 

@@ -23,10 +23,10 @@ from kserve_paged.openai.reasoning import END, START, split_reasoning
 from kserve_paged.openai.schemas import ChatBody
 from kserve_paged.openai.submit import open_streams
 from kserve_paged.openai.tools import ToolCall, ToolPlan, template_messages, tool_plan
-from kserve_paged.sampling import OptionError
+from kserve_paged.request_options import OptionError
 from kserve_paged.served import ServedModel
 from kserve_paged.structured import structured_outputs_given
-from kserve_paged_engine.async_llm import RequestStream
+from kserve_paged_engine.frontend.async_llm import RequestStream
 
 # apply_chat_template's own arguments: chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_KWARGS = frozenset({

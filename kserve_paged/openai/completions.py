@@ -30,9 +30,9 @@ from kserve_paged.openai.stream import (
     until_disconnect,
 )
 from kserve_paged.openai.submit import open_streams
-from kserve_paged.sampling import OptionError
+from kserve_paged.request_options import OptionError
 from kserve_paged.served import ServedModel
-from kserve_paged_engine.async_llm import EngineDeadError, RequestStream
+from kserve_paged_engine.frontend.async_llm import EngineDeadError, RequestStream
 from kserve_paged_engine.outputs import RequestOutput
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /completions

@@ -20,7 +20,6 @@ from kserve.errors import InferenceError, ModelNotReady
 from openai.types import Model as OpenAIModel
 
 from kserve_paged.admission import RequestRefused
-from kserve_paged.anthropic.messages import register_messages_routes
 from kserve_paged.lora import AdapterView
 from kserve_paged.openai import pooling
 from kserve_paged.openai.chat import chat_completions
@@ -36,7 +35,7 @@ from kserve_paged.openai.pooling_schemas import ClassifyBody, EmbeddingBody, Rer
 from kserve_paged.openai.responses import create_response, parse_responses
 from kserve_paged.openai.schemas import ChatBody, ChatCompletionOut, CompletionBody, CompletionOut
 from kserve_paged.served import ServedModel
-from kserve_paged_engine.async_llm import EngineDeadError
+from kserve_paged_engine.frontend.async_llm import EngineDeadError
 
 logger = logging.getLogger("kserve.paged.openai")
 
@@ -159,9 +158,8 @@ def register_openai_routes(app: FastAPI, models: dict[str, ServedModel],
                            aliases: tuple[str, ...] = (VLLM_PREFIX,)) -> OpenAIRoutes:
     """Add ``models``, ``completions``, ``chat/completions`` and ``responses`` under each
     prefix, and all but ``models`` under each alias (vLLM's paths, where an
-    LLMInferenceService's route sends them; ``/v1/models`` stays KServe's v1 protocol route);
-    Anthropic's ``messages`` (and ``messages/count_tokens``) under each alias, as vLLM has
-    them (kserve_paged/anthropic/messages.py)."""
+    LLMInferenceService's route sends them; ``/v1/models`` stays KServe's v1 protocol route).
+    kserve_paged/routes.py calls this with the other routes."""
     routes = OpenAIRoutes(models)
     for prefix in (*prefixes, *aliases):
         alias = prefix not in prefixes
@@ -189,6 +187,4 @@ def register_openai_routes(app: FastAPI, models: dict[str, ServedModel],
                                  response_model=None, openapi_extra=pooling_operation_schema(
                                      body_type, list(models), what))
         app.include_router(router)
-    for alias in aliases:
-        register_messages_routes(app, routes.model_named, alias)
     return routes

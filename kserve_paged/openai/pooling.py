@@ -1,5 +1,5 @@
 """The pooling routes: embeddings (OpenAI's shape), rerank (Jina/Cohere's), score and classify
-(vLLM's), answered by a model whose job is to embed or classify (engine/kserve_paged_engine/model_job.py).
+(vLLM's), answered by a model whose job is to embed or classify (engine/kserve_paged_engine/model_executor/model_job.py).
 
 A pair (query, document) is scored by the model's job: a classifier (cross-encoder) reads the
 pair as one input, `[CLS] query [SEP] document [SEP]`, and scores it by its logit (sigmoid for
@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.pooling_schemas import ClassifyBody, EmbeddingBody, RerankBody, ScoreBody
-from kserve_paged.sampling import OptionError
+from kserve_paged.request_options import OptionError
 from kserve_paged.served import ServedModel
 from kserve_paged_engine.pooling_params import PoolingParams
 from kserve_paged_engine.sampling_params import SamplingParams

@@ -31,7 +31,7 @@ from kserve_paged.openai.schemas import ChatBody
 from kserve_paged.openai.stream import ClosingStreamingResponse
 from kserve_paged.openai.turn_feed import TurnFeed, failure_message, whole_output
 from kserve_paged.served import ServedModel
-from kserve_paged_engine.async_llm import EngineDeadError
+from kserve_paged_engine.frontend.async_llm import EngineDeadError
 from kserve_paged_engine.outputs import CompletionOutput, RequestOutput
 
 

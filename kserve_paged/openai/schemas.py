@@ -12,7 +12,7 @@ from openai.types import Completion, CompletionChoice
 from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from kserve_paged.sampling import unsupported_options
+from kserve_paged.request_options import unsupported_options
 from kserve_paged.structured import STRUCTURED_OPTION_NAMES
 
 # -- request bodies ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from kserve_paged.openai.errors import APIError
-from kserve_paged_engine.async_llm import RequestStream
+from kserve_paged_engine.frontend.async_llm import RequestStream
 from kserve_paged_engine.outputs import RequestOutput
 
 logger = logging.getLogger("kserve.paged.openai")

@@ -8,10 +8,10 @@ from typing import Any
 from kserve_paged.admission import parse_timeout, tighten
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.schemas import SamplingBody
-from kserve_paged.sampling import OptionError
+from kserve_paged.request_options import OptionError
 from kserve_paged.served import ServedModel, submit_all
 from kserve_paged.structured import structured_outputs_given
-from kserve_paged_engine.async_llm import RequestStream
+from kserve_paged_engine.frontend.async_llm import RequestStream
 from kserve_paged_engine.sampling_params import SamplingParams
 
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.parse import chat_conversation, conversation_chars
 from kserve_paged.openai.tools import template_messages
-from kserve_paged.sampling import OptionError
+from kserve_paged.request_options import OptionError
 from kserve_paged.served import ServedModel
 from kserve_paged_engine import limits
 

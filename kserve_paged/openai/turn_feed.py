@@ -14,7 +14,7 @@ from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.render import check_output, finish_reason
 from kserve_paged.openai.stream import final_outputs, until_disconnect
 from kserve_paged.openai.turn import TurnPiece, TurnStream
-from kserve_paged_engine.async_llm import EngineDeadError
+from kserve_paged_engine.frontend.async_llm import EngineDeadError
 from kserve_paged_engine.outputs import RequestOutput
 
 

@@ -18,7 +18,7 @@ from tests.helpers.layout import PACKAGES, REPO, module_file, python_files
 
 @dataclass(frozen=True, slots=True)
 class Import:
-    source: str  # the importing file, relative to the repository ("engine/kserve_paged_engine/llm.py")
+    source: str  # the importing file, relative to the repository ("engine/kserve_paged_engine/frontend/llm.py")
     target: str  # the imported project file
     line: int
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kserve_paged_engine.default_model import ensure_default_model
+from kserve_paged_engine.frontend.default_model import ensure_default_model
 
 
 def tiny_base(folder: Path) -> None:

@@ -27,15 +27,15 @@ TOL = 2e-3  # batch composition changes float sums a little between server and r
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from kserve_paged_engine.default_model import ensure_default_model
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
 
     return str(ensure_default_model(progress=lambda _: None))
 
 
 @pytest.fixture(scope="session")
 def served(model_dir: str) -> Iterator[tuple[Any, PagedLLMModel]]:
-    from kserve_paged_engine.config import EngineConfig
-    from kserve_paged_engine.llm_engine import LLMEngine
+    from kserve_paged_engine.config.engine import EngineConfig
+    from kserve_paged_engine.frontend.llm_engine import LLMEngine
     from tests.helpers.server import build
 
     app, model = build(engine=LLMEngine(EngineConfig(model=model_dir, **OPTS)))

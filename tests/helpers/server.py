@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry
 from kserve_paged import server as srv
 from kserve_paged.metrics import EngineMetrics
 from kserve_paged.model import PagedLLMModel
-from kserve_paged_engine.async_llm import AsyncLLM
-from kserve_paged_engine.config import EngineConfig
+from kserve_paged_engine.config.engine import EngineConfig
+from kserve_paged_engine.frontend.async_llm import AsyncLLM
 from kserve_paged_engine.model_info import ModelInfo
 from kserve_paged_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kserve_paged_engine.sampling_params import SamplingParams

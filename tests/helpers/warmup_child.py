@@ -18,7 +18,8 @@ from typing import Any
 
 
 def served_variants(config: str) -> dict[str, Any]:
-    from kserve_paged_engine import LLM, SamplingParams, startup
+    from kserve_paged_engine import LLM, SamplingParams
+    from kserve_paged_engine.frontend import startup
     from kserve_paged_kernels.launches import counting
     from tests.helpers.tiny_models import CONFIGS, save_checkpoint, save_tokenizer
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kserve_paged_engine import startup
 from kserve_paged_engine.core.kv_sizing import checkpoint_dtype, resolve_dtype
+from kserve_paged_engine.frontend import startup
 from kserve_paged_kernels import cpu_dtype
 from kserve_paged_kernels.cpu_native import isa
 from tests.helpers.cpu_flags import MACHINES

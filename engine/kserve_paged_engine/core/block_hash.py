@@ -27,9 +27,10 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kserve_paged_engine.config.engine import HASH_ALGOS
+
 logger = logging.getLogger("kserve_paged_engine")
 
-HASH_ALGOS = ("sha256", "sha256_cbor")
 HASH_SEED_ENV = "PYTHONHASHSEED"  # vLLM's source of the root key
 
 

@@ -106,7 +106,7 @@ class BlockPool:
         # KV-cache events since the last take_events() (kserve_paged_engine.core.kv_events); None: not recorded.
         self.events: list[KVCacheEvent] | None = None
         # Cached blocks evicted by allocations since the last take_evicted(), (id, hash), for
-        # the second KV tier (engine/kserve_paged_engine/core/kv_tier.py); None: not recorded.
+        # the second KV tier (engine/kserve_paged_engine/core/kv_tier/disk.py); None: not recorded.
         self.evicted: list[tuple[int, bytes]] | None = None
 
     def record_events(self) -> None:

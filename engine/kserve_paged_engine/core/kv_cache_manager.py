@@ -19,9 +19,7 @@ from collections.abc import Iterator
 from kserve_paged_engine.core.block_hash import BlockHasher
 from kserve_paged_engine.core.block_pool import BlockPool, KVBlock
 from kserve_paged_engine.core.kv_events import BlockStored
-from kserve_paged_engine.core.kv_tier import KVTier
-from kserve_paged_engine.core.kv_tier_host import HostTier
-from kserve_paged_engine.core.kv_tier_link import TierLink, TierMoves
+from kserve_paged_engine.core.kv_tier.link import Tier, TierLink, TierMoves
 from kserve_paged_engine.core.prefix_hits import (
     NO_HIT,
     PrefixHit,
@@ -63,7 +61,7 @@ class KVCacheManager:
         self.num_cow_copies = 0
         self.tier: TierLink | None = None  # the second KV tier, when one is attached
 
-    def attach_tier(self, tier: KVTier | HostTier) -> None:
+    def attach_tier(self, tier: Tier) -> None:
         """Keep evicted prefix blocks in `tier` and take them back on lookups."""
         self.tier = TierLink(tier, self.pool, self.block_size, self.windows)
 

@@ -13,12 +13,8 @@ from __future__ import annotations
 import logging
 import time
 
-from kserve_paged_engine.core.kv_events import (
-    KVCacheEvent,
-    KVEventsConfig,
-    encode_batch,
-    int_hashes_from_env,
-)
+from kserve_paged_engine.config.kv_events import KVEventsConfig
+from kserve_paged_engine.core.kv_events import KVCacheEvent, encode_batch, int_hashes_from_env
 
 logger = logging.getLogger("kserve_paged_engine")
 

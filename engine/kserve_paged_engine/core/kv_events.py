@@ -10,7 +10,7 @@ recorded by the block pool as they happen and handed out once per engine step as
 - ``AllBlocksCleared``: the prefix cache was reset.
 
 Each event names its medium, as vLLM's offloading connector does: the pool's (the publisher's,
-"GPU" or "CPU") or, for a block that moved to the second tier (engine/kserve_paged_engine/core/kv_tier.py) or left
+"GPU" or "CPU") or, for a block that moved to the second tier (engine/kserve_paged_engine/core/kv_tier/disk.py) or left
 it, "DISK": a router then knows the prefix is still on the pod, one copy away.
 
 Wire form (vLLM's msgspec structs with ``array_like`` and ``tag``, so any msgpack reader decodes
@@ -23,14 +23,12 @@ integer, vLLM's default, or the 32 bytes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HAS
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from kserve_paged_engine.core.block_hash import external_block_hash
 
-PUBLISHERS = ("null", "zmq")
 # vLLM's switch between 64-bit integer hashes on the wire (its default, "1") and raw bytes ("0").
 INT_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
 
@@ -92,52 +90,3 @@ def encode_batch(timestamp: float, events: list[KVCacheEvent], medium: str,
     h = external_block_hash if int_hashes else _raw
     return msgpack.packb([timestamp, [e.wire(medium, h) for e in events]], use_bin_type=True)
 
-
-@dataclass(slots=True)
-class KVEventsConfig:
-    """``--kv_events_config`` (vLLM's JSON keys). Off unless ``enable_kv_cache_events``."""
-
-    enable_kv_cache_events: bool = False
-    publisher: str = "zmq"
-    endpoint: str = "tcp://*:5557"  # vLLM's default; bound by the engine (PUB side)
-    topic: str = ""  # the first frame of every message; SUB sockets filter on its prefix
-    hwm: int = 100_000  # messages queued per slow subscriber before ZMQ drops (PUB never blocks)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.enable_kv_cache_events, bool):
-            raise ValueError("kv_events_config enable_kv_cache_events must be true or false "
-                             f"(got {self.enable_kv_cache_events!r})")
-        if self.publisher not in PUBLISHERS:
-            raise ValueError(f"kv_events_config publisher must be one of {PUBLISHERS} "
-                             f"(got {self.publisher!r})")
-        if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
-            raise ValueError("kv_events_config endpoint must be a ZMQ address such as "
-                             f"tcp://*:5557 (got {self.endpoint!r})")
-        if not isinstance(self.topic, str):
-            raise ValueError(f"kv_events_config topic must be a string (got {self.topic!r})")
-        if not isinstance(self.hwm, int) or self.hwm < 0:
-            raise ValueError(f"kv_events_config hwm must be an integer >= 0 (got {self.hwm!r})")
-
-    @property
-    def publishes(self) -> bool:
-        return self.enable_kv_cache_events and self.publisher == "zmq"
-
-    @classmethod
-    def from_json(cls, text: str | dict) -> KVEventsConfig:
-        """Parse the flag's JSON; keys of vLLM's that have no use here (replay_endpoint,
-        buffer_steps, ...) are ignored, unknown ones are refused."""
-        data = json.loads(text) if isinstance(text, str) else dict(text)
-        if not isinstance(data, dict):
-            raise ValueError("kv_events_config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        for key in VLLM_IGNORED_KEYS:
-            data.pop(key, None)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown keys {unknown} "
-                             f"(known: {sorted(known | VLLM_IGNORED_KEYS)})")
-        return cls(**data)
-
-
-# vLLM's KVEventsConfig keys without an equivalent here (no replay socket, one DP rank).
-VLLM_IGNORED_KEYS = frozenset({"replay_endpoint", "buffer_steps", "max_queue_size"})

@@ -25,7 +25,7 @@ class PrefixHit:
     # empty: no hit in any group.
     groups: list[list[KVBlock | None]]
     num_tokens: int  # the pool's blocks and the tier's, in tokens
-    # Keys of the second tier's blocks after the pool's (engine/kserve_paged_engine/core/kv_tier_link.py): they
+    # Keys of the second tier's blocks after the pool's (engine/kserve_paged_engine/core/kv_tier/link.py): they
     # get fresh blocks and their bytes are copied in before the forward.
     restore: tuple[bytes, ...] = ()
 

@@ -12,13 +12,13 @@ rules `stop.py`, who is preempted `preemption.py`; what a step hands the runner 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
-from kserve_paged_engine.core.group_admission import (
+from kserve_paged_engine.config.scheduler import SchedulerConfig
+from kserve_paged_engine.core.fork_admission import (
     best_hit,
+    fork_blocks,
     forked_request,
-    group_blocks,
-    share_in_group,
+    share_among_forks,
 )
 from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
 from kserve_paged_engine.core.preemption import reclaimable, victim_for
@@ -28,18 +28,6 @@ from kserve_paged_engine.core.request_queue import WaitingQueue, policy_key
 from kserve_paged_engine.core.scheduler_output import SchedulerOutput, StepBuild
 from kserve_paged_engine.core.stop import StopStrings, check_stop
 from kserve_paged_engine.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """The scheduler's share of the engine options (EngineConfig.scheduler_config)."""
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    policy: str = "fcfs"  # or "priority"
-    max_loras: int = 1  # adapters that may run in one step
-    # False for encoders (bidirectional): a prompt is computed whole in one step, or waits.
-    chunked_prefill: bool = True
 
 
 class Scheduler:
@@ -108,7 +96,7 @@ class Scheduler:
     def _schedule_unit(self, step: StepBuild, request: Request, unit: list[Request]) -> None:
         """Room for every member's ask at once, preempting worse requests (or the unit itself)
         until it fits."""
-        following = share_in_group(self.kv, unit, step.scheduled) if len(unit) > 1 else set()
+        following = share_among_forks(self.kv, unit, step.scheduled) if len(unit) > 1 else set()
         asks: list[tuple[Request, int]] = []
         drafts: dict[str, list[int]] = {}
         room, seats = step.budget, self.config.max_num_seqs - len(step.scheduled)
@@ -182,7 +170,7 @@ class Scheduler:
                 passed_over.append(self.waiting.pop())
                 continue
             if request.sampling_params.use_beam_search:
-                admitted = self._admit_beam_group(step, request, passed_over)
+                admitted = self._admit_beams(step, request, passed_over)
             else:
                 admitted = self._admit_one(step, request)
             if not admitted:
@@ -212,14 +200,14 @@ class Scheduler:
         step.add(request, num_new)
         return True
 
-    def _admit_beam_group(self, step: StepBuild, request: Request,
+    def _admit_beams(self, step: StepBuild, request: Request,
                           passed_over: list[Request]) -> bool:
         """Beams move in lockstep: the group is admitted whole or not at all. A group larger
         than the whole cache is unschedulable (the engine fails it); False: it waits."""
         unit = [r for r in self.waiting if r.group_id == request.group_id]
         if self.running and len(self.running) + len(unit) > self.config.max_num_seqs:
             return False  # its beams wait for sequence slots (alone it may outnumber them)
-        need = group_blocks(self.kv, unit)
+        need = fork_blocks(self.kv, unit)
         if need > self.kv.num_blocks:
             for member in unit:
                 self.waiting.remove(member)
@@ -229,9 +217,9 @@ class Scheduler:
                 f"tokens) cannot hold the {len(unit)} beams of this request together "
                 f"({need} blocks); use a smaller beam width or max_tokens")))
             return True
-        return self._admit_group(step, unit, need)
+        return self._admit_forks(step, unit, need)
 
-    def _admit_group(self, step: StepBuild, unit: list[Request], need: int) -> bool:
+    def _admit_forks(self, step: StepBuild, unit: list[Request], need: int) -> bool:
         """Admit every member of a waiting group, sharing their common blocks, or none
         (False: it waits, untouched)."""
         while need > self.kv.num_free_blocks:
@@ -249,7 +237,7 @@ class Scheduler:
             admitted.append(member)
             ok = self.kv.allocate_slots(member, 0, hit)
             member.num_computed_tokens = hit.num_tokens if ok else 0
-            following = share_in_group(self.kv, admitted, step.scheduled) if ok else set()
+            following = share_among_forks(self.kv, admitted, step.scheduled) if ok else set()
             seated = len(step.scheduled) < self.config.max_num_seqs
             num_new = 0 if member.request_id in following or not seated else min(
                 member.num_tokens - member.num_computed_tokens, step.budget)

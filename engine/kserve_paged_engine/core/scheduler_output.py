@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kserve_paged_engine.core.kv_tier_link import TierMoves
+from kserve_paged_engine.core.kv_tier.link import TierMoves
 from kserve_paged_engine.core.request import Request
 
 
@@ -22,7 +22,7 @@ class SchedulerOutput:
     unschedulable: list[tuple[Request, str]] = field(default_factory=list)
     # Draft tokens scheduled after a request's last token (counted in its num tokens).
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # Second-tier copies (engine/kserve_paged_engine/core/kv_tier_link.py), before the copy-on-write ones.
+    # Second-tier copies (engine/kserve_paged_engine/core/kv_tier/link.py), before the copy-on-write ones.
     tier_moves: TierMoves | None = None
 
     @property

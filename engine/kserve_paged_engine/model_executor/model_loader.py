@@ -16,18 +16,22 @@ from typing import Any
 
 import torch
 
-from kserve_paged_engine.distributed.group import TPGroup
-from kserve_paged_engine.model_executor import compressed_tensors, fp8_checkpoints, int4_checkpoints
+from kserve_paged_engine.config.quantization import ON_THE_FLY_METHODS, checkpoint_method
+from kserve_paged_engine.config.quantization import check_method as quantization_check
+from kserve_paged_engine.distributed.ranks import TPRanks
 from kserve_paged_engine.model_executor.config_reads import ignored_fields, recording_reads
 from kserve_paged_engine.model_executor.models import (
     MODEL_REGISTRY,
     LlamaForCausalLM,
     architecture_of,
 )
-from kserve_paged_engine.model_executor.quant_methods import ON_THE_FLY_METHODS, checkpoint_method
-from kserve_paged_engine.model_executor.quant_methods import check_method as quantization_check
-from kserve_paged_engine.model_executor.quantization import apply as quantization_apply
-from kserve_paged_engine.model_executor.quantization import on_the_fly as on_the_fly_picker
+from kserve_paged_engine.model_executor.quantization import (
+    compressed_tensors,
+    fp8_checkpoints,
+    int4_checkpoints,
+)
+from kserve_paged_engine.model_executor.quantization.layouts import apply as quantization_apply
+from kserve_paged_engine.model_executor.quantization.layouts import on_the_fly as on_the_fly_picker
 from kserve_paged_engine.model_executor.tp_layout import TP_ARCHITECTURES, TPLayout
 
 StrPath = str | os.PathLike[str]
@@ -38,7 +42,7 @@ logger = logging.getLogger("kserve_paged_engine")
 def _resolve(path: StrPath) -> tuple[Path, str | None]:
     """(folder, gguf file name or None). A folder holding one .gguf and no other weights counts
     as that GGUF file (with a config.json and tokenizer beside it: a packaged model's GGUF
-    folder, engine/kserve_paged_engine/default_model.py)."""
+    folder, engine/kserve_paged_engine/frontend/default_model.py)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"model path {str(p)!r} does not exist")
@@ -167,7 +171,7 @@ def _raw_config(folder: Path) -> dict[str, Any]:
 
 def _build(config: Any, dtype: torch.dtype, device: torch.device,
            weights: Iterator[tuple[str, torch.Tensor]] | None, seed: int = 0,
-           tp: TPGroup | None = None,
+           tp: TPRanks | None = None,
            raw_config: dict[str, Any] | None = None,
            quantize: Callable[[LlamaForCausalLM], object] | None = None) -> LlamaForCausalLM:
     """Construct on the meta device (no wasted random init), allocate on `device`, fill: from
@@ -238,7 +242,7 @@ def check_tensor_parallel_folder(path: StrPath, world: int) -> None:
         check_tensor_parallel(AutoConfig.from_pretrained(folder, local_files_only=True), world)
 
 
-def _layout(config: Any, tp: TPGroup) -> TPLayout:
+def _layout(config: Any, tp: TPRanks) -> TPLayout:
     check_tensor_parallel(config, tp.world_size)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return TPLayout.of(config.num_attention_heads, config.num_key_value_heads, head_dim,
@@ -266,14 +270,14 @@ def _expected_weights(config: Any) -> set[str]:
 
 
 def _load_gguf(folder: Path, gguf_file: str, dtype: torch.dtype, device: torch.device,
-               tp: TPGroup | None, keep_quantized: bool) -> tuple[LlamaForCausalLM, Any]:
-    """A .gguf: with `--quantization gguf` read once (engine/kserve_paged_engine/model_executor/gguf_read.py), its
+               tp: TPRanks | None, keep_quantized: bool) -> tuple[LlamaForCausalLM, Any]:
+    """A .gguf: with `--quantization gguf` read once (engine/kserve_paged_engine/model_executor/quantization/gguf_read.py), its
     quantized projections kept packed; without, through transformers, dequantized."""
     config = _gguf_config(folder, gguf_file)
     if keep_quantized:
         # Imported here, not at module import: the minimal GPU image has no `gguf`
         # (bench/gpu_acceptance.py).
-        from kserve_paged_engine.model_executor import gguf_quant, gguf_read
+        from kserve_paged_engine.model_executor.quantization import gguf_quant, gguf_read
 
         read = gguf_read.read(folder / gguf_file, config, _expected_weights(config))
         keep = gguf_quant.keeper(read.groups, dtype, gguf_file)  # runs once `weights` is read
@@ -292,7 +296,7 @@ def _load_gguf(folder: Path, gguf_file: str, dtype: torch.dtype, device: torch.d
 
 
 def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0, tp: TPGroup | None = None,
+               load_format: str = "auto", seed: int = 0, tp: TPRanks | None = None,
                quantization: str | None = None) -> tuple[LlamaForCausalLM, Any]:
     """Load a local HF folder (config.json + safetensors/bin) or a .gguf file.
 
@@ -302,7 +306,7 @@ def load_model(path: StrPath, dtype: torch.dtype, device: torch.device,
     read once and its quantized projections kept packed.
     `load_format="dummy"` reads only config.json and draws random weights (`_fill_dummy`).
     With `tp` (tensor parallelism), this rank's shard, reading only its slices. `quantization`
-    (`--quantization`, or an AWQ/GPTQ checkpoint's own): engine/kserve_paged_engine/model_executor/quantization.py.
+    (`--quantization`, or an AWQ/GPTQ checkpoint's own): engine/kserve_paged_engine/model_executor/quantization/layouts.py.
     """
     from transformers import AutoConfig
 

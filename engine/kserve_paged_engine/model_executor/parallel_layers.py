@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kserve_paged_engine.distributed.group import TPGroup
+from kserve_paged_engine.distributed.ranks import TPRanks
 from kserve_paged_engine.model_executor.layers import Linear
 
 
 class RowParallelLinear(Linear):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPRanks) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
 
@@ -28,7 +28,7 @@ class RowParallelLinear(Linear):
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, rows: int, hidden_size: int, first_id: int, tp: TPGroup) -> None:
+    def __init__(self, rows: int, hidden_size: int, first_id: int, tp: TPRanks) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
         self.first_id = first_id

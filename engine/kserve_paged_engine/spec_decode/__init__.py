@@ -6,6 +6,6 @@
 the engine's glue: who speculates, what a verified step appends, when to stop proposing.
 """
 
-from kserve_paged_engine.spec_decode.config import SpeculativeConfig
+from kserve_paged_engine.config.speculative import SpeculativeConfig
 
 __all__ = ["SpeculativeConfig"]

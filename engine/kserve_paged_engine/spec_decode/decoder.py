@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
+from kserve_paged_engine.config.speculative import SpeculativeConfig
 from kserve_paged_engine.core.request import Request
 from kserve_paged_engine.sample.logits_processors import apply_penalties
 from kserve_paged_engine.sample.logprobs import sampled_entries
 from kserve_paged_engine.sample.sampler import GREEDY_EPS, greedy_tokens, target_probs
-from kserve_paged_engine.spec_decode.config import SpeculativeConfig
 from kserve_paged_engine.spec_decode.draft_gate import DraftGate
 from kserve_paged_engine.spec_decode.draft_model import DraftModelProposer, GeneratorOf
 from kserve_paged_engine.spec_decode.ngram import NgramProposer

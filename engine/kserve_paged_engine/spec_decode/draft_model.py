@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kserve_paged_engine.config.speculative import SpeculativeConfig
 from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
 from kserve_paged_engine.core.request import Request
 from kserve_paged_engine.core.scheduler_output import SchedulerOutput
@@ -24,7 +25,6 @@ from kserve_paged_engine.model_executor.model_loader import load_model, load_tok
 from kserve_paged_engine.sample.logits_processors import apply_penalties
 from kserve_paged_engine.sample.sampler import GREEDY_EPS, greedy_tokens, target_probs
 from kserve_paged_engine.sampling_params import SamplingParams
-from kserve_paged_engine.spec_decode.config import SpeculativeConfig
 from kserve_paged_engine.worker.model_runner import ModelRunner
 
 # A shadow never stops by itself: the target decides where a request ends.

@@ -1,4 +1,4 @@
-"""The host KV tier's copy engines (engine/kserve_paged_engine/core/kv_tier_host.py): rows of block bytes between
+"""The host KV tier's copy engines (engine/kserve_paged_engine/core/kv_tier/host.py): rows of block bytes between
 the device and the tier's host slots.
 
 On CPU the copies are synchronous tensor copies. On CUDA they run on a side stream so the

@@ -1,5 +1,5 @@
 """The byte copies of the second KV tier: blocks out of the KV tensors into host bytes, and
-host bytes back into blocks (the policy is engine/kserve_paged_engine/core/kv_tier_link.py's).
+host bytes back into blocks (the policy is engine/kserve_paged_engine/core/kv_tier/link.py's).
 
 A block's bytes are its K and V in every slot tensor (each `[2, blocks, block_size, heads,
 head_dim]`, engine/kserve_paged_engine/core/kv_groups.py), slot after slot: one flat row per block, so a file
@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kserve_paged_engine.core.kv_tier import KVTier
-from kserve_paged_engine.core.kv_tier_host import HostSlot, HostTier
-from kserve_paged_engine.core.kv_tier_link import TierMoves
+from kserve_paged_engine.core.kv_tier.disk import DiskTier
+from kserve_paged_engine.core.kv_tier.host import HostSlot, HostTier
+from kserve_paged_engine.core.kv_tier.link import TierMoves
 from kserve_paged_engine.worker.kv_host_copy import SyncCopier
 from kserve_paged_kernels.kv_quant import QuantKV
 
@@ -77,7 +77,7 @@ def gather_rows_at(rows: torch.Tensor, at: Sequence[int]) -> np.ndarray:
 
 
 def apply_tier_moves(slot_caches: Sequence[torch.Tensor], moves: TierMoves,
-                     tier: KVTier | HostTier) -> None:
+                     tier: DiskTier | HostTier) -> None:
     """Evicted blocks out to the tier first (an allocation may have handed their ids to a
     restore), then the tier's blocks in."""
     if isinstance(tier, HostTier):

@@ -12,8 +12,8 @@ import kserve_paged_kernels as kernels
 from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
 from kserve_paged_engine.core.kv_groups import KVLayout, kv_layout
 from kserve_paged_engine.core.kv_sizing import kv_bytes_per_block
-from kserve_paged_engine.core.kv_tier import KVTier
-from kserve_paged_engine.core.kv_tier_host import HostTier
+from kserve_paged_engine.core.kv_tier.disk import DiskTier
+from kserve_paged_engine.core.kv_tier.host import HostTier
 from kserve_paged_engine.core.request import Request
 from kserve_paged_engine.core.scheduler_output import SchedulerOutput
 from kserve_paged_engine.lora import LoRAManager
@@ -46,7 +46,7 @@ class StepInputs:
     prompt_spans: list[tuple[Request, int, int]]
     prompt_rows: list[int]
     # Pooling requests: (request, first prompt position, count) and the flat rows whose hidden
-    # states they pool (engine/kserve_paged_engine/pooling.py).
+    # states they pool (engine/kserve_paged_engine/frontend/pooling.py).
     pool_spans: list[tuple[Request, int, int]] = field(default_factory=list)
     pool_rows: list[int] = field(default_factory=list)
 
@@ -187,7 +187,7 @@ class ModelRunner:
         self.lora: LoRAManager | None = None  # set by the engine when LoRA is on
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None  # captured decode steps (capture_graphs)
-        self.tier: KVTier | HostTier | None = None  # the second KV tier, set by the engine when on
+        self.tier: DiskTier | HostTier | None = None  # the second KV tier, set by the engine when on
 
     def capture_graphs(self, max_num_seqs: int, capturer: Any) -> str | None:
         """Capture the decode graphs (engine/kserve_paged_engine/worker/cuda_graphs.py) over the sized cache;

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from kserve_paged_engine.core.scheduler_output import SchedulerOutput
-from kserve_paged_engine.distributed.group import (
+from kserve_paged_engine.distributed.ranks import (
     COLLECTIVE_TIMEOUT,
     START_TIMEOUT,
-    TPGroup,
+    TPRanks,
     backend_for,
     joined_key,
 )
@@ -95,7 +95,7 @@ class TPExecutor:
         self._wait_joined(store)
         dist.init_process_group(backend_for(device), store=store, rank=0,
                                 world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
-        self.group = TPGroup(0, world_size)
+        self.group = TPRanks(0, world_size)
         logger.info("tensor parallelism: %d ranks (%s), worker pids %s", world_size,
                     backend_for(device), [p.pid for p in self.procs])
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kserve_paged_engine.distributed.group import join_group
+from kserve_paged_engine.distributed.ranks import join_ranks
 from kserve_paged_engine.worker import step_wire as wire
 
 
@@ -42,7 +42,7 @@ def worker_main(rank: int, world: int, port: int, device_type: str, threads: int
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = join_group(rank, world, port, device)
+    group = join_ranks(rank, world, port, device)
     # The loader's imports (transformers) now, while rank 0 is still busy, not at the first LOAD.
     from kserve_paged_engine.model_executor.model_loader import load_model
     from kserve_paged_engine.worker.model_runner import ModelRunner

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import kserve_paged_kernels as kernels
-from kserve_paged_engine.distributed.group import TPGroup
+from kserve_paged_engine.distributed.ranks import TPRanks
 from kserve_paged_engine.model_executor.attention import Attention, AttentionMetadata
 from kserve_paged_engine.model_executor.layers import (
     Linear,
@@ -191,10 +191,10 @@ class LlamaForCausalLM(TransformersCheckpoint):
     """
 
     # Tensor parallelism (set in __init__; subclasses that build themselves stay unsharded).
-    tp: TPGroup | None = None
+    tp: TPRanks | None = None
     layout: TPLayout | None = None
 
-    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: Any, tp: TPRanks | None = None) -> None:
         super().__init__()
         self.config = config
         self.architecture = architecture_of(config)
@@ -265,7 +265,7 @@ class LlamaForCausalLM(TransformersCheckpoint):
             raise ValueError(f"{self.architecture} has no classification head")
         return self.score(pooled)
 
-    def _shard_modules(self, tp: TPGroup, o_bias: bool, mlp_bias: bool) -> None:
+    def _shard_modules(self, tp: TPRanks, o_bias: bool, mlp_bias: bool) -> None:
         """Swap in the row-parallel projections and the vocabulary shards (the column-parallel
         qkv and gate/up are already this rank's size)."""
         layout = self.layout

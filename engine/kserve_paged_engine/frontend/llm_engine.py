@@ -1,0 +1,398 @@
+"""The synchronous engine: requests in, one scheduler step + model forward per `step()`.
+
+`LLMEngine` coordinates; each job is elsewhere. Requests in: `input_processor.py`. A step:
+the scheduler (engine/kserve_paged_engine/core/scheduler.py) picks the work, the executor (engine/kserve_paged_engine/worker/) runs
+the model, the sampling pipeline (`sampling_pipeline.py`) turns the logits into tokens, the
+scheduler appends them and ends what must end, and `output_processor.py` builds the outputs.
+Start-up decisions (model folder, KV-cache size): `startup.py`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kserve_paged_engine.config.engine import EngineConfig
+from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
+from kserve_paged_engine.core.kv_sizing import checkpoint_dtype, resolve_device, resolve_dtype
+from kserve_paged_engine.core.request import Request, RequestStatus
+from kserve_paged_engine.core.scheduler import Scheduler
+from kserve_paged_engine.core.scheduler_output import SchedulerOutput
+from kserve_paged_engine.frontend import startup
+from kserve_paged_engine.frontend.beam_search import BeamSearches
+from kserve_paged_engine.frontend.forks import Forks
+from kserve_paged_engine.frontend.input_processor import InputProcessor, Prompt
+from kserve_paged_engine.frontend.output_processor import OutputProcessor
+from kserve_paged_engine.frontend.pooling import PoolingPipeline
+from kserve_paged_engine.frontend.sample_stage import SampledStep, SamplingPipeline
+from kserve_paged_engine.lora import LoRAManager, LoRARequest
+from kserve_paged_engine.model_executor.model_job import (
+    ENCODER_ARCHITECTURES,
+    pooler_config,
+    resolve_job,
+)
+from kserve_paged_engine.model_executor.model_loader import load_tokenizer
+from kserve_paged_engine.model_executor.models import architecture_of
+from kserve_paged_engine.model_info import ModelInfo
+from kserve_paged_engine.outputs import RequestOutput
+from kserve_paged_engine.pooling_params import PoolingParams
+from kserve_paged_engine.sample.sampler import Sampler
+from kserve_paged_engine.sample.structured_output import GrammarBitmask
+from kserve_paged_engine.sampling_params import SamplingParams
+from kserve_paged_engine.spec_decode.decoder import SpecDecoder
+from kserve_paged_engine.spec_decode.draft_model import DraftModelProposer, load_draft_model
+from kserve_paged_engine.worker.cpu_memory import tune_glibc_malloc
+from kserve_paged_engine.worker.executor import ExecutorError, LocalExecutor
+from kserve_paged_engine.worker.model_runner import ModelRunner
+from kserve_paged_engine.worker.tp_executor import TPExecutor
+
+WARMUP_PREFILL_TOKENS = 512  # the warm-up's long prefill: W1's prompts are 75-500 tokens
+logger = logging.getLogger("kserve_paged_engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        config = config or EngineConfig(**kwargs)
+        self.config = config
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            tune_glibc_malloc()  # no-op under tcmalloc (see kserve_paged_engine.worker.cpu_memory)
+        self.model_path, self.quantization = startup.resolve_model(config, self.device.type)
+        self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(self.model_path))
+        self.dtype, why = startup.gguf_activations(config.dtype, self.dtype, self.quantization,
+                                                   self.device.type)
+        startup.log_dtype(config.dtype, self.dtype, self.device, why)
+        draft_model = self._load()
+        self._size_cache(draft_model)
+        self._build(draft_model)
+        self._counter = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.last_step_tokens = 0  # tokens computed by the last step (vLLM's iteration tokens)
+        # Test-only fault injection: called with the step's request ids before the forward.
+        self.fault_hook: Callable[[list[str]], None] | None = None
+
+    def _load(self) -> Any:
+        """The executor (tensor-parallel workers, or this process), the model and tokenizer;
+        returns the draft model of draft-model speculation, if any."""
+        config, tp = self.config, self.config.tensor_parallel_size
+        t0 = time.monotonic()
+        logger.info("loading %s (%s on %s)", self.model_path, self.dtype, self.device)
+        self.executor: LocalExecutor | TPExecutor | None = (
+            TPExecutor.acquire(tp, self.device) if tp > 1 else LocalExecutor())
+        self.model, self.hf_config = self.executor.load_model(
+            self.model_path, self.dtype, self.device, config.load_format, config.seed,
+            self.quantization)
+        self.tokenizer = load_tokenizer(self.model_path)
+        logger.info("weights loaded in %.1f s", time.monotonic() - t0)
+        arch = architecture_of(self.hf_config)
+        self.encoder = arch in ENCODER_ARCHITECTURES  # whole prompts, bidirectional
+        if self.encoder:  # token types from [SEP] (engine/kserve_paged_engine/model_executor/models/bert.py)
+            self.model.sep_token_id = getattr(self.tokenizer, "sep_token_id", None)
+        self.job = resolve_job(config.runner, config.convert, arch, self.model_path)
+        self.pooling = None if self.job == "generate" else PoolingPipeline(
+            self.model, pooler_config(self.job, arch, self.model_path))
+        if self.job != "generate":
+            logger.info("job %s (%s pooling)", self.job, self.pooling.config.kind)
+        spec = config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        return load_draft_model(spec, self.model.vocab_size, self.tokenizer, self.dtype,
+                                self.device, config.seed)
+
+    def _size_cache(self, draft_model: Any) -> None:
+        """KV blocks by the sizing rule (engine/kserve_paged_engine/core/kv_sizing.py), and max_model_len capped
+        to the longest request the cache holds alone."""
+        config = self.config
+        if self.encoder and config.num_kv_blocks is None and config.kv_cache_memory is None:
+            # Nothing outlives a step: room for one step's tokens, a partial block per seq.
+            config = dataclasses.replace(config, num_kv_blocks=-(
+                -config.max_num_batched_tokens // config.block_size) + config.max_num_seqs)
+        size = startup.size_cache(config, self.model, draft_model, self.dtype, self.device)
+        self.kv_layout, self.num_kv_blocks = size.layout, size.num_blocks
+        max_len = (config.max_model_len or startup.encoder_max_len(self.model_path)
+                   or self.model.max_position_embeddings)
+        fits = startup.longest_fit(size.layout, max_len, config.max_num_batched_tokens,
+                                   config.block_size, size.num_blocks)
+        if fits < max_len:
+            logger.warning("max_model_len %d exceeds the KV cache (%d blocks of %d tokens hold "
+                           "one request of %d tokens): capping it", max_len,
+                           size.num_blocks, config.block_size, fits)
+            max_len = fits
+        self.model.check_max_model_len(max_len)
+        self.max_model_len = max_len
+        startup.log_cache(size, config, self.model, max_len)
+
+    def _build(self, draft_model: Any) -> None:
+        """The parts around the loaded model: KV-cache manager, scheduler, runner, LoRA,
+        speculation, and the request pipeline (inputs, sampling, outputs)."""
+        config, bs, max_len = self.config, self.config.block_size, self.max_model_len
+        sizes = {"max_num_batched_tokens": config.max_num_batched_tokens,
+                 "max_num_seqs": config.max_num_seqs, "max_model_len": max_len}
+        # Pooling reads every prompt row it pools: no prefix hits skip them.
+        caching = config.enable_prefix_caching and self.pooling is None
+        self.kv = KVCacheManager(self.num_kv_blocks, bs, caching,
+                                 hash_algo=config.prefix_caching_hash_algo,
+                                 group_windows=self.kv_layout.group_windows)
+        self.kv_events = startup.kv_event_publisher(config, self.kv, self.device)
+        self.scheduler = Scheduler(config.scheduler_config(chunked_prefill=not self.encoder),
+                                   self.kv, max_len)
+        self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,
+                                  self.device, layout=self.kv_layout,
+                                  kv_cache_dtype=config.kv_cache_dtype, **sizes)
+        self.kv_tier = self.runner.tier = startup.kv_tier(
+            config, self.kv, self.model_path, self.dtype, self.device, self.kv_layout, self.model)
+        # Tensor parallelism: each worker its share of every block, the same ids.
+        self.executor.start(self.runner, num_blocks=self.num_kv_blocks, block_size=bs,
+                            dtype=self.dtype, **sizes)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = self.runner.lora = LoRAManager(
+                self.model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                max_cpu_loras=config.max_cpu_loras or config.max_loras)
+        spec = config.speculative_config
+        draft = None if draft_model is None else DraftModelProposer(
+            draft_model, spec.num_speculative_tokens, self.num_kv_blocks, bs, self.dtype,
+            self.device, **sizes)
+        self.spec = SpecDecoder(spec, draft) if spec is not None else None
+        startup.warm_up_and_capture(config, self.runner, self.device,
+                               tp=isinstance(self.executor, TPExecutor))
+        groups, self.beams = Forks(), BeamSearches()
+        self.outputs = OutputProcessor(self.tokenizer, groups)
+        self.inputs = InputProcessor(
+            self.tokenizer, self.model.vocab_size,
+            startup.eos_ids(self.model_path, self.tokenizer), self.scheduler, self.outputs,
+            groups, self.beams, self.lora, grammar_compile_s=config.max_grammar_compile_s,
+            job=self.job, hidden_size=self.model.hidden_size)
+        self.grammars = self.inputs.grammars
+        self.sampling = SamplingPipeline(
+            Sampler(config.seed, ladder=self.runner.attention_backend == "cpu"),
+            GrammarBitmask(self.model.vocab_size), self.spec,
+            self.scheduler, self.outputs, groups, self.beams, self.tokenizer.decode)
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            tier = self.kv_tier.take_events() if self.kv_tier is not None else []
+            self.kv_events.publish(self.kv.pool.take_events() + tier)
+
+    def close(self) -> None:
+        """Release what outlives a step (the event socket, tensor-parallel workers); the engine
+        is not used after."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
+        if self.kv_tier is not None:
+            self.kv_tier.close()
+            self.kv_tier = None
+        self.grammars.shutdown()  # and its compile process, if any
+
+    def on_fatal(self, callback: Callable[[BaseException], None]) -> None:
+        """`callback(error)`, from another thread, when the engine can no longer step (a
+        tensor-parallel worker died): AsyncLLM fails everything at once, even while idle."""
+        if self.executor is not None:
+            self.executor.on_death = callback
+
+    def model_info(self) -> ModelInfo:
+        """What a server may know of this engine (AsyncLLM.model_info hands it on)."""
+        return ModelInfo(model_path=self.model_path, tokenizer=self.tokenizer,
+                         max_model_len=self.max_model_len, vocab_size=self.model.vocab_size,
+                         block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks,
+                         has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
+                         job=self.job, labels=self._labels())
+
+    def _labels(self) -> tuple[str, ...]:
+        if self.job != "classify":
+            return ()
+        names = getattr(self.hf_config, "id2label", None) or {}
+        return tuple(str(names.get(i, f"LABEL_{i}")) for i in range(self.hf_config.num_labels))
+
+    # ------------------------------------------------------------ requests
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.inputs.tokenize(prompt)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    *, priority: int = 0, cache_salt: str | None = None,
+                    arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None,
+                    pooling_params: PoolingParams | None = None) -> None:
+        """Queue a request (a pooling request with `pooling_params`); raises ValueError
+        (nothing allocated) if it can never run, WrongJobError if the model's job is another."""
+        self.inputs.add(request_id, prompt, params or SamplingParams(), priority=priority,
+                        cache_salt=cache_salt, arrival_time=arrival_time,
+                        lora_request=lora_request, pooling_params=pooling_params)
+
+    def next_request_id(self) -> str:
+        self._counter += 1
+        return f"req-{self._counter}"
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        expanded = self.beams.expand(self.outputs.groups.expand(request_ids))
+        self.scheduler.finish_requests(expanded, RequestStatus.FINISHED_ABORTED)
+        self.outputs.forget(expanded + request_ids)
+        if self.pooling is not None:
+            self.pooling.forget(expanded)
+        if self.spec is not None:
+            self.spec.release(self.scheduler.running)
+        self._publish_kv_events()  # what the aborts evicted, before the next step's events
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------ adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (ValueError if it is bad or LoRA is off)."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True)")
+        self.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.lora.loaded_ids() if self.lora is not None else []
+
+    def lora_stats(self) -> dict[str, Any]:
+        """vLLM's lora_requests_info labels: adapters of running and waiting requests."""
+        def names(requests) -> str:
+            return ",".join(sorted({r.lora_request.lora_name for r in requests
+                                    if r.lora_request is not None}))
+        return {"running_lora_adapters": names(self.scheduler.running),
+                "waiting_lora_adapters": names(self.scheduler.waiting),
+                "max_lora": self.config.max_loras if self.lora is not None else 0}
+
+    # ------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step and one forward; outputs of requests that progressed or ended.
+        The step's KV-cache events go out as one batch once it is done."""
+        try:
+            return self._step()
+        finally:
+            if self.spec is not None:  # the draft's KV of requests that ended or were preempted
+                self.spec.release(self.scheduler.running)
+            self._publish_kv_events()
+
+    def _step(self) -> list[RequestOutput]:
+        failed: list[RequestOutput] = []
+        for req, why in self.inputs.start_compiled_grammars():
+            failed += self._fail([req], why, status=400)  # the request's own constraint
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self.beams.is_beam,
+                              self.sampling.generator_of)
+        out = self.scheduler.schedule()
+        for req, why in out.unschedulable:
+            failed += self._fail([req], why)
+        self.last_step_tokens = out.total_num_scheduled_tokens
+        if out.is_empty:
+            if self.inputs.compiling and not failed:  # nothing to run until a grammar is ready
+                concurrent.futures.wait([r.grammar.future for r in self.inputs.compiling],
+                                        timeout=0.05, return_when="FIRST_COMPLETED")
+            return self.outputs.merge(failed)
+        self.prompt_tokens += self.outputs.mark_scheduled(out.scheduled, time.monotonic())
+        forked: list[Request] = []
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook([r.request_id for r in out.scheduled])
+            t0 = time.perf_counter()
+            result = self.executor.execute(out)
+            if self.kv.tier is not None:  # the prefill rate the swap-or-recompute choice reads
+                self.kv.tier.swaps.observe_step(out.num_scheduled_tokens, out.spec_tokens,
+                                                time.perf_counter() - t0)
+            if self.pooling is not None:
+                self.pooling.collect(result)
+            step = self.sampling.run(out, result, forked)
+        except ExecutorError:
+            raise  # the ranks are out of step: fatal to the engine, not to these requests
+        except Exception as exc:  # noqa: BLE001 - contain the fault to this step's requests
+            logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
+            return self.outputs.merge(failed + self._fail(
+                out.scheduled + forked, f"{type(exc).__name__}: {exc}"))
+        return self.outputs.merge(failed + self._append(out, step))
+
+    def _append(self, out: SchedulerOutput, step: SampledStep) -> list[RequestOutput]:
+        """Hand the step's tokens to the scheduler (which ends what must end) and build the
+        outputs: of every request that got a token or ended, and of finished beam searches."""
+        sampled, rejected = self.sampling.accept(step)
+        self.generation_tokens += len(sampled) + sum(map(len, step.verified.values()))
+        observe = self.outputs.observe_token
+        ended = self.scheduler.update_from_output(out, sampled, observe, step.verified)
+        if self.pooling is not None:
+            for rid, vec in self.pooling.finish(ended).items():
+                self.outputs.live[rid].pooled = vec
+        for child in step.forked:  # forked after the step: not in its schedule
+            if child.request_id in sampled:
+                self.scheduler.accept_token(child, sampled[child.request_id], observe)
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        if rejected:
+            outputs += self._fail(rejected, "the sampled token broke the request's "
+                                  "structured-output grammar")
+        sampling = step.sampling + [spec.request for spec in step.spec_rows]
+        outputs += self.outputs.step_outputs(sampling, sampled, ended, now)
+        for group in step.beam_groups:
+            if self.beams.ready(group, self.scheduler.requests):
+                self.generation_tokens += len(group.beams)
+                if self.beams.advance(group, self.scheduler):
+                    outputs.append(self.outputs.beam_output(group, now))
+        return outputs
+
+    def _fail(self, requests: list[Request], message: str,
+              status: int | None = None) -> list[RequestOutput]:
+        """End requests with an error; a failing beam fails its whole search (one error output
+        under the group's id)."""
+        ids = [r.request_id for r in requests if not r.is_finished]
+        groups = {g for g in map(self.beams.group_of, ids) if g is not None}
+        ids = [rid for rid in ids if not self.beams.is_beam(rid)]
+        self.scheduler.finish_requests(self.beams.expand(list(groups)),
+                                       RequestStatus.FINISHED_ERROR)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        if self.pooling is not None:
+            self.pooling.forget(ids)
+        return self.outputs.error_outputs(ids + sorted(groups), message, status)
+
+    # ------------------------------------------------------------ state
+    def warmup(self) -> None:
+        """Run a tiny request and one prefill of `WARMUP_PREFILL_TOKENS` end to end, so the
+        first user request pays no first-call costs (the CPU GEMMs' kernels for many rows are
+        made at their first use)."""
+        long = max(4, min(WARMUP_PREFILL_TOKENS, self.config.max_num_batched_tokens,
+                          self.max_model_len - 2))
+        for i, prompt in enumerate(([1, 2, 3, 4], [1 + t % 7 for t in range(long)])):
+            rid = f"__warmup_{i}__"
+            if self.pooling is not None:
+                self.add_request(rid, prompt, pooling_params=PoolingParams(task=self.job))
+            else:
+                self.add_request(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+            while self.has_unfinished_requests():
+                self.step()
+        self.reset_prefix_cache()  # AllBlocksCleared: a router forgets what it knew of this pod
+        self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
+        self.prompt_tokens = self.generation_tokens = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (refused while requests hold blocks); announced at once."""
+        done = self.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats()
+        s.update(prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+                 last_step_tokens=self.last_step_tokens,
+                 block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks)
+        if self.lora is not None:
+            s.update(self.lora_stats())
+        if self.spec is not None:
+            s.update(self.spec.stats())
+        if self.kv_tier is not None:
+            s.update(self.kv_tier.stat_dict())
+        return s

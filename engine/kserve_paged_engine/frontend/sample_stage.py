@@ -1,0 +1,164 @@
+"""Every row of a step's logits to the tokens it appends: the per-step sampling pipeline.
+
+Rows are routed first: a request with drafts has 1 + drafts verification rows
+(engine/kserve_paged_engine/spec_decode/); a beam only reports its row to its search (engine/kserve_paged_engine/frontend/beam_search.py); every
+other request samples, and an n > 1 request whose prompt this step computed forks its other
+samples now, each sampling from the same row with its own generator. Sampling rows then take
+penalties and logit bias, the structured-output masks, and the sampler; logprobs are of the raw
+model logits, as vLLM returns them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kserve_paged_engine.core.request import Request
+from kserve_paged_engine.core.scheduler import Scheduler
+from kserve_paged_engine.core.scheduler_output import SchedulerOutput
+from kserve_paged_engine.frontend.beam_search import BeamSearch, BeamSearches
+from kserve_paged_engine.frontend.forks import Forks
+from kserve_paged_engine.frontend.output_processor import OutputProcessor
+from kserve_paged_engine.model_executor.host_io import ReadBack, upload
+from kserve_paged_engine.sample.logits_processors import apply_penalties
+from kserve_paged_engine.sample.logprobs import PromptSpan, record_prompt, sampled_entries
+from kserve_paged_engine.sample.sampler import Sampler
+from kserve_paged_engine.sample.structured_output import GrammarBitmask, RequestGrammar
+from kserve_paged_engine.spec_decode.decoder import SpecDecoder, SpecRow
+from kserve_paged_engine.worker.model_runner import StepResult
+
+
+@dataclass(slots=True)
+class SampledStep:
+    """What a step's rows gave, before the scheduler appends it."""
+
+    sampling: list[Request]  # requests that sampled a row (forks included), in row order
+    tokens: list[int]  # their tokens, in the same order
+    spec_rows: list[SpecRow]  # requests with drafts
+    verified: dict[str, list[int]]  # each one's tokens: kept drafts, then one more
+    forked: list[Request]  # n > 1 samples forked in this step (not in its schedule)
+    beam_groups: list[BeamSearch] = field(default_factory=list)  # groups whose beams reported
+
+
+class SamplingPipeline:
+    def __init__(self, sampler: Sampler, bitmask: GrammarBitmask, spec: SpecDecoder | None,
+                 scheduler: Scheduler, outputs: OutputProcessor, groups: Forks,
+                 beams: BeamSearches, decode: Callable[[list[int]], str]) -> None:
+        self.sampler = sampler
+        self.bitmask = bitmask
+        self.spec = spec
+        self.scheduler = scheduler
+        self.outputs = outputs
+        self.groups = groups
+        self.beams = beams
+        self.decode = decode
+        self.read_back = ReadBack()  # the step's one host sync: the sampled ids
+
+    def generator_of(self, request: Request) -> torch.Generator:
+        """The request's own generator, or the sampler's shared one (no seed)."""
+        return self.outputs.live[request.request_id].generator or self.sampler.generator
+
+    def run(self, out: SchedulerOutput, result: StepResult, forked: list[Request]
+            ) -> SampledStep:
+        """Route, verify and sample every row of the step's logits. n > 1 samples forked now
+        (not in the step's schedule) are added to `forked` as they are made, so a step that
+        fails later fails them too."""
+        if result.prompt_logits is not None:
+            record_prompt(result.prompt_logits, [
+                PromptSpan(r.prompt_token_ids, r.sampling_params.prompt_logprobs or 0, start,
+                           count, self.outputs.live[r.request_id].prompt_logprobs)
+                for r, start, count in result.prompt_spans], self.decode)
+        logits = result.logits
+        rows: list[int] = []
+        sampling: list[Request] = []
+        spec_rows: list[SpecRow] = []
+        beam_groups: dict[str, BeamSearch] = {}
+        i = -1
+        for r in result.sampling:
+            i += 1
+            if r.request_id in out.spec_tokens:
+                spec_rows.append(SpecRow(r, i, out.spec_tokens[r.request_id]))
+                i += len(spec_rows[-1].drafts)
+                continue
+            if self.beams.is_beam(r.request_id):
+                group = self.beams.report(r, logits[i])
+                beam_groups[group.group_id] = group
+                continue
+            rows.append(i)
+            sampling.append(r)
+            for child in self._fork_samples(r, out.num_scheduled_tokens[r.request_id]):
+                forked.append(child)
+                rows.append(i)
+                sampling.append(child)
+        verified = self._verify(logits, spec_rows)
+        tokens = self._sample(logits, rows, sampling)
+        return SampledStep(sampling, tokens, spec_rows, verified, forked,
+                           list(beam_groups.values()))
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], sampling: list[Request]
+                ) -> list[int]:
+        """Penalties, grammar masks, then the sampler, over the sampling rows at once; each
+        request's logprobs of its token recorded."""
+        if not sampling:
+            return []
+        if rows != list(range(len(logits))):
+            logits = logits.index_select(0, upload(rows, torch.long, logits.device))
+        states = [self.outputs.live[r.request_id] for r in sampling]
+        params = [r.sampling_params for r in sampling]
+        processed = apply_penalties(logits, params, [r.prompt_token_ids for r in sampling],
+                                    [r.output_token_ids for r in sampling])
+        processed = self.bitmask.apply(processed, [
+            r.grammar if r.grammar is not None and r.grammar.active else None for r in sampling])
+        token_tensor = self.sampler.sample(
+            processed, params, [s.generator for s in states],
+            [r.num_output_tokens for r in sampling], [r.eos_token_id for r in sampling])
+        for i, entry, chosen in sampled_entries(logits, token_tensor,
+                                                [p.logprobs for p in params], self.decode):
+            states[i].logprobs.append(entry)
+            states[i].cumulative_logprob += chosen
+        return self.read_back.tokens(token_tensor)
+
+    def _verify(self, logits: torch.Tensor, spec_rows: list[SpecRow]) -> dict[str, list[int]]:
+        """Each speculating request's tokens this step: kept drafts, then one more."""
+        if not spec_rows:
+            return {}
+        assert self.spec is not None
+        tokens = self.spec.verify(logits, spec_rows,
+                                  [self.outputs.live[s.request.request_id] for s in spec_rows],
+                                  self.sampler.generator, self.decode)
+        return {s.request.request_id: t for s, t in zip(spec_rows, tokens)}
+
+    def _fork_samples(self, parent: Request, num_scheduled: int) -> list[Request]:
+        """Fork the other samples of an n > 1 request from its first, whose prompt this step
+        computed: they share all of its blocks, the partial last one until written."""
+        pending = self.groups.take_pending(parent.request_id)
+        if not pending:
+            return []
+        computed = parent.num_computed_tokens + num_scheduled
+        children = []
+        for child_id, params in pending:
+            child = self.scheduler.fork(parent, child_id, params, num_computed=computed)
+            if parent.grammar is not None:  # forked before any output: a fresh matcher
+                spec = parent.sampling_params.structured_outputs
+                child.grammar = RequestGrammar(parent.grammar.future,
+                                               spec.start_after_token_id if spec else None)
+                child.grammar.start()
+            self.outputs.track_fork(child, parent)
+            children.append(child)
+        return children
+
+    def accept(self, step: SampledStep) -> tuple[dict[str, int], list[Request]]:
+        """The token each request appends first ({request id: token}), and the constrained
+        requests whose token their grammar refused (which the mask makes impossible): their
+        tokens are dropped. A speculating request's first token is its first verified one."""
+        sampled = {r.request_id: t for r, t in zip(step.sampling, step.tokens)}
+        rejected = []
+        for req in step.sampling:
+            if req.grammar is not None and not req.grammar.accept(sampled[req.request_id]):
+                rejected.append(req)
+                del sampled[req.request_id]
+        for spec in step.spec_rows:
+            sampled[spec.request.request_id] = step.verified[spec.request.request_id].pop(0)
+        return sampled, rejected
