@@ -1,22 +1,18 @@
 """The docs cannot drift from the code: docs/architecture.md traces a streamed chat completion
 as the code runs it, and every path the docs name exists.
 
-The trace is checked against a real request: the default model served in process, one streamed
-chat completion followed through every thread it touches (the event loop's, the engine's) with
-`sys.setprofile`, and every project file a call enters must be named in the trace.
+The trace is checked against a real request: the default model served in process, on the default
+settings (4-bit from its GGUF) and in float32, one streamed chat completion followed through every
+thread it touches (tests/helpers/request_trace.py), and every project file a call enters must be
+named in the trace.
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
-import sys
-import threading
 from pathlib import Path
 
 import pytest
-
-from tests.helpers.server import NAME, build, client
 
 REPO = Path(__file__).resolve().parents[1]
 # The design docs (BENCHMARKS.md and RELIABILITY.md are records of past runs: they name files
@@ -26,7 +22,6 @@ ROOTS = ("engine", "kernels", "kserve_paged", "tests", "scripts", "bench", "docs
          "e2e")
 PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(ROOTS) + r")/[\w./*-]*)")
 FILE_SUFFIXES = (".py", ".md", ".c", ".h", ".sh", ".yaml", ".yml", ".json", ".toml", ".txt")
-CODE = ("engine/", "kernels/", "kserve_paged/")
 
 
 def named_paths(text: str) -> set[str]:
@@ -65,50 +60,24 @@ def test_the_path_check_sees_a_missing_path() -> None:
         "engine/kserve_paged_engine/core/kv_sizing.py"}
 
 
-def entered_files(entered: set[str]):
-    """A profile function that records the project files whose code a call enters."""
-    root = str(REPO) + "/"
-
-    def profile(frame, event, arg):  # noqa: ARG001 - sys.setprofile's signature
-        if event == "call":
-            name = frame.f_code.co_filename
-            if name.startswith(root) and name[len(root):].startswith(CODE):
-                entered.add(name[len(root):])
-    return profile
+# A streamed chat on the default settings crosses at most this many project Python files (the
+# C kernels it calls are named in the trace too, but a profile cannot see into them).
+MAX_FILES = 45
 
 
 @pytest.mark.slow
-def test_a_streamed_chat_completion_enters_only_files_the_trace_names() -> None:
-    from kserve_paged_engine.config.engine import EngineConfig
-    from kserve_paged_engine.frontend.default_model import ensure_default_model
-    from kserve_paged_engine.frontend.llm_engine import LLMEngine
+@pytest.mark.parametrize("settings", ["default", "float32"])
+def test_a_streamed_chat_completion_enters_only_files_the_trace_names(settings: str) -> None:
+    """The default settings serve the default model 4-bit from its GGUF; float32 serves its
+    dense folder. Both paths are named in the trace, and the default one is held at MAX_FILES
+    (`python scripts/request_files.py` prints the list)."""
+    from tests.helpers.request_trace import default_config, float32_config, streamed_chat_files
 
-    path = str(ensure_default_model(progress=lambda _: None))
-    app, model = build(factory=lambda: LLMEngine(EngineConfig(
-        model=path, max_model_len=512, num_kv_blocks=64, max_num_batched_tokens=256)))
-    entered: set[str] = set()
-    profile = entered_files(entered)
-
-    async def main() -> str:
-        await model.start_engine()
-        await model.llm.call_engine(lambda _: sys.setprofile(profile))
-        threading.setprofile(profile)
-        sys.setprofile(profile)
-        try:
-            async with client(app) as c:
-                r = await c.post("/openai/v1/chat/completions", json={
-                    "model": NAME, "messages": [{"role": "user", "content": "Hi!"}],
-                    "max_tokens": 4, "stream": True})
-                await asyncio.sleep(0)
-        finally:
-            sys.setprofile(None)
-            threading.setprofile(None)
-            await model.llm.call_engine(lambda _: sys.setprofile(None))
-            model.stop_engine()
-        return r.text
-
-    body = asyncio.run(asyncio.wait_for(main(), 600))  # loading the model takes a while
+    config = default_config() if settings == "default" else float32_config()
+    entered, body = streamed_chat_files(config)
     assert body.rstrip().endswith("data: [DONE]")
     assert {"engine/kserve_paged_engine/core/scheduler.py", "kserve_paged/openai/chat.py"} <= entered
     unnamed = sorted(entered - named_paths(trace_section()))
     assert unnamed == [], f"entered but not in docs/architecture.md's trace: {unnamed}"
+    if settings == "default":
+        assert len(entered) <= MAX_FILES, sorted(entered)
