@@ -12,14 +12,16 @@
   once a stream has started, ends the stream with an error event;
   ``vllm:num_requests_timed_out_total`` counts it.
 
-The deadline travels with the request's context (a context variable set by
-:class:`DeadlineMiddleware`, tightened by the body), so every route and every served model
-reads the same one in ``PagedLLMModel.submit``.
+The deadline is an argument, from the route to the engine: :class:`DeadlineMiddleware` starts
+the clock when a request arrives and puts the deadline the server and the header give on
+``request.state.deadline`` (and, for KServe's v1/v2 routes, which hand the model only the
+request's headers, in the header ``x-kserve-paged-deadline``); the route reads it once
+(:func:`route_deadline`, :func:`headers_deadline`), tightens it with the body's own, and
+passes it down to ``PagedLLMModel.submit``, which hands it to the engine.
 """
 
 from __future__ import annotations
 
-import contextvars
 import math
 import time
 from typing import Any
@@ -31,8 +33,10 @@ from kserve_paged_engine import limits
 
 TIMEOUT_HEADER = "x-request-timeout"
 MICROSECONDS = 1_000_000  # per second: the unit of v1/v2 ``parameters.timeout``
-request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "request_deadline", default=None)
+# Where the middleware hands the deadline (time.monotonic()) to KServe's routes; a client's
+# own copy is dropped on the way in, so only the middleware's arrives.
+DEADLINE_HEADER = "x-kserve-paged-deadline"
+_DEADLINE_HEADER_BYTES = DEADLINE_HEADER.encode("latin-1")
 
 
 class RequestRefused(Exception):
@@ -73,12 +77,32 @@ def parse_timeout_us(value: Any, source: str) -> float | None:
     return number / MICROSECONDS if number else None
 
 
-def tighten(timeout_s: float, start: float | None = None) -> None:
-    """Make this request's deadline at most ``timeout_s`` after ``start`` (default now)."""
-    deadline = (time.monotonic() if start is None else start) + timeout_s
-    current = request_deadline.get()
-    if current is None or deadline < current:
-        request_deadline.set(deadline)
+def tighten(deadline: float | None, timeout_s: float | None,
+            start: float | None = None) -> float | None:
+    """The earlier of ``deadline`` and ``timeout_s`` after ``start`` (default now)."""
+    if timeout_s is None:
+        return deadline
+    mine = (time.monotonic() if start is None else start) + timeout_s
+    return mine if deadline is None or mine < deadline else deadline
+
+
+def route_deadline(request: Request, timeout_s: float | None = None) -> float | None:
+    """The request's deadline as the middleware set it, tightened by ``timeout_s`` (the
+    body's ``timeout``, checked here: ValueError naming it)."""
+    deadline = getattr(request.state, "deadline", None)
+    if timeout_s is None:
+        return deadline
+    return tighten(deadline, parse_timeout(timeout_s, "timeout"))
+
+
+def headers_deadline(headers: dict[str, str] | None) -> float | None:
+    """The deadline the middleware put in the headers KServe hands a model's ``predict``
+    (None: none, or a request that did not come through it, as over gRPC)."""
+    value = (headers or {}).get(DEADLINE_HEADER)
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def queue_full(waiting: int, limit: int) -> RequestRefused:
@@ -89,7 +113,8 @@ def queue_full(waiting: int, limit: int) -> RequestRefused:
 
 class DeadlineMiddleware:
     """Starts each request's clock: the server default and ``x-request-timeout`` set the
-    deadline before any route runs; a malformed header is a 400."""
+    deadline (``request.state.deadline``) before any route runs; a malformed header is a
+    400."""
 
     def __init__(self, app: Any, default_timeout_s: float | None = None) -> None:
         self.app = app
@@ -100,21 +125,23 @@ class DeadlineMiddleware:
             await self.app(scope, receive, send)
             return
         start = time.monotonic()
-        token = request_deadline.set(None)
-        try:
-            if self.default_timeout_s is not None:
-                tighten(self.default_timeout_s, start)
-            header = next((v for k, v in scope.get("headers", ())
-                           if k.decode("latin-1").lower() == TIMEOUT_HEADER), None)
-            if header is not None:
-                try:
-                    tighten(parse_timeout(header.decode("latin-1"), TIMEOUT_HEADER), start)
-                except ValueError as exc:
-                    await _error(scope, 400, str(exc))(scope, receive, send)
-                    return
-            await self.app(scope, receive, send)
-        finally:
-            request_deadline.reset(token)
+        deadline = tighten(None, self.default_timeout_s, start)
+        headers = [(k, v) for k, v in scope.get("headers", ())
+                   if k.lower() != _DEADLINE_HEADER_BYTES]
+        header = next((v for k, v in headers
+                       if k.decode("latin-1").lower() == TIMEOUT_HEADER), None)
+        if header is not None:
+            try:
+                deadline = tighten(deadline, parse_timeout(header.decode("latin-1"),
+                                                           TIMEOUT_HEADER), start)
+            except ValueError as exc:
+                await _error(scope, 400, str(exc))(scope, receive, send)
+                return
+        if deadline is not None:
+            headers.append((_DEADLINE_HEADER_BYTES, repr(deadline).encode("latin-1")))
+        scope = {**scope, "headers": headers,
+                 "state": {**scope.get("state", {}), "deadline": deadline}}
+        await self.app(scope, receive, send)
 
 
 def _error(scope: dict[str, Any], status: int, message: str,

@@ -12,13 +12,14 @@ thread between steps.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from kserve import Model
 from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from kserve_paged import v2
+from kserve_paged.admission import headers_deadline
+from kserve_paged.request_options import SamplingRequest
 from kserve_paged.served import ServedModel
 from kserve_paged_engine.frontend.async_llm import RequestStream
 from kserve_paged_engine.lora import LoRARequest
@@ -66,15 +67,16 @@ class AdapterView:
                      ) -> list[int]:
         return await self.base.encode(prompt, add_special_tokens=add_special_tokens)
 
-    def sampling_params(self, options: Mapping[str, Any], prompt_ids: list[int],
-                        default_max_tokens: int | None) -> SamplingParams:
-        return self.base.sampling_params(options, prompt_ids, default_max_tokens)
+    def sampling_params(self, request: SamplingRequest, prompt_len: int) -> SamplingParams:
+        return self.base.sampling_params(request, prompt_len)
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, *, kind: str,
                      priority: int = 0, cache_salt: str | None = None,
+                     deadline: float | None = None,
                      pooling_params: PoolingParams | None = None) -> RequestStream:
         return await self.base.submit(prompt_ids, params, kind=kind, priority=priority,
-                                      cache_salt=cache_salt, lora_request=self.lora,
+                                      cache_salt=cache_salt, deadline=deadline,
+                                      lora_request=self.lora,
                                       served_name=self.name, pooling_params=pooling_params)
 
 
@@ -101,7 +103,7 @@ class AdapterModel(Model):
                       response_headers: dict[str, str] | None = None
                       ) -> InferResponse | dict[str, Any]:
         self.view.check_ready()
-        return await v2.predict(self.view, payload)
+        return await v2.predict(self.view, payload, headers_deadline(headers))
 
 
 class LoRAError(ValueError):

@@ -19,7 +19,6 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
 from typing import Any
 
 from kserve import Model
@@ -27,15 +26,10 @@ from kserve.errors import ModelNotReady
 from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from kserve_paged import v2
-from kserve_paged.admission import queue_full, request_deadline
+from kserve_paged.admission import headers_deadline, queue_full
 from kserve_paged.lora import AdapterModel, LoRAError
 from kserve_paged.metrics import EngineMetrics, MetricsObserver
-from kserve_paged.request_options import (
-    OptionError,
-    generation_defaults,
-    make_sampling_params,
-    with_defaults,
-)
+from kserve_paged.request_options import OptionError, SamplingRequest, generation_defaults
 from kserve_paged.tracing import RequestTracer, request_attributes, request_headers
 from kserve_paged_engine import limits
 from kserve_paged_engine.config.engine import EngineConfig
@@ -85,7 +79,7 @@ class PagedLLMModel(Model):
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be auto or vllm (got {generation_config!r})")
         self.generation_config = generation_config
-        self._generation_defaults: dict[str, Any] | None = None
+        self._generation_defaults: SamplingRequest | None = None
         self.max_waiting_requests = max_waiting_requests  # None: unbounded (admission.py)
         # Adapters served under their own names (kserve_paged/lora.py), loaded at start-up.
         self.loras: dict[str, LoRARequest] = {}
@@ -229,35 +223,27 @@ class PagedLLMModel(Model):
         return ids
 
     @property
-    def generation_defaults(self) -> dict[str, Any]:
+    def generation_defaults(self) -> SamplingRequest:
         """Default sampling values: the model folder's generation_config.json under
         `--generation_config auto` (vLLM's meaning), none under `vllm`."""
         if self._generation_defaults is None:
             self._generation_defaults = (generation_defaults(self.info.model_path)
-                                         if self.generation_config == "auto" else {})
+                                         if self.generation_config == "auto"
+                                         else SamplingRequest())
         return self._generation_defaults
 
-    def sampling_params(self, options: Mapping[str, Any], prompt_ids: list[int],
-                        default_max_tokens: int | None) -> SamplingParams:
-        info = self.info
-        defaults = dict(self.generation_defaults)
-        max_new = defaults.pop("max_tokens", None)  # a default budget, never the client's
-        if isinstance(max_new, int) and max_new > 0:
-            default_max_tokens = (max_new if default_max_tokens is None
-                                  else min(max_new, default_max_tokens))
-        options = with_defaults(options, defaults)
-        return make_sampling_params(options, prompt_len=len(prompt_ids),
-                                    max_model_len=info.max_model_len,
-                                    default_max_tokens=default_max_tokens,
-                                    vocab_size=info.vocab_size)
+    def sampling_params(self, request: SamplingRequest, prompt_len: int) -> SamplingParams:
+        """One prompt's SamplingParams, the model's defaults under the request's values."""
+        return request.params(prompt_len, self.info.max_model_len, self.generation_defaults)
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, *, kind: str,
                      priority: int = 0, cache_salt: str | None = None,
+                     deadline: float | None = None,
                      lora_request: LoRARequest | None = None,
                      served_name: str | None = None,
                      pooling_params: PoolingParams | None = None) -> RequestStream:
-        """Hand a validated request to the engine, with the request's deadline
-        (admission.py); ValueError -> 400, RequestRefused (429) when the waiting queue is at
+        """Hand a validated request to the engine, with its `deadline` (time.monotonic(),
+        from the route: admission.py); ValueError -> 400, RequestRefused (429) when the waiting queue is at
         ``max_waiting_requests``. `served_name`: the name the request was sent to (an
         adapter's, for its span)."""
         limit = self.max_waiting_requests
@@ -274,7 +260,7 @@ class PagedLLMModel(Model):
             tracer.start(request_id, request_headers(), request_attributes(params, name))
         try:
             return await self.llm.add(prompt_ids, params, request_id, priority=priority,
-                                      cache_salt=cache_salt, deadline=request_deadline.get(),
+                                      cache_salt=cache_salt, deadline=deadline,
                                       on_deadline=self.metrics.count_timed_out, **lora)
         except BaseException as exc:
             if tracer is not None:
@@ -330,6 +316,7 @@ class PagedLLMModel(Model):
                       response_headers: dict[str, str] | None = None
                       ) -> InferResponse | dict[str, Any]:
         """v2 (``text_input`` -> ``text_output``) or v1 (``instances`` -> ``predictions``):
-        see :func:`kserve_paged.v2.predict`."""
+        see :func:`kserve_paged.v2.predict`; the deadline comes in ``headers``
+        (admission.py)."""
         self.check_ready()
-        return await v2.predict(self, payload)
+        return await v2.predict(self, payload, headers_deadline(headers))

@@ -1,7 +1,13 @@
-"""Request options -> SamplingParams, shared by the v2 and OpenAI front ends.
+"""Request options -> SamplingParams: the one table of them, shared by every front end.
 
-Why one place: both protocols take the same knobs, and they must be validated the same way (a bad
-value is a 400 naming the option, never something silently ignored or clamped).
+Each sampling option a client may send is named once, in ``OPTIONS``: the wire name is the
+SamplingParams field it sets, with how any wire value becomes that field's value (v2
+parameters are scalars and strings: "0.5", "true", "1,2", a JSON object as text) and its type
+in an OpenAI body (openai/schemas.py declares its fields from here), so every protocol
+validates alike: a bad value is a 400 naming the option, never ignored or clamped. A front end
+turns what it received into a :class:`SamplingRequest` once, before any prompt is tokenized;
+the served model makes each prompt's SamplingParams from it, under the client's values its
+own defaults (generation_config.json).
 """
 
 from __future__ import annotations
@@ -9,25 +15,17 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kserve_paged.structured import StructuredOptionError, structured_outputs_option
+from kserve_paged.structured import (
+    STRUCTURED_OPTION_NAMES,
+    StructuredOptionError,
+    structured_outputs_option,
+)
 from kserve_paged_engine.limits import LOGIT_BIAS_RANGE, MIN_MAX_TOKENS
-from kserve_paged_engine.sampling_params import SamplingParams
-
-# Options every front end accepts, with the types JSON / v2 parameters may carry them in.
-SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                    "ignore_eos", "min_tokens", "stop_token_ids", "n", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
-                    "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens",
-                    "use_beam_search", "best_of", "length_penalty", "early_stopping",
-                    "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
-_INTS = ("max_tokens", "top_k", "seed", "min_tokens", "n", "logprobs", "prompt_logprobs",
-         "best_of", "truncate_prompt_tokens")
-_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "length_penalty")
-_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "use_beam_search")
+from kserve_paged_engine.sampling_params import SamplingParams, StructuredOutputs
 
 
 class OptionError(ValueError):
@@ -38,7 +36,7 @@ class OptionError(ValueError):
         self.param = param
 
 
-def _as_int(name: str, value: Any) -> int:
+def as_int(name: str, value: Any, vocab_size: int | None = None) -> int:
     if isinstance(value, bool):
         raise OptionError(f"{name} must be an integer (got {value!r})", name)
     if isinstance(value, float) and value.is_integer():
@@ -53,7 +51,7 @@ def _as_int(name: str, value: Any) -> int:
     raise OptionError(f"{name} must be an integer (got {value!r})", name)
 
 
-def _as_float(name: str, value: Any) -> float:
+def _as_float(name: str, value: Any, vocab_size: int | None = None) -> float:
     # Strings are accepted because KServe's gRPC parameters cannot carry a double.
     if isinstance(value, bool):
         raise OptionError(f"{name} must be a number (got {value!r})", name)
@@ -66,7 +64,7 @@ def _as_float(name: str, value: Any) -> float:
     return number
 
 
-def _as_bool(name: str, value: Any) -> bool:
+def _as_bool(name: str, value: Any, vocab_size: int | None = None) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
@@ -76,33 +74,18 @@ def _as_bool(name: str, value: Any) -> bool:
     raise OptionError(f"{name} must be a boolean (got {value!r})", name)
 
 
-def _as_early_stopping(value: Any) -> bool | str:
+def _as_early_stopping(name: str, value: Any, vocab_size: int | None = None) -> bool | str:
     """transformers' early_stopping: true, false or "never"."""
     if isinstance(value, str) and value.strip().lower() == "never":
         return "never"
     try:
-        return _as_bool("early_stopping", value)
+        return _as_bool(name, value)
     except OptionError:
-        raise OptionError(f'early_stopping must be true, false or "never" (got {value!r})',
-                          "early_stopping") from None
+        raise OptionError(f'{name} must be true, false or "never" (got {value!r})',
+                          name) from None
 
 
-def beam_width_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """v2's ``beam_width`` k as the engine's options: beam search over k beams returning
-    ``n`` of them (default 1, transformers' num_return_sequences); 1 (or absent) is off."""
-    out = dict(options)
-    width = out.pop("beam_width", None)
-    if width is None or (isinstance(width, str) and not width.strip()):
-        return out
-    k = _as_int("beam_width", width)
-    if k != 1:
-        out["use_beam_search"], out["best_of"] = True, k
-    return out
-
-
-def _as_stop(value: Any, name: str = "stop") -> list[str]:
-    if value is None:
-        return []
+def _as_stop(name: str, value: Any, vocab_size: int | None = None) -> list[str]:
     if isinstance(value, str):
         return [value]
     if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
@@ -110,20 +93,22 @@ def _as_stop(value: Any, name: str = "stop") -> list[str]:
     raise OptionError(f"{name} must be a string or a list of strings (got {value!r})", name)
 
 
-def _as_token_ids(value: Any, name: str = "stop_token_ids") -> list[int]:
-    if value is None:
-        return []
+def _as_token_ids(name: str, value: Any, vocab_size: int | None = None) -> list[int]:
     if isinstance(value, str):
         # v2 parameters are scalars (KServe's JSON model, gRPC): accept "1,2" for a list.
         value = [v for v in value.replace(" ", "").split(",") if v]
     elif isinstance(value, int) and not isinstance(value, bool):
         value = [value]
-    if isinstance(value, (list, tuple)):
-        return [_as_int(name, v) for v in value]
-    raise OptionError(f"{name} must be a list of integers (got {value!r})", name)
+    if not isinstance(value, (list, tuple)):
+        raise OptionError(f"{name} must be a list of integers (got {value!r})", name)
+    ids = [as_int(name, v) for v in value]
+    if vocab_size is not None and any(t >= vocab_size for t in ids):
+        raise OptionError(f"{name}: token ids must be below the vocabulary size "
+                          f"({vocab_size})", name)
+    return ids
 
 
-def _as_logit_bias(value: Any, vocab_size: int | None) -> dict[int, float]:
+def _as_logit_bias(name: str, value: Any, vocab_size: int | None = None) -> dict[int, float]:
     """``{"token id": bias}`` (JSON object, or a JSON string of one for v2's scalar parameters)
     -> ``{id: bias}``, checked as OpenAI does: ids in the vocabulary, biases in range. An
     id the model does not have is a 400 here, not an entry the engine would quietly skip."""
@@ -132,28 +117,160 @@ def _as_logit_bias(value: Any, vocab_size: int | None) -> dict[int, float]:
             value = json.loads(value) if value.strip() else {}
         except ValueError:
             raise OptionError(f"logit_bias must be a JSON object of token id -> bias (got "
-                              f"{value[:100]!r})", "logit_bias") from None
+                              f"{value[:100]!r})", name) from None
     if not isinstance(value, Mapping):
-        raise OptionError(f"logit_bias must map token ids to numbers (got {value!r})",
-                          "logit_bias")
+        raise OptionError(f"logit_bias must map token ids to numbers (got {value!r})", name)
     bias: dict[int, float] = {}
     for key, number in value.items():
         try:
-            token = _as_int("logit_bias", key)
+            token = as_int(name, key)
         except OptionError:
-            raise OptionError(f"logit_bias keys must be token ids (got {key!r})",
-                              "logit_bias") from None
+            raise OptionError(f"logit_bias keys must be token ids (got {key!r})", name) from None
         if token < 0 or (vocab_size is not None and token >= vocab_size):
             raise OptionError(f"logit_bias: token id {key!r} is out of range for this model"
-                              + (f" (vocabulary size {vocab_size})" if vocab_size else ""),
-                              "logit_bias")
-        amount = _as_float("logit_bias", number)
+                              + (f" (vocabulary size {vocab_size})" if vocab_size else ""), name)
+        amount = _as_float(name, number)
         low, high = LOGIT_BIAS_RANGE
         if not low <= amount <= high:
             raise OptionError(f"logit_bias: the bias for token {key!r} must be in "
-                              f"[{low:g}, {high:g}] (got {number!r})", "logit_bias")
+                              f"[{low:g}, {high:g}] (got {number!r})", name)
         bias[token] = amount
     return bias
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One sampling option. ``coerce(name, value, vocab_size)`` turns any wire value into the
+    field's; ``body_type`` (with ``body_default``) is its field in an OpenAI body, None where
+    each body declares its own (``logprobs``: a number on completions, a flag on chat)."""
+
+    coerce: Callable[[str, Any, int | None], Any]
+    body_type: Any = None
+    body_default: Any = None
+
+
+# The sampling options: each wire name is the SamplingParams field it sets. Structured outputs,
+# spelled several ways, are structured.py's (STRUCTURED_OPTION_NAMES); Responses and Messages
+# spell a few of these their own way and convert to the chat body's names.
+OPTIONS: dict[str, Option] = {
+    "max_tokens": Option(as_int, int | None),
+    "temperature": Option(_as_float, float | None),
+    "top_p": Option(_as_float, float | None),
+    "top_k": Option(as_int, int | None),
+    "min_p": Option(_as_float, float | None),
+    "seed": Option(as_int, int | None),
+    "stop": Option(_as_stop, str | list[str] | None),
+    "ignore_eos": Option(_as_bool, bool, False),
+    "min_tokens": Option(as_int, int | None),
+    "stop_token_ids": Option(_as_token_ids, list[int] | None),
+    "n": Option(as_int, int, 1),
+    "presence_penalty": Option(_as_float, float | None),
+    "frequency_penalty": Option(_as_float, float | None),
+    "repetition_penalty": Option(_as_float, float | None),
+    "logit_bias": Option(_as_logit_bias, dict[str, float] | None),
+    "logprobs": Option(as_int),
+    "prompt_logprobs": Option(as_int, int | None),
+    "include_stop_str_in_output": Option(_as_bool, bool | None),
+    "skip_special_tokens": Option(_as_bool, bool | None),
+    # vLLM's beam search: best_of beams (default n), the n best returned.
+    "use_beam_search": Option(_as_bool, bool, False),
+    "best_of": Option(as_int, int | None),
+    "length_penalty": Option(_as_float, float | None),
+    "early_stopping": Option(_as_early_stopping, bool | str | None),
+    # vLLM's token filters and prompt cut (engine/kserve_paged_engine/sampling_params.py)
+    "allowed_token_ids": Option(_as_token_ids, list[int] | None),
+    "bad_words": Option(_as_stop, list[str] | None),
+    "truncate_prompt_tokens": Option(as_int, int | None),
+}
+SAMPLING_OPTIONS = tuple(OPTIONS)
+
+
+def structured_given(values: Mapping[str, Any]) -> bool:
+    """Whether ``values`` spell a structured output at all (checked here so that a request
+    without one never enters structured.py)."""
+    return any(values.get(name) not in (None, "", [], {}) for name in STRUCTURED_OPTION_NAMES)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRequest:
+    """A request's sampling options, coerced and checked before its prompts are known: what a
+    front end hands the served model. ``values``: the SamplingParams fields the client set
+    (one it left out, a model default may fill); ``structured``: its one constraint;
+    ``default_max_tokens``: the budget when none is given (the endpoint's, the model's)."""
+
+    values: Mapping[str, Any] = field(default_factory=dict)
+    structured: StructuredOutputs | None = None
+    default_max_tokens: int | None = None
+
+    @classmethod
+    def of(cls, wire: Mapping[str, Any], *, vocab_size: int | None = None,
+           default_max_tokens: int | None = None) -> SamplingRequest:
+        """The options in ``wire`` (an OpenAI body's fields, v2 parameters); a name not in the
+        table is not ours to read; None means "not given"."""
+        values = {name: option.coerce(name, wire[name], vocab_size)
+                  for name, option in OPTIONS.items() if wire.get(name) is not None}
+        structured = None
+        if structured_given(wire):
+            try:
+                structured = structured_outputs_option(wire)
+            except StructuredOptionError as exc:
+                raise OptionError(str(exc), exc.param) from None
+        return cls(values, structured, default_max_tokens)
+
+    def with_values(self, **values: Any) -> SamplingRequest:
+        """This request with ``values`` (already coerced) set over its own."""
+        return replace(self, values={**self.values, **values})
+
+    def params(self, prompt_len: int, max_model_len: int,
+               defaults: SamplingRequest | None = None) -> SamplingParams:
+        """One prompt's SamplingParams, ``defaults`` (the model's) under the client's values;
+        OptionError naming the option the engine refuses."""
+        values = dict(self.values)
+        default_max = self.default_max_tokens
+        if defaults is not None:
+            values = {**defaults.values, **values}
+            if defaults.default_max_tokens is not None:  # a default budget, never the client's
+                default_max = (defaults.default_max_tokens if default_max is None
+                               else min(defaults.default_max_tokens, default_max))
+        cut = values.get("truncate_prompt_tokens")
+        if cut is not None and cut >= 1:  # the engine keeps the last `cut` tokens
+            prompt_len = min(prompt_len, cut)
+        requested = values.pop("max_tokens", None)
+        if requested is None and default_max is not None and prompt_len < max_model_len:
+            # A default budget (not the client's) shrinks to what the context window leaves.
+            requested = min(default_max, max_model_len - prompt_len)
+        max_tokens = resolve_max_tokens(prompt_len, requested, max_model_len)
+        try:
+            return SamplingParams(max_tokens=max_tokens, structured_outputs=self.structured,
+                                  **values)
+        except ValueError as exc:
+            message = str(exc)
+            # SamplingParams' messages name the option first ("...: top_p must be ..."); a
+            # plain substring search would blame "logprobs" for "prompt_logprobs".
+            named = re.search(r"parameter: (\w+)", message)
+            param = named.group(1) if named and named.group(1) in OPTIONS else None
+            raise OptionError(message, param) from None
+
+
+def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The output budget, checked against the context window like vLLM does: a request that
+    cannot fit is refused up front instead of being cut short by the engine."""
+    if prompt_len >= max_model_len:
+        raise OptionError(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{prompt_len} tokens, which leaves no room for output. Shorten the prompt.",
+            "prompt" if max_tokens is None else "max_tokens")
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    if max_tokens < MIN_MAX_TOKENS:
+        raise OptionError(f"max_tokens must be at least {MIN_MAX_TOKENS} (got {max_tokens})",
+                          "max_tokens")
+    if prompt_len + max_tokens > max_model_len:
+        raise OptionError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} for the completion). Reduce the prompt or max_tokens.", "max_tokens")
+    return max_tokens
 
 
 # Options that clients send and that would change results, but that the engine cannot honour,
@@ -164,11 +281,6 @@ def _as_logit_bias(value: Any, vocab_size: int | None) -> dict[int, float]:
 UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
     "beam_width": (1,), "num_beams": (1,),
     "return_tokens_as_token_ids": (False,), "logits_processors": (),
-}
-# Known to v2 only as refusals: OpenAI bodies declare and check these themselves.
-V2_UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
-    **{k: v for k, v in UNSUPPORTED_OPTIONS.items() if k != "beam_width"}, "echo": (False,),
-    "suffix": (), "tools": (), "top_logprobs": (0,),
 }
 
 
@@ -201,90 +313,13 @@ def unsupported_options(options: Mapping[str, Any],
     best_of = options.get("best_of") if check_best_of and not _truthy(beam) else None
     if best_of is not None:
         try:
-            n = _as_int("n", options.get("n") if options.get("n") is not None else 1)
-            ok = _as_int("best_of", best_of) == n
+            n = as_int("n", options.get("n") if options.get("n") is not None else 1)
+            ok = as_int("best_of", best_of) == n
         except OptionError:
             ok = False
         if not ok:
             bad.append("best_of")
     return bad
-
-
-def normalize_options(options: Mapping[str, Any], vocab_size: int | None = None
-                      ) -> dict[str, Any]:
-    """Coerce the known sampling options (None means "not given"); unknown keys are dropped."""
-    out: dict[str, Any] = {}
-    for name in SAMPLING_OPTIONS:
-        value = options.get(name)
-        if value is None:
-            continue
-        if name in _INTS:
-            out[name] = _as_int(name, value)
-        elif name in _FLOATS:
-            out[name] = _as_float(name, value)
-        elif name in _BOOLS:
-            out[name] = _as_bool(name, value)
-        elif name in ("stop", "bad_words"):
-            out[name] = _as_stop(value, name)
-        elif name == "logit_bias":
-            out[name] = _as_logit_bias(value, vocab_size)
-        elif name == "early_stopping":
-            out[name] = _as_early_stopping(value)
-        else:
-            out[name] = _as_token_ids(value, name)
-            if vocab_size is not None and any(t >= vocab_size for t in out[name]):
-                raise OptionError(f"{name}: token ids must be below the vocabulary size "
-                                  f"({vocab_size})", name)
-    return out
-
-
-def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
-    """The output budget, checked against the context window like vLLM does: a request that
-    cannot fit is refused up front instead of being cut short by the engine."""
-    if prompt_len >= max_model_len:
-        raise OptionError(
-            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-            f"{prompt_len} tokens, which leaves no room for output. Shorten the prompt.",
-            "prompt" if max_tokens is None else "max_tokens")
-    if max_tokens is None:
-        return max_model_len - prompt_len
-    if max_tokens < MIN_MAX_TOKENS:
-        raise OptionError(f"max_tokens must be at least {MIN_MAX_TOKENS} (got {max_tokens})",
-                          "max_tokens")
-    if prompt_len + max_tokens > max_model_len:
-        raise OptionError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-            f"{max_tokens} for the completion). Reduce the prompt or max_tokens.", "max_tokens")
-    return max_tokens
-
-
-def make_sampling_params(options: Mapping[str, Any], *, prompt_len: int, max_model_len: int,
-                         default_max_tokens: int | None, vocab_size: int | None = None
-                         ) -> SamplingParams:
-    """SamplingParams for one prompt; raises OptionError with the offending option."""
-    opts = normalize_options(options, vocab_size)
-    cut = opts.get("truncate_prompt_tokens")
-    if cut is not None and cut >= 1:  # the engine keeps the last `cut` tokens
-        prompt_len = min(prompt_len, cut)
-    requested = opts.pop("max_tokens", None)
-    if requested is None and default_max_tokens is not None and prompt_len < max_model_len:
-        # A default budget (not the client's) shrinks to what the context window leaves.
-        requested = min(default_max_tokens, max_model_len - prompt_len)
-    max_tokens = resolve_max_tokens(prompt_len, requested, max_model_len)
-    try:
-        structured = structured_outputs_option(options)
-    except StructuredOptionError as exc:
-        raise OptionError(str(exc), exc.param) from None
-    try:
-        return SamplingParams(max_tokens=max_tokens, structured_outputs=structured, **opts)
-    except ValueError as exc:
-        message = str(exc)
-        # SamplingParams' messages name the option first ("...: top_p must be ..."); a plain
-        # substring search would blame "logprobs" for "prompt_logprobs".
-        named = re.search(r"parameter: (\w+)", message)
-        param = named.group(1) if named and named.group(1) in SAMPLING_OPTIONS else None
-        raise OptionError(message, param) from None
 
 
 # generation_config.json's sampling fields that become defaults (vLLM's list), by our names.
@@ -293,28 +328,23 @@ GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top
                             "max_new_tokens": "max_tokens"}
 
 
-def generation_defaults(model_path: str | None) -> dict[str, Any]:
+def generation_defaults(model_path: str | None) -> SamplingRequest:
     """`--generation_config auto`: the sampling defaults the model's folder ships in
-    generation_config.json (none when it has none); a request's own values override them."""
+    generation_config.json (none when it has none); a request's own values override them.
+    Its max_new_tokens is a default budget, never taken for the client's max_tokens."""
     if not model_path:
-        return {}
+        return SamplingRequest()
     from pathlib import Path
 
     path = Path(model_path) / "generation_config.json"
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError):
-        return {}
+        return SamplingRequest()
     if not isinstance(config, dict):
-        return {}
-    return {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items()
-            if config.get(theirs) is not None}
-
-
-def with_defaults(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """The request's options over the defaults (an option given as null counts as absent)."""
-    merged = dict(options)
-    for name, value in defaults.items():
-        if merged.get(name) is None:
-            merged[name] = value
-    return merged
+        return SamplingRequest()
+    found = {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items()
+             if config.get(theirs) is not None}
+    budget = found.pop("max_tokens", None)
+    ok = isinstance(budget, int) and not isinstance(budget, bool) and budget > 0
+    return SamplingRequest.of(found, default_max_tokens=budget if ok else None)

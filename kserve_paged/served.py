@@ -4,16 +4,18 @@ prompts reach the engine.
 v2.py, the OpenAI handlers (kserve_paged/openai/) and the LoRA views (lora.py) are written
 against `ServedModel`: `PagedLLMModel` (model.py) implements it, and so does an
 `AdapterView`, the base model under one adapter's name. `submit_all` is the rule both
-protocols follow: every prompt's options are validated before any is queued, then all are
-submitted, and if one submit fails those already queued are aborted: a request is answered
+protocols follow: every prompt's SamplingParams is made (and so validated) from the request's
+one `SamplingRequest` before any is queued, then all are submitted with the request's
+deadline, and if one submit fails those already queued are aborted: a request is answered
 whole or not at all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
+from kserve_paged.request_options import SamplingRequest
 from kserve_paged_engine.frontend.async_llm import RequestStream
 from kserve_paged_engine.lora import LoRARequest
 from kserve_paged_engine.model_info import ModelInfo
@@ -53,30 +55,32 @@ class ServedModel(Protocol):
                      ) -> list[int]:
         """A prompt's token ids, checked (OptionError when it is unusable)."""
 
-    def sampling_params(self, options: Mapping[str, Any], prompt_ids: list[int],
-                        default_max_tokens: int | None) -> SamplingParams:
-        """A request's options as SamplingParams, validated (OptionError)."""
+    def sampling_params(self, request: SamplingRequest, prompt_len: int) -> SamplingParams:
+        """One prompt's SamplingParams from the request's options, the model's defaults under
+        them, validated (OptionError)."""
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, *, kind: str,
                      priority: int = 0, cache_salt: str | None = None,
+                     deadline: float | None = None,
                      pooling_params: PoolingParams | None = None) -> RequestStream:
-        """Hand a validated request to the engine (ValueError: refused; ModelNotReady); with
-        `pooling_params`, a pooling request (kserve_paged/openai/pooling.py)."""
+        """Hand a validated request to the engine, aborted at `deadline` (time.monotonic(),
+        admission.py) if given (ValueError: refused; ModelNotReady); with `pooling_params`,
+        a pooling request (kserve_paged/openai/pooling.py)."""
 
 
 async def submit_all(model: ServedModel, prompts: Sequence[list[int]],
-                     params_for: Callable[[list[int]], SamplingParams], *, kind: str,
-                     priority: int = 0, cache_salt: str | None = None
+                     request: SamplingRequest, *, kind: str, priority: int = 0,
+                     cache_salt: str | None = None, deadline: float | None = None
                      ) -> tuple[list[SamplingParams], list[RequestStream]]:
-    """Validate every prompt's options (`params_for`, raising OptionError), then submit every
-    prompt; a failing submit closes (aborts) the streams already opened and re-raises.
-    Returns each prompt's params and stream."""
-    params = [params_for(ids) for ids in prompts]
+    """Make every prompt's SamplingParams (raising OptionError), then submit every prompt; a
+    failing submit closes (aborts) the streams already opened and re-raises. Returns each
+    prompt's params and stream."""
+    params = [model.sampling_params(request, len(ids)) for ids in prompts]
     streams: list[RequestStream] = []
     try:
         for ids, p in zip(prompts, params):
             streams.append(await model.submit(ids, p, kind=kind, priority=priority,
-                                              cache_salt=cache_salt))
+                                              cache_salt=cache_salt, deadline=deadline))
     except BaseException:
         for s in streams:
             s.close()

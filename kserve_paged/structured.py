@@ -71,15 +71,6 @@ def _from_response_format(value: Any) -> dict[str, Any] | None:
                                 "json_object, json_schema)", "response_format")
 
 
-def structured_outputs_given(options: Mapping[str, Any]) -> bool:
-    """Whether the request names any constraint (before it is checked)."""
-    fmt = options.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type", "text") == "text":
-        fmt = None
-    return bool(fmt) or any(options.get(n) not in (None, "", [], {})
-                            for n in ("structured_outputs", *GUIDED_NAMES))
-
-
 def structured_outputs_option(options: Mapping[str, Any]) -> StructuredOutputs | None:
     """The request's one constraint, or None; raises StructuredOptionError naming the field."""
     found: list[tuple[str, dict[str, Any]]] = []

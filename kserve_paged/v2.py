@@ -24,9 +24,10 @@ from kserve_paged.admission import RequestRefused, parse_timeout_us, tighten
 from kserve_paged.logprobs import TokenText, v2_logprobs
 from kserve_paged.request_options import (
     SAMPLING_OPTIONS,
-    V2_UNSUPPORTED_OPTIONS,
+    UNSUPPORTED_OPTIONS,
     OptionError,
-    beam_width_options,
+    SamplingRequest,
+    as_int,
     unsupported_options,
 )
 from kserve_paged.served import ServedModel, submit_all
@@ -46,6 +47,11 @@ _TRANSPORT_PARAMETERS = frozenset({"binary_data_output", "binary_data_size", "co
                                    "headers", "sequence_id", "sequence_start", "sequence_end"})
 TIMEOUT_PARAMETER = "timeout"  # the request's deadline, in microseconds (admission.py)
 V2_DEFAULT_MAX_TOKENS = 16  # SamplingParams' default, so v2 and LLM.generate agree
+# Known to v2 only as refusals: OpenAI bodies declare and check these themselves.
+V2_UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
+    **{k: v for k, v in UNSUPPORTED_OPTIONS.items() if k != "beam_width"}, "echo": (False,),
+    "suffix": (), "tools": (), "top_logprobs": (0,),
+}
 
 
 def input_types() -> list[dict[str, Any]]:
@@ -57,8 +63,8 @@ def output_types() -> list[dict[str, Any]]:
     return [{"name": OUTPUT_NAME, "datatype": "BYTES", "shape": [-1]}]
 
 
-async def predict(model: ServedModel, payload: InferRequest | dict[str, Any]
-                  ) -> InferResponse | dict[str, Any]:
+async def predict(model: ServedModel, payload: InferRequest | dict[str, Any],
+                  deadline: float | None = None) -> InferResponse | dict[str, Any]:
     """v2: ``text_input`` BYTES [N] -> ``text_output`` BYTES [N], sampling options in the
     request's ``parameters``. v1: ``{"instances": [str, ...], "parameters": {...}}`` ->
     ``{"predictions": [str, ...]}``.
@@ -68,9 +74,10 @@ async def predict(model: ServedModel, payload: InferRequest | dict[str, Any]
     shape holds per sample a JSON string: a list, per generated token, of ``{token_id,
     token, logprob, rank, top_logprobs: [{token_id, token, logprob, rank}, ...]}`` (the top
     k). With ``prompt_logprobs``, an output ``prompt_logprobs`` [N] holds per prompt such a
-    list (null for the first token). v1 answers carry them as decoded JSON."""
+    list (null for the first token). v1 answers carry them as decoded JSON. ``deadline``:
+    the request's (time.monotonic(), admission.py), before ``parameters.timeout``."""
     if isinstance(payload, dict):
-        return await _predict_v1(model, payload)
+        return await _predict_v1(model, payload, deadline)
     if not isinstance(payload, InferRequest):
         raise InvalidInput(f"unsupported request type {type(payload).__name__}")
     inputs = {i.name: i for i in payload.inputs}
@@ -86,8 +93,9 @@ async def predict(model: ServedModel, payload: InferRequest | dict[str, Any]
     texts = _texts(tensor)
     options = v2_parameters(payload.parameters)
     if model.info.job != "generate":  # an FP32 tensor out (kserve_paged/v2_pooling.py)
-        return await predict_pooled(model, payload, texts, options, _TRANSPORT_PARAMETERS)
-    result = await _complete_all(model, texts, options)
+        return await predict_pooled(model, payload, texts, options, _TRANSPORT_PARAMETERS,
+                                    deadline)
+    result = await _complete_all(model, texts, options, deadline)
     outputs = [_bytes_output(OUTPUT_NAME, result.texts, result.n)]
     if result.logprobs is not None:
         outputs.append(_bytes_output(LOGPROBS_NAME, [
@@ -103,14 +111,15 @@ async def predict(model: ServedModel, payload: InferRequest | dict[str, Any]
         requested_outputs=payload.request_outputs)
 
 
-async def _predict_v1(model: ServedModel, body: dict[str, Any]) -> dict[str, Any]:
+async def _predict_v1(model: ServedModel, body: dict[str, Any], deadline: float | None
+                      ) -> dict[str, Any]:
     instances = body.get("instances")
     if not isinstance(instances, list) or not all(isinstance(i, str) for i in instances):
         raise InvalidInput('expected {"instances": ["prompt", ...]} (a list of strings)')
     options = body.get("parameters") or {}
     if not isinstance(options, dict):
         raise InvalidInput('"parameters" must be an object')
-    result = await _complete_all(model, instances, options)
+    result = await _complete_all(model, instances, options, deadline)
     flat = result.n == 1
     answer: dict[str, Any] = {"predictions": [row[0] if flat else row
                                               for row in result.texts]}
@@ -132,14 +141,27 @@ def _check_final(out: Any) -> None:
         raise InferenceError(f"generation failed: {out.error}")
 
 
-def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
+def beam_width_options(options: dict[str, Any]) -> dict[str, Any]:
+    """v2's ``beam_width`` k as the engine's options: beam search over k beams returning
+    ``n`` of them (default 1, transformers' num_return_sequences); 1 (or absent) is off."""
+    out = dict(options)
+    width = out.pop("beam_width", None)
+    if width is None or (isinstance(width, str) and not width.strip()):
+        return out
+    k = as_int("beam_width", width)
+    if k != 1:
+        out["use_beam_search"], out["best_of"] = True, k
+    return out
+
+
+def _checked_options(options: dict[str, Any], deadline: float | None
+                     ) -> tuple[dict[str, Any], float | None]:
     """The request's parameters as sampling options, refused (400) when the engine cannot
-    honour them; its ``parameters.timeout``, first of all, tightens its deadline."""
+    honour them, and its deadline: ``parameters.timeout``, first of all, tightens it."""
     timeout = options.get(TIMEOUT_PARAMETER)
     try:
         seconds = None if timeout is None else parse_timeout_us(timeout, "parameters.timeout")
-        if seconds is not None:  # the header's and the server's may be earlier
-            tighten(seconds)
+        deadline = tighten(deadline, seconds)  # the header's and the server's may be earlier
         options = beam_width_options(options)
     except ValueError as exc:
         raise InvalidInput(str(exc)) from None
@@ -155,23 +177,25 @@ def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         # As vLLM (and the OpenAI routes here) do with unknown fields: ignore, but say so.
         logger.warning("ignoring unknown v2 parameter(s) %s", unknown)
-    return options
+    return options, deadline
 
 
-async def _complete_all(model: ServedModel, texts: list[str], options: dict[str, Any]
-                        ) -> _Completed:
-    options = _checked_options(options)
+async def _complete_all(model: ServedModel, texts: list[str], options: dict[str, Any],
+                        deadline: float | None) -> _Completed:
+    options, deadline = _checked_options(options, deadline)
     if not texts:
         raise InvalidInput(f"input '{INPUT_NAME}' is empty")
     try:
         priority = request_priority(options.get("priority"))
         salt = request_cache_salt(options.get("cache_salt"))
+        request = SamplingRequest.of(options, vocab_size=model.info.vocab_size,
+                                     default_max_tokens=V2_DEFAULT_MAX_TOKENS)
         for text in texts:  # every prompt's length before any is tokenized
             model.check_prompt_chars(len(text))
         prompts = [await model.encode(text) for text in texts]
-        params, streams = await submit_all(
-            model, prompts, lambda ids: model.sampling_params(options, ids, V2_DEFAULT_MAX_TOKENS),
-            kind="v2", priority=priority, cache_salt=salt)
+        params, streams = await submit_all(model, prompts, request, kind="v2",
+                                           priority=priority, cache_salt=salt,
+                                           deadline=deadline)
     except (OptionError, ValueError, TypeError) as exc:
         raise InvalidInput(str(exc)) from None
     except EngineDeadError as exc:
@@ -190,6 +214,8 @@ async def _complete_all(model: ServedModel, texts: list[str], options: dict[str,
     first = params[0]
     samples = [sorted(out.outputs, key=lambda c: c.index) for out in finals]
     result = _Completed(first.n, [[c.text for c in row] for row in samples])
+    if first.logprobs is None and first.prompt_logprobs is None:
+        return result
     text = TokenText(model.info.tokenizer)
     if first.logprobs is not None:
         result.logprobs = [[v2_logprobs(c.token_ids, c.logprobs or [None] * len(c.token_ids),

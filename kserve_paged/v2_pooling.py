@@ -44,12 +44,13 @@ def pooling_params(job: str, options: dict[str, Any], ignored: frozenset[str]
 
 
 async def predict_pooled(model: ServedModel, payload: InferRequest, texts: list[str],
-                         options: dict[str, Any], ignored: frozenset[str]) -> InferResponse:
+                         options: dict[str, Any], ignored: frozenset[str],
+                         deadline: float | None = None) -> InferResponse:
     job = model.info.job
     params = pooling_params(job, options, ignored)
     try:
         prompts = [await model.encode(t) for t in texts]
-        vectors = await pool(model, prompts, params) if prompts else []
+        vectors = await pool(model, prompts, params, deadline) if prompts else []
     except OptionError as exc:
         raise InvalidInput(str(exc)) from None
     except APIError as exc:

@@ -14,28 +14,34 @@ from kserve_paged.logprobs import (
     completion_logprobs,
     prompt_logprobs_json,
 )
-from kserve_paged.request_options import (
-    V2_UNSUPPORTED_OPTIONS,
-    OptionError,
-    make_sampling_params,
-    normalize_options,
-    unsupported_options,
-)
+from kserve_paged.request_options import OptionError, SamplingRequest, unsupported_options
+from kserve_paged.v2 import V2_UNSUPPORTED_OPTIONS
 from kserve_paged_engine.outputs import Logprob
+from kserve_paged_engine.sampling_params import SamplingParams
+
+
+def make_sampling_params(options: dict[str, Any], *, prompt_len: int, max_model_len: int,
+                         default_max_tokens: int | None, vocab_size: int | None = None
+                         ) -> SamplingParams:
+    """One prompt's SamplingParams from wire options, as a front end and the model make it."""
+    request = SamplingRequest.of(options, vocab_size=vocab_size,
+                                 default_max_tokens=default_max_tokens)
+    return request.params(prompt_len, max_model_len)
+
 
 # -- option parsing and rendering (no model) -----------------------------------------------------
 
 def test_options_parse_and_name_the_bad_one():
-    opts = normalize_options({"n": "3", "presence_penalty": "0.5", "logit_bias": '{"7": -100}',
+    opts = SamplingRequest.of({"n": "3", "presence_penalty": "0.5", "logit_bias": '{"7": -100}',
                               "skip_special_tokens": "false", "logprobs": 2,
-                              "include_stop_str_in_output": True}, vocab_size=10)
+                              "include_stop_str_in_output": True}, vocab_size=10).values
     assert opts == {"n": 3, "presence_penalty": 0.5, "logit_bias": {7: -100.0},
                     "skip_special_tokens": False, "logprobs": 2,
                     "include_stop_str_in_output": True}
-    assert normalize_options({"logit_bias": {"3": 1, 4: 2}})["logit_bias"] == {3: 1.0, 4: 2.0}
+    assert SamplingRequest.of({"logit_bias": {"3": 1, 4: 2}}).values["logit_bias"] == {3: 1.0, 4: 2.0}
     for bad in ({"10": 1}, {"-1": 1}, {"x": 1}, {"1": 101}, {"1": "high"}, '{"1":', [1, 2]):
         with pytest.raises(OptionError) as err:
-            normalize_options({"logit_bias": bad}, vocab_size=10)
+            SamplingRequest.of({"logit_bias": bad}, vocab_size=10)
         assert err.value.param == "logit_bias"
     # SamplingParams' own checks name their option (prompt_logprobs is not "logprobs")
     for options, param in (({"prompt_logprobs": 21}, "prompt_logprobs"),

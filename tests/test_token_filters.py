@@ -7,14 +7,25 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from kserve_paged.request_options import OptionError, generation_defaults, make_sampling_params
+from kserve_paged.request_options import OptionError, SamplingRequest, generation_defaults
 from kserve_paged_engine import LLM, SamplingParams
 from kserve_paged_engine.sample.logits_processors import apply_penalties, bad_words_token_ids
 from tests.helpers.thinking_model import VOCAB, write_thinking_model
+
+
+def make_sampling_params(options: dict[str, Any], *, prompt_len: int, max_model_len: int,
+                         default_max_tokens: int | None, vocab_size: int | None = None
+                         ) -> SamplingParams:
+    """One prompt's SamplingParams from wire options, as a front end and the model make it."""
+    request = SamplingRequest.of(options, vocab_size=vocab_size,
+                                 default_max_tokens=default_max_tokens)
+    return request.params(prompt_len, max_model_len)
+
 
 ID = {w: i for i, w in enumerate(VOCAB)}
 # The chat template's generation prompt with thinking on: greedy goes
@@ -71,10 +82,12 @@ def test_generation_defaults_read_vllm_fields(tmp_path: Path):
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 30,
          "do_sample": True, "eos_token_id": 2}))
-    assert generation_defaults(str(tmp_path)) == {"temperature": 0.6, "top_p": 0.95,
-                                                  "top_k": 20, "max_tokens": 30}
-    assert generation_defaults(str(tmp_path / "absent")) == {}
-    assert generation_defaults(None) == {}
+    defaults = generation_defaults(str(tmp_path))
+    # max_new_tokens is a default budget, never taken for the client's max_tokens
+    assert defaults.values == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert defaults.default_max_tokens == 30
+    for none in (generation_defaults(str(tmp_path / "absent")), generation_defaults(None)):
+        assert (dict(none.values), none.default_max_tokens) == ({}, None)
 
 
 @pytest.fixture(scope="module")

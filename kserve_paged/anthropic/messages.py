@@ -13,6 +13,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from kserve.errors import ModelNotReady
 
+from kserve_paged.admission import route_deadline
 from kserve_paged.anthropic.convert import (
     ERROR_TYPES,
     CountTokensBody,
@@ -48,10 +49,11 @@ def _stop(c: CompletionOutput, has_calls: bool, body: MessagesBody
     return stop_reason(finish_reason(c), c.stop_reason, has_calls, body.stop_sequences)
 
 
-async def create_message(model: ServedModel, request: Request, body: MessagesBody
-                         ) -> Response:
+async def create_message(model: ServedModel, request: Request, body: MessagesBody,
+                         deadline: float | None = None) -> Response:
+    """The Message, whole or as events; ``deadline``: the request's (admission.py)."""
     chat = validate(ChatBody, chat_request(body))
-    turn = await start_turn(model, request, chat, "msg")
+    turn = await start_turn(model, request, chat, "msg", deadline)
     events = MessageEvents(new_message_id(), body.model or model.name, turn.prompt_len)
     if body.stream:
         return ClosingStreamingResponse(_events(turn, events, body), turn.streams)
@@ -121,7 +123,8 @@ def register_messages_routes(app: FastAPI, lookup: ModelLookup, prefix: str = "/
     finds the served model a request names (an APIError when it cannot)."""
     async def messages(request: Request) -> Response:
         body = validate(MessagesBody, await read_json(request))
-        return await create_message(lookup(body.model), request, body)
+        return await create_message(lookup(body.model), request, body,
+                                    route_deadline(request))
 
     async def count(request: Request) -> Response:
         body = validate(CountTokensBody, await read_json(request))

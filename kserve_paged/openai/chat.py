@@ -40,14 +40,18 @@ from kserve_paged_engine.frontend.async_llm import EngineDeadError, RequestStrea
 from kserve_paged_engine.outputs import RequestOutput
 
 
-async def chat_completions(model: ServedModel, request: Request, body: ChatBody) -> Response:
+async def chat_completions(model: ServedModel, request: Request, body: ChatBody,
+                           deadline: float | None = None) -> Response:
     """Chat completions: ``n`` choices, ``logprobs``/``top_logprobs`` in OpenAI's chat shape,
     ``max_completion_tokens`` (see :class:`ChatBody`); with a reasoning parser, the thinking
-    in ``message.reasoning`` (and vLLM's older ``reasoning_content``)."""
+    in ``message.reasoning`` (and vLLM's older ``reasoning_content``). ``deadline``: the
+    request's (admission.py)."""
     name = body.model or model.name
-    turn = await start_turn(model, request, body, "chatcmpl")
+    turn = await start_turn(model, request, body, "chatcmpl", deadline)
     streams, plan = turn.streams, turn.plan
-    token_text = TokenText(model.info.tokenizer)
+    # Tokens' text is for logprobs alone: without them logprobs.py has no part.
+    token_text = (TokenText(model.info.tokenizer) if body.top_logprobs_k() is not None
+                  else None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if body.stream:
@@ -64,7 +68,7 @@ async def chat_completions(model: ServedModel, request: Request, body: ChatBody)
 
 
 def _whole(finals: list[RequestOutput], rid: str, created: int, name: str, body: ChatBody,
-           token_text: TokenText, plan: ToolPlan | None,
+           token_text: TokenText | None, plan: ToolPlan | None,
            parser: str | None = None) -> ChatCompletionOut:
     """The response of a request that does not stream: every choice's message (tool calls
     parsed out of its text), logprobs and finish reason."""
@@ -101,7 +105,7 @@ class _ChatStream:
     created: int
     model: str
     k: int | None
-    token_text: TokenText
+    token_text: TokenText | None  # with logprobs (k) only
     plan: ToolPlan | None
     calls: dict[int, StreamedCalls]
     prompt_pending: bool
@@ -176,7 +180,7 @@ def _piece_delta(piece: TurnPiece) -> ChoiceDelta:
 
 
 async def stream_chat(stream: RequestStream, rid: str, created: int, model: str,
-                      include_usage: bool, body: ChatBody, token_text: TokenText,
+                      include_usage: bool, body: ChatBody, token_text: TokenText | None,
                       plan: ToolPlan | None = None, parser: str | None = None
                       ) -> AsyncIterator[str]:
     """The chat response as server-sent events: a role chunk per choice, then each output's

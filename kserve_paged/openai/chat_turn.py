@@ -12,7 +12,7 @@ token, and holds from the next token on. When the prompt already closed the thin
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -21,11 +21,10 @@ from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.parse import chat_conversation, conversation_chars
 from kserve_paged.openai.reasoning import END, START, split_reasoning
 from kserve_paged.openai.schemas import ChatBody
-from kserve_paged.openai.submit import open_streams
 from kserve_paged.openai.tools import ToolCall, ToolPlan, template_messages, tool_plan
-from kserve_paged.request_options import OptionError
-from kserve_paged.served import ServedModel
-from kserve_paged.structured import structured_outputs_given
+from kserve_paged.request_options import OptionError, SamplingRequest
+from kserve_paged.served import ServedModel, submit_all
+from kserve_paged.structured import StructuredOptionError, structured_outputs_option
 from kserve_paged_engine.frontend.async_llm import RequestStream
 
 # apply_chat_template's own arguments: chat_template_kwargs may not replace them.
@@ -66,7 +65,9 @@ async def render_prompt(model: ServedModel, body: ChatBody, plan: ToolPlan | Non
     if body.continue_final_message and body.add_generation_prompt:
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both "
                        "be true", param="continue_final_message")
-    conversation = template_messages(chat_conversation(body.messages))
+    conversation = chat_conversation(body.messages)
+    if any("tool_calls" in message for message in conversation):  # else tools.py has no part
+        conversation = template_messages(conversation)
     extra = template_kwargs(model, body)
     try:  # the length of the messages before the template and the tokenizer see them
         model.check_prompt_chars(conversation_chars(conversation), "messages")
@@ -106,21 +107,51 @@ def reasoning_gate(model: ServedModel, prompt_ids: list[int]) -> int | None:
     return None if last_end > last_start else end
 
 
-async def start_turn(model: ServedModel, request: Request, body: ChatBody, kind: str
-                     ) -> ChatTurn:
-    """Render, tokenize and submit the body's turn (every refusal a 400 before any work)."""
-    plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls,
-                     model.tool_call_parser)
-    prompt_ids = await render_prompt(model, body, plan)
+def with_tools(options: SamplingRequest, plan: ToolPlan | None) -> SamplingRequest:
+    """The request under its tools' own constraint (tool_choice "required" or a named
+    function), which no other constraint may join."""
     constraint = plan.constraint() if plan else None
+    if constraint is None:
+        return options
+    if options.structured is not None:
+        raise APIError(400, "tool_choice \"required\" or a named function constrains the "
+                       "output itself: it cannot be combined with response_format or "
+                       "structured_outputs", param="tool_choice")
+    try:
+        structured = structured_outputs_option({"structured_outputs": constraint})
+    except StructuredOptionError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    return replace(options, structured=structured)
+
+
+async def start_turn(model: ServedModel, request: Request, body: ChatBody, kind: str,
+                     deadline: float | None = None) -> ChatTurn:
+    """Check, render, tokenize and submit the body's turn, to be aborted at `deadline`
+    (admission.py); every refusal is a 400 before the engine sees it, a bad option before
+    the template renders."""
+    plan = None
+    if body.tools or body.tool_choice not in (None, "none"):  # else tools.py has no part
+        plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls,
+                         model.tool_call_parser)
+    try:
+        options = with_tools(body.sampling_request(model.info.vocab_size), plan)
+    except OptionError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    prompt_ids = await render_prompt(model, body, plan)
     parser = model.reasoning_parser
-    gate = None
-    if parser and (constraint is not None
-                   or structured_outputs_given({**body.sampling_options()})):
+    if parser and options.structured is not None:
         gate = reasoning_gate(model, prompt_ids)
+        if gate is not None:
+            options.structured.start_after_token_id = gate
     salt = body.cache_salt or request.headers.get("x-cache-salt")
-    streams = await open_streams(model, [prompt_ids], body, body.output_budget, None, salt,
-                                 kind, constraint=constraint, reasoning_gate=gate)
+    try:
+        _, streams = await submit_all(model, [prompt_ids], options, kind=kind,
+                                      priority=body.priority, cache_salt=salt,
+                                      deadline=deadline)
+    except OptionError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
     return ChatTurn(streams, plan, parser, len(prompt_ids))
 
 

@@ -29,23 +29,25 @@ from kserve_paged.openai.stream import (
     sse,
     until_disconnect,
 )
-from kserve_paged.openai.submit import open_streams
 from kserve_paged.request_options import OptionError
-from kserve_paged.served import ServedModel
+from kserve_paged.served import ServedModel, submit_all
 from kserve_paged_engine.frontend.async_llm import EngineDeadError, RequestStream
 from kserve_paged_engine.outputs import RequestOutput
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /completions
 
 
-async def completions(model: ServedModel, request: Request, body: CompletionBody) -> Response:
+async def completions(model: ServedModel, request: Request, body: CompletionBody,
+                      deadline: float | None = None) -> Response:
     """Legacy completions. ``n`` samples per prompt: choice ``index`` is prompt number * n
     + sample number. ``echo`` puts the prompt in front of each choice's text (and, with
-    ``logprobs``, its tokens in front of the logprobs: the first one has none)."""
+    ``logprobs``, its tokens in front of the logprobs: the first one has none). ``deadline``:
+    the request's (admission.py)."""
     name = body.model or model.name
     prompts = split_prompts(body.prompt)
     tokenizer = model.info.tokenizer
     try:
+        options = body.sampling_request(model.info.vocab_size, COMPLETIONS_DEFAULT_MAX_TOKENS)
         for p in prompts:  # every prompt's length before any is tokenized
             if isinstance(p, str):
                 model.check_prompt_chars(len(p))
@@ -55,12 +57,18 @@ async def completions(model: ServedModel, request: Request, body: CompletionBody
     prompt_texts = ([p if isinstance(p, str) else tokenizer.decode(ids)
                      for p, ids in zip(prompts, prompt_ids)] if body.echo else None)
     # Echoed logprobs need the prompt's: ask the engine for as many as for the output.
-    prompt_k = body.prompt_logprobs
     if body.echo and body.logprobs is not None:
-        prompt_k = max(prompt_k or 0, body.logprobs)
+        options = options.with_values(prompt_logprobs=max(body.prompt_logprobs or 0,
+                                                          body.logprobs))
     salt = body.cache_salt or request.headers.get("x-cache-salt")
-    streams = await open_streams(model, prompt_ids, body, body.max_tokens,
-                                 COMPLETIONS_DEFAULT_MAX_TOKENS, salt, "cmpl", prompt_k)
+    try:
+        _, streams = await submit_all(model, prompt_ids, options, kind="cmpl",
+                                      priority=body.priority, cache_salt=salt,
+                                      deadline=deadline)
+    except OptionError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
     render = CompletionRender(body, TokenText(tokenizer), prompt_texts)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())

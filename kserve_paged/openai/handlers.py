@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from kserve.errors import InferenceError, ModelNotReady
 from openai.types import Model as OpenAIModel
 
-from kserve_paged.admission import RequestRefused
+from kserve_paged.admission import RequestRefused, route_deadline
 from kserve_paged.lora import AdapterView
 from kserve_paged.openai import pooling
 from kserve_paged.openai.chat import chat_completions
@@ -91,42 +91,54 @@ class OpenAIRoutes:
         return {"object": "list", "data": data}
 
     def generator(self, name: str | None, route: str) -> ServedModel:
-        """The named model, or a 400 naming its job when it does not generate."""
+        """The named model, or a 400 naming its job when it does not generate (the check
+        here: a generating model never enters pooling.py)."""
         model = self.model_named(name)
-        pooling.require_job(model, ("generate",), route)
+        if model.info.job != "generate":
+            pooling.require_job(model, ("generate",), route)
         return model
 
     async def completions(self, request: Request) -> Response:
         body: CompletionBody = await parse_body(request, CompletionBody)
-        return await completions(self.generator(body.model, "/completions"), request, body)
+        return await completions(self.generator(body.model, "/completions"), request, body,
+                                 deadline(request, body.timeout))
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatBody = await parse_body(request, ChatBody)
         return await chat_completions(self.generator(body.model, "/chat/completions"),
-                                      request, body)
+                                      request, body, deadline(request, body.timeout))
 
     async def responses(self, request: Request) -> Response:
         body, chat = parse_responses(await read_json(request))
         return await create_response(self.generator(body.model, "/responses"), request, body,
-                                     chat)
+                                     chat, deadline(request))
 
     async def embeddings(self, request: Request) -> Response:
         body: EmbeddingBody = await parse_body(request, EmbeddingBody)
-        return await pooling.embeddings(self.model_named(body.model), body)
+        return await pooling.embeddings(self.model_named(body.model), body, deadline(request))
 
     async def rerank(self, request: Request) -> Response:
         body: RerankBody = await parse_body(request, RerankBody)
-        return await pooling.rerank(self.model_named(body.model), body)
+        return await pooling.rerank(self.model_named(body.model), body, deadline(request))
 
     async def score(self, request: Request) -> Response:
         body: ScoreBody = await parse_body(request, ScoreBody)
-        return await pooling.score(self.model_named(body.model), body)
+        return await pooling.score(self.model_named(body.model), body, deadline(request))
 
     async def classify(self, request: Request) -> Response:
         body: ClassifyBody = await parse_body(request, ClassifyBody)
-        return await pooling.classify(self.model_named(body.model), body)
+        return await pooling.classify(self.model_named(body.model), body, deadline(request))
 
     model = model_named  # the root routes' name for it (vllm_routes.py)
+
+
+def deadline(request: Request, timeout: float | None = None) -> float | None:
+    """The request's deadline (admission.py), tightened by the body's ``timeout``: read once
+    here and passed down to the engine; a bad ``timeout`` is a 400."""
+    try:
+        return route_deadline(request, timeout)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
 
 
 def _in_openai_shape(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:

@@ -51,14 +51,15 @@ async def _tokens(model: ServedModel, prompt: str | list[int], pair: str | None 
         raise APIError(400, str(exc), param=exc.param or "input") from None
 
 
-async def pool(model: ServedModel, prompts: list[list[int]], params: PoolingParams
-               ) -> list[torch.Tensor]:
-    """Every prompt through the engine at once (all queued, then awaited): their results."""
+async def pool(model: ServedModel, prompts: list[list[int]], params: PoolingParams,
+               deadline: float | None = None) -> list[torch.Tensor]:
+    """Every prompt through the engine at once (all queued, then awaited), each aborted at the
+    request's `deadline` (admission.py): their results."""
     streams = []
     try:
         for ids in prompts:
             streams.append(await model.submit(ids, _PROMPT_ONLY, kind="pool",
-                                              pooling_params=params))
+                                              deadline=deadline, pooling_params=params))
     except ValueError as exc:
         for s in streams:
             s.close()
@@ -86,7 +87,8 @@ def _encode_vector(vec: torch.Tensor, fmt: str) -> list[float] | str:
     return vec.float().tolist()
 
 
-async def embeddings(model: ServedModel, body: EmbeddingBody) -> JSONResponse:
+async def embeddings(model: ServedModel, body: EmbeddingBody, deadline: float | None = None
+                     ) -> JSONResponse:
     require_job(model, ("embed",), "/embeddings")
     given = body.input
     if isinstance(given, str) or (isinstance(given, list) and given
@@ -99,7 +101,7 @@ async def embeddings(model: ServedModel, body: EmbeddingBody) -> JSONResponse:
         params = PoolingParams("embed", body.dimensions, body.normalize)
     except ValueError as exc:
         raise APIError(400, str(exc), param="dimensions") from None
-    vectors = await pool(model, prompts, params)
+    vectors = await pool(model, prompts, params, deadline)
     data = [{"object": "embedding", "index": i, "embedding": _encode_vector(v,
                                                                             body.encoding_format)}
             for i, v in enumerate(vectors)]
@@ -107,25 +109,26 @@ async def embeddings(model: ServedModel, body: EmbeddingBody) -> JSONResponse:
                          "usage": _usage(prompts)})
 
 
-async def score_pairs(model: ServedModel, pairs: list[tuple[str, str]], route: str
-                      ) -> tuple[list[float], list[list[int]]]:
+async def score_pairs(model: ServedModel, pairs: list[tuple[str, str]], route: str,
+                      deadline: float | None = None) -> tuple[list[float], list[list[int]]]:
     """A score per (query, document) pair, and the prompts it took (for usage)."""
     job = require_job(model, ("classify", "embed"), route)
     if job == "classify":
         prompts = [await _tokens(model, q, d) for q, d in pairs]
-        logits = await pool(model, prompts, PoolingParams("classify"))
+        logits = await pool(model, prompts, PoolingParams("classify"), deadline)
         return [float(torch.sigmoid(x[0]) if x.numel() == 1 else torch.softmax(x, 0)[-1])
                 for x in logits], prompts
     texts = sorted({t for pair in pairs for t in pair})
     prompts = [await _tokens(model, t) for t in texts]
-    vecs = dict(zip(texts, await pool(model, prompts, PoolingParams("embed"))))
+    vecs = dict(zip(texts, await pool(model, prompts, PoolingParams("embed"), deadline)))
     return [float(torch.nn.functional.cosine_similarity(vecs[q], vecs[d], dim=0))
             for q, d in pairs], prompts
 
 
-async def rerank(model: ServedModel, body: RerankBody) -> JSONResponse:
+async def rerank(model: ServedModel, body: RerankBody, deadline: float | None = None
+                 ) -> JSONResponse:
     scores, prompts = await score_pairs(model, [(body.query, d) for d in body.documents],
-                                        "/rerank")
+                                        "/rerank", deadline)
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n or len(scores)]
     results = []
     for i in order:
@@ -142,7 +145,8 @@ def _as_list(texts: str | list[str] | None) -> list[str]:
     return [texts] if isinstance(texts, str) else list(texts or [])
 
 
-async def score(model: ServedModel, body: ScoreBody) -> JSONResponse:
+async def score(model: ServedModel, body: ScoreBody, deadline: float | None = None
+                ) -> JSONResponse:
     new = body.queries is not None or body.documents is not None
     left = _as_list(body.queries if new else body.text_1)
     right = _as_list(body.documents if new else body.text_2)
@@ -154,20 +158,21 @@ async def score(model: ServedModel, body: ScoreBody) -> JSONResponse:
     if len(left) != len(right):
         raise APIError(400, f"{names[0]} must be one text or as many as {names[1]} (got "
                        f"{len(left)} and {len(right)})", param=names[0])
-    scores, prompts = await score_pairs(model, list(zip(left, right)), "/score")
+    scores, prompts = await score_pairs(model, list(zip(left, right)), "/score", deadline)
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
     return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list",
                          "created": int(time.time()), "model": body.model or model.name,
                          "data": data, "usage": _usage(prompts)})
 
 
-async def classify(model: ServedModel, body: ClassifyBody) -> JSONResponse:
+async def classify(model: ServedModel, body: ClassifyBody, deadline: float | None = None
+                   ) -> JSONResponse:
     require_job(model, ("classify",), "/classify")
     texts = _as_list(body.input)
     if not texts:
         raise APIError(400, "input is empty", param="input")
     prompts = [await _tokens(model, t) for t in texts]
-    logits = await pool(model, prompts, PoolingParams("classify"))
+    logits = await pool(model, prompts, PoolingParams("classify"), deadline)
     labels = model.info.labels
     data = []
     for i, x in enumerate(logits):

@@ -61,8 +61,9 @@ def _items(c: CompletionOutput, turn: ChatTurn) -> tuple[list[dict[str, Any]], s
 
 
 async def create_response(model: ServedModel, request: Request, body: ResponsesBody,
-                          chat: ChatBody) -> Response:
-    turn = await start_turn(model, request, chat, "resp")
+                          chat: ChatBody, deadline: float | None = None) -> Response:
+    """The Response, whole or as events; ``deadline``: the request's (admission.py)."""
+    turn = await start_turn(model, request, chat, "resp", deadline)
     name, rid, created = body.model or model.name, new_id("resp"), now()
 
     def build(output: list[dict[str, Any]], status: str, usage: dict[str, Any] | None,

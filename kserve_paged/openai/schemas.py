@@ -10,10 +10,9 @@ from typing import Any
 
 from openai.types import Completion, CompletionChoice
 from openai.types.chat import ChatCompletion
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
 
-from kserve_paged.request_options import unsupported_options
-from kserve_paged.structured import STRUCTURED_OPTION_NAMES
+from kserve_paged.request_options import OPTIONS, SamplingRequest, unsupported_options
 
 # -- request bodies ---------------------------------------------------------------------------
 
@@ -23,60 +22,43 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingBody(BaseModel):
-    """Fields common to both endpoints. Unknown fields are accepted and ignored (clients send
-    vendor extras); the known ones that would change results are checked in ``unsupported``."""
+# The sampling options' fields, declared from the one table of them (request_options.OPTIONS).
+_SamplingFields = create_model(
+    "_SamplingFields", __config__=ConfigDict(extra="allow"),
+    **{name: (option.body_type, option.body_default) for name, option in OPTIONS.items()
+       if option.body_type is not None})
+
+
+class SamplingBody(_SamplingFields):
+    """Fields common to both endpoints: the sampling options of ``OPTIONS`` and these.
+    Unknown fields are accepted and ignored (clients send vendor extras); the known ones that
+    would change results are checked in ``unsupported``."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    ignore_eos: bool = False
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     cache_salt: str | None = None
     priority: int = 0
     timeout: float | None = None  # ours: seconds to the deadline (kserve_paged/admission.py)
-    # vLLM's extras
-    prompt_logprobs: int | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    # vLLM's beam search extras: best_of beams (default n), the n best returned.
-    use_beam_search: bool = False
-    best_of: int | None = None
-    length_penalty: float | None = None
-    early_stopping: bool | str | None = None
-    # vLLM's token filters and prompt cut (engine/kserve_paged_engine/sampling_params.py)
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
 
-    def sampling_options(self) -> dict[str, Any]:
-        """The options that go to SamplingParams as given (``logprobs`` is per endpoint)."""
-        options = {name: getattr(self, name) for name in (
-            "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
-            "min_tokens", "stop_token_ids", "n", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "logit_bias", "prompt_logprobs", "include_stop_str_in_output",
-            "skip_special_tokens", "response_format", "use_beam_search", "best_of",
-            "length_penalty", "early_stopping", "allowed_token_ids", "bad_words",
-            "truncate_prompt_tokens")}
-        extra = self.model_extra or {}
-        options.update({name: extra[name] for name in STRUCTURED_OPTION_NAMES if name in extra})
-        return options
+    @property
+    def output_budget(self) -> int | None:
+        """The client's max_tokens (chat: or max_completion_tokens)."""
+        return self.max_tokens
+
+    def sampling_request(self, vocab_size: int | None,
+                         default_max_tokens: int | None = None) -> SamplingRequest:
+        """The body's options, coerced and checked (OptionError naming one): the table's
+        fields, the structured-output spellings (vLLM's are extras), and the endpoint's own
+        ``max_tokens`` and ``logprobs``."""
+        wire = {**(self.model_extra or {}), **{name: getattr(self, name, None) for name in OPTIONS}}
+        wire.update(max_tokens=self.output_budget, logprobs=self.top_logprobs_k(),
+                    response_format=self.response_format)
+        return SamplingRequest.of(wire, vocab_size=vocab_size,
+                                  default_max_tokens=default_max_tokens)
 
     def top_logprobs_k(self) -> int | None:
         """Top log-probabilities per generated token, or None when none are asked for."""
