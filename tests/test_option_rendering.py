@@ -17,17 +17,7 @@ from kserve_paged.logprobs import (
 from kserve_paged.request_options import OptionError, SamplingRequest, unsupported_options
 from kserve_paged.v2 import V2_UNSUPPORTED_OPTIONS
 from kserve_paged_engine.outputs import Logprob
-from kserve_paged_engine.sampling_params import SamplingParams
-
-
-def make_sampling_params(options: dict[str, Any], *, prompt_len: int, max_model_len: int,
-                         default_max_tokens: int | None, vocab_size: int | None = None
-                         ) -> SamplingParams:
-    """One prompt's SamplingParams from wire options, as a front end and the model make it."""
-    request = SamplingRequest.of(options, vocab_size=vocab_size,
-                                 default_max_tokens=default_max_tokens)
-    return request.params(prompt_len, max_model_len)
-
+from tests.helpers.options import make_sampling_params
 
 # -- option parsing and rendering (no model) -----------------------------------------------------
 

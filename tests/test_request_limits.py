@@ -15,20 +15,11 @@ import pytest
 from kserve_paged import args as server_args
 from kserve_paged.openai.openapi import operation_schema
 from kserve_paged.openai.schemas import ChatBody, ChatCompletionOut, CompletionBody, CompletionOut
-from kserve_paged.request_options import OptionError, SamplingRequest
+from kserve_paged.request_options import OptionError
 from kserve_paged_engine import limits as L
 from kserve_paged_engine.sampling_params import SamplingParams
+from tests.helpers.options import make_sampling_params
 from tests.helpers.server import NAME, V2_BODY, FakeEngine, FakeTokenizer, client, ready, run
-
-
-def make_sampling_params(options: dict[str, Any], *, prompt_len: int, max_model_len: int,
-                         default_max_tokens: int | None, vocab_size: int | None = None
-                         ) -> SamplingParams:
-    """One prompt's SamplingParams from wire options, as a front end and the model make it."""
-    request = SamplingRequest.of(options, vocab_size=vocab_size,
-                                 default_max_tokens=default_max_tokens)
-    return request.params(prompt_len, max_model_len)
-
 
 # -- the numbers, and who reads them -----------------------------------------------------------
 

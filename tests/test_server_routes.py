@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from kserve_paged import server as srv
-from kserve_paged.request_options import OptionError, SamplingRequest, resolve_max_tokens
+from kserve_paged.request_options import OptionError, resolve_max_tokens
 from kserve_paged.v2 import v2_parameters
-from kserve_paged_engine.sampling_params import SamplingParams
+from tests.helpers.options import make_sampling_params
 from tests.helpers.server import (
     NAME,
     V2_BODY,
@@ -26,16 +26,6 @@ from tests.helpers.server import (
     ready,
     run,
 )
-
-
-def make_sampling_params(options: dict[str, Any], *, prompt_len: int, max_model_len: int,
-                         default_max_tokens: int | None, vocab_size: int | None = None
-                         ) -> SamplingParams:
-    """One prompt's SamplingParams from wire options, as a front end and the model make it."""
-    request = SamplingRequest.of(options, vocab_size=vocab_size,
-                                 default_max_tokens=default_max_tokens)
-    return request.params(prompt_len, max_model_len)
-
 
 # -- readiness --------------------------------------------------------------------------------
 

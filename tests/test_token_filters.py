@@ -7,25 +7,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from kserve_paged.request_options import OptionError, SamplingRequest, generation_defaults
+from kserve_paged.request_options import OptionError, generation_defaults
 from kserve_paged_engine import LLM, SamplingParams
 from kserve_paged_engine.sample.logits_processors import apply_penalties, bad_words_token_ids
+from tests.helpers.options import make_sampling_params
 from tests.helpers.thinking_model import VOCAB, write_thinking_model
-
-
-def make_sampling_params(options: dict[str, Any], *, prompt_len: int, max_model_len: int,
-                         default_max_tokens: int | None, vocab_size: int | None = None
-                         ) -> SamplingParams:
-    """One prompt's SamplingParams from wire options, as a front end and the model make it."""
-    request = SamplingRequest.of(options, vocab_size=vocab_size,
-                                 default_max_tokens=default_max_tokens)
-    return request.params(prompt_len, max_model_len)
-
 
 ID = {w: i for i, w in enumerate(VOCAB)}
 # The chat template's generation prompt with thinking on: greedy goes
