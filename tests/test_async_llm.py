@@ -7,6 +7,7 @@ model and compares with the offline LLM.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from kserve_paged_engine.frontend.async_llm import AsyncLLM, EngineDeadError, StepInfo
+from kserve_paged_engine.limits import request_id_in_use
 from kserve_paged_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kserve_paged_engine.sampling_params import SamplingParams
 
@@ -39,7 +41,7 @@ class FakeEngine:
         if not ids:
             raise ValueError("the prompt is empty: at least one token is required")
         if request_id in self.reqs:
-            raise ValueError(f"duplicate request id {request_id}")
+            raise ValueError(request_id_in_use(request_id))
         if len(ids) > self.max_model_len:
             raise ValueError("prompt too long")
         self.reqs[request_id] = {"prompt": ids, "out": [], "params": params,
@@ -143,7 +145,7 @@ def test_validation_errors_reach_the_caller_and_engine_goes_on():
         with pytest.raises(ValueError, match="too long"):
             await llm.add([1] * 10, SamplingParams(max_tokens=2), "long")
         stream = await llm.add([1], SamplingParams(max_tokens=10_000), "dup")
-        with pytest.raises(ValueError, match="already in use"):
+        with pytest.raises(ValueError, match=re.escape(request_id_in_use("dup"))):
             await llm.add([1], SamplingParams(max_tokens=2), "dup")
         await stream.aclose()
         assert len(await collect(llm, [1], 2, "ok")) == 2

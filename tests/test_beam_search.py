@@ -4,7 +4,6 @@ random Llama (the default model's tokenizer, an EOS id the beams actually reach)
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kserve_paged_engine import LLM, SamplingParams
 from kserve_paged_engine.frontend.default_model import ensure_default_model
+from tests.helpers.tiny_models import copy_default_tokenizer, save_random
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from bench_block_sharing import measure  # noqa: E402
@@ -32,17 +32,8 @@ def tiny(tmp_path_factory) -> tuple[Path, torch.nn.Module, int]:
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=1024, tie_word_embeddings=True,
                       eos_token_id=TOKENIZER_EOS, bos_token_id=1)
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(cfg).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(torch.rand(p.shape, generator=g) + 0.5 if "norm" in name
-                    else torch.randn(p.shape, generator=g) * 0.15)
-    hf.save_pretrained(d)
-    for f in ensure_default_model(progress=lambda _: None).iterdir():
-        if "token" in f.name or f.name in ("vocab.json", "merges.txt"):
-            shutil.copy(f, d / f.name)
+    save_random(cfg, d)
+    copy_default_tokenizer(d)
     ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     with torch.inference_mode():
         free = ref.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=6, do_sample=False,

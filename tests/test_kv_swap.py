@@ -25,19 +25,15 @@ from kserve_paged_engine import SamplingParams
 from kserve_paged_engine.core.kv_tier.disk import DiskTier
 from kserve_paged_engine.core.kv_tier.measured_rate import MeasuredRate
 from kserve_paged_engine.core.kv_tier.swap import Swapper
-from tests.test_kv_tier import FLOODS, PROMPT, dirs, engine  # noqa: F401 - dirs: a fixture
+from tests.helpers.kv_tier_engine import FLOODS, PROMPT, Fixed, engine, tier_dirs
 
 LONG = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
 PROMPTS = [PROMPT, FLOODS[0]]
 
 
-class Fixed(MeasuredRate):
-    """A stubbed rate: measurements do not move it."""
-
-    __slots__ = ()
-
-    def observe(self, amount: float, seconds: float) -> None:
-        pass
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return tier_dirs(tmp_path_factory)
 
 
 def stub_rates(llm, write: float = 1e9, read: float = 1e9, prefill: float = 1e3) -> None:
@@ -52,7 +48,7 @@ def generate(llm) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def never_preempted(dirs):  # noqa: F811
+def never_preempted(dirs):
     """Each dtype's outputs on a pool that holds both requests (no preemption)."""
     want = {}
     for dtype in ("float32", "bfloat16"):
@@ -63,7 +59,7 @@ def never_preempted(dirs):  # noqa: F811
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_swapped_request_continues_as_if_never_preempted(dirs, never_preempted,  # noqa: F811
+def test_a_swapped_request_continues_as_if_never_preempted(dirs, never_preempted,
                                                           tmp_path, dtype, caplog):
     llm = engine(dirs, dtype, tmp_path)
     stub_rates(llm, prefill=10.0)  # a slow prefill: every preemption swaps
@@ -79,7 +75,7 @@ def test_a_swapped_request_continues_as_if_never_preempted(dirs, never_preempted
     llm.engine.close()
 
 
-def test_slow_copies_make_the_cost_model_recompute(dirs, never_preempted, tmp_path,  # noqa: F811
+def test_slow_copies_make_the_cost_model_recompute(dirs, never_preempted, tmp_path,
                                                    caplog):
     """A recomputed victim still comes back partly by copy: its full blocks stay cached when
     freed and return through the prefix lookup (from the pool, or from the tier where the
@@ -124,7 +120,7 @@ def writes_done_after_each_step(llm) -> None:
 
 
 def test_a_tier_too_small_or_failing_recomputes_with_the_right_answer(
-        dirs, never_preempted, tmp_path, monkeypatch):  # noqa: F811
+        dirs, never_preempted, tmp_path, monkeypatch):
     small = engine(dirs, "float32", tmp_path / "small")
     stub_rates(small, prefill=10.0)
     small.engine.kv_tier.capacity_blocks = 1  # holds no victim's blocks
@@ -149,7 +145,7 @@ def test_a_tier_too_small_or_failing_recomputes_with_the_right_answer(
 
 
 def test_a_swap_read_back_before_its_failing_writes_ran_resumes_whole(
-        dirs, never_preempted, tmp_path, monkeypatch):  # noqa: F811
+        dirs, never_preempted, tmp_path, monkeypatch):
     """The tier writer is a thread: a write that will fail may still be queued when the
     victim resumes, and the lookup then reads the queued bytes (the very bytes copied out of
     the pool). That is a whole swap-in, counted as one; only a write that has failed by then
@@ -173,7 +169,7 @@ def test_a_swap_read_back_before_its_failing_writes_ran_resumes_whole(
     llm.engine.close()
 
 
-def test_a_swapped_request_that_ends_while_waiting_is_counted_dropped(dirs, tmp_path):  # noqa: F811
+def test_a_swapped_request_that_ends_while_waiting_is_counted_dropped(dirs, tmp_path):
     """Every swap-out ends as one of ins, short or dropped: an abort while swapped is no
     swap-in, and its record and tier blocks go."""
     llm = engine(dirs, "float32", tmp_path)

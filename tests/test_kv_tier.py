@@ -11,66 +11,27 @@ same engine's pool hit (a prefill cut at another place may round differently on 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from kserve_paged_engine import LLM, SamplingParams
 from kserve_paged_engine.lora import LoRARequest
-from tests.helpers.lora import make_adapter, tiny_base
-
-BS = 4
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-PROMPT = [(i * 37) % 5000 + 10 for i in range(41)]  # 10 full blocks before its last token
-FLOODS = [[(i * 53 + k * 1000) % 7000 + 20 for i in range(41)] for k in (1, 2, 3)]
-
-
-def tier_json(root: Path, **extra) -> str:
-    """KServe 0.20's rendering of spec.kvCacheOffloading."""
-    return json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                       "kv_connector_extra_config": {
-                           "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20,
-                           "eviction_policy": "lru",
-                           "secondary_tiers": [{"type": "fs", "root_dir": str(root)}], **extra}})
+from tests.helpers.kv_tier_engine import (
+    BS,
+    GREEDY,
+    PROMPT,
+    engine,
+    flood,
+    hits,
+    run,
+    tier_dirs,
+)
+from tests.helpers.lora import make_adapter
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("kv_tier")
-    tiny_base(root / "base")
-    return {"base": root / "base", "root": root}
-
-
-def engine(dirs, dtype: str, tmp: Path | None, **kw) -> LLM:
-    """A pool of 24 blocks of 4 tokens: two other prompts evict the first one's blocks."""
-    opts = dict(model=str(dirs["base"]), block_size=BS, num_kv_blocks=24, max_model_len=96,
-                dtype=dtype, max_num_seqs=2) | kw
-    if tmp is not None:
-        opts["kv_transfer_config"] = tier_json(tmp)
-    return LLM(**opts)
-
-
-def run(llm: LLM, prompt: list[int], salt: str | None = None,
-        lora: LoRARequest | None = None) -> list[int]:
-    eng = llm.engine
-    rid = eng.next_request_id()
-    eng.add_request(rid, prompt, GREEDY, cache_salt=salt, lora_request=lora)
-    tokens: list[int] = []
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.request_id == rid and out.finished:
-                tokens = list(out.outputs[0].token_ids)
-    return tokens
-
-
-def hits(llm: LLM) -> int:
-    return llm.engine.kv_tier.stats.hits
-
-
-def flood(llm: LLM) -> None:
-    for p in FLOODS:
-        run(llm, p)
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return tier_dirs(tmp_path_factory)
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["cpu-native", "reference"])

@@ -10,6 +10,8 @@ the float32 answers equal the computed ones whatever the ISA.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,10 +21,14 @@ from kserve_paged_engine.core.kv_events import BlockStored
 from kserve_paged_engine.core.kv_tier.disk import DiskTier
 from kserve_paged_engine.core.kv_tier.host import HOST_MEDIUM, HostSlot, HostTier
 from kserve_paged_engine.worker.kv_host_copy import SyncCopier, runs
-from tests.test_kv_swap import Fixed
-from tests.test_kv_tier import PROMPT, dirs, engine, flood, run  # noqa: F401 - dirs: a fixture
+from tests.helpers.kv_tier_engine import PROMPT, Fixed, engine, flood, run, tier_dirs
 
 LONG = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return tier_dirs(tmp_path_factory)
 
 
 def host_config(fs_root=None, policy: str = "lru") -> KVTierConfig:
@@ -35,7 +41,7 @@ def no_leak(tier: HostTier) -> None:
     assert len(tier.slots) == len(tier.index) <= tier.index.capacity
 
 
-def test_a_host_tier_hit_continues_as_computed(dirs):  # noqa: F811
+def test_a_host_tier_hit_continues_as_computed(dirs):
     llm = engine(dirs, "float32", None, kv_transfer_config=host_config(policy="arc"))
     tier = llm.engine.kv_tier
     assert isinstance(tier, HostTier) and tier.lower is None
@@ -49,7 +55,7 @@ def test_a_host_tier_hit_continues_as_computed(dirs):  # noqa: F811
     llm.engine.close()
 
 
-def test_host_evictions_spill_to_the_disk_below_and_come_back(dirs, tmp_path):  # noqa: F811
+def test_host_evictions_spill_to_the_disk_below_and_come_back(dirs, tmp_path):
     llm = engine(dirs, "float32", None, kv_transfer_config=host_config(tmp_path))
     tier = llm.engine.kv_tier
     tier.index.capacity = 6  # the flood pushes PROMPT's blocks through host memory to disk
@@ -66,7 +72,7 @@ def test_host_evictions_spill_to_the_disk_below_and_come_back(dirs, tmp_path):  
     llm.engine.close()
 
 
-def test_a_swap_goes_through_host_memory(dirs):  # noqa: F811
+def test_a_swap_goes_through_host_memory(dirs):
     prompts = [PROMPT, [(i * 53 + 1000) % 7000 + 20 for i in range(41)]]
     ref = engine(dirs, "float32", None, num_kv_blocks=64)
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, LONG, use_tqdm=False)]

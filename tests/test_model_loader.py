@@ -13,7 +13,6 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -27,8 +26,8 @@ from tests.helpers.tiny_models import (  # noqa: E402
     VOCAB,
     PagedSim,
     common_config,
-    randomise,
     save_checkpoint,
+    save_random,
 )
 
 ATOL = 1e-4
@@ -97,10 +96,7 @@ def test_missing_tensor_in_checkpoint(tmp_path: Path) -> None:
 
 
 def test_sharded_checkpoint(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(CONFIGS["llama_mha_tied_bias"]()).eval()
-    randomise(hf, 3)
-    hf.save_pretrained(tmp_path, max_shard_size="60KB")
+    hf = save_random(CONFIGS["llama_mha_tied_bias"](), tmp_path, seed=3, max_shard_size="60KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"))
     torch.testing.assert_close(model.model.layers[2].mlp.down_proj.weight,

@@ -8,12 +8,11 @@ pool is kept (`TPExecutor.keep`) and each engine only loads and releases its sha
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config
 
 from kserve_paged_engine.config.engine import EngineConfig
 from kserve_paged_engine.frontend.default_model import ensure_default_model
@@ -23,6 +22,7 @@ from kserve_paged_engine.model_executor.tp_layout import TPLayout
 from kserve_paged_engine.pooling_params import PoolingParams
 from kserve_paged_engine.sampling_params import SamplingParams
 from kserve_paged_engine.worker.tp_executor import TPExecutor
+from tests.helpers.tiny_models import copy_default_tokenizer, save_random
 
 LOGITS_ATOL = 1e-5
 VOCAB = 49153  # odd: the last vocabulary shard has a padding row
@@ -61,22 +61,9 @@ def workers():
     pool.stop()
 
 
-def _tokenizer_files(folder: Path) -> None:
-    for f in ensure_default_model(progress=lambda _: None).iterdir():
-        if "token" in f.name or f.name in ("vocab.json", "merges.txt"):
-            shutil.copy(f, folder / f.name)
-
-
 def _save(name: str, folder: Path) -> Path:
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(CONFIGS[name]())
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for pname, p in hf.named_parameters():
-            p.copy_(torch.rand(p.shape, generator=g) + 0.5 if "norm" in pname
-                    else torch.randn(p.shape, generator=g) * 0.15)
-    hf.save_pretrained(folder)
-    _tokenizer_files(folder)
+    save_random(CONFIGS[name](), folder, seed=1)
+    copy_default_tokenizer(folder)
     return folder
 
 
@@ -184,7 +171,7 @@ def test_unsharded_families_refuse_tp(workers: TPExecutor, tmp_path: Path) -> No
     from transformers import Gemma2Config
 
     Gemma2Config(**_common(head_dim=12)).save_pretrained(tmp_path)
-    _tokenizer_files(tmp_path)
+    copy_default_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="not sharded"):
         LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", tensor_parallel_size=2,
                                num_kv_blocks=8))
@@ -224,7 +211,7 @@ def test_tp2_pooling_matches_tp1(classifier: bool, workers: TPExecutor, tmp_path
         from transformers import AutoModelForSequenceClassification
 
         AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path)
-        _tokenizer_files(tmp_path)
+        copy_default_tokenizer(tmp_path)
         folder = str(tmp_path)
     else:
         folder = str(_save("gqa_untied", tmp_path))

@@ -18,9 +18,9 @@ from kserve_paged_engine.model_executor.model_loader import load_model
 from kserve_paged_engine.model_executor.quantization import compressed_tensors
 from kserve_paged_engine.model_executor.quantization.layouts import projections
 from kserve_paged_kernels import int8_dynamic, quant_linear
+from tests.helpers.compressed_tensors_checkpoints import PROMPT, write
 from tests.helpers.int4_packing import read_checkpoint
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
-from tests.test_compressed_tensors import PROMPT, write
 
 CPU = torch.device("cpu")
 # (machine, flags) -> the VNNI flag W8A8 runs on, None: weight-only.

@@ -43,6 +43,12 @@ def prompt_too_long(num_chars: int, limit: int) -> str:
             f"({limit}): it cannot fit the model's context window. Shorten the prompt.")
 
 
+def request_id_in_use(request_id: str) -> str:
+    """The refusal of a request id that names a live request. The engine loop, the input
+    processor and the scheduler each refuse one; one wording, so callers and tests match one."""
+    return f"request id {request_id!r} is already in use"
+
+
 def check_prompt_ids(token_ids: list[int], vocab_size: int | None) -> None:
     """The one check of a prompt's token ids: not empty, every id in the vocabulary.
     Raises ValueError; the engine and the server's parsers both call it."""

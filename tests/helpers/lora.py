@@ -3,32 +3,23 @@ greedy continuations (the references of the LoRA tests)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 
-from kserve_paged_engine.frontend.default_model import ensure_default_model
+from tests.helpers.tiny_models import copy_default_tokenizer, save_random
 
 
 def tiny_base(folder: Path) -> None:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    """A tiny random Llama over the default model's vocabulary and tokenizer (untied head)."""
+    from transformers import LlamaConfig
 
-    src = Path(ensure_default_model(progress=lambda _: None))
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, rms_norm_eps=1e-5,
                          tie_word_embeddings=False, attn_implementation="eager")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.rand(p.shape, generator=g) + 0.5 if "norm" in name
-                    else torch.randn(p.shape, generator=g) * 0.15)
-    model.save_pretrained(folder)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / f, folder / f)
+    save_random(config, folder)
+    copy_default_tokenizer(folder)
 
 
 def make_adapter(base: Path, folder: Path, seed: int, **kw) -> None:

@@ -13,6 +13,7 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -154,11 +155,33 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.15)
 
 
-def save_checkpoint(config_fn, tmp_path: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
+def save_random(config: Any, folder: Path, seed: int = 0, *, auto: Any = AutoModelForCausalLM,
+                **save: Any) -> torch.nn.Module:
+    """The one recipe for a tiny random checkpoint: transformers builds `auto`'s model for
+    `config`, `randomise(seed)` sets every weight, `save_pretrained` writes it into `folder`
+    (`save`: its options, e.g. max_shard_size). Returns the model as saved."""
     torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_config(config_fn()).eval()
-    randomise(hf, seed)
-    hf.save_pretrained(tmp_path)
+    model = auto.from_config(config).eval()
+    randomise(model, seed)
+    model.save_pretrained(folder, **save)
+    return model
+
+
+def copy_default_tokenizer(folder: Path) -> None:
+    """The default model's tokenizer (SmolLM2's, 49152 ids) into `folder`, for a tiny model
+    over that vocabulary whose text, chat template and EOS are the real ones."""
+    import shutil
+
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
+
+    src = Path(ensure_default_model(progress=lambda _: None))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, folder / name)
+
+
+def save_checkpoint(config_fn, tmp_path: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
+    """`save_random` of `config_fn()`, and the transformers reference read back from it."""
+    save_random(config_fn(), tmp_path, seed)
     # Reload so the reference sees exactly the saved checkpoint (ties included).
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True,
                                                dtype=torch.float32, attn_implementation="eager")
@@ -282,9 +305,6 @@ def save_decoder_classifier(config_fn, path: Path, num_labels: int = 3,
     config.num_labels = num_labels
     config.architectures = [type(config).__name__.removesuffix("Config")
                             + "ForSequenceClassification"]
-    torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_config(config).eval()
-    randomise(model, seed)
-    model.save_pretrained(path)
+    model = save_random(config, path, seed, auto=AutoModelForSequenceClassification)
     save_tokenizer(path)
     return model

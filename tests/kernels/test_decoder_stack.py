@@ -19,7 +19,15 @@ import torch
 
 from kserve_paged_engine.model_executor.attention import AttentionMetadata
 from kserve_paged_engine.model_executor.model_loader import load_model
+from kserve_paged_engine.model_executor.models.llama import LlamaForCausalLM
 from kserve_paged_kernels import cpu_native
+from tests.helpers.decoder_stack_runs import (
+    Run,
+    long_steps,
+    mixed_steps,
+    one_step_inputs,
+    stack_and_modules,
+)
 from tests.helpers.tiny_models import CONFIGS, VOCAB, PagedSim, save_checkpoint, save_tokenizer
 
 
@@ -28,30 +36,6 @@ def _native_built() -> None:
     # The stack is in every level's build; gcc is part of the supported machine (README), so a
     # missing library must fail here, not skip.
     assert cpu_native.gemm_available(), "the native CPU kernels did not build"
-
-
-def _steps(seed: int) -> list[list[tuple[int, list[int]]]]:
-    g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, VOCAB, (n + 3,), generator=g).tolist() for n in (5, 17, 33)]
-    half = 16
-    return [
-        [(0, seqs[0][:5]), (1, seqs[1][:17]), (2, seqs[2][:half])],
-        [(0, seqs[0][5:6]), (1, seqs[1][17:18]), (2, seqs[2][half:33])],
-        [(1, seqs[1][18:19]), (0, seqs[0][6:7]), (2, seqs[2][33:34])],
-        [(2, seqs[2][34:35])],
-    ]
-
-
-def _long_steps(seed: int) -> list[list[tuple[int, list[int]]]]:
-    """A prefill of 37 rows, then a chunk of 41 rows starting at the odd position 37 (two
-    transposed-key runs, one starting odd), with decodes alongside."""
-    g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (80, 9)]
-    return [
-        [(0, seqs[0][:37]), (1, seqs[1][:8])],
-        [(1, seqs[1][8:9]), (0, seqs[0][37:78])],
-        [(0, seqs[0][78:79]), (1, seqs[1][8:9])],
-    ]
 
 
 # The families the stack declines, and the feature each answer must name: every other family
@@ -72,29 +56,20 @@ def test_stack_equals_per_layer_modules_bit_for_bit(name: str, tmp_path: Path) -
     path, _ = save_checkpoint(CONFIGS[name], tmp_path)
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
     assert model.native_stack is not None, model.native_stack_declined
-    results = {}
-    for use in (True, False):
-        model.use_native_stack = use
-        calls = []
-        real_run = model.native_stack.run
 
-        def counting_run(*args, _real=real_run, _calls=calls, **kwargs):
-            _calls.append(1)
-            return _real(*args, **kwargs)
-
-        model.native_stack.run = counting_run
-        sim = PagedSim(model, seed=3)
-        logits = [sim.step(batch) for batch in _steps(11)]
-        if model.head_dim == 64:
-            sim2 = PagedSim(model, seed=5)
-            logits += [sim2.step(batch) for batch in _long_steps(2)]
+    def run(m: LlamaForCausalLM) -> Run:
+        sim = PagedSim(m, seed=3)
+        logits = [sim.step(batch) for batch in mixed_steps(11)]
+        if m.head_dim == 64:
+            sim2 = PagedSim(m, seed=5)
+            logits += [sim2.step(batch) for batch in long_steps(2)]
             sim.kv += sim2.kv
-        del model.native_stack.run
-        assert len(calls) == (len(logits) if use else 0)
-        results[use] = (logits, sim.kv)
-    for a, b in zip(results[True][0], results[False][0], strict=True):
+        return logits, sim.kv
+
+    stacked, layered = stack_and_modules(model, run)
+    for a, b in zip(stacked[0], layered[0], strict=True):
         assert torch.equal(a, b)
-    for a, b in zip(results[True][1], results[False][1], strict=True):
+    for a, b in zip(stacked[1], layered[1], strict=True):
         assert torch.equal(a, b)  # same K/V written, and the garbage slots left alone
 
 
@@ -152,22 +127,9 @@ def _tiny_stack(tmp_path: Path):
     return model
 
 
-def _one_step_inputs(model, positions: list[int], slots: list[int]):
-    n = len(positions)
-    kv = [torch.zeros(2, 8, 4, model.num_kv_heads, model.head_dim)
-          for _ in range(model.num_layers)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_tables=torch.arange(8, dtype=torch.int32).view(1, 8),
-        seq_lens=torch.tensor([max(positions) + 1], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        max_seq_len=max(positions) + 1, max_query_len=n)
-    return torch.tensor([1] * n), torch.tensor(positions), kv, meta
-
-
 def test_position_past_the_rotary_table_raises(tmp_path: Path) -> None:
     model = _tiny_stack(tmp_path)
-    ids, pos, kv, meta = _one_step_inputs(model, [0, 1], [0, 1])
+    ids, pos, kv, meta = one_step_inputs(model, [0, 1], [0, 1])
     pos = torch.tensor([0, model.max_position_embeddings])
     with torch.inference_mode(), pytest.raises(IndexError, match="rotary table"):
         model(ids, pos, kv, meta)
@@ -175,7 +137,7 @@ def test_position_past_the_rotary_table_raises(tmp_path: Path) -> None:
 
 def test_slot_past_the_cache_raises_and_writes_nothing(tmp_path: Path) -> None:
     model = _tiny_stack(tmp_path)
-    ids, pos, kv, meta = _one_step_inputs(model, [0, 1], [0, 8 * 4])
+    ids, pos, kv, meta = one_step_inputs(model, [0, 1], [0, 8 * 4])
     with torch.inference_mode(), pytest.raises(IndexError, match="KV slot"):
         model(ids, pos, kv, meta)
     assert all(not c.any() for c in kv)
@@ -239,7 +201,7 @@ def test_stack_rejects_weights_it_cannot_run(tmp_path: Path) -> None:
 def test_stack_takes_what_the_per_layer_path_takes(tmp_path: Path) -> None:
     """int32 positions and slots, int64 and strided block tables: converted, not refused."""
     model = _tiny_stack(tmp_path)
-    ids, pos, kv, meta = _one_step_inputs(model, list(range(6)), list(range(6)))
+    ids, pos, kv, meta = one_step_inputs(model, list(range(6)), list(range(6)))
     wide = torch.zeros(1, 16, dtype=torch.int64)
     wide[0, ::2] = meta.block_tables[0].long()
     variants = {"int32": (pos.int(), meta.slot_mapping.int(), meta.block_tables),

@@ -16,8 +16,14 @@ import torch
 
 from kserve_paged_engine.model_executor.model_loader import load_model
 from kserve_paged_kernels import cpu_native
+from tests.helpers.decoder_stack_runs import (
+    Run,
+    long_steps,
+    mixed_steps,
+    one_step_inputs,
+    stack_and_modules,
+)
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
-from tests.kernels.test_decoder_stack import _long_steps, _one_step_inputs, _steps
 
 # Families the bf16 stack declines even where the bf16 GEMM runs, and why.
 DECLINED_BF16 = {
@@ -29,13 +35,13 @@ DECLINED_BF16 = {
 }
 
 
-def _run(model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # noqa: ANN001
+def _run(model) -> Run:  # noqa: ANN001
     sim = PagedSim(model, seed=3)
     sim.kv = [kv.bfloat16() for kv in sim.kv]
-    logits = [sim.step(batch) for batch in _steps(11)]
+    logits = [sim.step(batch) for batch in mixed_steps(11)]
     sim2 = PagedSim(model, seed=5)
     sim2.kv = [kv.bfloat16() for kv in sim2.kv]
-    logits += [sim2.step(batch) for batch in _long_steps(2)]
+    logits += [sim2.step(batch) for batch in long_steps(2)]
     return logits, sim.kv + sim2.kv
 
 
@@ -48,14 +54,7 @@ def test_bf16_stack_equals_per_layer_modules_bit_for_bit(tmp_path: Path) -> None
         return
     assert model.native_stack is not None, model.native_stack_declined
     assert model.native_stack.dtype == torch.bfloat16
-    calls = []
-    real_run = model.native_stack.run
-    model.native_stack.run = lambda *a, **kw: calls.append(1) or real_run(*a, **kw)
-    stacked = _run(model)
-    assert len(calls) == len(stacked[0])
-    model.use_native_stack = False
-    layered = _run(model)
-    assert len(calls) == len(stacked[0])
+    stacked, layered = stack_and_modules(model, _run)
     for a, b in zip(stacked[0] + stacked[1], layered[0] + layered[1], strict=True):
         assert torch.equal(a, b)
 
@@ -80,18 +79,18 @@ def test_bf16_stack_rejects_a_position_past_the_table_and_a_slot_past_the_cache(
     if model.native_stack is None:
         assert not cpu_native.native_bf16_linear()
         return
-    ids, _, kv, meta = _one_step_inputs(model, [0, 1], [0, 1])
+    ids, _, kv, meta = one_step_inputs(model, [0, 1], [0, 1])
     kv = [c.bfloat16() for c in kv]
     pos = torch.tensor([0, model.max_position_embeddings])
     with torch.inference_mode(), pytest.raises(IndexError, match="rotary table"):
         model(ids, pos, kv, meta)
     assert all(not c.any() for c in kv)
-    ids, pos, kv, meta = _one_step_inputs(model, [0, 1], [0, 8 * 4])
+    ids, pos, kv, meta = one_step_inputs(model, [0, 1], [0, 8 * 4])
     kv = [c.bfloat16() for c in kv]
     with torch.inference_mode(), pytest.raises(IndexError, match="KV slot"):
         model(ids, pos, kv, meta)
     assert all(not c.any() for c in kv)
-    ids, pos, kv, meta = _one_step_inputs(model, [0, 1], [0, 1])
+    ids, pos, kv, meta = one_step_inputs(model, [0, 1], [0, 1])
     kv = [c.bfloat16() for c in kv]
     with torch.inference_mode():
         model(ids, pos, kv, meta)

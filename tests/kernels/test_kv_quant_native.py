@@ -21,7 +21,7 @@ from kserve_paged_kernels import AttentionMetadata, attend, cpu_native
 from kserve_paged_kernels.kv_quant import QMAX, QuantKV, dequantize, storage_dtype, store_kv_quant
 from kserve_paged_kernels.reference import paged_attention_ref
 from kserve_paged_kernels.testing import make_case
-from tests.kernels.test_paged_bf16 import SPAN_CASES  # the span kernel's cases, one home
+from tests.helpers.span_cases import SPAN_CASES, span_case_id
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2"]
 
@@ -111,7 +111,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("case_def", SPAN_CASES, ids=lambda c: f"h{c[1]}x{c[2]}-d{c[3]}-bs{c[4]}")
+@pytest.mark.parametrize("case_def", SPAN_CASES, ids=span_case_id)
 def test_decode_spans_equal_dequantize_then_attend(case_def: tuple, fmt: str) -> None:
     seq_lens, heads, kv_heads, head_dim, bs = case_def
     c = make_case(seq_lens, [1] * len(seq_lens), num_heads=heads, num_kv_heads=kv_heads,
@@ -155,6 +155,25 @@ def test_native_attention_equals_dequantize_then_attend(case: tuple, fmt: str,
         c.query_start_loc, c.scale, window=window, softcap=softcap), atol=1e-2, rtol=1e-2)
 
 
+def _stack_equals_modules_over_codes(model, fmt: str) -> None:  # noqa: ANN001
+    """The one-call stack and the per-layer modules over a fresh `fmt` cache each: the same
+    logits, codes and scales."""
+    from tests.helpers.decoder_stack_runs import Run, mixed_steps, stack_and_modules
+    from tests.helpers.tiny_models import PagedSim
+
+    def run(m) -> Run:  # noqa: ANN001
+        sim = PagedSim(m, seed=3)
+        sim.kv = [QuantKV.zeros(tuple(kv.shape), storage_dtype(fmt)) for kv in sim.kv]
+        return [sim.step(batch) for batch in mixed_steps(11)], sim.kv
+
+    stacked, layered = stack_and_modules(model, run)
+    for a, b in zip(stacked[0], layered[0], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(stacked[1], layered[1], strict=True):
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+        assert torch.equal(a.scales, b.scales)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", ["llama_gqa_llama3", "mistral_window"])
 def test_decoder_stack_over_codes_equals_per_layer_modules_bit_for_bit(
@@ -162,29 +181,12 @@ def test_decoder_stack_over_codes_equals_per_layer_modules_bit_for_bit(
     """The one-call stack takes a quantized cache (float32 models): the same store and
     attention kernels as the per-layer modules, so the same codes, scales and logits."""
     from kserve_paged_engine.model_executor.model_loader import load_model
-    from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
-    from tests.kernels.test_decoder_stack import _steps
+    from tests.helpers.tiny_models import CONFIGS, save_checkpoint
 
     path, _ = save_checkpoint(CONFIGS[name], tmp_path)
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
     assert model.native_stack is not None, model.native_stack_declined
-    results = {}
-    for use in (True, False):
-        model.use_native_stack = use
-        calls = []
-        real_run = model.native_stack.run
-        model.native_stack.run = lambda *a, _real=real_run, _calls=calls, **k: (
-            _calls.append(1), _real(*a, **k))[1]
-        sim = PagedSim(model, seed=3)
-        sim.kv = [QuantKV.zeros(tuple(kv.shape), storage_dtype(fmt)) for kv in sim.kv]
-        results[use] = ([sim.step(batch) for batch in _steps(11)], sim.kv)
-        del model.native_stack.run
-        assert len(calls) == (len(results[use][0]) if use else 0)
-    for a, b in zip(results[True][0], results[False][0], strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(results[True][1], results[False][1], strict=True):
-        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
-        assert torch.equal(a.scales, b.scales)
+    _stack_equals_modules_over_codes(model, fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -219,28 +221,11 @@ def test_bf16_stack_over_codes_equals_per_layer_modules_bit_for_bit(fmt: str, tm
     says where), it widens q, k, v to fp32 and rounds the output once, as the per-layer
     modules do: the same logits, codes and scales. Elsewhere a bf16 model runs per layer."""
     from kserve_paged_engine.model_executor.model_loader import load_model
-    from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
-    from tests.kernels.test_decoder_stack import _steps
+    from tests.helpers.tiny_models import CONFIGS, save_checkpoint
 
     path, _ = save_checkpoint(CONFIGS["llama_hd64_inter100"], tmp_path)
     model, _ = load_model(path, torch.bfloat16, torch.device("cpu"))
     if model.native_stack is None:
         assert not cpu_native.native_bf16_linear()
         return
-    results = {}
-    for use in (True, False):
-        model.use_native_stack = use
-        calls = []
-        real_run = model.native_stack.run
-        model.native_stack.run = lambda *a, _real=real_run, _calls=calls, **k: (
-            _calls.append(1), _real(*a, **k))[1]
-        sim = PagedSim(model, seed=3)
-        sim.kv = [QuantKV.zeros(tuple(kv.shape), storage_dtype(fmt)) for kv in sim.kv]
-        results[use] = ([sim.step(batch) for batch in _steps(11)], sim.kv)
-        del model.native_stack.run
-        assert len(calls) == (len(results[use][0]) if use else 0)
-    for a, b in zip(results[True][0], results[False][0], strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(results[True][1], results[False][1], strict=True):
-        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
-        assert torch.equal(a.scales, b.scales)
+    _stack_equals_modules_over_codes(model, fmt)

@@ -19,6 +19,7 @@ from kserve_paged_kernels.cpu_backend import paged_attention_cpu
 from kserve_paged_kernels.metadata import AttentionMetadata
 from kserve_paged_kernels.reference import paged_attention_ref
 from kserve_paged_kernels.testing import make_case
+from tests.helpers.span_cases import SPAN_CASES, span_case_id
 
 BF16 = torch.bfloat16
 
@@ -70,17 +71,7 @@ def test_bf16_rows_equal_fp32_attention_over_the_same_values(case_def: tuple) ->
     _close_to_one_rounding(_rows(case), _fp32_truth(case))
 
 
-SPAN_CASES = [  # (seq_lens, heads, kv_heads, head_dim, block_size): decode rows, head dims
-    # 64, 128 and 256 (spans of 256 keys, V_HEADS = 4 query heads a pass over the values)
-    ([700, 257, 256, 15], 6, 2, 128, 16),  # group 3 at 128 (V in slices); spans and their tails
-    ([513, 16, 17], 5, 1, 64, 8),          # passes of 4 heads and 1; blocks shorter than 16 keys
-    ([300, 33], 7, 7, 64, 1),              # one query head per KV head, blocks of one key
-    ([600, 2], 14, 2, 128, 32),            # passes of 4 heads and 3 at 128
-    ([290, 40], 8, 2, 256, 16),            # Gemma-3's head dim, group 4
-]
-
-
-@pytest.mark.parametrize("case_def", SPAN_CASES, ids=lambda c: f"h{c[1]}x{c[2]}-d{c[3]}-bs{c[4]}")
+@pytest.mark.parametrize("case_def", SPAN_CASES, ids=span_case_id)
 def test_bf16_decode_spans_equal_fp32_attention_over_the_same_values(case_def: tuple) -> None:
     seq_lens, heads, kv_heads, head_dim, block_size = case_def
     case = make_case(seq_lens, [1] * len(seq_lens), num_heads=heads, num_kv_heads=kv_heads,

@@ -22,14 +22,12 @@ from kserve_paged_engine.model_executor.layers import (
     RMSNorm,
     RotaryEmbedding,
     SwiGLUMLP,
-    rope_max_positions,
     rope_parameters,
 )
 from kserve_paged_engine.model_executor.models.architectures import architecture_of
 from kserve_paged_engine.model_executor.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
-    layer_windows,
 )
 from kserve_paged_kernels import cpu_native, fused_ops
 
@@ -104,9 +102,9 @@ class GemmaDecoderLayer(nn.Module):
                  attn_softcap: float | None, qk_norm: bool) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
+        bias = bool(getattr(config, "attention_bias", False))  # q/k/v and o alike
         self.self_attn = GemmaAttention(
-            config, head_dim, rotary, bool(getattr(config, "attention_bias", False)),
-            bool(getattr(config, "attention_bias", False)), qk_norm, window=window,
+            config, head_dim, rotary, bias, bias, qk_norm, window=window,
             softcap=attn_softcap, scale=float(config.query_pre_attn_scalar) ** -0.5,
             norm=GemmaRMSNorm)
         self.mlp = GeGLUMLP(h, config.intermediate_size)
@@ -143,35 +141,23 @@ class GemmaForCausalLM(LlamaForCausalLM):
     """Paged-cache Gemma 2 / Gemma 3 causal LM; loading, ties and logits rows as the Llama
     family's (the checkpoint names are the same)."""
 
+    ties_by_default = True  # Gemma's configs tie the LM head unless they say otherwise
+
     def __init__(self, config: Any) -> None:
         nn.Module.__init__(self)
-        self.config = config
-        self.architecture = architecture_of(config)
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"unsupported hidden_activation {act!r}; only 'gelu_pytorch_tanh'")
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention (an encoder) is not supported")
-        gemma3 = self.architecture == "Gemma3ForCausalLM"
-        self.num_layers: int = config.num_hidden_layers
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads
-        self.head_dim: int = (getattr(config, "head_dim", None)
-                              or config.hidden_size // config.num_attention_heads)
-        self.hidden_size: int = config.hidden_size
-        self.vocab_size: int = config.vocab_size
-        self.layer_windows: list[int | None] = layer_windows(config)
-        windows = [w for w in self.layer_windows if w is not None]
-        self.sliding_window: int | None = max(windows) if windows else None
-        self.tie_word_embeddings: bool = bool(getattr(config, "tie_word_embeddings", True))
+        gemma3 = architecture_of(config) == "Gemma3ForCausalLM"
+        # Gemma 3: local (sliding) layers rotate with their own base; Gemma 2 shares one table.
+        global_rope = rope_parameters(config, "full_attention" if gemma3 else None)
+        self._read_facts(config, global_rope)  # the facts the Llama family reads alike
         self.final_softcap: float | None = getattr(config, "final_logit_softcapping", None)
         # transformers' Gemma 3 attention ignores attn_logit_softcapping; Gemma 2 applies it.
         attn_softcap = None if gemma3 else getattr(config, "attn_logit_softcapping", None)
 
-        # Gemma 3: local (sliding) layers rotate with their own base; Gemma 2 shares one table.
-        global_rope = rope_parameters(config, "full_attention" if gemma3 else None)
-        self.max_position_embeddings: int = rope_max_positions(config.max_position_embeddings,
-                                                               global_rope)
         self.rotary_emb = RotaryEmbedding(self.head_dim, self.max_position_embeddings,
                                           global_rope)
         self.local_rotary_emb = (
@@ -184,11 +170,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
             layers.append(GemmaDecoderLayer(config, self.head_dim, rotary, window, attn_softcap,
                                             qk_norm=gemma3))
         self.model = GemmaModel(config, layers)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(self.hidden_size, self.vocab_size, bias=False)
         self.tie_weights()
-        self.native_stack = None  # set by pack_weights, as the Llama family's
-        self.use_native_stack = True
-        self.native_stack_declined = "weights not packed yet"
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

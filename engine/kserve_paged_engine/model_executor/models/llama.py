@@ -193,28 +193,21 @@ class LlamaForCausalLM(TransformersCheckpoint):
     # Tensor parallelism (set in __init__; subclasses that build themselves stay unsharded).
     tp: TPRanks | None = None
     layout: TPLayout | None = None
+    # The decoder stack as one native call, or why the model runs on per-layer modules (both
+    # set by pack_weights); `use_native_stack = False` keeps the per-layer modules.
+    native_stack: cpu_native.DecoderStack | None = None
+    native_stack_declined: str | None = "weights not packed yet"
+    use_native_stack = True
+    ties_by_default = False  # `tie_word_embeddings` when the config leaves it out
 
     def __init__(self, config: Any, tp: TPRanks | None = None) -> None:
         super().__init__()
-        self.config = config
-        self.architecture = architecture_of(config)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu'")
         if getattr(config, "pretraining_tp", 1) not in (None, 1):
             raise ValueError("pretraining_tp > 1 is not supported")
-        self.num_layers: int = config.num_hidden_layers
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads
-        self.head_dim: int = (getattr(config, "head_dim", None)
-                              or config.hidden_size // config.num_attention_heads)
-        self.hidden_size: int = config.hidden_size
-        self.vocab_size: int = config.vocab_size
         rope = rope_parameters(config)
-        self.max_position_embeddings: int = rope_max_positions(config.max_position_embeddings,
-                                                               rope)
-        self.sliding_window: int | None = sliding_window_of(config)
-        self.layer_windows: list[int | None] = layer_windows(config)
-        self.tie_word_embeddings: bool = bool(getattr(config, "tie_word_embeddings", False))
+        self._read_facts(config, rope)
 
         decoder = decoder_of(self.architecture)  # a sequence classifier's own decoder
         qk_norm = decoder in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -241,12 +234,26 @@ class LlamaForCausalLM(TransformersCheckpoint):
         if tp is not None:
             self._shard_modules(tp, o_bias, mlp_bias)
         self.tie_weights()
-        # The whole decoder stack as one native call (set by pack_weights when every projection
-        # is on the native GEMM); `use_native_stack = False` keeps the per-layer modules.
-        self.native_stack: cpu_native.DecoderStack | None = None
-        self.use_native_stack = True
-        # Why this model runs on per-layer modules (set by pack_weights); None with a stack.
-        self.native_stack_declined: str | None = "weights not packed yet"
+
+    def _read_facts(self, config: Any, rope: dict[str, Any]) -> None:
+        """The figures of the config every family reads alike, read here once (Gemma's class
+        too): sizes, heads, how far the positions reach under `rope` (the global layers'),
+        which layers slide, the tie (`ties_by_default` where the config is silent)."""
+        self.config = config
+        self.architecture = architecture_of(config)
+        self.num_layers: int = config.num_hidden_layers
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = config.num_key_value_heads
+        self.head_dim: int = (getattr(config, "head_dim", None)
+                              or config.hidden_size // config.num_attention_heads)
+        self.hidden_size: int = config.hidden_size
+        self.vocab_size: int = config.vocab_size
+        self.max_position_embeddings: int = rope_max_positions(config.max_position_embeddings,
+                                                               rope)
+        self.sliding_window: int | None = sliding_window_of(config)
+        self.layer_windows: list[int | None] = layer_windows(config)
+        self.tie_word_embeddings: bool = bool(getattr(config, "tie_word_embeddings",
+                                                      self.ties_by_default))
 
     def _heads(self, config: Any) -> None:
         """The LM head, or for a sequence classifier (a pooling model) its `score` head over
