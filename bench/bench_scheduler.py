@@ -2,8 +2,9 @@
 
 Workload: 256 requests with prompts of 1,000-4,000 tokens (seeded), block size 16, a pool large
 enough for all of them, prefix caching on. After the prompts are prefilled, each measured step is
-`schedule()` (256 decodes) plus `update_from_output()` with one sampled token per request, which
-covers block allocation, hashing of newly full blocks and stop checks: everything but the model.
+`schedule()` (256 decodes) plus the stop check and `update_from_output()` with one sampled token
+per request, which covers block allocation, hashing of newly full blocks and stop checks:
+everything but the model (and the detokenizer).
 
     python bench/bench_scheduler.py [--requests 256] [--steps 200]
 """
@@ -19,6 +20,7 @@ from kserve_paged_engine.config.scheduler import SchedulerConfig
 from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
 from kserve_paged_engine.core.request import Request
 from kserve_paged_engine.core.scheduler import Scheduler
+from kserve_paged_engine.frontend.stop_check import StopCheck
 from kserve_paged_engine.sampling_params import SamplingParams
 
 
@@ -35,6 +37,7 @@ def main() -> None:
     num_blocks = sum((n + args.steps + 200) // bs + 2 for n in lens)
     config = SchedulerConfig(max_num_seqs=args.requests, max_num_batched_tokens=8192)
     sched = Scheduler(config, KVCacheManager(num_blocks, bs), max_model_len=8192)
+    stops = StopCheck(sched.max_model_len)  # token and length rules (no stop strings)
     for i, n in enumerate(lens):
         sched.add_request(Request(f"r{i}", [rng.randrange(50_000) for _ in range(n)],
                                   SamplingParams(max_tokens=10_000, ignore_eos=True)))
@@ -42,14 +45,16 @@ def main() -> None:
     while len(sched.waiting) or any(r.num_computed_tokens < r.num_tokens - 1
                                     for r in sched.running):
         out = sched.schedule()
-        sched.update_from_output(out, {r.request_id: 7 for r in out.scheduled
-                                       if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
-                                       >= r.num_tokens})
+        sampled = {r.request_id: 7 for r in out.scheduled
+                   if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
+                   >= r.num_tokens}
+        sched.update_from_output(out, stops.check(out, sampled))
     times = []
     for step in range(args.steps):
         t0 = time.perf_counter()
         out = sched.schedule()
-        sched.update_from_output(out, {r.request_id: 1000 + step for r in out.scheduled})
+        sampled = {r.request_id: 1000 + step for r in out.scheduled}
+        sched.update_from_output(out, stops.check(out, sampled))
         times.append(time.perf_counter() - t0)
         assert len(out.scheduled) == args.requests, (step, out.preempted, sched.kv.num_free_blocks)
     times.sort()

@@ -21,6 +21,7 @@ from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
 from kserve_paged_engine.core.kv_groups import KVLayout, kv_layout
 from kserve_paged_engine.core.request import Request
 from kserve_paged_engine.core.scheduler import Scheduler
+from kserve_paged_engine.frontend.stop_check import StopCheck
 from kserve_paged_engine.sampling_params import SamplingParams
 
 # (name, layers, KV heads, head_dim, window, every n-th layer global): Gemma 3's text configs.
@@ -49,7 +50,7 @@ def simulate(layout: KVLayout, num_blocks: int, bs: int, chunk: int, prompt: int
         sampled = {r.request_id: 7 for r in out.scheduled
                    if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
                    >= r.num_tokens}
-        sched.update_from_output(out, sampled)
+        sched.update_from_output(out, StopCheck(sched.max_model_len).check(out, sampled))
         if decoding:
             held_decoding = max(held_decoding, kv.num_held_blocks(decoding[0].request_id))
     assert kv.num_free_blocks == kv.num_blocks, "blocks leaked"

@@ -3,7 +3,13 @@
 import random
 
 from kserve_paged_engine.core.request import RequestStatus
-from tests.helpers.core import fake_step, make_request, make_scheduler, run_to_completion
+from tests.helpers.core import (
+    apply_step,
+    fake_step,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+)
 
 BS = 16
 
@@ -12,7 +18,7 @@ def admit(sched, req):
     """Add one request and run one (simulated) step; return its scheduled token count."""
     sched.add_request(req)
     out = sched.schedule()
-    sched.update_from_output(out, fake_step(sched, out))
+    apply_step(sched, out, fake_step(sched, out))
     return out.num_scheduled_tokens.get(req.request_id, 0), out
 
 
@@ -193,7 +199,7 @@ def test_10_no_leak_after_add_step_abort_finish_preempt():
         sched.add_request(make_request(f"r{i}", rng.randrange(5, 60), max_tokens=rng.randrange(1, 40)))
     for step in range(40):
         out = sched.schedule()
-        sched.update_from_output(out, fake_step(sched, out, rng))
+        apply_step(sched, out, fake_step(sched, out, rng))
         if step == 5:
             sched.abort("r3")
             sched.abort("does-not-exist")  # a no-op
@@ -221,7 +227,7 @@ def test_11_blocks_out_of_every_layers_window_are_freed_while_running():
         peak = max(peak, held)
         assert held <= -(-(window + chunk) // bs) + 1, (held, out.num_scheduled_tokens)
         assert kv.num_free_blocks == kv.num_blocks - held
-        sched.update_from_output(out, fake_step(sched, out))
+        apply_step(sched, out, fake_step(sched, out))
     assert peak < -(-len(prompt) // bs)  # far below the 50 blocks the prompt alone fills
     stats = kv.stats()
     assert stats["kv_blocks_freed_out_of_window"] > 40 and stats["kv_blocks_in_use"] == 0

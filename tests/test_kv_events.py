@@ -20,7 +20,7 @@ import zmq
 from kserve_paged_engine.config.kv_events import KVEventsConfig
 from kserve_paged_engine.core.block_hash import external_block_hash
 from kserve_paged_engine.core.kv_event_publisher import ZmqEventPublisher
-from tests.helpers.core import fake_step, make_request, make_scheduler
+from tests.helpers.core import apply_step, fake_step, make_request, make_scheduler
 
 TOPIC = "kv@test-pod@smol"
 
@@ -120,7 +120,7 @@ def test_scheduler_stores_hits_and_evictions_announced_once_in_order(pod_binds, 
             sched.add_request(make_request(f"r{i}", prompt, max_tokens=6))
             while sched.has_unfinished():
                 out = sched.schedule()
-                sched.update_from_output(out, fake_step(sched, out))
+                apply_step(sched, out, fake_step(sched, out))
                 events = pool.take_events()
                 pub.publish(events)
                 sent += bool(events)
@@ -147,7 +147,7 @@ def test_stored_event_carries_the_chain():
     req = make_request("a", list(range(10, 23)), max_tokens=4)  # 13 tokens: 3 full blocks
     sched.add_request(req)
     out = sched.schedule()
-    sched.update_from_output(out, fake_step(sched, out, token=5))
+    apply_step(sched, out, fake_step(sched, out, token=5))
     (event,) = sched.kv.pool.take_events()
     assert event.block_hashes == req.block_hashes[:3]
     assert event.parent_block_hash is None
@@ -155,7 +155,7 @@ def test_stored_event_carries_the_chain():
     # Decoding fills the fourth block: a new event whose parent is the third block's hash.
     while len(req.block_hashes) < 4 or sched.kv.pool.events == []:
         out = sched.schedule()
-        sched.update_from_output(out, fake_step(sched, out, token=5))
+        apply_step(sched, out, fake_step(sched, out, token=5))
     (event,) = sched.kv.pool.take_events()
     assert event.parent_block_hash == req.block_hashes[2]
     assert event.block_hashes == [req.block_hashes[3]]
@@ -174,7 +174,7 @@ def test_wire_hashes_are_64_bit_ints_or_vllms_raw_bytes(monkeypatch):
     req.lora_request = LoRARequest("sql", 7, "/adapters/sql")
     sched.add_request(req)
     out = sched.schedule()
-    sched.update_from_output(out, fake_step(sched, out))
+    apply_step(sched, out, fake_step(sched, out))
     events = sched.kv.pool.take_events()
     h0, h1 = req.block_hashes[:2]
     monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)

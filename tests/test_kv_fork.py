@@ -8,14 +8,14 @@ import torch
 from kserve_paged_engine.core.request import RequestStatus
 from kserve_paged_kernels import cpu_native
 from kserve_paged_kernels.block_copy import copy_blocks, copy_blocks_ref
-from tests.helpers.core import fake_step, make_request, make_scheduler
+from tests.helpers.core import apply_step, fake_step, make_request, make_scheduler
 
 BS = 16
 
 
 def step(sched, token=7):
     out = sched.schedule()
-    sched.update_from_output(out, fake_step(sched, out, token=token))
+    apply_step(sched, out, fake_step(sched, out, token=token))
     return out
 
 
@@ -139,7 +139,7 @@ def step_own(sched):
     """A step in which each request samples a token of its own (forks diverge)."""
     out = sched.schedule()
     sampled = {rid: 3 + zlib.crc32(rid.encode()) % 40 for rid in fake_step(sched, out)}
-    sched.update_from_output(out, sampled)
+    apply_step(sched, out, sampled)
     return out
 
 

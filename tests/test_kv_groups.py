@@ -8,7 +8,7 @@ from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
 from kserve_paged_engine.core.kv_groups import kv_layout
 from kserve_paged_engine.core.preemption import num_reclaimable
 from kserve_paged_engine.core.scheduler import Scheduler
-from tests.helpers.core import fake_step, make_request
+from tests.helpers.core import apply_step, fake_step, make_request
 
 GEMMA3 = ([512] * 5 + [None]) * 2  # 5 local : 1 global, 12 layers
 
@@ -64,7 +64,7 @@ def test_window_512_serving_4k_requests_holds_the_window_per_sliding_group() -> 
                 peak_sliding = max(peak_sliding, held)
         # Layer-blocks held at once (a block holds group_size = 2 layers).
         peak_layer_blocks = max(peak_layer_blocks, kv.pool.num_used_blocks * 2)
-        sched.update_from_output(out, fake_step(sched, out))
+        apply_step(sched, out, fake_step(sched, out))
         for r in sched.running:
             n = r.num_computed_tokens
             assert kv.num_held_blocks(r.request_id, 0) == -(-n // bs)
@@ -82,7 +82,7 @@ def test_window_512_serving_4k_requests_holds_the_window_per_sliding_group() -> 
     while shared.has_unfinished():
         out = shared.schedule()
         peak_shared = max(peak_shared, shared.kv.pool.num_used_blocks * 12)
-        shared.update_from_output(out, fake_step(shared, out))
+        apply_step(shared, out, fake_step(shared, out))
     assert shared.kv.num_window_freed == 0
     # Requests of up to 259 blocks each (4136 tokens): in all 12 layers with one table,
     # against 2 global layers of 259 and 10 sliding layers of at most `step_blocks`.
@@ -95,7 +95,7 @@ def _run_prompt(sched: Scheduler, rid: str, tokens: list[int]) -> None:
     sched.add_request(make_request(rid, tokens, max_tokens=1))
     while sched.has_unfinished():
         out = sched.schedule()
-        sched.update_from_output(out, fake_step(sched, out))
+        apply_step(sched, out, fake_step(sched, out))
 
 
 def test_a_prefix_hit_needs_each_sliding_groups_window_before_its_end() -> None:
@@ -125,10 +125,10 @@ def test_a_prefix_hit_needs_each_sliding_groups_window_before_its_end() -> None:
     sched.add_request(again)
     out = sched.schedule()
     assert again.num_computed_tokens == 32 and out.num_scheduled_tokens["b"] == 10
-    sched.update_from_output(out, fake_step(sched, out))
+    apply_step(sched, out, fake_step(sched, out))
     while sched.has_unfinished():
         out = sched.schedule()
-        sched.update_from_output(out, fake_step(sched, out))
+        apply_step(sched, out, fake_step(sched, out))
     assert kv.num_free_blocks == kv.num_blocks
 
 
@@ -141,14 +141,14 @@ def test_forks_share_every_groups_blocks_and_copy_on_write_in_each() -> None:
     parent = make_request("p", list(range(3, 21)), max_tokens=4)  # 18 tokens: a partial block
     sched.add_request(parent)
     out = sched.schedule()
-    sched.update_from_output(out, fake_step(sched, out))
+    apply_step(sched, out, fake_step(sched, out))
     child = sched.fork(parent, "c")
     for g in range(2):
         assert kv.block_ids("c", g) == kv.block_ids("p", g)
     assert num_reclaimable(kv, ["p"]) == 0  # every block is the child's too
     out = sched.schedule()
     assert len(out.block_copies) == 2  # the shared partial block, once per group
-    sched.update_from_output(out, fake_step(sched, out))
+    apply_step(sched, out, fake_step(sched, out))
     for g in range(2):
         assert kv.block_ids("c", g)[-1] != kv.block_ids("p", g)[-1]
     assert kv.num_held_blocks("p", 1) <= 8 // bs + 1  # the window's blocks
@@ -158,7 +158,7 @@ def test_forks_share_every_groups_blocks_and_copy_on_write_in_each() -> None:
     assert kv.free_lookahead(child) == 4 and kv.num_held_blocks("c") == held
     while sched.has_unfinished():
         out = sched.schedule()
-        sched.update_from_output(out, fake_step(sched, out))
+        apply_step(sched, out, fake_step(sched, out))
     assert kv.num_free_blocks == kv.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
 

@@ -23,7 +23,7 @@ from kserve_paged_engine.core.kv_tier.disk import DiskTier
 from kserve_paged_engine.core.kv_tier.host import HostSlot, HostTier
 from kserve_paged_engine.core.kv_tier.measured_rate import MeasuredRate
 from tests.helpers.core import make_scheduler
-from tests.test_engine_core_property import (
+from tests.helpers.core_random_ops import (
     BS,
     BUDGET,
     MAX_SEQS,
@@ -104,8 +104,7 @@ def test_random_operations_with_tier_moves_keep_pool_and_reads_right(host_blocks
             tier = HostTier(BS * SLOT.size, host_blocks * BS * SLOT.size, BS, lower=disk,
                             pin=False)
         sched = make_scheduler(num_blocks=16, block_size=BS, budget=BUDGET,
-                               max_num_seqs=MAX_SEQS, policy=policy)
-        sched.kv.attach_tier(tier)
+                               max_num_seqs=MAX_SEQS, policy=policy, tier=tier)
         swaps = sched.kv.tier.swaps
         swaps.prefill = MeasuredRate(prefill_rate, measured=True)  # 1: swap; 1e12: recompute
         kv_store: dict[int, tuple[int, int]] = {}

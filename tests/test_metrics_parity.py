@@ -16,7 +16,7 @@ from kserve_paged import metrics as m
 from kserve_paged_engine.core.request import RequestStatus
 from kserve_paged_engine.frontend.async_llm import StepInfo
 from kserve_paged_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tests.helpers.core import fake_step, make_request, make_scheduler
+from tests.helpers.core import apply_step, fake_step, make_request, make_scheduler
 
 VLLM = json.loads((Path(__file__).parent / "data" / "vllm_metrics.json").read_text())["metrics"]
 # vLLM labels every series with its engine index as well (data-parallel ranks in one process);
@@ -153,7 +153,7 @@ def test_kv_waste_gauges_follow_the_scheduler():
     for rid, tail in (("a", [1, 2, 3, 4, 5]), ("b", [6, 7])):
         sched.add_request(make_request(rid, shared + tail, max_tokens=5))
         out = sched.schedule()
-        sched.update_from_output(out, fake_step(sched, out))
+        apply_step(sched, out, fake_step(sched, out))
     stats = sched.stats()
     # a: 17 prompt + 2 sampled (it decoded in b's step) = 19 tokens in 5 blocks;
     # b: 14 + 1 = 15 tokens in 4 blocks, the first 3 shared with a.

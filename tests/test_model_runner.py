@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import torch
 
 from kserve_paged_engine.worker.model_runner import ModelRunner
-from tests.helpers.core import fake_step, make_request, make_scheduler
+from tests.helpers.core import apply_step, fake_step, make_request, make_scheduler
 
 BS = 4
 
@@ -28,7 +28,7 @@ def test_mixed_step_tensors_match_each_requests_blocks_and_positions():
     assert out.num_scheduled_tokens == {"a": 6, "b": 6}
     first = runner.prepare(out)
     ptr = first.input_ids.data_ptr()
-    sched.update_from_output(out, fake_step(sched, out))
+    apply_step(sched, out, fake_step(sched, out))
     out = sched.schedule()  # a decodes one token, b finishes its prompt (4 tokens)
     assert out.num_scheduled_tokens == {"a": 1, "b": 4}
     step = runner.prepare(out)
@@ -62,7 +62,7 @@ def test_rows_after_a_prefix_hit_start_past_the_cached_tokens():
     runner = make_runner(sched)
     out = sched.schedule()
     runner.prepare(out)
-    sched.update_from_output(out, fake_step(sched, out))
+    apply_step(sched, out, fake_step(sched, out))
     sched.add_request(make_request("b", shared + [7, 8, 9], max_tokens=3))
     out = sched.schedule()  # a decodes; b hits the 3 shared blocks and computes 3 tokens
     assert out.num_scheduled_tokens == {"a": 1, "b": 3}

@@ -1,14 +1,24 @@
 """The token-budget scheduler: chunked prefill, policies, preemption, admission errors."""
 
+import re
+
 import pytest
 
 from kserve_paged_engine.core.request import RequestStatus
-from tests.helpers.core import fake_step, make_request, make_scheduler, run_to_completion
+from kserve_paged_engine.frontend.stop_check import StopCheck
+from kserve_paged_engine.limits import request_id_in_use
+from tests.helpers.core import (
+    apply_step,
+    fake_step,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+)
 
 
 def step(sched):
     out = sched.schedule()
-    sched.update_from_output(out, fake_step(sched, out))
+    apply_step(sched, out, fake_step(sched, out))
     return out
 
 
@@ -123,7 +133,7 @@ def test_requests_that_can_never_fit_are_refused_when_added():
     with pytest.raises(ValueError, match="empty"):
         make_request("empty", [])
     sched.add_request(make_request("ok", 10))
-    with pytest.raises(ValueError, match="already in use"):
+    with pytest.raises(ValueError, match=re.escape(request_id_in_use("ok"))):
         sched.add_request(make_request("ok", 10))
     assert sched.abort("unknown") is False
     assert sched.kv.num_free_blocks == 4
@@ -186,11 +196,24 @@ def test_no_preemption_for_a_waiting_request_that_would_still_not_fit():
     assert sched.kv.num_free_blocks == 10
 
 
-def _decode_until(sched, rid: str, tokens: list[int], stop_strings=None):
-    """Prefill `rid`, then feed `tokens` one step each (the request's sampled tokens)."""
+class _Texts:
+    """A stand-in for the detokenizers the stop check asks: `answer(token, ended_by_token,
+    check_stop)` is the stop string the text now ends in."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def detokenize(self, request_id, token, ended_by_token, check_stop):
+        return self.answer(token, ended_by_token, check_stop)
+
+
+def _decode_until(sched, rid: str, tokens: list[int], answer=None):
+    """Prefill `rid`, then feed `tokens` one step each (the request's sampled tokens): the
+    stop check first (with stop strings from `answer`), then the scheduler."""
+    stops = StopCheck(sched.max_model_len, _Texts(answer) if answer else None)
     for token in tokens:
         out = sched.schedule()
-        sched.update_from_output(out, {rid: token}, stop_strings)
+        sched.update_from_output(out, stops.check(out, {rid: token}))
         if rid not in sched.requests:
             return out
     return None
@@ -205,15 +228,15 @@ def _decode_until(sched, rid: str, tokens: list[int], stop_strings=None):
     ([7, 2], 1, RequestStatus.FINISHED_STOPPED, "stop!"),
     ([7, 7, 7, 7], 3, RequestStatus.FINISHED_STOPPED, "stop!"),   # string over length
 ])
-def test_the_scheduler_decides_each_ending_once(tokens, stop_at, status, reason):
+def test_the_stop_check_decides_each_ending_once(tokens, stop_at, status, reason):
     sched = make_scheduler()
     req = make_request("a", 20, max_tokens=4, ignore_eos=False)
     req.sampling_params.stop_token_ids = [5]
     sched.add_request(req)
     seen: list[tuple[int, bool]] = []
 
-    def stop_strings(request, ended_by_token):
-        seen.append((request.output_token_ids[-1], ended_by_token))
+    def stop_strings(token, ended_by_token, check_stop):
+        seen.append((token, ended_by_token))
         return "stop!" if len(seen) - 1 == stop_at else None
 
     _decode_until(sched, "a", tokens, stop_strings)
@@ -232,14 +255,25 @@ def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings():
     sched.add_request(req)
     # EOS and a stop token before the third output do not end it, and neither does a stop
     # string: the detokenizer is asked with may-stop False (it then does not search) until
-    # min_tokens is reached; the callback here answers as the real one would.
+    # min_tokens is reached; the stand-in here answers as the real one would.
     asked: list[bool] = []
 
-    def stop_strings(request, ended_by_token):
-        asked.append(request.past_min_tokens)
-        return "stop!" if request.past_min_tokens else None
+    def stop_strings(token, ended_by_token, check_stop):
+        asked.append(check_stop)
+        return "stop!" if check_stop else None
 
     _decode_until(sched, "a", [2, 5, 7], stop_strings)
     assert asked == [False, False, True]
     assert req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason == "stop!"
     assert req.num_output_tokens == 3
+
+
+def test_a_fork_may_not_take_a_live_request_id():
+    """A fork's id is refused in the same words as an added request's (one message)."""
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 10))
+    sched.add_request(make_request("b", 10))
+    step(sched)
+    with pytest.raises(ValueError, match=re.escape(request_id_in_use("b"))):
+        sched.fork(sched.requests["a"], "b")
+    assert sched.fork(sched.requests["a"], "a2").request_id == "a2"

@@ -11,7 +11,7 @@ import torch
 from kserve_paged_engine.spec_decode import SpeculativeConfig
 from kserve_paged_engine.spec_decode.ngram import NgramProposer
 from kserve_paged_engine.spec_decode.rejection import accept_greedy, rejection_sample
-from tests.helpers.core import make_request, make_scheduler
+from tests.helpers.core import apply_step, make_request, make_scheduler
 from tests.helpers.spec import (
     repetitive_prompts,
     run_recording_steps,
@@ -136,7 +136,7 @@ def test_drafts_take_lookahead_slots_in_the_budget_and_rejected_ones_roll_back()
     req = make_request("a", list(range(10, 17)), max_tokens=20)  # 7 prompt tokens
     sched.add_request(req)
     out = sched.schedule()
-    sched.update_from_output(out, {"a": 50})  # prompt done, 8 tokens, 7 computed
+    apply_step(sched, out, {"a": 50})  # prompt done, 8 tokens, 7 computed
     assert sched.kv.num_blocks_of("a") == 2
     req.spec_token_ids = [51, 52, 53, 54, 55]
     out = sched.schedule()
@@ -144,7 +144,7 @@ def test_drafts_take_lookahead_slots_in_the_budget_and_rejected_ones_roll_back()
     assert sched.kv.num_blocks_of("a") == 4  # positions 7..12: lookahead slots allocated
     free_before = sched.kv.num_free_blocks
     # Two drafts kept: 51, 52 (then the target's own 60). 3 drafts' slots roll back.
-    sched.update_from_output(out, {"a": 51}, verified={"a": [52, 60]})
+    apply_step(sched, out, {"a": 51}, verified={"a": [52, 60]})
     assert req.output_token_ids == [50, 51, 52, 60]
     assert req.num_computed_tokens == 10 and req.num_tokens == 11
     assert sched.kv.num_blocks_of("a") == 3 and sched.kv.num_free_blocks == free_before + 1
@@ -157,7 +157,7 @@ def test_drafts_take_lookahead_slots_in_the_budget_and_rejected_ones_roll_back()
     req.sampling_params.max_tokens = 8  # 4 outputs: at most 4 more, so 3 drafts
     out = sched.schedule()
     assert out.spec_tokens == {"a": [1, 2, 3]} and out.num_scheduled_tokens == {"a": 4}
-    sched.update_from_output(out, {"a": 9}, verified={"a": []})  # first draft rejected
+    apply_step(sched, out, {"a": 9}, verified={"a": []})  # first draft rejected
     assert req.num_computed_tokens == 11 and sched.kv.num_blocks_of("a") == 3
 
 
@@ -168,7 +168,7 @@ def test_a_preempted_speculating_request_drops_its_drafts():
     sched.add_request(a)
     sched.add_request(b)
     out = sched.schedule()
-    sched.update_from_output(out, {"a": 1, "b": 2})  # 2 blocks each, the pool full
+    apply_step(sched, out, {"a": 1, "b": 2})  # 2 blocks each, the pool full
     a.spec_token_ids = [3, 4, 5]
     b.spec_token_ids = [6, 7, 8]
     out = sched.schedule()  # a's lookahead needs a block: b (the later) is preempted

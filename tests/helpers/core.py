@@ -7,9 +7,11 @@ import zlib
 
 from kserve_paged_engine.config.scheduler import SchedulerConfig
 from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
+from kserve_paged_engine.core.kv_tier.link import Tier
 from kserve_paged_engine.core.request import Request
 from kserve_paged_engine.core.scheduler import Scheduler
 from kserve_paged_engine.core.scheduler_output import SchedulerOutput
+from kserve_paged_engine.frontend.stop_check import StopCheck
 from kserve_paged_engine.sampling_params import SamplingParams
 
 EOS = 2
@@ -32,13 +34,14 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 16, *, budget: int = 
                    max_num_seqs: int = 256, caching: bool = True, policy: str = "fcfs",
                    max_model_len: int | None = None, max_loras: int = 1,
                    sliding_window: int | None = None,
-                   group_windows: list[int | None] | None = None) -> Scheduler:
+                   group_windows: list[int | None] | None = None,
+                   tier: Tier | None = None) -> Scheduler:
     """`group_windows`: one KV group per entry (engine/kserve_paged_engine/core/kv_groups.py), e.g. [None, 8] for a
-    model whose global and sliding layers have their own tables."""
+    model whose global and sliding layers have their own tables. `tier`: a second KV tier."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              policy=policy, max_loras=max_loras)
     kv = KVCacheManager(num_blocks, block_size, caching, sliding_window=sliding_window,
-                        group_windows=group_windows)
+                        group_windows=group_windows, tier=tier)
     return Scheduler(config, kv, max_model_len or num_blocks * block_size)
 
 
@@ -60,5 +63,13 @@ def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[Schedul
             return outs
         out = sched.schedule()
         outs.append(out)
-        sched.update_from_output(out, fake_step(sched, out))
+        apply_step(sched, out, fake_step(sched, out))
     raise AssertionError("requests did not finish")
+
+
+def apply_step(sched: Scheduler, out: SchedulerOutput, sampled: dict[str, int],
+               verified: dict[str, list[int]] | None = None) -> list[Request]:
+    """What LLMEngine does with a step's tokens: the stop check (token and length rules; no
+    detokenizer, so no stop strings), then the scheduler's update. Returns what ended."""
+    ends = StopCheck(sched.max_model_len).check(out, sampled, verified)
+    return sched.update_from_output(out, ends)

@@ -90,7 +90,8 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 record_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1 (got {num_blocks})")
         self.num_blocks = num_blocks
@@ -104,7 +105,7 @@ class BlockPool:
         # The most blocks ever held at once (block accounting in tests and bench/).
         self.peak_used = 0
         # KV-cache events since the last take_events() (kserve_paged_engine.core.kv_events); None: not recorded.
-        self.events: list[KVCacheEvent] | None = None
+        self.events: list[KVCacheEvent] | None = [] if record_events else None
         # Cached blocks evicted by allocations since the last take_evicted(), (id, hash), for
         # the second KV tier (engine/kserve_paged_engine/core/kv_tier/disk.py); None: not recorded.
         self.evicted: list[tuple[int, bytes]] | None = None

@@ -34,15 +34,19 @@ from kserve_paged_engine.core.request import Request
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None, hash_algo: str = "sha256",
-                 group_windows: list[int | None] | None = None) -> None:
+                 group_windows: list[int | None] | None = None, *,
+                 hasher: BlockHasher | None = None, tier: Tier | None = None,
+                 record_events: bool = False) -> None:
         """`group_windows`: each KV group's sliding window (None: global); without it one
-        group, sliding by `sliding_window` (every layer slides) or global."""
+        group, sliding by `sliding_window` (every layer slides) or global. `hasher` (else one
+        of `hash_algo`): the keys the second `tier` (evicted blocks kept, taken back on
+        lookups) names its blocks by. `record_events`: for KV-cache event publishing."""
         self.block_size = block_size
-        self.hasher = BlockHasher(hash_algo)  # vLLM's block keys (engine/kserve_paged_engine/core/block_hash.py)
+        self.hasher = hasher or BlockHasher(hash_algo)  # vLLM's block keys (block_hash.py)
         self.enable_prefix_caching = enable_prefix_caching
         self.windows: list[int | None] = list(group_windows or [sliding_window])
         self.sliding_window = self.windows[0] if len(self.windows) == 1 else None
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, record_events)
         # Per group, a request's blocks in table order; None: released out of the window.
         self._tables: list[dict[str, list[KVBlock | None]]] = [{} for _ in self.windows]
         # The same tables as plain ids, grown alongside: the runner reads them every step.
@@ -59,11 +63,7 @@ class KVCacheManager:
         # Copy-on-write copies (source id, destination id) since the last `take_block_copies`.
         self._pending_copies: list[tuple[int, int]] = []
         self.num_cow_copies = 0
-        self.tier: TierLink | None = None  # the second KV tier, when one is attached
-
-    def attach_tier(self, tier: Tier) -> None:
-        """Keep evicted prefix blocks in `tier` and take them back on lookups."""
-        self.tier = TierLink(tier, self.pool, self.block_size, self.windows)
+        self.tier = None if tier is None else TierLink(tier, self.pool, block_size, self.windows)
 
     @property
     def num_groups(self) -> int:

@@ -16,7 +16,7 @@ than the extra tables a smaller size (their gcd) would have every step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -25,10 +25,11 @@ class KVLayout:
     group_size: int  # layers (slots) per group: a block holds this many layers' K/V
     layer_group: list[int]  # per layer: its group
     layer_slot: list[int]  # per layer: its slot (which per-slot tensor holds its K/V)
+    # len(group_windows), a plain field: the runner reads it every step (no call into here).
+    num_groups: int = field(init=False)
 
-    @property
-    def num_groups(self) -> int:
-        return len(self.group_windows)
+    def __post_init__(self) -> None:
+        self.num_groups = len(self.group_windows)
 
     def blocks_to_hold(self, num_tokens: int, block_size: int, chunk: int) -> int:
         """Blocks one request of `num_tokens` tokens needs at most at once when its prompt is

@@ -58,10 +58,9 @@ class Request:
     group_id: str | None = None
     # Chained block hashes of this request's full blocks, grown as tokens arrive.
     block_hashes: list[bytes] = field(default_factory=list)
-    # Timestamps for metrics (monotonic seconds).
+    # When the scheduler first admitted it (monotonic seconds, as `arrival_time`): the one home
+    # of both; the token times are the output processor's (RequestOutput.metrics copies all).
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
     # The constraint's matcher (structured outputs); the scheduler skips the request while
     # its grammar compiles.
     grammar: RequestGrammar | None = None

@@ -5,13 +5,15 @@ not computed yet (one token when decoding, the rest of its prompt when prefillin
 request asks for its prompt minus its prefix hit. Long asks are cut to the budget, which is
 chunked prefill; a request whose blocks cannot be allocated evicts a worse one, which is
 preemption by recompute. So the features compose instead of living in separate code paths.
-The waiting queue is `request_queue.py`, forked groups' room `group_admission.py`, the stop
-rules `stop.py`, who is preempted `preemption.py`; what a step hands the runner is `scheduler_output.py`.
+The waiting queue is `request_queue.py`, forked groups' room `fork_admission.py`, what a
+step's stop check decided `stop.py`, who is preempted `preemption.py`; what a step hands the
+runner is `scheduler_output.py`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from kserve_paged_engine.config.scheduler import SchedulerConfig
 from kserve_paged_engine.core.fork_admission import (
@@ -26,7 +28,8 @@ from kserve_paged_engine.core.prefix_hits import PrefixHit
 from kserve_paged_engine.core.request import Request, RequestStatus
 from kserve_paged_engine.core.request_queue import WaitingQueue, policy_key
 from kserve_paged_engine.core.scheduler_output import SchedulerOutput, StepBuild
-from kserve_paged_engine.core.stop import StopStrings, check_stop
+from kserve_paged_engine.core.stop import Appended
+from kserve_paged_engine.limits import request_id_in_use
 from kserve_paged_engine.sampling_params import SamplingParams
 
 
@@ -45,7 +48,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request, or refuse it at once if it could never run."""
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise ValueError(request_id_in_use(request.request_id))
         n = request.num_prompt_tokens
         if n >= self.max_model_len:
             raise ValueError(
@@ -181,7 +184,7 @@ class Scheduler:
     def _admit_one(self, step: StepBuild, request: Request) -> bool:
         """Admit one waiting request, preempting worse ones if that can make room; False if
         it must wait. (Waiting requests hold no blocks: preemption resets them.)"""
-        hit = best_hit(self.kv, request, self.running, step.scheduled)
+        hit = self._best_hit(request, step)
         num_new = min(request.num_tokens - hit.num_tokens, step.budget)
         if not self.config.chunked_prefill and num_new < request.num_tokens - hit.num_tokens:
             return False  # whole or not at all: it waits for the next step's budget
@@ -193,12 +196,18 @@ class Scheduler:
                 return False
             self._preempt(step, victim)
             # Preemption may have evicted blocks the hit counted on: look again.
-            hit = best_hit(self.kv, request, self.running, step.scheduled)
+            hit = self._best_hit(request, step)
             num_new = min(request.num_tokens - hit.num_tokens, step.budget)
         request.num_computed_tokens += hit.num_tokens
-        self._start_running(request, hit, step.now)
+        self._start_running(request, hit, step)
         step.add(request, num_new)
         return True
+
+    def _best_hit(self, request: Request, step: StepBuild) -> PrefixHit:
+        """The prefix hit, or for a fork the better of it and its siblings' blocks."""
+        if request.group_id is None:
+            return self.kv.find_prefix(request)
+        return best_hit(self.kv, request, self.running, step.scheduled)
 
     def _admit_beams(self, step: StepBuild, request: Request,
                           passed_over: list[Request]) -> bool:
@@ -250,18 +259,19 @@ class Scheduler:
             if num_new:
                 step.add(member, num_new)
         for member, hit in zip(unit, hits):
-            self._start_running(member, hit, step.now)
+            self._start_running(member, hit, step)
         return True
 
-    def _start_running(self, request: Request, hit: PrefixHit, now: float) -> None:
+    def _start_running(self, request: Request, hit: PrefixHit, step: StepBuild) -> None:
         """Move an admitted request (its blocks allocated, its hits counted as computed) from
         the waiting queue to the running list."""
         self.waiting.remove(request)
         self.kv.record_lookup(request, hit)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = request.num_computed_tokens
-        if request.first_scheduled_time is None:
-            request.first_scheduled_time = now
+        if request.first_scheduled_time is None:  # its one home (outputs read it)
+            request.first_scheduled_time = step.now
+            step.started.append(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
@@ -274,55 +284,41 @@ class Scheduler:
         return lora.lora_int_id in active or len(active) < self.config.max_loras
 
     # ------------------------------------------------------------ after the model ran
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
-                           stop_strings: StopStrings | None = None,
-                           verified: dict[str, list[int]] | None = None) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish what must finish.
-
-        `sampled` holds a token for each request whose scheduled tokens reached its end (a
-        prefill chunk that stops short samples nothing). `stop_strings(request, ended_by_token)`
-        is told of each appended token (the engine's detokenizer) and returns the stop string
-        its text now ends in, if any. `verified` holds, for a request that ran drafts, the
-        kept drafts' tokens after its sampled one: only the drafts kept count as computed, the
-        rejected ones' slots roll back. Returns the requests finished here.
-        """
+    def update_from_output(self, output: SchedulerOutput, ends: dict[str, Appended],
+                           forked: Sequence[Request] = ()) -> list[Request]:
+        """Advance computed tokens, append what each request appends and finish those that
+        end, as the step's stop check decided (`ends`; engine/kserve_paged_engine/frontend/stop_check.py):
+        a request that ran drafts counts only the kept ones as computed, the rejected ones'
+        slots roll back. `forked`: samples forked in the step (not in its schedule), appended
+        after it. Returns the requests finished here."""
         finished: list[Request] = []
         for request in output.scheduled:
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            appended = ends.get(request.request_id)
             num = output.num_scheduled_tokens[request.request_id]
-            drafts = output.spec_tokens.get(request.request_id)
-            more = (verified or {}).get(request.request_id, []) if drafts else []
-            if drafts:
-                num -= len(drafts) - len(more)
-            request.num_computed_tokens += num
+            request.num_computed_tokens += num - (appended.rejected_drafts if appended else 0)
             self.kv.free_out_of_window(request)  # no-op without a sliding KV group
-            token = sampled.get(request.request_id)
-            if token is None:
-                if not request.wants_token and request.num_computed_tokens >= request.num_tokens:
-                    self.finish(request, request.prompt_done_status)  # max_tokens=0: scored
-                    finished.append(request)
+            if appended is None:
                 continue
-            if self.accept_token(request, token, stop_strings):
+            if self._append(request, appended):
                 finished.append(request)
-                continue
-            for token in more:
-                if self.accept_token(request, token, stop_strings):
-                    finished.append(request)
-                    break
-            if drafts and not request.is_finished:
+            elif request.request_id in output.spec_tokens:
                 self.kv.free_lookahead(request)
+        for child in forked:
+            appended = ends.get(child.request_id)
+            if (appended is not None and child.status is RequestStatus.RUNNING
+                    and self._append(child, appended)):
+                finished.append(child)
         return finished
 
-    def accept_token(self, request: Request, token: int,
-                     stop_strings: StopStrings | None = None) -> bool:
-        """Append a sampled token and finish the request if it must end; True if it ended."""
-        request.output_token_ids.append(token)
-        status, reason = check_stop(request, token, stop_strings, self.max_model_len)
-        if status is None:
+    def _append(self, request: Request, appended: Appended) -> bool:
+        """Append the request's tokens and finish it if they end it; True if it ended."""
+        request.output_token_ids.extend(appended.tokens)
+        if appended.status is None:
             return False
-        request.stop_reason = reason
-        self.finish(request, status)
+        request.stop_reason = appended.stop_reason
+        self.finish(request, appended.status)
         return True
 
     def fork(self, parent: Request, child_id: str, params: SamplingParams | None = None,
@@ -330,7 +326,7 @@ class Scheduler:
         """A running copy of `parent` sharing its blocks (KVCacheManager.fork), with the
         parent's tokens so far; `num_computed` when the parent's step is not yet counted."""
         if child_id in self.requests:
-            raise ValueError(f"request id {child_id!r} is already in use")
+            raise ValueError(request_id_in_use(child_id))
         if parent.status is not RequestStatus.RUNNING:
             raise RuntimeError(f"cannot fork {parent.request_id!r}: it is {parent.status.value}")
         child = forked_request(parent, child_id, params, num_computed)

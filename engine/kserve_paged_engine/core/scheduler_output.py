@@ -24,6 +24,8 @@ class SchedulerOutput:
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Second-tier copies (engine/kserve_paged_engine/core/kv_tier/link.py), before the copy-on-write ones.
     tier_moves: TierMoves | None = None
+    # Requests scheduled for the first time (their prompt tokens count once, in the stats).
+    started: list[Request] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -41,6 +43,7 @@ class StepBuild:
     preempted: list[str] = field(default_factory=list)
     spec: dict[str, list[int]] = field(default_factory=dict)
     unschedulable: list[tuple[Request, str]] = field(default_factory=list)
+    started: list[Request] = field(default_factory=list)
 
     def add(self, request: Request, num_new: int) -> None:
         self.scheduled[request.request_id] = num_new
@@ -59,4 +62,4 @@ class StepBuild:
                tier_moves: TierMoves | None = None) -> SchedulerOutput:
         return SchedulerOutput(self.scheduled, self.order, sum(self.scheduled.values()),
                                self.preempted, block_copies, self.unschedulable, self.spec,
-                               tier_moves)
+                               tier_moves, self.started)

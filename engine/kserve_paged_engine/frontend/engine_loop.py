@@ -13,7 +13,8 @@ Hand-off rules (the only cross-thread traffic):
   is resolved here, so validation errors from ``add_request`` reach the caller as ``ValueError``.
 - An idle engine thread sleeps on the Condition (no busy spin); a command wakes it.
 
-If the step loop raises, every in-flight request fails with :class:`EngineDeadError` and the
+The commands, the engine's face (`EngineLike`) and the step report (`StepInfo`) are
+engine_commands.py. If the step loop raises, every in-flight request fails with :class:`EngineDeadError` and the
 loop is dead for good: a serving process should be restarted, not limp on with a half-updated
 scheduler. `AsyncLLM` (engine/kserve_paged_engine/frontend/async_llm.py) is the asyncio face of this loop.
 """
@@ -24,94 +25,31 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from kserve_paged_engine.config.engine import EngineConfig
+from kserve_paged_engine.frontend.engine_commands import (
+    Abort,
+    Add,
+    Call,
+    EngineDeadError,
+    EngineLike,
+    Fatal,
+    StepCallback,
+    StepInfo,
+)
 from kserve_paged_engine.frontend.request_stream import END, Stream
+from kserve_paged_engine.limits import request_id_in_use
 from kserve_paged_engine.lora import LoRARequest
-from kserve_paged_engine.model_info import ModelInfo
 from kserve_paged_engine.outputs import RequestOutput
 from kserve_paged_engine.pooling_params import PoolingParams
 from kserve_paged_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("kserve_paged_engine.frontend.async_llm")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (it crashed or was shut down); no request can be served."""
-
-
-class EngineLike(Protocol):
-    """What AsyncLLM needs of ``kserve_paged_engine.frontend.llm_engine.LLMEngine`` (tests pass a fake)."""
-
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    priority: int = 0, cache_salt: str | None = None) -> None: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    def abort_request(self, request_id: str | list[str]) -> None: ...
-
-    def has_unfinished_requests(self) -> bool: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-    def model_info(self) -> ModelInfo: ...
-
-
-@dataclasses.dataclass(slots=True)
-class StepInfo:
-    """Passed to the step callback after every engine-thread iteration that did something.
-
-    ``num_tokens`` is the number of tokens the step computed (prefill chunks and decodes: the
-    engine's ``last_step_tokens``), ``aborted`` the ids freed by aborts in this iteration."""
-
-    stats: dict[str, Any]
-    outputs: list[RequestOutput]
-    aborted: list[str]
-    num_tokens: int
-    stepped: bool
-    time: float
-
-
-StepCallback = Callable[[StepInfo], None]
-
-
-@dataclasses.dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
-    stream: Stream
-    future: concurrent.futures.Future[None]
-    lora_request: LoRARequest | None = None
-    pooling_params: PoolingParams | None = None
-
-
-@dataclasses.dataclass(slots=True)
-class _Abort:
-    request_ids: list[str]
-
-
-@dataclasses.dataclass(slots=True)
-class _Fatal:
-    """The engine can no longer step (a tensor-parallel worker died): stop the loop with it."""
-
-    error: BaseException
-
-
-@dataclasses.dataclass(slots=True)
-class _Call:
-    """Run `fn(engine)` on the engine thread, between steps (adapter loads and unloads)."""
-
-    fn: Callable[[Any], Any]
-    future: concurrent.futures.Future[Any]
 
 
 class EngineLoop:
@@ -127,7 +65,7 @@ class EngineLoop:
         self._warmup = warmup
         self.callbacks = callbacks
         self._cond = threading.Condition()
-        self._commands: collections.deque[_Add | _Abort | _Call | _Fatal] = collections.deque()
+        self._commands: collections.deque[Add | Abort | Call | Fatal] = collections.deque()
         self._streams: dict[str, Stream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self.stopping = False
@@ -162,7 +100,7 @@ class EngineLoop:
     def num_waiting(self) -> int:
         """Adds not applied yet plus the engine's waiting requests at the last step."""
         with self._cond:  # the deque is appended to and drained from other threads
-            pending = sum(1 for c in self._commands if isinstance(c, _Add))
+            pending = sum(1 for c in self._commands if isinstance(c, Add))
             return (pending + self._applied_adds
                     + int(self.stats.get("num_waiting", 0) or 0))
 
@@ -178,7 +116,7 @@ class EngineLoop:
         with self._cond:
             if self.dead is not None or self.stopping:
                 return
-            self._commands.append(_Abort(request_ids))
+            self._commands.append(Abort(request_ids))
             self._cond.notify()
 
     def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -186,14 +124,14 @@ class EngineLoop:
             stream: Stream, future: concurrent.futures.Future[None],
             pooling_params: PoolingParams | None = None) -> None:
         """Queue an add; `future` resolves once the engine accepted (or refused) it."""
-        self._submit(_Add(request_id, prompt, params, priority, cache_salt, stream, future,
+        self._submit(Add(request_id, prompt, params, priority, cache_salt, stream, future,
                           lora_request, pooling_params))
 
     def call(self, fn: Callable[[Any], Any], future: concurrent.futures.Future[Any]) -> None:
         """Queue `fn(engine)` for the engine thread, between steps; `future` gets its result."""
-        self._submit(_Call(fn, future))
+        self._submit(Call(fn, future))
 
-    def _submit(self, command: _Add | _Call) -> None:
+    def _submit(self, command: Add | Call) -> None:
         with self._cond:
             if self.dead is not None or self.stopping:
                 reason = self.dead
@@ -249,7 +187,7 @@ class EngineLoop:
                 self._commands.clear()
                 # Adds taken off the queue count as waiting until the next stats say where
                 # they are (num_waiting; at worst one step of over-count, never under).
-                self._applied_adds += sum(1 for c in commands if isinstance(c, _Add))
+                self._applied_adds += sum(1 for c in commands if isinstance(c, Add))
             aborted = self._apply(engine, commands)
             outputs: list[RequestOutput] = []
             stepped = False
@@ -290,16 +228,16 @@ class EngineLoop:
         """From any thread: the engine thread raises `error` before its next step (one in
         flight fails by itself), so the engine dies and everything in flight gets an error."""
         with self._cond:
-            self._commands.appendleft(_Fatal(error))
+            self._commands.appendleft(Fatal(error))
             self._cond.notify()
 
-    def _apply(self, engine: EngineLike, commands: list[_Add | _Abort | _Call | _Fatal]
+    def _apply(self, engine: EngineLike, commands: list[Add | Abort | Call | Fatal]
                ) -> list[str]:
         aborted: list[str] = []
         for cmd in commands:
-            if isinstance(cmd, _Fatal):
+            if isinstance(cmd, Fatal):
                 raise cmd.error
-            if isinstance(cmd, _Abort):
+            if isinstance(cmd, Abort):
                 ids = [rid for rid in cmd.request_ids if rid in self._streams]
                 if ids:
                     engine.abort_request(ids)
@@ -311,7 +249,7 @@ class EngineLoop:
             # so the set_result/set_exception below cannot raise InvalidStateError.
             if not cmd.future.set_running_or_notify_cancel():
                 continue
-            if isinstance(cmd, _Call):
+            if isinstance(cmd, Call):
                 try:
                     cmd.future.set_result(cmd.fn(engine))
                 except Exception as exc:  # noqa: BLE001 - the caller gets it, the engine goes on
@@ -319,7 +257,7 @@ class EngineLoop:
                 continue
             if cmd.request_id in self._streams:
                 cmd.future.set_exception(
-                    ValueError(f"request id {cmd.request_id!r} is already in use"))
+                    ValueError(request_id_in_use(cmd.request_id)))
                 continue
             try:
                 lora: dict[str, Any] = {"lora_request": cmd.lora_request} \
@@ -361,7 +299,7 @@ class EngineLoop:
             stream.put(EngineDeadError(message))
         self._streams.clear()
         for cmd in commands:
-            if isinstance(cmd, (_Add, _Call)) and not cmd.future.done():
+            if isinstance(cmd, (Add, Call)) and not cmd.future.done():
                 cmd.future.set_exception(EngineDeadError(message))
         for loop, fut in waiters:
             _resolve(loop, fut)

@@ -33,13 +33,15 @@ class Forks:
     """The parent/child bookkeeping of every live n > 1 request."""
 
     def __init__(self) -> None:
-        self._parents: dict[str, _Parent] = {}
+        # Both public so that callers test them for emptiness before calling in: a request of
+        # n = 1 never enters this file.
+        self.parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[str, int]] = {}
         # First child id -> the (child id, params) still to fork from it.
-        self._pending: dict[str, list[tuple[str, SamplingParams]]] = {}
+        self.pending: dict[str, list[tuple[str, SamplingParams]]] = {}
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._parents
+        return request_id in self.parents
 
     def __bool__(self) -> bool:
         return bool(self._child_of)
@@ -61,26 +63,26 @@ class Forks:
         """Record a parent and its children; `pending` are to fork from the first one."""
         for i, child in enumerate(children):
             self._child_of[child] = (request_id, i)
-        self._parents[request_id] = _Parent(list(children))
+        self.parents[request_id] = _Parent(list(children))
         if pending:
-            self._pending[children[0]] = list(pending)
+            self.pending[children[0]] = list(pending)
 
     def take_pending(self, request_id: str) -> list[tuple[str, SamplingParams]]:
         """The children still to fork from this one (handed over once)."""
-        return self._pending.pop(request_id, [])
+        return self.pending.pop(request_id, [])
 
     def expand(self, request_ids: list[str]) -> list[str]:
         """The ids to abort for these: a parent stands for its children (and is forgotten)."""
         expanded: list[str] = []
         for rid in request_ids:
-            parent = self._parents.pop(rid, None)
+            parent = self.parents.pop(rid, None)
             if parent is None:
                 expanded.append(rid)
                 continue
             expanded.extend(parent.children)
             for child in parent.children:
                 self._child_of.pop(child, None)
-                self._pending.pop(child, None)
+                self.pending.pop(child, None)
         return expanded
 
     def merge(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -99,7 +101,7 @@ class Forks:
                 merged.append(out)
                 continue
             parent_id, index = link
-            parent = self._parents[parent_id]
+            parent = self.parents[parent_id]
             completion = out.outputs[0]
             completion.index = index
             parent.latest[index] = completion
@@ -116,7 +118,7 @@ class Forks:
                 merged.append(agg)
             agg.outputs.append(completion)
         for parent_id, agg in by_parent.items():
-            parent = self._parents[parent_id]
+            parent = self.parents[parent_id]
             if len(parent.finished) == len(parent.children):
                 progressed = {c.index for c in agg.outputs}
                 for index, completion in sorted(parent.latest.items()):
@@ -126,5 +128,5 @@ class Forks:
                 agg.outputs.sort(key=lambda c: c.index)
                 agg.finished = True
                 agg.error, agg.error_status = parent.error, parent.error_status
-                del self._parents[parent_id]
+                del self.parents[parent_id]
         return merged

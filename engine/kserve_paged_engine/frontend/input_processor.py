@@ -18,8 +18,7 @@ from kserve_paged_engine.core.request import Request
 from kserve_paged_engine.core.scheduler import Scheduler
 from kserve_paged_engine.frontend.beam_search import BeamSearches
 from kserve_paged_engine.frontend.forks import Forks
-from kserve_paged_engine.frontend.output_processor import OutputProcessor
-from kserve_paged_engine.limits import check_prompt_ids
+from kserve_paged_engine.limits import check_prompt_ids, request_id_in_use
 from kserve_paged_engine.lora import LoRAManager, LoRARequest
 from kserve_paged_engine.pooling_params import PoolingParams, WrongJobError
 from kserve_paged_engine.sample.logits_processors import bad_words_token_ids
@@ -33,8 +32,7 @@ Prompt = str | list[int] | dict[str, Any]
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, vocab_size: int, eos: tuple[int | None, list[int]],
-                 scheduler: Scheduler, outputs: OutputProcessor, groups: Forks,
-                 beams: BeamSearches, lora: LoRAManager | None,
+                 scheduler: Scheduler, forks: Forks, beams: BeamSearches, lora: LoRAManager | None,
                  grammar_compile_s: float | None = None, job: str = "generate",
                  hidden_size: int = 0) -> None:
         self.tokenizer = tokenizer
@@ -45,8 +43,7 @@ class InputProcessor:
         self.grammars = GrammarCompiler(tokenizer, vocab_size, stop_ids,
                                         timeout_s=grammar_compile_s)
         self.scheduler = scheduler
-        self.outputs = outputs
-        self.groups = groups
+        self.forks = forks
         self.beams = beams
         self.lora = lora
         self.compiling: list[Request] = []  # queued, their grammar not compiled yet
@@ -57,9 +54,10 @@ class InputProcessor:
     def add(self, request_id: str, prompt: Prompt, params: SamplingParams, *, priority: int,
             cache_salt: str | None, arrival_time: float | None,
             lora_request: LoRARequest | None,
-            pooling_params: PoolingParams | None = None) -> None:
+            pooling_params: PoolingParams | None = None) -> tuple[list[Request], str | None]:
         """Queue a request; raises ValueError (nothing allocated) if it can never run, and
-        WrongJobError for a request of another kind than the model's job."""
+        WrongJobError for a request of another kind than the model's job. Returns the requests
+        queued (the engine's other stages start keeping theirs) and the prompt's text."""
         if pooling_params is not None:  # prompt only: computed, pooled, nothing sampled
             pooling_params.check(self.job, self.hidden_size)
             params = SamplingParams(max_tokens=0)
@@ -90,18 +88,21 @@ class InputProcessor:
         token_ids, text = self._filters(params, token_ids, text)
         if self.extra_eos and not params.ignore_eos:
             params = _with_stop_ids(params, self.extra_eos)
-        if request_id in self.groups or request_id in self.beams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        if ((self.forks.parents and request_id in self.forks)
+                or (self.beams.groups and request_id in self.beams)):
+            raise ValueError(request_id_in_use(request_id))
         common = (token_ids, text, priority, cache_salt, arrival_time, lora_request)
         if pooling_params is not None:
-            self._add_one(request_id, params, *common).pooling_params = pooling_params
+            added = [self._add_one(request_id, params, *common)]
+            added[0].pooling_params = pooling_params
         elif params.use_beam_search:  # one request; beams fork from it (beam_search.py)
-            self.beams.start(self._add_one(request_id, params, *common),
-                             self.scheduler.max_model_len)
+            added = [self._add_one(request_id, params, *common)]
+            self.beams.start(added[0], self.scheduler.max_model_len)
         elif params.n == 1:
-            self._add_one(request_id, params, *common)
+            added = [self._add_one(request_id, params, *common)]
         else:
-            self._add_samples(request_id, params, common)
+            added = self._add_samples(request_id, params, common)
+        return added, text
 
     def _filters(self, params: SamplingParams, token_ids: list[int], text: str | None
                  ) -> tuple[list[int], str | None]:
@@ -124,18 +125,20 @@ class InputProcessor:
             params.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
         return token_ids, text
 
-    def _add_samples(self, request_id: str, params: SamplingParams, common: tuple) -> None:
+    def _add_samples(self, request_id: str, params: SamplingParams, common: tuple
+                     ) -> list[Request]:
         """n parallel samples: the first child computes the prompt, the others fork from it
         when it samples its first token, sharing every prompt block."""
         children = Forks.children(request_id, params)
         if params.max_tokens == 0:  # nothing is sampled, so nothing to fork from: n scorings
-            for child, child_params in children:
-                self._add_one(child, child_params, *common)
-            self.groups.register(request_id, [child for child, _ in children], pending=[])
-            return
+            added = [self._add_one(child, child_params, *common)
+                     for child, child_params in children]
+            self.forks.register(request_id, [child for child, _ in children], pending=[])
+            return added
         (first, first_params), rest = children[0], children[1:]
-        self._add_one(first, first_params, *common)
-        self.groups.register(request_id, [child for child, _ in children], pending=rest)
+        added = [self._add_one(first, first_params, *common)]
+        self.forks.register(request_id, [child for child, _ in children], pending=rest)
+        return added
 
     def _add_one(self, request_id: str, params: SamplingParams, token_ids: list[int],
                  text: str | None, priority: int, cache_salt: str | None,
@@ -149,7 +152,6 @@ class InputProcessor:
             spec = params.structured_outputs
             request.grammar = RequestGrammar(self.grammars.submit(spec), spec.start_after_token_id)
             self.compiling.append(request)
-        self.outputs.track(request, text)
         return request
 
     def start_compiled_grammars(self) -> list[tuple[Request, str]]:
@@ -159,7 +161,7 @@ class InputProcessor:
             return []
         still, broken = [], []
         for req in self.compiling:
-            if req.is_finished or req.request_id not in self.outputs.live:
+            if req.is_finished:
                 continue  # aborted while compiling
             if not req.grammar.future.done():
                 still.append(req)

@@ -1,22 +1,23 @@
 """The synchronous engine: requests in, one scheduler step + model forward per `step()`.
 
-`LLMEngine` coordinates; each job is elsewhere. Requests in: `input_processor.py`. A step:
-the scheduler (engine/kserve_paged_engine/core/scheduler.py) picks the work, the executor (engine/kserve_paged_engine/worker/) runs
-the model, the sampling pipeline (`sampling_pipeline.py`) turns the logits into tokens, the
-scheduler appends them and ends what must end, and `output_processor.py` builds the outputs.
-Start-up decisions (model folder, KV-cache size): `startup.py`.
+`LLMEngine` coordinates; each job is elsewhere. Requests in: `input_processor.py`. A step, each
+stage one call in `_step`: the scheduler (engine/kserve_paged_engine/core/scheduler.py) picks
+the work, the executor (engine/kserve_paged_engine/worker/) runs the model, the sample stage
+(`sample_stage.py`) turns the logits into tokens, the stop check (`stop_check.py`) decides who
+ends and why, the scheduler appends the tokens and frees what ended, and `output_processor.py`
+builds the outputs. Start-up decisions (model folder, KV-cache size): `startup.py`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from kserve_paged_engine.config.engine import EngineConfig
+from kserve_paged_engine.core.block_hash import BlockHasher
 from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
 from kserve_paged_engine.core.kv_sizing import checkpoint_dtype, resolve_device, resolve_dtype
 from kserve_paged_engine.core.request import Request, RequestStatus
@@ -24,11 +25,13 @@ from kserve_paged_engine.core.scheduler import Scheduler
 from kserve_paged_engine.core.scheduler_output import SchedulerOutput
 from kserve_paged_engine.frontend import startup
 from kserve_paged_engine.frontend.beam_search import BeamSearches
+from kserve_paged_engine.frontend.engine_reports import EngineReports
 from kserve_paged_engine.frontend.forks import Forks
 from kserve_paged_engine.frontend.input_processor import InputProcessor, Prompt
 from kserve_paged_engine.frontend.output_processor import OutputProcessor
 from kserve_paged_engine.frontend.pooling import PoolingPipeline
 from kserve_paged_engine.frontend.sample_stage import SampledStep, SamplingPipeline
+from kserve_paged_engine.frontend.stop_check import StopCheck
 from kserve_paged_engine.lora import LoRAManager, LoRARequest
 from kserve_paged_engine.model_executor.model_job import (
     ENCODER_ARCHITECTURES,
@@ -37,7 +40,6 @@ from kserve_paged_engine.model_executor.model_job import (
 )
 from kserve_paged_engine.model_executor.model_loader import load_tokenizer
 from kserve_paged_engine.model_executor.models import architecture_of
-from kserve_paged_engine.model_info import ModelInfo
 from kserve_paged_engine.outputs import RequestOutput
 from kserve_paged_engine.pooling_params import PoolingParams
 from kserve_paged_engine.sample.sampler import Sampler
@@ -47,14 +49,14 @@ from kserve_paged_engine.spec_decode.decoder import SpecDecoder
 from kserve_paged_engine.spec_decode.draft_model import DraftModelProposer, load_draft_model
 from kserve_paged_engine.worker.cpu_memory import tune_glibc_malloc
 from kserve_paged_engine.worker.executor import ExecutorError, LocalExecutor
-from kserve_paged_engine.worker.model_runner import ModelRunner
+from kserve_paged_engine.worker.model_runner import ModelRunner, StepResult
 from kserve_paged_engine.worker.tp_executor import TPExecutor
 
 WARMUP_PREFILL_TOKENS = 512  # the warm-up's long prefill: W1's prompts are 75-500 tokens
 logger = logging.getLogger("kserve_paged_engine")
 
 
-class LLMEngine:
+class LLMEngine(EngineReports):
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         config = config or EngineConfig(**kwargs)
         self.config = config
@@ -105,27 +107,10 @@ class LLMEngine:
                                 self.device, config.seed)
 
     def _size_cache(self, draft_model: Any) -> None:
-        """KV blocks by the sizing rule (engine/kserve_paged_engine/core/kv_sizing.py), and max_model_len capped
-        to the longest request the cache holds alone."""
-        config = self.config
-        if self.encoder and config.num_kv_blocks is None and config.kv_cache_memory is None:
-            # Nothing outlives a step: room for one step's tokens, a partial block per seq.
-            config = dataclasses.replace(config, num_kv_blocks=-(
-                -config.max_num_batched_tokens // config.block_size) + config.max_num_seqs)
-        size = startup.size_cache(config, self.model, draft_model, self.dtype, self.device)
-        self.kv_layout, self.num_kv_blocks = size.layout, size.num_blocks
-        max_len = (config.max_model_len or startup.encoder_max_len(self.model_path)
-                   or self.model.max_position_embeddings)
-        fits = startup.longest_fit(size.layout, max_len, config.max_num_batched_tokens,
-                                   config.block_size, size.num_blocks)
-        if fits < max_len:
-            logger.warning("max_model_len %d exceeds the KV cache (%d blocks of %d tokens hold "
-                           "one request of %d tokens): capping it", max_len,
-                           size.num_blocks, config.block_size, fits)
-            max_len = fits
-        self.model.check_max_model_len(max_len)
-        self.max_model_len = max_len
-        startup.log_cache(size, config, self.model, max_len)
+        """KV blocks by the sizing rule, and max_model_len capped to what the cache holds."""
+        self.kv_layout, self.num_kv_blocks, self.max_model_len = startup.cache_and_length(
+            self.config, self.model, draft_model, self.dtype, self.device, self.encoder,
+            self.model_path)
 
     def _build(self, draft_model: Any) -> None:
         """The parts around the loaded model: KV-cache manager, scheduler, runner, LoRA,
@@ -135,44 +120,45 @@ class LLMEngine:
                  "max_num_seqs": config.max_num_seqs, "max_model_len": max_len}
         # Pooling reads every prompt row it pools: no prefix hits skip them.
         caching = config.enable_prefix_caching and self.pooling is None
-        self.kv = KVCacheManager(self.num_kv_blocks, bs, caching,
-                                 hash_algo=config.prefix_caching_hash_algo,
-                                 group_windows=self.kv_layout.group_windows)
-        self.kv_events = startup.kv_event_publisher(config, self.kv, self.device)
+        hasher = BlockHasher(config.prefix_caching_hash_algo)
+        self.kv_events = startup.kv_event_publisher(config, hasher, self.device)
+        self.kv_tier = startup.kv_tier(config, hasher, self.model_path, self.dtype,
+                                       self.device, self.kv_layout, self.model)
+        self.kv = KVCacheManager(self.num_kv_blocks, bs, caching, hasher=hasher,
+                                 group_windows=self.kv_layout.group_windows, tier=self.kv_tier,
+                                 record_events=self.kv_events is not None)
         self.scheduler = Scheduler(config.scheduler_config(chunked_prefill=not self.encoder),
                                    self.kv, max_len)
+        self.lora = None if not config.enable_lora else LoRAManager(
+            self.model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras or config.max_loras)
         self.runner = ModelRunner(self.model, self.kv, self.num_kv_blocks, bs, self.dtype,
                                   self.device, layout=self.kv_layout,
-                                  kv_cache_dtype=config.kv_cache_dtype, **sizes)
-        self.kv_tier = self.runner.tier = startup.kv_tier(
-            config, self.kv, self.model_path, self.dtype, self.device, self.kv_layout, self.model)
+                                  kv_cache_dtype=config.kv_cache_dtype, lora=self.lora,
+                                  tier=self.kv_tier, **sizes)
         # Tensor parallelism: each worker its share of every block, the same ids.
         self.executor.start(self.runner, num_blocks=self.num_kv_blocks, block_size=bs,
                             dtype=self.dtype, **sizes)
-        self.lora: LoRAManager | None = None
-        if config.enable_lora:
-            self.lora = self.runner.lora = LoRAManager(
-                self.model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                max_cpu_loras=config.max_cpu_loras or config.max_loras)
         spec = config.speculative_config
         draft = None if draft_model is None else DraftModelProposer(
             draft_model, spec.num_speculative_tokens, self.num_kv_blocks, bs, self.dtype,
             self.device, **sizes)
         self.spec = SpecDecoder(spec, draft) if spec is not None else None
         startup.warm_up_and_capture(config, self.runner, self.device,
-                               tp=isinstance(self.executor, TPExecutor))
-        groups, self.beams = Forks(), BeamSearches()
-        self.outputs = OutputProcessor(self.tokenizer, groups)
+                                    tp=isinstance(self.executor, TPExecutor))
+        self.forks, self.beams = Forks(), BeamSearches()
         self.inputs = InputProcessor(
             self.tokenizer, self.model.vocab_size,
-            startup.eos_ids(self.model_path, self.tokenizer), self.scheduler, self.outputs,
-            groups, self.beams, self.lora, grammar_compile_s=config.max_grammar_compile_s,
+            startup.eos_ids(self.model_path, self.tokenizer), self.scheduler, self.forks,
+            self.beams, self.lora, grammar_compile_s=config.max_grammar_compile_s,
             job=self.job, hidden_size=self.model.hidden_size)
         self.grammars = self.inputs.grammars
         self.sampling = SamplingPipeline(
             Sampler(config.seed, ladder=self.runner.attention_backend == "cpu"),
-            GrammarBitmask(self.model.vocab_size), self.spec,
-            self.scheduler, self.outputs, groups, self.beams, self.tokenizer.decode)
+            GrammarBitmask(self.model.vocab_size), self.spec, self.scheduler, self.forks,
+            self.beams, self.tokenizer.decode)
+        self.outputs = OutputProcessor(self.tokenizer, self.forks, self.sampling.states)
+        self.stops = StopCheck(max_len, self.outputs)
 
     def _publish_kv_events(self) -> None:
         if self.kv_events is not None:
@@ -199,20 +185,6 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.on_death = callback
 
-    def model_info(self) -> ModelInfo:
-        """What a server may know of this engine (AsyncLLM.model_info hands it on)."""
-        return ModelInfo(model_path=self.model_path, tokenizer=self.tokenizer,
-                         max_model_len=self.max_model_len, vocab_size=self.model.vocab_size,
-                         block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks,
-                         has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
-                         job=self.job, labels=self._labels())
-
-    def _labels(self) -> tuple[str, ...]:
-        if self.job != "classify":
-            return ()
-        names = getattr(self.hf_config, "id2label", None) or {}
-        return tuple(str(names.get(i, f"LABEL_{i}")) for i in range(self.hf_config.num_labels))
-
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:
         return self.inputs.tokenize(prompt)
@@ -224,9 +196,13 @@ class LLMEngine:
                     pooling_params: PoolingParams | None = None) -> None:
         """Queue a request (a pooling request with `pooling_params`); raises ValueError
         (nothing allocated) if it can never run, WrongJobError if the model's job is another."""
-        self.inputs.add(request_id, prompt, params or SamplingParams(), priority=priority,
-                        cache_salt=cache_salt, arrival_time=arrival_time,
-                        lora_request=lora_request, pooling_params=pooling_params)
+        added, text = self.inputs.add(
+            request_id, prompt, params or SamplingParams(), priority=priority,
+            cache_salt=cache_salt, arrival_time=arrival_time, lora_request=lora_request,
+            pooling_params=pooling_params)
+        for request in added:  # each stage starts keeping its own state of the request
+            self.sampling.add(request)
+            self.outputs.track(request, text)
 
     def next_request_id(self) -> str:
         self._counter += 1
@@ -235,9 +211,11 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        expanded = self.beams.expand(self.outputs.groups.expand(request_ids))
+        expanded = self.forks.expand(request_ids) if self.forks.parents else request_ids
+        expanded = self.beams.expand(expanded) if self.beams.groups else expanded
         self.scheduler.finish_requests(expanded, RequestStatus.FINISHED_ABORTED)
         self.outputs.forget(expanded + request_ids)
+        self.sampling.forget(expanded + request_ids)
         if self.pooling is not None:
             self.pooling.forget(expanded)
         if self.spec is not None:
@@ -246,29 +224,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
-
-    # ------------------------------------------------------------ adapters
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load an adapter now (ValueError if it is bad or LoRA is off)."""
-        if self.lora is None:
-            raise ValueError("LoRA is not enabled (enable_lora=True)")
-        self.lora.add(lora_request)
-        return True
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        return self.lora is not None and self.lora.remove(lora_int_id)
-
-    def list_loras(self) -> list[int]:
-        return self.lora.loaded_ids() if self.lora is not None else []
-
-    def lora_stats(self) -> dict[str, Any]:
-        """vLLM's lora_requests_info labels: adapters of running and waiting requests."""
-        def names(requests) -> str:
-            return ",".join(sorted({r.lora_request.lora_name for r in requests
-                                    if r.lora_request is not None}))
-        return {"running_lora_adapters": names(self.scheduler.running),
-                "waiting_lora_adapters": names(self.scheduler.waiting),
-                "max_lora": self.config.max_loras if self.lora is not None else 0}
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -282,9 +237,40 @@ class LLMEngine:
             self._publish_kv_events()
 
     def _step(self) -> list[RequestOutput]:
+        """The stages in order: schedule, execute, sample, stop check, scheduler update,
+        outputs. A failure in execute or sample fails only the step's requests."""
+        failed = self._start_grammars()
+        out = self._schedule(failed)
+        if out.is_empty:
+            return self._deliver(failed)
+        forked: list[tuple[Request, Request]] = []  # (child, parent) of n > 1 samples
+        try:
+            result = self._execute(out)
+            step = self.sampling.run(out, result, forked)
+        except ExecutorError:
+            raise  # the ranks are out of step: fatal to the engine, not to these requests
+        except Exception as exc:  # noqa: BLE001 - contain the fault to this step's requests
+            logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
+            self.outputs.track_forks(forked)
+            return self._deliver(failed + self._fail(
+                out.scheduled + [c for c, _ in forked], f"{type(exc).__name__}: {exc}"))
+        self.outputs.track_forks(forked)
+        sampled, rejected = self.sampling.accept(step)  # a grammar's refusals dropped
+        ends = self.stops.check(out, sampled, step.verified, step.forked)
+        ended = self.scheduler.update_from_output(out, ends, step.forked)
+        self.generation_tokens += len(sampled) + sum(map(len, step.verified.values()))
+        return self._deliver(failed + self._outputs(step, sampled, rejected, ended))
+
+    def _start_grammars(self) -> list[RequestOutput]:
+        """Matchers for the grammars compiled since the last step; errors of those that
+        failed to compile (the request's own constraint)."""
         failed: list[RequestOutput] = []
         for req, why in self.inputs.start_compiled_grammars():
-            failed += self._fail([req], why, status=400)  # the request's own constraint
+            failed += self._fail([req], why, status=400)
+        return failed
+
+    def _schedule(self, failed: list[RequestOutput]) -> SchedulerOutput:
+        """Drafts for the coming step, then the scheduler's pick; fails what can never run."""
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self.beams.is_beam,
                               self.sampling.generator_of)
@@ -292,52 +278,38 @@ class LLMEngine:
         for req, why in out.unschedulable:
             failed += self._fail([req], why)
         self.last_step_tokens = out.total_num_scheduled_tokens
-        if out.is_empty:
-            if self.inputs.compiling and not failed:  # nothing to run until a grammar is ready
-                concurrent.futures.wait([r.grammar.future for r in self.inputs.compiling],
-                                        timeout=0.05, return_when="FIRST_COMPLETED")
-            return self.outputs.merge(failed)
-        self.prompt_tokens += self.outputs.mark_scheduled(out.scheduled, time.monotonic())
-        forked: list[Request] = []
-        try:
-            if self.fault_hook is not None:
-                self.fault_hook([r.request_id for r in out.scheduled])
-            t0 = time.perf_counter()
-            result = self.executor.execute(out)
-            if self.kv.tier is not None:  # the prefill rate the swap-or-recompute choice reads
-                self.kv.tier.swaps.observe_step(out.num_scheduled_tokens, out.spec_tokens,
-                                                time.perf_counter() - t0)
-            if self.pooling is not None:
-                self.pooling.collect(result)
-            step = self.sampling.run(out, result, forked)
-        except ExecutorError:
-            raise  # the ranks are out of step: fatal to the engine, not to these requests
-        except Exception as exc:  # noqa: BLE001 - contain the fault to this step's requests
-            logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
-            return self.outputs.merge(failed + self._fail(
-                out.scheduled + forked, f"{type(exc).__name__}: {exc}"))
-        return self.outputs.merge(failed + self._append(out, step))
+        self.prompt_tokens += sum(r.num_prompt_tokens for r in out.started)
+        if out.is_empty and self.inputs.compiling and not failed:
+            # Nothing to run until a grammar is ready.
+            concurrent.futures.wait([r.grammar.future for r in self.inputs.compiling],
+                                    timeout=0.05, return_when="FIRST_COMPLETED")
+        return out
 
-    def _append(self, out: SchedulerOutput, step: SampledStep) -> list[RequestOutput]:
-        """Hand the step's tokens to the scheduler (which ends what must end) and build the
-        outputs: of every request that got a token or ended, and of finished beam searches."""
-        sampled, rejected = self.sampling.accept(step)
-        self.generation_tokens += len(sampled) + sum(map(len, step.verified.values()))
-        observe = self.outputs.observe_token
-        ended = self.scheduler.update_from_output(out, sampled, observe, step.verified)
+    def _execute(self, out: SchedulerOutput) -> StepResult:
+        """The forward; a pooling request's hidden rows go to its pool."""
+        if self.fault_hook is not None:
+            self.fault_hook([r.request_id for r in out.scheduled])
+        t0 = time.perf_counter()
+        result = self.executor.execute(out)
+        if self.kv.tier is not None:  # the prefill rate the swap-or-recompute choice reads
+            self.kv.tier.swaps.observe_step(out.num_scheduled_tokens, out.spec_tokens,
+                                            time.perf_counter() - t0)
         if self.pooling is not None:
-            for rid, vec in self.pooling.finish(ended).items():
-                self.outputs.live[rid].pooled = vec
-        for child in step.forked:  # forked after the step: not in its schedule
-            if child.request_id in sampled:
-                self.scheduler.accept_token(child, sampled[child.request_id], observe)
+            self.pooling.collect(result)
+        return result
+
+    def _outputs(self, step: SampledStep, sampled: dict[str, int], rejected: list[Request],
+                 ended: list[Request]) -> list[RequestOutput]:
+        """The outputs of every request that got a token or ended (a pooling request's with
+        its result), and of finished beam searches."""
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         if rejected:
             outputs += self._fail(rejected, "the sampled token broke the request's "
                                   "structured-output grammar")
+        pooled = self.pooling.finish(ended) if self.pooling is not None else {}
         sampling = step.sampling + [spec.request for spec in step.spec_rows]
-        outputs += self.outputs.step_outputs(sampling, sampled, ended, now)
+        outputs += self.outputs.step_outputs(sampling, sampled, ended, now, pooled)
         for group in step.beam_groups:
             if self.beams.ready(group, self.scheduler.requests):
                 self.generation_tokens += len(group.beams)
@@ -345,15 +317,24 @@ class LLMEngine:
                     outputs.append(self.outputs.beam_output(group, now))
         return outputs
 
+    def _deliver(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The step's last stage: the sampling state of what ended goes, and an n > 1
+        request's samples are folded into one output per request the user sent."""
+        self.sampling.forget(o.request_id for o in outputs if o.finished)
+        return self.forks.merge(outputs) if self.forks.parents else outputs
+
     def _fail(self, requests: list[Request], message: str,
               status: int | None = None) -> list[RequestOutput]:
         """End requests with an error; a failing beam fails its whole search (one error output
         under the group's id)."""
         ids = [r.request_id for r in requests if not r.is_finished]
-        groups = {g for g in map(self.beams.group_of, ids) if g is not None}
-        ids = [rid for rid in ids if not self.beams.is_beam(rid)]
-        self.scheduler.finish_requests(self.beams.expand(list(groups)),
-                                       RequestStatus.FINISHED_ERROR)
+        groups: set[str] = set()
+        if self.beams.groups:
+            groups = {g for g in map(self.beams.group_of, ids) if g is not None}
+            ids = [rid for rid in ids if not self.beams.is_beam(rid)]
+        if groups:
+            self.scheduler.finish_requests(self.beams.expand(list(groups)),
+                                           RequestStatus.FINISHED_ERROR)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         if self.pooling is not None:
             self.pooling.forget(ids)
@@ -361,38 +342,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------ state
     def warmup(self) -> None:
-        """Run a tiny request and one prefill of `WARMUP_PREFILL_TOKENS` end to end, so the
-        first user request pays no first-call costs (the CPU GEMMs' kernels for many rows are
-        made at their first use)."""
-        long = max(4, min(WARMUP_PREFILL_TOKENS, self.config.max_num_batched_tokens,
-                          self.max_model_len - 2))
-        for i, prompt in enumerate(([1, 2, 3, 4], [1 + t % 7 for t in range(long)])):
-            rid = f"__warmup_{i}__"
-            if self.pooling is not None:
-                self.add_request(rid, prompt, pooling_params=PoolingParams(task=self.job))
-            else:
-                self.add_request(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-            while self.has_unfinished_requests():
-                self.step()
-        self.reset_prefix_cache()  # AllBlocksCleared: a router forgets what it knew of this pod
-        self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
-        self.prompt_tokens = self.generation_tokens = 0
+        """Requests end to end before serving, so the first user request pays no first-call
+        costs (startup.warm_up_requests)."""
+        startup.warm_up_requests(self, WARMUP_PREFILL_TOKENS)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (refused while requests hold blocks); announced at once."""
         done = self.kv.reset_prefix_cache()
         self._publish_kv_events()
         return done
-
-    def stats(self) -> dict[str, Any]:
-        s = self.scheduler.stats()
-        s.update(prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-                 last_step_tokens=self.last_step_tokens,
-                 block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks)
-        if self.lora is not None:
-            s.update(self.lora_stats())
-        if self.spec is not None:
-            s.update(self.spec.stats())
-        if self.kv_tier is not None:
-            s.update(self.kv_tier.stat_dict())
-        return s

@@ -5,12 +5,13 @@ Rows are routed first: a request with drafts has 1 + drafts verification rows
 other request samples, and an n > 1 request whose prompt this step computed forks its other
 samples now, each sampling from the same row with its own generator. Sampling rows then take
 penalties and logit bias, the structured-output masks, and the sampler; logprobs are of the raw
-model logits, as vLLM returns them.
+model logits, as vLLM returns them. Each of those stages is entered only when some row needs
+it. The stage owns each request's generator and logprobs (sampling_state.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,7 @@ from kserve_paged_engine.core.scheduler import Scheduler
 from kserve_paged_engine.core.scheduler_output import SchedulerOutput
 from kserve_paged_engine.frontend.beam_search import BeamSearch, BeamSearches
 from kserve_paged_engine.frontend.forks import Forks
-from kserve_paged_engine.frontend.output_processor import OutputProcessor
+from kserve_paged_engine.frontend.sampling_state import SamplingStates
 from kserve_paged_engine.model_executor.host_io import ReadBack, upload
 from kserve_paged_engine.sample.logits_processors import apply_penalties
 from kserve_paged_engine.sample.logprobs import PromptSpan, record_prompt, sampled_entries
@@ -32,7 +33,7 @@ from kserve_paged_engine.worker.model_runner import StepResult
 
 @dataclass(slots=True)
 class SampledStep:
-    """What a step's rows gave, before the scheduler appends it."""
+    """What a step's rows gave, before the stop check and the scheduler."""
 
     sampling: list[Request]  # requests that sampled a row (forks included), in row order
     tokens: list[int]  # their tokens, in the same order
@@ -44,37 +45,47 @@ class SampledStep:
 
 class SamplingPipeline:
     def __init__(self, sampler: Sampler, bitmask: GrammarBitmask, spec: SpecDecoder | None,
-                 scheduler: Scheduler, outputs: OutputProcessor, groups: Forks,
-                 beams: BeamSearches, decode: Callable[[list[int]], str]) -> None:
+                 scheduler: Scheduler, forks: Forks, beams: BeamSearches,
+                 decode: Callable[[list[int]], str]) -> None:
         self.sampler = sampler
         self.bitmask = bitmask
         self.spec = spec
         self.scheduler = scheduler
-        self.outputs = outputs
-        self.groups = groups
+        self.forks = forks
         self.beams = beams
         self.decode = decode
         self.read_back = ReadBack()  # the step's one host sync: the sampled ids
+        # Each live request's generator and logprobs: this stage's alone (sampling_state.py).
+        self.states = SamplingStates(sampler.generator)
+
+    def add(self, request: Request) -> None:
+        """Start keeping a newly queued request's sampling state."""
+        self.states.add(request)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop the sampling state of requests that ended."""
+        self.states.forget(request_ids)
 
     def generator_of(self, request: Request) -> torch.Generator:
         """The request's own generator, or the sampler's shared one (no seed)."""
-        return self.outputs.live[request.request_id].generator or self.sampler.generator
+        return self.states.generator_of(request)
 
-    def run(self, out: SchedulerOutput, result: StepResult, forked: list[Request]
+    def run(self, out: SchedulerOutput, result: StepResult, forked: list[tuple[Request, Request]]
             ) -> SampledStep:
         """Route, verify and sample every row of the step's logits. n > 1 samples forked now
-        (not in the step's schedule) are added to `forked` as they are made, so a step that
-        fails later fails them too."""
+        (not in the step's schedule) are added to `forked` as (child, parent) as they are
+        made, so a step that fails later fails them too."""
         if result.prompt_logits is not None:
             record_prompt(result.prompt_logits, [
                 PromptSpan(r.prompt_token_ids, r.sampling_params.prompt_logprobs or 0, start,
-                           count, self.outputs.live[r.request_id].prompt_logprobs)
+                           count, self.states.prompt_kept(r))
                 for r, start, count in result.prompt_spans], self.decode)
         logits = result.logits
         rows: list[int] = []
         sampling: list[Request] = []
         spec_rows: list[SpecRow] = []
         beam_groups: dict[str, BeamSearch] = {}
+        beams, forks = self.beams.groups, self.forks.pending  # checked here: none, usually
         i = -1
         for r in result.sampling:
             i += 1
@@ -82,42 +93,46 @@ class SamplingPipeline:
                 spec_rows.append(SpecRow(r, i, out.spec_tokens[r.request_id]))
                 i += len(spec_rows[-1].drafts)
                 continue
-            if self.beams.is_beam(r.request_id):
+            if beams and self.beams.is_beam(r.request_id):
                 group = self.beams.report(r, logits[i])
                 beam_groups[group.group_id] = group
                 continue
             rows.append(i)
             sampling.append(r)
-            for child in self._fork_samples(r, out.num_scheduled_tokens[r.request_id]):
-                forked.append(child)
-                rows.append(i)
-                sampling.append(child)
+            if forks:
+                for child in self._fork_samples(r, out.num_scheduled_tokens[r.request_id]):
+                    forked.append((child, r))
+                    rows.append(i)
+                    sampling.append(child)
         verified = self._verify(logits, spec_rows)
         tokens = self._sample(logits, rows, sampling)
-        return SampledStep(sampling, tokens, spec_rows, verified, forked,
+        return SampledStep(sampling, tokens, spec_rows, verified, [c for c, _ in forked],
                            list(beam_groups.values()))
 
     def _sample(self, logits: torch.Tensor, rows: list[int], sampling: list[Request]
                 ) -> list[int]:
         """Penalties, grammar masks, then the sampler, over the sampling rows at once; each
-        request's logprobs of its token recorded."""
+        request's logprobs of its token recorded. A stage no row needs is not entered."""
         if not sampling:
             return []
         if rows != list(range(len(logits))):
             logits = logits.index_select(0, upload(rows, torch.long, logits.device))
-        states = [self.outputs.live[r.request_id] for r in sampling]
         params = [r.sampling_params for r in sampling]
-        processed = apply_penalties(logits, params, [r.prompt_token_ids for r in sampling],
-                                    [r.output_token_ids for r in sampling])
-        processed = self.bitmask.apply(processed, [
-            r.grammar if r.grammar is not None and r.grammar.active else None for r in sampling])
+        processed = logits
+        if any(p.needs_logits_processing for p in params):
+            processed = apply_penalties(logits, params, [r.prompt_token_ids for r in sampling],
+                                        [r.output_token_ids for r in sampling])
+        grammars = [r.grammar if r.grammar is not None and r.grammar.active else None
+                    for r in sampling]
+        if any(g is not None for g in grammars):
+            processed = self.bitmask.apply(processed, grammars)
         token_tensor = self.sampler.sample(
-            processed, params, [s.generator for s in states],
+            processed, params, self.states.own_generators(sampling),
             [r.num_output_tokens for r in sampling], [r.eos_token_id for r in sampling])
-        for i, entry, chosen in sampled_entries(logits, token_tensor,
-                                                [p.logprobs for p in params], self.decode):
-            states[i].logprobs.append(entry)
-            states[i].cumulative_logprob += chosen
+        wanted = [p.logprobs for p in params]
+        if any(k is not None for k in wanted):
+            for i, entry, chosen in sampled_entries(logits, token_tensor, wanted, self.decode):
+                self.states.record(sampling[i], entry, chosen)
         return self.read_back.tokens(token_tensor)
 
     def _verify(self, logits: torch.Tensor, spec_rows: list[SpecRow]) -> dict[str, list[int]]:
@@ -125,15 +140,18 @@ class SamplingPipeline:
         if not spec_rows:
             return {}
         assert self.spec is not None
-        tokens = self.spec.verify(logits, spec_rows,
-                                  [self.outputs.live[s.request.request_id] for s in spec_rows],
-                                  self.sampler.generator, self.decode)
-        return {s.request.request_id: t for s, t in zip(spec_rows, tokens)}
+        rows = self.spec.verify(logits, spec_rows,
+                                [self.states.generator_of(s.request) for s in spec_rows],
+                                self.decode)
+        for spec, verified in zip(spec_rows, rows):
+            for entry, chosen in verified.logprobs:
+                self.states.record(spec.request, entry, chosen)
+        return {s.request.request_id: v.tokens for s, v in zip(spec_rows, rows)}
 
     def _fork_samples(self, parent: Request, num_scheduled: int) -> list[Request]:
         """Fork the other samples of an n > 1 request from its first, whose prompt this step
         computed: they share all of its blocks, the partial last one until written."""
-        pending = self.groups.take_pending(parent.request_id)
+        pending = self.forks.take_pending(parent.request_id)
         if not pending:
             return []
         computed = parent.num_computed_tokens + num_scheduled
@@ -145,7 +163,7 @@ class SamplingPipeline:
                 child.grammar = RequestGrammar(parent.grammar.future,
                                                spec.start_after_token_id if spec else None)
                 child.grammar.start()
-            self.outputs.track_fork(child, parent)
+            self.states.fork(child, parent)
             children.append(child)
         return children
 

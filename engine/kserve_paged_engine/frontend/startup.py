@@ -4,6 +4,7 @@ cache is and how long a request may be, and whether KV-cache events are publishe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -14,7 +15,7 @@ from kserve_paged_engine.config.engine import EngineConfig
 from kserve_paged_engine.config.kv_events import KVEventsConfig
 from kserve_paged_engine.config.kv_tier import KVTierConfig, tier_plan
 from kserve_paged_engine.core import kv_sizing
-from kserve_paged_engine.core.kv_cache_manager import KVCacheManager
+from kserve_paged_engine.core.block_hash import BlockHasher
 from kserve_paged_engine.core.kv_event_publisher import ZmqEventPublisher
 from kserve_paged_engine.core.kv_groups import KVLayout
 from kserve_paged_engine.core.kv_sizing import KVCacheSize, kv_bytes_per_block, size_kv_cache
@@ -191,22 +192,21 @@ def log_cache(size: KVCacheSize, config: EngineConfig, model: Any, max_len: int)
                 f" over {len(groups)} KV groups, windows {groups}" if len(groups) > 1 else "")
 
 
-def kv_event_publisher(config: EngineConfig, kv: KVCacheManager, device: torch.device
+def kv_event_publisher(config: EngineConfig, hasher: BlockHasher, device: torch.device
                        ) -> ZmqEventPublisher | None:
-    """The publisher of KV-cache events, when --kv_events_config switches them on."""
+    """The publisher of KV-cache events, when --kv_events_config switches them on (the cache
+    manager then records them)."""
     cfg = config.kv_events_config
     if not isinstance(cfg, KVEventsConfig) or not cfg.publishes:
         return None
     if not config.enable_prefix_caching:
         logger.warning("KV-cache events are on but prefix caching is off: nothing is cached, "
                        "so only AllBlocksCleared will ever be published")
-    hasher = kv.hasher
     if hasher.algo != "sha256_cbor" or hasher.seed is None:
         logger.info("KV-cache events announce %s block hashes (PYTHONHASHSEED %s): a router "
                     "that recomputes vLLM's keys from prompts needs sha256_cbor and the "
                     "seed (docs/operations.md)", hasher.algo,
                     "unset" if hasher.seed is None else "set")
-    kv.pool.record_events()
     return ZmqEventPublisher(cfg, medium="GPU" if device.type == "cuda" else "CPU")
 
 
@@ -258,9 +258,9 @@ def log_dtype(requested: str, dtype: torch.dtype, device: torch.device,
                     cpu_dtype.kernels_taken(dtype))
 
 
-def kv_tier(config: EngineConfig, kv: KVCacheManager, model_path: str, dtype: torch.dtype,
+def kv_tier(config: EngineConfig, hasher: BlockHasher, model_path: str, dtype: torch.dtype,
             device: torch.device, layout: KVLayout, model: Any) -> DiskTier | HostTier | None:
-    """The second KV tier --kv_transfer_config asks for, attached to the cache manager: host
+    """The second KV tier --kv_transfer_config asks for (the cache manager's and runner's): host
     memory (on a GPU) above a disk folder named by everything the bytes depend on besides the
     block hash (model, dtype, KV cache dtype, layout, block size, hash algorithm and seed), so
     another model's blocks never match; either one alone."""
@@ -275,7 +275,6 @@ def kv_tier(config: EngineConfig, kv: KVCacheManager, model_path: str, dtype: to
     plan = tier_plan(cfg, device.type, block_bytes)
     tier: DiskTier | HostTier | None = None
     if plan.fs is not None:
-        hasher = kv.hasher
         identity = "|".join(map(str, (os.path.realpath(model_path), dtype, kv_dtype,
                                       layout.group_size, model.num_kv_heads, model.head_dim,
                                       bs, hasher.algo, hasher.root.hex())))
@@ -286,10 +285,56 @@ def kv_tier(config: EngineConfig, kv: KVCacheManager, model_path: str, dtype: to
                     tier.capacity_blocks, block_bytes / 2**20, tier.num_blocks)
     if plan.host_bytes is not None:
         tier = HostTier(block_bytes, plan.host_bytes, bs, cfg.eviction_policy, tier,
-                        pin=device.type == "cuda")
-        tier.copier = make_copier(device)
+                        pin=device.type == "cuda", copier=make_copier(device))
         logger.info("KV tier: host memory, %d blocks of %.2f MiB%s", tier.capacity_blocks,
                     block_bytes / 2**20, " (pinned)" if tier.host.is_pinned() else "")
     assert tier is not None
-    kv.attach_tier(tier)
     return tier
+
+
+def cache_and_length(config: EngineConfig, model: Any, draft_model: Any | None,
+                     dtype: torch.dtype, device: torch.device, encoder: bool, model_path: str
+                     ) -> tuple[KVLayout, int, int]:
+    """(KV layout, KV blocks, max_model_len): the blocks by the sizing rule
+    (engine/kserve_paged_engine/core/kv_sizing.py), max_model_len capped to the longest request
+    the cache holds alone."""
+    if encoder and config.num_kv_blocks is None and config.kv_cache_memory is None:
+        # Nothing outlives a step: room for one step's tokens, a partial block per seq.
+        config = dataclasses.replace(config, num_kv_blocks=-(
+            -config.max_num_batched_tokens // config.block_size) + config.max_num_seqs)
+    size = size_cache(config, model, draft_model, dtype, device)
+    max_len = (config.max_model_len or encoder_max_len(model_path)
+               or model.max_position_embeddings)
+    fits = longest_fit(size.layout, max_len, config.max_num_batched_tokens,
+                       config.block_size, size.num_blocks)
+    if fits < max_len:
+        logger.warning("max_model_len %d exceeds the KV cache (%d blocks of %d tokens hold "
+                       "one request of %d tokens): capping it", max_len,
+                       size.num_blocks, config.block_size, fits)
+        max_len = fits
+    model.check_max_model_len(max_len)
+    log_cache(size, config, model, max_len)
+    return size.layout, size.num_blocks, max_len
+
+
+def warm_up_requests(engine: Any, prefill_tokens: int) -> None:
+    """Run a tiny request and one prefill of `prefill_tokens` through `engine` (an LLMEngine)
+    end to end, so the first user request pays no first-call costs (the CPU GEMMs' kernels for
+    many rows are made at their first use); then forget what they left (cached prefixes,
+    token counts)."""
+    from kserve_paged_engine.pooling_params import PoolingParams
+    from kserve_paged_engine.sampling_params import SamplingParams
+
+    long = max(4, min(prefill_tokens, engine.config.max_num_batched_tokens,
+                      engine.max_model_len - 2))
+    for i, prompt in enumerate(([1, 2, 3, 4], [1 + t % 7 for t in range(long)])):
+        rid = f"__warmup_{i}__"
+        if engine.pooling is not None:
+            engine.add_request(rid, prompt, pooling_params=PoolingParams(task=engine.job))
+        else:
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.reset_prefix_cache()  # AllBlocksCleared: a router forgets what it knew of this pod
+    engine.kv.prefix_cache_queries = engine.kv.prefix_cache_hits = 0
+    engine.prompt_tokens = engine.generation_tokens = 0

@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
 from kserve_paged_engine.config.speculative import SpeculativeConfig
 from kserve_paged_engine.core.request import Request
+from kserve_paged_engine.outputs import Logprob
 from kserve_paged_engine.sample.logits_processors import apply_penalties
 from kserve_paged_engine.sample.logprobs import sampled_entries
 from kserve_paged_engine.sample.sampler import GREEDY_EPS, greedy_tokens, target_probs
@@ -43,6 +43,15 @@ class SpecRow:
     request: Request
     first_row: int
     drafts: list[int]
+
+
+@dataclass(slots=True)
+class Verified:
+    """A verified request's tokens (kept drafts, then one more) and, if it asked, each one's
+    logprobs entry with the token's own logprob."""
+
+    tokens: list[int]
+    logprobs: list[tuple[dict[int, Logprob], float]] = field(default_factory=list)
 
 
 class SpecDecoder:
@@ -125,11 +134,12 @@ class SpecDecoder:
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.retain({r.request_id for r in running})
 
-    def verify(self, logits: torch.Tensor, rows: list[SpecRow], tracks: Sequence[Any],
-               shared_generator: torch.Generator, decode: Callable[[list[int]], str]
-               ) -> list[list[int]]:
+    def verify(self, logits: torch.Tensor, rows: list[SpecRow],
+               generators: Sequence[torch.Generator], decode: Callable[[list[int]], str]
+               ) -> list[Verified]:
         """The tokens each request appends (kept drafts, then one more), from its rows of the
-        step's raw logits; logprobs of those tokens (the target model's) go to its track."""
+        step's raw logits, drawn with its generator; with the logprobs of those tokens (the
+        target model's) when it asked for them (the sample stage keeps them)."""
         index: list[int] = []
         params, prompts, outputs = [], [], []
         for spec in rows:
@@ -140,11 +150,13 @@ class SpecDecoder:
                 prompts.append(r.prompt_token_ids)
                 outputs.append(r.output_token_ids + spec.drafts[:j])
         raw = logits.index_select(0, torch.tensor(index, device=logits.device))
-        processed = apply_penalties(raw, params, prompts, outputs)
+        processed = raw
+        if any(p.needs_logits_processing for p in params):
+            processed = apply_penalties(raw, params, prompts, outputs)
         greedy = greedy_tokens(processed).tolist()
-        result: list[list[int]] = []
+        result: list[Verified] = []
         at = kept_total = 0
-        for spec, track in zip(rows, tracks):
+        for spec, generator in zip(rows, generators):
             r, n = spec.request, len(spec.drafts) + 1
             p = r.sampling_params
             if p.temperature < GREEDY_EPS:
@@ -154,17 +166,16 @@ class SpecDecoder:
                 q = self._draft_probs.get(r.request_id)  # None: an n-gram's point mass
                 tokens = rejection_sample(probs, spec.drafts,
                                           None if q is None else q[:n - 1].to(probs.device),
-                                          track.generator or shared_generator)
+                                          generator)
+            verified = Verified(tokens)
             if p.logprobs is not None:
                 kept = len(tokens)
-                for _, entry, chosen in sampled_entries(
-                        raw[at:at + kept], torch.tensor(tokens, device=raw.device),
-                        [p.logprobs] * kept, decode):
-                    track.logprobs.append(entry)
-                    track.cumulative_logprob += chosen
+                verified.logprobs = [(entry, chosen) for _, entry, chosen in sampled_entries(
+                    raw[at:at + kept], torch.tensor(tokens, device=raw.device),
+                    [p.logprobs] * kept, decode)]
             self._record(r.request_id, len(spec.drafts), len(tokens) - 1)
             kept_total += len(tokens) - 1
-            result.append(tokens)
+            result.append(verified)
             at += n
         if self._draft_seconds and rows:
             self.gate.record(self._draft_seconds, time.perf_counter() - self._step_start,

@@ -151,10 +151,13 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager | None, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, *,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                 layout: KVLayout | None = None, kv_cache_dtype: str = "auto") -> None:
+                 layout: KVLayout | None = None, kv_cache_dtype: str = "auto",
+                 lora: LoRAManager | None = None, tier: DiskTier | HostTier | None = None
+                 ) -> None:
         """`layout`: how layers share blocks (engine/kserve_paged_engine/core/kv_groups.py); None: one group of every
         layer (one tensor per layer, one block table per request). `kv_cache_dtype`: a
-        quantized one (kernels/kserve_paged_kernels/kv_formats.py) makes each slot a `QuantKV`."""
+        quantized one (kernels/kserve_paged_kernels/kv_formats.py) makes each slot a `QuantKV`. `lora`: the adapters'
+        manager when LoRA is on; `tier`: the second KV tier when one is on."""
         self.model = model
         self.kv = kv
         self.block_size = block_size
@@ -184,10 +187,10 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buffers = _StepBuffers(max_num_batched_tokens, max_num_seqs,
                                     self.max_blocks_per_seq, device, self.layout.num_groups)
-        self.lora: LoRAManager | None = None  # set by the engine when LoRA is on
+        self.lora = lora
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None  # captured decode steps (capture_graphs)
-        self.tier: DiskTier | HostTier | None = None  # the second KV tier, set by the engine when on
+        self.tier = tier
 
     def capture_graphs(self, max_num_seqs: int, capturer: Any) -> str | None:
         """Capture the decode graphs (engine/kserve_paged_engine/worker/cuda_graphs.py) over the sized cache;

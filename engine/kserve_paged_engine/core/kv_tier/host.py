@@ -51,7 +51,7 @@ class HostTier:
 
     def __init__(self, block_bytes: int, capacity_bytes: int, block_size: int = 16,
                  policy: str = "lru", lower: DiskTier | None = None,
-                 pin: bool | None = None) -> None:
+                 pin: bool | None = None, copier: HostCopier | None = None) -> None:
         self.capacity_blocks = capacity_bytes // block_bytes
         if self.capacity_blocks < 1:
             raise ValueError(f"the host KV tier holds no block: cpu_bytes_to_use "
@@ -71,7 +71,7 @@ class HostTier:
         self.write_rate = MeasuredRate(DEFAULT_COPY_BPS)  # what a swap-out would cost
         self.read_rate = MeasuredRate(DEFAULT_COPY_BPS)
         self.last_error: float | None = None  # host copies do not fail like a disk
-        self.copier: HostCopier | None = None  # None: copies are synchronous
+        self.copier = copier  # None: copies are synchronous
 
     @property
     def num_blocks(self) -> int:
