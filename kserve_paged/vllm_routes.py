@@ -23,8 +23,8 @@ from fastapi.responses import JSONResponse, Response
 from kserve_paged.model import PagedLLMModel
 from kserve_paged.openai.handlers import OpenAIRoutes, in_openai_shape
 from kserve_paged.openai.openapi import pooling_operation_schema
-from kserve_paged.openai.parse import parse_body
 from kserve_paged.openai.pooling_schemas import ClassifyBody, RerankBody, ScoreBody
+from kserve_paged.openai.schemas import parse_body
 from kserve_paged.openai.tokenize import DetokenizeBody, TokenizeBody, detokenize, tokenize
 from kserve_paged.vllm_flags import VLLM_CLI_VERSION, package_version
 

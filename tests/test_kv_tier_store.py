@@ -1,4 +1,4 @@
-"""The disk tier's store on its own (engine/kserve_paged_engine/core/kv_tier/disk.py, kv_tier_files.py): LRU within its
+"""The disk tier's store on its own (engine/kserve_paged_engine/core/kv_tier/disk.py, files.py): LRU within its
 capacity, files checked on every read (short, flipped or another key's: a miss), folders
 apart per model identity, KV events naming the tier's medium, and the config's two forms."""
 

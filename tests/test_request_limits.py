@@ -114,6 +114,7 @@ def test_prompt_character_limit_derives_from_the_context_window_and_flags():
         server_args.parse_args(["--max_request_bytes", "0"])
 
 
+@pytest.mark.slow  # a child interpreter importing the openai package
 def test_the_openai_client_package_is_not_shadowed_by_ours():
     code = ("import kserve_paged.openai as ours, openai; from openai import OpenAI; "
             "assert ours is not openai and hasattr(openai, 'OpenAI'), openai; print('ok')")

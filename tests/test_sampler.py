@@ -96,7 +96,7 @@ def chi_square(counts: list[int], expected: list[float]) -> float:
     return sum((c - e * total) ** 2 / (e * total) for c, e in zip(counts, expected))
 
 
-@pytest.mark.parametrize("vocab", [100, 20000])
+@pytest.mark.parametrize("vocab", [100, pytest.param(20000, marks=pytest.mark.slow)])
 def test_top_p_nucleus_and_frequencies(vocab: int) -> None:
     head = [0.4, 0.2, 0.15, 0.1]
     row = constructed(head, vocab)

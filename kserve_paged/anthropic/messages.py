@@ -28,9 +28,8 @@ from kserve_paged.anthropic.stream import MessageEvents, sse_event
 from kserve_paged.openai.chat_turn import ChatTurn, render_prompt, split_turn, start_turn
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.openapi import loose_operation_schema
-from kserve_paged.openai.parse import read_json, validate
 from kserve_paged.openai.render import finish_reason
-from kserve_paged.openai.schemas import ChatBody
+from kserve_paged.openai.schemas import ChatBody, read_json, validate
 from kserve_paged.openai.stream import ClosingStreamingResponse
 from kserve_paged.openai.tools import tool_plan
 from kserve_paged.openai.turn import CallPiece, TurnPiece

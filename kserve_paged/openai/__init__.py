@@ -1,14 +1,16 @@
 """OpenAI-compatible routes (``/openai/v1/...``) on KServe's FastAPI app.
 
 KServe 0.21's own OpenAI routes need vLLM installed (docs/kserve.md), so these are ours. One job per
-module: ``errors`` (OpenAI's error shape), ``schemas`` (request/response bodies and the refusal
-rules of their fields), ``parse`` (body -> validated request), ``submit`` (a request's prompts
-to engine streams), ``completions``, ``chat`` and ``responses`` (the routes; ``chat_turn`` the chat turn they
-share, ``responses_convert`` / ``responses_stream`` the Responses API's shapes), ``render``
+module: ``errors`` (OpenAI's error shape), ``schemas`` (request/response bodies, the refusal
+rules of their fields, and a request's JSON read into one), ``completions``, ``chat`` and
+``responses`` (the routes; ``chat_turn`` the chat turn they share, from messages to the
+template's conversation and the engine's streams; ``responses_convert`` /
+``responses_stream`` the Responses API's shapes), ``render``
 (engine outputs -> response pieces), ``stream`` (server-sent events, client disconnects),
 ``tools`` (tool calls), ``reasoning`` (reasoning parsers), ``turn`` (a streamed turn as
 reasoning, answer and tool-call pieces),
-``handlers`` (which model a request names, the routes' registration), ``openapi`` (what
+``handlers`` (which model a request names; the routes, which kserve_paged/routes.py
+registers), ``openapi`` (what
 /openapi.json publishes), ``pooling`` and ``pooling_schemas`` (embeddings, rerank, score,
 classify: a pooling model's routes and their bodies).
 

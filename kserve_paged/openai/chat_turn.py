@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import Request
 
 from kserve_paged.openai.errors import APIError
-from kserve_paged.openai.parse import chat_conversation, conversation_chars
 from kserve_paged.openai.reasoning import END, START, split_reasoning
 from kserve_paged.openai.schemas import ChatBody
 from kserve_paged.openai.tools import ToolCall, ToolPlan, template_messages, tool_plan
@@ -32,6 +31,38 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
     "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
     "tokenizer_kwargs", "padding", "truncation", "max_length"})
+
+
+def chat_conversation(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with plain-text content, as chat templates expect."""
+    conversation = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise APIError(400, f"messages[{i}].role must be a string", param="messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise APIError(400, f"messages[{i}]: content part {kind!r} is not supported "
+                                   "(text only)", param="messages")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text "
+                           "parts", param="messages")
+        conversation.append({**message, "content": content})
+    return conversation
+
+
+def conversation_chars(conversation: list[dict[str, Any]]) -> int:
+    """Characters of all message contents: what the prompt-length limit is checked against
+    before the chat template is applied."""
+    return sum(len(m["content"]) for m in conversation)
 
 
 @dataclass(slots=True)

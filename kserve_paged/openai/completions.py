@@ -12,7 +12,6 @@ from fastapi.responses import JSONResponse, Response
 
 from kserve_paged.logprobs import TokenText
 from kserve_paged.openai.errors import APIError, error_body
-from kserve_paged.openai.parse import split_prompts
 from kserve_paged.openai.render import (
     ChoiceState,
     CompletionRender,
@@ -35,6 +34,17 @@ from kserve_paged_engine.frontend.async_llm import EngineDeadError, RequestStrea
 from kserve_paged_engine.outputs import RequestOutput
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /completions
+
+
+def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]
+                  ) -> list[str | list[int]]:
+    """A completions ``prompt`` as a list of prompts (text, or token ids). An empty list is one
+    empty prompt, which the one prompt check (PagedLLMModel.encode) refuses."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
 
 
 async def completions(model: ServedModel, request: Request, body: CompletionBody,

@@ -30,10 +30,16 @@ from kserve_paged.openai.openapi import (
     operation_schema,
     pooling_operation_schema,
 )
-from kserve_paged.openai.parse import parse_body, read_json
 from kserve_paged.openai.pooling_schemas import ClassifyBody, EmbeddingBody, RerankBody, ScoreBody
 from kserve_paged.openai.responses import create_response, parse_responses
-from kserve_paged.openai.schemas import ChatBody, ChatCompletionOut, CompletionBody, CompletionOut
+from kserve_paged.openai.schemas import (
+    ChatBody,
+    ChatCompletionOut,
+    CompletionBody,
+    CompletionOut,
+    parse_body,
+    read_json,
+)
 from kserve_paged.served import ServedModel
 from kserve_paged_engine.frontend.async_llm import EngineDeadError
 

@@ -12,7 +12,6 @@ from fastapi.responses import JSONResponse, Response
 
 from kserve_paged.openai.chat_turn import ChatTurn, split_turn, start_turn
 from kserve_paged.openai.errors import APIError
-from kserve_paged.openai.parse import validate
 from kserve_paged.openai.render import finish_reason
 from kserve_paged.openai.responses_convert import (
     ResponsesBody,
@@ -27,7 +26,7 @@ from kserve_paged.openai.responses_convert import (
     usage_object,
 )
 from kserve_paged.openai.responses_stream import ResponseBuilder, ResponsesEvents
-from kserve_paged.openai.schemas import ChatBody
+from kserve_paged.openai.schemas import ChatBody, validate
 from kserve_paged.openai.stream import ClosingStreamingResponse
 from kserve_paged.openai.turn_feed import TurnFeed, failure_message, whole_output
 from kserve_paged.served import ServedModel

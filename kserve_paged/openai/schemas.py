@@ -1,4 +1,6 @@
-"""Request and response bodies of the OpenAI routes, and the refusal rules of each field.
+"""Request and response bodies of the OpenAI routes, the refusal rules of each field, and how a
+request's JSON becomes one (malformed JSON, a bad field or an unsupported option is a 400 in
+OpenAI's shape, before any work is queued).
 
 A request option that would change results but that the engine cannot honour is refused by
 ``unsupported()`` with a 400 naming it, never ignored. Response bodies are the ``openai``
@@ -6,12 +8,17 @@ package's types, widened where vLLM-style answers carry more."""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import json
+import logging
+from typing import Any, TypeVar
 
+from fastapi import Request
 from openai.types import Completion, CompletionChoice
 from openai.types.chat import ChatCompletion
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, create_model
 
+from kserve_paged.openai.errors import APIError
 from kserve_paged.request_options import OPTIONS, SamplingRequest, unsupported_options
 
 # -- request bodies ---------------------------------------------------------------------------
@@ -190,3 +197,63 @@ class ChatCompletionOut(ChatCompletion):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, when asked for
 
 
+# -- reading a body -----------------------------------------------------------------------------
+
+logger = logging.getLogger("kserve.paged.openai")
+Body = TypeVar("Body", bound=SamplingBody)
+Model = TypeVar("Model", bound=BaseModel)
+# Bodies above this are decoded on a worker thread: decoding megabytes of JSON on the event loop
+# would stall every other connection for as long.
+DECODE_OFF_LOOP_BYTES = 256 << 10
+
+
+def _decode(raw: bytes) -> Any:
+    data = json.loads(raw) if raw else None
+    # JSON may escape lone surrogates (\ud800), which no tokenizer takes: refuse them here.
+    json.dumps(data, ensure_ascii=False).encode("utf-8")
+    return data
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The request's body as a JSON object; malformed JSON is a 400."""
+    try:
+        raw = await request.body()
+        data = (await asyncio.to_thread(_decode, raw) if len(raw) > DECODE_OFF_LOOP_BYTES
+                else _decode(raw))
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body holds invalid Unicode (a lone surrogate)") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return data
+
+
+def validate(cls: type[Model], data: dict[str, Any]) -> Model:
+    """`data` as `cls`: a bad field, or an option `cls.unsupported()` names, is a 400."""
+    try:
+        body = cls.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, int)) or None
+        if param and "[" in param:
+            param = param.split("[")[0]
+        raise APIError(400, f"invalid request: {param}: {err.get('msg')}" if param
+                       else f"invalid request: {err.get('msg')}", param=param) from None
+    for param, message in getattr(body, "unsupported", list)():
+        raise APIError(400, message, param=param, code="unsupported_parameter")
+    return body
+
+
+async def parse_body(request: Request, cls: type[Body]) -> Body:
+    """The request's body as ``cls``; malformed JSON, bad fields and unsupported options are
+    400s naming the field."""
+    body = validate(cls, await read_json(request))
+    if body.model_extra:
+        # vLLM's behaviour, which OpenAI clients rely on (they send vendor extras): ignore
+        # unknown fields, but leave a trace for the operator.
+        logger.warning("ignoring unknown field(s) %s in %s", sorted(body.model_extra),
+                       request.url.path)
+    return body

@@ -17,8 +17,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictInt
 
+from kserve_paged.openai.chat_turn import chat_conversation, conversation_chars
 from kserve_paged.openai.errors import APIError
-from kserve_paged.openai.parse import chat_conversation, conversation_chars
 from kserve_paged.openai.tools import template_messages
 from kserve_paged.request_options import OptionError
 from kserve_paged.served import ServedModel

@@ -38,13 +38,19 @@ def float32_config() -> Any:
     return EngineConfig(model=path, dtype="float32", **SETTINGS)
 
 
-def _profile(entered: set[str]):
+def _profile(entered: set[str], threads: set[int]):
+    """Records the project files entered on the request's threads: the event loop's, the
+    engine's (`threads`) and the loop's worker threads (asyncio.to_thread: template rendering,
+    tokenizing). Background work that happens to run meanwhile (a grammar compiler's spare
+    process starting, say) is not the request's."""
     root = str(REPO) + "/"
 
     def profile(frame, event, arg):  # noqa: ARG001 - sys.setprofile's signature
         if event == "call":
             name = frame.f_code.co_filename
-            if name.startswith(root) and name[len(root):].startswith(CODE):
+            if name.startswith(root) and name[len(root):].startswith(CODE) and (
+                    threading.get_ident() in threads
+                    or threading.current_thread().name.startswith("asyncio")):
                 entered.add(name[len(root):])
     return profile
 
@@ -55,10 +61,12 @@ def streamed_chat_files(config: Any) -> tuple[set[str], str]:
 
     app, model = build(factory=lambda: LLMEngine(config))
     entered: set[str] = set()
-    profile = _profile(entered)
+    threads = {threading.get_ident()}
+    profile = _profile(entered, threads)
 
     async def main() -> str:
         await model.start_engine()
+        threads.add(await model.llm.call_engine(lambda _: threading.get_ident()))
         await model.llm.call_engine(lambda _: sys.setprofile(profile))
         threading.setprofile(profile)
         sys.setprofile(profile)

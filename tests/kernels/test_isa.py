@@ -112,6 +112,7 @@ def test_every_level_compiles_without_warnings_and_says_what_it_holds(
     assert loader.built_level(out) == level.name
 
 
+@pytest.mark.slow  # a child process per machine type, seconds each
 @pytest.mark.parametrize("machine", sorted(MACHINES))
 def test_each_machine_type_takes_bf16_dot_products_exactly_where_it_has_them(
         machine: str, tmp_path: Path) -> None:

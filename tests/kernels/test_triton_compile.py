@@ -21,6 +21,9 @@ pytest.importorskip("triton", reason="Triton is not installed")
 
 from tests.kernels.sm90_compile import ATTENTION_CASES  # noqa: E402
 
+# Each compile takes seconds: the full suite's (CI runs it), not the inner loop's.
+pytestmark = pytest.mark.slow
+
 SHARED_LIMIT = 227 * 1024  # H100/H200 per-block maximum
 REPO = Path(__file__).resolve().parents[2]
 

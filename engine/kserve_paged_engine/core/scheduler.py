@@ -5,9 +5,9 @@ not computed yet (one token when decoding, the rest of its prompt when prefillin
 request asks for its prompt minus its prefix hit. Long asks are cut to the budget, which is
 chunked prefill; a request whose blocks cannot be allocated evicts a worse one, which is
 preemption by recompute. So the features compose instead of living in separate code paths.
-The waiting queue is `request_queue.py`, forked groups' room `fork_admission.py`, what a
-step's stop check decided `stop.py`, who is preempted `preemption.py`; what a step hands the
-runner is `scheduler_output.py`.
+The waiting queue is `request_queue.py`, forks' shared room `fork_admission.py`, who is
+preempted `preemption.py`; what a step hands the runner, and what the step's stop check
+(engine/kserve_paged_engine/frontend/stop_check.py) hands back, is `scheduler_output.py`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from kserve_paged_engine.core.preemption import reclaimable, victim_for
 from kserve_paged_engine.core.prefix_hits import PrefixHit
 from kserve_paged_engine.core.request import Request, RequestStatus
 from kserve_paged_engine.core.request_queue import WaitingQueue, policy_key
-from kserve_paged_engine.core.scheduler_output import SchedulerOutput, StepBuild
-from kserve_paged_engine.core.stop import Appended
+from kserve_paged_engine.core.scheduler_output import Appended, SchedulerOutput, StepBuild
 from kserve_paged_engine.limits import request_id_in_use
 from kserve_paged_engine.sampling_params import SamplingParams
 

@@ -1,12 +1,13 @@
-"""One step's schedule: what the scheduler hands the model runner, and the step as it is
-built (budget left, requests chosen so far)."""
+"""One step's schedule: what the scheduler hands the model runner, the step as it is built
+(budget left, requests chosen so far), and what the scheduler is told back (`Appended`: each
+request's tokens and how it ends, as the stop check decided)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kserve_paged_engine.core.kv_tier.link import TierMoves
-from kserve_paged_engine.core.request import Request
+from kserve_paged_engine.core.request import Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -63,3 +64,15 @@ class StepBuild:
         return SchedulerOutput(self.scheduled, self.order, sum(self.scheduled.values()),
                                self.preempted, block_copies, self.unschedulable, self.spec,
                                tier_moves, self.started)
+
+
+@dataclass(slots=True)
+class Appended:
+    """What one request appends in a step, as the stop check decided: its tokens in order, cut
+    after the one that ends it; how it ends (None: it goes on) and why (the stop string or stop
+    token id); and how many of its drafts the target rejected (their slots roll back)."""
+
+    tokens: list[int] = field(default_factory=list)
+    status: RequestStatus | None = None
+    stop_reason: int | str | None = None
+    rejected_drafts: int = 0

@@ -1,7 +1,7 @@
-"""What an `LLMEngine` reports and its adapters' loads: its facts for a server (`model_info`),
-its stats (the metrics read them after every step), and LoRA adapters added and removed
-between steps. Kept apart from llm_engine.py, whose job is the step: these read the engine's
-parts, they never take part in a step.
+"""What an `LLMEngine` tells a server once and its adapters' loads: its facts (`model_info`),
+and LoRA adapters added, removed and listed between steps. Kept apart from llm_engine.py, whose
+job is the step (and the stats the metrics read after each one): these read the engine's parts,
+they never take part in a step.
 """
 
 from __future__ import annotations
@@ -19,17 +19,12 @@ class EngineReports:
     config: Any
     hf_config: Any
     job: str
-    kv_tier: Any
     lora: Any
     max_model_len: int
     model: Any
     model_path: str
     num_kv_blocks: int
-    prompt_tokens: int
-    generation_tokens: int
-    last_step_tokens: int
     scheduler: Any
-    spec: Any
     tokenizer: Any
 
     def model_info(self) -> ModelInfo:
@@ -67,16 +62,3 @@ class EngineReports:
         return {"running_lora_adapters": names(self.scheduler.running),
                 "waiting_lora_adapters": names(self.scheduler.waiting),
                 "max_lora": self.config.max_loras if self.lora is not None else 0}
-
-    def stats(self) -> dict[str, Any]:
-        s = self.scheduler.stats()
-        s.update(prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-                 last_step_tokens=self.last_step_tokens,
-                 block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks)
-        if self.lora is not None:
-            s.update(self.lora_stats())
-        if self.spec is not None:
-            s.update(self.spec.stats())
-        if self.kv_tier is not None:
-            s.update(self.kv_tier.stat_dict())
-        return s

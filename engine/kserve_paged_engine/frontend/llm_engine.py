@@ -351,3 +351,17 @@ class LLMEngine(EngineReports):
         done = self.kv.reset_prefix_cache()
         self._publish_kv_events()
         return done
+
+    def stats(self) -> dict[str, Any]:
+        """The counters and gauges the metrics read after every step."""
+        s = self.scheduler.stats()
+        s.update(prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+                 last_step_tokens=self.last_step_tokens,
+                 block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks)
+        if self.lora is not None:
+            s.update(self.lora_stats())
+        if self.spec is not None:
+            s.update(self.spec.stats())
+        if self.kv_tier is not None:
+            s.update(self.kv_tier.stat_dict())
+        return s

@@ -23,7 +23,7 @@ from kserve_paged_engine.core.request import Request
 from kserve_paged_engine.frontend.beam_search import BeamSearch
 from kserve_paged_engine.frontend.detokenizer import IncrementalDetokenizer
 from kserve_paged_engine.frontend.forks import Forks
-from kserve_paged_engine.frontend.sampling_state import SamplingStates
+from kserve_paged_engine.frontend.sample_stage import SamplingStates
 from kserve_paged_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 

@@ -1,4 +1,5 @@
-"""Every row of a step's logits to the tokens it appends: the per-step sampling pipeline.
+"""The step's sample stage: every row of a step's logits to the tokens it appends, and what
+the sampling side keeps per request (its generator and the logprobs it gathered).
 
 Rows are routed first: a request with drafts has 1 + drafts verification rows
 (engine/kserve_paged_engine/spec_decode/); a beam only reports its row to its search (engine/kserve_paged_engine/frontend/beam_search.py); every
@@ -6,7 +7,12 @@ other request samples, and an n > 1 request whose prompt this step computed fork
 samples now, each sampling from the same row with its own generator. Sampling rows then take
 penalties and logit bias, the structured-output masks, and the sampler; logprobs are of the raw
 model logits, as vLLM returns them. Each of those stages is entered only when some row needs
-it. The stage owns each request's generator and logprobs (sampling_state.py).
+it.
+
+The stage owns each request's `SamplingState`: made when the request is added or forked,
+written by the stage and the speculative decoder's verification (through the stage), read by
+the output processor through `SamplingStates.logprobs` / `prompt_logprobs`, and dropped when
+the request ends (`forget`), so no other module keeps or reaches into it.
 """
 
 from __future__ import annotations
@@ -21,14 +27,77 @@ from kserve_paged_engine.core.scheduler import Scheduler
 from kserve_paged_engine.core.scheduler_output import SchedulerOutput
 from kserve_paged_engine.frontend.beam_search import BeamSearch, BeamSearches
 from kserve_paged_engine.frontend.forks import Forks
-from kserve_paged_engine.frontend.sampling_state import SamplingStates
 from kserve_paged_engine.model_executor.host_io import ReadBack, upload
+from kserve_paged_engine.outputs import Logprob
 from kserve_paged_engine.sample.logits_processors import apply_penalties
 from kserve_paged_engine.sample.logprobs import PromptSpan, record_prompt, sampled_entries
-from kserve_paged_engine.sample.sampler import Sampler
+from kserve_paged_engine.sample.sampler import Sampler, make_generator
 from kserve_paged_engine.sample.structured_output import GrammarBitmask, RequestGrammar
 from kserve_paged_engine.spec_decode.decoder import SpecDecoder, SpecRow
 from kserve_paged_engine.worker.model_runner import StepResult
+
+
+@dataclass(slots=True)
+class SamplingState:
+    generator: torch.Generator | None  # its own (a seed), or None: the sampler's shared one
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
+
+
+class SamplingStates:
+    """Every live request's sampling state, by request id."""
+
+    def __init__(self, shared: torch.Generator) -> None:
+        self.shared = shared
+        self._states: dict[str, SamplingState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def add(self, request: Request) -> None:
+        self._states[request.request_id] = SamplingState(
+            make_generator(request.sampling_params.seed))
+
+    def fork(self, child: Request, parent: Request) -> None:
+        """A sample forked before any output: its own generator (its own seed), the prompt
+        logprobs the parent has so far."""
+        self._states[child.request_id] = SamplingState(
+            make_generator(child.sampling_params.seed),
+            prompt_logprobs=dict(self._states[parent.request_id].prompt_logprobs))
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._states.pop(rid, None)
+
+    def generator_of(self, request: Request) -> torch.Generator:
+        """The request's own generator, or the shared one (no seed)."""
+        state = self._states.get(request.request_id)
+        return state.generator if state is not None and state.generator is not None \
+            else self.shared
+
+    def own_generators(self, requests: Iterable[Request]) -> list[torch.Generator | None]:
+        """Each request's own generator (None: it draws from the shared one)."""
+        return [self._states[r.request_id].generator for r in requests]
+
+    def prompt_kept(self, request: Request) -> dict[int, dict[int, Logprob]]:
+        """Where the prompt logprobs of `request` are kept (written by sample/logprobs.py)."""
+        return self._states[request.request_id].prompt_logprobs
+
+    def record(self, request: Request, entry: dict[int, Logprob], chosen: float) -> None:
+        """One sampled token's logprobs entry."""
+        state = self._states[request.request_id]
+        state.logprobs.append(entry)
+        state.cumulative_logprob += chosen
+
+    def logprobs(self, request_id: str) -> tuple[list[dict[int, Logprob]], float]:
+        """(a copy of the sampled tokens' entries, their cumulative logprob)."""
+        state = self._states.get(request_id)
+        return ([], 0.0) if state is None else (list(state.logprobs), state.cumulative_logprob)
+
+    def prompt_logprobs(self, request_id: str) -> dict[int, dict[int, Logprob]]:
+        state = self._states.get(request_id)
+        return {} if state is None else state.prompt_logprobs
 
 
 @dataclass(slots=True)
@@ -55,7 +124,7 @@ class SamplingPipeline:
         self.beams = beams
         self.decode = decode
         self.read_back = ReadBack()  # the step's one host sync: the sampled ids
-        # Each live request's generator and logprobs: this stage's alone (sampling_state.py).
+        # Each live request's generator and logprobs: this stage's alone (SamplingStates).
         self.states = SamplingStates(sampler.generator)
 
     def add(self, request: Request) -> None:

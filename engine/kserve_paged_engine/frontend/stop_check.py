@@ -2,7 +2,7 @@
 
 It runs between sampling and the scheduler's update, as its own stage of `LLMEngine.step`, so
 the scheduler never calls back into the front: it is told what each request appends and how it
-ends (`Appended`, engine/kserve_paged_engine/core/stop.py) and only updates its state. A
+ends (`Appended`, engine/kserve_paged_engine/core/scheduler_output.py) and only updates its state. A
 request's tokens are checked one by one, in vLLM's order: a stop string (the detokenizer's,
 which holds back text that may still become one) wins over the token that ended the request,
 EOS or a stop token id over length; none of the first three before `min_tokens` outputs. A
@@ -18,9 +18,29 @@ from itertools import chain
 from typing import Protocol
 
 from kserve_paged_engine.core.request import Request, RequestStatus
-from kserve_paged_engine.core.scheduler_output import SchedulerOutput
-from kserve_paged_engine.core.stop import Appended, length_end, token_end
+from kserve_paged_engine.core.scheduler_output import Appended, SchedulerOutput
 from kserve_paged_engine.limits import past_min_tokens
+
+
+def token_end(request: Request, token: int) -> tuple[RequestStatus, int | None] | None:
+    """EOS (unless ignore_eos) or a stop token id ends the request, once past its min_tokens
+    (StopCheck checks that: `kserve_paged_engine.limits.past_min_tokens`)."""
+    params = request.sampling_params
+    if not params.ignore_eos and request.eos_token_id is not None and (
+            token == request.eos_token_id):
+        return RequestStatus.FINISHED_STOPPED, None
+    if token in params.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED, token
+    return None
+
+
+def length_end(request: Request, num_output: int, max_model_len: int
+               ) -> tuple[RequestStatus, None] | None:
+    """`max_tokens` outputs, or the model's length limit, ends the request ("length")."""
+    if num_output >= request.max_tokens or (
+            request.num_prompt_tokens + num_output >= max_model_len):
+        return RequestStatus.FINISHED_LENGTH, None
+    return None
 
 
 class StopTexts(Protocol):

@@ -40,7 +40,6 @@ from kserve_paged_kernels.cpu_native.gemm import (
     gemm,
     gemm_available,
     gemm_gelu,
-    gemm_panel,
     gemm_silu,
     pack_gate_up_bias,
     pack_gate_up_weight,
@@ -55,7 +54,7 @@ from kserve_paged_kernels.cpu_native.gemm_bf16 import (
     pack_gemm_weight_bf16,
 )
 from kserve_paged_kernels.cpu_native.kvq import kvq_usable, paged_rows_q8, store_kv_q8
-from kserve_paged_kernels.cpu_native.loader import load
+from kserve_paged_kernels.cpu_native.loader import gemm_panel, load
 from kserve_paged_kernels.cpu_native.lora import LoRASegments, lora_sgmv, lora_sgmv_segments
 from kserve_paged_kernels.cpu_native.ops import (
     add_rms_norm,

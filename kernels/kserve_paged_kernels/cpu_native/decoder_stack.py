@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from kserve_paged_kernels.cpu_native import abi
-from kserve_paged_kernels.cpu_native.gemm import gemm_available, gemm_panel
+from kserve_paged_kernels.cpu_native.gemm import gemm_available
 from kserve_paged_kernels.cpu_native.kvq import kv_format
-from kserve_paged_kernels.cpu_native.loader import loaded, sync_threads
+from kserve_paged_kernels.cpu_native.loader import gemm_panel, loaded, sync_threads
 
 _ptrs = ctypes.POINTER(ctypes.c_void_p)
 

@@ -1,7 +1,8 @@
 """The fp32 matrix products of the linear layers, over weights packed once into panels.
 
 `csrc/gemm.c` multiplies by a weight packed into column panels of `gemm_panel()` outputs (the
-loaded level's width: 48 with AVX-512, 16 with AVX2; `KP_GEMM_PANEL` in csrc/kp_native.h);
+loaded level's width, which loader.py asks the library: 48 with AVX-512, 16 with AVX2;
+`KP_GEMM_PANEL` in csrc/kp_native.h);
 `gemm_silu` is the SwiGLU MLP's first half with the SiLU-and-multiply done inside the product,
 `gemm_gelu` the same for GeGLU (tanh-GELU).
 A packed weight fits the library it was packed for, so packing asks the loaded library. The
@@ -12,22 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kserve_paged_kernels.cpu_native.loader import load, sync_threads
+from kserve_paged_kernels.cpu_native.loader import gemm_panel, load, sync_threads
 from kserve_paged_kernels.cpu_native.ops import f32_rows
-
-_panel_of: tuple[object, int] = (None, 0)  # (library, its panel): one ctypes call per library
-
-
-def gemm_panel() -> int:
-    """Output columns per packed panel of the loaded library (`kp_gemm_panel`); 0 when no
-    library is loaded."""
-    global _panel_of
-    lib = load()
-    if lib is None:
-        return 0
-    if _panel_of[0] is not lib:
-        _panel_of = (lib, int(lib.kp_gemm_panel()))
-    return _panel_of[1]
 
 
 def gemm_available() -> bool:

@@ -1,4 +1,5 @@
-"""Building, caching and loading the native library.
+"""Building, caching and loading the native library, and what the loaded one is (its level,
+the width of the weight panels it packs and multiplies).
 
 The library is built with the system C compiler (plain C, no PyTorch headers, so a build takes
 seconds) for one instruction-set level (`isa.py`: the highest this CPU runs, capped by
@@ -157,6 +158,21 @@ def load() -> ctypes.CDLL | None:
 def loaded_level() -> isa.IsaLevel | None:
     """The level of the loaded library (None when none is loaded)."""
     return _level if load() is not None else None
+
+
+_panel_of: tuple[object, int] = (None, 0)  # (library, its panel): one ctypes call per library
+
+
+def gemm_panel() -> int:
+    """Output columns per packed panel of the loaded library (`kp_gemm_panel`); 0 when no
+    library is loaded."""
+    global _panel_of
+    lib = load()
+    if lib is None:
+        return 0
+    if _panel_of[0] is not lib:
+        _panel_of = (lib, int(lib.kp_gemm_panel()))
+    return _panel_of[1]
 
 
 def loaded() -> ctypes.CDLL:

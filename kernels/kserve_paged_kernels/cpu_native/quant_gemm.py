@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kserve_paged_kernels.cpu_native.gemm import gemm_panel
-from kserve_paged_kernels.cpu_native.loader import load, loaded_level, sync_threads
+from kserve_paged_kernels.cpu_native.loader import gemm_panel, load, loaded_level, sync_threads
 from kserve_paged_kernels.cpu_native.ops import rows_of
 
 
