@@ -30,7 +30,7 @@ def test_a_fork_shares_every_block_and_the_first_write_copies_the_partial_one():
     assert kv.block_ids("c") == kv.block_ids("p")
     assert [b.ref_cnt for b in kv.req_blocks["p"]] == [2, 2, 2]
     assert kv.pool.num_used_blocks == used and kv.stats()["kv_blocks_shared"] == 3
-    assert child.group_id == parent.group_id == "p"
+    assert child.fork_root == parent.fork_root == "p"
     out = step(sched)
     # Both write position 37 of the shared partial block: the first copies, the second owns it.
     assert len(out.block_copies) == 1

@@ -74,7 +74,7 @@ def run_step(sched, kv_store: dict[int, tuple[int, int]], seed: int) -> None:
     out = sched.schedule()
     for req, _ in out.unschedulable:  # what the engine does: the whole group fails
         sched.finish_requests([r.request_id for r in list(sched.waiting)
-                               if r.group_id == req.group_id or r is req],
+                               if r.fork_root == req.fork_root or r is req],
                               RequestStatus.FINISHED_ERROR)
     assert out.total_num_scheduled_tokens <= BUDGET
     assert len(out.scheduled) <= MAX_SEQS
@@ -155,7 +155,7 @@ def fork(sched, kv_store, counter, op) -> None:
 
 def prune(sched, kv_store, counter, op) -> None:
     """A forked member of a group ends; the others keep its blocks."""
-    grouped = [r for r in sched.running if r.group_id is not None]
+    grouped = [r for r in sched.running if r.fork_root is not None]
     if grouped:
         sched.finish_requests([grouped[op[1] % len(grouped)].request_id],
                               RequestStatus.FINISHED_STOPPED)

@@ -1,8 +1,8 @@
 """Requests forked from one another (n > 1 samples, beams) as one unit of KV memory.
 
-They share blocks, so they are sized, admitted and recomputed together: a waiting beam group
-needs room for every member at once (`fork_blocks`, an upper bound); a member recomputed after
-a preemption takes the full blocks it has in common with a member ahead of it
+They share blocks, so they are sized, admitted and recomputed together: a waiting beam search
+needs room for every fork at once (`fork_blocks`, an upper bound); a fork recomputed after
+a preemption takes the full blocks it has in common with a fork ahead of it
 (`share_among_forks`, `best_hit`), with prefix caching off too, instead of holding its history a
 second time. Design: docs/engine.md, "Scheduling, preemption, ending".
 """
@@ -19,7 +19,7 @@ from kserve_paged_engine.sampling_params import SamplingParams
 
 def forked_request(parent: Request, child_id: str, params: SamplingParams | None,
                    num_computed: int | None) -> Request:
-    """A copy of `parent` in its group: its tokens so far, its block hashes and timings;
+    """A fork of `parent`: its tokens so far, its block hashes and timings;
     `num_computed` when the parent's step is not yet counted."""
     return Request(child_id, parent.prompt_token_ids, params or parent.sampling_params,
                    eos_token_id=parent.eos_token_id, priority=parent.priority,
@@ -29,16 +29,16 @@ def forked_request(parent: Request, child_id: str, params: SamplingParams | None
                    num_computed_tokens=(parent.num_computed_tokens if num_computed is None
                                         else num_computed),
                    num_cached_tokens=parent.num_cached_tokens,
-                   group_id=parent.group_id or parent.request_id,
+                   fork_root=parent.fork_root or parent.request_id,
                    block_hashes=list(parent.block_hashes),
                    first_scheduled_time=parent.first_scheduled_time)
 
 
 def fork_blocks(kv: KVCacheManager, unit: list[Request]) -> int:
-    """Blocks a waiting group needs to hold its tokens and take one more step, each member
-    sharing the full blocks it has in common with a member ahead of it (an upper bound on
+    """Blocks waiting forks need to hold their tokens and take one more step, each fork
+    sharing the full blocks it has in common with a fork ahead of it (an upper bound on
     what admitting it consumes: prefix-cache hits only lower it), in every KV group (a
-    sliding group's too: its first step writes every prompt token)."""
+    sliding one's too: its first step writes every prompt token)."""
     bs = kv.block_size
     need = 0
     for j, member in enumerate(unit):
@@ -53,10 +53,10 @@ def best_hit(kv: KVCacheManager, request: Request, running: Iterable[Request],
     """The longer of the prefix-cache hit and the blocks a running sibling (a fork of the same
     request) holds for their common tokens."""
     hit = kv.find_prefix(request)
-    if request.group_id is None:
+    if request.fork_root is None:
         return hit
     for sibling in running:
-        if sibling.group_id == request.group_id:
+        if sibling.fork_root == request.fork_root:
             valid = sibling.num_computed_tokens + scheduled.get(sibling.request_id, 0)
             other = kv.sibling_hit(request, sibling, valid)
             if other.num_tokens > hit.num_tokens:
@@ -65,11 +65,11 @@ def best_hit(kv: KVCacheManager, request: Request, running: Iterable[Request],
 
 
 def share_among_forks(kv: KVCacheManager, unit: list[Request], step_tokens: dict[str, int]
-                   ) -> set[str]:
-    """Hand each member of a group the full blocks it has in common with a member ahead of
-    it in `unit` (KVCacheManager.sibling_hit), and return the members that follow: their
-    common prefix with a member ahead is not written yet, so they wait for it rather than
-    compute it a second time. The first member never waits, so the group progresses."""
+                      ) -> set[str]:
+    """Hand each fork the full blocks it has in common with a fork ahead of it in `unit`
+    (KVCacheManager.sibling_hit), and return the forks that follow: their common prefix with
+    a fork ahead is not written yet, so they wait for it rather than compute it a second
+    time. The first fork never waits, so the forks progress."""
     bs = kv.block_size
     following: set[str] = set()
     for j, member in enumerate(unit):

@@ -1,7 +1,7 @@
 """Who may be preempted for whom, and whether preempting them could make room.
 
 A victim is the worst running request (policy order, `request_queue.policy_key`) not
-scheduled in this step; a request scheduled in this step, or a member of its group, never is:
+scheduled in this step; a request scheduled in this step, or one of its forks, never is:
 its new blocks are registered in the prefix cache already and others may have hit them."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ PolicyKey = Callable[[Request], tuple[int, float]]
 def victim_for(running: list[Request], step: StepBuild, candidate: Request, key: PolicyKey
                ) -> Request | None:
     """The worst running request not yet scheduled this step (nor in a scheduled request's
-    group), if worse than `candidate`; for a running candidate, possibly itself."""
-    busy = {r.group_id for r in step.order if r.group_id is not None}
-    pool = [r for r in running if r.request_id not in step.scheduled and r.group_id not in busy]
+    forks), if worse than `candidate`; for a running candidate, possibly itself."""
+    busy = {r.fork_root for r in step.order if r.fork_root is not None}
+    pool = [r for r in running if r.request_id not in step.scheduled and r.fork_root not in busy]
     if not pool:
         return None
     worst = max(pool, key=key)

@@ -53,9 +53,9 @@ class Request:
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    # Requests forked from one another (n > 1 samples, beams) share this id: they share blocks,
-    # so preempting one preempts all (see Scheduler.schedule).
-    group_id: str | None = None
+    # Forks (n > 1 samples, beams) carry the id of the request they all came from (the user's):
+    # they share blocks, so preempting one preempts all (see Scheduler.schedule).
+    fork_root: str | None = None
     # Chained block hashes of this request's full blocks, grown as tokens arrive.
     block_hashes: list[bytes] = field(default_factory=list)
     # When the scheduler first admitted it (monotonic seconds, as `arrival_time`): the one home

@@ -75,24 +75,24 @@ class Scheduler:
 
     def _schedule_running(self, step: StepBuild) -> None:
         """Each running request asks for what it has not computed yet, in policy order (a
-        preempted request re-admitted later keeps its arrival-time rank). A group (forks
-        sharing blocks) is one unit: its room is found for all members at once, so a
-        preemption for its sake never splits it."""
-        done_groups: set[str] = set()
+        preempted request re-admitted later keeps its arrival-time rank). Forks (sharing
+        blocks) are one unit: their room is found for all at once, so a preemption for their
+        sake never splits them."""
+        done_roots: set[str] = set()
         for request in sorted(self.running, key=self._policy_key):
             if step.budget == 0 or len(step.scheduled) >= self.config.max_num_seqs:
                 break  # forks can make more running requests than one step may hold
-            if request.status is not RequestStatus.RUNNING or request.group_id in done_groups:
-                continue  # preempted earlier in this loop, or its group is done
+            if request.status is not RequestStatus.RUNNING or request.fork_root in done_roots:
+                continue  # preempted earlier in this loop, or its forks are done
             if self.policy == "priority" and len(self.waiting):
                 # A better waiting request goes before this (worse) running one.
                 self._admit_waiting(step, better_than=self._policy_key(request))
                 if request.status is not RequestStatus.RUNNING or step.budget == 0:
                     continue
             unit = [request]
-            if request.group_id is not None:
-                done_groups.add(request.group_id)
-                unit = [r for r in self.running if r.group_id == request.group_id]
+            if request.fork_root is not None:
+                done_roots.add(request.fork_root)
+                unit = [r for r in self.running if r.fork_root == request.fork_root]
             self._schedule_unit(step, request, unit)
 
     def _schedule_unit(self, step: StepBuild, request: Request, unit: list[Request]) -> None:
@@ -119,7 +119,7 @@ class Scheduler:
             assert victim is not None
             self._preempt(step, victim)
             if request.status is not RequestStatus.RUNNING:
-                return  # it was the victim, or in the victim's group
+                return  # it was the victim, or one of the victim's forks
         for member, num_new in asks:
             allocated = self.kv.allocate_slots(member, num_new)
             assert allocated, "blocks_needed_together undercounted"
@@ -128,13 +128,13 @@ class Scheduler:
                 step.spec[member.request_id] = drafts[member.request_id]
 
     def _preempt(self, step: StepBuild, victim: Request) -> None:
-        """Preempt the victim with every member of its group not scheduled in this step:
+        """Preempt the victim with every fork of it not scheduled in this step:
         shared blocks return to the pool only when all their holders let go."""
-        group = [victim]
-        if victim.group_id is not None:
-            group += [r for r in self.running if r is not victim
-                      and r.group_id == victim.group_id and r.request_id not in step.scheduled]
-        for member in group:
+        forks = [victim]
+        if victim.fork_root is not None:
+            forks += [r for r in self.running if r is not victim
+                      and r.fork_root == victim.fork_root and r.request_id not in step.scheduled]
+        for member in forks:
             self.running.remove(member)
             self.kv.preempt(member)  # swapped or freed, before resetting computed tokens
             member.num_computed_tokens = 0
@@ -204,15 +204,15 @@ class Scheduler:
 
     def _best_hit(self, request: Request, step: StepBuild) -> PrefixHit:
         """The prefix hit, or for a fork the better of it and its siblings' blocks."""
-        if request.group_id is None:
+        if request.fork_root is None:
             return self.kv.find_prefix(request)
         return best_hit(self.kv, request, self.running, step.scheduled)
 
     def _admit_beams(self, step: StepBuild, request: Request,
-                          passed_over: list[Request]) -> bool:
-        """Beams move in lockstep: the group is admitted whole or not at all. A group larger
-        than the whole cache is unschedulable (the engine fails it); False: it waits."""
-        unit = [r for r in self.waiting if r.group_id == request.group_id]
+                     passed_over: list[Request]) -> bool:
+        """Beams move in lockstep: a search is admitted whole or not at all. One larger than
+        the whole cache is unschedulable (the engine fails it); False: it waits."""
+        unit = [r for r in self.waiting if r.fork_root == request.fork_root]
         if self.running and len(self.running) + len(unit) > self.config.max_num_seqs:
             return False  # its beams wait for sequence slots (alone it may outnumber them)
         need = fork_blocks(self.kv, unit)
@@ -228,7 +228,7 @@ class Scheduler:
         return self._admit_forks(step, unit, need)
 
     def _admit_forks(self, step: StepBuild, unit: list[Request], need: int) -> bool:
-        """Admit every member of a waiting group, sharing their common blocks, or none
+        """Admit every one of waiting forks, sharing their common blocks, or none
         (False: it waits, untouched)."""
         while need > self.kv.num_free_blocks:
             victim = victim_for(self.running, step, unit[0], self._policy_key)
@@ -329,7 +329,7 @@ class Scheduler:
         if parent.status is not RequestStatus.RUNNING:
             raise RuntimeError(f"cannot fork {parent.request_id!r}: it is {parent.status.value}")
         child = forked_request(parent, child_id, params, num_computed)
-        parent.group_id = child.group_id
+        parent.fork_root = child.fork_root
         self.kv.fork(parent, child)
         child.status = RequestStatus.RUNNING
         self.requests[child_id] = child

@@ -89,7 +89,7 @@ class InputProcessor:
         if self.extra_eos and not params.ignore_eos:
             params = _with_stop_ids(params, self.extra_eos)
         if ((self.forks.parents and request_id in self.forks)
-                or (self.beams.groups and request_id in self.beams)):
+                or (self.beams.searches and request_id in self.beams)):
             raise ValueError(request_id_in_use(request_id))
         common = (token_ids, text, priority, cache_salt, arrival_time, lora_request)
         if pooling_params is not None:

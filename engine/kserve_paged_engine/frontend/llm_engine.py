@@ -212,7 +212,7 @@ class LLMEngine(EngineReports):
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         expanded = self.forks.expand(request_ids) if self.forks.parents else request_ids
-        expanded = self.beams.expand(expanded) if self.beams.groups else expanded
+        expanded = self.beams.expand(expanded) if self.beams.searches else expanded
         self.scheduler.finish_requests(expanded, RequestStatus.FINISHED_ABORTED)
         self.outputs.forget(expanded + request_ids)
         self.sampling.forget(expanded + request_ids)
@@ -310,11 +310,11 @@ class LLMEngine(EngineReports):
         pooled = self.pooling.finish(ended) if self.pooling is not None else {}
         sampling = step.sampling + [spec.request for spec in step.spec_rows]
         outputs += self.outputs.step_outputs(sampling, sampled, ended, now, pooled)
-        for group in step.beam_groups:
-            if self.beams.ready(group, self.scheduler.requests):
-                self.generation_tokens += len(group.beams)
-                if self.beams.advance(group, self.scheduler):
-                    outputs.append(self.outputs.beam_output(group, now))
+        for search in step.beam_searches:
+            if self.beams.ready(search, self.scheduler.requests):
+                self.generation_tokens += len(search.beams)
+                if self.beams.advance(search, self.scheduler):
+                    outputs.append(self.outputs.beam_output(search, now))
         return outputs
 
     def _deliver(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -326,19 +326,19 @@ class LLMEngine(EngineReports):
     def _fail(self, requests: list[Request], message: str,
               status: int | None = None) -> list[RequestOutput]:
         """End requests with an error; a failing beam fails its whole search (one error output
-        under the group's id)."""
+        under the search's id)."""
         ids = [r.request_id for r in requests if not r.is_finished]
-        groups: set[str] = set()
-        if self.beams.groups:
-            groups = {g for g in map(self.beams.group_of, ids) if g is not None}
+        searches: set[str] = set()
+        if self.beams.searches:
+            searches = {s for s in map(self.beams.search_of, ids) if s is not None}
             ids = [rid for rid in ids if not self.beams.is_beam(rid)]
-        if groups:
-            self.scheduler.finish_requests(self.beams.expand(list(groups)),
+        if searches:
+            self.scheduler.finish_requests(self.beams.expand(list(searches)),
                                            RequestStatus.FINISHED_ERROR)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         if self.pooling is not None:
             self.pooling.forget(ids)
-        return self.outputs.error_outputs(ids + sorted(groups), message, status)
+        return self.outputs.error_outputs(ids + sorted(searches), message, status)
 
     # ------------------------------------------------------------ state
     def warmup(self) -> None:

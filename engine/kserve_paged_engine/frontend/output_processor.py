@@ -129,14 +129,14 @@ class OutputProcessor:
             out.prompt_logprobs = [None] + [kept.get(p) for p in range(1, req.num_prompt_tokens)]
         return out
 
-    def beam_output(self, group: BeamSearch, now: float) -> RequestOutput:
+    def beam_output(self, search: BeamSearch, now: float) -> RequestOutput:
         """The final output of a beam search: the n best hypotheses, best first."""
-        state = self._live.pop(group.group_id)
+        state = self._live.pop(search.fork_root)
         state.first_token_time = state.first_token_time or now
         state.last_token_time = now
-        params = group.params
+        params = search.params
         completions = []
-        for i, h in enumerate(group.finished[:params.n]):
+        for i, h in enumerate(search.finished[:params.n]):
             text = self.tokenizer.decode(h.token_ids,
                                          skip_special_tokens=params.skip_special_tokens)
             completions.append(CompletionOutput(
@@ -144,13 +144,13 @@ class OutputProcessor:
                 delta_text=text, delta_token_ids=list(h.token_ids),
                 cumulative_logprob=h.cum_logprob, score=h.score))
         req = state.request
-        return RequestOutput(group.group_id, state.prompt, req.prompt_token_ids, completions,
+        return RequestOutput(search.fork_root, state.prompt, req.prompt_token_ids, completions,
                              True, max(req.num_cached_tokens, 0), state.metrics(now))
 
     def error_outputs(self, request_ids: list[str], message: str,
                       status: int | None = None) -> list[RequestOutput]:
         """The last outputs of requests that failed (already finished in the scheduler); the
-        samples of theirs not forked yet end with them (their group waits for every one)."""
+        samples of theirs not forked yet end with them (their request waits for every one)."""
         now = time.monotonic()
         outputs = []
         for rid in request_ids:

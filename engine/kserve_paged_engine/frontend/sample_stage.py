@@ -109,7 +109,7 @@ class SampledStep:
     spec_rows: list[SpecRow]  # requests with drafts
     verified: dict[str, list[int]]  # each one's tokens: kept drafts, then one more
     forked: list[Request]  # n > 1 samples forked in this step (not in its schedule)
-    beam_groups: list[BeamSearch] = field(default_factory=list)  # groups whose beams reported
+    beam_searches: list[BeamSearch] = field(default_factory=list)  # searches whose beams reported
 
 
 class SamplingPipeline:
@@ -153,8 +153,8 @@ class SamplingPipeline:
         rows: list[int] = []
         sampling: list[Request] = []
         spec_rows: list[SpecRow] = []
-        beam_groups: dict[str, BeamSearch] = {}
-        beams, forks = self.beams.groups, self.forks.pending  # checked here: none, usually
+        beam_searches: dict[str, BeamSearch] = {}
+        beams, forks = self.beams.searches, self.forks.pending  # checked here: none, usually
         i = -1
         for r in result.sampling:
             i += 1
@@ -163,8 +163,8 @@ class SamplingPipeline:
                 i += len(spec_rows[-1].drafts)
                 continue
             if beams and self.beams.is_beam(r.request_id):
-                group = self.beams.report(r, logits[i])
-                beam_groups[group.group_id] = group
+                search = self.beams.report(r, logits[i])
+                beam_searches[search.fork_root] = search
                 continue
             rows.append(i)
             sampling.append(r)
@@ -176,7 +176,7 @@ class SamplingPipeline:
         verified = self._verify(logits, spec_rows)
         tokens = self._sample(logits, rows, sampling)
         return SampledStep(sampling, tokens, spec_rows, verified, [c for c, _ in forked],
-                           list(beam_groups.values()))
+                           list(beam_searches.values()))
 
     def _sample(self, logits: torch.Tensor, rows: list[int], sampling: list[Request]
                 ) -> list[int]:

@@ -54,9 +54,9 @@ class TierLink:
 
     def swap_out(self, request: Request, blocks: Sequence[KVBlock], hasher: BlockHasher) -> bool:
         """A freed victim (its computed tokens not reset yet): swapped out, or recomputed.
-        Forked groups share blocks: they always recompute (and so does a request asking for
+        Forks share blocks: they always recompute (and so does a request asking for
         prompt logprobs, whose resume computes every prompt position)."""
-        if (request.group_id is not None or request.num_computed_tokens == 0
+        if (request.fork_root is not None or request.num_computed_tokens == 0
                 or request.sampling_params.prompt_logprobs is not None):  # no lookup resumes it
             self.swaps.stats.recomputes += 1
             return False
