@@ -313,18 +313,11 @@ def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(model_dir)
     assert again.num_cached_tokens > 0
 
 
-def test_dummy_load_format_serves_a_model_shape_without_its_weights(model_dir, tmp_path):
+def test_dummy_load_format_serves_a_model_shape_without_its_weights(tmp_path):
     """vLLM's `--load-format dummy`: config.json + tokenizer, random weights (benchmarks)."""
-    import json
-    import shutil
-    from pathlib import Path
+    from tests.helpers.tiny_models import tiny_default_folder
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(model_dir) / name, tmp_path / name)
+    tiny_default_folder(tmp_path)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     runs = [LLM(model=str(tmp_path), load_format="dummy", seed=seed, dtype="float32",
                 max_model_len=256, kv_cache_memory=8 << 20).generate(["Hello there"], params)

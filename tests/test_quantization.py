@@ -84,19 +84,10 @@ def test_on_the_fly_quantization_of_a_float_checkpoint(
 def test_engine_serves_with_quantization(tmp_path: Path) -> None:
     """EngineConfig's quantization reaches the loader: the engine's model runs on int4
     projections and generates, the same tokens twice."""
-    import json
-    import shutil
-
     from kserve_paged_engine import LLM, SamplingParams
-    from kserve_paged_engine.frontend.default_model import ensure_default_model
+    from tests.helpers.tiny_models import tiny_default_folder
 
-    model_dir = ensure_default_model()
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_dir / name, tmp_path / name)
+    tiny_default_folder(tmp_path)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     runs = []
     for _ in range(2):

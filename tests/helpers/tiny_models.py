@@ -179,6 +179,22 @@ def copy_default_tokenizer(folder: Path) -> None:
         shutil.copy(src / name, folder / name)
 
 
+def tiny_default_folder(folder: Path) -> Path:
+    """A folder with the default model's config shrunk to a tiny shape and its tokenizer, and
+    no weights: for loads that make their own (`load_format="dummy"`, quantized at load)."""
+    import json
+
+    from kserve_paged_engine.frontend.default_model import ensure_default_model
+
+    config = json.loads((Path(ensure_default_model(progress=lambda _: None))
+                         / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    (folder / "config.json").write_text(json.dumps(config))
+    copy_default_tokenizer(folder)
+    return folder
+
+
 def save_checkpoint(config_fn, tmp_path: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
     """`save_random` of `config_fn()`, and the transformers reference read back from it."""
     save_random(config_fn(), tmp_path, seed)
