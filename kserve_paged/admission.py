@@ -22,7 +22,9 @@ passes it down to ``PagedLLMModel.submit``, which hands it to the engine.
 
 from __future__ import annotations
 
+import hmac
 import math
+import secrets
 import time
 from typing import Any
 
@@ -33,10 +35,13 @@ from kserve_paged_engine import limits
 
 TIMEOUT_HEADER = "x-request-timeout"
 MICROSECONDS = 1_000_000  # per second: the unit of v1/v2 ``parameters.timeout``
-# Where the middleware hands the deadline (time.monotonic()) to KServe's routes; a client's
-# own copy is dropped on the way in, so only the middleware's arrives.
+# Where the middleware hands the deadline (time.monotonic()) to KServe's routes. A client's own
+# copy is dropped on the way in over HTTP; gRPC metadata reaches `predict`'s headers without the
+# middleware, so what the middleware writes is sealed with a secret of this process, and an
+# unsealed value is not read.
 DEADLINE_HEADER = "x-kserve-paged-deadline"
 _DEADLINE_HEADER_BYTES = DEADLINE_HEADER.encode("latin-1")
+_SEAL = secrets.token_hex(16)
 
 
 class RequestRefused(Exception):
@@ -95,14 +100,25 @@ def route_deadline(request: Request, timeout_s: float | None = None) -> float | 
     return tighten(deadline, parse_timeout(timeout_s, "timeout"))
 
 
+def sealed_deadline(deadline: float) -> str:
+    """The header value the middleware writes: the deadline and this process's seal."""
+    return f"{deadline!r};{_SEAL}"
+
+
 def headers_deadline(headers: dict[str, str] | None) -> float | None:
     """The deadline the middleware put in the headers KServe hands a model's ``predict``
-    (None: none, or a request that did not come through it, as over gRPC)."""
+    (None: none, or a value it did not write, as a gRPC client's metadata)."""
     value = (headers or {}).get(DEADLINE_HEADER)
+    if value is None:
+        return None
+    number, _, seal = value.partition(";")
+    if not hmac.compare_digest(seal.encode(), _SEAL.encode()):
+        return None
     try:
-        return float(value) if value is not None else None
+        deadline = float(number)
     except ValueError:
         return None
+    return deadline if math.isfinite(deadline) else None
 
 
 def queue_full(waiting: int, limit: int) -> RequestRefused:
@@ -138,7 +154,7 @@ class DeadlineMiddleware:
                 await _error(scope, 400, str(exc))(scope, receive, send)
                 return
         if deadline is not None:
-            headers.append((_DEADLINE_HEADER_BYTES, repr(deadline).encode("latin-1")))
+            headers.append((_DEADLINE_HEADER_BYTES, sealed_deadline(deadline).encode("latin-1")))
         scope = {**scope, "headers": headers,
                  "state": {**scope.get("state", {}), "deadline": deadline}}
         await self.app(scope, receive, send)

@@ -215,6 +215,9 @@ class SamplingRequest:
                 structured = structured_outputs_option(wire)
             except StructuredOptionError as exc:
                 raise OptionError(str(exc), exc.param) from None
+        # Each value's range, before the prompt is rendered or tokenized (the budget waits for
+        # the prompt's length: params()).
+        _sampling_params({k: v for k, v in values.items() if k != "max_tokens"}, structured, None)
         return cls(values, structured, default_max_tokens)
 
     def with_values(self, **values: Any) -> SamplingRequest:
@@ -240,16 +243,21 @@ class SamplingRequest:
             # A default budget (not the client's) shrinks to what the context window leaves.
             requested = min(default_max, max_model_len - prompt_len)
         max_tokens = resolve_max_tokens(prompt_len, requested, max_model_len)
-        try:
-            return SamplingParams(max_tokens=max_tokens, structured_outputs=self.structured,
-                                  **values)
-        except ValueError as exc:
-            message = str(exc)
-            # SamplingParams' messages name the option first ("...: top_p must be ..."); a
-            # plain substring search would blame "logprobs" for "prompt_logprobs".
-            named = re.search(r"parameter: (\w+)", message)
-            param = named.group(1) if named and named.group(1) in OPTIONS else None
-            raise OptionError(message, param) from None
+        return _sampling_params(values, self.structured, max_tokens)
+
+
+def _sampling_params(values: dict[str, Any], structured: Any,
+                     max_tokens: int | None) -> SamplingParams:
+    """SamplingParams of coerced values; OptionError naming the option the engine refuses."""
+    try:
+        return SamplingParams(max_tokens=max_tokens, structured_outputs=structured, **values)
+    except ValueError as exc:
+        message = str(exc)
+        # SamplingParams' messages name the option first ("...: top_p must be ..."); a plain
+        # substring search would blame "logprobs" for "prompt_logprobs".
+        named = re.search(r"parameter: (\w+)", message)
+        param = named.group(1) if named and named.group(1) in OPTIONS else None
+        raise OptionError(message, param) from None
 
 
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:

@@ -57,9 +57,8 @@ def test_random_operations_keep_the_pool_consistent(ops, policy, caching, window
     sched = make_scheduler(num_blocks=NUM_BLOCKS * (2 if groups else 1), block_size=BS,
                            budget=BUDGET, max_num_seqs=MAX_SEQS, caching=caching,
                            policy=policy, sliding_window=None if groups else window,
-                           group_windows=groups)
+                           group_windows=groups, record_events=True)
     kv_store: dict[int, tuple[int, int]] = {}
-    sched.kv.pool.record_events()
     mirror: dict[bytes, int] = {}
     counter = itertools.count()
     for op in ops:

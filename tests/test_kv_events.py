@@ -99,9 +99,9 @@ class Mirror:
 
 @pytest.mark.parametrize("pod_binds", [True, False], ids=["pod-binds", "pod-connects"])
 def test_scheduler_stores_hits_and_evictions_announced_once_in_order(pod_binds, tmp_path):
-    sched = make_scheduler(num_blocks=12, block_size=4, budget=64, max_model_len=48)
+    sched = make_scheduler(num_blocks=12, block_size=4, budget=64, max_model_len=48,
+                           record_events=True)
     pool = sched.kv.pool
-    pool.record_events()
     if pod_binds:  # vLLM's default: tcp://*:5557, subscribers connect to each pod
         pub = ZmqEventPublisher(KVEventsConfig(True, "zmq", f"ipc://{tmp_path}/kv", TOPIC),
                                 "CPU")
@@ -142,8 +142,7 @@ def test_scheduler_stores_hits_and_evictions_announced_once_in_order(pod_binds, 
 
 
 def test_stored_event_carries_the_chain():
-    sched = make_scheduler(num_blocks=16, block_size=4)
-    sched.kv.pool.record_events()
+    sched = make_scheduler(num_blocks=16, block_size=4, record_events=True)
     req = make_request("a", list(range(10, 23)), max_tokens=4)  # 13 tokens: 3 full blocks
     sched.add_request(req)
     out = sched.schedule()
@@ -168,8 +167,7 @@ def test_wire_hashes_are_64_bit_ints_or_vllms_raw_bytes(monkeypatch):
     from kserve_paged_engine.core.kv_events import encode_batch, int_hashes_from_env
     from kserve_paged_engine.lora.request import LoRARequest
 
-    sched = make_scheduler(num_blocks=16, block_size=4)
-    sched.kv.pool.record_events()
+    sched = make_scheduler(num_blocks=16, block_size=4, record_events=True)
     req = make_request("a", list(range(10, 19)), max_tokens=1)  # 2 full blocks
     req.lora_request = LoRARequest("sql", 7, "/adapters/sql")
     sched.add_request(req)

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from kserve_paged.admission import DEADLINE_HEADER
+from kserve_paged.admission import DEADLINE_HEADER, headers_deadline, sealed_deadline
 from kserve_paged.openai.schemas import ChatBody, CompletionBody
-from kserve_paged.request_options import OPTIONS
+from kserve_paged.request_options import OPTIONS, OptionError, SamplingRequest
 from tests.helpers.server import NAME, client, ready, run
 
 V2 = f"/v2/models/{NAME}/infer"
@@ -155,3 +155,22 @@ def test_the_earliest_deadline_wins_and_a_client_cannot_forge_one():
     assert _deadline_of(V2, V2_ONE, {DEADLINE_HEADER: "1.0"}) is None
     left = _deadline_of(V2, V2_ONE, {DEADLINE_HEADER: "1.0", "x-request-timeout": "30"})
     assert left is not None and left > 25
+
+
+@pytest.mark.parametrize("value", ["1e308", "0", "nan", "inf", "12.5;not-the-seal", "x;y"])
+def test_a_deadline_header_the_middleware_did_not_write_is_not_read(value: str):
+    """gRPC metadata reaches predict's headers without the middleware: a client's value there
+    is ignored; the middleware's sealed one is read, and only a finite one."""
+    assert headers_deadline({DEADLINE_HEADER: value}) is None
+    assert headers_deadline({DEADLINE_HEADER: sealed_deadline(12.5)}) == 12.5
+    assert headers_deadline({DEADLINE_HEADER: sealed_deadline(float("nan"))}) is None
+
+
+@pytest.mark.parametrize("wire, param", [({"temperature": -1}, "temperature"),
+                                         ({"top_p": 7}, "top_p"), ({"n": 0}, "n")])
+def test_a_value_out_of_range_is_refused_before_any_prompt_is_read(wire: dict, param: str):
+    """The ranges are the engine's (SamplingParams), checked when the options are read, so a
+    bad value costs no template rendering or tokenizing."""
+    with pytest.raises(OptionError) as caught:
+        SamplingRequest.of(wire)
+    assert caught.value.param == param

@@ -314,9 +314,9 @@ def test_speculation_keeps_stop_strings_stop_tokens_max_tokens_and_n(tiny_model)
     words = free[0].outputs[0].text.split()
     stop_token = free[1].outputs[0].token_ids[3]
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
-                             stop=[" ".join(words[6:8])]),
+                             stop=[" ".join(words[6:8])], logprobs=1),
               SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_token],
-                             min_tokens=5),
+                             min_tokens=5, logprobs=1),
               SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True, n=2)]
     want = plain.generate(prompts, params, use_tqdm=False)
     spec.engine.spec.proposer = _Oracle(prompts, [o.outputs[0].token_ids for o in free])
@@ -324,6 +324,8 @@ def test_speculation_keeps_stop_strings_stop_tokens_max_tokens_and_n(tiny_model)
     for g, w in zip(got, want):
         assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in g.outputs] == [
             (c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in w.outputs]
+    for g in got[:2]:  # a run cut at a stop keeps the logprobs of the tokens it keeps
+        assert len(g.outputs[0].logprobs) == len(g.outputs[0].token_ids)
     assert want[0].outputs[0].finish_reason == "stop"
     assert len(want[0].outputs[0].token_ids) < 24
     assert spec.stats()["spec_decode_num_accepted_tokens"] > 0

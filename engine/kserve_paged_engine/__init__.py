@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _HOMES = {
+    "AsyncLLM": "kserve_paged_engine.frontend.async_llm",
     "EngineConfig": "kserve_paged_engine.config.engine",
     "LLM": "kserve_paged_engine.frontend.llm",
     "LLMEngine": "kserve_paged_engine.frontend.llm_engine",
@@ -19,11 +20,12 @@ _HOMES = {
     "SamplingParams": "kserve_paged_engine.sampling_params",
 }
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "LoRARequest",
+__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineConfig", "LLMEngine", "LoRARequest",
            "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from kserve_paged_engine.config.engine import EngineConfig
+    from kserve_paged_engine.frontend.async_llm import AsyncLLM
     from kserve_paged_engine.frontend.llm import LLM
     from kserve_paged_engine.frontend.llm_engine import LLMEngine
     from kserve_paged_engine.lora.request import LoRARequest

@@ -35,13 +35,14 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 16, *, budget: int = 
                    max_model_len: int | None = None, max_loras: int = 1,
                    sliding_window: int | None = None,
                    group_windows: list[int | None] | None = None,
-                   tier: Tier | None = None) -> Scheduler:
+                   tier: Tier | None = None, record_events: bool = False) -> Scheduler:
     """`group_windows`: one KV group per entry (engine/kserve_paged_engine/core/kv_groups.py), e.g. [None, 8] for a
-    model whose global and sliding layers have their own tables. `tier`: a second KV tier."""
+    model whose global and sliding layers have their own tables. `tier`: a second KV tier.
+    `record_events`: the block pool keeps KV-cache events."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              policy=policy, max_loras=max_loras)
     kv = KVCacheManager(num_blocks, block_size, caching, sliding_window=sliding_window,
-                        group_windows=group_windows, tier=tier)
+                        group_windows=group_windows, tier=tier, record_events=record_events)
     return Scheduler(config, kv, max_model_len or num_blocks * block_size)
 
 

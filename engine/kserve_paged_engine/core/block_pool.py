@@ -110,10 +110,6 @@ class BlockPool:
         # the second KV tier (engine/kserve_paged_engine/core/kv_tier/disk.py); None: not recorded.
         self.evicted: list[tuple[int, bytes]] | None = None
 
-    def record_events(self) -> None:
-        if self.events is None:
-            self.events = []
-
     def take_events(self) -> list[KVCacheEvent]:
         """The events recorded since the last call, oldest first."""
         if not self.events:

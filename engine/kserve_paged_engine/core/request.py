@@ -53,8 +53,8 @@ class Request:
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    # Forks (n > 1 samples, beams) carry the id of the request they all came from (the user's):
-    # they share blocks, so preempting one preempts all (see Scheduler.schedule).
+    # Forks (n > 1 samples, beams) carry the id of the first request of them, the one the others
+    # forked from: they share blocks, so preempting one preempts all (Scheduler.schedule).
     fork_root: str | None = None
     # Chained block hashes of this request's full blocks, grown as tokens arrive.
     block_hashes: list[bytes] = field(default_factory=list)

@@ -49,7 +49,7 @@ from kserve_paged_engine.outputs import RequestOutput
 from kserve_paged_engine.pooling_params import PoolingParams
 from kserve_paged_engine.sampling_params import SamplingParams
 
-logger = logging.getLogger("kserve_paged_engine.frontend.async_llm")
+logger = logging.getLogger("kserve_paged_engine")
 
 
 class EngineLoop:

@@ -43,9 +43,6 @@ class Forks:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.parents
 
-    def __bool__(self) -> bool:
-        return bool(self._child_of)
-
     @staticmethod
     def children(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
         """The child ids and their params (n = 1, seeds counted up from the parent's)."""

@@ -51,9 +51,6 @@ class OutputProcessor:
         self.sampling = sampling  # read only: each request's logprobs
         self._live: dict[str, RequestState] = {}
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._live
-
     def track(self, request: Request, prompt: str | None) -> None:
         """Start keeping a newly queued request's state."""
         self._live[request.request_id] = RequestState(

