@@ -361,6 +361,10 @@ class KVCacheManager:
             return sum(1 for _ in self.held_blocks(request_id))
         return sum(1 for b in self._tables[group].get(request_id, ()) if b is not None)
 
+    def reset_counters(self) -> None:
+        """Prefix-cache lookups counted from now (after the warm-up's)."""
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 

@@ -346,6 +346,9 @@ class LLMEngine(EngineReports):
         """Requests end to end before serving, so the first user request pays no first-call
         costs (startup.warm_up_requests)."""
         startup.warm_up_requests(self, WARMUP_PREFILL_TOKENS)
+        self.reset_prefix_cache()  # AllBlocksCleared: a router forgets what it knew of this pod
+        self.kv.reset_counters()
+        self.prompt_tokens = self.generation_tokens = 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (refused while requests hold blocks); announced at once."""

@@ -320,8 +320,7 @@ def cache_and_length(config: EngineConfig, model: Any, draft_model: Any | None,
 def warm_up_requests(engine: Any, prefill_tokens: int) -> None:
     """Run a tiny request and one prefill of `prefill_tokens` through `engine` (an LLMEngine)
     end to end, so the first user request pays no first-call costs (the CPU GEMMs' kernels for
-    many rows are made at their first use); then forget what they left (cached prefixes,
-    token counts)."""
+    many rows are made at their first use). LLMEngine.warmup forgets what they leave."""
     from kserve_paged_engine.pooling_params import PoolingParams
     from kserve_paged_engine.sampling_params import SamplingParams
 
@@ -335,6 +334,3 @@ def warm_up_requests(engine: Any, prefill_tokens: int) -> None:
             engine.add_request(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-    engine.reset_prefix_cache()  # AllBlocksCleared: a router forgets what it knew of this pod
-    engine.kv.prefix_cache_queries = engine.kv.prefix_cache_hits = 0
-    engine.prompt_tokens = engine.generation_tokens = 0
