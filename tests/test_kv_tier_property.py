@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kserve_paged_engine.core.kv_tier.disk import DiskTier
@@ -37,6 +37,10 @@ from tests.helpers.core_random_ops import (
 SLOT = struct.Struct("<qq")  # a simulated slot: (token, position); (-1, -1) when empty
 EXAMPLES = 25
 TOTALS = {"hits": 0, "stored": 0, "swap_ins": 0, "recomputes": 0, "host_hits": 0}
+# Three long requests in a 16-block pool at a prefill rate that makes every preemption swap:
+# whatever examples the search draws, each run swaps requests out and back in.
+SWAPPING = [("add", i, 30, 25, None, 0, False) for i in range(3)] + [
+    ("step", i) for i in range(60)]
 
 
 def block_payload(kv_store: dict[int, tuple[int, int]], block_id: int) -> bytes:
@@ -69,6 +73,11 @@ def apply_moves(sched, tier: DiskTier | HostTier, kv_store: dict[int, tuple[int,
         tier.spill_rows([keys[i] for i in direct], [rows[i] for i in direct])
         for i, slot in placed:
             tier.host[slot] = torch.frombuffer(bytearray(rows[i]), dtype=torch.uint8)
+    # The disk writer works on its own thread: wait for it, so what a later step finds in the
+    # tier (and so each run's hits, preemptions and swaps) does not depend on its timing.
+    disk = tier if isinstance(tier, DiskTier) else tier.lower
+    if disk is not None:
+        disk.writer.flush()
 
 
 class TierScheduler:
@@ -92,6 +101,7 @@ class TierScheduler:
 @pytest.mark.parametrize("host_blocks", [0, 8])
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@example(ops=SWAPPING, policy="fcfs", tier_blocks=30, prefill_rate=1.0)
 @given(st.lists(op_strategy, min_size=OPS_PER_EXAMPLE, max_size=OPS_PER_EXAMPLE),
        st.sampled_from(["fcfs", "priority"]), st.integers(2, 30), st.sampled_from([1.0, 1e12]))
 def test_random_operations_with_tier_moves_keep_pool_and_reads_right(host_blocks, ops, policy,

@@ -91,7 +91,7 @@ class FreeBlockQueue:
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 record_events: bool = False) -> None:
+                 record_events: bool = False, record_evictions: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1 (got {num_blocks})")
         self.num_blocks = num_blocks
@@ -107,8 +107,8 @@ class BlockPool:
         # KV-cache events since the last take_events() (kserve_paged_engine.core.kv_events); None: not recorded.
         self.events: list[KVCacheEvent] | None = [] if record_events else None
         # Cached blocks evicted by allocations since the last take_evicted(), (id, hash), for
-        # the second KV tier (engine/kserve_paged_engine/core/kv_tier/disk.py); None: not recorded.
-        self.evicted: list[tuple[int, bytes]] | None = None
+        # the second KV tier (engine/kserve_paged_engine/core/kv_tier/link.py); None: not recorded.
+        self.evicted: list[tuple[int, bytes]] | None = [] if record_evictions else None
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events recorded since the last call, oldest first."""

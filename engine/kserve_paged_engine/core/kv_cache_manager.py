@@ -46,7 +46,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.windows: list[int | None] = list(group_windows or [sliding_window])
         self.sliding_window = self.windows[0] if len(self.windows) == 1 else None
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, record_events)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, record_events, tier is not None)
         # Per group, a request's blocks in table order; None: released out of the window.
         self._tables: list[dict[str, list[KVBlock | None]]] = [{} for _ in self.windows]
         # The same tables as plain ids, grown alongside: the runner reads them every step.

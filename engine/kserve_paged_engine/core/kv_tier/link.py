@@ -41,13 +41,13 @@ class TierMoves:
 class TierLink:
     def __init__(self, tier: DiskTier | HostTier, pool: BlockPool, block_size: int,
                  windows: Sequence[int | None] = (None,)) -> None:
-        if list(windows) != [None] or not pool.enable_caching:
-            raise ValueError("the second KV tier needs prefix caching and a model whose "
-                             "layers all attend globally (one KV group, no sliding window)")
+        if list(windows) != [None] or not pool.enable_caching or pool.evicted is None:
+            raise ValueError("the second KV tier needs prefix caching, a pool that records its "
+                             "evictions, and a model whose layers all attend globally (one KV "
+                             "group, no sliding window)")
         self.tier = tier
         self.pool = pool
         self.block_size = block_size
-        pool.evicted = []  # the pool now records what allocations evict
         self._restores: list[tuple[int, bytes]] = []  # (block id, key) allocated this step
         self.swaps = Swapper(tier, block_size)  # preemption by swap (engine/kserve_paged_engine/core/kv_tier/swap.py)
         self._swap_saves: list[tuple[int, bytes]] = []  # (block id, key) of swapped victims
