@@ -18,9 +18,9 @@ from transformers import (  # noqa: E402
     Qwen2Config,
 )
 
-from kserve_paged_engine.model_executor.layers import rope_parameters  # noqa: E402
 from kserve_paged_engine.model_executor.model_loader import load_model  # noqa: E402
 from kserve_paged_engine.model_executor.models import GemmaForCausalLM, LlamaForCausalLM  # noqa: E402
+from kserve_paged_engine.model_executor.rope import rope_parameters  # noqa: E402
 from tests.helpers.tiny_models import (  # noqa: E402
     CONFIGS,
     VOCAB,

@@ -6,12 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kserve_paged_engine.model_executor.layers import (
-    RMSNorm,
-    RotaryEmbedding,
-    SwiGLUMLP,
-    rope_parameters,
-)
+from kserve_paged_engine.model_executor.layers import RMSNorm, SwiGLUMLP
+from kserve_paged_engine.model_executor.rope import RotaryEmbedding, rope_parameters
 from kserve_paged_kernels import cpu_native
 
 

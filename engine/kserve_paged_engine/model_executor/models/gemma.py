@@ -17,18 +17,13 @@ import torch
 from torch import nn
 
 from kserve_paged_engine.model_executor.attention import AttentionMetadata
-from kserve_paged_engine.model_executor.layers import (
-    Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    SwiGLUMLP,
-    rope_parameters,
-)
+from kserve_paged_engine.model_executor.layers import Linear, RMSNorm, SwiGLUMLP
 from kserve_paged_engine.model_executor.models.architectures import architecture_of
 from kserve_paged_engine.model_executor.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
 )
+from kserve_paged_engine.model_executor.rope import RotaryEmbedding, rope_parameters
 from kserve_paged_kernels import cpu_native, fused_ops
 
 

@@ -18,20 +18,18 @@ from torch import nn
 import kserve_paged_kernels as kernels
 from kserve_paged_engine.distributed.ranks import TPRanks
 from kserve_paged_engine.model_executor.attention import Attention, AttentionMetadata
-from kserve_paged_engine.model_executor.layers import (
-    Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    SwiGLUMLP,
-    rope_max_positions,
-    rope_parameters,
-)
+from kserve_paged_engine.model_executor.layers import Linear, RMSNorm, SwiGLUMLP
 from kserve_paged_engine.model_executor.models.architectures import architecture_of, decoder_of
 from kserve_paged_engine.model_executor.models.hf_checkpoint import TransformersCheckpoint
 from kserve_paged_engine.model_executor.models.native_stack import build_native_stack
 from kserve_paged_engine.model_executor.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
+)
+from kserve_paged_engine.model_executor.rope import (
+    RotaryEmbedding,
+    rope_max_positions,
+    rope_parameters,
 )
 from kserve_paged_engine.model_executor.tp_layout import TPLayout
 from kserve_paged_kernels import cpu_native
