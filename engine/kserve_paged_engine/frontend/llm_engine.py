@@ -257,7 +257,8 @@ class LLMEngine(EngineReports):
         self.outputs.track_forks(forked)
         sampled, rejected = self.sampling.accept(step)  # a grammar's refusals dropped
         ends = self.stops.check(out, sampled, step.verified, step.forked)
-        self.sampling.record_verified(step, {rid: len(a.tokens) for rid, a in ends.items()})
+        if step.verified_logprobs:  # speculating requests that asked for logprobs
+            self.sampling.record_verified(step, ends)
         ended = self.scheduler.update_from_output(out, ends, step.forked)
         self.generation_tokens += len(sampled) + sum(map(len, step.verified.values()))
         return self._deliver(failed + self._outputs(step, sampled, rejected, ended))

@@ -24,7 +24,7 @@ import torch
 
 from kserve_paged_engine.core.request import Request
 from kserve_paged_engine.core.scheduler import Scheduler
-from kserve_paged_engine.core.scheduler_output import SchedulerOutput
+from kserve_paged_engine.core.scheduler_output import Appended, SchedulerOutput
 from kserve_paged_engine.frontend.beam_search import BeamSearch, BeamSearches
 from kserve_paged_engine.frontend.forks import Forks
 from kserve_paged_engine.model_executor.host_io import ReadBack, upload
@@ -222,14 +222,14 @@ class SamplingPipeline:
                 {s.request.request_id: list(v.logprobs) for s, v in zip(spec_rows, rows)
                  if v.logprobs})
 
-    def record_verified(self, step: SampledStep, kept: Mapping[str, int]) -> None:
-        """The logprobs of the verified tokens each speculating request keeps (`kept`: how
-        many the stop check let it append), so a run cut at a stop has as many entries as
-        tokens."""
+    def record_verified(self, step: SampledStep, ends: Mapping[str, Appended]) -> None:
+        """The logprobs of the verified tokens each speculating request keeps (as many as the
+        stop check let it append), so a run cut at a stop has as many entries as tokens."""
         for spec in step.spec_rows:
             rid = spec.request.request_id
             entries = step.verified_logprobs.get(rid, [])
-            for entry, chosen in entries[:kept.get(rid, len(entries))]:
+            kept = len(ends[rid].tokens) if rid in ends else len(entries)
+            for entry, chosen in entries[:kept]:
                 self.states.record(spec.request, entry, chosen)
 
     def _fork_samples(self, parent: Request, num_scheduled: int) -> list[Request]:
