@@ -22,7 +22,6 @@ os.environ.setdefault("KSERVE_PAGED_CPU_AUTO_DTYPE", "float32")
 # another instruction-set level (minutes on two cores).
 SLOW_BY_NAME = frozenset({
     "tests/kernels/test_isa.py::test_every_level_compiles_without_warnings_and_says_what_it_holds",
-    "tests/kernels/test_isa.py::test_native_kernel_tests_pass_on_the_avx2_build_too",
 })
 
 

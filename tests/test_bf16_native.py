@@ -3,10 +3,12 @@ its prefill tiles where the head dim takes them, the fused norm, SiLU and KV sto
 same model with the native library off (SDPA and eager bf16 ops), both measured against the
 float32 model: prefill then decode steps over a shuffled paged cache, teacher-forced with the
 float32 model's greedy tokens. The native path must be as close to float32 as the eager bf16
-one (bf16 rounding differs in order, not in size), and both must pick the same greedy tokens."""
+one (bf16 rounding differs in order, not in size), and both must pick the same greedy tokens
+wherever float32's choice is wider than bf16 can blur (`_decided`)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,29 @@ def _error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     return max((a - r).abs().max().item() for a, r in zip(got, ref))
 
 
+def _decided(ref: list[torch.Tensor], tokens: list[list[int]]) -> list[tuple[int, int]]:
+    """The (step, sequence) positions whose float32 greedy token leads the runner-up by more
+    than two bf16 steps at that logit's size. Below that, bf16 logits cannot order the two:
+    on AVX2, ATen's bf16 kernels round the eager path's logits of two tokens 0.2 of a bf16
+    step apart (in float32) to the same value, and argmax's tie-break picks the token, not the
+    model. Greedy agreement is asserted where the model decides; the error bound everywhere."""
+    out = []
+    for step, logits in enumerate(ref):
+        top = logits.float().topk(2, dim=-1).values
+        for row, (first, second) in enumerate(top.tolist()):
+            ulp = 2.0 ** (math.floor(math.log2(abs(first))) - 7) if first else 0.0
+            if first - second > 2 * ulp:
+                out.append((step, row))
+    assert len(out) * 2 >= sum(len(t) for t in tokens), "too few decided positions to compare"
+    return out
+
+
+def _same_where_decided(a: list[list[int]], b: list[list[int]],
+                        decided: list[tuple[int, int]]) -> None:
+    differ = [(s, r, a[s][r], b[s][r]) for s, r in decided if a[s][r] != b[s][r]]
+    assert not differ, f"greedy tokens differ where float32 decides: {differ}"
+
+
 @pytest.mark.parametrize("name", ["llama_gqa_llama3", "llama_hd64_inter100",
                                   "gemma3_window_local_rope"])
 def test_native_bf16_is_as_close_to_fp32_as_eager_bf16(name: str, tmp_path: Path,
@@ -73,7 +98,7 @@ def test_native_bf16_is_as_close_to_fp32_as_eager_bf16(name: str, tmp_path: Path
     model.use_native_stack = False
     eager, eager_tokens = _run(model, torch.bfloat16, tokens)
     assert _error(native, ref) <= 1.25 * _error(eager, ref) + 0.05
-    assert native_tokens == eager_tokens
+    _same_where_decided(native_tokens, eager_tokens, _decided(ref, tokens))
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_llama3", "qwen2_tied", "gemma3_window_local_rope"])
@@ -93,5 +118,5 @@ def test_bf16_projections_on_the_native_gemm_pick_eager_bf16s_tokens(name: str,
     for m in linears:
         m._packed, m._bf16_native = None, False  # forward falls back to F.linear
     plain, plain_tokens = _run(model, torch.bfloat16, tokens)
-    assert packed_tokens == plain_tokens
+    _same_where_decided(packed_tokens, plain_tokens, _decided(ref, tokens))
     assert _error(packed, ref) <= 1.25 * _error(plain, ref) + 0.05

@@ -3,8 +3,12 @@
 product, and a tiny model's logits against a float model that quantizes its activations the
 same way (tight) and against the float model itself (loose).
 
-The choice is made from the CPU's flags; each machine type's flags are stubbed here, so every
-machine exercises every choice, and the oneDNN kernel runs on any x86 CPU (VNNI or not)."""
+The choice is made from the CPU's flags and from oneDNN's own kernel (`kernel_exact`): each
+machine type's flags are stubbed here with the kernel's verdict stubbed too, so every machine
+exercises every choice; what runs for real (the kernel, the served model's logits) is this
+process's path, unstubbed, which the suite's capped lanes (tests/test_capped_lanes.py) also run
+as an AVX2 and an AVX-512 machine. Without VNNI oneDNN's int8 product is not exact, and there
+W8A8 runs weight-only."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from kserve_paged_engine.model_executor.model_loader import load_model
 from kserve_paged_engine.model_executor.quantization import compressed_tensors
 from kserve_paged_engine.model_executor.quantization.layouts import projections
 from kserve_paged_kernels import int8_dynamic, quant_linear
+from kserve_paged_kernels.cpu_native.isa import cpu_flags
 from tests.helpers.compressed_tensors_checkpoints import PROMPT, write
 from tests.helpers.int4_packing import read_checkpoint
 from tests.helpers.tiny_models import CONFIGS, PagedSim, save_checkpoint
@@ -41,30 +46,69 @@ def w8a8_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {s: write(src, tmp_path_factory.mktemp(s), s) for s in ("w8a8", "w8a8_tensor")}
 
 
+def _pick(folder: Path, name: str) -> tuple[str, object, torch.Tensor]:
+    """The served layout of projection `name` and its checkpoint weight (float)."""
+    reader = read_checkpoint(compressed_tensors.CTReader, compressed_tensors.read_config, folder)
+    pick = reader.picker(torch.float32, triton=False)
+    kept = dict(projections(load_model(folder / "float", torch.float32, CPU)[0]))
+    fmt, weight = pick(name, kept[name])
+    return fmt, weight, kept[name].weight
+
+
+QKV = "model.layers.0.self_attn.qkv_proj"
+
+
 @pytest.mark.parametrize("machine", sorted(MACHINES))
 def test_each_machine_type_gets_its_choice(w8a8_folders: dict[str, Path], machine: str,
                                            monkeypatch: pytest.MonkeyPatch,
                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The choice given an exact kernel there (as oneDNN's is on a CPU with VNNI); only the
+    weight-only layout is read back here: the int8 kernel runs on this process's real path."""
     flags, flag = MACHINES[machine]
     assert int8_dynamic.vnni(flags) == flag
     monkeypatch.setattr(compressed_tensors, "cpu_flags", lambda: flags)
-    reader = read_checkpoint(compressed_tensors.CTReader, compressed_tensors.read_config,
-                             w8a8_folders["w8a8"])
+    monkeypatch.setattr(int8_dynamic, "kernel_exact", lambda: True)
     with caplog.at_level(logging.INFO, logger="kserve_paged_engine"):
-        pick = reader.picker(torch.float32, triton=False)
-    layout = quant_linear.Int8Weight if flag is None else int8_dynamic.W8A8Weight
-    kept = dict(projections(load_model(w8a8_folders["w8a8"] / "float", torch.float32, CPU)[0]))
-    name = "model.layers.0.self_attn.qkv_proj"
-    fmt, weight = pick(name, kept[name])
+        fmt, weight, want = _pick(w8a8_folders["w8a8"], QKV)
+    if flag is None:
+        assert isinstance(weight, quant_linear.Int8Weight), fmt
+        torch.testing.assert_close(quant_linear.dequant(weight), want, atol=1e-6, rtol=0)
+        assert "this CPU has no VNNI" in caplog.text
+    else:
+        assert isinstance(weight, int8_dynamic.W8A8Weight), fmt
+        torch.testing.assert_close(weight.scales * 127, want.abs().amax(1), rtol=1e-6, atol=0)
+        assert f"products on this CPU's {flag}" in caplog.text
+
+
+def test_vnni_flags_without_an_exact_kernel_run_weight_only(
+        w8a8_folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A CPU that has VNNI but whose oneDNN runs without it (ONEDNN_MAX_CPU_ISA) is not sent
+    down the int8 path: the flags are not what decides the kernel's numbers."""
+    monkeypatch.setattr(compressed_tensors, "cpu_flags", lambda: MACHINES["ice_lake"][0])
+    monkeypatch.setattr(int8_dynamic, "kernel_exact", lambda: False)
+    with caplog.at_level(logging.INFO, logger="kserve_paged_engine"):
+        fmt, weight, want = _pick(w8a8_folders["w8a8"], QKV)
+    assert isinstance(weight, quant_linear.Int8Weight), fmt
+    torch.testing.assert_close(quant_linear.dequant(weight), want, atol=1e-6, rtol=0)
+    assert "oneDNN's int8 product is not exact on this CPU" in caplog.text
+
+
+def test_this_process_serves_an_exact_path(w8a8_folders: dict[str, Path]) -> None:
+    """Unstubbed: our flag reads and oneDNN agree on VNNI (a whole-process cap caps both), and
+    whichever layout this CPU gets reads back the checkpoint's weight."""
+    assert int8_dynamic.kernel_exact() == (int8_dynamic.vnni(cpu_flags()) is not None)
+    fmt, weight, want = _pick(w8a8_folders["w8a8"], QKV)
+    layout = int8_dynamic.W8A8Weight if int8_dynamic.kernel_exact() else quant_linear.Int8Weight
     assert isinstance(weight, layout), fmt
-    torch.testing.assert_close(quant_linear.dequant(weight), kept[name].weight, atol=1e-6,
-                               rtol=0)
-    said = (f"products on this CPU's {flag}" if flag else "this CPU has no VNNI")
-    assert said in caplog.text
+    torch.testing.assert_close(quant_linear.dequant(weight), want, atol=1e-6, rtol=0)
 
 
 def test_kernel_is_the_int8_product() -> None:
     """Per token and per tensor, odd shapes, a zero row: exact int32 sums scaled in fp32."""
+    if not int8_dynamic.kernel_exact():
+        pytest.skip("oneDNN's int8 product is not exact on this CPU (no VNNI), so W8A8 is "
+                    "not served here: test_this_process_serves_an_exact_path checks that")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(37, 72, generator=g)
     scale = w.abs().amax(1) / 127
@@ -98,18 +142,23 @@ def _fake_quant_inputs(model: torch.nn.Module, per_token: bool) -> None:
 
 @pytest.mark.parametrize("scheme", ["w8a8", "w8a8_tensor"])
 def test_logits_against_float_with_the_same_activation_quantization(
-        w8a8_folders: dict[str, Path], scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compressed_tensors, "cpu_flags", lambda: MACHINES["ice_lake"][0])
+        w8a8_folders: dict[str, Path], scheme: str) -> None:
+    """This process's path: W8A8 against the float model quantizing its activations alike,
+    or (without an exact int8 kernel) weight-only against the float model, tight either way."""
     folder = w8a8_folders[scheme]
     served, _ = load_model(folder, torch.float32, CPU)
-    assert all(isinstance(m.quant, int8_dynamic.W8A8Weight) for _, m in projections(served))
+    w8a8 = int8_dynamic.kernel_exact()
+    layout = int8_dynamic.W8A8Weight if w8a8 else quant_linear.Int8Weight
+    assert all(isinstance(m.quant, layout) for _, m in projections(served))
     plain, _ = load_model(folder / "float", torch.float32, CPU)
     mimic, _ = load_model(folder / "float", torch.float32, CPU)
     _fake_quant_inputs(mimic, per_token=scheme == "w8a8")
     got, want, float_logits = (PagedSim(m, seed=0).step([(0, PROMPT)])
                                for m in (served, mimic, plain))
     # Same quantization: the int32 sums are exact, so only fp32 rounding differs (2e-6 here).
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got, want if w8a8 else float_logits, atol=1e-4, rtol=0)
+    if not w8a8:
+        return
     # Against the float model: the activations' rounding (half a step of max |row| / 127 a
     # value) moves these random logits by 3.5% (per token) and 4.7% (per tensor) of their
     # largest; bound: 6%.

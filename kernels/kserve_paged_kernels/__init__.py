@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kserve_paged_kernels import cpu_cap
+
+cpu_cap.apply()  # `KSERVE_PAGED_ISA` caps oneDNN, ATen and MKL too, before their first use
+
 __all__ = [
     "BACKENDS",
     "AttentionMetadata",

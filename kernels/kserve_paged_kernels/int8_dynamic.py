@@ -7,6 +7,7 @@ dot product does four multiply-adds per 32-bit lane where fp32 does one.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,30 @@ _ONE, _ZERO_POINT = torch.tensor(1.0), torch.tensor(128, dtype=torch.int64)
 def available() -> bool:
     """Whether PyTorch's oneDNN int8 linear is built in (it is in the x86 CPU wheels)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
+
+
+@functools.cache
+def kernel_exact() -> bool:
+    """Whether oneDNN's int8 product is exact on this process's CPU, asked of the kernel itself.
+
+    Why not the flags alone: without VNNI oneDNN multiplies u8 by s8 with `vpmaddubsw`, whose
+    16-bit sums would saturate, so it halves the weights it packs and the product is no longer
+    the int8 one. Which instructions oneDNN uses is its own choice (the CPU, and
+    `ONEDNN_MAX_CPU_ISA`), so the probe runs the kernel on the worst case for that path, the
+    largest codes on both sides, and compares with the exact integer sums (below 2**24: exact
+    in the float32 output)."""
+    if not available():
+        return False
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-127, 128, (16, 64), dtype=torch.int8, generator=g)
+    codes[0], codes[1] = 127, -127
+    x = torch.randint(-127, 128, (4, 64), generator=g).float()
+    x[0] = 127.0
+    weight = pack_w8a8(codes, torch.ones(16), per_token=False)
+    got = torch.ops.onednn.qlinear_pointwise.tensor(
+        (x + 128).to(torch.uint8), _ONE, _ZERO_POINT, weight.packed, weight.scales,
+        weight.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+    return torch.equal(got, x @ codes.float().t())
 
 
 def pack_w8a8(codes: torch.Tensor, scales: torch.Tensor, per_token: bool) -> W8A8Weight:

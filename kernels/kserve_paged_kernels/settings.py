@@ -43,17 +43,22 @@ ATTENTION_BACKEND = EnvVar("KSERVE_PAGED_ATTENTION_BACKEND", "",
 TORCH_DECODE_BUDGET = EnvVar("KSERVE_PAGED_TORCH_DECODE_BUDGET", "2048",
                              "Decode tokens gathered per batch by the PyTorch attention path.")
 ISA = EnvVar("KSERVE_PAGED_ISA", "auto",
-             "Highest instruction-set level the native kernels are built for: auto (the CPU's "
-             "best), avx2, avx512, avx512_bf16 or amx; a cap, so a lower path runs on a higher "
-             "machine.")
+             "Highest instruction-set level the process runs as: auto (the CPU's best), avx2, "
+             "avx512, avx512_bf16 or amx. Caps our native build and our CPU-flag reads, and "
+             "sets oneDNN's, ATen's and MKL's own caps (cpu_cap.py) where they are unset, so "
+             "a higher machine runs as the lower one.")
 CPU_AUTO_DTYPE = EnvVar("KSERVE_PAGED_CPU_AUTO_DTYPE", "",
                         "What --dtype auto means on CPU: empty: by the CPU (bfloat16 with "
                         "native bf16, else float32); float32 or bfloat16 pins it.")
 FAULT_INJECT = EnvVar("KSERVE_PAGED_FAULT_INJECT", "",
                       "TEST ONLY: a control file through which e2e tests make steps fail.")
+MODEL_CONTROL_KEY = EnvVar("KSERVE_PAGED_MODEL_CONTROL_KEY", "",
+                           "The key of KServe's model repository routes, as the server's "
+                           "--model_control_key (kserve_paged/model_control.py); empty: "
+                           "they are off.")
 
 ALL = (CACHE, NATIVE, ONEDNN, TCMALLOC, KV_PREFAULT_MIB, ATTENTION_BACKEND, TORCH_DECODE_BUDGET,
-       ISA, CPU_AUTO_DTYPE, FAULT_INJECT)
+       ISA, CPU_AUTO_DTYPE, FAULT_INJECT, MODEL_CONTROL_KEY)
 
 _OFF = ("0", "false", "no")
 
@@ -100,6 +105,11 @@ def attention_backend() -> str | None:
 
 def torch_decode_budget() -> int:
     return _integer(TORCH_DECODE_BUDGET)
+
+
+def model_control_key() -> str | None:
+    """`$KSERVE_PAGED_MODEL_CONTROL_KEY`, None when unset or empty."""
+    return MODEL_CONTROL_KEY.raw() or None
 
 
 def isa_cap() -> str | None:

@@ -3,17 +3,16 @@
 What holds on every machine: each level's table of needed CPU flags is what gcc's `-march` for
 it enables; each machine type seen chooses its level (CPU flags stubbed, so an AVX2 machine
 checks the AMX choice and the other way round); every level compiles warning-free here, and the
-file says which level it holds (read from its bytes, never run). On a machine with more than
-AVX2, the native kernel tests also run with `KSERVE_PAGED_ISA=avx2`.
+file says which level it holds (read from its bytes, never run). A machine above AVX2 also
+runs the CPU-sensitive tests as each lower level, the whole process capped:
+tests/test_capped_lanes.py.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -134,60 +133,3 @@ def test_the_loaded_library_is_this_machines_level() -> None:
     level = loader.loaded_level()
     assert level == isa.current()
     assert level.needs <= isa.cpu_flags()
-
-
-_NATIVE_TESTS = ("tests/kernels/test_cpu_ops.py", "tests/kernels/test_gemm.py",
-                 "tests/kernels/test_cpu_backend.py", "tests/kernels/test_lora_native.py",
-                 "tests/kernels/test_decoder_stack.py", "tests/kernels/test_paged_bf16.py",
-                 "tests/kernels/test_cpu_ops_bf16.py", "tests/kernels/test_gemma_bf16.py",
-                 "tests/kernels/test_quant_gemm.py",
-                 "tests/kernels/test_gemm_bf16.py", "tests/kernels/test_kv_quant_native.py")
-# What differs by level is the native code (the GEMM, the attention paths, the fused ops, the
-# stack): the CPU backend's torch-only cases (other dtypes, native off) do not change with it,
-# and its decode-rows-only routing covers a subset of the all-rows one; the default run has them.
-_AVX2_SELECTION = "not torch-decode and not native-decode and not bfloat16 and not float16"
-_AVX2_MUST_PASS = (
-    "test_gemm.py::test_gemm_matches_matmul[90-40-11]",
-    "test_gemm.py::test_gemm_silu_and_gelu_match_linear_then_activation[False-True-47-19-33]",
-    "test_gemm.py::test_gemm_silu_and_gelu_match_linear_then_activation[True-True-47-19-33]",  # GELU
-    "test_cpu_backend.py::test_long_prefill_runs_match_reference[16-9x3-128]",
-    "test_cpu_backend.py::test_decode_rows_over_a_shared_prefix_match_reference[0]",
-    "test_decoder_stack.py::test_stack_equals_per_layer_modules_bit_for_bit[llama_hd64_inter100]",
-    "test_decoder_stack.py::test_stack_equals_per_layer_modules_bit_for_bit[mistral_window]",
-    "test_decoder_stack.py::test_stack_equals_per_layer_modules_bit_for_bit[qwen3_qk_norm]",
-    "test_paged_bf16.py::test_bf16_rows_equal_fp32_attention_over_the_same_values[h4x4-d72-bs16]",
-    "test_quant_gemm.py::test_int4_matches_the_dequantized_weight[50-96-32-17]",
-    "test_quant_gemm.py::test_int8_groups_match_the_dequantized_weight[113-160-32-3]",
-    "test_quant_gemm.py::test_int4_with_bf16_rows_within_the_bf16_bound[97-192-64-17]",
-    "test_quant_gemm.py::test_int8_with_bf16_rows_within_the_bf16_bound[40-72-72-8]",
-    "test_gemm_bf16.py::test_gemm_bf16_is_the_fp32_product_rounded_once[97-160-13]",
-    "test_gemma_bf16.py::test_gelu_mul_bf16_takes_every_bf16_gate",
-    "test_gemma_bf16.py::test_gemma_norm_bf16_is_eager_bf16[residual-7-100]",
-    "test_kv_quant_native.py::test_one_key_reads_back_its_value_exactly_for_every_code[fp8_e4m3-40]",
-    "test_kv_quant_native.py::test_native_attention_equals_dequantize_then_attend[mixed_bs16_d64-int8]",
-    "test_kv_quant_native.py::test_decoder_stack_over_codes_equals_per_layer_modules_bit_for_bit"
-    "[mistral_window-fp8_e5m2]",
-)
-
-
-@pytest.mark.skipif(len(isa.available()) < 2,
-                    reason="this CPU's best level is AVX2 already: the suite ran the AVX2 build")
-def test_native_kernel_tests_pass_on_the_avx2_build_too(tmp_path: Path) -> None:
-    """The lower level's code on this higher machine, in a child process (the library is
-    loaded once per process): the GEMM, the stack, the attention tiles and the fused ops."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "KSERVE_PAGED_ISA": "avx2"}
-    check = subprocess.run(
-        [sys.executable, "-c", "from kserve_paged_kernels.cpu_native import loader; "
-         "assert loader.load() is not None; print(loader.loaded_level().name)"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert check.stdout.strip() == "avx2", check.stderr[-2000:]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-v", "-x", "-p", "no:randomly", "-p", "no:cacheprovider",
-         "-k", _AVX2_SELECTION, *_NATIVE_TESTS], cwd=root, env=env, capture_output=True,
-        text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    # The level's own paths ran and passed there, none skipped.
-    assert " SKIPPED" not in proc.stdout, proc.stdout[-4000:]
-    for test in _AVX2_MUST_PASS:
-        assert f"{test} PASSED" in proc.stdout, test

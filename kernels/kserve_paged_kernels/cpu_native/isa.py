@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from kserve_paged_kernels import settings
+from kserve_paged_kernels import cpu_cap, settings
 
 logger = logging.getLogger("kserve_paged_kernels")
 
@@ -67,6 +67,20 @@ def bf16_dot(level: IsaLevel) -> bool:
 
 
 def cpu_flags() -> frozenset[str]:
+    """The CPU's flags as every choice of ours reads them: the machine's (`machine_flags`)
+    under `KSERVE_PAGED_ISA`'s cap, so a capped process chooses W8A8, bf16 and AMX paths as
+    the lesser CPU would (oneDNN and ATen are capped alike: cpu_cap.py)."""
+    flags, cap = machine_flags(), settings.isa_cap()
+    if cap is None:
+        return flags
+    if cap not in BY_NAME:
+        raise ValueError(f"{settings.ISA.name}={cap!r} is not one of "
+                         f"{', '.join(['auto', *BY_NAME])}")
+    allowed = frozenset().union(*(lv.needs for lv in LEVELS[:LEVELS.index(BY_NAME[cap]) + 1]))
+    return cpu_cap.capped_flags(flags, allowed)
+
+
+def machine_flags() -> frozenset[str]:
     """The `flags` line of /proc/cpuinfo; empty where there is none (not Linux on x86)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -98,8 +112,8 @@ def missing(level: IsaLevel, flags: frozenset[str]) -> list[str]:
 
 
 def available(flags: frozenset[str] | None = None) -> list[IsaLevel]:
-    """Every level this CPU can run, lowest first."""
-    flags = cpu_flags() if flags is None else flags
+    """Every level this machine can run (whatever the cap), lowest first."""
+    flags = machine_flags() if flags is None else flags
     return [level for level in LEVELS if level.needs <= flags]
 
 

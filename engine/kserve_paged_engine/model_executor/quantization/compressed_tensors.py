@@ -10,8 +10,10 @@ each quantized projection's tensors read by shape and dtype, served in the neare
 
 A W8A8 checkpoint whose `input_activations` are dynamic symmetric int8, per token or per
 tensor, runs as vLLM runs it, activations quantized at each call (`W8A8Weight`,
-kernels/kserve_paged_kernels/int8_dynamic.py), on a CPU with VNNI (avx512_vnni or avx_vnni), where an int8 product
-has an instruction of its own; elsewhere, on CUDA, and for other activation schemes (static,
+kernels/kserve_paged_kernels/int8_dynamic.py), on a CPU with VNNI (avx512_vnni or avx_vnni),
+where an int8 product has an instruction of its own and oneDNN's product is exact
+(`int8_dynamic.kernel_exact`, asked of the kernel: a cap on oneDNN's ISA removes its VNNI path
+even where the CPU has one). Elsewhere, on CUDA, and for other activation schemes (static,
 asymmetric) the activations stay float and the int8 weights run weight-only. The start-up log
 says which, and why.
 """
@@ -196,13 +198,15 @@ class CTReader:
         strategy = self.scheme.dynamic_int8
         flag = (None if cuda or strategy is None or not int8_dynamic.available()
                 else int8_dynamic.vnni(cpu_flags()))
-        if flag is not None:
+        if flag is not None and int8_dynamic.kernel_exact():
             logger.info("%s W8A8: activations quantized to int8 per %s at each call (dynamic, "
                         "symmetric), int8 x int8 products on this CPU's %s (oneDNN qlinear)",
                         METHOD, strategy, flag)
             return strategy
         why = ("on CUDA" if cuda else "only dynamic symmetric int8 per token or tensor is run"
-               if strategy is None else "this CPU has no VNNI (avx512_vnni or avx_vnni)")
+               if strategy is None else "this CPU has no VNNI (avx512_vnni or avx_vnni)"
+               if flag is None else "oneDNN's int8 product is not exact on this CPU (without "
+               "VNNI it halves the weights; ONEDNN_MAX_CPU_ISA may cap it there)")
         logger.info("%s checkpoint quantizes activations (%s): they stay float here (%s), "
                     "the int8 weights run weight-only", METHOD, said, why)
         return None
