@@ -47,6 +47,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def sizes(dry_run: bool, contexts: str | None) -> tuple[int, tuple[int, ...], tuple[int, ...],
+                                                        tuple[int, int, int, int]]:
+    """(copy bytes, batches, contexts, (heads, kv heads, head dim, block size)): the 8B layer
+    on the GPU, a tiny one in the dry run; `--contexts` replaces the contexts only."""
+    if dry_run:
+        copy_bytes, batches, chosen, shape = 64 << 20, (1, 2), (48, 100), (4, 2, 64, 16)
+    else:
+        copy_bytes, batches, chosen = 4 << 30, BATCHES, CONTEXTS
+        shape = (HEADS, KV_HEADS, HEAD_DIM, BLOCK)
+    if contexts:
+        chosen = tuple(int(c) for c in contexts.split(","))
+    return copy_bytes, batches, chosen, shape
+
+
 def make_timer(device: str) -> Callable[[Callable[[], object]], float]:
     """Milliseconds per call: do_bench on CUDA, a median wall clock on CPU."""
     if device == "cuda":
@@ -172,14 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# kernels GPU check ({'dry run, ' if args.dry_run else ''}{device})", flush=True)
 
     timer = make_timer(device)
-    if args.dry_run:
-        copy_bytes, batches, contexts = 64 << 20, (1, 2), (48, 100)
-        shape = (4, 2, 64, 16)
-    else:
-        copy_bytes, batches, contexts = 4 << 30, BATCHES, CONTEXTS
-    if args.contexts:
-        contexts = tuple(int(c) for c in args.contexts.split(","))
-        shape = (HEADS, KV_HEADS, HEAD_DIM, BLOCK)
+    copy_bytes, batches, contexts, shape = sizes(args.dry_run, args.contexts)
     copy_gbs = copy_bandwidth(device, timer, copy_bytes)
     result["copy_GBs"] = round(copy_gbs, 1)
     print(f"copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)
