@@ -10,8 +10,9 @@ word-level tokenizer built with `tokenizers` at run time; the weights are drawn 
 prefilled, then `steps` decode steps are timed one by one with `torch.cuda.synchronize()`
 before and after `engine.step()`, eagerly (`enforce_eager`) and with graphs. The floor of a
 step is (weight bytes + the K/V bytes its rows read) / the measured device-to-device copy
-bandwidth. `--tiny` (and any run without CUDA, Triton interpreted, eager only) uses a tiny
-shape. The last stdout line is JSON.
+bandwidth. The KV cache holds the largest batch's requests at their longest (no step
+preempts; `engine_kwargs`). `--tiny` (and any run without CUDA, Triton interpreted, eager only)
+uses a tiny shape. The last stdout line is JSON.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
 SHAPES = {"llama3-8b": LLAMA3_8B, "smollm2": SMOLLM2_135M}
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=97, max_position_embeddings=128)
+BLOCK_SIZE = 16
+SPARE_TOKENS = 2  # generated past the timed steps: no request finishes inside them
 
 
 def model_folder(shape: dict, dest: Path) -> Path:
@@ -87,7 +90,7 @@ def time_batch(llm: Any, batch: int, prompt: int, steps: int, device: str) -> di
     from kserve_paged_engine import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + SPARE_TOKENS, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": [2 + (i + j) % 90
                                                                   for j in range(prompt)]},
@@ -105,7 +108,8 @@ def time_batch(llm: Any, batch: int, prompt: int, steps: int, device: str) -> di
     while engine.has_unfinished_requests():
         engine.step()
     return {"batch": batch, "median_ms": statistics.median(times) * 1e3,
-            "context_tokens": batch * (prompt + steps // 2)}
+            "context_tokens": batch * (prompt + steps // 2),
+            "preemptions": engine.scheduler.num_preemptions}  # so far in this run: 0
 
 
 def floor_ms(model: Any, context_tokens: int, gbs: float) -> float:
@@ -113,6 +117,32 @@ def floor_ms(model: Any, context_tokens: int, gbs: float) -> float:
     per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * next(
         model.parameters()).element_size()
     return (weights + context_tokens * per_token) / (gbs * 1e9) * 1e3
+
+
+def engine_kwargs(batches: list[int], prompt: int, steps: int, device: str,
+                  graphs: bool) -> dict[str, Any]:
+    """The LLM's settings for a run. The KV cache is sized to hold the largest batch's
+    requests at their longest (every one of `max_model_len` tokens, in whole blocks), so no
+    step preempts; a number of blocks, not bytes, so the eager run's free memory does not
+    size the graphs' run either."""
+    max_model_len = prompt + steps + 8
+    blocks_per_request = -(-max_model_len // BLOCK_SIZE)
+    return dict(load_format="dummy", device=device,
+                dtype="bfloat16" if device == "cuda" else "float32",
+                enforce_eager=not graphs, max_num_seqs=max(batches),
+                max_model_len=max_model_len, enable_prefix_caching=False,
+                max_num_batched_tokens=max(2048, prompt), block_size=BLOCK_SIZE,
+                num_kv_blocks=max(batches) * blocks_per_request)
+
+
+def kv_cache_bytes(shape: dict, kwargs: dict[str, Any]) -> int:
+    """What the run's KV cache takes, from the model's facts (reported with the run)."""
+    from kserve_paged_engine.core.kv_sizing import kv_bytes_per_block
+
+    dtype_bytes = 2 if kwargs["dtype"] == "bfloat16" else 4
+    per_block = kv_bytes_per_block(shape["num_hidden_layers"], shape["num_key_value_heads"],
+                                   shape["head_dim"], kwargs["block_size"], dtype_bytes)
+    return kwargs["num_kv_blocks"] * per_block
 
 
 def run(tiny: bool, batches: list[int], shape_name: str = "llama3-8b") -> dict:
@@ -129,13 +159,9 @@ def run(tiny: bool, batches: list[int], shape_name: str = "llama3-8b") -> dict:
         folder = model_folder(shape, Path(tmp) / "model")
         for graphs in ([False, True] if device == "cuda" else [False]):
             t0 = time.perf_counter()
-            llm = LLM(model=str(folder), load_format="dummy", device=device,
-                      dtype="bfloat16" if device == "cuda" else "float32",
-                      enforce_eager=not graphs, max_num_seqs=max(batches),
-                      max_model_len=prompt + steps + 8, enable_prefix_caching=False,
-                      max_num_batched_tokens=max(2048, prompt), block_size=16,
-                      # A fixed budget: the eager run's memory must not size the graphs' run.
-                      kv_cache_memory=(16 << 30) if device == "cuda" else (16 << 20))
+            kwargs = engine_kwargs(batches, prompt, steps, device, graphs)
+            out["kv_cache_gib"] = kv_cache_bytes(shape, kwargs) / 2**30
+            llm = LLM(model=str(folder), **kwargs)
             ready = time.perf_counter() - t0
             rows = []
             for b in batches:

@@ -14,7 +14,9 @@ first's is recorded (greedy over the same weights: they should). transformers `g
 (left-padded static batches of 16, bench/peers/hf_offline.py) runs W1 once on the same model
 shape for the ratio. `--tiny` (and any run without CUDA: Triton interpreted, float32) uses the
 tiny shape (with W1's vocabulary), W1's first 3 requests cut to 16 prompt
-tokens and 6 output tokens each. The last stdout line is JSON.
+tokens and 6 output tokens each. The last stdout line is JSON; with the peer, the engine's
+figures are printed as a JSON line (`"partial"`) before the peer starts, so a peer killed at a
+time limit leaves them as the last line.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +104,17 @@ def run_peer(folder: Path, reqs: list[dict], device: str, dtype: str) -> dict[st
     return {**res, "output_tokens": asked, "output_tok_s": asked / res["seconds"]}
 
 
+def emit(result: dict[str, Any]) -> None:
+    """One JSON line on stdout, flushed at once (a later kill must not lose it)."""
+    print(json.dumps(result), flush=True)
+
+
 def run(tiny: bool, peer: bool, num_prompts: int | None = None,
-        max_tokens: int | None = None) -> dict[str, Any]:
+        max_tokens: int | None = None,
+        partial: Callable[[dict[str, Any]], None] = emit) -> dict[str, Any]:
+    """W1 through the engine, then the peer. The engine's figures go to `partial` before the
+    peer starts, so a peer that overruns its time (and is killed) or fails loses only its
+    own; a peer's exception is recorded, not raised."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tiny = tiny or device == "cpu"
     shape = TINY_W1 if tiny else LLAMA3_8B
@@ -118,13 +130,18 @@ def run(tiny: bool, peer: bool, num_prompts: int | None = None,
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(shape, Path(tmp) / "model")
         out["engine"] = run_engine(folder, reqs, device, dtype)
+        out["ok"] = out["engine"]["complete"]
         _release(device)
         if peer:
-            out["transformers"] = run_peer(folder, reqs, device, dtype)
+            partial({**out, "partial": "the transformers peer runs next"})
+            try:
+                out["transformers"] = run_peer(folder, reqs, device, dtype)
+            except Exception as exc:  # noqa: BLE001 - the engine's figures stand without it
+                out["transformers"] = {"error": f"{type(exc).__name__}: {exc}"}
+            else:
+                out["ratio"] = (out["engine"]["passes"][1]["output_tok_s"]
+                                / out["transformers"]["output_tok_s"])
             _release(device)
-            out["ratio"] = (out["engine"]["passes"][1]["output_tok_s"]
-                            / out["transformers"]["output_tok_s"])
-    out["ok"] = out["engine"]["complete"]
     return out
 
 
@@ -134,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peer", action="store_true", help="no transformers run")
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=None)
-    parser.add_argument("--json", action="store_true", help="only the JSON line on stdout")
+    parser.add_argument("--json", action="store_true", help="only JSON lines on stdout (the last: the result)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():  # before anything imports Triton
         os.environ["TRITON_INTERPRET"] = "1"
@@ -144,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         eng = result["engine"]
         for i, p in enumerate(eng["passes"], 1):
             print(f"engine pass {i}: {p['output_tok_s']:.1f} out tok/s in {p['seconds']} s")
-        if "transformers" in result:
+        if "ratio" in result:
             print(f"transformers: {result['transformers']['output_tok_s']:.1f} out tok/s; "
                   f"ratio {result['ratio']:.2f}")
+        elif "transformers" in result:
+            print(f"transformers failed: {result['transformers']['error']}")
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 

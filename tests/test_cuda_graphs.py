@@ -129,3 +129,25 @@ def test_replayed_decode_gives_the_eager_tokens(tmp_path: Path, max_num_seqs: in
     assert got == eager
     # Decode steps: 3 rows (size 4) twice, then 2 rows, then 1 row twice (6 - 3 - 1 = 2).
     assert graphs.used == {4: 2, 2: 3, 1: 2} and stand_in.replays == 7
+
+
+def test_moe_decode_is_captured_only_where_its_routing_reads_nothing_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Mixtral on the grouped torch path (here, CPU: each expert's count read on the host) is
+    declined before any capture; with the fused kernel's device-side routing it is captured
+    (its forward stood in for by the reference, which takes the same arguments)."""
+    from kserve_paged_engine import LLM
+    from kserve_paged_engine.model_executor.models import moe
+    from kserve_paged_kernels.reference import fused_moe_ref
+    from tests.helpers.tiny_models import CONFIGS, save_checkpoint, save_tokenizer
+
+    path, _ = save_checkpoint(CONFIGS["mixtral_4x_top2"], tmp_path)
+    save_tokenizer(path)
+    kw = dict(model=str(path), block_size=4, num_kv_blocks=32, max_model_len=32, max_num_seqs=4)
+    stand_in = RecordReplay()
+    why = LLM(**kw).engine.runner.capture_graphs(4, stand_in)
+    assert why is not None and "MoE" in why and stand_in.captured == []
+    monkeypatch.setattr(moe, "_fused_moe_kernel", lambda device: fused_moe_ref)
+    llm = LLM(**kw)
+    assert llm.engine.runner.capture_graphs(4, stand_in) is None
+    assert len(stand_in.captured) == len(capture_sizes(4))

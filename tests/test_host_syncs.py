@@ -79,3 +79,68 @@ def test_full_sort_draws_the_ladders_tokens() -> None:
             got.append(Sampler(0, ladder=ladder).sample(logits, params, gens, [5] * 6,
                                                         [None] * 6).tolist())
     assert got[0] == got[1] == got[2] == got[3]
+
+
+# Reads made inside torch's C++, each as a project file would make it (compiled under a file name
+# in engine/, which is what the counter attributes by): no Python method is called for them.
+CPP_READS = {
+    "bincount": "torch.bincount(ids, minlength=4)",  # what the fused MoE's routing once did
+    "nonzero": "ids.nonzero()",
+    "index[bool mask]": "ids[ids > 1]",
+    "repeat_interleave(tensor repeats)": "torch.repeat_interleave(torch.arange(4), ids)",
+    "item": "ids.narrow(0, torch.tensor(1), 2)",  # a tensor start: .item() in C++
+    "unique": "torch.unique(ids)",
+    "masked_select": "ids.masked_select(ids > 0)",
+    "equal": "torch.equal(ids, ids)",
+}
+NO_READ = [
+    "torch.zeros(4, dtype=torch.long).scatter_add_(0, ids, torch.ones_like(ids))",
+    "torch.repeat_interleave(torch.arange(4), ids, output_size=5)",
+    "ids[torch.tensor([0, 2])]",  # integer indices: a gather, no read
+    "torch.where(ids > 0, ids, -1)",
+]
+
+
+def _as_project_code(src: str) -> None:
+    from tests.helpers.host_reads import ROOT
+
+    code = compile(src, str(ROOT / "engine/kserve_paged_engine/_probe.py"), "eval")
+    eval(code, {"torch": torch, "ids": torch.tensor([1, 0, 2, 2])})
+
+
+@pytest.mark.parametrize("name", sorted(CPP_READS))
+def test_the_counter_sees_reads_made_inside_torch(name: str) -> None:
+    with host_reads() as reads:
+        _as_project_code(CPP_READS[name])
+        _as_project_code(CPP_READS[name].replace("ids", "ids.clone()"))
+    assert reads.sites == {f"engine/kserve_paged_engine/_probe.py:1 {name}": 2}
+
+
+def test_the_counter_leaves_device_side_ops_and_torchs_own_reads_alone() -> None:
+    with host_reads() as reads:
+        for src in NO_READ:
+            _as_project_code(src)
+        torch.bincount(torch.tensor([1, 0, 2]))  # this test's own op: not counted
+        assert bool(torch.ones(1)) and torch.ones(1).item() == 1.0
+    assert reads.sites == {}
+
+
+def test_a_python_read_is_counted_once() -> None:
+    """`.item()` / `bool()` from a project file: the patched method counts it, not also the
+    `_local_scalar_dense` it dispatches."""
+    with host_reads() as reads:
+        _as_project_code("torch.ones(1).item() + bool(torch.ones(1))")
+    assert reads.sites == {"engine/kserve_paged_engine/_probe.py:1 item": 1,
+                           "engine/kserve_paged_engine/_probe.py:1 bool": 1}
+
+
+def test_mean_pooling_a_step_reads_nothing_back() -> None:
+    """The step's rows to their chunks' segment ids: `repeat_interleave` told its output's
+    length (the rows), so it does not read the lengths back (only their upload is seen)."""
+    from kserve_paged_engine.model_executor.pooler import chunk_parts
+
+    hidden = torch.randn(7, 4)
+    with host_reads() as reads:
+        out = chunk_parts("mean", hidden, [3, 4])
+    torch.testing.assert_close(out, torch.stack([hidden[:3].sum(0), hidden[3:].sum(0)]))
+    assert {site.split(" ", 1)[1] for site in reads.sites} == {"tensor(list, device=)"}

@@ -18,6 +18,10 @@ Codes are bytes: int8 rounds to nearest even (the 1.5 * 2^23 trick: exact for |x
 fp8 (e4m3fn, e5m2) is encoded by its bits, rounding to nearest even as torch's cast and
 clamped to the format's range first, and widened exactly (an e5m2 byte is the top of an IEEE
 half; an e4m3 byte shifted into a half is its value times 2^-8).
+
+Bit for bit with torch on a GPU too: the divisions are `tl.math.div_rn` (a plain `/` is an
+approximate division on CUDA) and the launch turns FMA contraction off, as torch rounds each
+product (tests/kernels/test_gpu_arithmetic.py).
 """
 
 from __future__ import annotations
@@ -92,20 +96,21 @@ def _store_half(x_ptr, stride_xt, stride_xh, code_ptr, scale_ptr, slot_ptr, t, n
         rmask = hmask[:, None] & (d < tl.where(here, head_dim, 0))  # the row's, or nothing
         x = tl.load(x_ptr + r * stride_xt + h[:, None] * stride_xh + d, mask=rmask,
                     other=0.0).to(tl.float32)
-        need = tl.maximum(need, tl.max(tl.abs(x), axis=1) / QMAX)
+        need = tl.maximum(need, tl.math.div_rn(tl.max(tl.abs(x), axis=1), QMAX))
         fresh = fresh | (here & (slot % BLOCK_SIZE == 0)).to(tl.int32)
     old = tl.load(scale_ptr + blk * num_kv_heads + h, mask=hmask, other=0.0)
     old = tl.where(fresh > 0, 0.0, old)
     new = tl.maximum(old, need)
     grow = (new > old) & (old > 0)
-    ratio = tl.where(grow, old / tl.where(grow, new, 1.0), 1.0)
+    ratio = tl.where(grow, tl.math.div_rn(old, tl.where(grow, new, 1.0)), 1.0)
     gmask = (d < head_dim) & (h[:, None] < tl.where(grow, num_kv_heads, 0)[:, None])
     for s in range(BLOCK_SIZE):  # requantize the heads that grew
         ptr = code_ptr + blk * stride_cblk + s * stride_coff + h[:, None] * stride_ch + d
         c = tl.load(ptr, mask=gmask, other=0)
         tl.store(ptr, _encode(_decode(c, FMT) * ratio[:, None], FMT, QMAX), mask=gmask)
     tl.store(scale_ptr + blk * num_kv_heads + h, new, mask=hmask)
-    inv = tl.where(new > 0, 1.0 / tl.maximum(new, 1e-30), 0.0)
+    inv = tl.where(new > 0, tl.math.div_rn(tl.full(new.shape, 1.0, tl.float32),
+                                           tl.maximum(new, 1e-30)), 0.0)
     for i in range(BLOCK_SIZE):
         r = t + i
         slot = tl.load(slot_ptr + tl.minimum(r, num_tokens - 1)).to(tl.int64)  # r past: `here` 0
@@ -156,4 +161,4 @@ def store_kv_quant_triton(key: torch.Tensor, value: torch.Tensor, kv: QuantKV,
         codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3), scales.stride(0),
         num_kv_heads, head_dim, BLOCK_SIZE=codes.shape[2],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        FMT=_FMT[kv.dtype], QMAX=QMAX[kv.dtype])
+        FMT=_FMT[kv.dtype], QMAX=QMAX[kv.dtype], enable_fp_fusion=False)

@@ -106,20 +106,26 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int,
     Returns `sorted_pairs [max_blocks * block_m]` (pair ids, `T * k` for padding) and
     `block_expert [max_blocks]` (the expert of each block, -1 for unused blocks), where
     `max_blocks = cdiv(T * k + E * (block_m - 1), block_m)` bounds the padded total without a
-    host sync. Tensor ops only: the same code runs on CPU and CUDA."""
+    host sync. Tensor ops of static shapes only, none that reads a value back to the host (so
+    a decode step with MoE layers can be captured in a CUDA graph); the same code runs on CPU
+    and CUDA."""
     flat = topk_ids.flatten().long()
     num_pairs, device = flat.numel(), flat.device
     max_blocks = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # A scatter into a fixed-size tensor, not torch.bincount: bincount reads its range back to
+    # the host on CUDA (a sync per layer, and illegal inside a CUDA-graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded
     order = torch.argsort(flat, stable=True)  # pair ids grouped by expert
-    expert_of = flat[order]
-    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[expert_of]
+    expert_of = flat.index_select(0, order)
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts).index_select(
+        0, expert_of)
     sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int64,
                               device=device)
-    sorted_pairs[padded_start[expert_of] + rank] = order
+    sorted_pairs.scatter_(0, padded_start.index_select(0, expert_of) + rank, order)
     block_start = torch.arange(max_blocks, device=device) * block_m
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1)

@@ -9,7 +9,8 @@ heads and the v heads into the cache (`[2, num_blocks, block_size, kv_heads, hea
 `kernels/kserve_paged_kernels/triton_backend.py`'s layout), so k and v are never read again before attention.
 Slots < 0 (padding rows) are rotated but not stored. Each product and the sum are rounded to
 the rows' dtype as torch's elementwise ops round them (`kserve_paged_kernels.reference.rope_ref`), so bf16
-results match the eager path. The token count is the grid and positions come from a tensor:
+results match the eager path; the launch turns FMA contraction off, so on a GPU a float32
+product is not fused into the sum either (bit-exact: tests/kernels/test_gpu_arithmetic.py). The token count is the grid and positions come from a tensor:
 no per-step integer reaches the kernel, so each model compiles one variant per dtype.
 Positions must lie inside the cos/sin table (the engine caps them at max_model_len).
 """
@@ -113,4 +114,5 @@ def rope_store_triton(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
         BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=cache.shape[2] if store else 1, STORE=store,
-        num_warps=4 if (num_heads + num_kv_heads) * head_dim <= 4096 else 8)
+        num_warps=4 if (num_heads + num_kv_heads) * head_dim <= 4096 else 8,
+        enable_fp_fusion=False)  # torch rounds each product: no FMA (bit-exact)

@@ -21,6 +21,9 @@ merges them. Rule (`choose_num_splits`): with P = grid programs x KV heads, spli
 P < 2 x SM count and the longest context >= 2 x SPLIT_MIN_KEYS (256 keys); then
 num_splits = min(ceil(2 x SMs / P), ceil(max_seq_len / SPLIT_MIN_KEYS), 32).
 `max_seq_len` defaults to `block_tables.shape[1] * block_size` (an upper bound, no sync).
+The split count is a runtime argument of both kernels (not specialized), and only whether the
+keys are split at all is a constexpr: every count from 2 to 32 runs the same compiled variants,
+so the warm-up's one split launch covers them all and no step compiles after it.
 """
 
 from __future__ import annotations
@@ -84,17 +87,18 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
         BLOCK_D=triton.next_power_of_2(head_dim))
 
 
-# The sequence count and the block table's row stride (its widest row this step) change every
-# step: unspecialized, so a step never waits for a new variant (1 and multiples of 16 would be).
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+# The sequence count, the block table's row stride (its widest row this step) and the split
+# count change every step: unspecialized, so a step never waits for a new variant (1 and
+# multiples of 16 would be). Whether the keys are split at all is the one constexpr (SPLIT).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
 def _paged_attn_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr, kvs_ptr,
-    scale_log2e, num_seqs, head_dim, window, softcap,
+    scale_log2e, num_seqs, num_splits, head_dim, window, softcap,
     stride_qt, stride_qh, stride_ckv, stride_cblk, stride_coff, stride_ch, stride_bt,
     stride_btc, stride_ot, stride_oh, num_heads, stride_skv, stride_sblk,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, F32_DOT: tl.constexpr, USE_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr, F32_DOT: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -129,20 +133,20 @@ def _paged_attn_kernel(
                 + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     # Keys this tile of rows can see: 0 (or, with a window, the first row's window start) ..
-    # prefix + last token; cut into NUM_SPLITS parts.
+    # prefix + last token; cut into num_splits parts.
     kv_end = prefix + tl.minimum(first_tok + BLOCK_Q, q_len)
     if not CAUSAL:  # bidirectional (encoders): every row sees its sequence's whole context
         kv_end = seq_len
     kv_begin = 0
     if USE_WINDOW:
         kv_begin = tl.maximum(prefix + first_tok - window + 1, 0)
-    if NUM_SPLITS == 1:
-        kv_lo = kv_begin
-        kv_hi = kv_end
-    else:
-        per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, num_splits), BLOCK_N) * BLOCK_N
         kv_lo = kv_begin + split * per_split
         kv_hi = tl.minimum(kv_lo + per_split, kv_end)
+    else:
+        kv_lo = kv_begin
+        kv_hi = kv_end
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -193,29 +197,29 @@ def _paged_attn_kernel(
         m_i = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh
                  + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # part: [num_tokens, num_heads, NUM_SPLITS, BLOCK_D]; ml: [num_tokens, num_heads,
-        # NUM_SPLITS, 2] (running max in log2 units, sum), both fp32 and contiguous.
-        hs = (q_rows * num_heads + head) * NUM_SPLITS + split
+        # part: [num_tokens, num_heads, num_splits, BLOCK_D]; ml: [num_tokens, num_heads,
+        # num_splits, 2] (running max in log2 units, sum), both fp32 and contiguous.
+        hs = (q_rows * num_heads + head) * num_splits + split
         tl.store(part_ptr + hs[:, None] * BLOCK_D + offs_d[None, :], acc, mask=out_mask)
         tl.store(ml_ptr + hs * 2, m_i, mask=row_ok)
         tl.store(ml_ptr + hs * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one variant for every split count
 def _merge_splits_kernel(part_ptr, ml_ptr, out_ptr, num_heads, head_dim, stride_ot, stride_oh,
-                         NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
-    """Combine the split partials of one (token, head): rescale to the common max, sum."""
+                         num_splits, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Combine the split partials of one (token, head): rescale to the common max, sum.
+    SPLITS_P2 (a power of two >= num_splits) is the same for every launch (MAX_SPLITS')."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     sp = tl.arange(0, SPLITS_P2)
-    sp_ok = sp < NUM_SPLITS
-    base = (tok * num_heads + head) * NUM_SPLITS
+    sp_ok = sp < num_splits
+    base = (tok * num_heads + head) * num_splits
     m = tl.load(ml_ptr + (base + sp) * 2, mask=sp_ok, other=float("-inf"))
     ll = tl.load(ml_ptr + (base + sp) * 2 + 1, mask=sp_ok, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -326,30 +330,31 @@ def paged_attention_triton(
                                            _num_sms(query.device.index or 0))
         else:
             num_splits = 1
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     if num_splits > 1:
         part = torch.empty(num_tokens, num_heads, num_splits, block_d, dtype=torch.float32,
                            device=query.device)
         ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32,
                          device=query.device)
-        ml[..., 0] = float("-inf")
-        ml[..., 1] = 0.0
+        ml.select(-1, 0).fill_(float("-inf"))
+        ml.select(-1, 1).zero_()
     else:
         part = ml = out  # unused placeholders
     _paged_attn_kernel[(grid_m, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, part, ml,
         kv_scales if quant else out,
-        scale * _LOG2E, num_seqs, head_dim, window or 0, float(softcap or 1.0),
+        scale * _LOG2E, num_seqs, num_splits, head_dim, window or 0, float(softcap or 1.0),
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1), num_heads,
         kv_scales.stride(0) if quant else 0, kv_scales.stride(1) if quant else 0,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        BLOCK_D=block_d, NUM_SPLITS=num_splits, F32_DOT=_f32_dot(query.dtype),
+        BLOCK_D=block_d, SPLIT=num_splits > 1, F32_DOT=_f32_dot(query.dtype),
         USE_WINDOW=bool(window), USE_SOFTCAP=bool(softcap), CAUSAL=causal, KV_QUANT=quant,
         num_warps=num_warps)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part, ml, out, num_heads, head_dim, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d)
+            part, ml, out, num_heads, head_dim, out.stride(0), out.stride(1), num_splits,
+            SPLITS_P2=triton.next_power_of_2(MAX_SPLITS), BLOCK_D=block_d)
     return out

@@ -70,12 +70,12 @@ def _attention(case: str) -> list[int]:
     sig = {"q_ptr": f"*{dtype}", "cache_ptr": f"*{codes or dtype}", "bt_ptr": "*i32",
            "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "out_ptr": f"*{dtype}",
            "part_ptr": "*fp32", "ml_ptr": "*fp32", "kvs_ptr": "*fp32", "scale_log2e": "fp32",
-           "num_seqs": "i32",
+           "num_seqs": "i32", "num_splits": "i32",
            "head_dim": "i32", "window": "i32", "softcap": "fp32",
            **dict.fromkeys(ATTN_INTS, "i32")}
     consts: dict[str, object] = {
         "GROUP": group, "BLOCK_SIZE": 16, "BLOCK_M": block_m, "BLOCK_Q": max(1, block_m // group),
-        "BLOCK_N": block_n, "BLOCK_D": block_d, "NUM_SPLITS": splits, "F32_DOT": f32,
+        "BLOCK_N": block_n, "BLOCK_D": block_d, "SPLIT": splits > 1, "F32_DOT": f32,
         "USE_WINDOW": window, "USE_SOFTCAP": softcap,
         "CAUSAL": not case.endswith("-bidirectional"), "KV_QUANT": codes is not None}
     if one_seq:
@@ -84,6 +84,8 @@ def _attention(case: str) -> list[int]:
 
 
 def _store_merge() -> list[int]:
+    import triton
+
     import kserve_paged_kernels.triton_backend as tb
 
     sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*bf16", "slot_ptr": "*i64",
@@ -92,9 +94,9 @@ def _store_merge() -> list[int]:
                             "head_dim"], "i32")}
     store = _compile(tb._store_kv_kernel, sig, {"BLOCK_SIZE": 16, "BLOCK_H": 1, "BLOCK_D": 128})
     sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "num_heads": "i32",
-           "head_dim": "i32", "stride_ot": "i32", "stride_oh": "i32"}
+           "head_dim": "i32", "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32"}
     merge = _compile(tb._merge_splits_kernel, sig,
-                     {"NUM_SPLITS": 5, "SPLITS_P2": 8, "BLOCK_D": 128})
+                     {"SPLITS_P2": triton.next_power_of_2(tb.MAX_SPLITS), "BLOCK_D": 128})
     import kserve_paged_kernels.kv_quant_triton as kqt
 
     sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "code_ptr": "*u8", "scale_ptr": "*fp32",

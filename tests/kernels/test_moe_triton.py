@@ -109,3 +109,28 @@ def test_sparse_moe_uses_the_kernel_and_matches_the_grouped_torch_path(mt, monke
     got = layer(x)
     assert calls == [x.shape]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_align_pairs_reads_no_device_value_back(mt):
+    """The routing makes no host read, in Python or inside torch's C++ (torch.bincount reads
+    its range back on CUDA: a sync per layer, and an error inside a CUDA-graph capture)."""
+    from tests.helpers.host_reads import host_reads
+
+    ids = torch.tensor([[0, 1]] * 5 + [[3, 1]] * 2)
+    with host_reads() as reads:
+        mt.align_pairs(ids, NUM_EXPERTS, block_m=4)
+    assert reads.sites == {}
+
+
+def test_align_pairs_runs_on_a_cuda_device_from_shapes_alone(mt):
+    """Under FakeTensorMode the tensors are on `cuda` without a GPU and hold no values: any op
+    whose output depends on the data (bincount, nonzero, .item()) raises, so this passing is
+    the routing's static shapes, which a graph capture needs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        ids = torch.randint(0, NUM_EXPERTS, (7, 2), device="cuda")
+        sorted_pairs, block_expert = mt.align_pairs(ids, NUM_EXPERTS, block_m=4)
+    max_blocks = -(-(14 + NUM_EXPERTS * 3) // 4)
+    assert sorted_pairs.device.type == block_expert.device.type == "cuda"
+    assert sorted_pairs.shape == (max_blocks * 4,) and block_expert.shape == (max_blocks,)

@@ -30,7 +30,8 @@ VALUE_CLASSES = ["triton.language.tensor", "triton.language.dtype",
                  "triton.language.constexpr"]
 # Kernel arguments that change from step to step, by kernel: they must not be specialized
 # (a value of 1 or a multiple of 16 would compile another variant in the middle of serving).
-PER_STEP_ARGS = {"_paged_attn_kernel": {"num_seqs", "stride_bt"},
+PER_STEP_ARGS = {"_paged_attn_kernel": {"num_seqs", "stride_bt", "num_splits"},
+                 "_merge_splits_kernel": {"num_splits"},
                  "_gate_up_kernel": {"num_pairs"}, "_down_kernel": {"num_pairs"}}
 
 

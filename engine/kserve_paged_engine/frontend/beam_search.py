@@ -116,25 +116,17 @@ class BeamSearches:
     def advance(self, search: BeamSearch, sched: Scheduler) -> bool:
         """One beam step: choose the next beams, fork and prune requests; True when done (the
         search's requests are then finished and the search forgotten)."""
-        k, lp = search.width, search.params.length_penalty
-        vals = torch.stack([search.reports[b][0] for b in search.beams])
-        ids = torch.stack([search.reports[b][1] for b in search.beams])
-        scores = vals + torch.tensor(search.scores, dtype=torch.float32)[:, None]
-        top, flat = torch.topk(scores.flatten(), search.num_candidates)
-        per_beam = ids.shape[1]
-        cands = [(f // per_beam, int(ids.view(-1)[f]), s) for f, s in zip(flat.tolist(),
-                                                                           top.tolist())]
+        k = search.width
         last = search.gen_len + 1 >= search.max_new
-        finished_scores = (top / float(search.gen_len + 1) ** lp).tolist()
         requests = sched.requests
         chosen: list[tuple[int, int, float]] = []
-        for j, (beam, token, score) in enumerate(cands):
+        for j, (beam, token, score, finished_score) in enumerate(self._candidates(search)):
             if last or token in search.eos_ids:
                 if j < k:
                     prev = requests[search.beams[beam]]
                     tokens = prev.output_token_ids + [token]
                     reason = "stop" if token in search.eos_ids else "length"
-                    search.finished.append(Hypothesis(tokens, finished_scores[j], score, reason))
+                    search.finished.append(Hypothesis(tokens, finished_score, score, reason))
             elif len(chosen) < k:
                 chosen.append((beam, token, score))
         search.finished.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties
@@ -167,6 +159,23 @@ class BeamSearches:
         search.beams = [req.request_id for req, _ in moves]
         search.scores = [score for _, _, score in chosen]
         return False
+
+    @staticmethod
+    def _candidates(search: BeamSearch) -> list[tuple[int, int, float, float]]:
+        """The step's best continuations of every beam, best first, as (beam, token, summed
+        log-prob, its score as a finished hypothesis). Computed on the device of the beams'
+        log-probs (their summed scores uploaded to it) and read back in one transfer."""
+        vals = torch.stack([search.reports[b][0] for b in search.beams])
+        ids = torch.stack([search.reports[b][1] for b in search.beams])
+        prior = torch.tensor(search.scores, dtype=torch.float32, device=vals.device)
+        top, flat = torch.topk((vals + prior.unsqueeze(1)).flatten(), search.num_candidates)
+        tokens = ids.flatten().index_select(0, flat)
+        beam = flat.div(ids.shape[1], rounding_mode="floor")
+        finished = top / float(search.gen_len + 1) ** search.params.length_penalty
+        # float64 holds the float32 scores and the ids exactly: one read for all four.
+        rows = torch.stack([beam.double(), tokens.double(), top.double(), finished.double()])
+        beams, toks, tops, fins = rows.tolist()
+        return [(int(b), int(t), s, f) for b, t, s, f in zip(beams, toks, tops, fins)]
 
     @staticmethod
     def _done(search: BeamSearch, best_running: float) -> bool:

@@ -93,7 +93,9 @@ def chunk_parts(kind: str, hidden: torch.Tensor, counts: list[int]) -> torch.Ten
     lens = torch.tensor(counts, dtype=torch.long, device=hidden.device)
     ends = torch.cumsum(lens, 0)
     if kind == "mean":
-        seg = torch.repeat_interleave(torch.arange(len(counts), device=hidden.device), lens)
+        # The output's length told (the rows' total, known here): no read of `lens` on CUDA.
+        seg = torch.repeat_interleave(torch.arange(len(counts), device=hidden.device), lens,
+                                      output_size=hidden.shape[0])
         out = torch.zeros((len(counts), hidden.shape[1]), dtype=torch.float32,
                           device=hidden.device)
         return out.index_add_(0, seg, hidden.float())

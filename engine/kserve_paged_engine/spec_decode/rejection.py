@@ -54,11 +54,13 @@ def rejection_sample(target: Tensor, drafts: list[int], draft_probs: Tensor | No
 
 def _draw(weights: Tensor, u: float, fallback: Tensor | None) -> int:
     """Inverse CDF of the (unnormalised) weights at u; the fallback where they hold no mass
-    (p all on a rejected draft, which the acceptance test makes impossible: a guard)."""
+    (p all on a rejected draft, which the acceptance test makes impossible: a guard). The
+    search runs on the weights' device, its point `u * total` computed there too (no host
+    value in a device search), and the total and the position come back in one read."""
     cdf = weights.double().cumsum(0)
-    total = float(cdf[-1])
-    if total <= 0.0 and fallback is not None:
+    total = cdf[-1:]
+    pos = torch.searchsorted(cdf, total * u, right=True)
+    mass, at = torch.cat([total, pos.double()]).tolist()
+    if mass <= 0.0 and fallback is not None:
         return _draw(fallback, u, None)
-    pos = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=torch.float64),
-                                 right=True))
-    return min(pos, weights.numel() - 1)
+    return min(int(at), weights.numel() - 1)

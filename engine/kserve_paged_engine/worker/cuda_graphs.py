@@ -3,8 +3,9 @@
 A decode step of n sequences runs as the replay of a graph captured for the smallest captured
 size S >= n (`capture_sizes`: 1, 2, 4, then steps of 8 to 256, then of 16, up to
 `max_num_seqs`); larger steps, prefill, verification steps (several tokens per sequence), KV
-groups and LoRA steps run eagerly. A graph reads only persistent buffers (`GraphBuffers`), so a
-step fills them on the device and replays:
+groups, LoRA, a quantized KV cache and MoE layers without the fused kernel run eagerly
+(`why_eager`). A graph reads only persistent buffers (`GraphBuffers`), so a step fills them on
+the device and replays:
 
 - rows 0..n-1: the step's ids, positions, slots, sequence lengths, query offsets and block
   tables (row stride `max_blocks_per_seq`, fixed for every size);
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from kserve_paged_engine.model_executor.attention import AttentionMetadata
+from kserve_paged_engine.model_executor.models.moe import routes_on_device
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,23 @@ def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURE) -> list[int]:
     none above `max_num_seqs` (nor `limit`)."""
     sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, limit + 1, 16))
     return [s for s in sizes if s <= min(max_num_seqs, limit)]
+
+
+def why_eager(model: torch.nn.Module, device: torch.device, *, num_groups: int, lora: bool,
+              quantized_kv: bool) -> str | None:
+    """Why a runner's decode steps cannot be captured (None: they can). Checked before any
+    capture: an error inside `torch.cuda.graph` can leave the allocator mid-capture, so a
+    forward that would read a device value back is declined here, not caught there."""
+    if num_groups > 1:
+        return "the model's layers are in several KV groups"
+    if lora:
+        return "LoRA is on (per-token adapter rows)"
+    if quantized_kv:
+        return ("the KV cache is quantized (decode graphs over codes and scales are not yet "
+                "run on a GPU)")
+    if not routes_on_device(model, device):
+        return "the MoE layers count their experts' tokens on the host (no fused MoE kernel)"
+    return None
 
 
 def padded_size(n: int, sizes: list[int]) -> int | None:

@@ -28,7 +28,7 @@ from kserve_paged_engine.worker.cpu_memory import (
     prefault_bytes,
     prefault_leading_blocks,
 )
-from kserve_paged_engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from kserve_paged_engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, why_eager
 from kserve_paged_engine.worker.kv_tier_copy import apply_tier_moves
 from kserve_paged_kernels.kv_quant import QuantKV, storage_dtype
 
@@ -195,12 +195,11 @@ class ModelRunner:
     def capture_graphs(self, max_num_seqs: int, capturer: Any) -> str | None:
         """Capture the decode graphs (engine/kserve_paged_engine/worker/cuda_graphs.py) over the sized cache;
         returns why not when this runner cannot use them."""
-        if self.layout.num_groups > 1:
-            return "the model's layers are in several KV groups"
-        if self.lora is not None:
-            return "LoRA is on (per-token adapter rows)"
-        if isinstance(self.slot_caches[0], QuantKV):
-            return "the KV cache is quantized (decode graphs over codes and scales are not yet run on a GPU)"
+        why = why_eager(self.model, self.device, num_groups=self.layout.num_groups,
+                        lora=self.lora is not None,
+                        quantized_kv=isinstance(self.slot_caches[0], QuantKV))
+        if why is not None:
+            return why
         graphs = DecodeGraphs(self.model, self.kv_caches, capture_sizes(max_num_seqs),
                               self.max_blocks_per_seq, self.max_model_len, self.device,
                               self.attention_backend)

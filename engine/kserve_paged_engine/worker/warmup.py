@@ -5,10 +5,12 @@ A variant is a kernel with its compile key (constexprs and tile sizes, dtypes, a
 Triton's integer specializations; per-step integers are `do_not_specialize`, so the shapes of
 a step do not make new ones). What changes the key in serving is the kind of step: decode-like
 tiles or prefill tiles, one KV split or several (a long context), and each layer's window and
-soft-cap, which every forward covers. So the dummy steps are: decode of 1 and of
+soft-cap, which every forward covers (the split count itself is a runtime argument: one
+split variant serves every count). So the dummy steps are: decode of 1 and of
 `max_num_seqs` sequences over a short and over the longest context, a prefill chunk of
-`max_num_batched_tokens`, and a mixed step (decodes with a chunk). Nothing is stored (slots
--1); block tables point at block 0. The variants launched are counted
+`max_num_batched_tokens`, a short chunk over the longest context (prefill tiles with split
+keys, as a speculative verification or a prompt's uncached tail gets), and a mixed step
+(decodes with a chunk). Nothing is stored (slots -1); block tables point at block 0. The variants launched are counted
 (`kserve_paged_kernels.launches.counting`) and logged with the time taken.
 """
 
@@ -25,6 +27,10 @@ from kserve_paged_kernels.launches import counting
 
 logger = logging.getLogger(__name__)
 
+# New tokens of the short chunk: more than 2 per sequence, so prefill tiles (decode tiles take
+# at most 2: kernels/kserve_paged_kernels/triton_backend.py's `_tiles`).
+SHORT_CHUNK = 3
+
 
 @dataclass(frozen=True, slots=True)
 class WarmupReport:
@@ -40,9 +46,10 @@ def warmup_steps(max_num_batched_tokens: int, max_num_seqs: int,
     chunk = max(1, min(max_num_batched_tokens, max_model_len))
     mixed = max(1, min(seqs, max_num_batched_tokens // 2))
     rest = max(1, min(max_num_batched_tokens - mixed + 1, max_model_len))
+    short = max(1, min(SHORT_CHUNK, max_num_batched_tokens, max_model_len))
     return [([1], [2]), ([1], [max_model_len]),
             ([1] * seqs, [2] * seqs), ([1] * seqs, [max_model_len] * seqs),
-            ([chunk], [chunk]),
+            ([chunk], [chunk]), ([short], [max_model_len]),
             ([1] * (mixed - 1) + [rest], [max_model_len] * (mixed - 1) + [rest])]
 
 

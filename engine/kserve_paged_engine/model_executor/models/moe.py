@@ -43,6 +43,14 @@ def _fused_moe_kernel(device: torch.device) -> Callable[..., torch.Tensor] | Non
     return None if module is None else module.fused_moe
 
 
+def routes_on_device(model: nn.Module, device: torch.device) -> bool:
+    """Whether `model`'s MoE layers (if any) run on `device` without reading a device value
+    back: the fused kernel's routing does; the grouped torch path below reads each expert's
+    token count on the host, which a CUDA-graph capture cannot (`capture_graphs` asks)."""
+    has_moe = any(isinstance(m, SparseMoE) for m in model.modules())
+    return not has_moe or _fused_moe_kernel(device) is not None
+
+
 class SparseMoE(nn.Module):
     """Router plus stacked SwiGLU experts, computed grouped by expert.
 
