@@ -11,10 +11,10 @@ constraint is parsed here, before anything is queued.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
+from kserve_paged import json_depth
 from kserve_paged_engine.sampling_params import StructuredOutputs
 
 # Names a constraint may come under; the server reads these, nothing else does.
@@ -35,12 +35,15 @@ class StructuredOptionError(ValueError):
 
 
 def _maybe_json(value: Any, param: str, allow_text: bool = False) -> Any:
-    """v2 carries objects and lists as JSON strings: decode those. A string that is not JSON
-    stays a string where ``allow_text`` (a schema given as text fails later, naming why)."""
+    """v2 carries objects and lists as JSON strings: decode those, under the depth bound on
+    JSON in a request field (json_depth.py). A string that is not JSON stays a string where
+    ``allow_text`` (a schema given as text fails later, naming why)."""
     if not isinstance(value, str):
         return value
     try:
-        return json.loads(value)
+        return json_depth.loads(value, param)
+    except json_depth.JSONTooDeep as exc:
+        raise StructuredOptionError(str(exc), param) from None
     except ValueError:
         if allow_text:
             return value

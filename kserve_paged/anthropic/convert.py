@@ -5,7 +5,7 @@ apply. Content blocks map one to one: `text` to text, an assistant's `tool_use` 
 call, a user's `tool_result` to a `tool` message before the user's own text; `thinking` blocks
 of earlier turns are not replayed. `thinking: {"type": "enabled" | "disabled"}` becomes the
 chat template's `enable_thinking` (the switch Qwen3's template and others read): our mapping,
-Anthropic's budget_tokens is not a limit here.
+Anthropic's budget_tokens is not a limit here. The body's types, after the SDK's: body.py.
 """
 
 from __future__ import annotations
@@ -14,161 +14,123 @@ import json
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from kserve_paged.anthropic.body import (
+    ChoiceAny,
+    ChoiceAuto,
+    ChoiceNone,
+    ChoiceTool,
+    CountTokensBody,
+    CustomTool,
+    Message,
+    MessagesBody,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ThinkingEnabled,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from kserve_paged.json_depth import loads
 from kserve_paged.openai.errors import APIError
-
-
-class MessagesBody(BaseModel):
-    """`POST /v1/messages`: the fields honoured; any other is a 400."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
-    system: str | list[dict[str, Any]] | None = None
-    stop_sequences: list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    stream: bool = False
-    metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
-
-
-class CountTokensBody(BaseModel):
-    """`POST /v1/messages/count_tokens`: a Messages request without the sampling fields."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
 
 
 def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
-def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
-        raise APIError(400, f"{where}: content must be a string or a list of blocks",
-                       param="messages")
-    return content
-
-
-def _text(blocks: list[dict[str, Any]], where: str) -> str:
+def _text(blocks: list[Any], where: str) -> str:
     parts = []
     for block in blocks:
-        if block.get("type") != "text":
-            raise APIError(400, f"{where}: a {block.get('type')!r} block here is not supported",
+        if not isinstance(block, TextBlock):
+            raise APIError(400, f"{where}: a {block.type!r} block here is not supported",
                            param="messages")
-        parts.append(str(block.get("text", "")))
+        parts.append(block.text)
     return "".join(parts)
 
 
-def _system(system: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    if system is None:
-        return []
-    text = system if isinstance(system, str) else _text(system, "system")
+def _system(system: list[Any] | None, where: str = "system") -> list[dict[str, Any]]:
+    text = _text(system, where) if system is not None else ""
     return [{"role": "system", "content": text}] if text else []
 
 
-def _turn(message: dict[str, Any], where: str) -> list[dict[str, Any]]:
-    role = message.get("role")
-    blocks = _blocks(message.get("content", ""), where)
-    if role == "user":
-        out, text = [], []
-        for block in blocks:
-            kind = block.get("type")
-            if kind == "tool_result":
-                result = block.get("content", "")
-                body = result if isinstance(result, str) else _text(result, where)
-                if block.get("is_error"):
-                    body = f"Error: {body}"
-                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                            "content": body})
-            elif kind == "text":
-                text.append(str(block.get("text", "")))
-            else:
-                raise APIError(400, f"{where}: block type {kind!r} is not supported (text, "
-                               "tool_result)", param="messages")
-        if text:
-            out.append({"role": "user", "content": "".join(text)})
-        return out
-    if role == "assistant":
-        text, calls = [], []
-        for block in blocks:
-            kind = block.get("type")
-            if kind == "text":
-                text.append(str(block.get("text", "")))
-            elif kind == "tool_use":
-                calls.append({"id": block.get("id"), "type": "function",
-                              "function": {"name": block.get("name"),
-                                           "arguments": json.dumps(block.get("input", {}),
-                                                                   ensure_ascii=False)}})
-            elif kind in ("thinking", "redacted_thinking"):
-                continue
-            else:
-                raise APIError(400, f"{where}: block type {kind!r} is not supported (text, "
-                               "tool_use, thinking)", param="messages")
-        turn: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
-        if calls:
-            turn["tool_calls"] = calls
-        return [turn]
-    raise APIError(400, f"{where}: role must be user or assistant, got {role!r}",
-                   param="messages")
-
-
-def _tools(tools: list[dict[str, Any]] | None, choice: dict[str, Any] | None
-           ) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if tools:
-        converted = []
-        for i, tool in enumerate(tools):
-            if tool.get("type", "custom") != "custom" or "name" not in tool:
-                raise APIError(400, f"tools[{i}]: only custom tools with a name and an "
-                               f"input_schema are supported (got type {tool.get('type')!r})",
-                               param="tools")
-            fn = {"name": tool["name"],
-                  "parameters": tool.get("input_schema") or {"type": "object"}}
-            if tool.get("description"):
-                fn["description"] = tool["description"]
-            converted.append({"type": "function", "function": fn})
-        out["tools"] = converted
-    if choice is not None:
-        kind = choice.get("type")
-        if kind == "auto":
-            out["tool_choice"] = "auto"
-        elif kind == "any":
-            out["tool_choice"] = "required"
-        elif kind == "none":
-            out["tool_choice"] = "none"
-        elif kind == "tool" and choice.get("name"):
-            out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
+    out, text = [], []
+    for block in blocks:
+        if isinstance(block, ToolResultBlock):
+            body = _text(block.content, f"{where}.tool_result.content")
+            if block.is_error:
+                body = f"Error: {body}"
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": body})
+        elif isinstance(block, TextBlock):
+            text.append(block.text)
         else:
-            raise APIError(400, "tool_choice must be auto, any, none or {\"type\": \"tool\", "
-                           "\"name\": ...}", param="tool_choice")
-        if choice.get("disable_parallel_tool_use"):
-            out["parallel_tool_calls"] = False
+            raise APIError(400, f"{where}: block type {block.type!r} is not supported (text, "
+                           "tool_result)", param="messages")
+    if text:
+        out.append({"role": "user", "content": "".join(text)})
     return out
 
 
-def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any]:
-    if thinking is None:
+def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
+    text, calls = [], []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            text.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name,
+                                       "arguments": json.dumps(block.input,
+                                                               ensure_ascii=False)}})
+        elif not isinstance(block, (ThinkingBlock, RedactedThinkingBlock)):
+            raise APIError(400, f"{where}: block type {block.type!r} is not supported (text, "
+                           "tool_use, thinking)", param="messages")
+    turn: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
+
+
+def _turn(message: Message, where: str) -> list[dict[str, Any]]:
+    if message.role == "user":
+        return _user(message.content, where)
+    if message.role == "assistant":
+        return [_assistant(message.content, where)]
+    return _system(message.content, where)  # the SDK's system-role message
+
+
+def _tools(body: CountTokensBody) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if body.tools:
+        converted = []
+        for i, tool in enumerate(body.tools):
+            if not isinstance(tool, CustomTool):
+                raise APIError(400, f"tools[{i}]: only custom tools with a name and an "
+                               f"input_schema are supported (got type {tool.type!r})",
+                               param="tools")
+            fn: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+            if tool.description:
+                fn["description"] = tool.description
+            converted.append({"type": "function", "function": fn})
+        out["tools"] = converted
+    choice = body.tool_choice
+    if isinstance(choice, ChoiceAuto):
+        out["tool_choice"] = "auto"
+    elif isinstance(choice, ChoiceAny):
+        out["tool_choice"] = "required"
+    elif isinstance(choice, ChoiceNone):
+        out["tool_choice"] = "none"
+    elif isinstance(choice, ChoiceTool):
+        out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    if getattr(choice, "disable_parallel_tool_use", False):
+        out["parallel_tool_calls"] = False
+    return out
+
+
+def _thinking(body: CountTokensBody) -> dict[str, Any]:
+    if body.thinking is None:
         return {}
-    kind = thinking.get("type")
-    if kind not in ("enabled", "disabled"):
-        raise APIError(400, "thinking.type must be enabled or disabled", param="thinking")
-    return {"chat_template_kwargs": {"enable_thinking": kind == "enabled"}}
+    enabled = isinstance(body.thinking, ThinkingEnabled)
+    return {"chat_template_kwargs": {"enable_thinking": enabled}}
 
 
 def conversation(body: MessagesBody | CountTokensBody) -> list[dict[str, Any]]:
@@ -183,7 +145,7 @@ def chat_request(body: MessagesBody) -> dict[str, Any]:
     """The chat completions request (ChatBody's fields) this Messages request is."""
     request: dict[str, Any] = {"model": body.model, "messages": conversation(body),
                                "max_completion_tokens": body.max_tokens, "stream": body.stream,
-                               **_tools(body.tools, body.tool_choice), **_thinking(body.thinking)}
+                               **_tools(body), **_thinking(body)}
     for ours, theirs in (("stop", body.stop_sequences), ("temperature", body.temperature),
                          ("top_p", body.top_p), ("top_k", body.top_k)):
         if theirs is not None:
@@ -194,7 +156,7 @@ def chat_request(body: MessagesBody) -> dict[str, Any]:
 def count_request(body: CountTokensBody) -> dict[str, Any]:
     """What the template renders for count_tokens (ChatBody's fields, no sampling)."""
     return {"model": body.model, "messages": conversation(body),
-            **_tools(body.tools, body.tool_choice), **_thinking(body.thinking)}
+            **_tools(body), **_thinking(body)}
 
 
 def stop_reason(finish_reason: str | None, stop: int | str | None, has_calls: bool,
@@ -213,7 +175,7 @@ def tool_input(arguments: str) -> Any:
     """A call's JSON arguments as the tool_use block's input (text that is not JSON stays a
     string under `_raw`: the block must carry an object)."""
     try:
-        value = json.loads(arguments) if arguments.strip() else {}
+        value = loads(arguments, "a tool call's arguments") if arguments.strip() else {}
     except ValueError:
         return {"_raw": arguments}
     return value if isinstance(value, dict) else {"_value": value}

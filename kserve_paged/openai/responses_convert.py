@@ -14,59 +14,36 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict
+from typing import Any
 
 from kserve_paged.openai.errors import APIError
+from kserve_paged.openai.responses_body import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionChoice,
+    FunctionTool,
+    MessageItem,
+    OtherFormat,
+    ReasoningItem,
+    ResponsesBody,
+    TextConfig,
+    TextPart,
+)
 
-_TEXT_PARTS = ("input_text", "output_text", "text")
 INCLUDE_ACCEPTED = ("reasoning.encrypted_content",)  # we send no encrypted reasoning: harmless
-
-
-class ResponsesBody(BaseModel):
-    """The fields of `POST /v1/responses` this server honours; any other field is a 400."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
-    stream: bool = False
-    store: bool | None = None
-    previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    include: list[str] | None = None
-    truncation: Literal["disabled"] | None = None
-    seed: int | None = None
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _text_of(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where}: content must be a string or a list of parts",
-                       param="input")
+def _text_of(parts: list[Any], where: str) -> str:
     pieces = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            raise APIError(400, f"{where}: content part {kind!r} is not supported (text only)",
-                           param="input")
-        pieces.append(str(part.get("text", "")))
+    for part in parts:
+        if not isinstance(part, TextPart):
+            raise APIError(400, f"{where}: content part {part.type!r} is not supported (text "
+                           "only)", param="input")
+        pieces.append(part.text)
     return "".join(pieces)
 
 
@@ -75,35 +52,26 @@ def _messages(body: ResponsesBody) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
-    for i, item in enumerate(items):
+    for i, item in enumerate(body.input):
         where = f"input[{i}]"
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise APIError(400, f"{where}: role {role!r} is not one of user, assistant, "
-                               "system, developer", param="input")
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text_of(item.get("content", ""), where)})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id") or new_id("call"),
-                    "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+        if isinstance(item, MessageItem):
+            messages.append({"role": "system" if item.role == "developer" else item.role,
+                             "content": _text_of(item.content, where)})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output", "")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str)
-                             else _text_of(output, where)})
-        elif kind == "reasoning":
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": _text_of(item.output, where)})
+        elif isinstance(item, ReasoningItem):
             continue  # earlier reasoning is not replayed into the prompt (vLLM does the same)
         else:
-            raise APIError(400, f"{where}: input item type {kind!r} is not supported",
+            raise APIError(400, f"{where}: input item type {item.type!r} is not supported",
                            param="input")
     if not messages:
         raise APIError(400, "input is empty", param="input")
@@ -112,35 +80,37 @@ def _messages(body: ResponsesBody) -> list[dict[str, Any]]:
 
 def _tools(body: ResponsesBody) -> tuple[list[dict[str, Any]] | None, Any]:
     """Responses' flat function tools and tool_choice -> chat's nested ones."""
+    choice: Any = body.tool_choice
+    if isinstance(choice, FunctionChoice):
+        choice = {"type": "function", "function": {"name": choice.name}}
+    elif choice is not None and not isinstance(choice, str):
+        raise APIError(400, f"tool_choice type {choice.type!r} is not supported: give auto, "
+                       'none, required or {"type": "function", "name": ...}',
+                       param="tool_choice")
     if not body.tools:
-        return None, body.tool_choice
+        return None, choice
     tools = []
     for i, tool in enumerate(body.tools):
-        if tool.get("type") != "function":
-            raise APIError(400, f"tools[{i}]: tool type {tool.get('type')!r} is not supported "
+        if not isinstance(tool, FunctionTool):
+            raise APIError(400, f"tools[{i}]: tool type {tool.type!r} is not supported "
                            "(function tools only)", param="tools")
-        tools.append({"type": "function", "function": {
-            k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}})
-    choice = body.tool_choice
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not choice.get("name"):
-            raise APIError(400, "tool_choice must be auto, none, required or "
-                           '{"type": "function", "name": ...}', param="tool_choice")
-        choice = {"type": "function", "function": {"name": choice["name"]}}
+        tools.append({"type": "function", "function": tool.model_dump(
+            include={"name", "description", "parameters", "strict"}, exclude_unset=True)})
     return tools, choice
 
 
-def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    fmt = (text or {}).get("format")
-    if fmt is None or fmt.get("type") == "text":
+def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
         return None
-    if fmt.get("type") == "json_object":
+    if isinstance(fmt, OtherFormat):
+        raise APIError(400, f"text.format type {fmt.type!r} is not supported",
+                       param="text.format")
+    if fmt.type == "json_object":
         return {"type": "json_object"}
-    if fmt.get("type") == "json_schema":
-        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-        return {"type": "json_schema", "json_schema": schema}
-    raise APIError(400, f"text.format type {fmt.get('type')!r} is not supported",
-                   param="text.format")
+    return {"type": "json_schema", "json_schema": fmt.model_dump(
+        by_alias=True, exclude_unset=True, include={"name", "json_schema", "strict",
+                                                    "description"})}
 
 
 def chat_request(body: ResponsesBody) -> dict[str, Any]:
@@ -167,7 +137,7 @@ def chat_request(body: ResponsesBody) -> dict[str, Any]:
                          ("seed", body.seed), ("user", body.user)):
         if theirs is not None:
             request[ours] = theirs
-    effort = (body.reasoning or {}).get("effort")
+    effort = body.reasoning.effort if body.reasoning is not None else None
     if effort is not None:  # vLLM hands it to the chat template as reasoning_effort
         request["chat_template_kwargs"] = {"reasoning_effort": effort}
     return request
@@ -195,17 +165,18 @@ def response_object(body: ResponsesBody, *, response_id: str, model: str, create
                     output: list[dict[str, Any]], status: str, usage: dict[str, Any] | None,
                     incomplete_reason: str | None = None) -> dict[str, Any]:
     """A Response object with the request's settings echoed, as OpenAI returns it."""
+    echo = body.echoed()
     return {
         "id": response_id, "object": "response", "created_at": created, "status": status,
         "model": model, "output": output, "usage": usage, "error": None,
         "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p,
-        "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
+        "tools": echo.get("tools") or [], "tool_choice": echo.get("tool_choice") or "auto",
         "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {},
+        "text": echo.get("text") or {"format": {"type": "text"}}, "metadata": body.metadata or {},
         "store": False, "previous_response_id": None, "truncation": "disabled",
-        "reasoning": body.reasoning, "user": body.user,
+        "reasoning": echo.get("reasoning"), "user": body.user,
     }
 
 

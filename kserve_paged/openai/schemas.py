@@ -11,12 +11,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar, Union
 
 from fastapi import Request
 from openai.types import Completion, CompletionChoice
 from openai.types.chat import ChatCompletion
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, create_model
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictInt,
+    Tag,
+    ValidationError,
+    create_model,
+)
 
 from kserve_paged.openai.errors import APIError
 from kserve_paged.request_options import OPTIONS, SamplingRequest, unsupported_options
@@ -108,8 +117,8 @@ class CompletionBody(SamplingBody):
 
 
 # Chat extras of vLLM and OpenAI that change what is generated, beyond the shared table; any
-# value but the harmless one is a 400.
-_CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+# value but the harmless one is a 400 (on /tokenize too: it renders as chat does).
+CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (False,), "chat_template": (), "documents": (),
     "audio": (), "prediction": (), "web_search_options": (),
 }
@@ -144,7 +153,7 @@ class ChatBody(SamplingBody):
     def unsupported(self) -> list[tuple[str, str]]:
         found = super().unsupported()
         extra = self.model_extra or {}
-        for name in unsupported_options(extra, _CHAT_UNSUPPORTED, check_best_of=False):
+        for name in unsupported_options(extra, CHAT_UNSUPPORTED, check_best_of=False):
             found.append((name, f"{name} is not supported by this server"))
         if extra.get("modalities") not in (None, [], ["text"]):
             found.append(("modalities", "modalities other than [\"text\"] are not supported"))
@@ -231,16 +240,62 @@ async def read_json(request: Request) -> dict[str, Any]:
     return data
 
 
+def by_type(members: dict[str, type[BaseModel]], other: type[BaseModel] | None = None,
+            missing: str | None = None, what: str = "an object", mode: Any = None) -> Any:
+    """A union of request objects told apart by their ``"type"``, as the SDKs' types are:
+    each type in ``members`` validates as its model, any other type as ``other`` (which the
+    converter refuses by name) and an object without one as ``missing``'s model; a string
+    validates as ``mode`` (a Literal of the names an SDK also takes, as tool_choice's "auto")
+    where there is one; anything else is a 400 saying what it must be (``what``). An error's
+    path names the type, as ``input[0].function_call.arguments``."""
+    def tag(value: Any) -> str | None:
+        if isinstance(value, BaseModel):  # a model built in code: its own type
+            value = {"type": getattr(value, "type", None)}
+        if isinstance(value, str) and mode is not None:
+            return "mode"
+        if not isinstance(value, dict):
+            return None
+        kind = value.get("type", missing)
+        if isinstance(kind, str) and kind in members:
+            return kind
+        return "other" if other is not None else None
+    choices: list[Any] = [Annotated[cls, Tag(name)] for name, cls in members.items()]
+    if other is not None:
+        choices.append(Annotated[other, Tag("other")])
+    if mode is not None:
+        choices.append(Annotated[mode, Tag("mode")])
+    types = ", ".join(members)
+    return Annotated[Union[tuple(choices)],  # noqa: UP007 (built from a list)
+                     Discriminator(tag, custom_error_type="invalid_type",
+                                   custom_error_message=f"must be {what} whose type is one "
+                                   f"of {types}")]
+
+
+def _where(loc: tuple[int | str, ...]) -> str:
+    """A validation error's place as a path, ``messages[0].content[1].text``; the labels of
+    plain union members (``list[str]``, ``function-after[...]``) left out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" not in part:
+            out += f".{part}" if out else part
+    return out
+
+
 def validate(cls: type[Model], data: dict[str, Any]) -> Model:
-    """`data` as `cls`: a bad field, or an option `cls.unsupported()` names, is a 400."""
+    """`data` as `cls`: a bad field, or an option `cls.unsupported()` names, is a 400 whose
+    message names the field's place in the body."""
     try:
         body = cls.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, int)) or None
+        loc = tuple(err.get("loc", ()))
+        param = ".".join(str(p) for p in loc if not isinstance(p, int)) or None
         if param and "[" in param:
             param = param.split("[")[0]
-        raise APIError(400, f"invalid request: {param}: {err.get('msg')}" if param
+        where = _where(loc)
+        raise APIError(400, f"invalid request: {where}: {err.get('msg')}" if where
                        else f"invalid request: {err.get('msg')}", param=param) from None
     for param, message in getattr(body, "unsupported", list)():
         raise APIError(400, message, param=param, code="unsupported_parameter")

@@ -6,7 +6,10 @@ rendered by the model's chat template as the chat route renders them) and answer
 for a prompt and false for messages (the template writes them), as in vLLM.
 ``/detokenize`` takes ``{"model"?, "tokens": [ids]}`` and answers ``{"prompt": text}``.
 Malformed bodies, both or neither of prompt and messages, and ids outside the vocabulary are
-400s before the tokenizer runs; tokenizing and the template run on a worker thread.
+400s before the tokenizer runs; tokenizing and the template run on a worker thread. Messages
+are held to the chat route's rules: the server's --default_chat_template_kwargs under the
+request's, no client-given template (``chat_template``, top level or in
+``chat_template_kwargs``: a 400, as on chat), tools checked and capped as chat checks them.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictInt
 
-from kserve_paged.openai.chat_turn import chat_conversation, conversation_chars
+from kserve_paged.openai.chat_turn import chat_conversation, conversation_chars, template_kwargs
 from kserve_paged.openai.errors import APIError
-from kserve_paged.openai.tools import template_messages
-from kserve_paged.request_options import OptionError
+from kserve_paged.openai.schemas import CHAT_UNSUPPORTED, ChatBody, validate
+from kserve_paged.openai.tools import checked_tools, template_messages
+from kserve_paged.request_options import OptionError, unsupported_options
 from kserve_paged.served import ServedModel
 from kserve_paged_engine import limits
 
@@ -42,6 +46,12 @@ class TokenizeBody(_Body):
     return_token_strs: bool = False
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """What chat refuses among its extras (a client's own ``chat_template``, ...)."""
+        return [(name, f"{name} is not supported by this server") for name in
+                unsupported_options(self.model_extra or {}, CHAT_UNSUPPORTED,
+                                    check_best_of=False)]
 
 
 class DetokenizeBody(_Body):
@@ -91,16 +101,19 @@ def _check_chars(model: ServedModel, num_chars: int, param: str) -> None:
 
 
 async def _render(model: ServedModel, body: TokenizeBody) -> str:
-    """The messages through the chat template, as the chat route renders them."""
+    """The messages through the chat template, as the chat route renders them (its template
+    kwargs, tool and length rules)."""
     info = model.info
     if not info.has_chat_template:
         raise APIError(400, "this model has no chat template; tokenize a prompt instead",
                        param="messages")
+    chat = validate(ChatBody, {"messages": body.messages,
+                               "chat_template_kwargs": body.chat_template_kwargs})
+    extra = template_kwargs(model, chat)
+    if body.tools:  # as chat: no tools, no tools argument
+        extra["tools"] = checked_tools(body.tools)
     conversation = template_messages(chat_conversation(body.messages or []))
     _check_chars(model, conversation_chars(conversation), "messages")
-    extra = dict(body.chat_template_kwargs or {})
-    if body.tools is not None:
-        extra["tools"] = body.tools
     try:
         return await asyncio.to_thread(
             info.tokenizer.apply_chat_template, conversation, tokenize=False,

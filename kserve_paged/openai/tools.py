@@ -12,7 +12,6 @@ tool-call text parsed back into OpenAI's ``tool_calls`` (design: docs/kserve.md,
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import uuid
@@ -21,6 +20,7 @@ from typing import Any
 
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
+from kserve_paged.json_depth import JSONTooDeep, check_depth, loads, raw_decode
 from kserve_paged.openai.errors import APIError
 from kserve_paged_engine import limits
 
@@ -86,7 +86,7 @@ class ToolPlan:
             return None, [ToolCall(self.function or "", text.strip())]
         if self.choice == "required":
             try:
-                calls = json.loads(text)
+                calls = loads(text, "the tool calls")
             except ValueError:
                 return text, []  # cut short (length): not a call
             return None, [ToolCall(c["name"], json.dumps(c.get("parameters", {}),
@@ -98,15 +98,9 @@ class ToolPlan:
         return text, []
 
 
-def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
-              parser: str) -> ToolPlan | None:
-    """The request's plan, or None for plain chat; a malformed tool or choice is a 400."""
-    if tool_choice is None:
-        tool_choice = "auto" if tools else "none"
-    if not tools:
-        if tool_choice not in ("none", None):
-            raise _bad("tool_choice needs tools", "tool_choice")
-        return None
+def checked_tools(tools: Any) -> list[dict[str, Any]]:
+    """The request's tools as the chat template receives them, each checked (its count,
+    names, parameters' shape); a malformed one is a 400. Chat and /tokenize both use it."""
     if not isinstance(tools, list):
         raise _bad("tools must be a list")
     if len(tools) > limits.MAX_TOOLS:
@@ -128,10 +122,25 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
             raise _bad(f"tools[{i}].function.parameters must be a JSON schema object")
         try:
             limits.check_schema_shape(params, f"tools[{i}].function.parameters")
+            check_depth(fn, f"tools[{i}].function")  # the template renders all of it
         except ValueError as exc:
             raise _bad(str(exc)) from None
         names.add(name)
         checked.append({"type": "function", "function": fn})
+    return checked
+
+
+def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
+              parser: str) -> ToolPlan | None:
+    """The request's plan, or None for plain chat; a malformed tool or choice is a 400."""
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if not tools:
+        if tool_choice not in ("none", None):
+            raise _bad("tool_choice needs tools", "tool_choice")
+        return None
+    checked = checked_tools(tools)
+    names = {tool["function"]["name"] for tool in checked}
     if tool_choice == "none":
         return None
     if isinstance(tool_choice, dict):
@@ -170,7 +179,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     for body in re.findall(re.escape(_HERMES_OPEN) + r"(.*?)(?:" + re.escape(_HERMES_CLOSE)
                            + r"|$)", text, flags=re.S):
         try:
-            call = _call_from_json(json.loads(body.strip()), "arguments")
+            call = _call_from_json(loads(body.strip(), "a tool call"), "arguments")
         except ValueError:
             call = None
         if call is None:
@@ -193,7 +202,7 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
     pos = 0
     while pos < len(body):
         try:
-            obj, end = decoder.raw_decode(body, pos)
+            obj, end = raw_decode(decoder, body, pos, "a tool call")
         except ValueError:
             return text, []
         call = _call_from_json(obj, "parameters")
@@ -230,19 +239,37 @@ def may_start_call(plan: ToolPlan, text: str) -> int:
     return len(text)
 
 
+def _template_arguments(arguments: Any, what: str) -> Any:
+    """A call's arguments for the template: JSON text parsed (text that is not JSON stays
+    text), an object as it is; either nested deeper than limits.MAX_JSON_DEPTH is a 400."""
+    try:
+        if not isinstance(arguments, str):
+            check_depth(arguments, what)
+            return arguments
+        try:
+            return loads(arguments, what)
+        except JSONTooDeep:
+            raise
+        except ValueError:  # not JSON: left as text
+            return arguments
+    except JSONTooDeep as exc:
+        raise APIError(400, str(exc), param="messages") from None
+
+
 def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as chat templates expect them: an assistant's tool-call arguments as objects
-    (the templates render them with ``tojson``), not OpenAI's JSON text."""
+    (the templates render them with ``tojson``), not OpenAI's JSON text. Arguments nested
+    deeper than limits.MAX_JSON_DEPTH are a 400 (json_depth.py)."""
     out = []
-    for message in conversation:
+    for i, message in enumerate(conversation):
         calls = message.get("tool_calls")
         if isinstance(calls, list):
             fixed = []
-            for call in calls:
+            for j, call in enumerate(calls):
                 fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                    with contextlib.suppress(ValueError):  # not JSON: left as text
-                        fn = {**fn, "arguments": json.loads(fn["arguments"])}
+                if isinstance(fn, dict) and "arguments" in fn:
+                    what = f"messages[{i}].tool_calls[{j}].function.arguments"
+                    fn = {**fn, "arguments": _template_arguments(fn["arguments"], what)}
                     call = {**call, "function": fn}
                 fixed.append(call)
             message = {**message, "tool_calls": fixed}
