@@ -17,6 +17,9 @@ INFERENCE_HEADER = b"inference-header-content-length"
 FORM = b"application/x-www-form-urlencoded"
 # OpenAI routes (and their vLLM-path aliases, openai/handlers.py): errors in OpenAI's shape.
 OPENAI_PATH_PREFIX = ("/openai/", "/v1/completions", "/v1/chat/completions")
+# POSTs that change the server's state (KServe's repository load/unload, LoRA adapters'
+# routes): DisconnectAbortMiddleware lets them finish. Every other POST is inference.
+STATE_CHANGE_PATH_ENDS = ("/load", "/unload", "_lora_adapter")
 # A body this many times over the limit is not read to its end before the 413 (the connection
 # closes instead): reading it would cost more than a client that sends it deserves.
 _DRAIN_FACTOR = 8
@@ -129,13 +132,17 @@ class V2ContentTypeMiddleware:
 
 
 class DisconnectAbortMiddleware:
-    """Cancels a v1/v2 inference handler when its client goes away.
+    """Cancels a request's handler when its client goes away, on every inference route.
 
     Starlette does not cancel a running handler on disconnect, and KServe's ``predict`` never
-    sees the request, so without this an abandoned v2 call would keep generating (and holding KV
-    blocks) up to its ``max_tokens``. The middleware reads the body first, replays it to the
-    app, and meanwhile listens for ``http.disconnect``; on one it cancels the handler, which
-    aborts the engine requests it awaits (freed within one engine step).
+    sees the request, so without this an abandoned call keeps the engine busy: each prompt of a
+    multi-prompt request still being tokenized and submitted, then generating up to its
+    ``max_tokens``. The middleware reads the body first, replays it to the app, and meanwhile
+    listens for ``http.disconnect``; on one it cancels the handler wherever it is (tokenizing,
+    submitting, waiting, streaming), which aborts every engine request it opened and the one it
+    was submitting (freed within an engine step). POSTs that change the server's state
+    (``STATE_CHANGE_PATH_ENDS``) are left to finish, so a departing client cannot leave an
+    adapter or a model half loaded.
     """
 
     def __init__(self, app: Any) -> None:
@@ -143,8 +150,7 @@ class DisconnectAbortMiddleware:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
-        if scope.get("method") != "POST" or not (path.endswith("/infer")
-                                                  or path.endswith(":predict")):
+        if scope.get("method") != "POST" or path.endswith(STATE_CHANGE_PATH_ENDS):
             await self.app(scope, receive, send)
             return
         messages: list[dict[str, Any]] = []
@@ -155,30 +161,37 @@ class DisconnectAbortMiddleware:
             messages.append(message)
             if not message.get("more_body", False):
                 break
+        client_left = asyncio.Event()
+        answered = False  # the last body byte went out: a later disconnect is the server's
 
         async def replay() -> dict[str, Any]:
             if messages:
                 return messages.pop(0)
-            await disconnected.wait()  # the app asks again only to watch for a disconnect
+            await client_left.wait()  # the app asks again only to watch for a disconnect
             return {"type": "http.disconnect"}
 
-        disconnected = asyncio.Event()
-        handler = asyncio.ensure_future(self.app(scope, replay, send))
+        async def tracked_send(message: dict[str, Any]) -> None:
+            nonlocal answered
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                answered = True  # before the send: the server may report the end meanwhile
+            await send(message)
+
+        handler = asyncio.ensure_future(self.app(scope, replay, tracked_send))
 
         async def watch() -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    disconnected.set()
-                    handler.cancel()
-                    return
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not answered:  # uvicorn reports a completed response as a disconnect too
+                client_left.set()
+                handler.cancel()
 
         watcher = asyncio.ensure_future(watch())
         try:
             await handler
         except asyncio.CancelledError:
-            if not disconnected.is_set():
-                raise  # cancelled from outside (shutdown), not by a client leaving
+            if not client_left.is_set():
+                handler.cancel()  # cancelled from outside (shutdown): the handler goes too
+                raise
         finally:
             watcher.cancel()
 

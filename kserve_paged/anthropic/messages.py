@@ -13,7 +13,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from kserve.errors import ModelNotReady
 
-from kserve_paged.admission import route_deadline
+from kserve_paged.admission import RequestRefused, route_deadline
 from kserve_paged.anthropic.convert import (
     ERROR_TYPES,
     CountTokensBody,
@@ -56,9 +56,7 @@ async def create_message(model: ServedModel, request: Request, body: MessagesBod
     events = MessageEvents(new_message_id(), body.model or model.name, turn.prompt_len)
     if body.stream:
         return ClosingStreamingResponse(_events(turn, events, body), turn.streams)
-    out = await whole_output(request, turn)
-    if out is None:
-        return Response(status_code=499)
+    out = await whole_output(turn)
     c = out.outputs[0]
     reasoning, content, calls = split_turn(c.text, turn.plan, turn.reasoning_parser)
     events.piece(TurnPiece(reasoning=reasoning or "", content=content or ""))
@@ -100,18 +98,22 @@ async def count_tokens(model: ServedModel, body: CountTokensBody) -> dict[str, i
 
 
 def _in_anthropic_shape(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
-    """Every failure in Anthropic's error shape, `{"type": "error", "error": {...}}`."""
+    """Every failure in Anthropic's error shape, `{"type": "error", "error": {...}}`; a full
+    waiting queue is a 429 with Retry-After (rate_limit_error), as on the OpenAI routes."""
     async def route(request: Request) -> Response:
+        headers = None
         try:
             return await handler(request)
         except APIError as exc:
-            status, message = exc.status, exc.message
+            status, message, headers = exc.status, exc.message, exc.headers
+        except RequestRefused as exc:  # 429: the waiting queue is full (admission.py)
+            status, message, headers = exc.status, str(exc), exc.headers
         except (ModelNotReady, EngineDeadError) as exc:
             status, message = 503, str(exc)
         except Exception as exc:
             logger.exception("Messages route failed")
             status, message = 500, f"internal error: {type(exc).__name__}: {exc}"
-        return JSONResponse(status_code=status,
+        return JSONResponse(status_code=status, headers=headers,
                             content=error_body(message, ERROR_TYPES.get(status, "api_error")))
     route.__name__ = getattr(handler, "__name__", "route")
     return route

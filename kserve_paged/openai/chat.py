@@ -3,7 +3,6 @@ tool calls and a reasoning model's thinking split out (the turn itself: chat_tur
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -31,7 +30,6 @@ from kserve_paged.openai.stream import (
     ClosingStreamingResponse,
     final_outputs,
     sse,
-    until_disconnect,
 )
 from kserve_paged.openai.tools import StreamedCalls, ToolPlan, with_calls
 from kserve_paged.openai.turn import TurnPiece, TurnStream
@@ -60,9 +58,7 @@ async def chat_completions(model: ServedModel, request: Request, body: ChatBody,
             stream_chat(streams[0], rid, created, name, include_usage, body, token_text, plan,
                         turn.reasoning_parser),
             streams)
-    finals = await until_disconnect(request, asyncio.ensure_future(final_outputs(streams)))
-    if finals is None:
-        return Response(status_code=499)
+    finals = await final_outputs(streams)
     result = _whole(finals, rid, created, name, body, token_text, plan, turn.reasoning_parser)
     return JSONResponse(result.model_dump(mode="json", exclude_unset=True))
 

@@ -20,9 +20,10 @@ from fastapi import Request
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.reasoning import END, START, split_reasoning
 from kserve_paged.openai.schemas import ChatBody
+from kserve_paged.openai.submission import submit_prompts
 from kserve_paged.openai.tools import ToolCall, ToolPlan, template_messages, tool_plan
 from kserve_paged.request_options import OptionError, SamplingRequest
-from kserve_paged.served import ServedModel, submit_all
+from kserve_paged.served import ServedModel
 from kserve_paged.structured import StructuredOptionError, structured_outputs_option
 from kserve_paged_engine.frontend.async_llm import RequestStream
 
@@ -175,14 +176,8 @@ async def start_turn(model: ServedModel, request: Request, body: ChatBody, kind:
         if gate is not None:
             options.structured.start_after_token_id = gate
     salt = body.cache_salt or request.headers.get("x-cache-salt")
-    try:
-        _, streams = await submit_all(model, [prompt_ids], options, kind=kind,
-                                      priority=body.priority, cache_salt=salt,
-                                      deadline=deadline)
-    except OptionError as exc:
-        raise APIError(400, str(exc), param=exc.param) from None
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from None
+    streams = await submit_prompts(model, [prompt_ids], options, kind=kind,
+                                   priority=body.priority, cache_salt=salt, deadline=deadline)
     return ChatTurn(streams, plan, parser, len(prompt_ids))
 
 

@@ -23,6 +23,7 @@ from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.pooling_schemas import ClassifyBody, EmbeddingBody, RerankBody, ScoreBody
 from kserve_paged.request_options import OptionError
 from kserve_paged.served import ServedModel
+from kserve_paged_engine.frontend.async_llm import RequestStream
 from kserve_paged_engine.pooling_params import PoolingParams
 from kserve_paged_engine.sampling_params import SamplingParams
 
@@ -54,26 +55,31 @@ async def _tokens(model: ServedModel, prompt: str | list[int], pair: str | None 
 async def pool(model: ServedModel, prompts: list[list[int]], params: PoolingParams,
                deadline: float | None = None) -> list[torch.Tensor]:
     """Every prompt through the engine at once (all queued, then awaited), each aborted at the
-    request's `deadline` (admission.py): their results."""
-    streams = []
+    request's `deadline` (admission.py): their results. However this ends (a refused prompt, a
+    failed one, a client gone: kserve_paged/middleware.py cancels it), no prompt of the
+    request is left queued."""
+    streams: list[RequestStream] = []
     try:
         for ids in prompts:
-            streams.append(await model.submit(ids, _PROMPT_ONLY, kind="pool",
-                                              deadline=deadline, pooling_params=params))
-    except ValueError as exc:
-        for s in streams:
-            s.close()
-        raise APIError(400, str(exc), param="input") from None
-    results = []
-    for stream in streams:
-        last = None
-        async for out in stream:
-            last = out
-        if last is None or last.error is not None or last.pooled is None:
-            why = last.error if last is not None else "no output"
-            raise APIError((last.error_status if last else None) or 500, str(why))
-        results.append(last.pooled)
-    return results
+            try:
+                streams.append(await model.submit(ids, _PROMPT_ONLY, kind="pool",
+                                                  deadline=deadline, pooling_params=params))
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="input") from None
+        return [await _pooled(stream) for stream in streams]
+    finally:
+        for stream in streams:
+            stream.close()  # a no-op for a finished one
+
+
+async def _pooled(stream: RequestStream) -> torch.Tensor:
+    last = None
+    async for out in stream:
+        last = out
+    if last is None or last.error is not None or last.pooled is None:
+        why = last.error if last is not None else "no output"
+        raise APIError((last.error_status if last else None) or 500, str(why))
+    return last.pooled
 
 
 def _usage(prompts: list[list[int]]) -> dict[str, int]:

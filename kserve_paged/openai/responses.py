@@ -73,9 +73,7 @@ async def create_response(model: ServedModel, request: Request, body: ResponsesB
 
     if body.stream:
         return ClosingStreamingResponse(_events(model, turn, build), turn.streams)
-    out = await whole_output(request, turn)
-    if out is None:
-        return Response(status_code=499)
+    out = await whole_output(turn)
     items, reasoning = _items(out.outputs[0], turn)
     status, reason = status_of(finish_reason(out.outputs[0]))
     return JSONResponse(build(items, status, _usage(model, out, reasoning), reason))

@@ -1,20 +1,19 @@
-"""Server-sent events, and aborting a request when its client goes away.
+"""Server-sent events, and the rule that a response's end, however it comes, aborts the
+engine requests it still holds.
 
-A client that disconnects gets its requests aborted: streaming through generator cancellation
-and :class:`ClosingStreamingResponse`, non-streaming by polling ``request.is_disconnected()``
-in :func:`until_disconnect`.
+A client that disconnects has its handler cancelled wherever it is (DisconnectAbortMiddleware,
+kserve_paged/middleware.py); the cancellation reaches the engine through what is here: a
+cancelled :func:`final_outputs` or :func:`merge` closes (aborts) every stream it reads, and
+:class:`ClosingStreamingResponse` closes them however a streamed response ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
@@ -22,9 +21,6 @@ from kserve_paged.openai.errors import APIError
 from kserve_paged_engine.frontend.async_llm import RequestStream
 from kserve_paged_engine.outputs import RequestOutput
 
-logger = logging.getLogger("kserve.paged.openai")
-
-DISCONNECT_POLL_S = 0.25
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE_EVENT = "data: [DONE]\n\n"
 
@@ -54,20 +50,6 @@ class ClosingStreamingResponse(StreamingResponse):
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()
-
-
-async def until_disconnect(request: Request, work: asyncio.Future[Any]) -> Any:
-    """Await ``work``; cancel it (which aborts its requests) if the client goes away."""
-    while True:
-        done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return work.result()
-        if await request.is_disconnected():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await work
-            logger.info("client disconnected; request aborted")
-            return None
 
 
 async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:

@@ -4,26 +4,21 @@ shapes, so waiting, checking and the aborted-request rule are written here once.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
-
-from fastapi import Request
 
 from kserve_paged.openai.chat_turn import ChatTurn
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.render import check_output, finish_reason
-from kserve_paged.openai.stream import final_outputs, until_disconnect
+from kserve_paged.openai.stream import final_outputs
 from kserve_paged.openai.turn import TurnPiece, TurnStream
 from kserve_paged_engine.frontend.async_llm import EngineDeadError
 from kserve_paged_engine.outputs import RequestOutput
 
 
-async def whole_output(request: Request, turn: ChatTurn) -> RequestOutput | None:
-    """The turn's finished output, checked (a failed request raises its APIError); None when
-    the client went away first."""
-    finals = await until_disconnect(request, asyncio.ensure_future(final_outputs(turn.streams)))
-    if finals is None:
-        return None
+async def whole_output(turn: ChatTurn) -> RequestOutput:
+    """The turn's finished output, checked (a failed request raises its APIError). A client
+    that goes away cancels this (kserve_paged/middleware.py), which aborts the turn."""
+    finals = await final_outputs(turn.streams)
     check_output(finals[0])
     return finals[0]
 
