@@ -79,6 +79,25 @@ def test_another_model_or_dtype_gets_another_folder():
     assert a.parent == Path("/mnt/kv")
 
 
+def test_the_model_identity_is_its_content_not_its_path(tmp_path: Path):
+    """A model folder moved keeps its tier; new weights at the same path get another one."""
+    import shutil
+
+    from kserve_paged_engine.core.kv_tier.identity import model_digest
+
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "config.json").write_text("{}")
+    (a / "model.safetensors").write_bytes(b"weights")
+    (a / ".cache").mkdir()  # what the loader never reads does not count
+    shutil.copytree(a, tmp_path / "b")
+    same = model_digest(str(a))
+    assert model_digest(str(tmp_path / "b")) == same
+    (a / "model.safetensors").write_bytes(b"other weights")
+    assert model_digest(str(a)) != same
+    assert model_digest(str(a), "dummy", 0) != model_digest(str(a), "dummy", 1)
+
+
 def test_tier_moves_are_kv_events_with_the_tier_medium(tmp_path: Path):
     import msgpack  # a dependency (pyproject.toml): missing, the test must fail
 

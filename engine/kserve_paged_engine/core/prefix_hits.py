@@ -42,11 +42,12 @@ def extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
     """What besides tokens keys a block, in vLLM's order: the adapter on every block, the
     cache salt on the first (so on the whole chain); a prefix never hits across either.
 
-    vLLM keys an adapter by its name; here it is `lora_int_id`, which a reload under the same
-    name changes, so blocks computed with the old weights are never hit by the new ones."""
+    vLLM keys an adapter by its name; here it is its content digest (`LoRARequest.cache_key`),
+    so blocks computed with other weights (a reload of changed files, another adapter given
+    the same id after a restart, whose blocks a kept KV tier still holds) are never hit."""
     keys: list[Any] = []
     if request.lora_request is not None:
-        keys.append(request.lora_request.lora_int_id)
+        keys.append(request.lora_request.cache_key)
     if block_index == 0 and request.cache_salt:
         keys.append(request.cache_salt)
     return tuple(keys) if keys else None

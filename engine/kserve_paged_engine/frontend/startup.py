@@ -21,6 +21,7 @@ from kserve_paged_engine.core.kv_groups import KVLayout
 from kserve_paged_engine.core.kv_sizing import KVCacheSize, kv_bytes_per_block, size_kv_cache
 from kserve_paged_engine.core.kv_tier.disk import DiskTier, tier_folder
 from kserve_paged_engine.core.kv_tier.host import HostTier
+from kserve_paged_engine.core.kv_tier.identity import model_digest, tier_identity
 from kserve_paged_engine.model_executor.model_facts import ModelFacts
 from kserve_paged_engine.worker.kv_host_copy import make_copier
 from kserve_paged_kernels import kv_formats
@@ -262,8 +263,9 @@ def kv_tier(config: EngineConfig, hasher: BlockHasher, model_path: str, dtype: t
             device: torch.device, layout: KVLayout, model: Any) -> DiskTier | HostTier | None:
     """The second KV tier --kv_transfer_config asks for (the cache manager's and runner's): host
     memory (on a GPU) above a disk folder named by everything the bytes depend on besides the
-    block hash (model, dtype, KV cache dtype, layout, block size, hash algorithm and seed), so
-    another model's blocks never match; either one alone."""
+    block hash (the model's content, dtype, KV cache dtype, layout, block size, hash algorithm
+    and seed: engine/kserve_paged_engine/core/kv_tier/identity.py), so another model's or
+    checkpoint's blocks never match; either one alone."""
     cfg = config.kv_transfer_config
     if not isinstance(cfg, KVTierConfig):
         return None
@@ -275,12 +277,13 @@ def kv_tier(config: EngineConfig, hasher: BlockHasher, model_path: str, dtype: t
     plan = tier_plan(cfg, device.type, block_bytes)
     tier: DiskTier | HostTier | None = None
     if plan.fs is not None:
-        identity = "|".join(map(str, (os.path.realpath(model_path), dtype, kv_dtype,
-                                      layout.group_size, model.num_kv_heads, model.head_dim,
-                                      bs, hasher.algo, hasher.root.hex())))
+        identity, fmt = tier_identity(
+            model_digest(model_path, config.load_format, config.seed),
+            str(dtype).removeprefix("torch."), kv_dtype, config.quantization, bs,
+            layout.group_size, model.num_kv_heads, model.head_dim, hasher.algo, hasher.root)
         tier = DiskTier(tier_folder(plan.fs.root_dir, identity), block_bytes,
-                      plan.fs.capacity_bytes, bs, keep_files=hasher.seed is not None,
-                      policy=cfg.eviction_policy)
+                        plan.fs.capacity_bytes, bs, keep_files=hasher.seed is not None,
+                        policy=cfg.eviction_policy, fmt=fmt)
         logger.info("KV tier: %s, %d blocks of %.2f MiB (%d already there)", tier.folder,
                     tier.capacity_blocks, block_bytes / 2**20, tier.num_blocks)
     if plan.host_bytes is not None:

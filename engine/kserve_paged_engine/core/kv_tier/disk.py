@@ -1,12 +1,17 @@
 """The second KV tier: prefix blocks evicted from the pool, kept on local disk by their key.
 
 On a CPU server the pool already lives in host memory, so the tier below it is a folder (an
-emptyDir or a PVC): one checksummed file per block (engine/kserve_paged_engine/core/kv_tier/files.py). The key is
-the prefix cache's own block hash (engine/kserve_paged_engine/core/block_hash.py), which already covers the tokens
-of the whole chain, the LoRA adapter and the cache salt; the folder is named by what else the
-bytes depend on (model, KV dtype, layout, block size, hash algorithm), so a tier written by
-another model or dtype is never read. The tier keeps at most `capacity_bytes`; which block
-leaves first is the eviction policy's (LRU or ARC, engine/kserve_paged_engine/core/kv_tier/policy.py). What the policy decides (which evicted blocks to keep,
+emptyDir or a PVC): one checksummed file per block (engine/kserve_paged_engine/core/kv_tier/files.py), written by
+a thread (writer.py). The key is the prefix cache's own block hash
+(engine/kserve_paged_engine/core/block_hash.py), which already covers the tokens of the whole chain, the LoRA
+adapter's content and the cache salt; the folder is named by what else the bytes depend on
+(the model's content, dtype, KV dtype, layout, block size, hash algorithm: identity.py), and
+every file's header names it too, so a tier written by another model, checkpoint or dtype is
+never read. The folder is untrusted: it is opened once without following a link, and an entry
+that is not a block file of this tier (a link, a folder, a FIFO, a file of the wrong size or
+name) is skipped at start-up and a miss later, never a crash. The tier keeps at most
+`capacity_bytes`; which block leaves first is the eviction policy's (LRU or ARC,
+engine/kserve_paged_engine/core/kv_tier/policy.py). What the policy decides (which evicted blocks to keep,
 which blocks a lookup may take) lives here and in kv_cache_manager.py; the byte copies out of
 and into the KV tensors are the model runner's (engine/kserve_paged_engine/worker/kv_tier_copy.py).
 """
@@ -15,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
+import stat
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -23,9 +30,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kserve_paged_engine.core.kv_events import BlockRemoved, BlockStored, KVCacheEvent
-from kserve_paged_engine.core.kv_tier.files import BlockWriter, block_path, read_block
+from kserve_paged_engine.core.kv_tier.files import (
+    BLOCK_SUFFIX,
+    HEADER_BYTES,
+    TMP_SUFFIX,
+    BlockFormat,
+    block_name,
+    open_folder,
+    read_block,
+    remove_entry,
+)
 from kserve_paged_engine.core.kv_tier.measured_rate import MeasuredRate
 from kserve_paged_engine.core.kv_tier.policy import make_policy
+from kserve_paged_engine.core.kv_tier.writer import BlockWriter
 
 logger = logging.getLogger("kserve_paged_engine")
 
@@ -55,14 +72,34 @@ def tier_folder(root_dir: str, identity: str) -> Path:
     return Path(root_dir) / hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
+def _key_of(name: str) -> bytes | None:
+    """The 32-byte key a block file's name spells, or None."""
+    try:
+        key = bytes.fromhex(name[:-len(BLOCK_SUFFIX)])
+    except ValueError:
+        return None
+    return key if len(key) == 32 else None
+
+
 class DiskTier:
     """The block index (LRU order), the files behind it and the blocks read for this step."""
 
     def __init__(self, folder: Path, block_bytes: int, capacity_bytes: int | None = None,
-                 block_size: int = 16, keep_files: bool = True, policy: str = "lru") -> None:
+                 block_size: int = 16, keep_files: bool = True, policy: str = "lru",
+                 fmt: BlockFormat | None = None) -> None:
         """`keep_files` False: forget any earlier process's files (their keys cannot match:
-        without PYTHONHASHSEED the block hashes are random per process)."""
-        folder.mkdir(parents=True, exist_ok=True)
+        without PYTHONHASHSEED the block hashes are random per process). `fmt`: what this
+        tier's blocks were computed for, the header every file must start with."""
+        self.dir_fd = open_folder(folder)
+        try:
+            self._build(folder, block_bytes, capacity_bytes, block_size, keep_files, policy,
+                        fmt or BlockFormat())
+        except BaseException:
+            os.close(self.dir_fd)
+            raise
+
+    def _build(self, folder: Path, block_bytes: int, capacity_bytes: int | None,
+               block_size: int, keep_files: bool, policy: str, fmt: BlockFormat) -> None:
         if capacity_bytes is None:
             capacity_bytes = int(shutil.disk_usage(folder).free * FREE_SPACE_SHARE)
         self.capacity_blocks = capacity_bytes // block_bytes
@@ -72,6 +109,7 @@ class DiskTier:
         self.folder = folder
         self.block_bytes = block_bytes
         self.block_size = block_size
+        self.format = fmt.pack()
         self.index = make_policy(policy, self.capacity_blocks)  # the keys kept, in policy order
         # Blocks read and checked by lookups, most recent last: a request that waits at the
         # head of the queue looks its prefix up every step and must not read it every time.
@@ -79,27 +117,52 @@ class DiskTier:
         self._staged_bytes = 0
         self.events: list[KVCacheEvent] = []
         self.stats = TierStats()
-        self.writer = BlockWriter(folder)
         self.read_rate = MeasuredRate(DEFAULT_READ_BPS)  # file reads and checks, bytes/s
         # Keys of swapped-out requests' blocks (engine/kserve_paged_engine/core/kv_tier/swap.py): kept and evicted like
         # any block, but no prefix of anyone else's, so never announced in KV events.
         self.private: set[bytes] = set()
         self._scan(keep_files)
+        self.writer = BlockWriter(self.dir_fd, self.format)
 
     def _scan(self, keep: bool) -> None:
-        """Index the files an earlier process left (oldest first), or delete them."""
-        files = sorted(self.folder.glob("*.kv"), key=lambda p: p.stat().st_mtime)
-        for path in files:
-            try:
-                key = bytes.fromhex(path.stem)
-            except ValueError:
-                continue
-            if keep and len(key) == 32 and len(self.index) < self.capacity_blocks:
-                self.index.insert(key)
-            else:
-                path.unlink(missing_ok=True)
-        for tmp in self.folder.glob("*.tmp"):
-            tmp.unlink(missing_ok=True)
+        """Index the block files an earlier process left (oldest first), or delete them.
+        Left temporary files go; an entry under a block's name that cannot be one of this
+        tier's (a link, a FIFO, a file of another size, a bad name) is removed and counted
+        corrupt, a folder only counted: nothing found here stops the start."""
+        found: list[tuple[float, bytes]] = []
+        bad: list[str] = []
+        with os.scandir(self.dir_fd) as entries:
+            for entry in entries:
+                name = entry.name
+                if name.endswith(TMP_SUFFIX):
+                    remove_entry(self.dir_fd, name)
+                    continue
+                if not name.endswith(BLOCK_SUFFIX):
+                    continue  # not the tier's: left alone
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # gone since listed (another writer)
+                key = _key_of(name)
+                if (key is None or not stat.S_ISREG(st.st_mode)
+                        or st.st_size != HEADER_BYTES + self.block_bytes):
+                    bad.append(name)
+                elif keep:
+                    found.append((st.st_mtime, key))
+                else:
+                    remove_entry(self.dir_fd, name)
+        for name in bad:
+            remove_entry(self.dir_fd, name)
+        if bad:
+            self.stats.corrupt += len(bad)
+            logger.warning("KV tier: %d entries in %s are not block files of this tier (a "
+                           "link, a folder, a FIFO, a file of another size or name), skipped; "
+                           "e.g. %s", len(bad), self.folder, ", ".join(sorted(bad)[:3]))
+        found.sort()
+        for _, key in found[:self.capacity_blocks]:
+            self.index.insert(key)
+        for _, key in found[self.capacity_blocks:]:
+            remove_entry(self.dir_fd, block_name(key))
 
     @property
     def num_blocks(self) -> int:
@@ -191,13 +254,14 @@ class DiskTier:
         t0 = time.perf_counter()
         payload = self.writer.peek(key)
         if payload is None:
-            payload = read_block(block_path(self.folder, key), key, self.block_bytes)
+            payload = read_block(self.dir_fd, key, self.block_bytes, self.format)
             if payload is not None:
                 self.read_rate.observe(len(payload), time.perf_counter() - t0)
         self.stats.read_s += time.perf_counter() - t0
         if payload is None:
             self.stats.corrupt += 1
-            logger.warning("KV tier: block %s is missing or corrupt: a miss", key.hex()[:16])
+            logger.warning("KV tier: block %s is missing, corrupt or of another model or "
+                           "layout: a miss", key.hex()[:16])
             self.index.remove(key)
             self.writer.delete(key)
             self._removed(key)
@@ -241,3 +305,4 @@ class DiskTier:
     def close(self) -> None:
         self.writer.flush()
         self.writer.close()
+        os.close(self.dir_fd)
