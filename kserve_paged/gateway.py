@@ -5,6 +5,9 @@ the access log.
   is the model's own name, reported in the metrics' `model_name` label.
 - `--api_key` (or `$VLLM_API_KEY`): auth.py's middleware, outermost, over every route;
   refused with KServe's gRPC server on (it has no authentication: `--enable_grpc false`).
+- `--model_control_key` (or `$KSERVE_PAGED_MODEL_CONTROL_KEY`): turns KServe's model
+  repository routes on, behind this key alone (model_control.py); it must differ from the API
+  key, and is refused with gRPC on too.
 - `--ssl_certfile` / `--ssl_keyfile` (KServe's flags): HTTPS on the HTTP port;
   `--ssl_ca_certs`: clients must show a certificate that CA signed; `--enable_ssl_refresh`:
   KServe's certificate refresher (kserve/protocol/rest/ssl_cert_refresher.py) reloads the
@@ -25,6 +28,7 @@ from typing import Any
 
 from kserve_paged.access_log import parse_paths, skip_access_log
 from kserve_paged.tracing import RequestTracer, detail_levels
+from kserve_paged_kernels import settings
 
 API_KEY_ENV = "VLLM_API_KEY"
 
@@ -32,6 +36,12 @@ API_KEY_ENV = "VLLM_API_KEY"
 def api_key(args: argparse.Namespace) -> str | None:
     """The key every protected route asks for: the flag, else `$VLLM_API_KEY`, else None."""
     return getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
+
+
+def model_control_key(args: argparse.Namespace) -> str | None:
+    """The key of the model repository routes: the flag, else
+    `$KSERVE_PAGED_MODEL_CONTROL_KEY` (kernels' settings.py), else None (model control off)."""
+    return getattr(args, "model_control_key", None) or settings.model_control_key()
 
 
 def served_names(args: argparse.Namespace) -> list[str]:
@@ -63,6 +73,19 @@ def check_gateway_args(args: argparse.Namespace) -> str | None:
     if api_key(args) and getattr(args, "enable_grpc", False):
         return ("--api-key (or $VLLM_API_KEY) guards the HTTP routes only, and KServe's gRPC "
                 "server has no authentication: add --enable_grpc false")
+    return _check_model_control_key(args)
+
+
+def _check_model_control_key(args: argparse.Namespace) -> str | None:
+    control = model_control_key(args)
+    if getattr(args, "model_control_key", None) == "":
+        return "--model-control-key is empty: an empty key would let everyone in"
+    if control and control == api_key(args):
+        return ("--model-control-key equals the --api-key: model control needs a key of its "
+                "own, not the inference key")
+    if control and getattr(args, "enable_grpc", False):
+        return ("--model-control-key guards the HTTP routes only, and KServe's gRPC server "
+                "has no authentication: add --enable_grpc false")
     return None
 
 

@@ -48,6 +48,11 @@ def add_gateway_flags(parser: argparse.ArgumentParser, d: dict[str, Any]) -> Non
     served.add_argument("--api_key", default=None,
                         help="Bearer token required on every inference, tokenizer and adapter "
                              "route (or $VLLM_API_KEY); health, readiness and metrics stay open.")
+    served.add_argument("--model_control_key", default=None,
+                        help="Bearer token of KServe's model repository routes (POST "
+                             "/v2/repository/models/NAME/load and /unload), which are off (403) "
+                             "without it (or $KSERVE_PAGED_MODEL_CONTROL_KEY); never the "
+                             "--api-key. Unloading the model stops it until a restart.")
     served.add_argument("--ssl_ca_certs", default=None,
                         help="CA bundle: clients must present a certificate it signed (mTLS).")
     served.add_argument("--enable_ssl_refresh", action=BoolFlag, default=False,
@@ -58,6 +63,11 @@ def add_gateway_flags(parser: argparse.ArgumentParser, d: dict[str, Any]) -> Non
     served.add_argument("--collect_detailed_traces", default=None,
                         help="vLLM's detail switch (model, worker or all): the request span "
                              "then carries queue, prefill and decode times.")
+    _add_chat_flags(parser)
+
+
+def _add_chat_flags(parser: argparse.ArgumentParser) -> None:
+    """How chat requests are read and answered: reasoning, template arguments, defaults."""
     chat = parser.add_argument_group("chat")
     chat.add_argument("--reasoning_parser", default=None, choices=REASONING_PARSERS,
                       help="Split a thinking model's output into message.reasoning and "

@@ -5,8 +5,13 @@ to name any folder: the path has to lie under one of the configured roots (defau
 model-storage mount ``/mnt/models`` and ``/mnt/lora``, where KServe mounts adapters). The check
 is on the fully resolved path: ``..`` and symbolic links are resolved first, so a link inside a
 root that points out of it is refused, and a link that stays inside is fine. The engine then
-reads the resolved path, never following a link in its last component (engine/kserve_paged_engine/lora/adapter.py),
-so a link swapped in after this check is not followed either.
+opens the resolved folder once, following no link on the way, holds it open and reads every
+file through it (engine/kserve_paged_engine/lora/folder.py), checking at each read, the re-read
+after an eviction included, that the folder still lies under the same roots: a link swapped in
+after this check is never followed.
+
+Whether runtime loads are on at all: ``--enable_lora_runtime_updates``, or vLLM's switch
+``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (``1`` or ``true``), which a vLLM user already sets.
 """
 
 from __future__ import annotations
@@ -14,16 +19,20 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from kserve_paged_engine.lora.folder import inside as _inside
+
 DEFAULT_LORA_ROOTS = ("/mnt/models", "/mnt/lora")
 MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
+RUNTIME_UPDATES_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 class AdapterPathError(ValueError):
     """The path is not one the server may read (answered 400)."""
 
 
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+def runtime_updates_from_env() -> bool:
+    """vLLM's reading of ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING``: on for ``1`` or ``true``."""
+    return os.environ.get(RUNTIME_UPDATES_ENV, "0").strip().lower() in ("1", "true")
 
 
 def confine(path: object, roots: Sequence[str]) -> str:

@@ -1,7 +1,9 @@
 """vLLM's runtime adapter routes: ``POST {prefix}/load_lora_adapter`` and
 ``/unload_lora_adapter`` with ``{"lora_name", "lora_path"}``, answered by the base model
-(``PagedLLMModel.load_lora`` / ``unload_lora``); 404 with a message unless the server was
-started with ``--enable_lora_runtime_updates``."""
+(``PagedLLMModel.load_lora`` / ``unload_lora``), under ``/openai/v1`` (KServe's OpenAI prefix)
+and ``/v1`` (vLLM's own paths, where a vLLM client calls them); 404 with a message unless the
+server was started with ``--enable_lora_runtime_updates`` (or vLLM's
+``$VLLM_ALLOW_RUNTIME_LORA_UPDATING``, lora_paths.py)."""
 
 from __future__ import annotations
 
@@ -17,13 +19,17 @@ from kserve_paged.lora_paths import DEFAULT_LORA_ROOTS, AdapterPathError, confin
 from kserve_paged.model import PagedLLMModel
 from kserve_paged.openai.errors import ERROR_SCHEMA
 
+# KServe's OpenAI prefix, and vLLM's own (its api_server's /v1/load_lora_adapter).
+LORA_PREFIXES = ("/openai/v1", "/v1")
+
 
 def register_lora_routes(app: FastAPI, model: PagedLLMModel, *, runtime_updates: bool,
-                         prefix: str = "/openai/v1",
+                         prefixes: Sequence[str] = LORA_PREFIXES,
                          roots: Sequence[str] = DEFAULT_LORA_ROOTS) -> None:
-    """``POST {prefix}/load_lora_adapter`` and ``/unload_lora_adapter`` with
-    ``{"lora_name", "lora_path"}``; 404 with a message while runtime updates are off. A
-    ``lora_path`` must resolve under one of ``roots`` (lora_paths.py), else 400."""
+    """``POST {prefix}/load_lora_adapter`` and ``/unload_lora_adapter`` under each of
+    ``prefixes`` with ``{"lora_name", "lora_path"}``; 404 with a message while runtime
+    updates are off. A ``lora_path`` must resolve under one of ``roots`` (lora_paths.py),
+    else 400; the engine holds the adapter to the same roots at every later read."""
     roots = tuple(roots)
 
     async def body_of(request: Request) -> dict[str, Any]:
@@ -50,7 +56,7 @@ def register_lora_routes(app: FastAPI, model: PagedLLMModel, *, runtime_updates:
             if not isinstance(name, str) or not name:
                 raise LoRAError(400, "lora_name must be a non-empty string")
             path = await asyncio.to_thread(confine, body.get("lora_path"), roots)
-            await model.load_lora(name, path)
+            await model.load_lora(name, path, roots=roots)
         except AdapterPathError as exc:
             return _error(400, str(exc))
         except LoRAError as exc:
@@ -68,10 +74,11 @@ def register_lora_routes(app: FastAPI, model: PagedLLMModel, *, runtime_updates:
             return _error(exc.status, str(exc))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
-    app.add_api_route(f"{prefix}/load_lora_adapter", load, methods=["POST"],
-                      tags=["LoRA"], openapi_extra=_operation(with_path=True))
-    app.add_api_route(f"{prefix}/unload_lora_adapter", unload, methods=["POST"],
-                      tags=["LoRA"], openapi_extra=_operation(with_path=False))
+    for prefix in prefixes:
+        app.add_api_route(f"{prefix}/load_lora_adapter", load, methods=["POST"],
+                          tags=["LoRA"], openapi_extra=_operation(with_path=True))
+        app.add_api_route(f"{prefix}/unload_lora_adapter", unload, methods=["POST"],
+                          tags=["LoRA"], openapi_extra=_operation(with_path=False))
 
 
 def _operation(with_path: bool) -> dict[str, Any]:

@@ -29,6 +29,9 @@ V2_ERRORS = {
     "500": "Generation failed",
     "503": "Not ready: loading, failed or shutting down",
 }
+# KServe's model repository routes, model control (kserve_paged/model_control.py).
+_CONTROL_ERRORS = {"401": "Missing or wrong model control key (--model_control_key)",
+                   "403": "Model control is off (no --model_control_key)"}
 _BODILESS_GET = ("400", "404", "503")  # a GET reads no body and queues nothing
 
 
@@ -48,7 +51,8 @@ def document_errors(app: FastAPI) -> None:
             return app.openapi_schema
         doc = generate()
         for path, ops in doc.get("paths", {}).items():
-            if path.startswith(("/openai/", "/v1/messages")):
+            if path.startswith(("/openai/", "/v1/messages", "/v1/load_lora_adapter",
+                                "/v1/unload_lora_adapter")):
                 continue  # documented where they are registered, in their protocols' shapes
             openai_shaped = path in _OPENAI_SHAPED
             for method, op in ops.items():
@@ -64,10 +68,12 @@ def document_errors(app: FastAPI) -> None:
                                         "content": {"application/json": {"schema": _MODELS}}}
                 responses.pop("422", None)
                 codes = _BODILESS_GET if method == "get" else tuple(V2_ERRORS)
+                if path.startswith("/v2/repository/"):
+                    codes = (*codes, *_CONTROL_ERRORS)
                 schema = OPENAI_ERROR_SCHEMA if openai_shaped else V2_ERROR_SCHEMA
                 for code in codes:
                     responses.setdefault(code, {
-                        "description": V2_ERRORS[code],
+                        "description": V2_ERRORS.get(code) or _CONTROL_ERRORS[code],
                         "content": {"application/json": {"schema": schema}}})
         app.openapi_schema = doc
         return doc

@@ -12,6 +12,7 @@ from starlette.routing import Route
 from kserve_paged.args import parse_args
 from kserve_paged.auth import is_open
 from kserve_paged.gateway import api_key, check_gateway_args, served_names
+from kserve_paged.model_control import is_control_path
 from tests.helpers.server import NAME, client, ready, run
 
 KEY = "k-123"
@@ -56,10 +57,16 @@ def test_every_route_but_health_readiness_and_metrics_needs_the_key():
         app, model, _ = await ready(api_key=KEY)
         routes = _routes(app)
         assert len(routes) > 30
-        opened = set()
+        opened, controlled = set(), set()
         async with client(app) as c:
             for method, route, path in routes:
                 bare = await c.request(method, path, json={})
+                if is_control_path(path):  # their own key, off without it (model_control.py)
+                    controlled.add(route)
+                    inference_key = await c.request(method, path, json={}, headers={
+                        "authorization": f"Bearer {KEY}"})
+                    assert bare.status_code == inference_key.status_code == 403, route
+                    continue
                 if is_open(method, path):
                     opened.add((method, route))
                     assert bare.status_code != 401, (method, route)
@@ -77,6 +84,8 @@ def test_every_route_but_health_readiness_and_metrics_needs_the_key():
                 messages = path.startswith(("/v1/messages", "/openai/v1/messages"))
                 assert (anthropic.status_code != 401) == messages, (method, route)
         assert opened == OPEN
+        assert controlled == {"/v2/repository/models/{model_name}/load",
+                              "/v2/repository/models/{model_name}/unload"}
         protected = {r for _, r, _ in routes} - {r for _, r in OPEN}
         for must in ("/v1/completions", "/v1/chat/completions", "/openai/v1/completions",
                      "/v2/models/{model_name}/infer", "/v1/models/{model_name}:predict",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 from fastapi import FastAPI
@@ -22,12 +23,16 @@ from kserve_paged_engine.frontend.async_llm import AsyncLLM
 PROMPT = list(range(100, 120))
 
 
-def build_lora_app(base: Path, roots: list[str], lora_modules: list[tuple[str, str]] | None = None
+def build_lora_app(base: Path, roots: list[str], lora_modules: list[tuple[str, str]] | None = None,
+                   *, names: list[str] | None = None, **engine: Any
                    ) -> tuple[FastAPI, PagedLLMModel, httpx.AsyncClient]:
     """Model "base" with adapter "a1" from ``<first root>/a1`` unless ``lora_modules`` says
-    otherwise; runtime loads confined to ``roots``."""
-    config = EngineConfig(model=str(base), enable_lora=True, max_loras=2, max_lora_rank=8,
-                          num_kv_blocks=128, max_model_len=128)
+    otherwise; runtime loads confined to ``roots``; also served under the further ``names``
+    (KServe model aliases too, as server.serve registers them); ``engine``: EngineConfig
+    options over the defaults here."""
+    options: dict[str, Any] = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
+                               "num_kv_blocks": 128, "max_model_len": 128, **engine}
+    config = EngineConfig(model=str(base), **options)
     modules = lora_modules if lora_modules is not None else [("a1", f"{roots[0]}/a1")]
     model = PagedLLMModel("base", config, llm=AsyncLLM(config),
                           metrics=EngineMetrics("base", registry=CollectorRegistry()),
@@ -35,9 +40,11 @@ def build_lora_app(base: Path, roots: list[str], lora_modules: list[tuple[str, s
     model.load()
     registry = ModelRepository()
     registry.update(model)
+    for alias in (names or [])[1:]:
+        registry.update(model, alias)
     model.repository = registry
     app = FastAPI()
-    srv.install(app, model, lora_runtime_updates=True, lora_roots=roots)
+    srv.install(app, model, lora_runtime_updates=True, lora_roots=roots, names=names)
     rest = RESTServer("kserve.model_server:app", DataPlane(model_registry=registry),
                       ModelRepositoryExtension(model_registry=registry), 0)
     rest._register_endpoints(app)

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kserve_paged_engine.lora.digest import content_digest
+from kserve_paged_engine.lora.folder import AdapterFolder
 from kserve_paged_engine.lora.safe_read import (
     DTYPE_BYTES,
     MAX_HEADER_BYTES,
@@ -49,15 +52,17 @@ class LoRAAdapter:
     rank: int
     # (layer index, fused module path inside the layer) -> weights.
     weights: dict[tuple[int, str], LoRAWeights] = field(default_factory=dict)
+    digest: str = ""  # of the files' content (digest.py): what keys its blocks
 
     @property
     def nbytes(self) -> int:
         return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
 
 
-def _read_config(folder: Path) -> dict[str, Any]:
+def _read_config(source: AdapterFolder) -> dict[str, Any]:
+    folder = Path(source.path)
     try:
-        cfg = read_config(folder)
+        cfg = read_config(folder, source.fd)
     except ValueError as exc:
         raise ValueError(f"LoRA adapter {folder}: {exc}") from None
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -94,24 +99,49 @@ def max_adapter_bytes(model: Any, max_rank: int) -> int:
     return model.num_layers * max_rank * per_layer * max(DTYPE_BYTES.values()) + MAX_HEADER_BYTES
 
 
-def load_adapter(name: str, path: str | Path, model: Any, max_rank: int) -> LoRAAdapter:
+def open_folder(name: str, path: str | Path, roots: Sequence[str] | None = None
+                ) -> AdapterFolder:
+    """The adapter's folder, opened once (folder.py), confined to ``roots`` if given;
+    ValueError naming the adapter."""
+    try:
+        return AdapterFolder(str(path), roots)
+    except ValueError as exc:
+        raise ValueError(f"LoRA adapter {name!r}: {exc}") from None
+
+
+def load_adapter(name: str, path: str | Path | AdapterFolder, model: Any,
+                 max_rank: int) -> LoRAAdapter:
     """Load and check an adapter for `model` (a LlamaForCausalLM); ValueError says what is
     wrong. Only safetensors weights are read (never a pickle), no larger than any adapter of
-    this model at ``max_rank`` could be (engine/kserve_paged_engine/lora/safe_read.py)."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ValueError(f"LoRA adapter {name!r}: {folder} is not a folder")
-    cfg = _read_config(folder)
+    this model at ``max_rank`` could be (engine/kserve_paged_engine/lora/safe_read.py). Given
+    an open AdapterFolder, its files are read through it (after its check); given a path, the
+    folder is opened for this one read."""
+    if isinstance(path, AdapterFolder):
+        try:
+            path.check()
+        except ValueError as exc:
+            raise ValueError(f"LoRA adapter {name!r}: {exc}") from None
+        return _load(name, path, model, max_rank)
+    source = open_folder(name, path)
+    try:
+        return _load(name, source, model, max_rank)
+    finally:
+        source.close()
+
+
+def _load(name: str, source: AdapterFolder, model: Any, max_rank: int) -> LoRAAdapter:
+    folder = Path(source.path)
+    cfg = _read_config(source)
     r, alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
     if not 1 <= r <= max_rank:
         raise ValueError(f"LoRA adapter {name!r}: rank {r} exceeds max_lora_rank {max_rank}")
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     weights_file = folder / "adapter_model.safetensors"
-    if not weights_file.exists() and (folder / "adapter_model.bin").exists():
+    if not source.has(weights_file.name) and source.has("adapter_model.bin"):
         raise ValueError(f"LoRA adapter {name!r}: only adapter_model.safetensors is read; "
                          "adapter_model.bin (a pickle) never is: convert it to safetensors")
     try:
-        tensors = read_safetensors(weights_file, max_adapter_bytes(model, max_rank))
+        tensors = read_safetensors(weights_file, max_adapter_bytes(model, max_rank), source.fd)
     except ValueError as exc:
         raise ValueError(f"LoRA adapter {name!r}: {exc} in {folder}") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -142,7 +172,7 @@ def load_adapter(name: str, path: str | Path, model: Any, max_rank: int) -> LoRA
         grouped.setdefault((layer, module), []).append((a, b, start, size))
     if not grouped:
         raise ValueError(f"LoRA adapter {name!r}: no LoRA tensors in {weights_file}")
-    adapter = LoRAAdapter(name, r)
+    adapter = LoRAAdapter(name, r, digest=content_digest(cfg, tensors))
     for (layer, module), shards in grouped.items():
         out = layers[layer].get_submodule(module).out_features
         a_all = torch.cat([a for a, _, _, _ in shards]).to(param.dtype)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kserve_paged_engine.lora.adapter import TARGETS, LoRAAdapter, load_adapter
+from kserve_paged_engine.lora.adapter import TARGETS, LoRAAdapter, load_adapter, open_folder
 from kserve_paged_engine.lora.batch import (
     LoRAStep,
     SlotStacks,
@@ -22,10 +22,21 @@ from kserve_paged_engine.lora.batch import (
     group_rows,
     sgmv_step,
 )
+from kserve_paged_engine.lora.folder import AdapterFolder
 from kserve_paged_engine.lora.request import LoRARequest
 from kserve_paged_kernels import cpu_native
 
 MODULES = tuple(dict.fromkeys(module for module, _ in TARGETS.values()))
+
+
+def _as_keyed(lora: LoRARequest, adapter: LoRAAdapter) -> LoRAAdapter:
+    """`adapter`, if its content is what the request's blocks are keyed by (its digest, set
+    at admission): files rewritten since, read again after an eviction, must not compute
+    blocks under the old content's key (lora/digest.py); ValueError then."""
+    if lora.content_digest is not None and lora.content_digest != adapter.digest:
+        raise ValueError(f"LoRA adapter {lora.lora_name!r}: its files changed since this "
+                         "request was admitted; send the request again")
+    return adapter
 
 
 class LoRAManager:
@@ -38,6 +49,9 @@ class LoRAManager:
         self.dtype = next(model.parameters()).dtype
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._known: dict[int, LoRARequest] = {}
+        # Each known adapter's folder, opened at its first load and read through at every
+        # re-read after an eviction (lora/folder.py): a path swapped later is never followed.
+        self._folders: dict[int, AdapterFolder] = {}
         self._step: LoRAStep | None = None
         # Stacked slots per adapter mix for the one-call kernels (`_stacks_for`).
         self._stack_cache: OrderedDict[tuple[int, ...], SlotStacks] = OrderedDict()
@@ -73,12 +87,22 @@ class LoRAManager:
         adapter = self._loaded.get(lora.lora_int_id)
         if adapter is not None:
             self._loaded.move_to_end(lora.lora_int_id)
-            return adapter
-        adapter = load_adapter(lora.lora_name, lora.lora_path, self.model, self.max_lora_rank)
+            return _as_keyed(lora, adapter)
+        folder = self._folders.get(lora.lora_int_id)
+        if folder is None:
+            folder = open_folder(lora.lora_name, lora.lora_path, lora.lora_roots)
+            try:
+                adapter = load_adapter(lora.lora_name, folder, self.model, self.max_lora_rank)
+            except BaseException:
+                folder.close()
+                raise
+            self._folders[lora.lora_int_id] = folder
+        else:  # evicted earlier: read again through the folder opened at the first load
+            adapter = load_adapter(lora.lora_name, folder, self.model, self.max_lora_rank)
         self._known[lora.lora_int_id] = lora
         self._loaded[lora.lora_int_id] = adapter
         self._evict(keep=set())
-        return adapter
+        return _as_keyed(lora, adapter)
 
     def _evict(self, keep: set[int]) -> None:
         for lora_id in list(self._loaded):
@@ -90,6 +114,9 @@ class LoRAManager:
 
     def remove(self, lora_int_id: int) -> bool:
         self._known.pop(lora_int_id, None)
+        folder = self._folders.pop(lora_int_id, None)
+        if folder is not None:
+            folder.close()
         self._stack_cache.clear()
         return self._loaded.pop(lora_int_id, None) is not None
 

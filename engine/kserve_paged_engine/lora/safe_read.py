@@ -1,7 +1,8 @@
 """Reading an adapter's files without trusting them.
 
 An adapter folder can come from a client (``load_lora_adapter``), so its files are read the way
-untrusted input is: opened without following a symbolic link in the last component, checked to
+untrusted input is: opened without following a symbolic link in the last component (relative to
+the folder's descriptor, ``dir_fd``, when the folder was opened once: folder.py), checked to
 be regular files of a bounded size (from ``fstat``, before a byte is read), and the weights
 parsed only as safetensors, whose header is checked (dtypes, shapes, offsets inside the file)
 before the tensors are made. A pickle (``adapter_model.bin``) is never opened.
@@ -21,13 +22,16 @@ MAX_HEADER_BYTES = 16 << 20  # a safetensors header (JSON); safetensors' own cap
 DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 
 
-def _open_regular(path: Path, max_bytes: int, what: str) -> tuple[int, int]:
-    """An fd on ``path`` (no link followed in its last component) and its size; ValueError
-    when it is a link, not a regular file, or larger than ``max_bytes``."""
+def _open_regular(path: Path, max_bytes: int, what: str,
+                  dir_fd: int | None = None) -> tuple[int, int]:
+    """An fd on ``path`` (no link followed in its last component; with ``dir_fd``, the file
+    of ``path``'s name in that folder) and its size; ValueError when it is a link, not a
+    regular file, or larger than ``max_bytes``."""
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer (regular files ignore it).
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-                     | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path if dir_fd is None else path.name,
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0),
+                     dir_fd=dir_fd)
     except FileNotFoundError:
         raise ValueError(f"no {what}") from None
     except OSError as exc:  # ELOOP: a symbolic link; EACCES; ...
@@ -57,9 +61,10 @@ def _read_exact(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_config(folder: Path) -> dict[str, Any]:
+def read_config(folder: Path, dir_fd: int | None = None) -> dict[str, Any]:
+    """adapter_config.json of ``folder`` (read through ``dir_fd``, the folder's, if given)."""
     fd, size = _open_regular(folder / "adapter_config.json", MAX_CONFIG_BYTES,
-                             "adapter_config.json")
+                             "adapter_config.json", dir_fd)
     try:
         text = _read_exact(fd, size)
     finally:
@@ -99,11 +104,12 @@ def _check_header(header: Any, data_bytes: int) -> None:
             raise ValueError(f"tensor {name[:100]!r}: its shape does not match its bytes")
 
 
-def read_safetensors(path: Path, max_bytes: int) -> dict[str, Any]:
-    """The tensors of safetensors file ``path`` (at most ``max_bytes``), header checked first."""
+def read_safetensors(path: Path, max_bytes: int, dir_fd: int | None = None) -> dict[str, Any]:
+    """The tensors of safetensors file ``path`` (at most ``max_bytes``; read through
+    ``dir_fd``, its folder's, if given), header checked first."""
     from safetensors.torch import load
 
-    fd, size = _open_regular(path, max_bytes, path.name)
+    fd, size = _open_regular(path, max_bytes, path.name, dir_fd)
     try:
         if size < 8:
             raise ValueError(f"{path.name} is not a safetensors file (too short)")
