@@ -31,8 +31,13 @@ from kserve_paged.flag_types import (
     positive_int,
 )
 from kserve_paged.gateway_flags import add_gateway_flags
-from kserve_paged.lora_paths import DEFAULT_LORA_ROOTS
+from kserve_paged.lora_paths import (
+    DEFAULT_LORA_ROOTS,
+    RUNTIME_UPDATES_ENV,
+    runtime_updates_from_env,
+)
 from kserve_paged.openai.tools import TOOL_CALL_PARSERS
+from kserve_paged.request_caps import add_request_cap_flags
 from kserve_paged.vllm_flags import add_vllm_spellings
 from kserve_paged_engine.config.engine import (
     CONVERTS,
@@ -225,7 +230,10 @@ def _add_lora_flags(lora: argparse._ArgumentGroup) -> None:
     lora.add_argument("--max_cpu_loras", type=positive_int, default=d["max_cpu_loras"],
                       help="Adapters kept loaded in memory (an LRU); default: --max_loras.")
     lora.add_argument("--enable_lora_runtime_updates", action="store_true",
-                      help="Allow POST /openai/v1/load_lora_adapter and /unload_lora_adapter.")
+                      default=runtime_updates_from_env(),
+                      help="Allow POST /openai/v1/load_lora_adapter and /unload_lora_adapter "
+                           "(and vLLM's /v1/ paths); also on with "
+                           f"${RUNTIME_UPDATES_ENV}=1 or true (vLLM's switch).")
     lora.add_argument("--lora_roots", nargs="*", default=list(DEFAULT_LORA_ROOTS),
                       metavar="FOLDER",
                       help="Folders a runtime-loaded adapter (load_lora_adapter) must lie "
@@ -275,6 +283,7 @@ def _add_server_flags(server: argparse._ArgumentGroup) -> None:
         help="Each structured-output constraint (JSON schema, regex, grammar, tools) is "
              "compiled in a worker process killed after this many seconds; that request "
              "alone then fails with 400.")
+    add_request_cap_flags(server)
     server.add_argument("--enable_auto_tool_choice", action="store_true",
                         help="Accepted for vLLM's command lines; auto tool choice is on "
                              "whenever --tool_call_parser is not none.")

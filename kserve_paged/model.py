@@ -19,6 +19,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from kserve import Model
@@ -27,9 +28,11 @@ from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from kserve_paged import v2
 from kserve_paged.admission import headers_deadline, queue_full
+from kserve_paged.generation_defaults import generation_defaults
 from kserve_paged.lora import AdapterModel, LoRAError
 from kserve_paged.metrics import EngineMetrics, MetricsObserver
-from kserve_paged.request_options import OptionError, SamplingRequest, generation_defaults
+from kserve_paged.request_caps import check_prompt_token_ids
+from kserve_paged.request_options import OptionError, SamplingRequest
 from kserve_paged.tracing import RequestTracer, request_attributes, request_headers
 from kserve_paged_engine import limits
 from kserve_paged_engine.config.engine import EngineConfig
@@ -87,6 +90,9 @@ class PagedLLMModel(Model):
         # KServe's model repository, where adapters are registered as v2 models (set by the
         # server; None: OpenAI routes only).
         self.repository: Any = None
+        # Every name the base model is served under (--served_model_name; set by the server's
+        # install): an adapter may take none of them.
+        self.served_names: tuple[str, ...] = (name,)
         self.tracer: RequestTracer | None = None  # --otlp-traces-endpoint (server.install)
 
     # -- lifecycle (see the module docstring) -----------------------------------------------
@@ -214,7 +220,8 @@ class PagedLLMModel(Model):
             ids = await asyncio.to_thread(info.tokenizer.encode, prompt,
                                           add_special_tokens=add_special_tokens)
             ids = list(ids)
-        else:
+        else:  # its length before anything reads the ids (--max_prompt_token_ids)
+            check_prompt_token_ids(len(prompt), info.max_model_len)
             ids = list(prompt)
         try:
             limits.check_prompt_ids(ids, info.vocab_size)
@@ -271,25 +278,41 @@ class PagedLLMModel(Model):
 
     # -- LoRA adapters, each served under its own name (lora.py) ----------------------------
 
-    async def load_lora(self, name: str, path: str) -> LoRARequest:
+    async def load_lora(self, name: str, path: str,
+                        roots: Sequence[str] | None = None) -> LoRARequest:
         """Load an adapter into the engine and serve it as `name`; LoRAError (400) if it
-        cannot."""
+        cannot. `roots`: the folders it must stay under at every read (a client's adapter,
+        lora_paths.py); None for the operator's."""
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise LoRAError(400, "lora_name and lora_path must be non-empty strings")
-        if name == self.name or name in self.loras:
-            raise LoRAError(400, f"The lora adapter '{name}' has already been loaded.")
-        lora = LoRARequest(name, next(_lora_ids), path)
+        self._check_adapter_name(name)
+        lora = LoRARequest(name, next(_lora_ids), path,
+                           tuple(roots) if roots is not None else None)
         try:
             await self.llm.add_lora(lora)
         except ValueError as exc:
             raise LoRAError(400, str(exc)) from None
-        self.alias_lora(name, lora)
+        try:
+            self.alias_lora(name, lora)
+        except LoRAError:  # a concurrent load took the name meanwhile
+            await self.llm.remove_lora(lora.lora_int_id)
+            raise
         return lora
+
+    def _check_adapter_name(self, name: str) -> None:
+        """LoRAError (400) unless `name` is free: not an adapter's already, and not a name
+        the base model is served under (one taken would hand that name's v2 traffic to the
+        adapter, and unloading the adapter would remove it)."""
+        if name in self.loras:
+            raise LoRAError(400, f"The lora adapter '{name}' has already been loaded.")
+        other = self.repository.get_model(name) if self.repository is not None else None
+        if name == self.name or name in self.served_names or other is not None:
+            raise LoRAError(400, f"'{name}' is a served model's name; a LoRA adapter "
+                            "cannot take it")
 
     def alias_lora(self, name: str, lora: LoRARequest) -> None:
         """Serve the loaded adapter `lora` under `name` too (v1/v2 in KServe's repository)."""
-        if name == self.name or name in self.loras:
-            raise LoRAError(400, f"The lora adapter '{name}' has already been loaded.")
+        self._check_adapter_name(name)
         self.loras[name] = lora
         if self.repository is not None:
             self.repository.update(AdapterModel(self, lora, name), name)

@@ -12,28 +12,23 @@ own defaults (generation_config.json).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kserve_paged import json_depth
+from kserve_paged.option_error import OptionError
+from kserve_paged.request_caps import check_option_sizes
 from kserve_paged.structured import (
     STRUCTURED_OPTION_NAMES,
     StructuredOptionError,
     structured_outputs_option,
 )
 from kserve_paged_engine.limits import LOGIT_BIAS_RANGE, MIN_MAX_TOKENS
-from kserve_paged_engine.sampling_params import SamplingParams, StructuredOutputs
-
-
-class OptionError(ValueError):
-    """A bad request option; ``param`` names it for OpenAI's error body."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+from kserve_paged_engine.output_constraints import StructuredOutputs
+from kserve_paged_engine.sampling_params import SamplingParams
 
 
 def as_int(name: str, value: Any, vocab_size: int | None = None) -> int:
@@ -101,8 +96,10 @@ def _as_token_ids(name: str, value: Any, vocab_size: int | None = None) -> list[
         value = [value]
     if not isinstance(value, (list, tuple)):
         raise OptionError(f"{name} must be a list of integers (got {value!r})", name)
-    ids = [as_int(name, v) for v in value]
-    if vocab_size is not None and any(t >= vocab_size for t in ids):
+    # A JSON list of ints (the usual case) is taken in C-speed passes, not one call per id.
+    ids = (list(value) if set(map(type, value)) <= {int}
+           else [as_int(name, v) for v in value])
+    if vocab_size is not None and ids and max(ids) >= vocab_size:
         raise OptionError(f"{name}: token ids must be below the vocabulary size "
                           f"({vocab_size})", name)
     return ids
@@ -114,7 +111,9 @@ def _as_logit_bias(name: str, value: Any, vocab_size: int | None = None) -> dict
     id the model does not have is a 400 here, not an entry the engine would quietly skip."""
     if isinstance(value, str):
         try:
-            value = json.loads(value) if value.strip() else {}
+            value = json_depth.loads(value, name) if value.strip() else {}
+        except json_depth.JSONTooDeep as exc:
+            raise OptionError(str(exc), name) from None
         except ValueError:
             raise OptionError(f"logit_bias must be a JSON object of token id -> bias (got "
                               f"{value[:100]!r})", name) from None
@@ -201,12 +200,19 @@ class SamplingRequest:
     values: Mapping[str, Any] = field(default_factory=dict)
     structured: StructuredOutputs | None = None
     default_max_tokens: int | None = None
+    # The prompts' SamplingParams are copies of one made per model defaults (params()): they
+    # share its lists and what the engine prepares from them, so a request's lists are checked
+    # and prepared once however many prompts it has (SamplingParams.shared).
+    _made: dict[int, tuple[SamplingRequest | None, SamplingParams]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, wire: Mapping[str, Any], *, vocab_size: int | None = None,
            default_max_tokens: int | None = None) -> SamplingRequest:
         """The options in ``wire`` (an OpenAI body's fields, v2 parameters); a name not in the
-        table is not ours to read; None means "not given"."""
+        table is not ours to read; None means "not given". Lists over the server's caps
+        are refused before they are read (request_caps.py)."""
+        check_option_sizes(wire, vocab_size=vocab_size)
         values = {name: option.coerce(name, wire[name], vocab_size)
                   for name, option in OPTIONS.items() if wire.get(name) is not None}
         structured = None
@@ -243,7 +249,14 @@ class SamplingRequest:
             # A default budget (not the client's) shrinks to what the context window leaves.
             requested = min(default_max, max_model_len - prompt_len)
         max_tokens = resolve_max_tokens(prompt_len, requested, max_model_len)
-        return _sampling_params(values, self.structured, max_tokens)
+        made = self._made.get(id(defaults))
+        if made is None or made[0] is not defaults:
+            made = self._made[id(defaults)] = (
+                defaults, _sampling_params(values, self.structured, None))
+        try:
+            return made[1].with_max_tokens(max_tokens)
+        except ValueError as exc:
+            raise _option_error(exc) from None
 
 
 def _sampling_params(values: dict[str, Any], structured: Any,
@@ -252,12 +265,16 @@ def _sampling_params(values: dict[str, Any], structured: Any,
     try:
         return SamplingParams(max_tokens=max_tokens, structured_outputs=structured, **values)
     except ValueError as exc:
-        message = str(exc)
-        # SamplingParams' messages name the option first ("...: top_p must be ..."); a plain
-        # substring search would blame "logprobs" for "prompt_logprobs".
-        named = re.search(r"parameter: (\w+)", message)
-        param = named.group(1) if named and named.group(1) in OPTIONS else None
-        raise OptionError(message, param) from None
+        raise _option_error(exc) from None
+
+
+def _option_error(exc: ValueError) -> OptionError:
+    message = str(exc)
+    # SamplingParams' messages name the option first ("...: top_p must be ..."); a plain
+    # substring search would blame "logprobs" for "prompt_logprobs".
+    named = re.search(r"parameter: (\w+)", message)
+    param = named.group(1) if named and named.group(1) in OPTIONS else None
+    return OptionError(message, param)
 
 
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
@@ -328,31 +345,3 @@ def unsupported_options(options: Mapping[str, Any],
         if not ok:
             bad.append("best_of")
     return bad
-
-
-# generation_config.json's sampling fields that become defaults (vLLM's list), by our names.
-GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                            "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                            "max_new_tokens": "max_tokens"}
-
-
-def generation_defaults(model_path: str | None) -> SamplingRequest:
-    """`--generation_config auto`: the sampling defaults the model's folder ships in
-    generation_config.json (none when it has none); a request's own values override them.
-    Its max_new_tokens is a default budget, never taken for the client's max_tokens."""
-    if not model_path:
-        return SamplingRequest()
-    from pathlib import Path
-
-    path = Path(model_path) / "generation_config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return SamplingRequest()
-    if not isinstance(config, dict):
-        return SamplingRequest()
-    found = {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items()
-             if config.get(theirs) is not None}
-    budget = found.pop("max_tokens", None)
-    ok = isinstance(budget, int) and not isinstance(budget, bool) and budget > 0
-    return SamplingRequest.of(found, default_max_tokens=budget if ok else None)

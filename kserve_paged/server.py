@@ -30,6 +30,7 @@ from kserve_paged.gateway import (
     api_key,
     check_gateway_args,
     make_tracer,
+    model_control_key,
     served_names,
 )
 from kserve_paged.lora_paths import DEFAULT_LORA_ROOTS
@@ -41,7 +42,14 @@ from kserve_paged.middleware import (
     V2VersionGuardMiddleware,
 )
 from kserve_paged.model import PagedLLMModel
+from kserve_paged.model_control import (
+    ModelControl,
+    ModelControlMiddleware,
+    ModelControlOff,
+    model_control_off_route,
+)
 from kserve_paged.openapi_doc import document_errors
+from kserve_paged.request_caps import caps_from_args, set_request_caps
 from kserve_paged.routes import register_routes
 from kserve_paged.shutdown import PagedModelServer
 from kserve_paged.tracing import RequestTracer, TraceContextMiddleware
@@ -118,6 +126,7 @@ def build_model(args: argparse.Namespace, argv: list[str]) -> PagedLLMModel:
     config = EngineConfig(model=model_path, **engine_kwargs(args))
     factory = engine_factory_from_env(config)  # test-only fault injection, off unless set
     llm = AsyncLLM(config, engine_factory=factory) if factory is not None else None
+    set_request_caps(caps_from_args(args))  # the flags every route checks requests against
     return PagedLLMModel(args.model_name, config, llm=llm, max_prompt_chars=args.max_prompt_chars,
                          tool_call_parser=args.tool_call_parser,
                          lora_modules=getattr(args, "lora_modules", None),
@@ -133,11 +142,14 @@ def install(app: FastAPI, model: PagedLLMModel, *,
             lora_runtime_updates: bool = False, names: list[str] | None = None,
             api_key: str | None = None, tracer: RequestTracer | None = None,
             lora_roots: Sequence[str] = DEFAULT_LORA_ROOTS,
-            request_timeout_s: float | None = None) -> None:
+            request_timeout_s: float | None = None,
+            model_control_key: str | None = None) -> None:
     """Our routes and middleware on KServe's app (before ModelServer.start adds its own):
     the model served under `names` (default: its own name), every route behind `api_key`
     when one is given, a span per request to `tracer` when one is given (gateway.py),
-    adapters loaded at run time only from `lora_roots`, a default deadline per request."""
+    adapters loaded at run time only from `lora_roots`, a default deadline per request, and
+    KServe's model repository routes off unless `model_control_key` (model_control.py)."""
+    model.served_names = tuple(names or [model.name])  # names no adapter may take
     app.add_middleware(DisconnectAbortMiddleware)
     app.add_middleware(DeadlineMiddleware, default_timeout_s=request_timeout_s)
     app.add_middleware(V2BinaryGuardMiddleware)
@@ -149,7 +161,10 @@ def install(app: FastAPI, model: PagedLLMModel, *,
         model.llm.add_step_callback(tracer)
         app.add_middleware(TraceContextMiddleware)
     if api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: deny by default
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # deny by default
+    # Outermost: the repository routes answer to their own key only, whatever else is set.
+    app.add_middleware(ModelControlMiddleware, key=model_control_key)
+    app.add_exception_handler(ModelControlOff, model_control_off_route)
     app.add_exception_handler(RequestValidationError, validation_error_route)
     app.add_exception_handler(StarletteHTTPException, http_error_route)
     app.add_exception_handler(RequestRefused, refused_route)
@@ -171,10 +186,11 @@ def serve(args: argparse.Namespace, argv: list[str]) -> None:
     model = build_model(args, argv)
     names = served_names(args)
     tracer = make_tracer(args)
+    control_key = model_control_key(args)
     install(app, model, max_request_bytes=args.max_request_bytes,
             lora_runtime_updates=args.enable_lora_runtime_updates, names=names,
             api_key=api_key(args), tracer=tracer, lora_roots=args.lora_roots,
-            request_timeout_s=args.request_timeout_s)
+            request_timeout_s=args.request_timeout_s, model_control_key=control_key)
     server = PagedModelServer(
         http_host=args.http_host, shutdown_grace_s=args.shutdown_grace_s, models=[model],
         rest_options=RestOptions.from_args(args),
@@ -188,6 +204,9 @@ def serve(args: argparse.Namespace, argv: list[str]) -> None:
         access_log_format=args.access_log_format, event_loop=args.event_loop,
         timeout_keep_alive=args.timeout_keep_alive)
     model.repository = server.registered_models  # adapters become v2 models there
+    # HTTP and gRPC reach the repository through this extension: off without the key.
+    server.model_repository_extension = ModelControl(
+        server.registered_models, model, enabled=control_key is not None)
     for alias in names[1:]:  # v1/v2 under every served name (KServe's own model aliases)
         server.register_model(model, name=alias)
     _share_kserve_logging("kserve_paged_engine")  # load progress, KV sizing, engine-thread failures

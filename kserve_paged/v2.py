@@ -22,6 +22,7 @@ from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 
 from kserve_paged.admission import RequestRefused, parse_timeout_us, tighten
 from kserve_paged.logprobs import TokenText, v2_logprobs
+from kserve_paged.request_caps import check_prompt_count
 from kserve_paged.request_options import (
     SAMPLING_OPTIONS,
     UNSUPPORTED_OPTIONS,
@@ -188,6 +189,7 @@ async def _complete_all(model: ServedModel, texts: list[str], options: dict[str,
     try:
         priority = request_priority(options.get("priority"))
         salt = request_cache_salt(options.get("cache_salt"))
+        check_prompt_count(len(texts))
         request = SamplingRequest.of(options, vocab_size=model.info.vocab_size,
                                      default_max_tokens=V2_DEFAULT_MAX_TOKENS)
         for text in texts:  # every prompt's length before any is tokenized

@@ -61,8 +61,11 @@ def test_the_path_check_sees_a_missing_path() -> None:
 
 
 # A streamed chat on the default settings crosses at most this many project Python files (the
-# C kernels it calls are named in the trace too, but a profile cannot see into them).
-MAX_FILES = 45
+# C kernels it calls are named in the trace too, but a profile cannot see into them). 45 until
+# issue 49 added five jobs to the path, one file each: model control's guard, the request caps,
+# the generation_config defaults (split from request_options.py), the one submission of an
+# OpenAI route's prompts, and the token filters prepared once per request.
+MAX_FILES = 50
 
 
 @pytest.mark.slow

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kserve_paged.request_options import OptionError, generation_defaults
+from kserve_paged.generation_defaults import generation_defaults
+from kserve_paged.request_options import OptionError
 from kserve_paged_engine import LLM, SamplingParams
-from kserve_paged_engine.sample.logits_processors import apply_penalties, bad_words_token_ids
+from kserve_paged_engine.sample.logits_processors import apply_penalties
+from kserve_paged_engine.sample.token_filters import bad_words_token_ids
 from tests.helpers.options import make_sampling_params
 from tests.helpers.thinking_model import VOCAB, write_thinking_model
 

@@ -29,6 +29,21 @@ PROMPT_CHARS_PER_TOKEN = 64
 # The largest inference request body (any protocol) read before it is refused with 413.
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20
 
+# -- per-request cost (issue 49): the client lists the engine works through ----------------------
+# Each is a server flag (kserve_paged/request_caps.py), refused with a 400 naming it before the
+# list is read. vLLM has none of these caps; each default is far above what a real request
+# sends, and the engine's per-step work no longer grows with the lists either way
+# (engine/kserve_paged_engine/sample/token_filters.py).
+# allowed_token_ids: the model's vocabulary size (a longer list repeats ids); this many where
+# the vocabulary is not known (Gemma 3's, the largest served).
+DEFAULT_MAX_ALLOWED_TOKEN_IDS = 1 << 18
+DEFAULT_MAX_BAD_WORDS = 1024
+DEFAULT_MAX_STOP = 256  # stop strings, and stop token ids (OpenAI takes 4 stop strings)
+DEFAULT_MAX_PROMPTS = 1024  # prompts in one completions or v2 request
+# All of a request's bad words together, in characters: they are tokenized on the engine
+# thread when the request is admitted.
+MAX_BAD_WORDS_CHARS = 64 << 10
+
 EMPTY_PROMPT = "the prompt is empty: at least one token is required"
 
 
@@ -54,6 +69,9 @@ def check_prompt_ids(token_ids: list[int], vocab_size: int | None) -> None:
     Raises ValueError; the engine and the server's parsers both call it."""
     if not token_ids:
         raise ValueError(EMPTY_PROMPT)
+    if set(map(type, token_ids)) == {int} and min(token_ids) >= 0 and (
+            vocab_size is None or max(token_ids) < vocab_size):
+        return  # C-speed passes; the loop below only finds the first bad id to name it
     for t in token_ids:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (
                 vocab_size is not None and t >= vocab_size):
@@ -78,6 +96,11 @@ MAX_ENUM_VALUES = 4096  # one enum; also the choices of a choice constraint
 MAX_REGEX_CHARS = 16 << 10
 MAX_GRAMMAR_CHARS = 64 << 10  # EBNF or Lark text
 MAX_TOOLS = 128  # OpenAI's own limit on tools per request
+# JSON the server parses out of a request field (a tool call's `arguments` text, a tool_use
+# block's `input`, a v2 schema sent as text): deeper is a 400 before it is parsed further or
+# rendered (kserve_paged/json_depth.py). Above MAX_SCHEMA_DEPTH, so a schema sent as text
+# meets the schema's own bound.
+MAX_JSON_DEPTH = 128
 # Compiling one grammar against the tokenizer runs in a worker process killed at this many
 # seconds (the server's default; --max_grammar_compile_s); offline, unbounded.
 DEFAULT_MAX_GRAMMAR_COMPILE_S = 10.0

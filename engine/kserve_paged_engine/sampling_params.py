@@ -2,111 +2,31 @@
 
 from __future__ import annotations
 
-import json
+import copy
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from kserve_paged_engine import limits as L
-
-# Blanks allowed between JSON elements: enough for pretty-printed output, too few for a model
-# to fill its whole budget with whitespace.
-MAX_JSON_WHITESPACE = 32
-_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+from kserve_paged_engine.output_constraints import StructuredOutputs
 
 
-def _clean(exc: Exception) -> str:
-    """xgrammar's message without its timestamp and C++ source location."""
-    text = str(exc).strip()
-    return re.sub(r"^\[[\d:]+\]\s*\S+:\d+:\s*", "", text).strip() or type(exc).__name__
+class SharedPrepared:
+    """What every copy of one request's SamplingParams shares (copy.copy keeps the reference:
+    its n samples, the prompts of one server request): the forms its client lists are
+    prepared into, made once per request by the layer that uses them
+    (engine/kserve_paged_engine/sample/token_filters.py), keyed by what they were made for."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: dict[Any, Any] = {}
 
 
-@dataclass(slots=True)
-class StructuredOutputs:
-    """One constraint on the output, as vLLM's ``structured_outputs`` spells it: ``json`` (a
-    JSON schema, object or string), ``json_object`` (any JSON object), ``regex``, ``choice``
-    (one of the strings) or ``grammar`` (EBNF, or Lark)."""
-
-    json: dict[str, Any] | str | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    disable_any_whitespace: bool = False
-    # The constraint starts once the output has this token (a reasoning model's `</think>`):
-    # what comes before it is free, and the grammar holds from the token after it on.
-    start_after_token_id: int | None = None
-    kind: str = field(init=False, default="")
-    key: str = field(init=False, default="")  # what compiled grammars are cached by
-    _grammar: Any = field(init=False, default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
-        if len(given) != 1:
-            raise ValueError("structured outputs take exactly one of json, json_object, regex, "
-                             f"choice or grammar (got {', '.join(given) or 'none'})")
-        self.kind = given[0]
-        self._grammar = self._parse()
-        text = {"json": self.json, "regex": self.regex, "grammar": self.grammar,
-                "choice": json.dumps(self.choice), "json_object": ""}[self.kind]
-        self.key = f"{self.kind}:{int(self.disable_any_whitespace)}:{text}"
-
-    def _parse(self) -> Any:
-        import xgrammar as xgr
-
-        kind = self.kind
-        try:
-            if kind == "json":
-                if isinstance(self.json, str):
-                    try:
-                        schema = json.loads(self.json)
-                    except ValueError as exc:
-                        raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
-                else:
-                    schema = self.json
-                if not isinstance(schema, dict):
-                    raise ValueError("a JSON schema must be a JSON object")
-                L.check_schema_shape(schema)  # before json.dumps: it recurses
-                self.json = json.dumps(schema)  # key order kept: it is the output order
-                L.check_text_size(self.json, L.MAX_SCHEMA_BYTES, "the JSON schema")
-                return xgr.Grammar.from_json_schema(
-                    self.json, any_whitespace=not self.disable_any_whitespace,
-                    max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=True)
-            if kind == "json_object":
-                return xgr.Grammar.builtin_json_grammar()
-            if kind == "regex":
-                if not isinstance(self.regex, str) or not self.regex:
-                    raise ValueError("regex must be a non-empty string")
-                L.check_text_size(self.regex, L.MAX_REGEX_CHARS, "the regex")
-                return xgr.Grammar.from_regex(self.regex)
-            if kind == "choice":
-                if (not isinstance(self.choice, list) or not self.choice
-                        or not all(isinstance(c, str) and c for c in self.choice)):
-                    raise ValueError("choice must be a non-empty list of non-empty strings")
-                if len(self.choice) > L.MAX_ENUM_VALUES:
-                    raise ValueError(f"choice has {len(self.choice)} strings, more than "
-                                     f"{L.MAX_ENUM_VALUES}")
-                L.check_text_size("".join(self.choice), L.MAX_SCHEMA_BYTES, "choice")
-                return xgr.Grammar.from_ebnf(
-                    "root ::= " + " | ".join(json.dumps(c) for c in self.choice))
-            if not isinstance(self.grammar, str) or not self.grammar.strip():
-                raise ValueError("grammar must be a non-empty string")
-            L.check_text_size(self.grammar, L.MAX_GRAMMAR_CHARS, "the grammar")
-            try:
-                return xgr.Grammar.from_ebnf(self.grammar)
-            except RuntimeError as ebnf_error:
-                try:
-                    return xgr.Grammar.from_lark(self.grammar)
-                except Exception:  # noqa: BLE001 - report the EBNF parser's message
-                    raise ebnf_error from None
-        except ValueError as exc:
-            raise ValueError(f"invalid structured output ({kind}): {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and others
-            raise ValueError(f"invalid structured output ({kind}): {_clean(exc)}") from None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {self.kind: True if self.kind == "json_object" else getattr(self, self.kind)}
+def _token_ids_ok(ids: list[Any]) -> bool:
+    """Every element a non-negative int (bool excluded), in C-speed passes: a list may hold
+    as many ids as the server's cap allows."""
+    return not ids or (set(map(type, ids)) == {int} and min(ids) >= 0)
 
 
 def _bad(msg: str) -> ValueError:
@@ -159,6 +79,8 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Keep only the prompt's last k tokens (-1: the context window), cut by the input processor.
     truncate_prompt_tokens: int | None = None
+    shared: SharedPrepared = field(default_factory=SharedPrepared, init=False, repr=False,
+                                   compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -203,12 +125,16 @@ class SamplingParams:
         if ids is not None:
             if not ids:
                 raise _bad("allowed_token_ids must not be empty (nothing could be sampled)")
-            for t in ids:
+            for t in () if _token_ids_ok(ids) else ids:
                 if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                     raise _bad(f"allowed_token_ids must be non-negative integers (got {t!r})")
         for w in self.bad_words:
             if not isinstance(w, str) or not w.strip():
                 raise _bad(f"bad_words must be non-empty strings (got {w!r})")
+        chars = sum(map(len, self.bad_words))
+        if chars > L.MAX_BAD_WORDS_CHARS:
+            raise _bad(f"bad_words hold {chars} characters in all, more than "
+                       f"{L.MAX_BAD_WORDS_CHARS}")
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool)
                               or (k < 1 and k != -1)):
@@ -252,7 +178,7 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise _bad(f"stop strings must be non-empty strings (got {s!r})")
-        for t in self.stop_token_ids:
+        for t in () if _token_ids_ok(self.stop_token_ids) else self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise _bad(f"stop_token_ids must be non-negative integers (got {t!r})")
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -317,6 +243,14 @@ class SamplingParams:
             ("bad_words", [])) if getattr(self, name) != off]
         if unsupported:
             raise bad(f"{', '.join(unsupported)} cannot be combined with use_beam_search")
+
+    def with_max_tokens(self, max_tokens: int | None) -> SamplingParams:
+        """A copy with this output budget, checked (ValueError). It shares this one's lists
+        and `shared`, so the copies made for a request's prompts are prepared once."""
+        params = copy.copy(self)
+        params.max_tokens = max_tokens
+        params._validate_lengths()
+        return params
 
     @property
     def beam_width(self) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,10 +25,11 @@ from kserve_paged.openai.stream import (
     final_outputs,
     merge,
     sse,
-    until_disconnect,
 )
+from kserve_paged.openai.submission import submit_prompts
+from kserve_paged.request_caps import check_prompt_count
 from kserve_paged.request_options import OptionError
-from kserve_paged.served import ServedModel, submit_all
+from kserve_paged.served import ServedModel
 from kserve_paged_engine.frontend.async_llm import EngineDeadError, RequestStream
 from kserve_paged_engine.outputs import RequestOutput
 
@@ -42,7 +42,7 @@ def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]
     empty prompt, which the one prompt check (PagedLLMModel.encode) refuses."""
     if isinstance(prompt, str):
         return [prompt]
-    if all(isinstance(p, int) for p in prompt):
+    if set(map(type, prompt)) == {int}:  # one pass in C: a token-id prompt may be long
         return [list(prompt)]  # type: ignore[arg-type]
     return list(prompt)  # type: ignore[arg-type]
 
@@ -57,6 +57,7 @@ async def completions(model: ServedModel, request: Request, body: CompletionBody
     prompts = split_prompts(body.prompt)
     tokenizer = model.info.tokenizer
     try:
+        check_prompt_count(len(prompts))
         options = body.sampling_request(model.info.vocab_size, COMPLETIONS_DEFAULT_MAX_TOKENS)
         for p in prompts:  # every prompt's length before any is tokenized
             if isinstance(p, str):
@@ -71,14 +72,8 @@ async def completions(model: ServedModel, request: Request, body: CompletionBody
         options = options.with_values(prompt_logprobs=max(body.prompt_logprobs or 0,
                                                           body.logprobs))
     salt = body.cache_salt or request.headers.get("x-cache-salt")
-    try:
-        _, streams = await submit_all(model, prompt_ids, options, kind="cmpl",
-                                      priority=body.priority, cache_salt=salt,
-                                      deadline=deadline)
-    except OptionError as exc:
-        raise APIError(400, str(exc), param=exc.param) from None
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from None
+    streams = await submit_prompts(model, prompt_ids, options, kind="cmpl",
+                                   priority=body.priority, cache_salt=salt, deadline=deadline)
     render = CompletionRender(body, TokenText(tokenizer), prompt_texts)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -87,9 +82,7 @@ async def completions(model: ServedModel, request: Request, body: CompletionBody
         return ClosingStreamingResponse(
             _stream_completion(streams, rid, created, name, include_usage, render),
             streams)
-    finals = await until_disconnect(request, asyncio.ensure_future(final_outputs(streams)))
-    if finals is None:
-        return Response(status_code=499)
+    finals = await final_outputs(streams)
     choices = []
     for i, out in enumerate(finals):
         check_output(out)

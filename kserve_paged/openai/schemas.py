@@ -101,7 +101,10 @@ class SamplingBody(_SamplingFields):
 
 
 class CompletionBody(SamplingBody):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # true is no token id
+    # true is no token id. Left to right, token ids first: pydantic's smart mode tries every
+    # member on the whole list, which for a long id prompt costs seconds of the event loop.
+    prompt: Annotated[str | list[StrictInt] | list[str] | list[list[StrictInt]],
+                      Field(union_mode="left_to_right")]
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None

@@ -11,6 +11,7 @@ until `start_compiled_grammars` has made its matcher.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import Any
 
@@ -21,8 +22,8 @@ from kserve_paged_engine.frontend.forks import Forks
 from kserve_paged_engine.limits import check_prompt_ids, request_id_in_use
 from kserve_paged_engine.lora import LoRAManager, LoRARequest
 from kserve_paged_engine.pooling_params import PoolingParams, WrongJobError
-from kserve_paged_engine.sample.logits_processors import bad_words_token_ids
 from kserve_paged_engine.sample.structured_output import GrammarCompiler, RequestGrammar
+from kserve_paged_engine.sample.token_filters import admit as admit_token_filters
 from kserve_paged_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("kserve_paged_engine")
@@ -67,7 +68,9 @@ class InputProcessor:
             if self.lora is None:
                 raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested but LoRA "
                                  "is not enabled (enable_lora=True)")
-            self.lora.add(lora_request)  # loads and checks it before anything is queued
+            # Loads and checks it before anything is queued; its blocks key on its content.
+            adapter = self.lora.add(lora_request)
+            lora_request = dataclasses.replace(lora_request, content_digest=adapter.digest)
         if isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt", cache_salt)
             if "prompt_token_ids" in prompt:
@@ -117,12 +120,7 @@ class InputProcessor:
                                  f"({self.scheduler.max_model_len})")
             if len(token_ids) > keep:
                 token_ids, text = token_ids[-keep:], None
-        bad = [t for t in params.allowed_token_ids or [] if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"allowed_token_ids: {bad[:5]} out of the vocabulary "
-                             f"({self.vocab_size} tokens)")
-        if params.bad_words and not params.bad_words_token_ids:
-            params.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
+        admit_token_filters(params, self.vocab_size, self.tokenizer)  # once per request
         return token_ids, text
 
     def _add_samples(self, request_id: str, params: SamplingParams, common: tuple

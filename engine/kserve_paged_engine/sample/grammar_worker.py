@@ -193,7 +193,7 @@ class CompileWorker:
 def main() -> None:
     import xgrammar as xgr
 
-    from kserve_paged_engine.sampling_params import StructuredOutputs
+    from kserve_paged_engine.output_constraints import StructuredOutputs
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     info_json = _recv(stdin)

@@ -10,16 +10,18 @@ Semantics (those of vLLM and OpenAI), applied in this order to the raw logits of
 - bad words: a word's token sequence is never completed: its last token is at -inf whenever the
   output so far ends with the tokens before it (one-token words: always). Each word counts as
   written alone and after a space, when that is another tokenization (`bad_words_token_ids`).
-Only rows that ask for any of these are touched; the others cost nothing.
+Only rows that ask for any of these are touched; the others cost nothing. The last three come
+from client lists of any length: they are applied in their prepared form (token_filters.py),
+whose cost per step does not grow with the lists.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
+from kserve_paged_engine.sample.token_filters import prepared
 from kserve_paged_engine.sampling_params import SamplingParams
 
 
@@ -47,36 +49,9 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
         if (p.frequency_penalty or p.presence_penalty) and out.numel():
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-        if p.logit_bias:
-            ids = [t for t in p.logit_bias if t < vocab]
-            if ids:
-                row[torch.tensor(ids, device=device)] += torch.tensor(
-                    [p.logit_bias[t] for t in ids], dtype=row.dtype, device=device)
-        if p.allowed_token_ids is not None:
-            keep = torch.full((vocab,), float("-inf"), dtype=row.dtype, device=device)
-            ids = [t for t in p.allowed_token_ids if t < vocab]
-            keep[torch.tensor(ids, dtype=torch.long, device=device)] = 0.0
-            row += keep
-        for ids in p.bad_words_token_ids:
-            *head, last = ids
-            if last < vocab and (not head or list(output_ids[i][-len(head):]) == head):
-                row[last] = float("-inf")
+        if p.logit_bias or p.allowed_token_ids is not None or p.bad_words_token_ids:
+            prepared(p, vocab, device, row.dtype).apply(row, output_ids[i])
     return logits
-
-
-def bad_words_token_ids(words: Sequence[str], tokenizer: Any) -> list[list[int]]:
-    """Each bad word's token sequences (vLLM's rule): the word as written at the start of the
-    text, and after a space when that tokenizes to a different first token with as many
-    tokens (a word in mid-text)."""
-    out: list[list[int]] = []
-    for word in words:
-        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-        if plain:
-            out.append(plain)
-        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
-            out.append(spaced)
-    return out
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int

@@ -2,7 +2,7 @@
 
 xgrammar does the work (vLLM's default backend; CPU and GPU). Three stages, each where it costs
 least (design: docs/engine.md, "Structured outputs"):
-- ``StructuredOutputs`` (engine/kserve_paged_engine/sampling_params.py, with the other request options) parses the
+- ``StructuredOutputs`` (engine/kserve_paged_engine/output_constraints.py, a request option) parses the
   constraint into a tokenizer-free grammar when the request is made, so a bad schema, regex or
   grammar is a ValueError before anything is queued;
 - ``GrammarCompiler`` compiles it against the tokenizer on a worker thread, cached by the
@@ -21,8 +21,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from kserve_paged_engine import limits
+from kserve_paged_engine.output_constraints import StructuredOutputs
 from kserve_paged_engine.sample.grammar_worker import CompileWorker, GrammarCompileTimeout
-from kserve_paged_engine.sampling_params import StructuredOutputs
 
 if TYPE_CHECKING:  # torch and xgrammar load on first use
     import torch
