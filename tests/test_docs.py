@@ -21,7 +21,8 @@ DOCS = [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md", REPO / "bench
 ROOTS = ("engine", "kernels", "kserve_paged", "tests", "scripts", "bench", "docs", "manifests",
          "e2e")
 PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(ROOTS) + r")/[\w./*-]*)")
-FILE_SUFFIXES = (".py", ".md", ".c", ".h", ".sh", ".yaml", ".yml", ".json", ".toml", ".txt")
+FILE_SUFFIXES = (".py", ".md", ".c", ".cpp", ".h", ".sh", ".yaml", ".yml", ".json", ".toml",
+                 ".txt")
 
 
 def named_paths(text: str) -> set[str]:
