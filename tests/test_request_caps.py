@@ -181,3 +181,15 @@ def test_every_route_refuses_a_list_over_its_cap(small_caps, path, body):
         assert engine.added == []
         model.stop_engine()
     run(main())
+
+
+@pytest.mark.parametrize("prompt, prompts", [
+    ([], [[]]), ("a", ["a"]), ([1, 2], [[1, 2]]), (["a", "b"], ["a", "b"]),
+    ([[1], [2, 3]], [[1], [2, 3]])])
+def test_a_completions_prompt_splits_into_its_prompts(prompt, prompts):
+    """An empty list is one empty prompt (refused by the prompt check), never zero prompts:
+    the body's union takes token ids first, and [] is a list of token ids too."""
+    from kserve_paged.openai.completions import split_prompts
+    from kserve_paged.openai.schemas import CompletionBody
+
+    assert split_prompts(CompletionBody(model=NAME, prompt=prompt).prompt) == prompts

@@ -42,7 +42,7 @@ def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]
     empty prompt, which the one prompt check (PagedLLMModel.encode) refuses."""
     if isinstance(prompt, str):
         return [prompt]
-    if set(map(type, prompt)) == {int}:  # one pass in C: a token-id prompt may be long
+    if not prompt or set(map(type, prompt)) == {int}:  # one pass in C: ids may be many
         return [list(prompt)]  # type: ignore[arg-type]
     return list(prompt)  # type: ignore[arg-type]
 

@@ -7,6 +7,8 @@ import json
 import struct
 from typing import Any
 
+from kserve_paged_engine.limits import DEFAULT_MAX_STOP
+
 MODEL = "smol"  # tests/helpers/e2e_server.MODEL
 V2 = f"/v2/models/{MODEL}/infer"
 CMPL = "/openai/v1/completions"
@@ -204,15 +206,19 @@ BAD: list[tuple[str, str, Any, dict[str, str]]] = [
     ("chat-bad-json-schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": 3}}}), {}),
     ("chat-continue-and-generation-prompt", CHAT, chat(continue_final_message=True), {}),
+    # Past --max_stop (issue 49: every list a client sends is capped by a flag).
+    ("oai-thousands-of-stop-strings", CMPL, cmpl(stop=[f"zz{i}" for i in range(5000)]), {}),
 ]
 
 # Accepted on purpose: unknown fields are ignored (with a warning in the log), and odd but
-# valid values work. Thousands of stop strings and a megabyte stop string are valid requests.
+# valid values work. As many stop strings as --max_stop allows and a megabyte stop string are
+# valid requests.
 GOOD: list[tuple[str, str, Any, dict[str, str]]] = [
     ("oai-unknown-field", CMPL, cmpl(unknown_field={"x": 1}), {}),
     ("chat-unknown-field", CHAT, chat(foo="bar"), {}),
     ("v2-unknown-parameter", V2, v2(parameters={"max_tokens": 2, "bogus_option": 1}), {}),
-    ("oai-thousands-of-stop-strings", CMPL, cmpl(stop=[f"zz{i}" for i in range(5000)]), {}),
+    ("oai-stop-strings-at-the-cap", CMPL, cmpl(stop=[f"zz{i}" for i in range(DEFAULT_MAX_STOP)]),
+     {}),
     ("oai-megabyte-stop-string", CMPL, cmpl(stop=["y" * MB]), {}),
     ("v2-megabyte-stop-string", V2, v2(parameters={"max_tokens": 2, "stop": "y" * MB}), {}),
     ("oai-no-model-field", CMPL, {"prompt": "Hi", "max_tokens": 2}, {}),
