@@ -126,6 +126,26 @@ def test_a_token_id_prompt_over_the_cap_is_400_before_its_ids_are_read(small_cap
     run(main())
 
 
+@pytest.mark.parametrize("prompt", [[1] * (CAP + 1) + ["not an id"],
+                                    [[1, 2], [1] * (CAP + 1) + [None]]],
+                         ids=["one", "second of two"])
+def test_a_token_id_prompt_over_the_cap_is_refused_before_validation_walks_it(small_caps,
+                                                                              prompt):
+    """The body's validation would refuse the tail entry as not an id; the cap's message shows
+    that the length was read from the decoded JSON first (pydantic walking millions of ids
+    held the server's GIL, issue 49 item 4)."""
+    async def main() -> None:
+        app, model, engine = await ready()
+        async with client(app) as c:
+            r = await c.post("/openai/v1/completions", json={
+                "model": NAME, "max_tokens": 1, "prompt": prompt})
+        assert r.status_code == 400, r.text
+        assert f"--max_prompt_token_ids {CAP}" in r.json()["error"]["message"]
+        assert not engine.added
+        model.stop_engine()
+    run(main())
+
+
 @pytest.mark.parametrize("route", ["completions", "v2"])
 def test_more_prompts_than_max_prompts_is_a_400_before_any_is_tokenized(small_caps, route):
     async def main() -> None:

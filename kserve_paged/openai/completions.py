@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -27,7 +28,7 @@ from kserve_paged.openai.stream import (
     sse,
 )
 from kserve_paged.openai.submission import submit_prompts
-from kserve_paged.request_caps import check_prompt_count
+from kserve_paged.request_caps import check_prompt_count, check_prompt_token_ids
 from kserve_paged.request_options import OptionError
 from kserve_paged.served import ServedModel
 from kserve_paged_engine.frontend.async_llm import EngineDeadError, RequestStream
@@ -45,6 +46,21 @@ def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]
     if not prompt or set(map(type, prompt)) == {int}:  # one pass in C: ids may be many
         return [list(prompt)]  # type: ignore[arg-type]
     return list(prompt)  # type: ignore[arg-type]
+
+
+def check_raw_prompt_ids(prompt: Any, max_model_len: int) -> None:
+    """A completions ``prompt`` of token ids longer than --max_prompt_token_ids, refused from
+    the decoded JSON before validation walks the ids (PagedLLMModel.encode checks the same
+    cap again, for every other way in)."""
+    if not isinstance(prompt, list) or not prompt:
+        return
+    lists = prompt if isinstance(prompt[0], list) else [prompt]
+    try:
+        for ids in lists:
+            if isinstance(ids, list) and (not ids or not isinstance(ids[0], str)):
+                check_prompt_token_ids(len(ids), max_model_len)
+    except OptionError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
 
 
 async def completions(model: ServedModel, request: Request, body: CompletionBody,

@@ -23,7 +23,7 @@ from kserve_paged.admission import RequestRefused, route_deadline
 from kserve_paged.lora import AdapterView
 from kserve_paged.openai import pooling
 from kserve_paged.openai.chat import chat_completions
-from kserve_paged.openai.completions import completions
+from kserve_paged.openai.completions import check_raw_prompt_ids, completions
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.openapi import (
     loose_operation_schema,
@@ -105,7 +105,14 @@ class OpenAIRoutes:
         return model
 
     async def completions(self, request: Request) -> Response:
-        body: CompletionBody = await parse_body(request, CompletionBody)
+        def precheck(data: dict[str, Any]) -> None:
+            try:
+                model = self.generator(data.get("model"), "/completions")
+            except APIError:
+                return  # validation and the route say what is wrong with the name
+            check_raw_prompt_ids(data.get("prompt"), model.info.max_model_len)
+
+        body: CompletionBody = await parse_body(request, CompletionBody, precheck)
         return await completions(self.generator(body.model, "/completions"), request, body,
                                  deadline(request, body.timeout))
 

@@ -9,8 +9,8 @@ package's types, widened where vLLM-style answers carry more."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+from collections.abc import Callable
 from typing import Annotated, Any, TypeVar, Union
 
 from fastapi import Request
@@ -27,6 +27,7 @@ from pydantic import (
     create_model,
 )
 
+from kserve_paged import body_decode
 from kserve_paged.openai.errors import APIError
 from kserve_paged.request_options import OPTIONS, SamplingRequest, unsupported_options
 
@@ -214,27 +215,20 @@ class ChatCompletionOut(ChatCompletion):
 logger = logging.getLogger("kserve.paged.openai")
 Body = TypeVar("Body", bound=SamplingBody)
 Model = TypeVar("Model", bound=BaseModel)
-# Bodies above this are decoded on a worker thread: decoding megabytes of JSON on the event loop
-# would stall every other connection for as long.
-DECODE_OFF_LOOP_BYTES = 256 << 10
-
-
-def _decode(raw: bytes) -> Any:
-    data = json.loads(raw) if raw else None
-    # JSON may escape lone surrogates (\ud800), which no tokenizer takes: refuse them here.
-    json.dumps(data, ensure_ascii=False).encode("utf-8")
-    return data
+# Bodies above this are decoded in the body decoder's child process (body_decode.py): parsing
+# megabytes of JSON in this process would hold the GIL, stalling the engine and every request.
+DECODE_OFF_PROCESS_BYTES = 256 << 10
 
 
 async def read_json(request: Request) -> dict[str, Any]:
     """The request's body as a JSON object; malformed JSON is a 400."""
     try:
         raw = await request.body()
-        data = (await asyncio.to_thread(_decode, raw) if len(raw) > DECODE_OFF_LOOP_BYTES
-                else _decode(raw))
-    except RecursionError:
+        data = (await asyncio.to_thread(body_decode.DECODER.decode, raw)
+                if len(raw) > DECODE_OFF_PROCESS_BYTES else body_decode.decode_in_place(raw))
+    except body_decode.BodyTooDeep:
         raise APIError(400, "the request body is nested too deeply") from None
-    except UnicodeEncodeError:
+    except body_decode.BodySurrogate:
         raise APIError(400, "the request body holds invalid Unicode (a lone surrogate)") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
@@ -305,10 +299,15 @@ def validate(cls: type[Model], data: dict[str, Any]) -> Model:
     return body
 
 
-async def parse_body(request: Request, cls: type[Body]) -> Body:
+async def parse_body(request: Request, cls: type[Body],
+                     precheck: Callable[[dict[str, Any]], None] | None = None) -> Body:
     """The request's body as ``cls``; malformed JSON, bad fields and unsupported options are
-    400s naming the field."""
-    body = validate(cls, await read_json(request))
+    400s naming the field. ``precheck`` sees the decoded JSON before validation reads it (a
+    size a cap refuses, refused before pydantic walks it)."""
+    data = await read_json(request)
+    if precheck is not None:
+        precheck(data)
+    body = validate(cls, data)
     if body.model_extra:
         # vLLM's behaviour, which OpenAI clients rely on (they send vendor extras): ignore
         # unknown fields, but leave a trace for the operator.
