@@ -189,6 +189,18 @@ def test_deep_json_text_in_a_v2_parameter_is_a_400_naming_the_bound(name):
     assert not eng.added
 
 
+def test_deep_schema_text_in_chat_structured_outputs_is_a_400_naming_the_bound():
+    """Chat's ``structured_outputs.json`` may be schema text, parsed where the grammar is built
+    (output_constraints.py): past the interpreter's own limit it named a RecursionError."""
+    body = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+            "structured_outputs": {"json": DEEP_TEXT}}
+    [r], eng = send([("/v1/chat/completions", body)])
+    message = assert_refused(r)
+    assert f"more than {limits.MAX_SCHEMA_DEPTH} levels deep" in message
+    assert "recursion" not in message
+    assert not eng.added
+
+
 def test_json_at_the_bound_is_rendered():
     at = json.dumps(nested(limits.MAX_JSON_DEPTH))
     [r], eng = send([("/v1/chat/completions", {"max_tokens": 2, "messages": [
