@@ -62,6 +62,9 @@ class StructuredOutputs:
                 if isinstance(self.json, str):
                     try:
                         schema = json.loads(self.json)
+                    except RecursionError:  # past the interpreter's limit: far past ours
+                        raise ValueError(f"the JSON schema is nested more than "
+                                         f"{L.MAX_SCHEMA_DEPTH} levels deep") from None
                     except ValueError as exc:
                         raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
                 else:
