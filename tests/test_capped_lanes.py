@@ -32,7 +32,8 @@ NATIVE_TESTS = ("tests/kernels/test_cpu_ops.py", "tests/kernels/test_gemm.py",
                  "tests/kernels/test_decoder_stack.py", "tests/kernels/test_paged_bf16.py",
                  "tests/kernels/test_cpu_ops_bf16.py", "tests/kernels/test_gemma_bf16.py",
                  "tests/kernels/test_quant_gemm.py",
-                 "tests/kernels/test_gemm_bf16.py", "tests/kernels/test_kv_quant_native.py")
+                 "tests/kernels/test_gemm_bf16.py", "tests/kernels/test_kv_quant_native.py",
+                 "tests/kernels/test_attention_sinks.py", "tests/kernels/test_mxfp4.py")
 # What differs by level is the native code (the GEMM, the attention paths, the fused ops, the
 # stack): the CPU backend's torch-only cases (other dtypes, native off) do not change with it,
 # and its decode-rows-only routing covers a subset of the all-rows one; the default run has them.
@@ -68,7 +69,8 @@ AVX2_MUST_PASS = (
 ENGINE_TESTS = ("tests/test_w8a8.py", "tests/test_bf16_native.py",
                 "tests/kernels/test_decoder_stack_bf16.py", "tests/test_moe_native.py",
                 "tests/test_gguf_quant.py", "tests/test_models.py::"
-                "test_matches_transformers_prefill_chunked_decode")
+                "test_matches_transformers_prefill_chunked_decode",
+                "tests/test_models_gptoss.py::test_logits_match_transformers")
 LANE_MUST_PASS = ("test_w8a8.py::test_this_process_serves_an_exact_path",
                   "test_bf16_native.py::test_native_bf16_is_as_close_to_fp32_as_eager_bf16"
                   "[gemma3_window_local_rope]")

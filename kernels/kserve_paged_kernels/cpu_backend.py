@@ -31,6 +31,11 @@ from the sequence metadata (read once on the host):
   explicit causal-and-window mask: SDPA when there is no softcap, else scores, tanh cap and
   softmax written out.
 
+* a layer with attention sinks (gpt-oss) takes the native row kernel, which adds each head's
+  `exp(sink)` to its softmax's denominator (every level's build, fp32 and bf16; the
+  transposed-key tiles are skipped for such layers); without it, the one-sequence-at-a-time
+  path above with the scores written out and the sink as one more column of the softmax.
+
 The plan (sorting, chunking, index tensors, masks) depends only on the metadata, which is the
 same for every layer of a step, so the first layer builds it and keeps it on the step's
 `AttentionMetadata` (`plan`, one entry per window size); the other layers reuse it.
@@ -38,12 +43,11 @@ same for every layer of a step, so the first layer builds it and keeps it on the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 
-from kserve_paged_kernels import cpu_native, settings
+from kserve_paged_kernels import cpu_native, cpu_sdpa, settings
+from kserve_paged_kernels.cpu_plan import DecodeChunk, Plan, PrefillItem, WindowItem
 from kserve_paged_kernels.metadata import AttentionMetadata
 
 __all__ = ["bidirectional_attention_cpu", "paged_attention_cpu", "store_kv_cpu"]
@@ -75,49 +79,11 @@ def store_kv_cpu(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         kv_cache[1].index_put_((blocks, offsets), value)
 
 
-@dataclass
-class _DecodeChunk:
-    token_idx: torch.Tensor  # [n] rows of `query`/output
-    block_idx: torch.Tensor  # [n * num_blocks] physical blocks, row-major
-    padded_len: int  # num_blocks * block_size
-    mask: torch.Tensor | None  # [n, 1, 1, padded_len] True = attend; None if nothing padded
-
-
-@dataclass
-class _PrefillItem:
-    q_start: int
-    q_end: int
-    seq_len: int
-    block_idx: torch.Tensor  # [num_blocks]
-    mask: torch.Tensor | None  # [q_len, seq_len] or None -> is_causal (q_len == seq_len)
-
-
-@dataclass
-class _WindowItem:
-    q_start: int
-    q_end: int
-    first_key: int  # position of the first key gathered (a block boundary)
-    num_keys: int  # keys gathered: first_key .. seq_len - 1
-    block_idx: torch.Tensor  # [num_blocks] the blocks holding them
-    mask: torch.Tensor  # [q_len, num_keys] True = attend (causal and inside the window)
-
-
-@dataclass
-class _Plan:
-    decode: list[_DecodeChunk] = field(default_factory=list)
-    prefill: list[_PrefillItem] = field(default_factory=list)
-    num_valid_tokens: int = 0
-    valid_rows: torch.Tensor | None = None  # arange(num_valid_tokens), for the native kernel
-    # The decode rows for the native kernel alone: (token index, context length, sequence).
-    decode_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    windowed: list[_WindowItem] = field(default_factory=list)  # windowed / soft-capped layers
-
-
 def _build_window_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tensor,
-                       block_size: int, device: torch.device, window: int | None) -> _Plan:
+                       block_size: int, device: torch.device, window: int | None) -> Plan:
     """Per sequence: the blocks from the first key its first new token's window reaches to
     the end of its context, and the mask over them."""
-    plan = _Plan(num_valid_tokens=starts[-1] if starts else 0)
+    plan = Plan(num_valid_tokens=starts[-1] if starts else 0)
     for i, seq_len in enumerate(seq_lens):
         q_len = starts[i + 1] - starts[i]
         if q_len <= 0:
@@ -133,15 +99,15 @@ def _build_window_plan(seq_lens: list[int], starts: list[int], block_tables: tor
         mask = k_pos <= q_pos
         if window:
             mask &= k_pos > q_pos - window
-        plan.windowed.append(_WindowItem(starts[i], starts[i + 1], first_key, seq_len - first_key,
-                                         block_tables[i, first_block:nblk].long(), mask))
+        plan.windowed.append(WindowItem(starts[i], starts[i + 1], first_key, seq_len - first_key,
+                                        block_tables[i, first_block:nblk].long(), mask))
     return plan
 
 
 def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tensor,
-                block_size: int, device: torch.device, budget: int) -> _Plan:
+                block_size: int, device: torch.device, budget: int) -> Plan:
     """Turn host-side metadata into gather indices and masks (see module docstring)."""
-    plan = _Plan(num_valid_tokens=starts[-1] if starts else 0)
+    plan = Plan(num_valid_tokens=starts[-1] if starts else 0)
     decode_rows: list[int] = []
     for i, seq_len in enumerate(seq_lens):
         q_len = starts[i + 1] - starts[i]
@@ -157,8 +123,8 @@ def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tens
         if q_len != seq_len:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
             mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
-        plan.prefill.append(_PrefillItem(starts[i], starts[i + 1], seq_len,
-                                         block_tables[i, :nblk].long(), mask))
+        plan.prefill.append(PrefillItem(starts[i], starts[i + 1], seq_len,
+                                        block_tables[i, :nblk].long(), mask))
     if not decode_rows:
         return plan
     decode_rows.sort(key=lambda r: seq_lens[r], reverse=True)
@@ -178,13 +144,13 @@ def _build_plan(seq_lens: list[int], starts: list[int], block_tables: torch.Tens
         if seq_lens[decode_rows[pos + n - 1]] != padded:
             mask = (torch.arange(padded, device=device).unsqueeze(0) < lens.unsqueeze(1))
             mask = mask.view(n, 1, 1, padded)
-        plan.decode.append(_DecodeChunk(tok_all[pos:pos + n], block_idx, padded, mask))
+        plan.decode.append(DecodeChunk(tok_all[pos:pos + n], block_idx, padded, mask))
         pos += n
     return plan
 
 
 def _plan_for(meta: AttentionMetadata, block_size: int, budget: int | None,
-              window: int | None = None, capped: bool = False) -> _Plan:
+              window: int | None = None, capped: bool = False) -> Plan:
     """The step's plan, built by the first layer that asks and kept on the metadata (one per
     window size: Gemma's sliding and global layers share a step). `budget` None is the
     setting's, read only when a plan is built."""
@@ -222,20 +188,22 @@ def _prefill_native(query: torch.Tensor, shaped: bool) -> bool:
 
 def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float, *, decode_token_budget: int | None = None,
-                        window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                        window: int | None = None, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen paged attention (contract in docs/kernels.md) with batched gathers + SDPA, or
     the native row kernel on CPU. The plan is derived from `meta` once per step (per window).
-    `window` / `softcap`: a sliding-window or soft-capped layer (see the module docstring)."""
+    `window` / `softcap`: a sliding-window or soft-capped layer; `sinks`: a layer with
+    attention sinks (see the module docstring)."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    group = num_heads // num_kv_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
     out = torch.empty_like(query)
     if query.dtype != kv_cache.dtype:
         query = query.to(kv_cache.dtype)
     native = cpu_native.usable(query, kv_cache)
-    shaped = window is not None or bool(softcap)  # a windowed / soft-capped layer
+    # A windowed / soft-capped layer, or one with sinks: the shaped path off the native kernel.
+    shaped = window is not None or bool(softcap) or sinks is not None
     plan = _plan_for(meta, block_size, decode_token_budget)
     if plan.num_valid_tokens < num_tokens:
         out[plan.num_valid_tokens:].zero_()
@@ -245,67 +213,34 @@ def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
             row_lens, row_seq_idx = meta.rows(plan.num_valid_tokens)
             if plan.valid_rows is None:
                 plan.valid_rows = torch.arange(plan.num_valid_tokens)
-            cpu_native.paged_rows(query, kv_cache, meta.block_tables, row_lens, plan.valid_rows,
-                                  row_seq_idx, scale, out, window=window, softcap=softcap)
+            _native_rows(query, kv_cache, meta.block_tables, row_lens, plan.valid_rows,
+                         row_seq_idx, scale, out, window, softcap, sinks)
         return out
     if native and plan.decode_rows is not None:  # prefill, where SDPA is faster, below
         tok, lens, seq = plan.decode_rows
-        cpu_native.paged_rows(query, kv_cache, meta.block_tables, lens, tok, seq, scale, out,
-                              window=window, softcap=softcap)
+        _native_rows(query, kv_cache, meta.block_tables, lens, tok, seq, scale, out, window,
+                     softcap, sinks)
     if shaped:
-        windowed = _plan_for(meta, block_size, decode_token_budget, window, bool(softcap))
-        _attend_windowed(query, kv_cache, windowed, scale, softcap, out, prefill_only=native)
+        windowed = _plan_for(meta, block_size, decode_token_budget, window,
+                             bool(softcap) or sinks is not None)
+        cpu_sdpa.attend_windowed(query, kv_cache, windowed, scale, softcap, out,
+                                 prefill_only=native, sinks=sinks)
         return out
     if not native:
-        for chunk in plan.decode:
-            n = chunk.token_idx.numel()
-            kv = kv_cache.index_select(1, chunk.block_idx)  # [2, n*nblk, bs, kvh, d]
-            kv = kv.view(2, n, chunk.padded_len, num_kv_heads, head_dim).transpose(2, 3)
-            q = query.index_select(0, chunk.token_idx).view(n, num_kv_heads, group, head_dim)
-            o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=chunk.mask,
-                                               scale=scale)
-            out.index_copy_(0, chunk.token_idx, o.reshape(n, num_heads, head_dim).to(out.dtype))
-
-    for item in plan.prefill:
-        q_len = item.q_end - item.q_start
-        kv = kv_cache.index_select(1, item.block_idx)
-        kv = kv.view(2, -1, num_kv_heads, head_dim)[:, :item.seq_len]  # [2, L, kvh, d]
-        # GQA without copies: [kvh, group, L, d] with a stride-0 group dim (measured as fast
-        # as enable_gqa / repeat_interleave on CPU, and no extra memory).
-        kv = kv.permute(0, 2, 1, 3).unsqueeze(2).expand(2, num_kv_heads, group, item.seq_len,
-                                                       head_dim)
-        q = query[item.q_start:item.q_end].transpose(0, 1)  # [h, q_len, d]
-        q = q.reshape(num_kv_heads, group, q_len, head_dim)
-        o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=item.mask,
-                                           is_causal=item.mask is None, scale=scale)
-        out[item.q_start:item.q_end] = o.reshape(num_heads, q_len, head_dim).transpose(0, 1)
+        cpu_sdpa.attend_decode_chunks(query, kv_cache, plan, scale, out)
+    cpu_sdpa.attend_prefill(query, kv_cache, plan, scale, out)
     return out
 
 
-def _attend_windowed(query: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
-                     softcap: float | None, out: torch.Tensor, prefill_only: bool = False) -> None:
-    """The windowed / soft-capped items of `plan` into `out` (see the module docstring);
-    `prefill_only`: skip decode rows (the row kernel did them)."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = kv_cache.shape[3]
-    group = num_heads // num_kv_heads
-    for item in plan.windowed:
-        q_len, n = item.q_end - item.q_start, item.num_keys
-        if prefill_only and q_len == 1:
-            continue
-        kv = kv_cache.index_select(1, item.block_idx)
-        kv = kv.view(2, -1, num_kv_heads, head_dim)[:, :n]
-        kv = kv.permute(0, 2, 1, 3).unsqueeze(2).expand(2, num_kv_heads, group, n, head_dim)
-        q = query[item.q_start:item.q_end].transpose(0, 1).reshape(num_kv_heads, group, q_len,
-                                                                  head_dim)
-        if softcap:
-            scores = torch.matmul(q.float(), kv[0].float().transpose(-1, -2)) * scale
-            scores = torch.tanh(scores / softcap) * softcap
-            scores = scores.masked_fill(~item.mask, float("-inf"))
-            o = torch.matmul(torch.softmax(scores, dim=-1), kv[1].float()).to(query.dtype)
-        else:
-            o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=item.mask, scale=scale)
-        out[item.q_start:item.q_end] = o.reshape(num_heads, q_len, head_dim).transpose(0, 1)
+def _native_rows(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 lens: torch.Tensor, rows: torch.Tensor, seq_idx: torch.Tensor, scale: float,
+                 out: torch.Tensor, window: int | None, softcap: float | None,
+                 sinks: torch.Tensor | None) -> None:
+    """The native row kernel over `rows` (token indices; `lens` their context lengths,
+    `seq_idx` their sequences) into `out`; only a sink layer's calls name `sinks`."""
+    sink_arg = {} if sinks is None else {"sinks": sinks}
+    cpu_native.paged_rows(query, kv_cache, block_tables, lens, rows, seq_idx, scale, out,
+                          window=window, softcap=softcap, **sink_arg)
 
 
 def bidirectional_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor,
@@ -327,9 +262,7 @@ def bidirectional_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor,
     out[plan.num_valid_tokens:].zero_()
     for q_start, q_end, seq_len, block_idx in items:
         q_len = q_end - q_start
-        kv = kv_cache.index_select(1, block_idx).view(2, -1, num_kv_heads, head_dim)[:, :seq_len]
-        kv = kv.permute(0, 2, 1, 3).unsqueeze(2).expand(2, num_kv_heads, group, seq_len,
-                                                       head_dim)
+        kv = cpu_sdpa.context_kv(kv_cache, block_idx, seq_len, group, head_dim)
         q = query[q_start:q_end].transpose(0, 1).reshape(num_kv_heads, group, q_len, head_dim)
         o = F.scaled_dot_product_attention(q, kv[0], kv[1], scale=scale)
         out[q_start:q_end] = o.reshape(num_heads, q_len, head_dim).transpose(0, 1)

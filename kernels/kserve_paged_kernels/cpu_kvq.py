@@ -54,10 +54,11 @@ def _compact(meta: AttentionMetadata, block_size: int) -> _Compact:
 
 def attention_quant_cpu(query: torch.Tensor, kv: QuantKV, meta: AttentionMetadata, scale: float,
                         *, window: int | None = None, softcap: float | None = None,
-                        causal: bool = True) -> torch.Tensor:
+                        causal: bool = True, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the codes (native), or `paged_attention_cpu` (or the bidirectional
-    form) over the dequantized blocks."""
-    if causal and cpu_native.kvq_usable(query, kv.data, kv.scales):
+    form) over the dequantized blocks. Attention sinks take the dequantized form (the native
+    float kernel has them; the one over the codes does not)."""
+    if causal and sinks is None and cpu_native.kvq_usable(query, kv.data, kv.scales):
         return _native(query, kv, meta, scale, window, softcap)
     dtype = query.dtype if query.dtype in (torch.float32, torch.bfloat16) else torch.float32
     compact = _compact(meta, kv.data.shape[2])
@@ -66,7 +67,8 @@ def attention_quant_cpu(query: torch.Tensor, kv: QuantKV, meta: AttentionMetadat
     cache = dequantize(kv, compact.blocks, dtype)
     if not causal:
         return bidirectional_attention_cpu(query, cache, compact.meta, scale).to(query.dtype)
-    out = paged_attention_cpu(query, cache, compact.meta, scale, window=window, softcap=softcap)
+    out = paged_attention_cpu(query, cache, compact.meta, scale, window=window, softcap=softcap,
+                              sinks=sinks)
     return out.to(query.dtype)
 
 

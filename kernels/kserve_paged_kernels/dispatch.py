@@ -126,7 +126,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | QuantKV,
                     query_start_loc: torch.Tensor, scale: float, *,
                     backend: str | None = None, max_seq_len: int | None = None,
                     max_query_len: int | None = None, window: int | None = None,
-                    softcap: float | None = None, causal: bool = True) -> torch.Tensor:
+                    softcap: float | None = None, causal: bool = True,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen causal attention of the new tokens over their paged context, from raw tensors.
 
     `max_seq_len` / `max_query_len` are optional host-side hints (max of `seq_lens` and of the
@@ -136,12 +137,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor | QuantKV,
     meta = AttentionMetadata.build(block_tables, seq_lens, query_start_loc,
                                    max_seq_len=max_seq_len, max_query_len=max_query_len,
                                    backend=backend)
-    return attend(query, kv_cache, meta, scale, window=window, softcap=softcap, causal=causal)
+    return attend(query, kv_cache, meta, scale, window=window, softcap=softcap, causal=causal,
+                  sinks=sinks)
 
 
 def attend(query: torch.Tensor, kv_cache: torch.Tensor | QuantKV, meta: AttentionMetadata,
            scale: float, *, window: int | None = None,
-           softcap: float | None = None, causal: bool = True) -> torch.Tensor:
+           softcap: float | None = None, causal: bool = True,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention` over a step's metadata, on the backend it names (the runner resolves
     it once; checked again here, which is cheap, so a hand-built metadata is checked too).
 
@@ -149,27 +152,40 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor | QuantKV, meta: Attentio
     `softcap` (tanh capping of the scores) are the calling layer's own: one step's metadata
     serves layers with and without them (Gemma alternates), so they come with the call.
     `causal` False: bidirectional attention (encoders), each new token over its sequence's
-    whole context; no window or softcap with it.
+    whole context; no window or softcap with it. `sinks` (`[num_heads]` float32, gpt-oss):
+    each head's learned logit added to its softmax's denominator (`reference.paged_attention_ref`);
+    flash-attn's paged API takes none, so such a layer's steps run on Triton there.
     """
     if window is not None and window <= 0:
         raise ValueError(f"sliding window must be positive, got {window}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be positive, got {softcap}")
-    if not causal and (window is not None or softcap):
-        raise ValueError("bidirectional attention takes no sliding window or softcap")
+    if not causal and (window is not None or softcap or sinks is not None):
+        raise ValueError("bidirectional attention takes no sliding window, softcap or sinks")
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise ValueError(f"sinks must have one logit per query head ({query.shape[1]}), "
+                         f"got shape {tuple(sinks.shape)}")
     name = resolve_backend(query.device, meta.backend, block_size=kv_cache.shape[2],
                            head_dim=query.shape[-1], dtype=query.dtype)
     if isinstance(kv_cache, QuantKV):
-        return _attend_quant(name, query, kv_cache, meta, scale, window, softcap, causal)
+        return _attend_quant(name, query, kv_cache, meta, scale, window, softcap, causal, sinks)
     if name == "cpu":
         if not causal:
             return bidirectional_attention_cpu(query, kv_cache, meta, scale)
-        return paged_attention_cpu(query, kv_cache, meta, scale, window=window, softcap=softcap)
+        return paged_attention_cpu(query, kv_cache, meta, scale, window=window, softcap=softcap,
+                                   sinks=sinks)
     hints = {"max_seq_len": meta.max_seq_len, "max_query_len": meta.max_query_len,
              "window": window, "softcap": softcap}
     if not causal:
         hints["causal"] = False
+    if sinks is not None:
+        hints["sinks"] = sinks
     args = (query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+    if name == "flash_attn" and sinks is not None:
+        _log_once(("flash_sinks",), "flash_attn backend not used for attention-sink layers "
+                  "(its paged API takes no sinks); those layers run on triton",
+                  level=logging.WARNING)
+        name = "triton"
     if name == "flash_attn":
         from kserve_paged_kernels.flash_attn_backend import paged_attention_flash
 
@@ -181,17 +197,18 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor | QuantKV, meta: Attentio
 
 def _attend_quant(name: str, query: torch.Tensor, kv: QuantKV, meta: AttentionMetadata,
                   scale: float, window: int | None, softcap: float | None,
-                  causal: bool) -> torch.Tensor:
+                  causal: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`attend` over a quantized cache: the CPU backend over dequantized blocks, else Triton
     (flash-attn reads no int8/fp8 cache with our scales, so its steps take Triton)."""
     if name == "cpu":
         from kserve_paged_kernels.cpu_kvq import attention_quant_cpu
 
         return attention_quant_cpu(query, kv, meta, scale, window=window, softcap=softcap,
-                                   causal=causal)
+                                   causal=causal, sinks=sinks)
     from kserve_paged_kernels.triton_backend import paged_attention_triton
 
     return paged_attention_triton(query, kv.data, meta.block_tables, meta.seq_lens,
                                   meta.query_start_loc, scale, max_seq_len=meta.max_seq_len,
                                   max_query_len=meta.max_query_len, window=window,
-                                  softcap=softcap, causal=causal, kv_scales=kv.scales)
+                                  softcap=softcap, causal=causal, kv_scales=kv.scales,
+                                  sinks=sinks)

@@ -8,6 +8,7 @@ dot product does four multiply-adds per 32-bit lane where fp32 does one.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,13 +16,17 @@ import torch
 QMAX = 127.0  # symmetric int8: codes in [-127, 127], as vLLM's dynamic per-token quantization
 
 
-def quantize_rows(x: torch.Tensor, per_token: bool = True, shifted: bool = False
+def quantize_rows(x: torch.Tensor, per_token: bool = True, shifted: bool = False,
+                  amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 codes of a 2-D `x` and their float32 scale (`[rows, 1]` per token, `[1, 1]`
     per tensor): `scale = max |x| / 127`, `q = round(x / scale)`; an all-zero row gets scale 1.
-    `shifted`: the codes plus 128 as uint8 (what oneDNN's u8 x s8 product reads), in one pass."""
+    `shifted`: the codes plus 128 as uint8 (what oneDNN's u8 x s8 product reads), in one pass.
+    `amax_reduce`: the max |x| taken over the other tensor-parallel ranks' columns too."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True) if per_token else xf.abs().amax().reshape(1, 1)
+    if amax_reduce is not None:
+        amax = amax_reduce(amax)
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
     q = (xf / scale).round_().clamp_(-QMAX, QMAX)
     return (q.add_(128).to(torch.uint8) if shifted else q.to(torch.int8)), scale
@@ -53,6 +58,9 @@ class W8A8Weight:
     in_features: int
     per_token: bool  # activation scales: one per row (token), else one per call (tensor)
     kernel: str = "int8 x int8 (oneDNN qlinear)"
+    # A row-parallel shard's: the activations' max over every rank's input columns (an
+    # all-reduce), so each rank quantizes its columns with the whole row's scale, as TP 1 does.
+    amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales.nbytes
@@ -103,7 +111,7 @@ def pack_w8a8(codes: torch.Tensor, scales: torch.Tensor, per_token: bool) -> W8A
 
 def w8a8_mm(x: torch.Tensor, weight: W8A8Weight) -> torch.Tensor:
     """`x @ w.T` for 2-D `x` `[rows, in]`, `x` quantized as `quantize_rows`; float32 out."""
-    q8, sx = quantize_rows(x, weight.per_token, shifted=True)
+    q8, sx = quantize_rows(x, weight.per_token, shifted=True, amax_reduce=weight.amax_reduce)
     out = torch.ops.onednn.qlinear_pointwise.tensor(
         q8, _ONE, _ZERO_POINT, weight.packed, weight.scales, weight.zero_points, None, 1.0, 0,
         torch.float32, "none", [], "")

@@ -177,11 +177,13 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32
     return codes.to(torch.uint8).reshape(out_f, in_f), scale, lo
 
 
-def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype,
+                  row_amax: torch.Tensor | None = None) -> Int8Weight:
     """Symmetric per-output-channel int8 of a float weight (scale = max |w| / 127): each weight
-    moves by at most half its channel's scale."""
+    moves by at most half its channel's scale. `row_amax`: each row's max |w| when the weight
+    is a tensor-parallel shard of its columns (the whole row's, so the scale is TP 1's)."""
     w = weight.detach().float()
-    scales = w.abs().amax(dim=1) / 127.0
+    scales = (w.abs().amax(dim=1) if row_amax is None else row_amax.float()) / 127.0
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = (w / safe[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
     return pack_int8(codes, scales[:, None], w.shape[1], dtype)

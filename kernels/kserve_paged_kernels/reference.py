@@ -43,6 +43,7 @@ def paged_attention_ref(
     window: int | None = None,
     softcap: float | None = None,
     causal: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context (with
     `causal` False, bidirectional: every new token sees every key of its sequence).
@@ -51,15 +52,13 @@ def paged_attention_ref(
     0..that position; with a sliding `window` only the last `window` of them (positions
     `p - window + 1 .. p`, transformers' and vLLM's convention). `softcap`: scores (after
     `scale`) become `softcap * tanh(score / softcap)` before the softmax (Gemma 2).
+    `sinks` `[num_heads]`: a learned logit per head that joins each row's softmax as one more
+    score whose value row is zero (gpt-oss): it only adds `exp(sink)` to the denominator.
     Returns `[num_tokens, num_heads, head_dim]` in the query's dtype. A quantized cache
     (`QuantKV`) is read as its dequantized float32 values (`code * scale`).
     """
     if isinstance(kv_cache, QuantKV):
         kv_cache = dequantize(kv_cache)
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = kv_cache.shape[3]
-    block_size = kv_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -67,25 +66,50 @@ def paged_attention_ref(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        num_blocks = (seq_len + block_size - 1) // block_size
-        blocks = block_tables[i, :num_blocks].long()
-        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
-        v = v.repeat_interleave(group, dim=1)
+        k, v = _context_ref(kv_cache, block_tables[i], seq_len, query.shape[1], query.shape[2])
         q = query[q_start:q_end].float()  # [q_len, num_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
-        hidden = k_pos > q_pos if causal else torch.zeros_like(k_pos > q_pos)
-        if window:
-            hidden |= k_pos <= q_pos - window
-        scores = scores.masked_fill(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(_hidden_keys_ref(q_len, seq_len, causal, window),
+                                    float("-inf"))
+        probs = _softmax_with_sinks_ref(scores, sinks)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
+
+
+def _context_ref(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                 num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's keys and values `[seq_len, num_heads, head_dim]` in float32, read from
+    the blocks of its table row, each KV head repeated for the query heads of its group."""
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:num_blocks].long()
+    k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+    v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+def _hidden_keys_ref(q_len: int, seq_len: int, causal: bool, window: int | None) -> torch.Tensor:
+    """`[q_len, seq_len]`, True where a new token must not see a key: a later position (when
+    `causal`), or one at least `window` positions back."""
+    q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+    k_pos = torch.arange(seq_len).unsqueeze(0)
+    hidden = k_pos > q_pos if causal else torch.zeros_like(k_pos > q_pos)
+    if window:
+        hidden |= k_pos <= q_pos - window
+    return hidden
+
+
+def _softmax_with_sinks_ref(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax of `scores` `[num_heads, q_len, keys]` over the keys; with `sinks` each head's
+    logit joins as one more column whose value row is zero, dropped after the softmax, so it
+    only adds `exp(sink)` to the denominator."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().view(-1, 1, 1).expand(scores.shape[0], scores.shape[1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def lora_sgmv_ref(x: torch.Tensor, out: torch.Tensor, a_stack: torch.Tensor,

@@ -93,13 +93,14 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
 def _paged_attn_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr, kvs_ptr,
-    scale_log2e, num_seqs, num_splits, head_dim, window, softcap,
+    sinks_ptr, scale_log2e, num_seqs, num_splits, head_dim, window, softcap,
     stride_qt, stride_qh, stride_ckv, stride_cblk, stride_coff, stride_ch, stride_bt,
     stride_btc, stride_ot, stride_oh, num_heads, stride_skv, stride_sblk,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, F32_DOT: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, KV_QUANT: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -198,6 +199,9 @@ def _paged_attn_kernel(
 
     out_mask = row_ok[:, None] & d_ok[None, :]
     if not SPLIT:
+        if USE_SINKS:  # each head's sink joins the denominator: exp(sink), in log2 units
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            l_i = l_i + tl.exp2(sink * 1.4426950408889634 - m_i)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh
                  + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -211,8 +215,9 @@ def _paged_attn_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one variant for every split count
-def _merge_splits_kernel(part_ptr, ml_ptr, out_ptr, num_heads, head_dim, stride_ot, stride_oh,
-                         num_splits, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_splits_kernel(part_ptr, ml_ptr, out_ptr, sinks_ptr, num_heads, head_dim, stride_ot,
+                         stride_oh, num_splits, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr,
+                         USE_SINKS: tl.constexpr):
     """Combine the split partials of one (token, head): rescale to the common max, sum.
     SPLITS_P2 (a power of two >= num_splits) is the same for every launch (MAX_SPLITS')."""
     tok = tl.program_id(0).to(tl.int64)
@@ -226,6 +231,8 @@ def _merge_splits_kernel(part_ptr, ml_ptr, out_ptr, num_heads, head_dim, stride_
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_safe)
     denom = tl.sum(w * ll, axis=0)
+    if USE_SINKS:
+        denom += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - m_safe)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
     acc = tl.load(part_ptr + (base + sp)[:, None] * BLOCK_D + offs_d[None, :],
@@ -288,6 +295,7 @@ def paged_attention_triton(
     softcap: float | None = None,
     causal: bool = True,
     kv_scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen paged attention (contract in docs/kernels.md); never syncs with the host.
 
@@ -297,6 +305,8 @@ def paged_attention_triton(
     row sees every key of its sequence (bidirectional encoders). `kv_scales`: float32
     `[2, num_blocks, num_kv_heads]`, the scales of a quantized cache (int8 / fp8 codes,
     kernels/kserve_paged_kernels/kv_quant.py), applied to each K and V row as it is loaded.
+    `sinks` `[num_heads]`: each head's attention-sink logit, `exp(sink)` added to its softmax's
+    denominator (after the key loop, or in the split merge).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -309,6 +319,8 @@ def paged_attention_triton(
         raise ValueError("kv_scales must be contiguous float32 [2, num_blocks, num_kv_heads]")
     if query.stride(-1) != 1:
         query = query.contiguous()
+    if sinks is not None:
+        sinks = sinks.to(device=query.device, dtype=torch.float32).contiguous()
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in head_dim")
     num_seqs = seq_lens.shape[0]
@@ -343,7 +355,7 @@ def paged_attention_triton(
         part = ml = out  # unused placeholders
     _paged_attn_kernel[(grid_m, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, part, ml,
-        kv_scales if quant else out,
+        kv_scales if quant else out, sinks if sinks is not None else out,
         scale * _LOG2E, num_seqs, num_splits, head_dim, window or 0, float(softcap or 1.0),
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0), block_tables.stride(1),
@@ -352,9 +364,11 @@ def paged_attention_triton(
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=block_d, SPLIT=num_splits > 1, F32_DOT=_f32_dot(query.dtype),
         USE_WINDOW=bool(window), USE_SOFTCAP=bool(softcap), CAUSAL=causal, KV_QUANT=quant,
-        num_warps=num_warps)
+        USE_SINKS=sinks is not None, num_warps=num_warps)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part, ml, out, num_heads, head_dim, out.stride(0), out.stride(1), num_splits,
-            SPLITS_P2=triton.next_power_of_2(MAX_SPLITS), BLOCK_D=block_d)
+            part, ml, out, sinks if sinks is not None else out, num_heads, head_dim,
+            out.stride(0), out.stride(1), num_splits,
+            SPLITS_P2=triton.next_power_of_2(MAX_SPLITS), BLOCK_D=block_d,
+            USE_SINKS=sinks is not None)
     return out

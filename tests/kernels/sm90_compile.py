@@ -69,7 +69,8 @@ def _attention(case: str) -> list[int]:
     codes = KV_CODES.get(case)
     sig = {"q_ptr": f"*{dtype}", "cache_ptr": f"*{codes or dtype}", "bt_ptr": "*i32",
            "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "out_ptr": f"*{dtype}",
-           "part_ptr": "*fp32", "ml_ptr": "*fp32", "kvs_ptr": "*fp32", "scale_log2e": "fp32",
+           "part_ptr": "*fp32", "ml_ptr": "*fp32", "kvs_ptr": "*fp32", "sinks_ptr": "*fp32",
+           "scale_log2e": "fp32",
            "num_seqs": "i32", "num_splits": "i32",
            "head_dim": "i32", "window": "i32", "softcap": "fp32",
            **dict.fromkeys(ATTN_INTS, "i32")}
@@ -77,7 +78,8 @@ def _attention(case: str) -> list[int]:
         "GROUP": group, "BLOCK_SIZE": 16, "BLOCK_M": block_m, "BLOCK_Q": max(1, block_m // group),
         "BLOCK_N": block_n, "BLOCK_D": block_d, "SPLIT": splits > 1, "F32_DOT": f32,
         "USE_WINDOW": window, "USE_SOFTCAP": softcap,
-        "CAUSAL": not case.endswith("-bidirectional"), "KV_QUANT": codes is not None}
+        "CAUSAL": not case.endswith("-bidirectional"), "KV_QUANT": codes is not None,
+        "USE_SINKS": False}
     if one_seq:
         consts = {"num_seqs": 1, **consts}
     return [_compile(tb._paged_attn_kernel, sig, consts).metadata.shared]
@@ -93,10 +95,12 @@ def _store_merge() -> list[int]:
                             "stride_cblk", "stride_coff", "stride_ch", "num_kv_heads",
                             "head_dim"], "i32")}
     store = _compile(tb._store_kv_kernel, sig, {"BLOCK_SIZE": 16, "BLOCK_H": 1, "BLOCK_D": 128})
-    sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "num_heads": "i32",
+    sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "sinks_ptr": "*fp32",
+           "num_heads": "i32",
            "head_dim": "i32", "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32"}
     merge = _compile(tb._merge_splits_kernel, sig,
-                     {"SPLITS_P2": triton.next_power_of_2(tb.MAX_SPLITS), "BLOCK_D": 128})
+                     {"SPLITS_P2": triton.next_power_of_2(tb.MAX_SPLITS), "BLOCK_D": 128,
+                      "USE_SINKS": False})
     import kserve_paged_kernels.kv_quant_triton as kqt
 
     sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "code_ptr": "*u8", "scale_ptr": "*fp32",

@@ -163,6 +163,21 @@ def test_window_and_softcap_match_reference(tb, case: tuple, dtype: torch.dtype)
     _check(out, paged_attention_ref(*c.args(), window=window, softcap=softcap), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window,splits", [(None, None), (8, None), (None, 3)],
+                         ids=["plain", "window", "split"])
+def test_sinks_match_reference(tb, window: int | None, splits: int | None,
+                               dtype: torch.dtype) -> None:
+    """Attention sinks (gpt-oss): each head's exp(sink) in its denominator, after the key loop
+    or in the split merge."""
+    c = make_case([9, 40, 1], [9, 7, 1], num_heads=8, num_kv_heads=2, head_dim=64,
+                  block_size=16, dtype=dtype, device=DEVICE, seed=5)
+    sinks = torch.linspace(-3.0, 4.0, 8, device=DEVICE)
+    out = tb.paged_attention_triton(*c.args(), num_splits=splits, max_seq_len=c.max_seq_len,
+                                    max_query_len=c.max_query_len, window=window, sinks=sinks)
+    _check(out, paged_attention_ref(*c.args(), window=window, sinks=sinks), dtype)
+
+
 # Quantized KV (kernels/kserve_paged_kernels/kv_quant.py): (name, seq_lens, q_lens, heads, kv_heads, block_size,
 # window, softcap, num_splits); head_dim 64.
 QUANT_CASES = [

@@ -32,7 +32,8 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = tuple(CSRC / name for name in (
     "library.c", "paged_rows.c", "paged_key_tile.c", "paged_prefix.c", "paged_dispatch.c",
     "paged_bf16.c", "paged_bf16_tile.c", "cpu_ops.c", "cpu_ops_bf16.c", "gemma_bf16.c",
-    "gemm.c", "decoder_stack.c", "lora_sgmv.c", "quant_gemm.c", "gemm_bf16.c", "kv_q8.c", "paged_q8.c"))
+    "gemm.c", "decoder_stack.c", "lora_sgmv.c", "quant_gemm.c", "gemm_bf16.c", "kv_q8.c", "paged_q8.c",
+    "mxfp4_gemm.c"))
 HEADERS = tuple(CSRC / name for name in ("kp_native.h", "kp_vec.h", "kp_bf16.h", "kp_kvq.h",
                                           "paged_attention.h", "paged_span.h", "kp_team.h"))
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wextra", "-shared",

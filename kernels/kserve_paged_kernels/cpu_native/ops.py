@@ -41,13 +41,15 @@ def bf16_prefill_tiles(head_dim: int) -> bool:
 def paged_rows(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                row_lens: torch.Tensor, token_idx: torch.Tensor, seq_idx: torch.Tensor,
                scale: float, out: torch.Tensor, *, window: int | None = None,
-               softcap: float | None = None) -> None:
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """Write attention of query rows `token_idx` into the same rows of `out`
     (`[num_tokens, num_heads, head_dim]`, heads contiguous in a row). Row r belongs to the
     sequence whose block-table row is `seq_idx[r]` and attends to its first `row_lens[r]` keys:
     the whole context for a decode token, `position + 1` keys for a prefill token (causality).
     `window`: only the last `window` of them (a sliding-window layer; the blocks before are not
     read). `softcap`: scaled scores s become `softcap * tanh(s / softcap)` before the softmax.
+    `sinks` (`[num_heads]`, any float dtype): each head's attention-sink logit, `exp(sink)`
+    added to its softmax's denominator (`kp_paged_rows_sinks_*`).
     Tensors all fp32, or all bf16 (fp32 softmax and sums inside, outputs rounded once)."""
     lib = loaded()
     bt = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
@@ -61,13 +63,21 @@ def paged_rows(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
                                                                                 torch.bfloat16):
         raise ValueError("query, kv_cache and out must be all float32 or all bfloat16")
     sync_threads(lib)
-    fn = lib.kp_paged_rows_f32 if query.dtype == torch.float32 else lib.kp_paged_rows_bf16
-    rc = fn(
-        query.data_ptr(), query.stride(0), kv_cache.data_ptr(), kv_cache.shape[1],
-        kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4], query.shape[1],
-        bt.data_ptr(), bt.stride(0), lens.data_ptr(), tok.data_ptr(), seq.data_ptr(),
-        tok.numel(), float(scale), int(window or 0), float(softcap or 0.0), out.data_ptr(),
-        out.stride(0))
+    args = (query.data_ptr(), query.stride(0), kv_cache.data_ptr(), kv_cache.shape[1],
+            kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4], query.shape[1],
+            bt.data_ptr(), bt.stride(0), lens.data_ptr(), tok.data_ptr(), seq.data_ptr(),
+            tok.numel(), float(scale), int(window or 0), float(softcap or 0.0))
+    if sinks is not None:
+        if sinks.numel() != query.shape[1]:
+            raise ValueError(f"sinks: one logit per query head ({query.shape[1]}), "
+                             f"got {sinks.numel()}")
+        sink32 = sinks.detach().to("cpu", torch.float32).contiguous()
+        fn = (lib.kp_paged_rows_sinks_f32 if query.dtype == torch.float32
+              else lib.kp_paged_rows_sinks_bf16)
+        rc = fn(*args, sink32.data_ptr(), out.data_ptr(), out.stride(0))
+    else:
+        fn = lib.kp_paged_rows_f32 if query.dtype == torch.float32 else lib.kp_paged_rows_bf16
+        rc = fn(*args, out.data_ptr(), out.stride(0))
     if rc == -2:
         raise MemoryError("native paged attention could not allocate its scratch")
     if rc != 0:

@@ -67,6 +67,36 @@ KP_API int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *
                              const int64_t *seq_idx, int64_t n, float scale, int32_t window,
                              float softcap, float *out, int64_t out_row_stride);
 
+/* kp_paged_rows_f32 with attention sinks (gpt-oss): sinks holds one logit per query head,
+ * added to that head's softmax denominator as exp(sink) (a score whose value row is zero);
+ * NULL is kp_paged_rows_f32. Rows take the row kernel (no transposed-key tiles). */
+KP_API int kp_paged_rows_sinks_f32(const float *q, int64_t q_row_stride, const float *kv,
+                                   int64_t num_blocks, int32_t block_size, int32_t num_kv_heads,
+                                   int32_t head_dim, int32_t num_heads,
+                                   const int32_t *block_tables, int64_t bt_stride,
+                                   const int32_t *row_lens, const int64_t *tok_idx,
+                                   const int64_t *seq_idx, int64_t n, float scale,
+                                   int32_t window, float softcap, const float *sinks, float *out,
+                                   int64_t out_row_stride);
+
+/* kp_paged_rows_sinks_f32 over a bfloat16 cache: kp_paged_rows_bf16 with sinks (fp32). */
+KP_API int kp_paged_rows_sinks_bf16(const uint16_t *q, int64_t q_row_stride,
+                                    const uint16_t *kv, int64_t num_blocks, int32_t block_size,
+                                    int32_t num_kv_heads, int32_t head_dim, int32_t num_heads,
+                                    const int32_t *block_tables, int64_t bt_stride,
+                                    const int32_t *row_lens, const int64_t *tok_idx,
+                                    const int64_t *seq_idx, int64_t n, float scale,
+                                    int32_t window, float softcap, const float *sinks,
+                                    uint16_t *out, int64_t out_row_stride);
+
+/* out[m, n] = x[m, :] . W[n, :] + bias[n] (bias may be NULL) for M rows of K floats, W's N rows
+ * stored as MXFP4 (mxfp4_gemm.c): blocks [N, K / 32, 16] (two E2M1 codes a byte, the even
+ * column low), scales [N, K / 32] (E8M0, biased by 127). -1: K not a multiple of 32 or a
+ * negative size, -2: scratch could not be allocated. */
+KP_API int kp_mxfp4_linear_f32(const float *x, int64_t x_stride, int64_t M,
+                               const uint8_t *blocks, const uint8_t *scales, int64_t N,
+                               int64_t K, const float *bias, float *out, int64_t out_stride);
+
 /* kp_paged_rows_f32 over a bfloat16 cache (paged_bf16.c): q, kv and out hold bf16 bits;
  * scores, softmax and sums are fp32, each output rounded to bf16 once (nearest even). Same
  * arguments, limits and return codes. */

@@ -62,6 +62,7 @@ typedef struct {
     const uint32_t *kt;
     int64_t groups, slices;
     int failed;
+    const float *sinks; /* one logit per query head (attention sinks), or NULL */
 } kp_team_attention;
 
 /* 1 when kp_paged_rows_bf16 takes these shapes (its -1 otherwise). */

@@ -192,17 +192,26 @@ typedef struct {
     int cascade;
 } key_group;
 
+/* The denominator's share of an attention sink (gpt-oss: a learned logit per query head that
+ * joins the softmax as one more score whose value row is zero) for a head whose running max
+ * is m: exp(sink - m), added to the head's sum before the division; 0 without sinks. */
+static inline float pa_sink_term(const float *sinks, int head, float m) {
+    return sinks ? expf(sinks[head] - m) : 0.0f;
+}
+
 /* paged_rows.c: the query-head group of one KV head over keys start .. len - 1, any head_dim
- * up to MAX_HEAD_DIM; softcap > 0 caps the scaled scores with tanh (0: no cap). */
+ * up to MAX_HEAD_DIM; softcap > 0 caps the scaled scores with tanh (0: no cap); sinks (or
+ * NULL) the group's sink logits (pa_sink_term). */
 void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
                      int32_t len, int kvh, int group, int hd, float scale, float softcap,
-                     float *out);
+                     const float *sinks, float *out);
 
 /* paged_rows.c: KV heads kvh .. kvh + nkv - 1 of one row over keys start .. len - 1, head_dim
- * 64, 128 or 256 (pa_row_head); `state` (or NULL) is the softmax state to go on from (cascade). */
+ * 64, 128 or 256 (pa_row_head); `state` (or NULL) is the softmax state to go on from (cascade);
+ * sinks (or NULL) the sink logits of those query heads. */
 void pa_item_vec(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
                     int32_t len, int kvh, int nkv, int group, int hd, float scale,
-                    const float *state, float *out);
+                    const float *state, const float *sinks, float *out);
 
 /* paged_key_tile.c: *buf grown to at least n floats (64-byte aligned; the old contents are
  * not kept), *cap its size; NULL (and *cap 0) when it cannot be allocated. */

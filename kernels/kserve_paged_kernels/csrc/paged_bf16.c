@@ -104,7 +104,7 @@ static inline void scores_bf16(const uint16_t *q, const uint16_t *const *krow, i
 /* The query heads of KV head kvh (q, out: the first of them) over keys start .. len - 1. */
 static void item_bf16(const uint16_t *q, const kv16_layout *kv, const int32_t *table,
                       int32_t start, int32_t len, int kvh, int group, int hd, float scale,
-                      float softcap, uint16_t *out) {
+                      float softcap, const float *sinks, uint16_t *out) {
     float qf[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM];
     float kbuf[CHUNK * MAX_HEAD_DIM], vbuf[CHUNK * MAX_HEAD_DIM];
     float p[CHUNK], m[MAX_GROUP], l[MAX_GROUP];
@@ -158,7 +158,8 @@ static void item_bf16(const uint16_t *q, const kv16_layout *kv, const int32_t *t
         }
     }
     for (int g = 0; g < group; ++g) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        const float sum = l[g] + pa_sink_term(sinks, g, m[g]);
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
         for (int d = 0; d < hd; ++d) out[(int64_t)g * hd + d] = f32_to_bf16(acc[g * hd + d] * inv);
     }
 }
@@ -166,7 +167,8 @@ static void item_bf16(const uint16_t *q, const kv16_layout *kv, const int32_t *t
 /* item_bf16 for head dim HD (64, 128 or 256): in spans (paged_span.h). */
 static inline __attribute__((always_inline)) void item_span(
     const uint16_t *q, const kv16_layout *kv16, const int32_t *table, int32_t start,
-    int32_t len, int kvh, int group, const int HD, float scale, float softcap, uint16_t *out) {
+    int32_t len, int kvh, int group, const int HD, float scale, float softcap,
+    const float *sinks, uint16_t *out) {
     float acc[MAX_GROUP * MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
     float qf[MAX_GROUP * MAX_HEAD_DIM];  /* q widened in vload_bf16_eo's order (no BF16 dot) */
     const span_cache kv = {kv16->k_base, kv16->v_base, 0, 0, kv16->tok_stride,
@@ -193,7 +195,8 @@ static inline __attribute__((always_inline)) void item_span(
     span_item(qp, qf, &kv, table, start, len, kvh, group, HD, scale, softcap, acc, m, l,
               ROW_BF16);
     for (int g = 0; g < group; ++g) {
-        const vf inv = vset1(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+        const float sum = l[g] + pa_sink_term(sinks, g, m[g]);
+        const vf inv = vset1(sum > 0.0f ? 1.0f / sum : 0.0f);
         for (int d = 0; d < HD; d += 2 * KP_VW)
             vstore_bf16_eo(out + (int64_t)g * HD + d, vload(acc + g * HD + d) * inv,
                            vload(acc + g * HD + d + KP_VW) * inv);
@@ -202,20 +205,20 @@ static inline __attribute__((always_inline)) void item_span(
 
 static void item_span64(const uint16_t *q, const kv16_layout *kv, const int32_t *table,
                         int32_t start, int32_t len, int kvh, int group, float scale,
-                        float softcap, uint16_t *out) {
-    item_span(q, kv, table, start, len, kvh, group, 64, scale, softcap, out);
+                        float softcap, const float *sinks, uint16_t *out) {
+    item_span(q, kv, table, start, len, kvh, group, 64, scale, softcap, sinks, out);
 }
 
 static void item_span256(const uint16_t *q, const kv16_layout *kv, const int32_t *table,
                          int32_t start, int32_t len, int kvh, int group, float scale,
-                         float softcap, uint16_t *out) {
-    item_span(q, kv, table, start, len, kvh, group, 256, scale, softcap, out);
+                         float softcap, const float *sinks, uint16_t *out) {
+    item_span(q, kv, table, start, len, kvh, group, 256, scale, softcap, sinks, out);
 }
 
 static void item_span128(const uint16_t *q, const kv16_layout *kv, const int32_t *table,
                          int32_t start, int32_t len, int kvh, int group, float scale,
-                         float softcap, uint16_t *out) {
-    item_span(q, kv, table, start, len, kvh, group, 128, scale, softcap, out);
+                         float softcap, const float *sinks, uint16_t *out) {
+    item_span(q, kv, table, start, len, kvh, group, 128, scale, softcap, sinks, out);
 }
 
 int kp_team_attention_ok(int32_t block_size, int32_t num_kv_heads, int32_t head_dim,
@@ -234,6 +237,7 @@ void kp_team_attention_plan(kp_team_attention *sh, int32_t block_size, int32_t h
     sh->kt = 0;
     sh->groups = sh->slices = 0;
     sh->failed = 0;
+    sh->sinks = 0;
     /* Prefill runs go through the transposed keys (paged_bf16_tile.c); group_of[r] is row r's
      * run, or -1. Windowed and capped layers do not: the tiles have neither. */
     if (pa_vector_head(head_dim) && n >= 2 && window == 0 && softcap == 0.0f) {
@@ -303,14 +307,16 @@ void kp_team_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint
         const int32_t start = (window > 0 && len > window) ? len - window : 0;
         const uint16_t *qh = q + tok * q_row_stride + head0;
         uint16_t *oh = out + tok * out_row_stride + head0;
+        const float *sk = sh->sinks ? sh->sinks + (int64_t)kvh * group : 0;
         if (head_dim == 64)
-            item_span64(qh, &layout, table, start, len, kvh, group, scale, softcap, oh);
+            item_span64(qh, &layout, table, start, len, kvh, group, scale, softcap, sk, oh);
         else if (head_dim == 128)
-            item_span128(qh, &layout, table, start, len, kvh, group, scale, softcap, oh);
+            item_span128(qh, &layout, table, start, len, kvh, group, scale, softcap, sk, oh);
         else if (head_dim == 256)
-            item_span256(qh, &layout, table, start, len, kvh, group, scale, softcap, oh);
+            item_span256(qh, &layout, table, start, len, kvh, group, scale, softcap, sk, oh);
         else
-            item_bf16(qh, &layout, table, start, len, kvh, group, head_dim, scale, softcap, oh);
+            item_bf16(qh, &layout, table, start, len, kvh, group, head_dim, scale, softcap, sk,
+                      oh);
     }
 }
 
@@ -320,11 +326,27 @@ int kp_paged_rows_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *
                        int64_t bt_stride, const int32_t *row_lens, const int64_t *tok_idx,
                        const int64_t *seq_idx, int64_t n, float scale, int32_t window,
                        float softcap, uint16_t *out, int64_t out_row_stride) {
+    return kp_paged_rows_sinks_bf16(q, q_row_stride, kv, num_blocks, block_size, num_kv_heads,
+                                    head_dim, num_heads, block_tables, bt_stride, row_lens,
+                                    tok_idx, seq_idx, n, scale, window, softcap, 0, out,
+                                    out_row_stride);
+}
+
+/* With sinks (one logit per query head, or NULL): no prefill tiles (they have no sink term),
+ * every row on the row kernel. */
+int kp_paged_rows_sinks_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *kv,
+                             int64_t num_blocks, int32_t block_size, int32_t num_kv_heads,
+                             int32_t head_dim, int32_t num_heads, const int32_t *block_tables,
+                             int64_t bt_stride, const int32_t *row_lens, const int64_t *tok_idx,
+                             const int64_t *seq_idx, int64_t n, float scale, int32_t window,
+                             float softcap, const float *sinks, uint16_t *out,
+                             int64_t out_row_stride) {
     if (!kp_team_attention_ok(block_size, num_kv_heads, head_dim, num_heads, window, softcap))
         return -1;
     kp_team_attention sh;
     kp_team_attention_plan(&sh, block_size, head_dim, num_kv_heads, block_tables, bt_stride,
-                           row_lens, seq_idx, n, window, softcap);
+                           row_lens, seq_idx, sinks ? 0 : n, window, softcap);
+    sh.sinks = sinks;
 #pragma omp parallel
     kp_team_paged_rows_bf16(q, q_row_stride, kv, num_blocks, block_size, num_kv_heads, head_dim,
                             num_heads, block_tables, bt_stride, row_lens, tok_idx, seq_idx, n,

@@ -12,14 +12,15 @@
  * have no cap), and so does a head dim other than 64, 128 and 256. */
 static void run_item(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
                      int32_t len, int kvh, int nkv, int group, int hd, float scale,
-                     float softcap, float *out) {
+                     float softcap, const float *sinks, float *out) {
     if (pa_row_head(hd) && nkv * group <= MAX_HEADS && softcap == 0.0f) {
-        pa_item_vec(q, kv, table, start, len, kvh, nkv, group, hd, scale, 0, out);
+        pa_item_vec(q, kv, table, start, len, kvh, nkv, group, hd, scale, 0, sinks, out);
         return;
     }
     for (int k = 0; k < nkv; ++k)
         pa_item_generic(q + (int64_t)k * group * hd, kv, table, start, len, kvh + k, group, hd,
-                        scale, softcap, out + (int64_t)k * group * hd);
+                        scale, softcap, sinks ? sinks + k * group : 0,
+                        out + (int64_t)k * group * hd);
 }
 
 /* Attention of n query rows: row r is query row tok_idx[r] of sequence seq_idx[r] (its block
@@ -31,6 +32,21 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
                       const int32_t *row_lens, const int64_t *tok_idx, const int64_t *seq_idx,
                       int64_t n, float scale, int32_t window, float softcap, float *out,
                       int64_t out_row_stride) {
+    return kp_paged_rows_sinks_f32(q, q_row_stride, kv, num_blocks, block_size, num_kv_heads,
+                                   head_dim, num_heads, block_tables, bt_stride, row_lens,
+                                   tok_idx, seq_idx, n, scale, window, softcap, 0, out,
+                                   out_row_stride);
+}
+
+/* With sinks (one logit per query head, or NULL): rows take the row kernel only (the
+ * transposed-key tiles have no sink term). */
+int kp_paged_rows_sinks_f32(const float *q, int64_t q_row_stride, const float *kv,
+                            int64_t num_blocks, int32_t block_size, int32_t num_kv_heads,
+                            int32_t head_dim, int32_t num_heads, const int32_t *block_tables,
+                            int64_t bt_stride, const int32_t *row_lens, const int64_t *tok_idx,
+                            const int64_t *seq_idx, int64_t n, float scale, int32_t window,
+                            float softcap, const float *sinks, float *out,
+                            int64_t out_row_stride) {
     const int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK ||
         num_heads % num_kv_heads || window < 0 || !(softcap >= 0.0f))
@@ -58,7 +74,7 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
     key_group *grp = 0;
     float *kt = 0;
     int64_t groups = 0;
-    if (pa_vector_head(head_dim) && n >= 2 && window == 0 && softcap == 0.0f) {
+    if (pa_vector_head(head_dim) && n >= 2 && window == 0 && softcap == 0.0f && !sinks) {
         group_of = malloc((size_t)n * sizeof *group_of);
         grp = malloc((size_t)n * sizeof *grp);
         if (group_of && grp)
@@ -118,7 +134,7 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
                 for (int i = 0; i < R && !rc; ++i) {
                     const int32_t *ti = block_tables + seq_idx[row + i] * bt_stride;
                     pa_item_vec(qr[i], &layout, ti, g->keys, row_lens[row + i], kvh,
-                                per_item, group, head_dim, scale, st[i], orow[i]);
+                                per_item, group, head_dim, scale, st[i], 0, orow[i]);
                 }
             }
             if (rc) {
@@ -130,7 +146,7 @@ int kp_paged_rows_f32(const float *q, int64_t q_row_stride, const float *kv, int
         const int32_t len = row_lens[row];
         const int32_t start = (window > 0 && len > window) ? len - window : 0;
         run_item(qh, &layout, table, start, len, kvh, per_item, group, head_dim, scale, softcap,
-                 oh);
+                 sinks ? sinks + kvh * group : 0, oh);
     }
     free(group_of);
     free(grp);

@@ -58,7 +58,7 @@ static inline void axpy_rows(float *acc, float w, const float *v, int hd) {
  * starts past 0); softcap > 0 caps each scaled score s to softcap * tanh(s / softcap). */
 void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
                      int32_t len, int kvh, int group, int hd, float scale, float softcap,
-                     float *out) {
+                     const float *sinks, float *out) {
     float qs[MAX_GROUP * MAX_HEAD_DIM];
     float acc[MAX_GROUP * MAX_HEAD_DIM];
     float p[MAX_GROUP * CHUNK];
@@ -90,7 +90,8 @@ void pa_item_generic(const float *q, const kv_layout *kv, const int32_t *table, 
         }
     }
     for (int g = 0; g < group; ++g) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        const float sum = l[g] + pa_sink_term(sinks, g, m[g]);
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
         for (int d = 0; d < hd; ++d) out[g * hd + d] = acc[g * hd + d] * inv;
     }
 }
@@ -294,7 +295,7 @@ static inline int heads_per_pass(int hd) {
  * own keys follow a shared prefix done elsewhere (cascade). */
 void pa_item_vec(const float *q, const kv_layout *kv, const int32_t *table, int32_t start,
                  int32_t len, int kvh, int nkv, int group, int hd, float scale,
-                 const float *state, float *out) {
+                 const float *state, const float *sinks, float *out) {
     const int heads = nkv * group;
     const int per_pass = heads_per_pass(hd);
     float accbuf[MAX_HEADS * MAX_HEAD_DIM];
@@ -342,7 +343,8 @@ void pa_item_vec(const float *q, const kv_layout *kv, const int32_t *table, int3
         cur = 1 - cur;
     }
     for (int g = 0; g < heads; ++g) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        const float sum = l[g] + pa_sink_term(sinks, g, m[g]);
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
         for (int j = 0; j < hd; j += KP_VW)
             vstore(out + (int64_t)g * hd + j, vload(accbuf + (int64_t)g * hd + j) * inv);
     }
