@@ -15,6 +15,10 @@ from kserve_paged_engine.model_executor.models import MODEL_REGISTRY, architectu
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
+# DeepSeek's multi-head latent attention and routed experts, small.
+MLA = dict(SMALL, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+           qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=16, first_k_dense_replace=1)
 FAMILIES = {
     "LlamaForCausalLM": lambda: transformers.LlamaConfig(**SMALL),
     "MistralForCausalLM": lambda: transformers.MistralConfig(**SMALL, sliding_window=16),
@@ -26,6 +30,9 @@ FAMILIES = {
     "MixtralForCausalLM": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4),
     "Qwen3MoeForCausalLM": lambda: transformers.Qwen3MoeConfig(**SMALL, num_experts=4,
                                                                moe_intermediate_size=32),
+    "DeepseekV3ForCausalLM": lambda: transformers.DeepseekV3Config(**MLA, n_group=2,
+                                                                   topk_group=1),
+    "DeepseekV2ForCausalLM": lambda: transformers.DeepseekV2Config(**MLA),
 }
 
 

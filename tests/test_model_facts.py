@@ -18,8 +18,14 @@ import torch
 from kserve_paged.plan import make_plan, parse_device
 from kserve_paged_engine.config.engine import EngineConfig
 from kserve_paged_engine.model_executor.model_facts import ModelFacts, describe_folder
-from tests.helpers.tiny_models import CONFIGS, save_tokenizer
+from tests.helpers.tiny_deepseek import DEEPSEEK_CONFIGS
+from tests.helpers.tiny_gptoss import gptoss_config
+from tests.helpers.tiny_models import CONFIGS as FAMILY_CONFIGS
+from tests.helpers.tiny_models import save_tokenizer
 
+# Every family's tiny configs, gpt-oss's and DeepSeek's too (their own helpers: no
+# tensor-parallel cases).
+CONFIGS = {**FAMILY_CONFIGS, "gpt_oss_window_sinks": gptoss_config, **DEEPSEEK_CONFIGS}
 KV_BUDGET = 4 << 20  # bytes: room for the longest request of every tiny config
 
 

@@ -12,10 +12,12 @@ without the flag, and a flag naming another method is an error.
 
 from __future__ import annotations
 
-QUANTIZATION_METHODS = ("gguf", "awq", "gptq", "compressed-tensors", "fp8", "int8", "int4")
-BUILT_METHODS = ("gguf", "awq", "gptq", "compressed-tensors", "fp8", "int8", "int4")
+QUANTIZATION_METHODS = ("gguf", "awq", "gptq", "compressed-tensors", "fp8", "mxfp4", "int8",
+                        "int4")
+BUILT_METHODS = ("gguf", "awq", "gptq", "compressed-tensors", "fp8", "mxfp4", "int8", "int4")
 # Read from the checkpoint's own quantization_config (and turned on by it, as in vLLM).
-CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
+# `mxfp4`: gpt-oss's experts, read by its model (models/gpt_oss.py) and kept 4-bit.
+CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors", "fp8", "mxfp4")
 # Applied at load to a float checkpoint's weights (`fp8` is both: vLLM's on-the-fly fp8).
 ON_THE_FLY_METHODS = ("fp8", "int8", "int4")
 
@@ -42,7 +44,7 @@ def method_error(method: str | None) -> str | None:
             f"{', '.join(BUILT_METHODS)} (vLLM's values: {', '.join(QUANTIZATION_METHODS)})")
 
 
-def check_method(method: str | None, *, gguf: bool, device_type: str, tp: bool,
+def check_method(method: str | None, *, gguf: bool, device_type: str,
                  checkpoint: str | None = None) -> str | None:
     """The method the load runs (`method`, else the checkpoint's own `checkpoint`); ValueError
     before anything loads when it cannot run here."""
@@ -67,7 +69,4 @@ def check_method(method: str | None, *, gguf: bool, device_type: str, tp: bool,
                                               and method not in CHECKPOINT_METHODS):
         raise ValueError(f"quantization {method!r} runs on CPU only in this engine "
                          f"(device {device_type}); {', '.join(CHECKPOINT_METHODS)} run on CUDA too")
-    if tp:
-        raise ValueError(f"quantization {method!r} is not sharded: it needs "
-                         "tensor_parallel_size 1")
     return method

@@ -32,8 +32,10 @@ class Attention(nn.Module):
     """Stores the new K/V in the paged cache, then attends each query over its context: all of
     it, or with `window` its last `window` positions; `softcap` caps the scores (Gemma 2).
 
-    No weights: projections and RoPE live in the model. `kv_group` is the KV group whose block
-    tables the layer reads (set by the model runner; 0 when there is one group).
+    No weights, except a layer with attention sinks (gpt-oss, `add_sinks`): its `sinks`, one
+    learned logit per query head added to the softmax's denominator. Projections and RoPE live
+    in the model. `kv_group` is the KV group whose block tables the layer reads (set by the
+    model runner; 0 when there is one group).
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, *,
@@ -51,6 +53,12 @@ class Attention(nn.Module):
         self.softcap = softcap
         self.causal = causal  # False: bidirectional (encoders), every key of the sequence
         self.kv_group = 0
+        self.sinks: nn.Parameter | None
+        self.register_parameter("sinks", None)  # `add_sinks` gives it one
+
+    def add_sinks(self) -> None:
+        """Give the layer a sink logit per query head (`sinks`, loaded with the weights)."""
+        self.sinks = nn.Parameter(torch.empty(self.num_heads))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, *, stored: bool = False) -> torch.Tensor:
@@ -60,7 +68,7 @@ class Attention(nn.Module):
         if not stored:
             kernels.store_kv(k, v, kv_cache, meta.slot_mapping, backend=meta.backend)
         return kernels.attend(q, kv_cache, meta, self.scale, window=self.window,
-                              softcap=self.softcap, causal=self.causal)
+                              softcap=self.softcap, causal=self.causal, sinks=self.sinks)
 
     def rope_store_(self, positions: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:

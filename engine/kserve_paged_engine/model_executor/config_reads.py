@@ -22,6 +22,7 @@ NO_EFFECT_AT_INFERENCE = frozenset({
     "pretraining_tp", "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id",
     "output_attentions", "output_hidden_states", "return_dict", "router_aux_loss_coef",
     "output_router_logits", "router_jitter_noise", "router_z_loss_coef",
+    "aux_loss_alpha", "seq_aux",  # DeepSeek's training-time balance losses
 })
 
 # transformers folds these config.json keys into another attribute when it parses the file.

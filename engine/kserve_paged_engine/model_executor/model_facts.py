@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kserve_paged_engine.model_executor.model_loader import check_architecture
+from kserve_paged_engine.model_executor.checkpoint_files import check_architecture
 from kserve_paged_engine.model_executor.models import MODEL_REGISTRY, architecture_of
 from kserve_paged_engine.model_executor.tp_layout import kv_heads_per_rank
 
@@ -34,6 +34,10 @@ class ModelFacts:
     max_position_embeddings: int  # what the positions reach, RoPE scaling included
     layer_windows: tuple[int | None, ...]  # per layer: its sliding window, None: global
     num_params: int  # distinct parameters (a tied LM head counts once)
+    # MLA (DeepSeek): values of the one latent row a token holds per layer (kv_lora_rank +
+    # qk_rope_head_dim), stored as num_kv_heads 1 x head_dim latent / 2 in the K and V planes
+    # (kernels/kserve_paged_kernels/mla_reference.py); 0: per-head keys and values.
+    kv_latent_dim: int = 0
 
     @classmethod
     def of(cls, model: Any) -> ModelFacts:
@@ -46,7 +50,8 @@ class ModelFacts:
                    vocab_size=model.vocab_size,
                    max_position_embeddings=model.max_position_embeddings,
                    layer_windows=tuple(windows),
-                   num_params=sum(p.numel() for p in model.parameters()))
+                   num_params=sum(p.numel() for p in model.parameters()),
+                   kv_latent_dim=int(getattr(model, "kv_latent_dim", 0)))
 
     def rank_share(self, world: int) -> ModelFacts:
         """The KV heads rank 0 holds under tensor parallelism over `world` ranks (the most any

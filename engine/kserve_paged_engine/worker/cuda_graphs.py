@@ -52,6 +52,8 @@ def why_eager(model: torch.nn.Module, device: torch.device, *, num_groups: int, 
     """Why a runner's decode steps cannot be captured (None: they can). Checked before any
     capture: an error inside `torch.cuda.graph` can leave the allocator mid-capture, so a
     forward that would read a device value back is declined here, not caught there."""
+    if getattr(model, "graph_unsafe", None):  # a model that says why (models/deepseek.py)
+        return str(model.graph_unsafe)
     if num_groups > 1:
         return "the model's layers are in several KV groups"
     if lora:
