@@ -45,6 +45,9 @@ def add_gateway_flags(parser: argparse.ArgumentParser, d: dict[str, Any]) -> Non
                              "(probes such as /health,/metrics,/ping).")
     served.add_argument("--disable_uvicorn_access_log", action="store_true",
                         help="No access log at all (vLLM's older switch).")
+    served.add_argument("--disable_log_requests", action="store_true",
+                        help="Accepted for vLLM's command lines (KServe's gpt-oss sample "
+                             "passes it): no request's prompt or options is logged anyway.")
     served.add_argument("--api_key", default=None,
                         help="Bearer token required on every inference, tokenizer and adapter "
                              "route (or $VLLM_API_KEY); health, readiness and metrics stay open.")
@@ -71,7 +74,8 @@ def _add_chat_flags(parser: argparse.ArgumentParser) -> None:
     chat = parser.add_argument_group("chat")
     chat.add_argument("--reasoning_parser", default=None, choices=REASONING_PARSERS,
                       help="Split a thinking model's output into message.reasoning and "
-                           "message.content.")
+                           "message.content (openai_gptoss: gpt-oss' Harmony channels, on by "
+                           "default for gpt-oss models; docs/harmony.md).")
     chat.add_argument("--default_chat_template_kwargs", type=json_object, default=None,
                       metavar="JSON",
                       help="Keyword arguments every chat template render gets (a request's "

@@ -35,9 +35,10 @@ class StructuredOutputs:
     choice: list[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
-    # The constraint starts once the output has this token (a reasoning model's `</think>`):
-    # what comes before it is free, and the grammar holds from the token after it on.
-    start_after_token_id: int | None = None
+    # The constraint starts once the output has this token (a reasoning model's `</think>`)
+    # or these tokens in a row (Harmony's `<|channel|>final<|message|>`): what comes before
+    # is free, and the grammar holds from the token after them on.
+    start_after_token_id: int | tuple[int, ...] | None = None
     kind: str = field(init=False, default="")
     key: str = field(init=False, default="")  # what compiled grammars are cached by
     _grammar: Any = field(init=False, default=None, repr=False)

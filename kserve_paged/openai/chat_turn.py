@@ -6,22 +6,34 @@ Structured outputs and reasoning: a JSON schema (or a tool call's constraint) ho
 not the thinking. The engine's grammar can wait (`StructuredOutputs.start_after_token_id`,
 engine/kserve_paged_engine/sample/structured_output.py): it is inactive until the model samples the end-of-thinking
 token, and holds from the next token on. When the prompt already closed the thinking (Qwen3 with
-`enable_thinking` false), the grammar holds from the first token.
+`enable_thinking` false), the grammar holds from the first token. Harmony (gpt-oss) waits for
+the token sequence that opens the final channel, so the analysis channel runs free.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from fastapi import Request
 
 from kserve_paged.openai.errors import APIError
+from kserve_paged.openai.harmony import FINAL_HEADER, HARMONY_PARSER, parse_harmony
+from kserve_paged.openai.harmony_template import HARMONY_CHAT_TEMPLATE
 from kserve_paged.openai.reasoning import END, START, split_reasoning
 from kserve_paged.openai.schemas import ChatBody
 from kserve_paged.openai.submission import submit_prompts
-from kserve_paged.openai.tools import ToolCall, ToolPlan, template_messages, tool_plan
+from kserve_paged.openai.tools import (
+    HARMONY_TOOL_PARSER,
+    ToolCall,
+    ToolPlan,
+    template_messages,
+    tool_plan,
+)
 from kserve_paged.request_options import OptionError, SamplingRequest
 from kserve_paged.served import ServedModel
 from kserve_paged.structured import StructuredOptionError, structured_outputs_option
@@ -83,17 +95,17 @@ def template_kwargs(model: ServedModel, body: ChatBody) -> dict[str, Any]:
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)} (the "
                        "request's own fields say that)", param="chat_template_kwargs")
-    return {**model.default_chat_template_kwargs, **given}
+    effort = {"reasoning_effort": body.reasoning_effort} if body.reasoning_effort else {}
+    return {**model.default_chat_template_kwargs, **effort, **given}
 
 
 async def render_prompt(model: ServedModel, body: ChatBody, plan: ToolPlan | None
                         ) -> list[int]:
     """The messages through the chat template (tools and template kwargs passed to it) and
-    the tokenizer, both on a worker thread; their length is checked before either sees them."""
+    the tokenizer, both on a worker thread; their length is checked before either sees them.
+    A Harmony model without a template of its own gets ours (harmony_template.py)."""
     info = model.info
-    if not info.has_chat_template:
-        raise APIError(400, "this model has no chat template; use /completions",
-                       param="messages")
+    own_template = fallback_template(model, "use /completions")
     if body.continue_final_message and body.add_generation_prompt:
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both "
                        "be true", param="continue_final_message")
@@ -110,7 +122,7 @@ async def render_prompt(model: ServedModel, body: ChatBody, plan: ToolPlan | Non
             info.tokenizer.apply_chat_template, conversation, tokenize=False,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
-            tools=plan.template_tools if plan else None, **extra)
+            tools=plan.template_tools if plan else None, **own_template, **extra)
     except Exception as exc:  # template errors are the request's fault (bad roles, ...)
         raise APIError(400, f"the chat template rejected the messages: {exc}",
                        param="messages") from None
@@ -126,10 +138,53 @@ def _single_token(tokenizer: Any, tag: str) -> int | None:
     return int(ids[0]) if len(ids) == 1 else None
 
 
-def reasoning_gate(model: ServedModel, prompt_ids: list[int]) -> int | None:
+@lru_cache(maxsize=16)
+def is_gpt_oss(model_path: str) -> bool:
+    """Whether the checkpoint at `model_path` is a gpt-oss model (its config's model_type):
+    its chat then speaks Harmony whatever the flags say, as in vLLM."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") == "gpt_oss"
+
+
+def turn_reasoning_parser(reasoning_parser: str | None, tool_call_parser: str,
+                          model_path: str) -> str | None:
+    """The reasoning parser a chat turn uses: the one the server was given; else Harmony's
+    when the tool-call parser is `openai` or the model is gpt-oss (its output is Harmony
+    text, unreadable as plain chat)."""
+    if reasoning_parser:
+        return reasoning_parser
+    if tool_call_parser == HARMONY_TOOL_PARSER or is_gpt_oss(model_path):
+        return HARMONY_PARSER
+    return None
+
+
+def fallback_template(model: ServedModel, instead: str) -> dict[str, Any]:
+    """The apply_chat_template argument giving a Harmony model without a template of its own
+    ours (harmony_template.py); {} for a model with one; a 400 (saying what to do `instead`)
+    for any other model without one."""
+    if model.info.has_chat_template:
+        return {}
+    if _reasoning_parser(model) == HARMONY_PARSER:
+        return {"chat_template": HARMONY_CHAT_TEMPLATE}
+    raise APIError(400, f"this model has no chat template; {instead}", param="messages")
+
+
+def _reasoning_parser(model: ServedModel) -> str | None:
+    return turn_reasoning_parser(model.reasoning_parser, model.tool_call_parser,
+                                 model.info.model_path)
+
+
+def reasoning_gate(model: ServedModel, prompt_ids: list[int], parser: str | None = None
+                   ) -> int | tuple[int, ...] | None:
     """The token a constraint waits for (the end of thinking), or None when the thinking is
-    already over in the prompt (its last end tag comes after its last start tag)."""
+    already over in the prompt (its last end tag comes after its last start tag). Harmony:
+    the tokens that open the final channel (a turn's prompt never opens it)."""
     tokenizer = model.info.tokenizer
+    if parser == HARMONY_PARSER:
+        return tuple(int(t) for t in tokenizer.encode(FINAL_HEADER, add_special_tokens=False))
     start, end = _single_token(tokenizer, START), _single_token(tokenizer, END)
     if end is None:
         raise APIError(400, f"structured outputs with a reasoning parser need {END} to be one "
@@ -169,10 +224,12 @@ async def start_turn(model: ServedModel, request: Request, body: ChatBody, kind:
         options = with_tools(body.sampling_request(model.info.vocab_size), plan)
     except OptionError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
+    parser = _reasoning_parser(model)
+    if parser == HARMONY_PARSER:  # the channels' tags are special tokens: they must be kept
+        options = options.with_values(skip_special_tokens=False)
     prompt_ids = await render_prompt(model, body, plan)
-    parser = model.reasoning_parser
     if parser and options.structured is not None:
-        gate = reasoning_gate(model, prompt_ids)
+        gate = reasoning_gate(model, prompt_ids, parser)
         if gate is not None:
             options.structured.start_after_token_id = gate
     salt = body.cache_salt or request.headers.get("x-cache-salt")
@@ -184,8 +241,18 @@ async def start_turn(model: ServedModel, request: Request, body: ChatBody, kind:
 def split_turn(text: str, plan: ToolPlan | None, parser: str | None
                ) -> tuple[str | None, str | None, list[ToolCall]]:
     """A whole output's (reasoning, answer, tool calls): the reasoning parser first, then
-    the tool-call parser on the answer alone."""
+    the tool-call parser on the answer alone. Harmony splits all three at once; a call it
+    finds counts only with tool_choice "auto" (a required or named call is the constrained
+    JSON of the final channel)."""
     reasoning, content = None, text
+    if parser == HARMONY_PARSER:
+        reasoning, content, calls = parse_harmony(text)
+        if plan is None:
+            return reasoning, content, []
+        if plan.choice == "auto":
+            return reasoning, content, calls
+        content, calls = plan.parse(content or "")
+        return reasoning, content, calls
     if parser:
         split = split_reasoning(text, parser)
         reasoning, content = split.reasoning, split.content or ""

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kserve_paged.openai.harmony import HARMONY_PARSER
+
 START, END = "<think>", "</think>"
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# HARMONY_PARSER (openai_gptoss): gpt-oss' Harmony channels, read by harmony.py instead.
+REASONING_PARSERS = ("qwen3", "deepseek_r1", HARMONY_PARSER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,8 @@ class ReasoningSplit:
 
 
 def _starts_inside(parser: str) -> bool:
+    if parser == HARMONY_PARSER:
+        raise ValueError(f"{parser} output is read by openai/harmony.py, not by <think> tags")
     if parser not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {parser!r}; one of "
                          f"{', '.join(REASONING_PARSERS)}")

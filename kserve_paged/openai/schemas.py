@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Annotated, Any, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 from fastapi import Request
 from openai.types import Completion, CompletionChoice
@@ -145,6 +145,9 @@ class ChatBody(SamplingBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # over --default_chat_template_kwargs
+    # vLLM's: the chat template's reasoning_effort (Harmony's "Reasoning:" line); a request's
+    # chat_template_kwargs may still say otherwise.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     def top_logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -20,7 +20,12 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictInt
 
-from kserve_paged.openai.chat_turn import chat_conversation, conversation_chars, template_kwargs
+from kserve_paged.openai.chat_turn import (
+    chat_conversation,
+    conversation_chars,
+    fallback_template,
+    template_kwargs,
+)
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.schemas import CHAT_UNSUPPORTED, ChatBody, validate
 from kserve_paged.openai.tools import checked_tools, template_messages
@@ -104,12 +109,10 @@ async def _render(model: ServedModel, body: TokenizeBody) -> str:
     """The messages through the chat template, as the chat route renders them (its template
     kwargs, tool and length rules)."""
     info = model.info
-    if not info.has_chat_template:
-        raise APIError(400, "this model has no chat template; tokenize a prompt instead",
-                       param="messages")
+    extra = fallback_template(model, "tokenize a prompt instead")
     chat = validate(ChatBody, {"messages": body.messages,
                                "chat_template_kwargs": body.chat_template_kwargs})
-    extra = template_kwargs(model, chat)
+    extra.update(template_kwargs(model, chat))
     if body.tools:  # as chat: no tools, no tools argument
         extra["tools"] = checked_tools(body.tools)
     conversation = template_messages(chat_conversation(body.messages or []))

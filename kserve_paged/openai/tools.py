@@ -4,7 +4,7 @@ tool-call text parsed back into OpenAI's ``tool_calls`` (design: docs/kserve.md,
 - ``tool_choice: "none"``: plain chat; the tools do not reach the template.
 - ``"auto"`` (OpenAI's default when tools are given): the tools go through the chat template and
   the model decides; its text is read by the ``--tool_call_parser`` (Hermes' ``<tool_call>``
-  tags, or Llama 3's bare JSON).
+  tags, Llama 3's bare JSON, or gpt-oss' Harmony calls: openai/harmony.py).
 - ``"required"`` or a named function: the output is held to the tools' JSON schemas (a list of
   ``{"name", "parameters"}`` objects, or the named function's arguments), so it always parses,
   whatever the model or its template.
@@ -24,7 +24,9 @@ from kserve_paged.json_depth import JSONTooDeep, check_depth, loads, raw_decode
 from kserve_paged.openai.errors import APIError
 from kserve_paged_engine import limits
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "none")
+# gpt-oss' Harmony calls (`commentary to=functions.NAME`), read by harmony.py (vLLM's name).
+HARMONY_TOOL_PARSER = "openai"
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", HARMONY_TOOL_PARSER, "none")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 
@@ -158,7 +160,7 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
                    "named function", "tool_choice")
     if tool_choice == "auto" and parser == "none":
         raise _bad("tool_choice \"auto\" needs a tool-call parser: start the server with "
-                   "--tool_call_parser hermes or llama3_json", "tool_choice")
+                   "--tool_call_parser hermes, llama3_json or openai", "tool_choice")
     return ToolPlan(checked, tool_choice, parser, parallel=parallel is not False)
 
 

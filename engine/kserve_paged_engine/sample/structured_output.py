@@ -126,27 +126,30 @@ class GrammarCompiler:
 
 class RequestGrammar:
     """One request's constraint: its compile future, then its matcher; with `start_after`
-    (a reasoning model's end-of-thinking token), inactive until that token is sampled."""
+    (a reasoning model's end-of-thinking token, or a token sequence such as Harmony's
+    `<|channel|>final<|message|>`), inactive until the output has sampled those tokens."""
 
-    __slots__ = ("future", "matcher", "start_after")
+    __slots__ = ("future", "matcher", "start_after", "_recent")
 
-    def __init__(self, future: concurrent.futures.Future, start_after: int | None = None
-                 ) -> None:
+    def __init__(self, future: concurrent.futures.Future,
+                 start_after: int | tuple[int, ...] | None = None) -> None:
         self.future = future
         self.matcher: Any = None
-        self.start_after = start_after
+        self.start_after = (start_after,) if isinstance(start_after, int) else start_after
+        self._recent: tuple[int, ...] = ()  # the last sampled tokens, while inactive
 
     @property
     def active(self) -> bool:
-        """The mask applies (no start token to wait for, or it was sampled)."""
+        """The mask applies (no start tokens to wait for, or they were sampled)."""
         return self.start_after is None
 
     def accept(self, token: int) -> bool:
         """Advance on a sampled token; False when the active grammar refuses it. While
-        inactive every token is fine, and the start token activates the grammar."""
+        inactive every token is fine, and the start sequence's last token activates it."""
         if self.start_after is not None:
-            if token == self.start_after:
-                self.start_after = None
+            self._recent = (*self._recent, token)[-len(self.start_after):]
+            if self._recent == self.start_after:
+                self.start_after, self._recent = None, ()
             return True
         return bool(self.matcher.accept_token(token))
 
