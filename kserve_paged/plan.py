@@ -97,6 +97,13 @@ class Plan:
     recommended_blocks: int  # the above, less what the activation peak needs
     kv_cache_memory: float | int | None
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype: quantized ones store a byte per element
+    nnodes: int = 1  # pods the ranks span (multi-node: tp / nnodes devices per pod)
+    num_params: int = 0  # the model's parameters (prefill FLOPs; weights_bytes may be packed)
+    packed: bool = False  # weights_bytes is a quantized model's packed size (plan_weights.py)
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.tp // self.nnodes
 
     @property
     def fits(self) -> bool:
@@ -138,7 +145,8 @@ class Plan:
     @property
     def prefill_seconds(self) -> float:
         """One workload prompt at PREFILL_MFU of the device's peak (2 FLOPs per parameter)."""
-        params = self.weights_bytes / self.dtype.itemsize
+        params = (self.num_params / self.tp if self.num_params
+                  else self.weights_bytes / self.dtype.itemsize)
         return 2 * params * self.workload[0] / (self.device.flops * PREFILL_MFU)
 
     @property
@@ -154,6 +162,7 @@ class Plan:
                 f"--max_num_seqs={self.batch}",
                 f"--max_num_batched_tokens={self.max_num_batched_tokens}",
                 *([f"--tensor_parallel_size={self.tp}"] if self.tp > 1 else []),
+                *([f"--nnodes={self.nnodes}"] if self.nnodes > 1 else []),
                 *([f"--kv_cache_dtype={self.kv_cache_dtype}"]
                   if self.kv_cache_dtype != "auto" else [])]
 
@@ -187,7 +196,10 @@ def make_plan(model: ModelFacts, device: Device, *, max_model_len: int | None = 
               tp: int = 1, dtype: str = "auto", block_size: int | None = None,
               workload: tuple[int, int] | None = None, max_num_seqs: int | None = None,
               max_num_batched_tokens: int | None = None,
-              kv_cache_memory: float | int | None = None, kv_cache_dtype: str = "auto") -> Plan:
+              kv_cache_memory: float | int | None = None, kv_cache_dtype: str = "auto",
+              packed_weights: int | None = None, nnodes: int = 1) -> Plan:
+    """`packed_weights`: a quantized model's total weight bytes (plan_weights.py), else the
+    parameters at the dtype; `nnodes`: pods the `tp` ranks span, tp / nnodes each."""
     defaults = EngineConfig()  # the engine's own defaults, checked by the same dataclass
     cfg = EngineConfig(block_size=block_size or defaults.block_size,
                        max_num_seqs=max_num_seqs or defaults.max_num_seqs,
@@ -196,6 +208,8 @@ def make_plan(model: ModelFacts, device: Device, *, max_model_len: int | None = 
                        max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, dtype=dtype,
                        kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tp)
     check_tensor_parallel(model, tp)
+    if nnodes < 1 or tp % nnodes:
+        raise ValueError(f"--tensor_parallel_size {tp} must be a multiple of --nnodes {nnodes}")
     length = cfg.max_model_len or model.max_position_embeddings
     if length > model.max_position_embeddings:
         raise ValueError(f"max_model_len {length} exceeds the model's "
@@ -204,7 +218,8 @@ def make_plan(model: ModelFacts, device: Device, *, max_model_len: int | None = 
     elem = torch_dtype.itemsize
     # Sharding as the engine does: weights split, each rank's KV heads (rank 0 holds the
     # most: 3 KV heads over 2 ranks are 2 + 1; replicated when fewer than the ranks).
-    weights = -(-model.num_params * elem // tp)
+    total = model.num_params * elem if packed_weights is None else packed_weights
+    weights = -(-total // tp)
     rank = model.rank_share(tp)
     kv_elem = kv_formats.element_bytes(kv_cache_dtype, elem)  # 1 for a quantized cache
     scales = kv_formats.scale_bytes(kv_cache_dtype)  # per (K/V, layer, KV head) of a block
@@ -227,7 +242,8 @@ def make_plan(model: ModelFacts, device: Device, *, max_model_len: int | None = 
     return Plan(device, tp, torch_dtype, cfg.block_size, length, cfg.max_num_seqs,
                 cfg.max_num_batched_tokens, workload, weights, activation, per_token,
                 size.bytes_per_block, size.layout, free, int(blocks), int(min(blocks, room)),
-                kv_cache_memory, kv_cache_dtype)
+                kv_cache_memory, kv_cache_dtype, nnodes, model.num_params,
+                packed_weights is not None)
 
 
 def _gib(n: float) -> str:
@@ -239,10 +255,14 @@ def render(plan: Plan, model: ModelFacts) -> str:
     single, full = plan.decode_tokens_per_second(1), plan.decode_tokens_per_second(plan.batch)
     lines = [
         f"model        {model.architecture}, {model.num_params / 1e9:.2f}B parameters, "
-        f"{model.num_layers} layers, {model.num_kv_heads} KV heads x {model.head_dim}",
-        f"device       {d.name} x {plan.tp} ({_gib(d.memory)}, {d.bandwidth / 1e9:.0f} GB/s each)",
+        f"{model.num_layers} layers, " + (
+            f"MLA latent cache of {model.kv_latent_dim} values per token and layer"
+            if model.kv_latent_dim else f"{model.num_kv_heads} KV heads x {model.head_dim}"),
+        f"device       {d.name} x {plan.tp} ({_gib(d.memory)}, {d.bandwidth / 1e9:.0f} GB/s each)"
+        + (f", {plan.devices_per_node} per pod x {plan.nnodes} pods" if plan.nnodes > 1 else ""),
         f"dtype        {str(plan.dtype).removeprefix('torch.')}",
-        f"weights      {_gib(plan.weights_bytes)} per device",
+        f"weights      {_gib(plan.weights_bytes)} per device"
+        + (f" ({plan.weights_bytes} bytes, quantized: packed size)" if plan.packed else ""),
         f"activations  {_gib(plan.activation_bytes)} peak per step (estimate, "
         f"{plan.max_num_batched_tokens} tokens, {min(plan.max_num_seqs, plan.max_num_batched_tokens)}"
         " sampled rows)",
@@ -284,8 +304,8 @@ def resources(plan: Plan) -> dict[str, dict[str, str]]:
     """Pod requests and limits: the GPU count, and host memory for loading the weights (they
     pass through host memory) or, on CPU, weights + KV cache + activations + overhead."""
     if plan.device.kind == "cuda":
-        host = math.ceil(plan.weights_bytes * plan.tp / GiB) + 8
-        gpus = str(plan.tp)
+        host = math.ceil(plan.weights_bytes * plan.devices_per_node / GiB) + 8
+        gpus = str(plan.devices_per_node)  # per pod: a multi-node layout's pods are alike
         return {"requests": {"cpu": "4", "memory": f"{host}Gi", "nvidia.com/gpu": gpus},
                 "limits": {"memory": f"{host + 16}Gi", "nvidia.com/gpu": gpus}}
     need = (plan.weights_bytes + plan.recommended_blocks * plan.kv_bytes_per_block

@@ -9,9 +9,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
 from kserve_paged.flag_types import parse_memory
 from kserve_paged.plan import GPUS, make_plan, parse_device, render
 from kserve_paged.plan_overlay import write_overlay
+from kserve_paged.plan_weights import packed_weight_bytes
+from kserve_paged_engine.core.kv_sizing import resolve_dtype
 from kserve_paged_engine.model_executor.model_facts import describe_folder
 from kserve_paged_kernels import kv_formats
 
@@ -34,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", required=True, help=f"{', '.join(GPUS)} or cpu:<GiB>")
     p.add_argument("--max_model_len", type=int, default=None)
     p.add_argument("--tensor_parallel_size", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="pods the ranks span (multi-node, docs/tensor_parallel.md): "
+                        "tensor_parallel_size / nnodes devices per pod")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
     p.add_argument("--block_size", type=int, default=None)
     p.add_argument("--kv_cache_dtype", "--kv-cache-dtype", default="auto",
@@ -58,13 +65,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         model = describe_folder(args.model)
-        plan = make_plan(model, parse_device(args.gpu, args.memory_bandwidth),
+        device = parse_device(args.gpu, args.memory_bandwidth)
+        folder = Path(args.model)
+        folder = folder.parent if folder.name == "config.json" else folder
+        elem = resolve_dtype(args.dtype, torch.device(device.kind)).itemsize
+        plan = make_plan(model, device,
                          max_model_len=args.max_model_len, tp=args.tensor_parallel_size,
                          dtype=args.dtype, block_size=args.block_size, workload=args.workload,
                          max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          kv_cache_memory=args.kv_cache_memory,
-                         kv_cache_dtype=args.kv_cache_dtype)
+                         kv_cache_dtype=args.kv_cache_dtype,
+                         packed_weights=packed_weight_bytes(folder, elem),
+                         nnodes=args.nnodes)
     except ValueError as exc:
         parser.error(str(exc))
     print(render(plan, model))

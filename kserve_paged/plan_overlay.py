@@ -23,6 +23,9 @@ def write_overlay(plan: Plan, directory: Path, manifests: Path = REPO_MANIFESTS)
     gpu-tp overlay (N GPUs in one pod)."""
     if not plan.fits:
         raise ValueError("--write-overlay: the plan does not fit the device")
+    if plan.nnodes > 1:  # an InferenceService is one pod per replica
+        raise ValueError("--write-overlay writes single-pod InferenceServices; a multi-node "
+                         "layout starts from manifests/llmisvc-multinode (its flags above)")
     kind = "cpu" if plan.device.kind != "cuda" else "gpu-tp" if plan.tp > 1 else "gpu"
     source = manifests / "overlays" / kind
     if not (source / "inferenceservice.yaml").is_file():

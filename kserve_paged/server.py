@@ -48,6 +48,7 @@ from kserve_paged.model_control import (
     ModelControlOff,
     model_control_off_route,
 )
+from kserve_paged.multi_node_flags import data_parallel_size
 from kserve_paged.openapi_doc import document_errors
 from kserve_paged.request_caps import caps_from_args, set_request_caps
 from kserve_paged.routes import register_routes
@@ -126,6 +127,10 @@ def build_model(args: argparse.Namespace, argv: list[str]) -> PagedLLMModel:
     config = EngineConfig(model=model_path, **engine_kwargs(args))
     factory = engine_factory_from_env(config)  # test-only fault injection, off unless set
     llm = AsyncLLM(config, engine_factory=factory) if factory is not None else None
+    if (replicas := data_parallel_size(args)) > 1:  # N engines, one endpoint (dp_router.py)
+        from kserve_paged_engine.frontend.dp_router import DataParallelLLM
+
+        llm = DataParallelLLM.from_config(config, replicas, engine_factory=factory)
     set_request_caps(caps_from_args(args))  # the flags every route checks requests against
     return PagedLLMModel(args.model_name, config, llm=llm, max_prompt_chars=args.max_prompt_chars,
                          tool_call_parser=args.tool_call_parser,
@@ -239,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights are local; never reach for the hub
+    from kserve_paged.multi_node_flags import run_if_worker_node
+
+    if (code := run_if_worker_node(args)) is not None:  # a worker pod: its ranks, no HTTP
+        return code
     try:
         serve(args, argv)
     except FileNotFoundError as exc:

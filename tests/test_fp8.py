@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from kserve_paged.args import parse_args
 from kserve_paged_engine.model_executor.model_loader import load_model
@@ -20,61 +19,13 @@ from kserve_paged_engine.model_executor.quantization import fp8_checkpoints
 from kserve_paged_engine.model_executor.quantization.layouts import projections
 from kserve_paged_kernels import quant_linear
 from tests.helpers.int4_packing import read_checkpoint
+from tests.helpers.quantized_checkpoints import IGNORED, SCHEMES
+from tests.helpers.quantized_checkpoints import write_fp8 as write
 from tests.helpers.tiny_models import CONFIGS, PagedSim, greedy, save_checkpoint
 from tests.kernels.interpreted import run_calls
 
 CPU = torch.device("cpu")
 PROMPT = [3, 17, 42, 5, 88, 61, 9, 23]
-PROJ_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-IGNORED = "model.layers.1.mlp.down_proj"
-# scheme -> (activation_scheme, weight_block_size)
-SCHEMES = {"tensor": ("dynamic", None), "tensor_static": ("static", None),
-           "blocks": ("dynamic", [32, 32])}
-
-
-def _fp8(w: torch.Tensor, block: list[int] | None) -> tuple[dict[str, torch.Tensor],
-                                                             torch.Tensor]:
-    """e4m3 codes of `w` with scale max |w| / 448 for the tensor or for each [bn, bk] tile
-    (stored `weight_scale_inv`, multiplied), and the float weight they stand for."""
-    if block is None:
-        scale = w.abs().amax() / 448
-        codes = (w / scale).to(torch.float8_e4m3fn)
-        return {"weight": codes, "weight_scale": scale}, codes.float() * scale
-    bn, bk = block
-    n, k = w.shape
-    tiles = torch.nn.functional.pad(w.abs(), (0, -k % bk, 0, -n % bn))
-    scale = tiles.reshape(tiles.shape[0] // bn, bn, -1, bk).amax((1, 3)) / 448
-    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
-    codes = (w / full).to(torch.float8_e4m3fn)
-    return {"weight": codes, "weight_scale_inv": scale}, codes.float() * full
-
-
-def write(src: Path, dst: Path, scheme: str) -> Path:
-    """`src` as an fp8 checkpoint in `dst`, its dequantized float copy in `dst/float`."""
-    acts, block = SCHEMES[scheme]
-    state = load_file(src / "model.safetensors")
-    quantized, dense = {}, dict(state)
-    for name, w in state.items():
-        prefix = name.removesuffix(".weight")
-        if not prefix.endswith(PROJ_SUFFIXES) or prefix == IGNORED:
-            quantized[name] = w
-            continue
-        parts, dense[name] = _fp8(w.float(), block)
-        if acts == "static":
-            parts["input_scale"] = torch.tensor(0.05)
-        quantized |= {f"{prefix}.{leaf}": t.contiguous() for leaf, t in parts.items()}
-    config = json.loads((src / "config.json").read_text())
-    (dst / "float").mkdir(parents=True)
-    (dst / "float/config.json").write_text(json.dumps(config))
-    save_file(dense, dst / "float/model.safetensors")
-    qc = {"quant_method": "fp8", "activation_scheme": acts, "ignored_layers": [IGNORED]}
-    if block is not None:
-        qc["weight_block_size"] = block
-    (dst / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
-    save_file(quantized, dst / "model.safetensors")
-    return dst
-
-
 @pytest.fixture(scope="module")
 def float_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_checkpoint(CONFIGS["llama_gqa_llama3"], tmp_path_factory.mktemp("float"))[0]

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -20,41 +19,13 @@ from kserve_paged_engine.model_executor.model_loader import load_model  # noqa: 
 from kserve_paged_engine.model_executor.quantization import int4_checkpoints  # noqa: E402
 from kserve_paged_engine.model_executor.quantization.layouts import projections  # noqa: E402
 from kserve_paged_kernels import int4_layouts, quant_linear  # noqa: E402
-from tests.helpers.int4_packing import checkpoint_parts, int32_words, read_checkpoint  # noqa: E402
+from tests.helpers.int4_packing import int32_words, read_checkpoint  # noqa: E402
+from tests.helpers.quantized_checkpoints import write_int4 as _write  # noqa: E402
 from tests.helpers.tiny_models import CONFIGS, greedy, save_checkpoint  # noqa: E402
 from tests.kernels.interpreted import run_calls  # noqa: E402
 
 CPU = torch.device("cpu")
 PROMPT = [3, 17, 42, 5, 88, 61, 9, 23]
-GROUP = 32
-PROJ_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _write(src: Path, dst: Path, method: str, act_order: bool = False) -> Path:
-    """`src`'s checkpoint quantized into `dst` as `method`, and its dequantized float copy in
-    `dst/float` (the reference)."""
-    state = load_file(src / "model.safetensors")
-    quantized, dense = {}, dict(state)
-    gen = torch.Generator().manual_seed(1)
-    for name, w in state.items():
-        prefix = name.removesuffix(".weight")
-        if not prefix.endswith(PROJ_SUFFIXES):
-            quantized[name] = w
-            continue
-        g_idx = torch.arange(w.shape[1]) // GROUP
-        if act_order:
-            g_idx = g_idx[torch.randperm(w.shape[1], generator=gen)]
-        parts, dense[name] = checkpoint_parts(w, g_idx, method)
-        quantized |= {f"{prefix}.{leaf}": t for leaf, t in parts.items()}
-    config = json.loads((src / "config.json").read_text())
-    (dst / "float").mkdir(parents=True)
-    (dst / "float/config.json").write_text(json.dumps(config))
-    save_file(dense, dst / "float/model.safetensors")
-    qc = {"quant_method": method, "bits": 4, "group_size": GROUP}
-    qc |= {"version": "gemm", "zero_point": True} if method == "awq" else {"desc_act": act_order}
-    (dst / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
-    save_file(quantized, dst / "model.safetensors")
-    return dst
 
 
 @pytest.fixture(scope="module")

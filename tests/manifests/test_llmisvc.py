@@ -14,7 +14,9 @@ from kserve_paged import args as server_args
 from kserve_paged import metric_families as server_metrics
 from tests.helpers import manifests as h
 
-(LLMISVC,) = h.objects_of_kind("LLMInferenceService")
+# The single-pod service (llmisvc-multinode/ has its own tests, test_llmisvc_multinode.py).
+(LLMISVC,) = [o for o in h.objects_of_kind("LLMInferenceService")
+              if o["metadata"]["name"] == "kserve-paged"]
 (PODMONITOR,) = h.objects_of_kind("PodMonitor")
 # KServe v0.20's presets (config/llmisvcconfig/): the InferencePool's targetPorts and the
 # HTTPRoute's backend port are 8000, and the route rewrites to vLLM's /v1 paths.

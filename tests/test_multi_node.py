@@ -1,0 +1,154 @@
+"""Multi-node tensor parallelism (engine config/multi_node.py, worker/worker_node.py): the
+layout from vLLM's flags or a LeaderWorkerSet's variables, and two "nodes" on loopback, each a
+separately started process, giving TP = 1's greedy tokens; a worker node that dies fails the
+leader with a reason while it is idle.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+from kserve_paged.args import engine_kwargs, parse_args
+from kserve_paged.vllm_cli import serve_argv
+from kserve_paged_engine.config.engine import EngineConfig
+from kserve_paged_engine.config.multi_node import (
+    DEFAULT_MASTER_PORT,
+    NodeLayout,
+    resolve_layout,
+)
+from kserve_paged_engine.distributed import node_heartbeat
+from kserve_paged_engine.frontend.llm_engine import LLMEngine
+from kserve_paged_engine.sampling_params import SamplingParams
+from kserve_paged_engine.worker.tp_executor import TPWorkerError
+from tests.helpers.tiny_models import common_config, save_random, save_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+LWS = {"LWS_LEADER_ADDRESS": "leader.svc", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
+
+
+def test_a_leaderworkerset_pod_reads_its_place_from_the_lws_variables():
+    assert resolve_layout(env=LWS) == NodeLayout(2, 1, "leader.svc", DEFAULT_MASTER_PORT)
+    leader = resolve_layout(env={**LWS, "LWS_WORKER_INDEX": "0"})
+    assert leader is not None and leader.is_leader
+    # vLLM's flags win over the variables; one node is no layout at all.
+    assert resolve_layout(3, 2, "10.0.0.1", 4000, env=LWS) == NodeLayout(3, 2, "10.0.0.1", 4000)
+    assert resolve_layout(env={}) is None
+    assert NodeLayout(2, 1).node_ranks(4) == range(2, 4)
+
+
+def test_vllm_multi_node_flags_parse_and_bad_layouts_are_usage_errors(capsys, monkeypatch):
+    for name in LWS:
+        monkeypatch.delenv(name, raising=False)
+    argv = serve_argv(["/tmp/m", "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank",
+                       "1", "--master-addr", "10.1.2.3", "--master-port", "29600",
+                       "--headless"])
+    assert engine_kwargs(parse_args(argv))["multi_node"] == NodeLayout(2, 1, "10.1.2.3", 29600)
+    for bad, message in (
+            (["--tensor-parallel-size", "3", "--nnodes", "2"], "multiple of nnodes 2"),
+            (["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "2"],
+             "node_rank must be in 0..1"),
+            (["--data-parallel-size", "2", "--data-parallel-size-local", "1"],
+             "data parallelism across pods is not built")):
+        with pytest.raises(SystemExit):
+            parse_args(serve_argv(["/tmp/m", *bad]))
+        assert message in capsys.readouterr().err
+    monkeypatch.setenv("LWS_GROUP_SIZE", "2")  # the variables alone make a layout too
+    with pytest.raises(SystemExit):
+        parse_args(serve_argv(["/tmp/m"]))  # TP 1 over 2 pods cannot split
+    assert "multiple of nnodes 2" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_match_tp1_and_a_dead_node_fails_the_leader(tmp_path, monkeypatch):
+    folder = tmp_path / "model"
+    save_random(LlamaConfig(**common_config()), folder, seed=3)
+    save_tokenizer(folder)
+    prompts = [[5, 17, 40, 3, 9], list(range(20, 33))]
+    config = dict(model=str(folder), dtype="float32", block_size=4, num_kv_blocks=32,
+                  max_num_batched_tokens=16, max_model_len=64)
+    engine = LLMEngine(EngineConfig(**config))
+    try:
+        expected = _greedy(engine, prompts)
+    finally:
+        engine.close()
+
+    port = _free_port()
+    lws = {"LWS_LEADER_ADDRESS": "127.0.0.1", "LWS_GROUP_SIZE": "2"}
+    # The worker pod's process, started as the pod starts it: `vllm serve` with LWS's variables.
+    worker_env = {**os.environ, **lws, "LWS_WORKER_INDEX": "1", "OMP_NUM_THREADS": "1",
+                  "PYTHONPATH": str(REPO)}
+    log = (tmp_path / "worker.log").open("w")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "kserve_paged.vllm_cli", "serve", str(folder),
+         "--tensor-parallel-size", "2", "--master-port", str(port)],
+        env=worker_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    monkeypatch.setattr(node_heartbeat, "SILENCE_S", 2.0)
+    try:
+        layout = resolve_layout(master_port=port, env={**lws, "LWS_WORKER_INDEX": "0"})
+        assert layout is not None and layout.is_leader
+        leader = LLMEngine(EngineConfig(**config, tensor_parallel_size=2, multi_node=layout))
+        try:
+            assert leader.executor.procs == []  # rank 1 is the other process, not a child
+            assert _greedy(leader, prompts) == expected
+            died = threading.Event()
+            leader.on_fatal(lambda _: died.set())
+            os.killpg(worker.pid, signal.SIGKILL)  # the worker pod dies while the leader idles
+            assert died.wait(60), (tmp_path / "worker.log").read_text()
+            with pytest.raises(TPWorkerError, match="worker node 1 .*ranks 1..1.* no heartbeat"):
+                leader.executor.check_alive()
+        finally:
+            leader.close()
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(30)
+        log.close()
+
+
+def test_the_leader_names_the_node_whose_heartbeat_stops(monkeypatch):
+    """The watcher alone (the slow test above kills a real worker pod's process): node 1
+    beats, node 2 never does, and the reason names node 2 and its ranks."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(node_heartbeat, "BEAT_S", 0.05)
+    monkeypatch.setattr(node_heartbeat, "SILENCE_S", 0.3)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    stopped, reasons = threading.Event(), []
+    watch = threading.Thread(target=node_heartbeat.watch_nodes, daemon=True,
+                             args=(store.port, {1: "2..3", 2: "4..5"}, stopped, reasons.append))
+    watch.start()
+    for _ in range(600):  # at most ~30 s: a watcher that never reports fails, not hangs
+        if not watch.is_alive():
+            break
+        store.add(node_heartbeat.beat_key(1), 1)
+        watch.join(0.05)
+    stopped.set()
+    assert len(reasons) == 1 and reasons[0].startswith("worker node 2 (tensor-parallel ranks 4..5)")
