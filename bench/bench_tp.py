@@ -21,7 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import WORKLOAD_NAMES, load_workload, warmup_prompts  # noqa: E402
 
 
-def run(tp: int, threads: int, reqs: list[dict], args: argparse.Namespace) -> dict:
+def run(tp: int, threads: int, reqs: list[dict], args: argparse.Namespace,
+        expert_parallel: bool = False) -> dict:
+    """One configuration; `expert_parallel`: a MoE model's experts spread over the ranks
+    (bench/bench_ep.py), its all-to-all time reported beside the all-reduce's."""
     import torch
 
     from kserve_paged_engine import LLM, SamplingParams
@@ -29,7 +32,9 @@ def run(tp: int, threads: int, reqs: list[dict], args: argparse.Namespace) -> di
     torch.set_num_threads(threads)  # TP = 2: the pool divides them between the ranks
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False,
-              max_model_len=2048, tensor_parallel_size=tp)
+              max_model_len=2048, tensor_parallel_size=tp,
+              enable_expert_parallel=expert_parallel,
+              quantization=getattr(args, "quantization", None))
     init = time.perf_counter() - t0
     engine = llm.engine
     llm.generate(warmup_prompts(), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
@@ -37,6 +42,7 @@ def run(tp: int, threads: int, reqs: list[dict], args: argparse.Namespace) -> di
     group = engine.model.tp
     if group is not None:
         group.take_reduce_seconds()
+        group.take_exchange_seconds()
     steps = 0
     step = engine.step
 
@@ -52,18 +58,24 @@ def run(tp: int, threads: int, reqs: list[dict], args: argparse.Namespace) -> di
     outs = llm.generate([r["prompt_token_ids"] for r in reqs], params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     reduce_s, reduces = group.take_reduce_seconds() if group is not None else (0.0, 0)
+    a2a_s, a2as = group.take_exchange_seconds() if group is not None else (0.0, 0)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {"tensor_parallel_size": tp, "threads_per_rank": torch.get_num_threads(),
               "init_seconds": init, "seconds": seconds, "steps": steps, "output_tokens": n_out,
               "output_tok_s": n_out / seconds, "tokens": [o.outputs[0].token_ids for o in outs],
               "all_reduce_seconds": reduce_s, "all_reduces": reduces,
               "all_reduce_ms_per_step": 1e3 * reduce_s / steps if steps else 0.0,
-              "all_reduce_share": reduce_s / seconds}
+              "all_reduce_share": reduce_s / seconds, "expert_parallel": expert_parallel,
+              "all_to_all_seconds": a2a_s, "all_to_alls": a2as,
+              "all_to_all_ms_per_step": 1e3 * a2a_s / steps if steps else 0.0}
     llm.engine.close()
     print(f"TP={tp} x {result['threads_per_rank']} thread(s): {seconds:.1f} s, "
           f"{result['output_tok_s']:.1f} output tok/s, {steps} steps, all-reduce "
           f"{result['all_reduce_ms_per_step']:.2f} ms/step ({100 * result['all_reduce_share']:.1f}%"
-          f" of the run, {reduces} calls)", flush=True)
+          f" of the run, {reduces} calls)"
+          + (f", all-to-all {result['all_to_all_ms_per_step']:.2f} ms/step ({a2as} calls)"
+             if a2as else "")
+          + (" [expert parallel]" if expert_parallel else ""), flush=True)
     return result
 
 
@@ -74,6 +86,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--quantization", default=None,
+                    help="the engine's --quantization: gguf serves the default model 4-bit")
     ap.add_argument("--single-thread-peer", action="store_true",
                     help="also run TP = 1 on one thread")
     ap.add_argument("--json-out", default=None)

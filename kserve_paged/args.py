@@ -36,6 +36,7 @@ from kserve_paged.lora_paths import (
     RUNTIME_UPDATES_ENV,
     runtime_updates_from_env,
 )
+from kserve_paged.multi_node_flags import add_multi_node_flags, multi_node_kwargs
 from kserve_paged.openai.tools import TOOL_CALL_PARSERS
 from kserve_paged.request_caps import add_request_cap_flags
 from kserve_paged.vllm_flags import add_vllm_spellings
@@ -80,6 +81,7 @@ ENGINE_FLAGS = (
     "max_lora_rank",
     "max_cpu_loras",
     "tensor_parallel_size",
+    "enable_expert_parallel",
     "speculative_config",
     "gpu_memory_utilization",
     "enforce_eager",
@@ -122,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lora_flags(parser.add_argument_group("LoRA adapters"))
     _add_server_flags(parser.add_argument_group("server"))
     add_gateway_flags(parser, _defaults())
+    add_multi_node_flags(parser)
     add_vllm_spellings(parser)
     return parser
 
@@ -174,7 +177,15 @@ def _add_size_flags(engine: argparse._ArgumentGroup) -> None:
                         default=d["tensor_parallel_size"],
                         help="Shard the model over this many ranks: the server process and N-1 "
                              "worker processes (GPUs 0..N-1 on CUDA; on CPU the cores are "
-                             "shared). Llama, Mistral, Qwen2, Qwen3.")
+                             "shared). Every family but gpt-oss and DeepSeek's MLA "
+                             "(docs/tensor_parallel.md).")
+    engine.add_argument("--enable_expert_parallel", action=BoolFlag,
+                        default=d["enable_expert_parallel"],
+                        help="vLLM's flag: a mixture of experts (Mixtral, Qwen3-MoE) spreads "
+                             "whole experts over the tensor-parallel ranks and sends each token "
+                             "to its experts' ranks (all-to-all), instead of cutting every "
+                             "expert. Changes nothing at --tensor_parallel_size 1 or for a "
+                             "dense model (docs/tensor_parallel.md).")
 
 
 def _add_cache_flags(engine: argparse._ArgumentGroup) -> None:
@@ -265,8 +276,9 @@ def _add_server_flags(server: argparse._ArgumentGroup) -> None:
         "--tool_call_parser", default="hermes", choices=TOOL_CALL_PARSERS,
         help="How chat output with tool_choice \"auto\" is read for tool calls: hermes "
              "(<tool_call>{...}</tool_call>, Qwen and Hermes templates), llama3_json (Llama "
-             "3.x's bare JSON), or none (then tool_choice \"auto\" is a 400, as in vLLM "
-             "without --enable-auto-tool-choice).")
+             "3.x's bare JSON), openai (gpt-oss' Harmony calls; turns on Harmony output "
+             "parsing, docs/harmony.md), or none (then tool_choice \"auto\" is a 400, as in "
+             "vLLM without --enable-auto-tool-choice).")
     server.add_argument(
         "--max_waiting_requests", type=positive_int, default=None,
         help="Bound on requests waiting for the engine; a request beyond it gets 429 with "
@@ -298,6 +310,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["enable_lora"] = True
     if getattr(args, "max_grammar_compile_s", None) is not None:  # a server default, not
         kwargs["max_grammar_compile_s"] = args.max_grammar_compile_s  # the engine's (None)
+    kwargs.update(multi_node_kwargs(args))  # --nnodes etc., else the LWS_* variables
     return kwargs
 
 

@@ -22,7 +22,7 @@ from kserve_paged_engine.frontend import default_model, startup
     ({"dtype": "float32", "quantization": "gguf"}, "cpu", "gguf"),
     ({"quantization": "int4"}, "cpu", "int4"),
     ({}, "cuda", None),
-    ({"tensor_parallel_size": 2}, "cpu", None),
+    ({"tensor_parallel_size": 2}, "cpu", "gguf"),  # each rank cuts the blocks
     ({"load_format": "dummy"}, "cpu", None),
     ({"model": "gemma3-270m"}, "cpu", None),
 ])

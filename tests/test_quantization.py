@@ -32,9 +32,9 @@ def test_methods_not_built_fail_at_config_naming_the_built_ones(method: str, say
     assert all(m in str(exc.value) for m in BUILT_METHODS)
 
 
-def test_quantization_is_not_sharded() -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        EngineConfig(quantization="int4", tensor_parallel_size=2)
+def test_quantization_composes_with_tensor_parallelism() -> None:
+    # Cut per rank in packed form (tests/test_tp_quantized.py runs it).
+    assert EngineConfig(quantization="int4", tensor_parallel_size=2).quantization == "int4"
 
 
 def test_server_flag(capsys: pytest.CaptureFixture) -> None:

@@ -17,7 +17,7 @@ from transformers import LlamaConfig, Qwen2Config
 from kserve_paged_engine.config.engine import EngineConfig
 from kserve_paged_engine.frontend.default_model import ensure_default_model
 from kserve_paged_engine.frontend.llm_engine import LLMEngine
-from kserve_paged_engine.model_executor.model_loader import _iter_weights
+from kserve_paged_engine.model_executor.checkpoint_files import iter_weights
 from kserve_paged_engine.model_executor.tp_layout import TPLayout
 from kserve_paged_engine.pooling_params import PoolingParams
 from kserve_paged_engine.sampling_params import SamplingParams
@@ -149,7 +149,7 @@ def test_workers_hold_their_own_kv_share(workers: TPExecutor, tmp_path: Path) ->
     # What rank 1 reads from the safetensors file: its slices only (KV head 2, query heads
     # 4-5, the second half of the MLP and of the vocabulary).
     layout = TPLayout.of(6, 3, 8, 90, VOCAB, 1, 2)
-    read = dict(_iter_weights([Path(folder) / "model.safetensors"], layout.weight_slice))
+    read = dict(iter_weights([Path(folder) / "model.safetensors"], layout.weight_slice))
     layer = "model.layers.0."
     assert read[layer + "self_attn.k_proj.weight"].shape == (8, 48)
     assert read[layer + "self_attn.q_proj.bias"].shape == (16,)
@@ -167,12 +167,14 @@ def test_layout_refuses_what_does_not_split() -> None:
     assert TPLayout.of(4, 1, 8, 10, 7, 1, 2).kv_heads == (0, 1)
 
 
-def test_unsharded_families_refuse_tp(workers: TPExecutor, tmp_path: Path) -> None:
+def test_unsplittable_heads_refuse_tp(workers: TPExecutor, tmp_path: Path) -> None:
     from transformers import Gemma2Config
 
-    Gemma2Config(**_common(head_dim=12)).save_pretrained(tmp_path)
+    # One KV head and 3 query heads: replicated KV over 2 ranks needs the query heads even.
+    Gemma2Config(**_common(head_dim=12, num_attention_heads=3, num_key_value_heads=1)
+                 ).save_pretrained(tmp_path)
     copy_default_tokenizer(tmp_path)
-    with pytest.raises(ValueError, match="not sharded"):
+    with pytest.raises(ValueError, match="does not divide this model"):
         LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", tensor_parallel_size=2,
                                num_kv_blocks=8))
     # Refused before any rank loaded: the workers are still there for the next engine.

@@ -8,10 +8,11 @@ from typing import Any
 
 from kserve_paged_engine.config.kv_events import KVEventsConfig
 from kserve_paged_engine.config.kv_tier import NO_TIER, KVTierConfig
+from kserve_paged_engine.config.multi_node import NodeLayout
 from kserve_paged_engine.config.quantization import method_error
 from kserve_paged_engine.config.scheduler import SchedulerConfig
 from kserve_paged_engine.config.speculative import SpeculativeConfig
-from kserve_paged_kernels.kv_formats import canonical, is_quantized
+from kserve_paged_kernels.kv_formats import canonical
 
 # vLLM's --runner and --convert (its old --task is gone).
 RUNNERS = ("auto", "generate", "pooling")
@@ -40,7 +41,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # One block table for every layer even when global and sliding-window layers mix (Gemma
     # 2/3), as vLLM's --disable-hybrid-kv-cache-manager: nothing leaves the window while a
-    # request runs (engine/kserve_paged_engine/core/kv_groups.py). Tensor parallelism always runs this way.
+    # request runs (engine/kserve_paged_engine/core/kv_groups.py).
     disable_hybrid_kv_cache_manager: bool = False
     # How prefix-cache blocks are keyed, as vLLM's --prefix-caching-hash-algo (engine/kserve_paged_engine/core/block_hash.py;
     # the root key comes from PYTHONHASHSEED). sha256 is vLLM's default; sha256_cbor is the one a
@@ -64,6 +65,14 @@ class EngineConfig:
     # Tensor parallelism (engine/kserve_paged_engine/distributed/): the model sharded over this many ranks, one
     # process each (the engine's and N-1 workers), GPUs 0..N-1 on CUDA.
     tensor_parallel_size: int = 1
+    # vLLM's --enable-expert-parallel: a mixture of experts' experts spread whole over the
+    # tensor-parallel ranks, tokens sent to their owners (all-to-all), instead of each expert
+    # cut (model_executor/moe_layout.py). At tensor_parallel_size 1, or for a dense model, it
+    # changes nothing, as in vLLM (one rank holds every expert).
+    enable_expert_parallel: bool = False
+    # Multi-node tensor parallelism (config/multi_node.py): the pods the ranks span and this
+    # one's place; None: every rank in this pod.
+    multi_node: NodeLayout | None = None
     # Speculative decoding (engine/kserve_paged_engine/spec_decode/): a SpeculativeConfig, or vLLM's
     # --speculative-config JSON / dict. None: off.
     speculative_config: SpeculativeConfig | str | dict[str, Any] | None = None
@@ -135,6 +144,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
         if self.tensor_parallel_size > 1:
             self._check_shardable()
+        if self.multi_node is not None:
+            self.multi_node.ranks_per_node(self.tensor_parallel_size)
         if self.runner not in RUNNERS or self.convert not in CONVERTS:
             raise ValueError(f"runner must be one of {RUNNERS} and convert one of {CONVERTS} "
                              f"(got {self.runner!r}, {self.convert!r})")
@@ -152,9 +163,10 @@ class EngineConfig:
             if not cfg.fs_tiers and not (cfg.host_bytes(1) and (self._on_gpu()
                                                                     or cfg.host_on_cpu)):
                 raise ValueError(NO_TIER)  # a host tier needs a GPU
-            if self.tensor_parallel_size > 1:
-                raise ValueError("kv_transfer_config (a second KV tier) needs "
-                                 "tensor_parallel_size 1")
+            if self.tensor_parallel_size > 1 and not cfg.fs_tiers:
+                raise ValueError("kv_transfer_config at tensor_parallel_size > 1 needs an fs "
+                                 "secondary tier: the host-memory tier is built at "
+                                 "tensor_parallel_size 1 only")
 
     def _on_gpu(self) -> bool:
         """Whether the engine will run on CUDA (`device` auto: whether CUDA is there)."""
@@ -165,21 +177,11 @@ class EngineConfig:
         return self.device.startswith("cuda")
 
     def _check_shardable(self) -> None:
-        """What tensor parallelism does not shard: a draft model, LoRA adapters, quantized
-        weights, a quantized KV cache."""
+        """What tensor parallelism does not shard: a draft model."""
         spec = self.speculative_config
         if isinstance(spec, SpeculativeConfig) and spec.method == "draft_model":
             raise ValueError("a draft model is not sharded: speculative_config method "
                              "draft_model needs tensor_parallel_size 1")
-        if self.enable_lora:
-            raise ValueError("LoRA adapters are not sharded: enable_lora needs "
-                             "tensor_parallel_size 1")
-        if self.quantization is not None:
-            raise ValueError("quantized weights are not sharded: quantization needs "
-                             "tensor_parallel_size 1")
-        if is_quantized(self.kv_cache_dtype):
-            raise ValueError("a quantized KV cache is not built for tensor-parallel workers: "
-                             f"kv_cache_dtype {self.kv_cache_dtype} needs tensor_parallel_size 1")
 
     def scheduler_config(self, chunked_prefill: bool = True) -> SchedulerConfig:
         """`chunked_prefill` False: the model computes a prompt whole (encoders)."""

@@ -132,10 +132,16 @@ class TierPlan:
     fs: FsTier | None
 
 
-def tier_plan(config: KVTierConfig, device_type: str, block_bytes: int = 1) -> TierPlan:
+def tier_plan(config: KVTierConfig, device_type: str, block_bytes: int = 1,
+              tensor_parallel: bool = False) -> TierPlan:
     """The tiers this engine builds under its pool on this device, or a ValueError saying
-    why the config leaves none."""
+    why the config leaves none. Under tensor parallelism only the fs tier is built (its
+    files hold every rank's heads: engine/kserve_paged_engine/worker/tp_tier.py)."""
     host = config.host_bytes(block_bytes)
+    if host and tensor_parallel:
+        logger.info("kv_transfer_config: the host-memory tier is not built under tensor "
+                    "parallelism; the fs tier is the second tier")
+        host = None
     if host and device_type == "cpu" and not config.host_on_cpu:
         logger.info("kv_transfer_config: a host tier adds nothing on a CPU server "
                     "(the KV pool already lives in host memory); the fs tier is the "

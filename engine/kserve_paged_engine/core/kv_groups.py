@@ -44,8 +44,8 @@ class KVLayout:
 
 def kv_layout(layer_windows: list[int | None], per_group: bool = True) -> KVLayout:
     """The layout for these per-layer windows. `per_group` False: one group of every layer (one
-    shared table, nothing freed unless every layer slides), what tensor parallelism and
-    `disable_hybrid_kv_cache_manager` get."""
+    shared table, nothing freed unless every layer slides), what
+    `disable_hybrid_kv_cache_manager` gets."""
     n = len(layer_windows)
     types = sorted(set(layer_windows), key=lambda w: (w is not None, w or 0))
     if not per_group or len(types) == 1:

@@ -125,10 +125,10 @@ def size_kv_cache(model: ModelFacts, *, dtype_bytes: int, block_size: int, hybri
     """The KV cache of `model` (one rank's facts): its layout, and the number of blocks given
     outright, from a byte budget or fraction, or a default share of `free_bytes()` (what is
     free once the weights are loaded; asked only when needed). KV groups of their own for
-    global and sliding layers when `hybrid` and not tensor-parallel (one table per step goes
-    to the workers). A quantized cache (--kv-cache-dtype) passes `dtype_bytes` 1 and its
+    global and sliding layers when `hybrid` (tensor-parallel workers get every group's tables
+    in the step's message, engine/kserve_paged_engine/worker/step_wire.py). A quantized cache (--kv-cache-dtype) passes `dtype_bytes` 1 and its
     `scale_bytes`."""
-    layout = kv_layout(list(model.layer_windows), per_group=hybrid and tp == 1)
+    layout = kv_layout(list(model.layer_windows), per_group=hybrid)
     per_block = extra_bytes_per_block + kv_bytes_per_block(
         layout.group_size, model.num_kv_heads, model.head_dim, block_size, dtype_bytes,
         scale_bytes)

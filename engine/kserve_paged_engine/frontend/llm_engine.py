@@ -85,10 +85,11 @@ class LLMEngine(EngineReports):
         t0 = time.monotonic()
         logger.info("loading %s (%s on %s)", self.model_path, self.dtype, self.device)
         self.executor: LocalExecutor | TPExecutor | None = (
-            TPExecutor.acquire(tp, self.device) if tp > 1 else LocalExecutor())
+            TPExecutor.acquire(tp, self.device, config.multi_node) if tp > 1
+            else LocalExecutor())
         self.model, self.hf_config = self.executor.load_model(
             self.model_path, self.dtype, self.device, config.load_format, config.seed,
-            self.quantization)
+            self.quantization, expert_parallel=config.enable_expert_parallel)
         self.tokenizer = load_tokenizer(self.model_path)
         logger.info("weights loaded in %.1f s", time.monotonic() - t0)
         arch = architecture_of(self.hf_config)

@@ -24,6 +24,7 @@ from kserve_paged_engine.core.kv_tier.host import HostTier
 from kserve_paged_engine.core.kv_tier.identity import model_digest, tier_identity
 from kserve_paged_engine.model_executor.model_facts import ModelFacts
 from kserve_paged_engine.worker.kv_host_copy import make_copier
+from kserve_paged_engine.worker.tp_tier import rank_kv_heads
 from kserve_paged_kernels import kv_formats
 
 logger = logging.getLogger("kserve_paged_engine")
@@ -34,7 +35,8 @@ def packaged_quantization(config: EngineConfig, device_type: str) -> tuple[str |
     4-bit and int8 blocks kept) or what `--quantization` asks on the float32 conversion (None:
     dense). The one home of the default's rule: a model marked `gguf_by_default` is served
     4-bit unless --dtype names a dtype (dense, as the conversion) or --quantization another
-    method; 4-bit needs the CPU, one rank and real weights, else it is served dense."""
+    method; 4-bit needs the CPU and real weights, else it is served dense (under tensor
+    parallelism each rank keeps its cut of the blocks)."""
     from kserve_paged_engine.frontend.default_model import DEFAULT_MODEL_ID, packaged_model
 
     model_id = config.model or DEFAULT_MODEL_ID
@@ -44,8 +46,6 @@ def packaged_quantization(config: EngineConfig, device_type: str) -> tuple[str |
         return None, f"{model_id} is served from its float32 conversion unless asked"
     blocker = (f"--dtype {config.dtype}" if config.dtype != "auto" else
                f"device {device_type}" if device_type != "cpu" else
-               f"tensor_parallel_size {config.tensor_parallel_size}"
-               if config.tensor_parallel_size > 1 else
                f"load_format {config.load_format}" if config.load_format != "auto" else None)
     if blocker is not None:
         return None, f"{blocker}: the dense float32 conversion"
@@ -271,16 +271,18 @@ def kv_tier(config: EngineConfig, hasher: BlockHasher, model_path: str, dtype: t
         return None
     bs = config.block_size
     kv_dtype = kv_formats.canonical(config.kv_cache_dtype)  # a quantized cache: its scales too
-    block_bytes = kv_bytes_per_block(layout.group_size, model.num_kv_heads, model.head_dim, bs,
+    ranks = rank_kv_heads(model)  # tensor parallelism: a file holds every rank's heads
+    block_bytes = kv_bytes_per_block(layout.group_size, sum(ranks), model.head_dim, bs,
                                      kv_formats.element_bytes(kv_dtype, dtype.itemsize),
                                      kv_formats.scale_bytes(kv_dtype))
-    plan = tier_plan(cfg, device.type, block_bytes)
+    plan = tier_plan(cfg, device.type, block_bytes, tensor_parallel=len(ranks) > 1)
     tier: DiskTier | HostTier | None = None
     if plan.fs is not None:
         identity, fmt = tier_identity(
             model_digest(model_path, config.load_format, config.seed),
             str(dtype).removeprefix("torch."), kv_dtype, config.quantization, bs,
-            layout.group_size, model.num_kv_heads, model.head_dim, hasher.algo, hasher.root)
+            layout.group_size, model.layout.num_kv_heads if len(ranks) > 1
+            else model.num_kv_heads, model.head_dim, hasher.algo, hasher.root, len(ranks))
         tier = DiskTier(tier_folder(plan.fs.root_dir, identity), block_bytes,
                         plan.fs.capacity_bytes, bs, keep_files=hasher.seed is not None,
                         policy=cfg.eviction_policy, fmt=fmt)

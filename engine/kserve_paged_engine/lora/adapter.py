@@ -26,6 +26,7 @@ from kserve_paged_engine.lora.safe_read import (
     read_config,
     read_safetensors,
 )
+from kserve_paged_engine.lora.tp_cut import cut_for_rank, full_shape
 
 # PEFT's target name -> (our fused module, shard).
 TARGETS = {
@@ -53,6 +54,9 @@ class LoRAAdapter:
     # (layer index, fused module path inside the layer) -> weights.
     weights: dict[tuple[int, str], LoRAWeights] = field(default_factory=dict)
     digest: str = ""  # of the files' content (digest.py): what keys its blocks
+    # Under tensor parallelism: (config, tensors) as read, which rank 0 sends the other ranks
+    # so each cuts its own share from the same content (worker/tp_lora.py).
+    source: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -87,15 +91,23 @@ def _shard_rows(model: Any, module: str, shard: str | None, out_features: int) -
     return (0, inter) if shard == "gate" else (inter, inter)
 
 
+def _sharded(model: Any) -> bool:
+    return getattr(model, "tp", None) is not None
+
+
+def _target_shape(model: Any, target: str) -> tuple[int, int]:
+    """(in_features, out_features) PEFT saved for `target`: the unsharded projection's."""
+    if _sharded(model):
+        return full_shape(model, target)
+    module, shard = TARGETS[target]
+    linear = model.model.layers[0].get_submodule(module)
+    return linear.in_features, _shard_rows(model, module, shard, linear.out_features)[1]
+
+
 def max_adapter_bytes(model: Any, max_rank: int) -> int:
     """The largest adapter_model.safetensors an adapter of ``model`` can need: every
     supported projection of every layer at ``max_rank``, in float32, plus a header."""
-    per_layer = 0
-    layer = model.model.layers[0]
-    for module, shard in TARGETS.values():
-        linear = layer.get_submodule(module)
-        _, out = _shard_rows(model, module, shard, linear.out_features)
-        per_layer += linear.in_features + out
+    per_layer = sum(sum(_target_shape(model, target)) for target in TARGETS)
     return model.num_layers * max_rank * per_layer * max(DTYPE_BYTES.values()) + MAX_HEADER_BYTES
 
 
@@ -132,10 +144,9 @@ def load_adapter(name: str, path: str | Path | AdapterFolder, model: Any,
 def _load(name: str, source: AdapterFolder, model: Any, max_rank: int) -> LoRAAdapter:
     folder = Path(source.path)
     cfg = _read_config(source)
-    r, alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
+    r = int(cfg.get("r", 8))
     if not 1 <= r <= max_rank:
         raise ValueError(f"LoRA adapter {name!r}: rank {r} exceeds max_lora_rank {max_rank}")
-    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     weights_file = folder / "adapter_model.safetensors"
     if not source.has(weights_file.name) and source.has("adapter_model.bin"):
         raise ValueError(f"LoRA adapter {name!r}: only adapter_model.safetensors is read; "
@@ -144,6 +155,21 @@ def _load(name: str, source: AdapterFolder, model: Any, max_rank: int) -> LoRAAd
         tensors = read_safetensors(weights_file, max_adapter_bytes(model, max_rank), source.fd)
     except ValueError as exc:
         raise ValueError(f"LoRA adapter {name!r}: {exc} in {folder}") from None
+    adapter = build_adapter(name, cfg, tensors, model, max_rank, str(weights_file))
+    if _sharded(model):
+        adapter.source = (cfg, tensors)
+    return adapter
+
+
+def build_adapter(name: str, cfg: dict[str, Any], tensors: dict[str, torch.Tensor], model: Any,
+                  max_rank: int, where: str = "adapter_model.safetensors") -> LoRAAdapter:
+    """The adapter of config `cfg` and `tensors` (as read, checked here against the model's
+    unsharded shapes) laid out for `model`: this rank's cut of it under tensor
+    parallelism (tp_cut.py)."""
+    r, alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
+    if not 1 <= r <= max_rank:
+        raise ValueError(f"LoRA adapter {name!r}: rank {r} exceeds max_lora_rank {max_rank}")
+    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.search(key)
@@ -165,13 +191,16 @@ def _load(name: str, source: AdapterFolder, model: Any, max_rank: int) -> LoRAAd
         linear = layers[layer].get_submodule(module)
         start, size = _shard_rows(model, module, shard, linear.out_features)
         a, b = ab["A"], ab["B"]
-        if a.shape != (r, linear.in_features) or b.shape != (size, r):
+        in_full, out_full = _target_shape(model, target)
+        if a.shape != (r, in_full) or b.shape != (out_full, r):
             raise ValueError(f"LoRA adapter {name!r}: layer {layer} {target} has A {tuple(a.shape)}"
                              f", B {tuple(b.shape)}; the model needs A ({r}, "
-                             f"{linear.in_features}), B ({size}, {r})")
+                             f"{in_full}), B ({out_full}, {r})")
+        if _sharded(model):
+            a, b = cut_for_rank(model, target, a, b)
         grouped.setdefault((layer, module), []).append((a, b, start, size))
     if not grouped:
-        raise ValueError(f"LoRA adapter {name!r}: no LoRA tensors in {weights_file}")
+        raise ValueError(f"LoRA adapter {name!r}: no LoRA tensors in {where}")
     adapter = LoRAAdapter(name, r, digest=content_digest(cfg, tensors))
     for (layer, module), shards in grouped.items():
         out = layers[layer].get_submodule(module).out_features

@@ -27,6 +27,7 @@ from kserve_paged_engine.lora.request import LoRARequest
 from kserve_paged_kernels import cpu_native
 
 MODULES = tuple(dict.fromkeys(module for module, _ in TARGETS.values()))
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # partial sums under tensor parallelism
 
 
 def _as_keyed(lora: LoRARequest, adapter: LoRAAdapter) -> LoRAAdapter:
@@ -65,7 +66,22 @@ class LoRAManager:
                 mlp._fused = mlp._fused_bias = None
                 mlp.gate_up_proj.pack()
             for module in MODULES:
-                layer.get_submodule(module).register_forward_hook(self._hook((i, module)))
+                linear = layer.get_submodule(module)
+                if hasattr(linear, "partial_hook"):  # row-parallel: before its all-reduce
+                    linear.partial_hook = self._partial((i, module))
+                elif getattr(self.model, "tp", None) is not None and module in ROW_PARALLEL:
+                    raise ValueError(f"LoRA under tensor parallelism: {module} "
+                                     f"({type(linear).__name__}) takes no delta before its "
+                                     "all-reduce")
+                else:
+                    linear.register_forward_hook(self._hook((i, module)))
+
+    def _partial(self, key: tuple[int, str]):
+        def add(x: torch.Tensor, out: torch.Tensor) -> None:
+            step = self._step
+            if step is not None and x.dim() == 2:
+                add_lora_delta(x, out, step, key)
+        return add
 
     def _hook(self, key: tuple[int, str]):
         def hook(_module: torch.nn.Module, args: tuple[torch.Tensor, ...],
@@ -123,6 +139,18 @@ class LoRAManager:
     def loaded_ids(self) -> list[int]:
         return list(self._loaded)
 
+    def loaded(self, lora_int_id: int) -> LoRAAdapter | None:
+        return self._loaded.get(lora_int_id)
+
+    def install(self, lora_int_id: int, adapter: LoRAAdapter) -> None:
+        """A tensor-parallel worker's side: the adapter rank 0 sent (worker/tp_lora.py)."""
+        self._loaded[lora_int_id] = adapter
+        self._stack_cache.clear()
+
+    def drop(self, lora_int_id: int) -> None:
+        if self._loaded.pop(lora_int_id, None) is not None:
+            self._stack_cache.clear()
+
     # ------------------------------------------------------------ steps
     def begin_step(self, loras: Sequence[LoRARequest | None], q_lens: np.ndarray,
                    device: torch.device) -> None:
@@ -138,13 +166,28 @@ class LoRAManager:
             raise RuntimeError(f"{len(runs)} adapters in one step exceed max_loras "
                                f"{self.max_loras}")
         by_id = {lora.lora_int_id: lora for lora in loras if lora is not None}
-        segments = [(self.add(by_id[lora_id]), start, end) for lora_id, start, end in runs]
-        self._evict(keep={lora_id for lora_id, _, _ in runs})
+        adapters = {lora_id: self.add(by_id[lora_id]) for lora_id, _, _ in runs}
+        self._evict(keep=set(adapters))
+        self._start(rows, runs, adapters, device)
+
+    def begin_step_ids(self, ids: np.ndarray, q_lens: np.ndarray, device: torch.device
+                       ) -> None:
+        """`begin_step` on a tensor-parallel worker: each sequence's adapter id (0: none),
+        every adapter installed already by rank 0."""
+        rows, runs = group_rows(np.repeat(ids, q_lens))
+        if not runs:
+            self._step = None
+            return
+        self._start(rows, runs, {i: self._loaded[i] for i, _, _ in runs}, device)
+
+    def _start(self, rows: np.ndarray, runs: list[tuple[int, int, int]],
+               adapters: dict[int, LoRAAdapter], device: torch.device) -> None:
+        segments = [(adapters[lora_id], start, end) for lora_id, start, end in runs]
         step = LoRAStep(torch.from_numpy(rows).to(device), segments)
         backend = self._backend(device)
         if backend is not None:
-            adapters = tuple(a for a, _, _ in segments)
-            step.sgmv = sgmv_step(segments, self._stacks_for(adapters, backend == "native"),
+            mix = tuple(a for a, _, _ in segments)
+            step.sgmv = sgmv_step(segments, self._stacks_for(mix, backend == "native"),
                                   device, backend)
         self._step = step
 

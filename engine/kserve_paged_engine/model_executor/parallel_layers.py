@@ -10,21 +10,37 @@ gate/up) need none: they are plain `Linear`s of fewer output rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kserve_paged_engine.distributed.ranks import TPRanks
 from kserve_paged_engine.model_executor.layers import Linear
+from kserve_paged_kernels import quant_linear
+from kserve_paged_kernels.int8_dynamic import W8A8Weight
 
 
 class RowParallelLinear(Linear):
+    # Called with (input, partial output) before the all-reduce, which then sums what it
+    # added too: a LoRA delta of this rank's input columns (engine/kserve_paged_engine/lora/).
+    partial_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPRanks) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
 
+    def quantize(self, weight: quant_linear.QuantWeight) -> None:
+        if isinstance(weight, W8A8Weight):  # int8 activations scaled over the whole row
+            weight.amax_reduce = self.tp.all_reduce_max
+        super().quantize(weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x).contiguous())
+        out = super().forward(x).contiguous()
+        if self.partial_hook is not None:
+            self.partial_hook(x, out)
+        return self.tp.all_reduce(out)
 
 
 class VocabParallelEmbedding(nn.Module):

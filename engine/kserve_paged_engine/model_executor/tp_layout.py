@@ -16,10 +16,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Architectures whose model code shards (engine/kserve_paged_engine/model_executor/models/llama.py without Phi-3's fused
-# checkpoint tensors); the others refuse tensor_parallel_size > 1.
+# Mixtral and Qwen3-MoE: attention as the Llama family's, experts cut or spread (moe_layout.py).
+MOE_TP_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+# Architectures whose model code shards (engine/kserve_paged_engine/model_executor/models/llama.py, gemma.py, bert.py);
+# the others refuse tensor_parallel_size > 1.
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                    "Qwen3ForCausalLM")
+                    "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                    "Gemma3ForCausalLM", "BertModel", "BertForSequenceClassification",
+                    *MOE_TP_ARCHITECTURES)
+
+# A BERT checkpoint's module paths -> the Llama name of the same cut (longest suffix first).
+_ENCODER_ROLES = (("attention.self.query", "q_proj"), ("attention.self.key", "k_proj"),
+                  ("attention.self.value", "v_proj"), ("attention.output.dense", "o_proj"),
+                  ("intermediate.dense", "up_proj"), ("output.dense", "down_proj"),
+                  ("word_embeddings", "embed_tokens"))
+
+Cut = tuple[int, int, int]  # (dim, start, size) of a checkpoint tensor
 
 
 def split(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -91,12 +103,24 @@ class TPLayout:
         start = self.rank * self.vocab_per_rank
         return start, max(0, min(self.vocab_per_rank, self.vocab_size - start))
 
-    def weight_slice(self, hf_name: str) -> tuple[int, int, int] | None:
-        """(dim, start, size) of the checkpoint tensor `hf_name` this rank reads; None: all of
-        it (norms; row-parallel biases, added on rank 0 only)."""
+    def weight_slice(self, hf_name: str) -> Cut | list[Cut] | None:
+        """(dim, start, size) of the checkpoint tensor `hf_name` this rank reads; a list of
+        them, read and concatenated along their dim, for a tensor the checkpoint stores fused
+        (Phi-3's `qkv_proj`, `gate_up_proj`: each sub-projection's own rows); None: all of it
+        (norms; row-parallel biases, added on rank 0 only)."""
         module_path, _, leaf = hf_name.rpartition(".")
         module = module_path.rpartition(".")[2]
+        module = next((role for path, role in _ENCODER_ROLES
+                       if module_path == path or module_path.endswith("." + path)), module)
         hd = self.head_dim
+        if module == "qkv_proj":
+            (q0, qn), (k0, kn) = self.q_heads, self.kv_heads
+            q_rows, kv_rows = self.num_heads * hd, self.num_kv_heads * hd
+            return [(0, q0 * hd, qn * hd), (0, q_rows + k0 * hd, kn * hd),
+                    (0, q_rows + kv_rows + k0 * hd, kn * hd)]
+        if module == "gate_up_proj":
+            start, size = self.intermediate
+            return [(0, start, size), (0, self.intermediate_size + start, size)]
         if module == "q_proj":
             start, count = self.q_heads
             return 0, start * hd, count * hd

@@ -31,7 +31,9 @@ class LocalExecutor:
 
     def load_model(self, path: str, dtype: torch.dtype, device: torch.device,
                    load_format: str = "auto", seed: int = 0,
-                   quantization: str | None = None) -> tuple[Any, Any]:
+                   quantization: str | None = None, expert_parallel: bool = False
+                   ) -> tuple[Any, Any]:
+        """`expert_parallel` changes nothing here: one rank holds every expert."""
         return load_model(path, dtype, device, load_format, seed, quantization=quantization)
 
     def start(self, runner: ModelRunner, **cache: Any) -> None:

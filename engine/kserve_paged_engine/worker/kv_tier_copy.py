@@ -35,6 +35,11 @@ def _planes(slot_caches: Sequence[Cache]) -> list[torch.Tensor]:
     return [c.data for c in slot_caches] + [c.scales for c in slot_caches]
 
 
+def row_bytes(slot_caches: Sequence[Cache]) -> int:
+    """Bytes of one block's `gather_rows` row."""
+    return sum(p[:, 0].numel() * p.element_size() for p in _planes(slot_caches))
+
+
 def gather_rows(slot_caches: Sequence[Cache], block_ids: Sequence[int]) -> torch.Tensor:
     """uint8 `[len(block_ids), block_bytes]`: each block's K/V of every slot, on the device."""
     n = len(block_ids)

@@ -177,6 +177,7 @@ class ModelRunner:
         # One tensor per slot (engine/kserve_paged_engine/core/kv_groups.py); layer i reads slot `layer_slot[i]` through
         # its group's tables. Zeros, not empty: a partly filled last block is read (and
         # masked); NaN garbage there would still poison the softmax.
+        self.kv_cache_dtype = kv_cache_dtype
         self.slot_caches = _allocate(shape, dtype, device, self.layout.group_size,
                                      storage_dtype(kv_cache_dtype))
         self.kv_caches = [self.slot_caches[s] for s in self.layout.layer_slot]

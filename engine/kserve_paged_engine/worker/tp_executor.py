@@ -8,18 +8,13 @@ header broadcast (`step_wire.py`); LOAD and CACHE carry one pickled dict more an
 gather of each rank's error, if any, so a worker that cannot load fails start-up with its
 reason.
 
-A worker that dies: its process sentinel wakes the watchdog thread, which records why and
-calls `on_death` (AsyncLLM fails the engine: readiness 503, requests get an error); a step in
-flight fails too, since a collective with a dead peer raises (gloo) or times out (NCCL,
-`COLLECTIVE_TIMEOUT`). After any failure inside a step the ranks are out of step, so it is
-`TPWorkerError` (an `ExecutorError`), fatal to the engine, never one request's error.
+A worker that dies or a step that fails is `TPWorkerError`, fatal to the engine: the watch
+over the workers (`tp_watchdog.py`) notices it, records why and tells the engine.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing.connection
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -27,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from kserve_paged_engine.config.multi_node import NodeLayout
 from kserve_paged_engine.core.scheduler_output import SchedulerOutput
 from kserve_paged_engine.distributed.ranks import (
     COLLECTIVE_TIMEOUT,
@@ -35,20 +31,16 @@ from kserve_paged_engine.distributed.ranks import (
     backend_for,
     joined_key,
 )
-from kserve_paged_engine.model_executor.model_loader import check_tensor_parallel_folder, load_model
+from kserve_paged_engine.model_executor.model_loader import load_model
+from kserve_paged_engine.model_executor.tp_load import check_tensor_parallel_folder
 from kserve_paged_engine.worker import step_wire as wire
-from kserve_paged_engine.worker.executor import ExecutorError
 from kserve_paged_engine.worker.model_runner import ModelRunner, StepResult, step_result
+from kserve_paged_engine.worker.tp_extras import StepExtras
+from kserve_paged_engine.worker.tp_watchdog import TPWorkerError, WorkerWatch
 
 logger = logging.getLogger("kserve_paged_engine")
 
-# After a failed collective, how long to wait for a worker's exit to explain it.
-DEATH_GRACE_S = 2.0
 STOP_GRACE_S = 5.0
-
-
-class TPWorkerError(ExecutorError):
-    """A tensor-parallel worker died or a step's collectives failed: the engine cannot go on."""
 
 
 class TPExecutor:
@@ -58,58 +50,82 @@ class TPExecutor:
     # A pool kept across engines (tests, benchmarks): `acquire` hands it out when it fits.
     _kept: ClassVar[TPExecutor | None] = None
 
-    def __init__(self, world_size: int, device: torch.device) -> None:
+    def __init__(self, world_size: int, device: torch.device,
+                 nodes: NodeLayout | None = None) -> None:
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this "
                                "process; one tensor-parallel engine per process")
-        if device.type == "cuda" and torch.cuda.device_count() < world_size:
-            raise ValueError(f"tensor_parallel_size {world_size} needs {world_size} GPUs; "
-                             f"{torch.cuda.device_count()} visible")
+        if nodes is not None and not nodes.is_leader:
+            raise ValueError(f"node_rank {nodes.node_rank} is a worker node: it runs "
+                             "worker_node.run_worker_node, not an engine")
+        # Several pods (config/multi_node.py): this pod runs ranks 0..local-1 and hosts the
+        # store at nodes.master_port; the worker nodes run the rest and join over the network.
+        local = world_size if nodes is None else nodes.ranks_per_node(world_size)
+        if device.type == "cuda" and torch.cuda.device_count() < local:
+            raise ValueError(f"tensor_parallel_size {world_size} needs {local} GPUs in this "
+                             f"pod; {torch.cuda.device_count()} visible")
         self.world_size = world_size
+        self.nodes = nodes
         self.device = device
         self.comm_device = device if device.type == "cuda" else torch.device("cpu")
         self.in_use = False
-        self.failure: str | None = None
         self.runner: ModelRunner | None = None
-        self.on_death: Callable[[BaseException], None] | None = None
-        self._stopping = False
+        self.extras: StepExtras | None = None  # LoRA and KV-tier messages (tp_extras.py)
         self._threads = torch.get_num_threads()
         # On CPU the ranks share the cores: each takes its part (TP = 2 on 2 cores: 1 each).
-        threads = max(1, self._threads // world_size)
+        threads = max(1, self._threads // local)
         if device.type == "cpu":
             torch.set_num_threads(threads)
-        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
-                              timeout=START_TIMEOUT, wait_for_workers=False)
+        # The store listens on every interface: worker nodes reach it at the leader's address.
+        store = dist.TCPStore("127.0.0.1", 0 if nodes is None else nodes.master_port,
+                              world_size, is_master=True, timeout=START_TIMEOUT,
+                              wait_for_workers=False)
         from kserve_paged_engine.worker.tp_worker import worker_main
 
         ctx = torch.multiprocessing.get_context("spawn")
         self.procs = [ctx.Process(target=worker_main, name=f"kserve-paged-tp{rank}",
                                   args=(rank, world_size, store.port, device.type, threads),
                                   daemon=True)
-                      for rank in range(1, world_size)]
+                      for rank in range(1, local)]
         for p in self.procs:
             p.start()
-        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
-        threading.Thread(target=self._watch, name="kserve-paged-tp-watchdog",
-                         daemon=True).start()
+        self.watch = WorkerWatch(self.procs, device)
         self._wait_joined(store)
         dist.init_process_group(backend_for(device), store=store, rank=0,
                                 world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
         self.group = TPRanks(0, world_size)
-        logger.info("tensor parallelism: %d ranks (%s), worker pids %s", world_size,
-                    backend_for(device), [p.pid for p in self.procs])
+        if nodes is not None and nodes.nnodes > 1:
+            remote = {n: f"{n * local}..{n * local + local - 1}" for n in range(1, nodes.nnodes)}
+            self.watch.watch_nodes(store.port, remote)
+        logger.info("tensor parallelism: %d ranks (%s) on %d node(s), local worker pids %s",
+                    world_size, backend_for(device), 1 if nodes is None else nodes.nnodes,
+                    [p.pid for p in self.procs])
+
+    @property
+    def failure(self) -> str | None:
+        """Why the group cannot go on (`tp_watchdog.py`), or None."""
+        return self.watch.failure
+
+    @property
+    def on_death(self) -> Callable[[BaseException], None] | None:
+        return self.watch.on_death
+
+    @on_death.setter
+    def on_death(self, callback: Callable[[BaseException], None] | None) -> None:
+        self.watch.on_death = callback
 
     # -- engines ------------------------------------------------------------------------------
 
     @classmethod
-    def acquire(cls, world_size: int, device: torch.device) -> TPExecutor:
+    def acquire(cls, world_size: int, device: torch.device,
+                nodes: NodeLayout | None = None) -> TPExecutor:
         """Workers for a new engine: the kept pool when it fits and is free, else new ones."""
         kept = cls._kept
         if (kept is not None and kept.world_size == world_size and kept.device == device
-                and not kept.in_use and kept.failure is None):
+                and kept.nodes == nodes and not kept.in_use and kept.failure is None):
             kept.in_use = True
             return kept
-        workers = cls(world_size, device)
+        workers = cls(world_size, device, nodes)
         workers.in_use = True
         return workers
 
@@ -120,8 +136,8 @@ class TPExecutor:
 
     def close(self) -> None:
         """The engine is done with them: drop the model (kept pool) or stop them."""
-        self.runner = None
-        if TPExecutor._kept is self and self.failure is None and not self._stopping:
+        self.runner = self.extras = None
+        if TPExecutor._kept is self and self.failure is None and not self.watch.stopping:
             self._send(wire.RELEASE)
             self.on_death = None
             self.in_use = False
@@ -130,21 +146,23 @@ class TPExecutor:
 
     def load_model(self, path: str, dtype: torch.dtype, device: torch.device,
                    load_format: str = "auto", seed: int = 0,
-                   quantization: str | None = None) -> tuple[Any, Any]:
+                   quantization: str | None = None, expert_parallel: bool = False
+                   ) -> tuple[Any, Any]:
         """Every rank loads its shard at once; rank 0's (model, config), or the first error.
-        Quantized weights are not sharded (EngineConfig refuses them first)."""
+        `expert_parallel`: a mixture of experts' experts spread over the ranks, not cut.
+        `quantization`: each rank cuts the quantized weights in their packed form."""
         try:  # a model that cannot shard is refused before any rank loads it
-            if quantization is not None:
-                raise ValueError(f"quantization {quantization!r} needs tensor_parallel_size 1")
-            check_tensor_parallel_folder(path, self.world_size)
+            check_tensor_parallel_folder(path, self.world_size, expert_parallel)
         except ValueError:
             self.close()
             raise
         self._send(wire.LOAD, spec={"path": path, "dtype": dtype, "load_format": load_format,
-                                    "seed": seed})
+                                    "seed": seed, "expert_parallel": expert_parallel,
+                                    "quantization": quantization})
         result, error = None, None
         try:
-            result = load_model(path, dtype, device, load_format, seed, tp=self.group)
+            result = load_model(path, dtype, device, load_format, seed, tp=self.group,
+                                quantization=quantization, expert_parallel=expert_parallel)
         except Exception as exc:  # noqa: BLE001 - reported after the workers report theirs
             error = exc
         self._gather_errors(error, "loading the model")
@@ -153,7 +171,14 @@ class TPExecutor:
 
     def start(self, runner: ModelRunner, **cache: Any) -> None:
         """Run steps with rank 0's `runner`; each worker builds its own: its share of the KV
-        cache, the same number of blocks (`cache`: the runner's sizes)."""
+        cache, the same number of blocks (`cache`: the runner's sizes), in the runner's KV
+        cache dtype, with LoRA slots when it has them (worker/tp_extras.py)."""
+        self.extras = StepExtras(runner)
+        lora = runner.lora
+        cache.update(kv_cache_dtype=runner.kv_cache_dtype, layout=runner.layout,
+                     lora=None if lora is None else {
+            "max_loras": lora.max_loras, "max_lora_rank": lora.max_lora_rank,
+            "max_cpu_loras": lora.max_cpu_loras})
         self._send(wire.CACHE, spec=cache)
         self._gather_errors(None, "allocating the KV cache")
         self.runner = runner
@@ -166,20 +191,20 @@ class TPExecutor:
         self.check_alive()
         try:
             head, payload = wire.pack(inputs, out.block_copies, self.comm_device)
+            extra = self.extras.message(out) if self.extras is not None else None
+            if extra is not None:
+                head[wire.EXTRA] = 1
             dist.broadcast(head, 0)
             dist.broadcast(payload, 0)
+            if extra is not None:
+                self.extras.send(out, extra)
             outs = self.runner.forward(inputs, out.block_copies)
         except Exception as exc:
-            raise self._fatal(exc) from exc
+            raise self.watch.fatal(exc) from exc
         return step_result(inputs, outs, self.runner.device)
 
     def check_alive(self) -> None:
-        if self.failure is None:
-            dead = [p for p in self.procs if p.exitcode is not None]
-            if dead:
-                self._record(dead[0])
-        if self.failure is not None:
-            raise TPWorkerError(self.failure)
+        self.watch.check_alive()
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -193,14 +218,15 @@ class TPExecutor:
             if dead or time.monotonic() > deadline:
                 for p in self.procs:
                     p.terminate()
-                self._stopping = True
-                self._wake_w.send(None)
+                self.watch.stop()
                 if self.device.type == "cpu":
                     torch.set_num_threads(self._threads)
                 what = (f"exited with code {dead[0].exitcode}" if dead
                         else f"did not start in {START_TIMEOUT.total_seconds():.0f} s")
+                where = ("" if self.nodes is None else
+                         f"; worker nodes join at port {self.nodes.master_port} of this pod")
                 raise TPWorkerError(f"a tensor-parallel worker {what} before joining the "
-                                    "group (its log is above)")
+                                    f"group (its log is above{where})")
             time.sleep(0.05)
 
     def _send(self, command: int, spec: dict[str, Any] | None = None) -> None:
@@ -221,52 +247,11 @@ class TPExecutor:
         rank, message = failed[0]
         raise TPWorkerError(f"tensor-parallel rank {rank} failed {what}: {message}")
 
-    def _fatal(self, exc: BaseException) -> TPWorkerError:
-        """The error a failed step raises: the dead worker's story if there is one."""
-        if self.failure is None:
-            ready = multiprocessing.connection.wait([p.sentinel for p in self.procs],
-                                                    DEATH_GRACE_S)
-            dead = [p for p in self.procs if p.sentinel in ready]
-            if dead:
-                self._record(dead[0])
-        if self.failure is None:
-            self.failure = f"tensor-parallel step failed: {type(exc).__name__}: {exc}"
-        return TPWorkerError(self.failure)
-
-    def _record(self, proc: Any) -> None:
-        proc.join(0.1)
-        rank = self.procs.index(proc) + 1
-        self.failure = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
-                        f"{proc.exitcode}")
-
-    def _watch(self) -> None:
-        by_sentinel = {p.sentinel: p for p in self.procs}
-        ready = multiprocessing.connection.wait([*by_sentinel, self._wake_r])
-        if self._stopping:
-            return
-        proc = next(by_sentinel[s] for s in ready if s in by_sentinel)
-        if self.failure is None:
-            self._record(proc)
-        logger.error("%s", self.failure)
-        if backend_for(self.device) == "nccl":
-            # An NCCL collective with a dead peer would wait for its timeout: abort the
-            # communicator so a step in flight raises now (gloo raises when the socket closes).
-            try:
-                from torch.distributed.distributed_c10d import _abort_process_group
-
-                _abort_process_group()
-            except Exception:  # noqa: BLE001 - best effort; the timeout remains
-                logger.warning("could not abort the NCCL process group", exc_info=True)
-        callback = self.on_death
-        if callback is not None:
-            callback(TPWorkerError(self.failure))
-
     def stop(self) -> None:
         """Stop the workers (STOP when they can hear it, else terminate) and the group."""
-        if self._stopping:
+        if self.watch.stopping:
             return
-        self._stopping = True
-        self._wake_w.send(None)
+        self.watch.stop()
         if self.failure is None:
             try:
                 self._send(wire.STOP)

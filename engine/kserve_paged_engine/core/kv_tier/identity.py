@@ -57,12 +57,19 @@ def model_digest(model_path: str, load_format: str = "auto", seed: int = 0) -> s
 
 def tier_identity(model: str, dtype: str, kv_dtype: str, quantization: str | None,
                   block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                  hash_algo: str, hash_root: bytes) -> tuple[str, BlockFormat]:
+                  hash_algo: str, hash_root: bytes, tp_size: int = 1
+                  ) -> tuple[str, BlockFormat]:
     """(identity string, block file format): the identity names the tier's folder, and its
-    digest opens every block file's header with the dtype and layout in plain fields."""
-    identity = "|".join(map(str, (model, dtype, kv_dtype, quantization, num_layers,
-                                  num_kv_heads, head_dim, block_size, hash_algo,
-                                  hash_root.hex())))
+    digest opens every block file's header with the dtype and layout in plain fields.
+    `tp_size` > 1: a block file holds each rank's own heads in rank order
+    (engine/kserve_paged_engine/worker/tp_tier.py), so the size joins the identity and a store
+    written at one tensor-parallel size is never read at another (TP = 1's identity is
+    unchanged)."""
+    parts: tuple[object, ...] = (model, dtype, kv_dtype, quantization, num_layers, num_kv_heads,
+                                 head_dim, block_size, hash_algo, hash_root.hex())
+    if tp_size > 1:
+        parts += (f"tp{tp_size}",)
+    identity = "|".join(map(str, parts))
     fmt = BlockFormat(hashlib.sha256(identity.encode()).digest(), dtype, kv_dtype, block_size,
                       num_layers, num_kv_heads, head_dim)
     return identity, fmt

@@ -19,11 +19,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from kserve_paged_engine.distributed.ranks import TPRanks
 from kserve_paged_engine.model_executor.attention import Attention, AttentionMetadata
 from kserve_paged_engine.model_executor.layers import Linear
 from kserve_paged_engine.model_executor.models.architectures import architecture_of
+from kserve_paged_engine.model_executor.parallel_layers import (
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from kserve_paged_engine.model_executor.tp_layout import TPLayout
 from kserve_paged_kernels.dense_attention import DenseBatch, dense_attention, dense_batch
 
+# Under tensor parallelism: the row-parallel biases, added once (by rank 0).
+_ROW_PARALLEL_BIASES = ("attention.output.dense.bias", "output.dense.bias")
 _ACTS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu,
          "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh")}
 
@@ -36,19 +44,34 @@ def _node(**children: nn.Module) -> nn.Module:
     return m
 
 
+def _row_linear(in_features: int, out_features: int, tp: TPRanks | None) -> Linear:
+    """An output projection: under tensor parallelism row-parallel (its partial sums
+    all-reduced, the bias added by rank 0 only)."""
+    if tp is None:
+        return Linear(in_features, out_features)
+    return RowParallelLinear(in_features, out_features, True, tp)
+
+
 class BertLayer(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """One post-norm layer; under tensor parallelism (`layout`) this rank's heads and
+    intermediate columns, the two output projections row-parallel."""
+
+    def __init__(self, config: Any, tp: TPRanks | None = None,
+                 layout: TPLayout | None = None) -> None:
         super().__init__()
         h, heads = config.hidden_size, config.num_attention_heads
-        self.heads, self.head_dim = heads, h // heads
-        eps = config.layer_norm_eps
-        self.attention = _node(self=_node(query=nn.Linear(h, h), key=nn.Linear(h, h),
-                                          value=nn.Linear(h, h)),
-                               output=_node(dense=Linear(h, h), LayerNorm=nn.LayerNorm(h, eps)))
-        self.intermediate = _node(dense=Linear(h, config.intermediate_size))
-        self.output = _node(dense=Linear(config.intermediate_size, h),
-                            LayerNorm=nn.LayerNorm(h, eps))
-        self.attn = Attention(heads, self.head_dim, heads, self.head_dim ** -0.5, causal=False)
+        self.head_dim = h // heads
+        self.heads = heads if layout is None else layout.q_heads[1]
+        inter = config.intermediate_size if layout is None else layout.intermediate[1]
+        local, eps = self.heads * self.head_dim, config.layer_norm_eps
+        self.attention = _node(self=_node(query=nn.Linear(h, local), key=nn.Linear(h, local),
+                                          value=nn.Linear(h, local)),
+                               output=_node(dense=_row_linear(local, h, tp),
+                                            LayerNorm=nn.LayerNorm(h, eps)))
+        self.intermediate = _node(dense=Linear(h, inter))
+        self.output = _node(dense=_row_linear(inter, h, tp), LayerNorm=nn.LayerNorm(h, eps))
+        self.attn = Attention(self.heads, self.head_dim, self.heads, self.head_dim ** -0.5,
+                              causal=False)
         self.act = _ACTS[config.hidden_act]
         self._qkv: tuple[Linear, ...] = ()  # (fused q/k/v,) once packed: not a checkpoint name
 
@@ -57,7 +80,7 @@ class BertLayer(nn.Module):
         packed for the CPU matmul kernels; returns how many were packed."""
         sa, h = self.attention.self, self.heads * self.head_dim
         w = sa.query.weight
-        qkv = Linear(h, 3 * h, device=w.device, dtype=w.dtype)
+        qkv = Linear(sa.query.in_features, 3 * h, device=w.device, dtype=w.dtype)
         with torch.no_grad():
             qkv.weight.copy_(torch.cat([sa.query.weight, sa.key.weight, sa.value.weight]))
             qkv.bias.copy_(torch.cat([sa.query.bias, sa.key.bias, sa.value.bias]))
@@ -90,10 +113,18 @@ class BertLayer(nn.Module):
 
 class BertEncoder(nn.Module):
     """`BertModel` (embeddings) or `BertForSequenceClassification` (its pooler and classifier
-    are the classification head, `classify`). Checkpoint names with or without `bert.`."""
+    are the classification head, `classify`). Checkpoint names with or without `bert.`.
 
-    def __init__(self, config: Any) -> None:
+    Under tensor parallelism (`tp`) the layers hold this rank's heads and intermediate columns
+    (engine/kserve_paged_engine/model_executor/tp_layout.py) and the word embeddings a run of the vocabulary; every rank
+    ends a layer with the whole hidden state (all-reduced), so pooling and the classifier
+    run on rank 0 as at TP = 1."""
+
+    layout: TPLayout | None = None
+
+    def __init__(self, config: Any, tp: TPRanks | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.config = config
         self.architecture = architecture_of(config)
         if getattr(config, "position_embedding_type", "absolute") != "absolute":
@@ -110,12 +141,19 @@ class BertEncoder(nn.Module):
         self.sliding_window = None
         self.type_vocab_size = config.type_vocab_size
         self.sep_token_id: int | None = None  # set by the engine from the tokenizer
+        if tp is not None:
+            self.layout = TPLayout.of(self.num_heads, self.num_heads, self.head_dim,
+                                      config.intermediate_size, self.vocab_size, tp.rank,
+                                      tp.world_size)
+            self.num_heads = self.num_kv_heads = self.layout.q_heads[1]
+        layout = self.layout
         self.embeddings = _node(
-            word_embeddings=nn.Embedding(config.vocab_size, h),
+            word_embeddings=nn.Embedding(config.vocab_size, h) if layout is None else
+            VocabParallelEmbedding(layout.vocab_per_rank, h, layout.vocab[0], tp),
             position_embeddings=nn.Embedding(config.max_position_embeddings, h),
             token_type_embeddings=nn.Embedding(config.type_vocab_size, h),
             LayerNorm=nn.LayerNorm(h, config.layer_norm_eps))
-        self.encoder = _node(layer=nn.ModuleList(BertLayer(config)
+        self.encoder = _node(layer=nn.ModuleList(BertLayer(config, tp, layout)
                                                  for _ in range(self.num_layers)))
         self.classifies = self.architecture.endswith("ForSequenceClassification")
         if self.classifies:
@@ -124,6 +162,9 @@ class BertEncoder(nn.Module):
 
     def materialize(self, device: torch.device) -> None:
         self.to_empty(device=device)
+        if self.tp is not None:  # the vocabulary shard's padding rows stay zero
+            for param in self.parameters():
+                param.detach().zero_()
 
     def pack_weights(self) -> int:
         """Fuse q/k/v and pack the projections for the CPU GEMM (`Linear.pack`); call after
@@ -179,10 +220,16 @@ class BertEncoder(nn.Module):
                     continue
                 raise ValueError(f"checkpoint tensor {hf_name} has no place in "
                                  f"{self.architecture}")
-            if tuple(params[name].shape) != tuple(tensor.shape):
+            target = params[name]
+            if self.layout is not None and name == "embeddings.word_embeddings.weight":
+                target = target.narrow(0, 0, tensor.shape[0])  # the last shard's padding
+            if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)} "
-                                 f"!= model shape {tuple(params[name].shape)}")
-            params[name].copy_(tensor)
+                                 f"!= model shape {tuple(target.shape)}")
+            if self.tp is not None and self.tp.rank and name.endswith(_ROW_PARALLEL_BIASES):
+                target.zero_()  # the all-reduce adds rank 0's copy once
+            else:
+                target.copy_(tensor)
             loaded.add(name)
         missing = set(params) - loaded
         if missing:

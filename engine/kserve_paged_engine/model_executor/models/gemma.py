@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kserve_paged_engine.distributed.ranks import TPRanks
 from kserve_paged_engine.model_executor.attention import AttentionMetadata
 from kserve_paged_engine.model_executor.layers import Linear, RMSNorm, SwiGLUMLP
 from kserve_paged_engine.model_executor.models.architectures import architecture_of
@@ -138,7 +139,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     ties_by_default = True  # Gemma's configs tie the LM head unless they say otherwise
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TPRanks | None = None) -> None:
         nn.Module.__init__(self)
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -152,6 +153,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.final_softcap: float | None = getattr(config, "final_logit_softcapping", None)
         # transformers' Gemma 3 attention ignores attn_logit_softcapping; Gemma 2 applies it.
         attn_softcap = None if gemma3 else getattr(config, "attn_logit_softcapping", None)
+        # Tensor parallelism: this rank's heads and MLP columns, as the Llama family's.
+        layer_config = self._tp_config(config, tp)
 
         self.rotary_emb = RotaryEmbedding(self.head_dim, self.max_position_embeddings,
                                           global_rope)
@@ -162,10 +165,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
         for window in self.layer_windows:
             local = window is not None and self.local_rotary_emb is not None
             rotary = self.local_rotary_emb if local else self.rotary_emb
-            layers.append(GemmaDecoderLayer(config, self.head_dim, rotary, window, attn_softcap,
-                                            qk_norm=gemma3))
+            layers.append(GemmaDecoderLayer(layer_config, self.head_dim, rotary, window,
+                                            attn_softcap, qk_norm=gemma3))
         self.model = GemmaModel(config, layers)
         self.lm_head = Linear(self.hidden_size, self.vocab_size, bias=False)
+        if tp is not None:
+            bias = bool(getattr(config, "attention_bias", False))
+            self._shard_modules(tp, o_bias=bias, mlp_bias=False)
         self.tie_weights()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -176,10 +182,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
         x = x * torch.tensor(self.hidden_size ** 0.5, dtype=x.dtype)
         return self._decode(x, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden `[N, hidden_size]` -> float32 logits `[N, vocab_size]`, soft-capped."""
-        logits = self.lm_head(hidden).float()
-        if self.final_softcap:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden `[N, hidden_size]` -> float32 logits `[N, vocab_size]`, soft-capped (under
+        tensor parallelism on rank 0, after the gather; the others get None)."""
+        logits = super().compute_logits(hidden)
+        if logits is not None and self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 

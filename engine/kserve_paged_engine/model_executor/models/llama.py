@@ -211,20 +211,7 @@ class LlamaForCausalLM(TransformersCheckpoint):
         qk_norm = decoder in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         qkv_bias, o_bias, mlp_bias = projection_biases(decoder, config)
 
-        # Tensor parallelism: this rank's heads, MLP columns and vocabulary (None: all of it).
-        self.tp = tp
-        self.layout: TPLayout | None = None
-        layer_config = config
-        if tp is not None:
-            self.layout = TPLayout.of(self.num_heads, self.num_kv_heads, self.head_dim,
-                                      config.intermediate_size, self.vocab_size, tp.rank,
-                                      tp.world_size)
-            layer_config = copy.copy(config)
-            layer_config.num_attention_heads = self.num_heads = self.layout.q_heads[1]
-            layer_config.num_key_value_heads = self.num_kv_heads = self.layout.kv_heads[1]
-            layer_config.intermediate_size = self.layout.intermediate[1]
-            layer_config.head_dim = self.head_dim
-
+        layer_config = self._tp_config(config, tp)
         self.rotary_emb = RotaryEmbedding(self.head_dim, self.max_position_embeddings, rope)
         self.model = LlamaModel(layer_config, self.head_dim, self.rotary_emb, qkv_bias, o_bias,
                                 mlp_bias, qk_norm)
@@ -232,6 +219,24 @@ class LlamaForCausalLM(TransformersCheckpoint):
         if tp is not None:
             self._shard_modules(tp, o_bias, mlp_bias)
         self.tie_weights()
+
+    def _tp_config(self, config: Any, tp: TPRanks | None) -> Any:
+        """Tensor parallelism (Gemma's class too): `tp` and this rank's `layout` set, and the
+        config its layers are built from, with this rank's heads and MLP columns (the config
+        itself without `tp`)."""
+        self.tp = tp
+        self.layout: TPLayout | None = None
+        if tp is None:
+            return config
+        self.layout = TPLayout.of(self.num_heads, self.num_kv_heads, self.head_dim,
+                                  config.intermediate_size, self.vocab_size, tp.rank,
+                                  tp.world_size)
+        layer_config = copy.copy(config)
+        layer_config.num_attention_heads = self.num_heads = self.layout.q_heads[1]
+        layer_config.num_key_value_heads = self.num_kv_heads = self.layout.kv_heads[1]
+        layer_config.intermediate_size = self.layout.intermediate[1]
+        layer_config.head_dim = self.head_dim
+        return layer_config
 
     def _read_facts(self, config: Any, rope: dict[str, Any]) -> None:
         """The figures of the config every family reads alike, read here once (Gemma's class

@@ -16,23 +16,29 @@ float32 each expert on the native packed GEMM (`SparseMoE.pack`), otherwise `F.l
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kserve_paged_engine.distributed.ranks import TPRanks
+from kserve_paged_engine.model_executor.expert_parallel import ExpertDispatch
 from kserve_paged_engine.model_executor.layers import Linear
 from kserve_paged_engine.model_executor.models.llama import LlamaForCausalLM
+from kserve_paged_engine.model_executor.moe_layout import (
+    EXPERT_RE,
+    EXPERT_SHARDS,
+    ExpertLayout,
+    moe_sizes,
+)
 from kserve_paged_kernels import cpu_native, fused_ops, settings
 
-# Checkpoint expert names -> (our stacked parameter, shard): Mixtral's w1/w3/w2, Qwen3-MoE's
-# gate/up/down projections.
-_EXPERT_SHARDS = {"w1": "gate", "w3": "up", "w2": "down",
-                  "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-_EXPERT_RE = re.compile(r"^(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
-                        r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# Checkpoint expert names -> the shard of our stacked parameters each fills (Mixtral's
+# w1/w3/w2, Qwen3-MoE's gate/up/down projections): defined in moe_layout.py, which the
+# loader's tensor-parallel cuts read too; these names are the ones models/deepseek.py imports.
+_EXPERT_RE, _EXPERT_SHARDS = EXPERT_RE, EXPERT_SHARDS
 
 
 def _fused_moe_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
@@ -47,8 +53,9 @@ def routes_on_device(model: nn.Module, device: torch.device) -> bool:
     """Whether `model`'s MoE layers (if any) run on `device` without reading a device value
     back: the fused kernel's routing does; the grouped torch path below reads each expert's
     token count on the host, which a CUDA-graph capture cannot (`capture_graphs` asks)."""
-    has_moe = any(isinstance(m, SparseMoE) for m in model.modules())
-    return not has_moe or _fused_moe_kernel(device) is not None
+    moe = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    return not moe or (_fused_moe_kernel(device) is not None  # expert parallelism: host splits
+                       and all(m.dispatch is None for m in moe))
 
 
 class SparseMoE(nn.Module):
@@ -70,13 +77,21 @@ class SparseMoE(nn.Module):
     _down_panels: torch.Tensor | None = None  # [E, ceil(hidden / P), inter, P]
 
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int,
-                 renormalize: bool) -> None:
+                 renormalize: bool, tp: TPRanks | None = None,
+                 experts: tuple[int, int] | None = None, expert_parallel: bool = False) -> None:
+        """Under tensor parallelism (`tp`), `inter` is this rank's cut of each expert and
+        `experts` the (first, count) it holds (moe_layout.py); the router sees them all."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.first_expert, self.num_local_experts = experts or (0, num_experts)
         self.hidden_size, self.intermediate_size = hidden, inter
+        self.tp = tp
+        self.dispatch = (ExpertDispatch(tp, num_experts) if tp is not None and expert_parallel
+                         else None)
         self.gate = Linear(hidden, num_experts, bias=False)
-        self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        local = self.num_local_experts
+        self.experts_gate_up = nn.Parameter(torch.empty(local, 2 * inter, hidden))
+        self.experts_down = nn.Parameter(torch.empty(local, hidden, inter))
 
     def pack(self) -> bool:
         """Pack the experts for the native GEMM (CPU, float32, library loaded) and drop the
@@ -103,18 +118,40 @@ class SparseMoE(nn.Module):
         return (cpu_native.unpack_gate_up_weight(self._gate_up_panels[e], self.intermediate_size),
                 cpu_native.unpack_gemm_weight(self._down_panels[e], self.hidden_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's expert weights and experts `[T, top_k]`: softmax over the router's
+        logits in float32, top-k, renormalised where the family does (DeepSeek's sigmoid,
+        group-limited routing overrides this: models/deepseek_moe.py)."""
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        if self.dispatch is not None:  # expert parallelism: to the owners and back
+            return self.dispatch(x, weights, experts, self._owned)
+        out = self._experts_sum(x, weights, experts)
+        return out if self.tp is None else self.tp.all_reduce(out)  # cut experts: partial sums
+
+    def _owned(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism's owner side: each row through its one local expert, unweighted
+        (the sender weights it)."""
+        ones = torch.ones(rows.shape[0], 1, device=rows.device)
+        return self._experts_sum(rows, ones, local_ids[:, None])
+
+    def _experts_sum(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+                     ) -> torch.Tensor:
+        """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]), experts `[T, k]` numbered from
+        this rank's first."""
         fused = _fused_moe_kernel(x.device)
         if fused is not None:
             return fused(x, self.experts_gate_up, self.experts_down, weights, experts)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.num_local_experts).tolist()
+        tokens = order // experts.shape[1]
         # One gather and one weighted scatter for the layer: each expert's rows are a
         # contiguous slice of `rows`, so the loop is only the experts' matmuls.
         rows = x[tokens]
@@ -167,18 +204,25 @@ def _sparse_layers(config: Any) -> list[bool]:
 class MoEForCausalLM(LlamaForCausalLM):
     """Mixtral / Qwen3-MoE: the Llama family's model with sparse MLPs where the config says."""
 
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
+    def __init__(self, config: Any, tp: TPRanks | None = None,
+                 expert_parallel: bool = False) -> None:
+        """`expert_parallel` spreads whole experts over `tp`'s ranks instead of cutting each
+        (moe_layout.py); without `tp` it changes nothing (one rank holds every expert)."""
+        super().__init__(config, tp)
         mixtral = config.model_type == "mixtral"
-        num_experts = config.num_local_experts if mixtral else config.num_experts
-        inter = config.intermediate_size if mixtral else config.moe_intermediate_size
+        num_experts, inter = moe_sizes(config)
+        experts = None
+        if tp is not None:
+            shard = ExpertLayout.of(config, tp.rank, tp.world_size, expert_parallel)
+            experts, inter = shard.experts, shard.intermediate[1]
         renormalize = True if mixtral else bool(getattr(config, "norm_topk_prob", False))
         self.mlp_prefix = "block_sparse_moe" if mixtral else "mlp"
         self.sparse_layers = _sparse_layers(config)
         for layer, sparse in zip(self.model.layers, self.sparse_layers, strict=True):
             if sparse:
                 layer.mlp = SparseMoE(config.hidden_size, inter, num_experts,
-                                      config.num_experts_per_tok, renormalize)
+                                      config.num_experts_per_tok, renormalize, tp, experts,
+                                      expert_parallel)
         self.use_native_stack = False
 
     def native_stack_unsupported(self) -> str | None:
@@ -204,7 +248,7 @@ class MoEForCausalLM(LlamaForCausalLM):
                 continue
             mlp = self.get_submodule(f"{layer}.mlp")
             shards = ("gate", "up") if what == "experts_gate_up" else ("down",)
-            for e in range(mlp.num_experts):
+            for e in range(mlp.first_expert, mlp.first_expert + mlp.num_local_experts):
                 names.update(f"{base}.experts.{e}.{self._expert_name(s)}.weight" for s in shards)
         return names
 
@@ -213,11 +257,24 @@ class MoEForCausalLM(LlamaForCausalLM):
             return {"gate": "w1", "up": "w3", "down": "w2"}[shard]
         return f"{shard}_proj"
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """As the Llama family's, without the experts other ranks own (expert parallelism:
+        the loader read nothing of them)."""
+        super().load_weights(item for item in weights if self._holds(item[0]))
+
+    def _holds(self, hf_name: str) -> bool:
+        m = EXPERT_RE.match(hf_name)
+        if m is None:
+            return True
+        mlp = self.get_submodule(f"{m.group(1)}.mlp")
+        return 0 <= int(m.group(2)) - mlp.first_expert < mlp.num_local_experts
+
     def _target(self, hf_name: str, params: dict[str, torch.Tensor]) -> torch.Tensor:
-        m = _EXPERT_RE.match(hf_name)
+        m = EXPERT_RE.match(hf_name)
         if m is not None:
-            layer, expert, which = m.group(1), int(m.group(2)), m.group(3)
-            shard = _EXPERT_SHARDS[which]
+            layer, which = m.group(1), m.group(3)
+            expert = int(m.group(2)) - self.get_submodule(f"{layer}.mlp").first_expert
+            shard = EXPERT_SHARDS[which]
             if shard == "down":
                 return params[f"{layer}.mlp.experts_down"][expert]
             stacked = params[f"{layer}.mlp.experts_gate_up"][expert]

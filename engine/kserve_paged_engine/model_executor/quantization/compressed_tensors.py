@@ -33,6 +33,12 @@ from kserve_paged_engine.model_executor.quantization.int4_checkpoints import (
     Int4Reader,
 )
 from kserve_paged_engine.model_executor.quantization.layouts import Picker, hf_parts
+from kserve_paged_engine.model_executor.quantization.tp_cuts import (
+    CutOf,
+    cut_float,
+    cut_parts,
+    one_cut,
+)
 from kserve_paged_kernels import int8_dynamic, quant_linear
 from kserve_paged_kernels.cpu_native.isa import cpu_flags
 from kserve_paged_kernels.int4_layouts import CheckpointInt4Weight, dequant_checkpoint
@@ -118,11 +124,13 @@ class CTReader:
     int4: Int4Reader = field(default_factory=lambda: Int4Reader(Int4Checkpoint(METHOD, 0, 0)))
     int8: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    cut: CutOf | None = None  # tensor parallelism, as `Int4Reader.cut`
 
     def stream(self, weights: Iterator[tuple[str, torch.Tensor]]
                ) -> Iterator[tuple[str, torch.Tensor]]:
         pending: dict[str, dict[str, torch.Tensor]] = {}
         naive = self.scheme.format == "naive-quantized"
+        self.int4.cut = self.cut
         for name, tensor in weights:
             prefix, _, leaf = name.rpartition(".")
             quantized = leaf == "weight" and (naive or tensor.dtype == torch.int8
@@ -130,18 +138,23 @@ class CTReader:
             if leaf in PARTS or quantized:
                 pending.setdefault(prefix, {})[leaf] = tensor
             else:
-                yield name, tensor
+                yield name, cut_float(name, tensor, self.cut)
         for prefix, parts in pending.items():
             if "weight_scale" not in parts:  # a layer the checkpoint left float (`ignore`)
-                yield f"{prefix}.weight", parts["weight"]
+                yield f"{prefix}.weight", cut_float(f"{prefix}.weight", parts["weight"],
+                                                    self.cut)
                 continue
             yield f"{prefix}.weight", self._decode(prefix, parts)
 
     def _decode(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The float32 weight `[out, in]`, keeping the stored form for `picker`."""
+        """The float32 weight `[out, in]` (this rank's cut), keeping the stored form for
+        `picker`."""
         if "weight_packed" in parts:
-            self.int4.weights[prefix] = _int4(parts)
+            self.int4.weights[prefix] = self.int4.cut_stored(prefix, _int4(parts))
             return dequant_checkpoint(self.int4.weights[prefix])
+        cut = one_cut(prefix, self.cut(f"{prefix}.weight")) if self.cut is not None else None
+        if cut is not None:
+            parts = cut_parts(prefix, parts, cut)
         w, scale = parts["weight"], parts["weight_scale"].float()
         rows = _per_row(scale, w.shape[0])
         zero = parts.get("weight_zero_point")

@@ -30,6 +30,12 @@ import torch
 
 from kserve_paged_engine.model_executor.layers import Linear
 from kserve_paged_engine.model_executor.quantization.layouts import Picker, hf_parts
+from kserve_paged_engine.model_executor.quantization.tp_cuts import (
+    CutOf,
+    cut_float,
+    cut_parts,
+    one_cut,
+)
 from kserve_paged_kernels import quant_linear
 
 logger = logging.getLogger("kserve_paged_engine")
@@ -86,6 +92,7 @@ class Fp8Reader:
     scheme: Fp8Scheme
     stored: dict[str, StoredFp8] = field(default_factory=dict)
     static_inputs: int = 0
+    cut: CutOf | None = None  # tensor parallelism, as `Int4Reader.cut`
 
     def stream(self, weights: Iterator[tuple[str, torch.Tensor]]
                ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -95,11 +102,15 @@ class Fp8Reader:
             if leaf in PARTS or (leaf == "weight" and tensor.dtype == torch.float8_e4m3fn):
                 pending.setdefault(prefix, {})[leaf] = tensor
             else:
-                yield name, tensor
+                yield name, cut_float(name, tensor, self.cut)
         for prefix, parts in pending.items():
             if "weight" not in parts:
                 raise ValueError(f"fp8 checkpoint: {prefix} has scales but no fp8 weight")
             self.static_inputs += "input_scale" in parts
+            cut = one_cut(prefix, self.cut(f"{prefix}.weight")) if self.cut else None
+            if cut is not None:
+                _stored(prefix, parts, self.scheme.block)  # the whole tensor's checks first
+                parts = cut_parts(prefix, parts, cut, self.scheme.block)
             self.stored[prefix] = _stored(prefix, parts, self.scheme.block)
             yield f"{prefix}.weight", self.stored[prefix].dequant()
 
@@ -167,21 +178,24 @@ def served(stored: StoredFp8, device: torch.device, dtype: torch.dtype
     return "fp8 e4m3 (one byte)", weight
 
 
-def quantize(w: torch.Tensor) -> StoredFp8:
-    """e4m3 codes of a float weight with one scale, max |w| / 448 (vLLM's per-tensor)."""
+def quantize(w: torch.Tensor, peak: float | None = None) -> StoredFp8:
+    """e4m3 codes of a float weight with one scale, max |w| / 448 (vLLM's per-tensor); `peak`:
+    the whole tensor's max |w| when `w` is a tensor-parallel shard of it."""
     wf = w.detach().float()
-    amax = float(wf.abs().max())
+    amax = float(wf.abs().max()) if peak is None else peak
     scale = torch.tensor(amax / E4M3_MAX if amax > 0 else 1.0)
     codes = (wf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return StoredFp8(codes, scale.expand(w.shape[0]).contiguous(), None)
 
 
-def on_the_fly(dtype: torch.dtype) -> Picker:
+def on_the_fly(dtype: torch.dtype, whole: Any = None) -> Picker:
     """`--quantization fp8`: each projection to e4m3 with one scale, served as `served` says;
-    where it is dequantized the float weight becomes its fp8 value in place."""
+    where it is dequantized the float weight becomes its fp8 value in place. `whole`
+    (tensor parallelism, tp_online.WholeRows): the scale of the whole projection, not the
+    shard's."""
 
     def pick(name: str, linear: Linear) -> tuple[str, quant_linear.QuantWeight | None]:
-        stored = quantize(linear.weight)
+        stored = quantize(linear.weight, None if whole is None else whole.tensor_peak(name))
         fmt, weight = served(stored, linear.weight.device, dtype)
         if weight is None:
             with torch.no_grad():

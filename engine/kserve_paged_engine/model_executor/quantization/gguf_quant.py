@@ -138,7 +138,10 @@ def keeper(tensors: dict[str, GGUFTensor], dtype: torch.dtype, label: str
     when it runs (the one-read stream fills it while the weights load)."""
     def keep(model: nn.Module) -> QuantSummary:
         embedding = tensors.get("model.embed_tokens")
-        vocab = None if embedding is None or embedding.qtype in FLOAT_TYPES else vocab_picker(
-            tensors, dtype, embedding.qtype)
+        # Under tensor parallelism the vocabulary is sharded by rows (VocabParallelEmbedding)
+        # and stays float, dequantized; the projections keep their blocks, cut per rank.
+        sharded = getattr(model, "layout", None) is not None
+        vocab = None if (embedding is None or embedding.qtype in FLOAT_TYPES
+                         or sharded) else vocab_picker(tensors, dtype, embedding.qtype)
         return apply(model, picker(tensors, dtype), f"gguf ({label})", vocab)
     return keep

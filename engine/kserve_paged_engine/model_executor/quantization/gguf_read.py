@@ -25,6 +25,13 @@ import torch
 
 from kserve_paged_engine.model_executor.quantization import gguf_blocks
 from kserve_paged_engine.model_executor.quantization.gguf_file import RawTensor, read_index
+from kserve_paged_engine.model_executor.quantization.tp_cuts import (
+    Cut,
+    CutOf,
+    cut_float,
+    cut_grouped,
+    one_cut,
+)
 
 
 @dataclass(slots=True)
@@ -126,14 +133,18 @@ _READ_AS_GROUPS = (*gguf_blocks.INT4_TYPES, *gguf_blocks.INT8_TYPES)
 
 
 def _sure_int4(plan: dict[str, tuple[RawTensor, np.ndarray | None]]) -> set[str]:
-    """transformers' weight names of the projections packed as int4 whatever the dtype: every
-    part of their fused projection (q/k/v, gate/up) a 4-bit type read as groups. Their float
-    weight is never used, so it is not computed (`read` streams a stand-in)."""
+    """transformers' weight names of the decoder projections packed as int4 whatever the
+    dtype: every part of their fused projection (q/k/v, gate/up) a 4-bit type read as groups.
+    Their float weight is never used, so it is not computed (`read` streams a stand-in). The
+    embedding and LM head are not among them: they are served from their float weight
+    (re-quantized per row, or float under tensor parallelism)."""
     from kserve_paged_engine.model_executor.quantization.layouts import FUSED_PARTS
 
     siblings = {p: parts for parts in FUSED_PARTS.values() for p in parts}
     sure = set()
     for hf_name in plan:
+        if not hf_name.startswith("model.layers."):
+            continue
         module, _, leaf = hf_name.removesuffix(".weight").rpartition(".")
         parts = [f"{module}.{p}.weight" for p in siblings.get(leaf, (leaf,))]
         if all(p in plan and plan[p][1] is not None
@@ -142,11 +153,12 @@ def _sure_int4(plan: dict[str, tuple[RawTensor, np.ndarray | None]]) -> set[str]
     return sure
 
 
-def read(path: Path, config: Any, expected: set[str]) -> GGUFRead:
+def read(path: Path, config: Any, expected: set[str], cut: CutOf | None = None) -> GGUFRead:
     """The file the model expects (`expected`: transformers' parameter names), each tensor read
     once as `weights` is consumed (which fills `groups`); ValueError for an architecture the
     gguf package does not know. `config`: the model's transformers config (the GGUF's own or
-    its folder's)."""
+    its folder's). `cut`: tensor parallelism's cut of each tensor (`TPLayout.weight_slice`),
+    the groups cut with their codes (tp_cuts.py)."""
     index = read_index(path)
     processor = _processor(index.architecture, config)
     names = _name_map(index.architecture, config, expected)
@@ -160,24 +172,48 @@ def read(path: Path, config: Any, expected: set[str]) -> GGUFRead:
             order = _row_order(processor, raw.name, raw.shape[0], names)
         plan[hf_name] = (raw, order)
     out = GGUFRead({}, iter(()))
-    out.weights = _stream(plan, _sure_int4(plan), out.groups, processor, names)
+    out.weights = _stream(plan, _sure_int4(plan), out.groups, processor, names, cut)
     return out
 
 
+def _cut_entry(key: str, entry: GGUFTensor, cut: Cut) -> GGUFTensor:
+    """A projection's groups cut for one tensor-parallel rank."""
+    what = f"groups of its {entry.qtype} blocks"
+    if entry.int4 is not None:
+        codes, scale, minimum = entry.int4
+        entry.int4 = cut_grouped(key, codes, (scale, minimum), cut, what)  # type: ignore[assignment]
+    if entry.int8 is not None:
+        codes, scale = entry.int8
+        entry.int8 = cut_grouped(key, codes, (scale,), cut, what)  # type: ignore[assignment]
+    if cut[0] == 0:
+        entry.rows = cut[2]
+    return entry
+
+
 def _stream(plan: dict[str, tuple[RawTensor, np.ndarray | None]], sure_int4: set[str],
-            groups: dict[str, GGUFTensor], processor: Any, names: dict[str, str]
-            ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, float32 tensor) per tensor, one at a time; a sure int4 projection's tensor is a
-    zero stand-in of its shape (nothing computed, nothing allocated)."""
+            groups: dict[str, GGUFTensor], processor: Any, names: dict[str, str],
+            cut: CutOf | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, float32 tensor) per tensor, one at a time, each this rank's cut under tensor
+    parallelism; a sure int4 projection's tensor is a zero stand-in of its shape (nothing
+    computed, nothing allocated)."""
     for hf_name, (raw, order) in plan.items():
         key = hf_name.removesuffix(".weight")
         if order is None:
             weights = _dequantized(raw, processor, names)
             if hf_name.endswith(".weight") and len(raw.shape) == 2:  # its type, for the log
                 groups[key] = GGUFTensor(raw.qtype.name, raw.shape[0])
+                part = cut(hf_name) if cut is not None else None
+                if isinstance(part, tuple) and part[0] == 0:  # this rank's rows (fused parts)
+                    groups[key].rows = part[2]
         else:
-            groups[key], weights = _quantized(raw, order, hf_name not in sure_int4)
+            entry, weights = _quantized(raw, order, hf_name not in sure_int4)
+            part = one_cut(key, cut(hf_name)) if cut is not None else None
+            groups[key] = entry if part is None else _cut_entry(key, entry, part)
             if weights is None:
-                yield hf_name, torch.zeros((), dtype=torch.float32).expand(*raw.shape)
+                shape = list(raw.shape)
+                if part is not None:
+                    shape[part[0]] = part[2]
+                yield hf_name, torch.zeros((), dtype=torch.float32).expand(*shape)
                 continue
-        yield hf_name, torch.from_numpy(np.require(weights, np.float32, ["C", "W"]))
+        tensor = torch.from_numpy(np.require(weights, np.float32, ["C", "W"]))
+        yield hf_name, cut_float(hf_name, tensor, cut)

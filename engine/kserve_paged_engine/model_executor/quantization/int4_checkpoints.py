@@ -24,6 +24,12 @@ import torch
 
 from kserve_paged_engine.model_executor.layers import Linear
 from kserve_paged_engine.model_executor.quantization.layouts import Picker, hf_parts
+from kserve_paged_engine.model_executor.quantization.tp_cuts import (
+    CutOf,
+    cut_float,
+    cut_int4,
+    one_cut,
+)
 from kserve_paged_kernels import quant_linear
 from kserve_paged_kernels.int4_layouts import (
     CheckpointInt4Weight,
@@ -85,6 +91,8 @@ def cpu_groups(weight: CheckpointInt4Weight) -> Groups | None:
     of consecutive inputs of a size the packed kernel takes (activation order, one group per
     channel)."""
     group_size = weight.in_features // weight.scales.shape[0]
+    if group_size == 0:  # a rank's cut of an activation-order weight keeps every group
+        return None
     consecutive = torch.arange(weight.in_features) // group_size
     if group_size not in quant_linear.INT4_GROUP_SIZES or not torch.equal(
             weight.g_idx.long(), consecutive):
@@ -116,6 +124,9 @@ class Int4Reader:
 
     ckpt: Int4Checkpoint
     weights: dict[str, CheckpointInt4Weight] = field(default_factory=dict)
+    # Tensor parallelism: the rank's cut of each checkpoint tensor (`TPLayout.weight_slice`),
+    # applied to the whole tensors streamed in, the packed ones in their packed form.
+    cut: CutOf | None = None
 
     def stream(self, weights: Iterator[tuple[str, torch.Tensor]]
                ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -123,16 +134,33 @@ class Int4Reader:
         for name, tensor in weights:
             prefix, _, leaf = name.rpartition(".")
             if leaf in PARTS:
-                pending.setdefault(prefix, {})[leaf] = tensor
+                parts = pending.setdefault(prefix, {})
+                parts[leaf] = tensor
+                if self._complete(parts):  # done with its whole tensors (a rank keeps a cut)
+                    yield self._finish(prefix, pending.pop(prefix))
             else:
-                yield name, tensor
+                yield name, cut_float(name, tensor, self.cut)
         for prefix, parts in pending.items():
-            missing = {"qweight", "qzeros", "scales"} - parts.keys()
-            if missing:
-                raise ValueError(f"{self.ckpt.method} checkpoint: {prefix} lacks "
-                                 f"{', '.join(sorted(missing))}")
-            self.weights[prefix] = checkpoint_weight(parts, self.ckpt)
-            yield f"{prefix}.weight", dequant_checkpoint(self.weights[prefix])
+            yield self._finish(prefix, parts)
+
+    def _complete(self, parts: dict[str, torch.Tensor]) -> bool:
+        """Every part a projection can have is in (GPTQ's g_idx may be absent: then at the
+        stream's end)."""
+        return {"qweight", "qzeros", "scales"} <= parts.keys() and (
+            self.ckpt.method == "awq" or "g_idx" in parts)
+
+    def _finish(self, prefix: str, parts: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+        missing = {"qweight", "qzeros", "scales"} - parts.keys()
+        if missing:
+            raise ValueError(f"{self.ckpt.method} checkpoint: {prefix} lacks "
+                             f"{', '.join(sorted(missing))}")
+        self.weights[prefix] = self.cut_stored(prefix, checkpoint_weight(parts, self.ckpt))
+        return f"{prefix}.weight", dequant_checkpoint(self.weights[prefix])
+
+    def cut_stored(self, prefix: str, weight: CheckpointInt4Weight) -> CheckpointInt4Weight:
+        """This rank's share of a projection's words (all of them without tensor parallelism)."""
+        cut = one_cut(prefix, self.cut(f"{prefix}.weight")) if self.cut is not None else None
+        return weight if cut is None else cut_int4(prefix, weight, cut)
 
     def picker(self, dtype: torch.dtype, triton: bool | None = None) -> Picker:
         """Our projection -> the checkpoint's codes (stacked for a fused one): `Int4Weight` on

@@ -5,8 +5,8 @@ Methods (their names: engine/kserve_paged_engine/config/quantization.py): `gguf`
 kept as they are, engine/kserve_paged_engine/model_executor/quantization/gguf_quant.py), vLLM's `fp8` (fp8_checkpoints.py), and
 two of ours for a float checkpoint, quantized at load: `int4` (asymmetric 4-bit, groups of 32)
 and `int8` (symmetric, one scale per output channel). The decoder layers' projections are quantized; the embedding and the LM head
-stay in the model's dtype, except a GGUF's quantized embedding, served as int8 rows. CPU only,
-no tensor parallelism. With float32 activations the weights run on our native kernel
+stay in the model's dtype, except a GGUF's quantized embedding, served as int8 rows. CPU only;
+under tensor parallelism each rank's weights are cut first (tp_cuts.py, tp_online.py). With float32 activations the weights run on our native kernel
 (kernels/kserve_paged_kernels/cpu_native/quant_gemm.py), otherwise on PyTorch's packed CPU kernels; the log names
 the kernel of each format.
 """
@@ -86,13 +86,15 @@ def hf_parts(name: str) -> list[str]:
 Picker = Callable[[str, Linear], "tuple[str, quant_linear.QuantWeight | None]"]
 
 
-def on_the_fly(method: str, dtype: torch.dtype) -> Picker:
+def on_the_fly(method: str, dtype: torch.dtype, whole: Any = None) -> Picker:
     """`--quantization int4|int8`: each projection's float weight quantized as it is (`fp8`'s
-    picker is engine/kserve_paged_engine/model_executor/quantization/fp8_checkpoints.py's, which builds on this module)."""
+    picker is engine/kserve_paged_engine/model_executor/quantization/fp8_checkpoints.py's, which builds on this module).
+    `whole` (tensor parallelism, tp_online.WholeRows): int8's row scales over whole rows."""
     def pick(name: str, linear: Linear) -> tuple[str, quant_linear.QuantWeight | None]:
         w = linear.weight
         if method == "int8":
-            return "int8 per-channel", quant_linear.quantize_int8(w, dtype)
+            rows = None if whole is None else whole.rows(name)
+            return "int8 per-channel", quant_linear.quantize_int8(w, dtype, rows)
         if w.shape[1] % INT4_GROUP:
             return f"{str(w.dtype).removeprefix('torch.')} (in_features not whole groups)", None
         codes, scale, minimum = quant_linear.quantize_int4(w, INT4_GROUP)
