@@ -224,3 +224,26 @@ def test_plan_gives_mla_kv_bytes_per_token(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit):
         cli_main(["plan", "--model", str(model), "--gpu", "h200", "--tensor_parallel_size", "8"])
     assert "DeepseekV3ForCausalLM is not sharded" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_weight_only_quantization_keeps_both_attention_paths(method: str, tmp_path: Path
+                                                             ) -> None:
+    """`--quantization int8|int4` quantizes kv_b_proj with every other projection; the absorbed
+    path reads its weight (W_UK, W_UV), so it must read what the quantized weight stands for.
+    Absorbed and expanded agree on the quantized model's logits."""
+    from kserve_paged_engine import LLM, SamplingParams
+
+    save_deepseek("deepseek_v3_mla", tmp_path)
+    save_tokenizer(tmp_path)
+    prompt = list(range(5, 30))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    outs = {}
+    for mode in ("absorbed", "expanded"):
+        llm = LLM(model=str(tmp_path), quantization=method, block_size=4, max_model_len=64)
+        for layer in llm.engine.runner.model.model.layers:
+            layer.self_attn.mode = mode
+        outs[mode] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        llm.engine.close()
+    assert len(outs["absorbed"].token_ids) == 6, outs["absorbed"]
+    assert outs["absorbed"].token_ids == outs["expanded"].token_ids

@@ -67,7 +67,10 @@ class DeepseekMoE(SparseMoE):
                                if shared else None)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
+        # In float32, as transformers routes; a router `--quantization` quantized has no
+        # float weight left, so its own product.
+        logits = (F.linear(x.float(), self.gate.weight.float()) if self.gate.quant is None
+                  else self.gate(x).float())  # [T, E]
         if self.e_score_correction_bias is None:
             return self._route_v2(torch.softmax(logits, dim=-1))
         scores = torch.sigmoid(logits)

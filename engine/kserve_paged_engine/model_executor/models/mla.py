@@ -31,7 +31,7 @@ from torch import nn
 from kserve_paged_engine.model_executor.attention import AttentionMetadata
 from kserve_paged_engine.model_executor.layers import Linear, RMSNorm
 from kserve_paged_engine.model_executor.rope import RotaryEmbedding, _yarn_mscale
-from kserve_paged_kernels import fused_ops
+from kserve_paged_kernels import fused_ops, quant_linear
 from kserve_paged_kernels import mla_reference as mla
 from kserve_paged_kernels.kv_quant import QuantKV
 
@@ -98,6 +98,13 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=bias)
         self.rotary = [rotary]  # shared, kept out of the module tree
 
+    def _up_projection(self, dtype: torch.dtype) -> torch.Tensor:
+        """kv_b_proj's weight (W_UK and W_UV), which the absorbed path multiplies by itself;
+        under `--quantization` the float weight is gone, so the weight its codes stand for
+        (decoded each step: a cost of quantizing this projection, not of reading it)."""
+        proj = self.kv_b_proj
+        return proj.weight if proj.quant is None else quant_linear.dequant(proj.quant).to(dtype)
+
     def absorbs(self, q_len: int) -> bool:
         """Whether `q_len` new tokens of a sequence take the absorbed path: under "auto" when
         its attention work per context token, `q_len * (2 * kv_lora_rank + rope)` per head, is
@@ -127,8 +134,8 @@ class MLAttention(nn.Module):
         latent = torch.cat((compressed, k_pe), dim=-1)  # [T, kv_lora_rank + rope]
         mla.store_latent(latent, kv_cache, meta.slot_mapping, backend=meta.backend)
 
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim,
-                                       self.kv_lora_rank)
+        w = self._up_projection(x.dtype).view(self.num_heads, self.nope_dim + self.v_dim,
+                                              self.kv_lora_rank)
         triton = (fused_ops.triton_module("mla_triton", x.device, meta.backend)
                   if self.absorbs(meta.max_query_len) and not isinstance(kv_cache, QuantKV)
                   else None)
