@@ -6,8 +6,9 @@ the child, at the lowest priority, it costs the cores the engine leaves idle; ma
 the value back at a small fraction of the parse's cost.
 
 One child serves the process, started at the first large body and again if it dies; bodies
-queue for it one at a time on a lock, so a client sending many large bodies waits behind its
-own, while small bodies (decoded in place) and the engine thread go on. Should the child fail
+queue for it one at a time in one thread of their own (EXECUTOR), so a client sending many
+large bodies waits behind its own, while small bodies (decoded in place), asyncio's default
+pool and the engine thread go on. Should the child fail
 to start twice running, the body is decoded in place, as before, and the log says so.
 
 This file is also the child's script (`python -I body_decode.py`): it imports nothing but the
@@ -26,6 +27,7 @@ import os
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 logger = logging.getLogger(__name__)
@@ -153,6 +155,9 @@ def child_main() -> None:
 
 CHILD_SCRIPT = os.path.abspath(__file__)
 DECODER = BodyDecoder()
+# The one thread that waits on the child: large bodies queue here, never in asyncio's default
+# pool, which tokenizes and renders templates for every request.
+EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="body-decode")
 
 if __name__ == "__main__":
     child_main()

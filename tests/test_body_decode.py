@@ -75,3 +75,30 @@ def test_a_child_that_cannot_start_falls_back_to_parsing_here(decoder, monkeypat
     monkeypatch.setattr(body_decode, "CHILD_SCRIPT", body_decode.CHILD_SCRIPT + ".absent")
     assert decoder.decode(b'{"a": [1]}') == {"a": [1]}
     assert "failed twice" in caplog.text
+
+
+def test_queued_large_bodies_leave_the_default_pool_free(monkeypatch):
+    """Large bodies wait for the child one at a time; they wait in the decoder's own thread,
+    never in asyncio's default pool, which tokenizes and renders for every other request."""
+    import asyncio
+    import threading
+
+    from kserve_paged.openai import schemas
+
+    release = threading.Event()
+    monkeypatch.setattr(body_decode.DECODER, "decode", lambda raw: release.wait(30) and {})
+
+    class Body:
+        async def body(self) -> bytes:
+            return b" " * (schemas.DECODE_OFF_PROCESS_BYTES + 1)
+
+    async def main() -> None:
+        waiting = [asyncio.create_task(schemas.read_json(Body())) for _ in range(40)]
+        await asyncio.sleep(0.2)
+        try:  # more bodies than the default pool has threads are queued now
+            assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 10) == "free"
+        finally:
+            release.set()
+        await asyncio.gather(*waiting)
+
+    asyncio.run(main())

@@ -13,7 +13,7 @@ import pytest
 
 from kserve_paged.args import parse_args
 from kserve_paged.openai.chat_turn import split_turn, turn_reasoning_parser
-from kserve_paged.openai.harmony import HARMONY_PARSER, HarmonyStream, parse_harmony
+from kserve_paged.openai.harmony import HARMONY_PARSER, HarmonyStream, Header, parse_harmony
 from kserve_paged.openai.harmony_template import HARMONY_CHAT_TEMPLATE
 from kserve_paged.openai.tools import tool_plan
 from kserve_paged.openai.turn import TurnStream
@@ -154,6 +154,15 @@ def test_template_without_system_or_tools_has_no_developer_message():
     assert "developer" not in text and "Calls to these tools" not in text
     assert "Reasoning: medium" in text
     assert text.endswith("<|start|>user<|message|>hi<|end|>")
+
+
+@pytest.mark.parametrize("header", ["assistant<|channel|><|constrain|>",
+                                    "assistant<|channel|> <|constrain|> ", "assistant"])
+def test_a_header_without_a_channel_name_reads_as_none(header):
+    """The header is model output: `<|channel|><|constrain|>` with no name raised IndexError,
+    a 500 (or a broken stream) instead of text."""
+    parsed = Header.parse(header)
+    assert parsed.channel == "" and parsed.recipient is None
 
 
 def test_the_gate_waits_for_the_whole_token_sequence():

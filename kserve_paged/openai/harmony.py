@@ -49,7 +49,8 @@ class Header:
     @classmethod
     def parse(cls, text: str) -> Header:
         role_part, _, after = text.partition(CHANNEL)
-        channel = after.replace(CONSTRAIN, " ").split()[0] if after.split() else ""
+        words = after.replace(CONSTRAIN, " ").split()  # a model may write the tag alone
+        channel = words[0] if words else ""
         found = _RECIPIENT.search(role_part) or _RECIPIENT.search(after)
         return cls(channel, found.group(1) if found else None)
 

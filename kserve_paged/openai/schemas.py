@@ -227,7 +227,8 @@ async def read_json(request: Request) -> dict[str, Any]:
     """The request's body as a JSON object; malformed JSON is a 400."""
     try:
         raw = await request.body()
-        data = (await asyncio.to_thread(body_decode.DECODER.decode, raw)
+        data = (await asyncio.get_running_loop().run_in_executor(
+                    body_decode.EXECUTOR, body_decode.DECODER.decode, raw)
                 if len(raw) > DECODE_OFF_PROCESS_BYTES else body_decode.decode_in_place(raw))
     except body_decode.BodyTooDeep:
         raise APIError(400, "the request body is nested too deeply") from None

@@ -88,10 +88,14 @@ def replica_builders(configs: Sequence[EngineConfig], threads: int | None,
             if index > 0:
                 first_built.wait()
             try:
-                if threads is not None:
-                    import torch
+                import torch
 
+                if threads is not None:
                     torch.set_num_threads(threads)
+                if config.device.startswith("cuda:"):
+                    # The engine thread's current device: its kernels, streams, graph
+                    # captures and memory profile would otherwise all be cuda:0's.
+                    torch.cuda.set_device(torch.device(config.device))
                 if factory is not None:
                     return factory()
                 from kserve_paged_engine.frontend.llm_engine import LLMEngine
