@@ -27,16 +27,13 @@ from tests.helpers.gpt_oss_sample import (
 )
 from tests.helpers.harmony_model import (
     ARGUMENTS,
-    NOT_REGISTERED,
     REASONING,
     TOOL,
     WEATHER_TOOL,
-    gpt_oss_registered,
     write_harmony_model,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow,
-              pytest.mark.skipif(not gpt_oss_registered(), reason=NOT_REGISTERED)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 

@@ -21,17 +21,14 @@ from kserve_paged_engine.frontend.llm_engine import LLMEngine
 from tests.helpers.harmony_model import (
     ANSWER,
     ARGUMENTS,
-    NOT_REGISTERED,
     REASONING,
     TOOL,
     WEATHER_TOOL,
-    gpt_oss_registered,
     write_harmony_model,
 )
 from tests.helpers.server import build
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not gpt_oss_registered(), reason=NOT_REGISTERED)]
+pytestmark = [pytest.mark.slow]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 

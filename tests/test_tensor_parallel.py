@@ -22,6 +22,7 @@ from kserve_paged_engine.model_executor.tp_layout import TPLayout
 from kserve_paged_engine.pooling_params import PoolingParams
 from kserve_paged_engine.sampling_params import SamplingParams
 from kserve_paged_engine.worker.tp_executor import TPExecutor
+from tests.helpers.step_logits import record_step_logits
 from tests.helpers.tiny_models import copy_default_tokenizer, save_random
 
 LOGITS_ATOL = 1e-5
@@ -72,15 +73,7 @@ def _run(model: str, tp: int, prompts: list[list[int]], max_tokens: int, **confi
     """Greedy tokens per prompt, every step's sampling logits, and the final stats."""
     engine = LLMEngine(EngineConfig(model=model, dtype="float32", tensor_parallel_size=tp,
                                     **config))
-    steps: list[torch.Tensor] = []
-    execute = engine.executor.execute
-
-    def recording(out):
-        result = execute(out)
-        steps.append(result.logits.clone())
-        return result
-
-    engine.executor.execute = recording
+    steps = record_step_logits(engine)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         for i, prompt in enumerate(prompts):

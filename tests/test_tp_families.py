@@ -25,6 +25,7 @@ from kserve_paged_engine.model_executor.tp_load import check_tensor_parallel
 from kserve_paged_engine.pooling_params import PoolingParams
 from kserve_paged_engine.sampling_params import SamplingParams
 from kserve_paged_engine.worker.tp_executor import TPExecutor
+from tests.helpers.step_logits import record_step_logits
 from tests.helpers.tiny_models import CONFIGS, save_cross_encoder, save_random, save_tokenizer
 
 # Logits within 1e-5 of the step's largest (at least 1e-5): fp32 rounding of the all-reduce's
@@ -58,15 +59,7 @@ def _generate(model: str, tp: int, max_tokens: int = 6
     """Greedy tokens per prompt, every step's sampling logits, and the final stats."""
     engine = LLMEngine(EngineConfig(model=model, dtype="float32", tensor_parallel_size=tp,
                                     **ENGINE))
-    steps: list[torch.Tensor] = []
-    execute = engine.executor.execute
-
-    def recording(out):
-        result = execute(out)
-        steps.append(result.logits.clone())
-        return result
-
-    engine.executor.execute = recording
+    steps = record_step_logits(engine)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         tokens: dict[str, list[int]] = {}

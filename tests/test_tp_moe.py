@@ -26,6 +26,7 @@ from kserve_paged_engine.model_executor.moe_layout import NOT_HELD, ExpertLayout
 from kserve_paged_engine.model_executor.tp_layout import TPLayout, split
 from kserve_paged_engine.sampling_params import SamplingParams
 from kserve_paged_engine.worker.tp_executor import TPExecutor
+from tests.helpers.step_logits import record_step_logits
 from tests.helpers.tiny_models import copy_default_tokenizer, save_random
 
 LOGITS_ATOL = 1e-5
@@ -84,15 +85,7 @@ def _run(model: str, tp: int, expert_parallel: bool = False
         model=model, dtype="float32", tensor_parallel_size=tp,
         enable_expert_parallel=expert_parallel, block_size=4, num_kv_blocks=32,
         max_num_batched_tokens=16, max_model_len=64))
-    steps: list[torch.Tensor] = []
-    execute = engine.executor.execute
-
-    def recording(out):
-        result = execute(out)
-        steps.append(result.logits.clone())
-        return result
-
-    engine.executor.execute = recording
+    steps = record_step_logits(engine)
     try:
         for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
             engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0,

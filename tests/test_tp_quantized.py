@@ -31,6 +31,7 @@ from kserve_paged_kernels.int4_layouts import dequant_checkpoint
 from tests.helpers import tiny_gguf
 from tests.helpers import tp_quant_checkpoints as ckpts
 from tests.helpers.int4_packing import checkpoint_parts
+from tests.helpers.step_logits import record_step_logits
 from tests.helpers.tiny_models import copy_default_tokenizer
 
 PROMPTS = [[5, 17, 40, 9, 88, 61, 23], [71, 3, 90, 14]]  # ids < the GGUF's 96
@@ -94,15 +95,7 @@ def _run(model: Path, quantization: str | None, tp: int
     engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", tensor_parallel_size=tp,
                                     quantization=quantization, num_kv_blocks=32, block_size=4,
                                     max_model_len=64))
-    steps: list[torch.Tensor] = []
-    execute = engine.executor.execute
-
-    def recording(out):
-        result = execute(out)
-        steps.append(result.logits.clone())
-        return result
-
-    engine.executor.execute = recording
+    steps = record_step_logits(engine)
     try:
         layouts = sorted({type(m.quant).__name__ for m in engine.model.modules()
                           if getattr(m, "quant", None) is not None})

@@ -51,17 +51,6 @@ WEATHER_TOOL = {"type": "function", "function": {
                    "required": ["city"]}}}
 
 
-def gpt_oss_registered() -> bool:
-    """Whether our engine serves GptOssForCausalLM (the Harmony tests skip, saying so, when
-    it does not)."""
-    from kserve_paged_engine.model_executor.models.architectures import SUPPORTED_ARCHITECTURES
-
-    return "GptOssForCausalLM" in SUPPORTED_ARCHITECTURES
-
-
-NOT_REGISTERED = "GptOssForCausalLM is not registered in the engine (architectures.py)"
-
-
 def chain(ending: str) -> dict[str, str]:
     """Each token's greedy successor; anything not listed goes to `<|return|>` (the end)."""
     path = _THINK + ENDINGS[ending]
