@@ -8,6 +8,10 @@
 #
 #   bash bench/peers/setup_llamacpp.sh [FLOAT32_HF_FOLDER]
 #
+# LLAMACPP_ISA=avx2 builds it for AVX2 + FMA (no AVX-512) instead of this CPU's best: the peer
+# measured beside our engine under KSERVE_PAGED_ISA=avx2 (issue 47's capped runs); give it its
+# own LLAMACPP_DIR.
+#
 # DIR defaults to ${KSERVE_PAGED_PEERS:-$HOME/.cache/kserve-paged/peers}/llamacpp; the folder
 # defaults to our converted default model. Run: LD_LIBRARY_PATH=$DIR $DIR/llama-server -m FILE.
 set -euo pipefail
@@ -18,6 +22,12 @@ DIR="${LLAMACPP_DIR:-$PEERS/llamacpp}"
 HF="${1:-${KSERVE_PAGED_CACHE:-$HOME/.cache/kserve-paged}/models/SmolLM2-135M-Instruct}"
 PY="${PYTHON:-python3}"
 JOBS="${JOBS:-$(nproc)}"
+case "${LLAMACPP_ISA:-native}" in
+  native) ISA_FLAGS=(-DGGML_NATIVE=ON) ;;
+  avx2) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                   -DGGML_BMI2=ON -DGGML_AVX512=OFF) ;;
+  *) echo "LLAMACPP_ISA: native or avx2, not ${LLAMACPP_ISA}" >&2; exit 2 ;;
+esac
 mkdir -p "$DIR"
 cd "$DIR"
 SRC="$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
@@ -26,9 +36,9 @@ if [ ! -x llama-server ]; then
   [ -f "llama_cpp_python-$VERSION.tar.gz" ] \
     || "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d .
   [ -d "$SRC" ] || tar xzf "llama_cpp_python-$VERSION.tar.gz"
-  # Native build for this CPU (it is a peer measured here, not something we ship); no curl,
-  # tests or examples; the server only.
-  cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  # Native build for this CPU (it is a peer measured here, not something we ship), or the AVX2
+  # level (LLAMACPP_ISA); no curl, tests or examples; the server only.
+  cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON > cmake.log
   cmake --build "$SRC/build" --target llama-server -j"$JOBS" > build.log
   cp -a "$SRC"/build/bin/llama-server "$SRC"/build/bin/*.so* "$DIR"/
