@@ -37,7 +37,8 @@ ONEDNN = EnvVar("KSERVE_PAGED_ONEDNN", "1",
 TCMALLOC = EnvVar("KSERVE_PAGED_TCMALLOC", "1",
                   "0 keeps glibc malloc: entry points do not re-execute with tcmalloc.")
 KV_PREFAULT_MIB = EnvVar("KSERVE_PAGED_KV_PREFAULT_MIB", "1536",
-                         "MiB of KV cache whose pages are touched at start-up.")
+                         "MiB of KV cache made resident at start-up (in the background where "
+                         "the kernel can: engine/kserve_paged_engine/worker/kv_prefault.py).")
 ATTENTION_BACKEND = EnvVar("KSERVE_PAGED_ATTENTION_BACKEND", "",
                            "cpu | triton | flash_attn (torch: old name of cpu); empty: chosen by the device.")
 TORCH_DECODE_BUDGET = EnvVar("KSERVE_PAGED_TORCH_DECODE_BUDGET", "2048",

@@ -4,8 +4,8 @@ A free block may still hold a cached prefix: it stays findable by its hash until
 it from the head of the free queue, which evicts it. Freed blocks that hold a cached prefix join
 the tail, so the one freed longest ago is evicted first. Freed blocks that hold nothing findable
 join the head: they are taken before any cached prefix is evicted, and since they were written
-recently their memory is warm (a never-touched page costs a fault on first write; on CPU that is
-~1 s per GiB, see kserve_paged_engine.worker.cpu_memory.prefault_leading_blocks).
+recently their memory is warm (a never-touched page costs a fault on first write; on a CPU VM
+that can be seconds per GiB, see kserve_paged_engine.worker.kv_prefault).
 """
 
 from __future__ import annotations

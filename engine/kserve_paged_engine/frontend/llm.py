@@ -18,6 +18,11 @@ Prompt = str | list[int] | dict[str, Any]
 class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **options))
+        # Offline runs measure throughput: the KV cache's leading pages are resident before
+        # the first request (the server answers ready without waiting: worker/kv_prefault.py).
+        prefault = getattr(self.engine.runner, "prefault", None)
+        if prefault is not None:
+            prefault.wait()
 
     @property
     def model_path(self) -> str:

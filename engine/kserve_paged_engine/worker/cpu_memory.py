@@ -115,10 +115,9 @@ def prefault_bytes() -> int:
 def prefault_leading_blocks(caches: list[torch.Tensor], num_blocks: int) -> None:
     """Touch every page of blocks [0, num_blocks) of each `[2, blocks, ...]` KV cache.
 
-    Why: a lazily zeroed mapping pays for each page on first write, and on a VM that is slow
-    (a hypervisor fault behind every new page). Blocks are handed out from id 0 up, so the
-    first requests land on exactly these pages; touching them here moves that cost from the
-    first minute of serving (in the store of new KV rows) to start-up, while blocks beyond stay lazy, so a big cache still costs no start-up time.
+    Why: see worker/kv_prefault.py, which populates the same pages in the background where
+    the kernel can do so without writing; this is its fallback, in the foreground (it writes
+    a zero to each page, so nothing may be stored there yet). Blocks beyond stay lazy.
     """
     import torch
 

@@ -26,9 +26,9 @@ from kserve_paged_engine.model_executor.host_io import upload
 from kserve_paged_engine.worker.cpu_memory import (
     hugepage_zeros,
     prefault_bytes,
-    prefault_leading_blocks,
 )
 from kserve_paged_engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, why_eager
+from kserve_paged_engine.worker.kv_prefault import KVPrefault
 from kserve_paged_engine.worker.kv_tier_copy import apply_tier_moves
 from kserve_paged_kernels.kv_quant import QuantKV, storage_dtype
 
@@ -128,14 +128,15 @@ class _StepBuffers:
 
 
 def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slots: int,
-              codes: torch.dtype | None) -> list[Any]:
+              codes: torch.dtype | None) -> tuple[list[Any], KVPrefault | None]:
     """One zeroed cache per slot: tensors of `dtype`, or with `codes` (a quantized
-    --kv-cache-dtype) `QuantKV`s of codes and scales. On CPU in huge pages (decode reads
-    blocks at random offsets), the leading blocks prefaulted."""
+    --kv-cache-dtype) `QuantKV`s of codes and scales; and, on CPU, the prefault making the
+    leading blocks resident (worker/kv_prefault.py). On CPU in huge pages (decode reads
+    blocks at random offsets)."""
     if device.type != "cpu":
         if codes is not None:
-            return [QuantKV.zeros(shape, codes, device) for _ in range(slots)]
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(slots)]
+            return [QuantKV.zeros(shape, codes, device) for _ in range(slots)], None
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(slots)], None
     if codes is not None:
         caches = [QuantKV.zeros(shape, codes, alloc=hugepage_zeros) for _ in range(slots)]
         tensors = [c.data for c in caches]
@@ -143,8 +144,7 @@ def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, 
         caches = tensors = [hugepage_zeros(shape, dtype) for _ in range(slots)]
     elem = tensors[0].dtype.itemsize
     per_block = kv_bytes_per_block(slots, shape[3], shape[4], shape[2], elem)
-    prefault_leading_blocks(tensors, min(shape[1], prefault_bytes() // per_block))
-    return caches
+    return caches, KVPrefault(tensors, min(shape[1], prefault_bytes() // per_block))
 
 
 class ModelRunner:
@@ -178,8 +178,9 @@ class ModelRunner:
         # its group's tables. Zeros, not empty: a partly filled last block is read (and
         # masked); NaN garbage there would still poison the softmax.
         self.kv_cache_dtype = kv_cache_dtype
-        self.slot_caches = _allocate(shape, dtype, device, self.layout.group_size,
-                                     storage_dtype(kv_cache_dtype))
+        self.slot_caches, self.prefault = _allocate(shape, dtype, device,
+                                                    self.layout.group_size,
+                                                    storage_dtype(kv_cache_dtype))
         self.kv_caches = [self.slot_caches[s] for s in self.layout.layer_slot]
         # The one choice of attention backend for every step (the native decoder stack is the
         # CPU backend's whole-step form; the model takes it when this says "cpu").
