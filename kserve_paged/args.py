@@ -42,6 +42,7 @@ from kserve_paged.request_caps import add_request_cap_flags
 from kserve_paged.vllm_flags import add_vllm_spellings
 from kserve_paged_engine.config.engine import (
     CONVERTS,
+    DEVICES,
     HASH_ALGOS,
     RUNNERS,
     SCHEDULING_POLICIES,
@@ -64,6 +65,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Flags that map one to one onto EngineConfig fields of the same name.
 ENGINE_FLAGS = (
     "dtype",
+    "device",
     "block_size",
     "max_model_len",
     "max_num_seqs",
@@ -138,6 +140,10 @@ def _add_size_flags(engine: argparse._ArgumentGroup) -> None:
                         "checkpoint's dtype (float32 checkpoints in bfloat16). The default "
                         "model: auto serves its GGUF 4-bit (float32 activations on our int4 "
                         "kernel), a named dtype its dense float32 conversion.")
+    engine.add_argument("--device", default=d["device"], choices=DEVICES,
+                        help="Where the engine runs, vLLM's flag: auto is cuda when a GPU is "
+                        "visible, else cpu. A worker node of a multi-node group runs its ranks "
+                        "on it too (docs/tensor_parallel.md).")
     engine.add_argument("--quantization", default=d["quantization"], choices=QUANTIZATION_METHODS,
                         help="Weight quantization, vLLM's flag: gguf keeps a .gguf model's 4-bit "
                         "projections packed (int4, exact) and Q8_0 as int8 per channel; int4 "

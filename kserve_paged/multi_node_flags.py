@@ -107,4 +107,5 @@ def run_if_worker_node(args: argparse.Namespace) -> int | None:
     from kserve_paged_engine.worker.worker_node import run_worker_node
 
     layout.ranks_per_node(args.tensor_parallel_size)  # parse_args checked it; a clear error
-    return run_worker_node(layout, args.tensor_parallel_size, resolve_device("auto").type)
+    device = resolve_device(args.device)  # the leader's rule for --device
+    return run_worker_node(layout, args.tensor_parallel_size, device.type)

@@ -13,11 +13,15 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from kserve_paged.args import engine_kwargs, parse_args
+from kserve_paged.multi_node_flags import run_if_worker_node
 from kserve_paged.vllm_cli import serve_argv
 from kserve_paged_engine.config.engine import EngineConfig
 from kserve_paged_engine.config.multi_node import (
@@ -28,6 +32,7 @@ from kserve_paged_engine.config.multi_node import (
 from kserve_paged_engine.distributed import node_heartbeat
 from kserve_paged_engine.frontend.llm_engine import LLMEngine
 from kserve_paged_engine.sampling_params import SamplingParams
+from kserve_paged_engine.worker import worker_node
 from kserve_paged_engine.worker.tp_executor import TPWorkerError
 from tests.helpers.tiny_models import common_config, save_random, save_tokenizer
 
@@ -133,22 +138,98 @@ def test_two_nodes_on_loopback_match_tp1_and_a_dead_node_fails_the_leader(tmp_pa
         log.close()
 
 
-def test_the_leader_names_the_node_whose_heartbeat_stops(monkeypatch):
-    """The watcher alone (the slow test above kills a real worker pod's process): node 1
-    beats, node 2 never does, and the reason names node 2 and its ranks."""
+def _watch(nodes: dict[int, str]) -> tuple[Any, threading.Thread, threading.Event, list[str]]:
+    """A leader's store and its node watcher over `nodes` (node -> its ranks, in words)."""
     import torch.distributed as dist
 
-    monkeypatch.setattr(node_heartbeat, "BEAT_S", 0.05)
-    monkeypatch.setattr(node_heartbeat, "SILENCE_S", 0.3)
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     stopped, reasons = threading.Event(), []
     watch = threading.Thread(target=node_heartbeat.watch_nodes, daemon=True,
-                             args=(store.port, {1: "2..3", 2: "4..5"}, stopped, reasons.append))
+                             args=(store.port, nodes, stopped, reasons.append))
+    return store, watch, stopped, reasons
+
+
+def test_the_leader_names_the_node_whose_heartbeat_stops(monkeypatch):
+    """The watcher alone (the slow test above kills a real worker pod's process): node 1
+    beats, node 2 never does, and the reason names node 2 and its ranks once SILENCE_S has
+    passed. The watcher reads a fake clock that moves tick_s per read, and node 1 beats at each
+    read, so no stall of this machine can make node 1 look silent or node 2 beat."""
+    tick_s, silence_s = 0.25, 1.0
+    monkeypatch.setattr(node_heartbeat, "BEAT_S", 0.01)  # the watcher's real wait per round
+    monkeypatch.setattr(node_heartbeat, "SILENCE_S", silence_s)
+    store, watch, stopped, reasons = _watch({1: "2..3", 2: "4..5"})
+    token, reads = node_heartbeat.node_token(), []
+
+    def clock() -> float:
+        """The watcher reads the time once before each round's beats: node 1 beats first."""
+        node_heartbeat.write_beat(store, 1, token, len(reads))
+        reads.append(len(reads) * tick_s)
+        return reads[-1]
+    monkeypatch.setattr(node_heartbeat, "time", SimpleNamespace(monotonic=clock))
     watch.start()
-    for _ in range(600):  # at most ~30 s: a watcher that never reports fails, not hangs
+    watch.join(30)  # a watcher that never reports fails here, not hangs
+    stopped.set()
+    assert not watch.is_alive() and len(reasons) == 1, reasons
+    assert reasons[0].startswith("worker node 2 (tensor-parallel ranks 4..5) sent no heartbeat")
+    assert silence_s < reads[-1] <= silence_s + tick_s  # not before its silence, nor long after
+
+
+def test_a_worker_node_that_restarts_within_the_silence_fails_the_leader(monkeypatch):
+    """A pod that crashed and came back within SILENCE_S beats on, but its new process's
+    ranks are not in the leader's group: a new token from a node already heard is its death."""
+    monkeypatch.setattr(node_heartbeat, "BEAT_S", 0.05)
+    monkeypatch.setattr(node_heartbeat, "SILENCE_S", 600.0)  # silence cannot be the reason
+    store, watch, stopped, reasons = _watch({1: "2..3"})
+    old, new = node_heartbeat.node_token(), node_heartbeat.node_token()
+    assert old != new  # two processes of one pod, even with the same pid
+    node_heartbeat.write_beat(store, 1, old, 0)  # start_beating: before the ranks joined
+    watch.start()
+    for count in range(1, 120):  # at most ~6 s: a watcher that never reports fails, not hangs
         if not watch.is_alive():
             break
-        store.add(node_heartbeat.beat_key(1), 1)
+        # The pod restarts after 10 beats; its new process beats from 0 again, every BEAT_S.
+        node_heartbeat.write_beat(store, 1, *((old, count) if count < 10 else (new, count - 10)))
         watch.join(0.05)
     stopped.set()
-    assert len(reasons) == 1 and reasons[0].startswith("worker node 2 (tensor-parallel ranks 4..5)")
+    assert len(reasons) == 1, reasons
+    assert reasons[0].startswith("worker node 1 (tensor-parallel ranks 2..3) restarted")
+
+
+def _node_1_of_2(monkeypatch) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """Node 1 of 2 with its beat and its rank stubbed: what they would have been started
+    with (a rank: rank, world, port, device type, threads, host, local rank)."""
+    for name in LWS:
+        monkeypatch.delenv(name, raising=False)
+    beats: list[tuple[Any, ...]] = []
+    ranks: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(worker_node, "start_beating", lambda *where: beats.append(where))
+    monkeypatch.setattr(worker_node, "worker_main", lambda *rank: ranks.append(rank))
+    return beats, ranks
+
+
+def _serve_node_1_of_2(*flags: str) -> int | None:
+    """`vllm serve` of node 1 of 2 at TP 2 (its one rank runs in this process)."""
+    argv = serve_argv(["/tmp/m", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank",
+                       "1", "--master-addr", "10.1.2.3", "--master-port", "29600", *flags])
+    return run_if_worker_node(parse_args(argv))
+
+
+def test_a_worker_node_runs_its_ranks_on_the_device_the_leader_is_given(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU pod: auto is cuda
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    beats, ranks = _node_1_of_2(monkeypatch)
+    assert _serve_node_1_of_2("--device", "cpu") == 0
+    assert beats == [("10.1.2.3", 29600, 1)]
+    assert len(ranks) == 1 and ranks[0][:4] == (1, 2, 29600, "cpu")
+    assert ranks[0][5:] == ("10.1.2.3", 0)
+    assert _serve_node_1_of_2() == 0 and ranks[1][3] == "cuda"  # auto: as the leader's
+
+
+def test_a_worker_node_given_cuda_without_a_gpu_says_so_before_starting(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU pod
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    beats, ranks = _node_1_of_2(monkeypatch)
+    with pytest.raises(ValueError, match="device cuda: .* needs 1 GPUs in this pod; 0 visible"):
+        _serve_node_1_of_2("--device", "cuda")
+    assert beats == [] and ranks == []
+    assert _serve_node_1_of_2() == 0 and [r[3] for r in ranks] == ["cpu"]

@@ -25,6 +25,10 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # without its checkpoint, as vLLM's --load-format dummy); the folder needs only config.json
 # and a tokenizer.
 LOAD_FORMATS = ("auto", "dummy")
+# Where the engine runs (vLLM's --device values it supports): a device type, or auto
+# (core/kv_sizing.resolve_device: cuda when a GPU is visible, else cpu).
+DEVICE_TYPES = ("cpu", "cuda")
+DEVICES = ("auto", *DEVICE_TYPES)
 
 
 @dataclass(slots=True)
