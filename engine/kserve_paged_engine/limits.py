@@ -28,6 +28,25 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range for one bias value, inclusi
 PROMPT_CHARS_PER_TOKEN = 64
 # The largest inference request body (any protocol) read before it is refused with 413.
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20
+# A large body is parsed in the body decoder's child process (kserve_paged/body_decode.py),
+# which is killed, and the request refused with 413, when it has not answered within
+# body_decode_seconds(). Generous on purpose: the child parses even the slowest JSON shapes
+# (long arrays of floats) many times faster than BODY_DECODE_BYTES_PER_S on one idle core, so
+# a legitimate body under any --max_request_bytes meets its bound. The bound counts the child's
+# CPU time, so a busy server that leaves the child (at nice 19) little CPU delays a parse but
+# does not refuse it. What meets it is a parse gone pathological, or a child that hangs without
+# using CPU, killed on the clock at BODY_DECODE_WALL_FACTOR times the bound; either would
+# otherwise hold that request and every large body queued behind it.
+BODY_DECODE_BASE_S = 30.0  # also the bound on the child's start
+BODY_DECODE_BYTES_PER_S = 1 << 20
+BODY_DECODE_WALL_FACTOR = 10.0
+
+
+def body_decode_seconds(num_bytes: int) -> float:
+    """How long the body decoder's child may take over a body of ``num_bytes`` (grows with
+    the body, so raising --max_request_bytes needs no second setting)."""
+    return BODY_DECODE_BASE_S + num_bytes / BODY_DECODE_BYTES_PER_S
+
 
 # -- per-request cost (issue 49): the client lists the engine works through ----------------------
 # Each is a server flag (kserve_paged/request_caps.py), refused with a 400 naming it before the

@@ -224,7 +224,8 @@ DECODE_OFF_PROCESS_BYTES = 256 << 10
 
 
 async def read_json(request: Request) -> dict[str, Any]:
-    """The request's body as a JSON object; malformed JSON is a 400."""
+    """The request's body as a JSON object; malformed JSON (or a body that ends the decoder's
+    child) is a 400, a body not parsed within its bound a 413 (body_decode.py)."""
     try:
         raw = await request.body()
         data = (await asyncio.get_running_loop().run_in_executor(
@@ -234,6 +235,10 @@ async def read_json(request: Request) -> dict[str, Any]:
         raise APIError(400, "the request body is nested too deeply") from None
     except body_decode.BodySurrogate:
         raise APIError(400, "the request body holds invalid Unicode (a lone surrogate)") from None
+    except body_decode.BodyTooCostly as exc:  # the parse outlasted its bound
+        raise APIError(413, str(exc)) from None
+    except body_decode.BodyCrashedDecoder as exc:
+        raise APIError(400, str(exc)) from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
