@@ -26,15 +26,37 @@ from kserve_paged.option_error import OptionError
 from kserve_paged_engine import limits as L
 
 
+def _cap(default: int | None, flag_help: str) -> Any:
+    """A cap: a RequestCaps field and its flag (--<field name>, a positive int), one entry."""
+    return dataclasses.field(default=default, metadata={"help": flag_help, "type": positive_int})
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestCaps:
-    """The caps in force; each field is the flag of the same name."""
+    """The caps in force; each field is the flag of the same name, defined by its entry here
+    (default and help), so a new cap is one field."""
 
-    max_allowed_token_ids: int | None = None  # None: the model's vocabulary size
-    max_bad_words: int = L.DEFAULT_MAX_BAD_WORDS
-    max_stop: int = L.DEFAULT_MAX_STOP
-    max_prompts: int = L.DEFAULT_MAX_PROMPTS
-    max_prompt_token_ids: int | None = None  # None: the model's context window
+    max_allowed_token_ids: int | None = _cap(  # None: the model's vocabulary size
+        None,
+        "Most entries of a request's allowed_token_ids; a longer list is a 400 before it is "
+        "read. Default: the model's vocabulary size (a longer list repeats ids).")
+    max_bad_words: int = _cap(
+        L.DEFAULT_MAX_BAD_WORDS,
+        "Most bad_words of one request (each is tokenized when the request is admitted); "
+        f"also at most {L.MAX_BAD_WORDS_CHARS} characters in all.")
+    max_stop: int = _cap(
+        L.DEFAULT_MAX_STOP,
+        "Most stop strings of one request, and most stop_token_ids (each is checked after "
+        "every token).")
+    max_prompts: int = _cap(
+        L.DEFAULT_MAX_PROMPTS,
+        "Most prompts in one request (a completions prompt list, v2 inputs); more is a 400 "
+        "before any is tokenized.")
+    max_prompt_token_ids: int | None = _cap(  # None: the model's context window
+        None,
+        "Longest prompt sent as token ids; a longer one is a 400 before its ids are read. "
+        "Default: max_model_len (a longer prompt cannot fit; raise it for clients that send "
+        "longer ones with truncate_prompt_tokens).")
 
 
 # Each capped list option -> the cap (a RequestCaps field, the flag's name) that bounds it.
@@ -113,26 +135,7 @@ def check_prompt_token_ids(count: int, max_model_len: int,
 
 
 def add_request_cap_flags(group: argparse._ArgumentGroup) -> None:
-    """The caps' flags, in the server's group of request limits."""
-    d = RequestCaps()
-    group.add_argument(
-        "--max_allowed_token_ids", type=positive_int, default=d.max_allowed_token_ids,
-        help="Most entries of a request's allowed_token_ids; a longer list is a 400 before it "
-             "is read. Default: the model's vocabulary size (a longer list repeats ids).")
-    group.add_argument(
-        "--max_bad_words", type=positive_int, default=d.max_bad_words,
-        help="Most bad_words of one request (each is tokenized when the request is admitted); "
-             f"also at most {L.MAX_BAD_WORDS_CHARS} characters in all.")
-    group.add_argument(
-        "--max_stop", type=positive_int, default=d.max_stop,
-        help="Most stop strings of one request, and most stop_token_ids (each is checked "
-             "after every token).")
-    group.add_argument(
-        "--max_prompts", type=positive_int, default=d.max_prompts,
-        help="Most prompts in one request (a completions prompt list, v2 inputs); more is a "
-             "400 before any is tokenized.")
-    group.add_argument(
-        "--max_prompt_token_ids", type=positive_int, default=d.max_prompt_token_ids,
-        help="Longest prompt sent as token ids; a longer one is a 400 before its ids are "
-             "read. Default: max_model_len (a longer prompt cannot fit; raise it for clients "
-             "that send longer ones with truncate_prompt_tokens).")
+    """The caps' flags, in the server's group of request limits: one per RequestCaps field."""
+    for cap in dataclasses.fields(RequestCaps):
+        group.add_argument(f"--{cap.name}", type=cap.metadata["type"], default=cap.default,
+                           help=cap.metadata["help"])

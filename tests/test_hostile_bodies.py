@@ -278,6 +278,7 @@ TOOLS_OVER_CAP = [{"type": "function", "function": {"name": f"f{i}"}}
 
 @pytest.mark.parametrize("extra, param", [
     ({"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ({"chat_template": "{{ 7 * 7 }}"}, "chat_template"),
     ({"tools": TOOLS_OVER_CAP}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": nested(

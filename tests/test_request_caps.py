@@ -5,6 +5,7 @@ one request share one SamplingParams' lists (kserve_paged/request_caps.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -72,6 +73,21 @@ def test_the_caps_are_flags_whose_defaults_are_the_limits():
     assert caps_from_args(args) == RequestCaps(7, 8, 9, 10, 11)
     with pytest.raises(SystemExit):
         server_args.parse_args(["--max_stop", "0"])
+
+
+@pytest.mark.parametrize("cap", dataclasses.fields(RequestCaps), ids=lambda f: f.name)
+def test_every_cap_in_the_table_is_a_flag(cap):
+    """Each RequestCaps entry is the flag of its name, in both spellings (--max_stop and
+    vLLM's --max-stop), and the parsed value is the cap in force (the defaults are pinned to
+    the limits above)."""
+    parser = server_args.build_parser()
+    [action] = [a for a in parser._actions if a.dest == cap.name]
+    assert f"--{cap.name}" in action.option_strings
+    for spelling in (f"--{cap.name}", f"--{cap.name.replace('_', '-')}"):
+        args = server_args.parse_args([spelling, "3"])
+        assert getattr(caps_from_args(args), cap.name) == 3
+    with pytest.raises(SystemExit):
+        server_args.parse_args([f"--{cap.name}", "0"])
 
 
 def test_allowed_token_ids_are_capped_at_the_vocabulary_by_default():

@@ -1,8 +1,9 @@
 """/v1/responses, /v1/messages and /v1/messages/count_tokens in process, in front of the fake
 engine (tests/helpers/server.py: it generates " one two three ..." one word a step): the
 shapes, the refusals (400s before any work is queued, each in its protocol's error shape),
-chat_template_kwargs, the new sampling options and --generation_config's defaults reaching
-the engine."""
+the new sampling options and --generation_config's defaults reaching the engine.
+(chat_template_kwargs over the server's defaults, on chat and /tokenize alike: in
+test_hostile_bodies.py.)"""
 
 from __future__ import annotations
 
@@ -134,28 +135,6 @@ def test_message_errors_in_anthropics_shape(path, body, status, kind):
     error = r.json()
     assert error["type"] == "error" and error["error"]["type"] == kind
     assert error["error"]["message"] and not eng.added
-
-
-def test_chat_template_kwargs_reach_the_template_over_the_server_defaults():
-    seen: list[dict[str, Any]] = []
-    engine = FakeEngine()
-    render = engine.tokenizer.apply_chat_template
-
-    def spy(messages, **kw):
-        seen.append(kw)
-        return render(messages, **kw)
-    engine.tokenizer.apply_chat_template = spy
-
-    def defaults(model):
-        model.default_chat_template_kwargs = {"enable_thinking": False, "x": 1}
-    r, _ = post("/v1/chat/completions", {"messages": ASK, "max_tokens": 1,
-                                         "chat_template_kwargs": {"enable_thinking": True}},
-                engine, defaults)
-    assert r.status_code == 200, r.text
-    assert seen[0]["enable_thinking"] is True and seen[0]["x"] == 1
-    r, _ = post("/v1/chat/completions", {"messages": ASK, "chat_template_kwargs":
-                                         {"tokenize": True}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def test_vllm_sampling_extras_reach_the_engine():

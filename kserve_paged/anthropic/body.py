@@ -50,8 +50,10 @@ class OtherBlock(_Loose):
     type: str | None = None
 
 
-TextBlocks = Annotated[list[by_type({"text": TextBlock}, OtherBlock, what="a block")],
-                       BeforeValidator(_text_blocks)]
+TextOrOther = by_type({"text": TextBlock}, OtherBlock, what="a block")
+# (json_schema_input_type: what /openapi.json says is sent, a string or blocks.)
+TextBlocks = Annotated[list[TextOrOther], BeforeValidator(
+    _text_blocks, json_schema_input_type=str | list[TextOrOther])]
 
 
 class ToolUseBlock(_Loose):
@@ -87,7 +89,8 @@ ContentBlock = by_type({"text": TextBlock, "tool_use": ToolUseBlock,
 
 class Message(_Loose):
     role: Literal["user", "assistant", "system"]
-    content: Annotated[list[ContentBlock], BeforeValidator(_text_blocks)]
+    content: Annotated[list[ContentBlock], BeforeValidator(
+        _text_blocks, json_schema_input_type=str | list[ContentBlock])]
 
 
 class CustomTool(_Loose):

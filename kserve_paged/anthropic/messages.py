@@ -27,7 +27,7 @@ from kserve_paged.anthropic.convert import (
 from kserve_paged.anthropic.stream import MessageEvents, sse_event
 from kserve_paged.openai.chat_turn import ChatTurn, render_prompt, split_turn, start_turn
 from kserve_paged.openai.errors import APIError
-from kserve_paged.openai.openapi import loose_operation_schema
+from kserve_paged.openai.openapi import sdk_operation_schema
 from kserve_paged.openai.render import finish_reason
 from kserve_paged.openai.schemas import ChatBody, read_json, validate
 from kserve_paged.openai.stream import ClosingStreamingResponse
@@ -133,9 +133,11 @@ def register_messages_routes(app: FastAPI, lookup: ModelLookup, prefix: str = "/
 
     router = APIRouter(prefix=prefix, tags=["Anthropic"])
     router.add_api_route("/messages", _in_anthropic_shape(messages), methods=["POST"],
-                         response_model=None, openapi_extra=loose_operation_schema(
-                             "A Messages API message, or with stream=true its events"))
+                         response_model=None, openapi_extra=sdk_operation_schema(
+                             MessagesBody, "A Messages API message, or with stream=true its "
+                             "events"))
     router.add_api_route("/messages/count_tokens", _in_anthropic_shape(count),
                          methods=["POST"], response_model=None,
-                         openapi_extra=loose_operation_schema('{"input_tokens": N}'))
+                         openapi_extra=sdk_operation_schema(CountTokensBody,
+                                                            '{"input_tokens": N}'))
     app.include_router(router)

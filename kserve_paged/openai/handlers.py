@@ -26,12 +26,13 @@ from kserve_paged.openai.chat import chat_completions
 from kserve_paged.openai.completions import check_raw_prompt_ids, completions
 from kserve_paged.openai.errors import APIError
 from kserve_paged.openai.openapi import (
-    loose_operation_schema,
     operation_schema,
     pooling_operation_schema,
+    sdk_operation_schema,
 )
 from kserve_paged.openai.pooling_schemas import ClassifyBody, EmbeddingBody, RerankBody, ScoreBody
 from kserve_paged.openai.responses import create_response, parse_responses
+from kserve_paged.openai.responses_body import ResponsesBody
 from kserve_paged.openai.schemas import (
     ChatBody,
     ChatCompletionOut,
@@ -201,7 +202,8 @@ def register_openai_routes(app: FastAPI, models: dict[str, ServedModel],
                                                             list(models)))
         router.add_api_route("/responses", _in_openai_shape(routes.responses),
                              methods=["POST"], response_model=None,
-                             openapi_extra=loose_operation_schema(
+                             openapi_extra=sdk_operation_schema(
+                                 ResponsesBody,
                                  "A Responses API response, or with stream=true its events"))
         pooled = [("/embeddings", routes.embeddings, EmbeddingBody, "OpenAI's embeddings"),
                   ("/rerank", routes.rerank, RerankBody, "Ranked documents")]

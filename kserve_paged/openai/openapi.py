@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic.json_schema import GenerateJsonSchema
 
 from kserve_paged.openai.errors import ERROR_SCHEMA
 from kserve_paged_engine import limits as L
@@ -108,6 +109,12 @@ _PUBLISHED_BY_BODY: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+# A 413: the body is over --max_request_bytes, or its parse ran past its time limit
+# (limits.body_decode_seconds).
+_TOO_LARGE = ("The request body is too large (--max_request_bytes), or took too long to parse "
+              "(a limit that grows with its size)")
+
+
 def _request_schema(body: type[BaseModel], model_names: list[str]) -> dict[str, Any]:
     schema = _inline_refs(body.model_json_schema())
     props = schema["properties"]
@@ -146,8 +153,7 @@ def operation_schema(body: type[BaseModel], result: type[BaseModel], model_names
             "404": {"description": "Unknown model", **error},
             "408": {"description": "The request's deadline passed (timeout, x-request-timeout, "
                            "--request_timeout_s)", **error},
-            "413": {"description": "The request body is too large (--max_request_bytes)",
-                    **error},
+            "413": {"description": _TOO_LARGE, **error},
             "429": {"description": "The waiting queue is full (--max_waiting_requests); "
                            "see Retry-After", **error},
             "500": {"description": "Generation failed", **error},
@@ -156,30 +162,47 @@ def operation_schema(body: type[BaseModel], result: type[BaseModel], model_names
     }
 
 
-
 def pooling_operation_schema(body: type[BaseModel], model_names: list[str], what: str
                              ) -> dict[str, Any]:
     """A pooling route (embeddings, rerank, score, classify, openai/pooling.py): its body's
     schema, a JSON object out (no streaming)."""
-    op = loose_operation_schema(what)
-    op["requestBody"]["content"]["application/json"]["schema"] = _request_schema(body,
-                                                                                 model_names)
+    op = _object_operation(_request_schema(body, model_names), what)
     del op["responses"]["200"]["content"]["text/event-stream"]
     return op
 
 
-def loose_operation_schema(what: str) -> dict[str, Any]:
-    """The Responses and Messages routes in /openapi.json: any JSON object in, the codes they
-    answer out (their bodies are the OpenAI and Anthropic SDKs' types, validated by the
-    handlers and documented in docs/kserve.md, not restated here)."""
+class _OverlappingUnions(GenerateJsonSchema):
+    """The SDK bodies' unions (openai.schemas.by_type) each have a catch-all member (Other*,
+    refused by the converter by name) that matches what the others match too, so JSON
+    Schema's ``oneOf``, which pydantic writes for them, would refuse every valid member: they
+    are published as the ``anyOf`` they are."""
+
+    def tagged_union_schema(self, schema: Any) -> dict[str, Any]:
+        out = super().tagged_union_schema(schema)
+        if "oneOf" in out:
+            out["anyOf"] = out.pop("oneOf")
+        return out
+
+
+def sdk_operation_schema(body: type[BaseModel], what: str) -> dict[str, Any]:
+    """The Responses and Messages routes in /openapi.json: the schema of the pydantic body their
+    handler validates (typed after the OpenAI and Anthropic SDKs: responses_body.py,
+    anthropic/body.py) in; the codes they answer out, `what` a JSON object or with stream=true
+    server-sent events, and errors in the protocol's shape."""
+    return _object_operation(_inline_refs(body.model_json_schema(
+        schema_generator=_OverlappingUnions)), what)
+
+
+def _object_operation(request: dict[str, Any], what: str) -> dict[str, Any]:
+    """`request` the body's JSON schema in; `what` (a JSON object or server-sent events) and
+    the codes these routes answer out, their errors any JSON object."""
     error = {"content": {"application/json": {"schema": {"type": "object"}}}}
     codes = {"400": "Invalid or unsupported request", "404": "Unknown model",
-             "408": "The request's deadline passed", "413": "The request body is too large",
+             "408": "The request's deadline passed", "413": _TOO_LARGE,
              "429": "The waiting queue is full; see Retry-After", "500": "Generation failed",
              "503": "Not ready: loading, failed or shutting down"}
     return {
-        "requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"type": "object"}}}},
+        "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
         "responses": {
             "200": {"description": what, "content": {
                 "application/json": {"schema": {"type": "object"}},

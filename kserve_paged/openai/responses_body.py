@@ -45,9 +45,10 @@ def _text_parts(value: Any) -> Any:
     return value
 
 
-Parts = Annotated[list[by_type(dict.fromkeys(TEXT_PARTS, TextPart), OtherPart,
-                               what="a content part")],
-                  BeforeValidator(_text_parts)]
+Part = by_type(dict.fromkeys(TEXT_PARTS, TextPart), OtherPart, what="a content part")
+# (json_schema_input_type: what /openapi.json says is sent, a string or parts.)
+Parts = Annotated[list[Part], BeforeValidator(_text_parts,
+                                              json_schema_input_type=str | list[Part])]
 
 
 class MessageItem(_Loose):
@@ -151,7 +152,8 @@ class ResponsesBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    input: Annotated[list[InputItem], BeforeValidator(_user_text)]
+    input: Annotated[list[InputItem], BeforeValidator(
+        _user_text, json_schema_input_type=str | list[InputItem])]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None

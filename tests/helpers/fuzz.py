@@ -22,20 +22,26 @@ EXCLUDED = {
 # (they answer at once, and there are many).
 GENERATING = re.compile(r"/(completions|responses|messages|infer|:predict|:explain)$")
 FUZZ_MAX_N = 4
+FUZZ_MAX_TOKENS = 16
+# The bounds the fuzz puts on the fields that set how long one call generates for.
+FUZZ_CAPS = {"n": FUZZ_MAX_N, "best_of": FUZZ_MAX_N, "max_tokens": FUZZ_MAX_TOKENS,
+             "max_completion_tokens": FUZZ_MAX_TOKENS, "max_output_tokens": FUZZ_MAX_TOKENS}
 
 
 def _cap_samples(raw: dict[str, Any]) -> None:
     """n up to 128 is valid, but 128 samples of up to 64 tokens take about a minute on two CPU
-    cores: fuzz with at most FUZZ_MAX_N samples (and beams) so every call fits the budget."""
+    cores, and max_tokens (Messages) or max_output_tokens (Responses) have no upper bound: fuzz
+    with at most FUZZ_MAX_N samples (and beams) of FUZZ_MAX_TOKENS tokens so every call fits
+    the budget."""
     for ops in raw["paths"].values():
         for op in ops.values():
             body = op.get("requestBody", {}).get("content", {}).get("application/json", {})
             props = body.get("schema", {}).get("properties", {})
-            for name in ("n", "best_of"):
+            for name, cap in FUZZ_CAPS.items():
                 field = props.get(name, {})
                 for branch in [field, *field.get("anyOf", [])]:
                     if branch.get("type") == "integer":
-                        branch["maximum"] = FUZZ_MAX_N
+                        branch["maximum"] = min(cap, branch.get("maximum", cap))
 
 
 def _known_model_names(raw: dict[str, Any], names: list[str]) -> None:
