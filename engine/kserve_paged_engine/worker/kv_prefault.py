@@ -7,8 +7,9 @@ written keeps that cost out of the first requests' steps. Done in the foreground
 of the server's time to ready, so it runs on a thread of its own with
 `madvise(MADV_POPULATE_WRITE)`: the kernel faults the pages in as a write would but never
 writes to them, so a block the engine has already filled keeps its contents and the thread
-needs no lock against the engine. The offline `LLM` waits for it before it returns (its users
-measure throughput, not readiness); the server answers ready at once.
+needs no lock against the engine. It runs at the lowest priority, so it takes the time the
+engine's steps leave. The offline `LLM` waits for it before it returns (its users measure
+throughput, not readiness); the server answers ready at once.
 
 Where the kernel lacks it (before Linux 5.14) or the platform is not Linux, the pages are
 touched in the foreground as before (`cpu_memory.prefault_leading_blocks`).
@@ -16,10 +17,12 @@ touched in the foreground as before (`cpu_memory.prefault_leading_blocks`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
 import mmap
+import os
 import sys
 import threading
 import time
@@ -98,6 +101,10 @@ class KVPrefault:
 
     def _run(self, madvise: Madvise, spans: list[tuple[int, int]]) -> None:
         t0 = time.monotonic()
+        # The lowest priority, this thread alone (Linux nice is per thread): the engine's steps
+        # come first, the pages fill in the time they leave.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             longest = max(size for _, size in spans)
             for offset in range(0, longest, ROUND_BYTES):
