@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
              "served from its package's folder).")
     engine = parser.add_argument_group("engine")
     _add_size_flags(engine)
+    _add_job_flags(engine)
     _add_cache_flags(engine)
     _add_lora_flags(parser.add_argument_group("LoRA adapters"))
     _add_server_flags(parser.add_argument_group("server"))
@@ -168,17 +169,6 @@ def _add_size_flags(engine: argparse._ArgumentGroup) -> None:
     kv.add_argument("--kv_cache_memory", type=parse_memory, default=d["kv_cache_memory"],
                     help="KV-cache size: bytes if > 1 (units allowed: 16GiB), else a fraction of "
                          "free device memory.")
-    engine.add_argument("--runner", default=d["runner"], choices=RUNNERS,
-                        help="vLLM's: generate (text), pooling (embeddings, scores), or auto "
-                             "(from the checkpoint: a sentence-transformers folder, an encoder "
-                             "or a *ForSequenceClassification pools).")
-    engine.add_argument("--convert", default=d["convert"], choices=CONVERTS,
-                        help="vLLM's: with --runner pooling, embed or classify (auto: classify "
-                             "for a checkpoint with a classification head).")
-    engine.add_argument("--task", default=None, choices=tuple(HF_TASKS),
-                        help="KServe huggingfaceserver's spelling of the job: text_embedding "
-                             "(= --runner pooling --convert embed), sequence_classification "
-                             "(= --convert classify), text_generation (= --runner generate).")
     engine.add_argument("--tensor_parallel_size", type=positive_int,
                         default=d["tensor_parallel_size"],
                         help="Shard the model over this many ranks: the server process and N-1 "
@@ -192,6 +182,22 @@ def _add_size_flags(engine: argparse._ArgumentGroup) -> None:
                              "to its experts' ranks (all-to-all), instead of cutting every "
                              "expert. Changes nothing at --tensor_parallel_size 1 or for a "
                              "dense model (docs/tensor_parallel.md).")
+
+
+def _add_job_flags(engine: argparse._ArgumentGroup) -> None:
+    """What the engine does with the model: generate, or pool (embed, classify)."""
+    d = _defaults()
+    engine.add_argument("--runner", default=d["runner"], choices=RUNNERS,
+                        help="vLLM's: generate (text), pooling (embeddings, scores), or auto "
+                             "(from the checkpoint: a sentence-transformers folder, an encoder "
+                             "or a *ForSequenceClassification pools).")
+    engine.add_argument("--convert", default=d["convert"], choices=CONVERTS,
+                        help="vLLM's: with --runner pooling, embed or classify (auto: classify "
+                             "for a checkpoint with a classification head).")
+    engine.add_argument("--task", default=None, choices=tuple(HF_TASKS),
+                        help="KServe huggingfaceserver's spelling of the job: text_embedding "
+                             "(= --runner pooling --convert embed), sequence_classification "
+                             "(= --convert classify), text_generation (= --runner generate).")
 
 
 def _add_cache_flags(engine: argparse._ArgumentGroup) -> None:
