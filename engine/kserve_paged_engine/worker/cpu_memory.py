@@ -17,7 +17,6 @@ step; 2 MiB pages cut the TLB misses of those reads.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -38,7 +37,6 @@ logger = logging.getLogger("kserve_paged_engine")
 _TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 _SEARCH_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
                 "/usr/lib", "/usr/local/lib")
-_HUGE = 2 << 20
 
 
 def find_tcmalloc() -> str | None:
@@ -97,14 +95,12 @@ def hugepage_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """
     import torch
 
+    from kserve_paged_kernels.cpu_native.huge_pages import HUGE_PAGE, mapping_tensor
+
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if sys.platform != "linux" or nbytes < 4 * _HUGE:
+    if sys.platform != "linux" or nbytes < 4 * HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # THP off or an old kernel: 4 KiB pages
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    # frombuffer keeps the mapping alive as long as the tensor (and its views) live.
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+    return mapping_tensor(nbytes).view(dtype).view(shape)
 
 
 def prefault_bytes() -> int:

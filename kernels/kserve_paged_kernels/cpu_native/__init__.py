@@ -20,6 +20,7 @@ The modules, one job each:
 - `quant_gemm`: int4/int8 (and fp8 e4m3) weights packed once, multiplied with float32 or bf16
   activations;
 - `kvq`: a quantized KV cache (`--kv-cache-dtype`): its store and attention over the codes.
+- `huge_pages`: the 2 MiB-page memory packed weights (and the KV cache) live on.
 Callers use the names re-exported here (`from kserve_paged_kernels import cpu_native`).
 
 "Cannot run here" is said one way. The library cannot run a call when it is not loaded (no

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from kserve_paged_kernels.cpu_native.huge_pages import on_huge_pages
 from kserve_paged_kernels.cpu_native.loader import gemm_panel, load, sync_threads
 from kserve_paged_kernels.cpu_native.ops import f32_rows
 
@@ -47,7 +48,7 @@ def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     panels = -(-n // panel)
     padded = torch.zeros((panels * panel, k), dtype=torch.float32)
     padded[:n] = weight.detach()
-    return padded.view(panels, panel, k).transpose(1, 2).contiguous()
+    return on_huge_pages(padded.view(panels, panel, k).transpose(1, 2))
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int,

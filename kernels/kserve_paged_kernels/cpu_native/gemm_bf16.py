@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kserve_paged_kernels.cpu_native.huge_pages import on_huge_pages
 from kserve_paged_kernels.cpu_native.loader import gemm_panel, load, loaded_level, sync_threads
 from kserve_paged_kernels.cpu_native.ops import rows_of
 
@@ -28,7 +29,7 @@ def pack_gemm_weight_bf16(weight: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros((panels * panel, k), dtype=torch.bfloat16)
     padded[:n] = weight.detach()
     pairs = padded.view(panels, panel, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return pairs.view(torch.int32).view(panels, k // 2, panel)
+    return on_huge_pages(pairs.view(torch.int32).view(panels, k // 2, panel))
 
 
 def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int,

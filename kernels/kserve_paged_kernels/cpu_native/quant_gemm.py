@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from kserve_paged_kernels.cpu_native.huge_pages import on_huge_pages
 from kserve_paged_kernels.cpu_native.loader import gemm_panel, load, loaded_level, sync_threads
 from kserve_paged_kernels.cpu_native.ops import rows_of
 
@@ -80,7 +81,7 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
     nib = pairs.permute(0, 2, 3, 1).reshape(-1, groups, group // 2 * panel)
     blocks = torch.cat([_block_rows(scale, panel, groups), _block_rows(minimum, panel, groups),
                         nib], dim=-1)
-    return blocks.contiguous().reshape(-1)
+    return on_huge_pages(blocks.reshape(-1))
 
 
 def pack_q8(codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
@@ -90,7 +91,7 @@ def pack_q8(codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tenso
     groups = k // group
     q = _panels(codes.to(torch.int8).view(torch.uint8).reshape(n, groups, group), panel)
     rows = q.permute(0, 2, 3, 1).reshape(-1, groups, group * panel)
-    return torch.cat([_block_rows(scale, panel, groups), rows], dim=-1).contiguous().reshape(-1)
+    return on_huge_pages(torch.cat([_block_rows(scale, panel, groups), rows], dim=-1).reshape(-1))
 
 
 def pack_e4m3(codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
