@@ -114,7 +114,8 @@ def test_a_tier_of_no_block_is_refused(tmp_path: Path):
         DiskTier(tmp_path, SIZE, SIZE - 1)
 
 
-def test_the_config_without_a_disk_tier_leaves_none():
+def test_the_config_without_a_disk_tier_leaves_none(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # device="cuda" below
     cfg = KVTierConfig.from_json({"kv_connector": "OffloadingConnector",
                                   "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}})
     with pytest.raises(ValueError, match="no second KV tier"):

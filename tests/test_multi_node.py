@@ -225,11 +225,18 @@ def test_a_worker_node_runs_its_ranks_on_the_device_the_leader_is_given(monkeypa
     assert _serve_node_1_of_2() == 0 and ranks[1][3] == "cuda"  # auto: as the leader's
 
 
-def test_a_worker_node_given_cuda_without_a_gpu_says_so_before_starting(monkeypatch):
+def test_a_worker_node_given_cuda_without_a_gpu_says_so_before_starting(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU pod
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     beats, ranks = _node_1_of_2(monkeypatch)
-    with pytest.raises(ValueError, match="device cuda: .* needs 1 GPUs in this pod; 0 visible"):
+    with pytest.raises(SystemExit) as exc:  # parse_args: EngineConfig refuses it, as the leader's
         _serve_node_1_of_2("--device", "cuda")
+    assert exc.value.code == 2
+    assert "--device cuda: no CUDA device is available here" in capsys.readouterr().err
     assert beats == [] and ranks == []
     assert _serve_node_1_of_2() == 0 and [r[3] for r in ranks] == ["cpu"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU pod, one GPU short
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="device cuda: .* needs 2 GPUs in this pod; 1 visible"):
+        _serve_node_1_of_2("--device", "cuda", "--tensor-parallel-size", "4")
+    assert beats == [("10.1.2.3", 29600, 1)] and len(ranks) == 1  # only the cpu run's

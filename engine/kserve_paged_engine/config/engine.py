@@ -103,6 +103,7 @@ class EngineConfig:
     convert: str = "auto"
 
     def __post_init__(self) -> None:
+        self._check_device()
         bs = self.block_size
         if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two from 1 to 256 (got {bs})")
@@ -171,6 +172,27 @@ class EngineConfig:
                 raise ValueError("kv_transfer_config at tensor_parallel_size > 1 needs an fs "
                                  "secondary tier: the host-memory tier is built at "
                                  "tensor_parallel_size 1 only")
+
+    def _check_device(self) -> None:
+        """`device` refused before anything loads when it names no device of this machine
+        (torch would fail later, deep in loading, in its own words). torch.cuda is asked at
+        call time, as resolve_device asks it: the tests' stand-in CUDA device patches it."""
+        name = self.device
+        kind, colon, index = name.partition(":") if isinstance(name, str) else ("", "", "")
+        if name != "auto" and (kind not in DEVICE_TYPES or colon and not index.isdigit()):
+            raise ValueError(f"--device {name!r} must be one of {', '.join(DEVICES)} "
+                             "(or cuda:N)")
+        if kind != "cuda":
+            return
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: no CUDA device is available here "
+                             "(torch.cuda.is_available() is False); use --device cpu, or "
+                             "auto (cpu where no GPU is visible)")
+        if index and int(index) >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: {torch.cuda.device_count()} CUDA device(s) "
+                             "visible here")
 
     def _on_gpu(self) -> bool:
         """Whether the engine will run on CUDA (`device` auto: whether CUDA is there)."""
