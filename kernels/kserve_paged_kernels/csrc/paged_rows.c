@@ -142,9 +142,11 @@ static inline float softmax_chunk_vec(float *p, int n, float *m, float *l) {
  * of the group are taken a few at a time (`gb`, a compile-time constant so q and the
  * accumulators stay in registers): each K row and each V row is loaded once for all of them.
  * Scores come KP_VW keys at a time, their horizontal sums taken together (vhsum_lanes). While
- * a chunk is processed, the next chunk's K and V rows are prefetched toward L2, a few lines
- * per key, so the memory system keeps fetching the scattered blocks while the core computes
- * (measurably faster than the loop before it, which stalled on every new block). */
+ * a chunk is processed, the next chunk's K and V rows are prefetched toward L2, spread evenly
+ * over every pass of the chunk, so the memory system keeps fetching the scattered blocks while
+ * the core computes. A burst of them in one pass (AVX2 takes one query head a pass, nine
+ * passes a chunk for SmolLM2) filled the core's miss queue and stalled that pass; the even
+ * spread measured faster (bench/probes/decode_attention_prefetch.py, BENCHMARKS.md). */
 #define PASS_MAX 4
 
 /* Keys per block of the wide score pass: as many as keep gb x KU sums, the gb q vectors and
@@ -201,10 +203,28 @@ static inline __attribute__((always_inline)) void scores_wide(
     }
 }
 
+/* The next chunk's lines a pass prefetches: `count` lines of the flat list (key u's K row,
+ * then its V row, `lines` cache lines each) from line `row * lines + line`, spread evenly over
+ * the pass's V loop (no divisions in the loop: an error term, as in line drawing). */
+typedef struct {
+    const float *const *k, *const *v;
+    int64_t row;
+    int line, lines, count;
+} pf_share;
+
+static inline __attribute__((always_inline)) void pf_next(pf_share *pf) {
+    const float *base = (pf->row & 1) ? pf->v[pf->row >> 1] : pf->k[pf->row >> 1];
+    __builtin_prefetch(base + 16 * pf->line, 0, 2);
+    if (++pf->line == pf->lines) {
+        pf->line = 0;
+        ++pf->row;
+    }
+}
+
 static inline __attribute__((always_inline)) void pass_vec(
     const float *q, const int gb, const int NV, const float *const *krow,
-    const float *const *vrow, const float *const *nkrow, const float *const *nvrow, int n,
-    int nnext, int64_t koff, float scale, float *p, float *m, float *l, float *accbuf) {
+    const float *const *vrow, pf_share *pf, int n, int64_t koff, float scale, float *p,
+    float *m, float *l, float *accbuf) {
     const int hd = KP_VW * NV;
     if (NV > MAX_NV) {
         scores_wide(q, gb, NV, krow, n, koff, scale, p);
@@ -238,17 +258,16 @@ static inline __attribute__((always_inline)) void pass_vec(
     for (int i = 0; i < gb; ++i) corr[i] = softmax_chunk_vec(p + i * CHUNK, n, &m[i], &l[i]);
     /* The weighted V rows, a slice of the head at a time where the register file is small. */
     const int DV = pa_v_slice(gb, NV < MAX_NV ? NV : MAX_NV);
+    int err = 0;
     for (int j0 = 0; j0 < NV; j0 += DV) {
         vf a[PASS_MAX][MAX_NV];
         for (int i = 0; i < gb; ++i)
             for (int j = 0; j < DV; ++j)
                 a[i][j] = vload(accbuf + i * hd + KP_VW * (j0 + j)) * corr[i];
         for (int u = 0; u < n; ++u) {
-            if (j0 == 0 && u < nnext) {
-                for (int b = 0; b < hd; b += 16) {
-                    __builtin_prefetch(nkrow[u] + koff + b, 0, 2);
-                    __builtin_prefetch(nvrow[u] + koff + b, 0, 2);
-                }
+            if (j0 == 0 && pf->count) {
+                err += pf->count;
+                for (; err >= n; err -= n) pf_next(pf);
             }
             const float *vt = vrow[u] + koff + KP_VW * j0;
             vf v[MAX_NV];
@@ -267,14 +286,13 @@ static inline __attribute__((always_inline)) void pass_vec(
  * pass_vec is specialised per count. */
 #define DEFINE_PASS(NAME, NV)                                                                   \
     static void NAME(const float *q, int gb, const float *const *krow,                         \
-                     const float *const *vrow, const float *const *nkrow,                       \
-                     const float *const *nvrow, int n, int nnext, int64_t koff, float scale,    \
-                     float *p, float *m, float *l, float *accbuf) {                             \
+                     const float *const *vrow, pf_share *pf, int n, int64_t koff,               \
+                     float scale, float *p, float *m, float *l, float *accbuf) {                \
         switch (gb) {                                                                           \
-        case 1: pass_vec(q, 1, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
-        case 2: pass_vec(q, 2, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
-        case 3: pass_vec(q, 3, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
-        default: pass_vec(q, 4, NV, krow, vrow, nkrow, nvrow, n, nnext, koff, scale, p, m, l, accbuf); break; \
+        case 1: pass_vec(q, 1, NV, krow, vrow, pf, n, koff, scale, p, m, l, accbuf); break; \
+        case 2: pass_vec(q, 2, NV, krow, vrow, pf, n, koff, scale, p, m, l, accbuf); break; \
+        case 3: pass_vec(q, 3, NV, krow, vrow, pf, n, koff, scale, p, m, l, accbuf); break; \
+        default: pass_vec(q, 4, NV, krow, vrow, pf, n, koff, scale, p, m, l, accbuf); break; \
         }                                                                                       \
     }
 DEFINE_PASS(pass_hd64, 64 / KP_VW)
@@ -321,23 +339,27 @@ void pa_item_vec(const float *q, const kv_layout *kv, const int32_t *table, int3
         const int32_t c1 = c0 + CHUNK;
         const int nnext = c1 < len ? ((len - c1) < CHUNK ? (len - c1) : CHUNK) : 0;
         if (nnext) chunk_rows(kv, table, c1, nnext, kvh, hd, nk, nv);
+        /* Every pass prefetches an equal share of the next chunk's K and V rows (all heads of
+         * the item, in memory order), spread over its V loop. */
+        const int passes = nkv * ((group + per_pass - 1) / per_pass);
+        pf_share pf = {nk, nv, 0, 0, (int)(((int64_t)nkv * hd + 15) / 16), 0};
+        const int64_t total = (int64_t)2 * nnext * pf.lines;
+        int pass = 0;
         for (int h = 0; h < nkv; ++h) {
             const int64_t koff = (int64_t)h * hd;
-            for (int g = 0; g < group; g += per_pass) {
+            for (int g = 0; g < group; g += per_pass, ++pass) {
                 const int gb = (group - g) < per_pass ? (group - g) : per_pass;
                 const int head = h * group + g;
-                /* The first pass over this KV head prefetches its slice of the next chunk's
-                 * rows (prefetching whole rows in one pass measured slower). */
-                const int pf = g == 0 ? nnext : 0;
+                pf.count = (int)(total * (pass + 1) / passes - total * pass / passes);
                 if (hd == 64)
-                    pass_hd64(q + (int64_t)head * hd, gb, krow, vrow, nk, nv, n, pf, koff, scale,
-                              p, m + head, l + head, accbuf + (int64_t)head * hd);
+                    pass_hd64(q + (int64_t)head * hd, gb, krow, vrow, &pf, n, koff, scale, p,
+                              m + head, l + head, accbuf + (int64_t)head * hd);
                 else if (hd == 128)
-                    pass_hd128(q + (int64_t)head * hd, gb, krow, vrow, nk, nv, n, pf, koff,
-                               scale, p, m + head, l + head, accbuf + (int64_t)head * hd);
+                    pass_hd128(q + (int64_t)head * hd, gb, krow, vrow, &pf, n, koff, scale, p,
+                               m + head, l + head, accbuf + (int64_t)head * hd);
                 else
-                    pass_hd256(q + (int64_t)head * hd, gb, krow, vrow, nk, nv, n, pf, koff,
-                               scale, p, m + head, l + head, accbuf + (int64_t)head * hd);
+                    pass_hd256(q + (int64_t)head * hd, gb, krow, vrow, &pf, n, koff, scale, p,
+                               m + head, l + head, accbuf + (int64_t)head * hd);
             }
         }
         cur = 1 - cur;
