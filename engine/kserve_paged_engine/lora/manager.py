@@ -64,6 +64,7 @@ class LoRAManager:
             mlp = layer.mlp
             if getattr(mlp, "_fused", None) is not None:
                 mlp._fused = mlp._fused_bias = None
+                mlp.gate_up_proj.fused_by_owner = False  # its plain pack is the one kept now
                 mlp.gate_up_proj.pack()
             for module in MODULES:
                 linear = layer.get_submodule(module)

@@ -36,6 +36,9 @@ class Linear(nn.Linear):
     _widened: bool = False  # bf16 weight packed as fp32 for the native GEMM (no oneDNN bf16)
     _bf16_native: bool = False  # bf16 weight packed in bf16 pairs for the native bf16 GEMM
     _bias32: torch.Tensor | None = None
+    # The owner replaces the native fp32 pack with one of its own (SwiGLUMLP.pack fuses gate and
+    # up): that pack is only a step, kept off the huge-page arena, which never reuses space.
+    fused_by_owner: bool = False
 
     def pack(self, rows_hint: int = 64) -> bool:
         """Pre-pack for inference (CPU, float32 or bfloat16); True if packed."""
@@ -48,7 +51,8 @@ class Linear(nn.Linear):
                 or not settings.onednn_enabled()):
             return False
         if w.dtype == torch.float32 and cpu_native.gemm_available():
-            self._packed, self._native = cpu_native.pack_gemm_weight(w), True
+            self._packed = cpu_native.pack_gemm_weight(w, huge_pages=not self.fused_by_owner)
+            self._native = True
             return True
         if (w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0
                 and cpu_native.native_bf16_linear()):
@@ -167,6 +171,7 @@ class SwiGLUMLP(nn.Module):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.gate_up_proj.fused_by_owner = True
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def pack(self) -> bool:

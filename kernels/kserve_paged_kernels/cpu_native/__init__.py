@@ -54,6 +54,7 @@ from kserve_paged_kernels.cpu_native.gemm_bf16 import (
     native_bf16_linear,
     pack_gemm_weight_bf16,
 )
+from kserve_paged_kernels.cpu_native.huge_pages import on_huge_pages
 from kserve_paged_kernels.cpu_native.kvq import kvq_usable, paged_rows_q8, store_kv_q8
 from kserve_paged_kernels.cpu_native.loader import gemm_panel, load
 from kserve_paged_kernels.cpu_native.lora import LoRASegments, lora_sgmv, lora_sgmv_segments
@@ -106,6 +107,7 @@ __all__ = [
     "load",
     "native_bf16_linear",
     "native_bf16_quant",
+    "on_huge_pages",
     "pack_gate_up_bias",
     "pack_gate_up_weight",
     "pack_gemm_weight",

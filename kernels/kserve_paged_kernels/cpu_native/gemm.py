@@ -38,9 +38,10 @@ def _panel_or_raise() -> int:
     return panel
 
 
-def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_gemm_weight(weight: torch.Tensor, huge_pages: bool = True) -> torch.Tensor:
     """`[N, K]` fp32 weight -> `[ceil(N / P), K, P]` column panels (P = `gemm_panel()`),
-    zero-padded past N."""
+    zero-padded past N. `huge_pages`: in the huge-page arena (huge_pages.py), which never
+    reuses space, so a pack that is only a step toward another (stacked, fused) says False."""
     if weight.dim() != 2 or weight.dtype != torch.float32:
         raise ValueError("pack_gemm_weight takes a 2-D float32 weight")
     panel = _panel_or_raise()
@@ -48,7 +49,8 @@ def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     panels = -(-n // panel)
     padded = torch.zeros((panels * panel, k), dtype=torch.float32)
     padded[:n] = weight.detach()
-    return on_huge_pages(padded.view(panels, panel, k).transpose(1, 2))
+    packed = padded.view(panels, panel, k).transpose(1, 2)
+    return on_huge_pages(packed) if huge_pages else packed.contiguous()
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int,
@@ -81,13 +83,14 @@ def _gate_up_pairs(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack(halves, dim=1).reshape(pairs * 2 * panel, *rest)
 
 
-def pack_gate_up_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_gate_up_weight(weight: torch.Tensor, huge_pages: bool = True) -> torch.Tensor:
     """A fused `[2 * inter, K]` gate/up weight -> panels for `gemm_silu`: gate and up outputs
-    one panel at a time, pair by pair (each half zero-padded to whole panels)."""
+    one panel at a time, pair by pair (each half zero-padded to whole panels).
+    `huge_pages` as for `pack_gemm_weight`."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[0] % 2:
         raise ValueError("pack_gate_up_weight takes a 2-D float32 [2 * inter, K] weight")
     inter = weight.shape[0] // 2
-    return pack_gemm_weight(_gate_up_pairs(weight[:inter], weight[inter:]))
+    return pack_gemm_weight(_gate_up_pairs(weight[:inter], weight[inter:]), huge_pages)
 
 
 def unpack_gemm_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:

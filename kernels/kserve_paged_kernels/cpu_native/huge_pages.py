@@ -10,7 +10,9 @@ rows, one request at a time) read faster (bench/probes/weight_pages.py, BENCHMAR
 - `on_huge_pages(t)`: a copy of `t` in the weight arena. A layer's packed projections are a few
   MiB each, less than a huge page apart, so each taking a mapping of its own would round every
   one up to whole huge pages; the arena puts them one after another in shared chunks. A chunk
-  is unmapped when the last tensor in it is gone (each tensor keeps its chunk alive).
+  is unmapped when the last tensor in it is gone (each tensor keeps its chunk alive), but the
+  space of one tensor that goes is not reused: a pack that is only a step toward another (a
+  projection the MLP fuses, an expert before its layer's stack) is made off the arena.
 Off Linux, or where the kernel refuses the advice, the same memory on ordinary pages.
 """
 
@@ -48,11 +50,13 @@ class _Arena:
         self.lock = threading.Lock()
         self.chunk: torch.Tensor | None = None
         self.used = 0
+        self.taken = 0  # bytes handed out since the process began
 
     def take(self, nbytes: int) -> torch.Tensor:
-        if nbytes > ARENA_CHUNK // 2:
-            return mapping_tensor(nbytes)
         with self.lock:
+            self.taken += nbytes
+            if nbytes > ARENA_CHUNK // 2:
+                return mapping_tensor(nbytes)
             start = -(-self.used // ALIGN) * ALIGN
             if self.chunk is None or start + nbytes > ARENA_CHUNK:
                 self.chunk, start = mapping_tensor(ARENA_CHUNK), 0
@@ -63,11 +67,17 @@ class _Arena:
 _ARENA = _Arena()
 
 
+def arena_taken() -> int:
+    """Bytes the weight arena has handed out in this process: a count that only grows, since
+    space in a chunk is never reused."""
+    return _ARENA.taken
+
+
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of CPU tensor `t` (same shape and dtype) in the weight arena."""
     nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu" or nbytes == 0:
-        return t
+    if t.device.type != "cpu" or nbytes == 0 or sys.platform != "linux":
+        return t.contiguous()
     out = _ARENA.take(nbytes).view(t.dtype).view(t.shape)
     out.copy_(t)
     return out

@@ -179,14 +179,15 @@ class SparseMoE(nn.Module):
         return F.linear(F.silu(gate) * up, down)
 
 
-def _stacked(pack: Callable[[torch.Tensor], torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
-    """`pack` of each expert's weight, stacked `[E, ...]` (one layer's panels at a time)."""
-    first = pack(weights[0].detach())
+def _stacked(pack: Callable[..., torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """`pack` of each expert's weight, stacked `[E, ...]` (one layer's panels at a time) on
+    huge pages; each expert's own pack only a step (off the arena, which never reuses space)."""
+    first = pack(weights[0].detach(), huge_pages=False)
     out = torch.empty((weights.shape[0], *first.shape), dtype=first.dtype)
     out[0] = first
     for e in range(1, weights.shape[0]):
-        out[e] = pack(weights[e].detach())
-    return out
+        out[e] = pack(weights[e].detach(), huge_pages=False)
+    return cpu_native.on_huge_pages(out)
 
 
 def _sparse_layers(config: Any) -> list[bool]:
