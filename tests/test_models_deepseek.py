@@ -240,7 +240,10 @@ def test_weight_only_quantization_keeps_both_attention_paths(method: str, tmp_pa
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     outs = {}
     for mode in ("absorbed", "expanded"):
-        llm = LLM(model=str(tmp_path), quantization=method, block_size=4, max_model_len=64)
+        # A cache for the one prompt: the default (a share of this machine's memory) is
+        # millions of 4-token blocks of this tiny latent, each built and prefaulted at start.
+        llm = LLM(model=str(tmp_path), quantization=method, block_size=4, max_model_len=64,
+                  num_kv_blocks=64)
         for layer in llm.engine.runner.model.model.layers:
             layer.self_attn.mode = mode
         outs[mode] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]

@@ -174,8 +174,10 @@ def _load_gguf(folder: Path, gguf_file: str, dtype: torch.dtype, device: torch.d
         return _build(config, dtype, device, read.weights, tp=tp, quantize=keep), config
     from transformers import AutoModelForCausalLM
 
+    # The config read above passed on: without it transformers parses the file's metadata
+    # (the whole tokenizer vocabulary among it) once more for the config alone.
     hf_model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=gguf_file, local_files_only=True, dtype=torch.float32)
+        folder, gguf_file=gguf_file, config=config, local_files_only=True, dtype=torch.float32)
     arch = config.architectures
     config = hf_model.config
     config.architectures = arch

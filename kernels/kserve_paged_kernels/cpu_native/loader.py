@@ -11,6 +11,7 @@ different CPUs holds one library per level, and a machine only loads a level it 
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import hashlib
 import logging
@@ -73,15 +74,39 @@ def build_key(compiler: str, level: isa.IsaLevel) -> str:
     return digest.hexdigest()[:16]
 
 
-def compile_library(compiler: str, level: isa.IsaLevel, out: Path) -> None:
+def _run_compiler(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+
+def compile_library(compiler: str, level: isa.IsaLevel, out: Path,
+                    extra_flags: tuple[str, ...] = ()) -> str:
     """Compile the library for `level` into `out` (any CPU may compile any level; only one
-    that has the level's instructions may load it). RuntimeError with the compiler's words."""
-    proc = subprocess.run([compiler, *flags_for(level), *map(str, SOURCES), "-o", str(out),
-                           "-lm"], capture_output=True, text=True, timeout=180)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{compiler} failed for {level.name}: {proc.stderr.strip()[-500:]}")
-    if proc.stderr.strip():
-        logger.warning("native CPU kernels built with warnings: %s", proc.stderr[-2000:])
+    that has the level's instructions may load it) and return the compiler's warnings ("" when
+    none). RuntimeError with the compiler's words.
+
+    Each source compiles to an object in a process of its own, as many at once as this process
+    may use CPUs, and the objects are then linked: one compiler call over all sources compiles
+    them one after the other, on one core, while a first build is what a cold start waits for.
+    """
+    flags = [*flags_for(level), *extra_flags]
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objects = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
+        cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                else os.cpu_count() or 1)
+        workers = min(len(SOURCES), cpus)
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            procs = list(pool.map(_run_compiler, [[compiler, *flags, "-c", str(src), "-o", obj]
+                                                  for src, obj in zip(SOURCES, objects)]))
+        if all(proc.returncode == 0 for proc in procs):
+            procs.append(_run_compiler([compiler, *flags, *objects, "-o", str(out), "-lm"]))
+    failed = [proc for proc in procs if proc.returncode != 0]
+    if failed:
+        raise RuntimeError(f"{compiler} failed for {level.name}: "
+                           f"{failed[0].stderr.strip()[-500:]}")
+    warnings = "".join(proc.stderr for proc in procs)
+    if warnings.strip():
+        logger.warning("native CPU kernels built with warnings: %s", warnings[-2000:])
+    return warnings
 
 
 def built_level(path: Path) -> str | None:
