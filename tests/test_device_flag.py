@@ -92,14 +92,9 @@ def test_the_standin_cuda_device_counts_as_cuda() -> None:
     """The check asks torch.cuda when it runs, so the tests' stand-in CUDA device (which
     patches torch.cuda) passes it: LLM(device="cuda") under it reaches the engine."""
     from tests.helpers.standin_cuda import StandinCuda
-    from tests.helpers.standin_cuda_api import GuardUnavailable, load_guard
+    from tests.helpers.standin_cuda_api import require_standin
 
-    if torch.cuda.is_available():
-        pytest.skip("a real GPU is here")
-    try:
-        load_guard()
-    except GuardUnavailable as exc:
-        pytest.skip(str(exc))
+    require_standin()
     with StandinCuda():
         assert EngineConfig(device="cuda").device == "cuda"
     with pytest.raises(ValueError, match="no CUDA device is available here"):

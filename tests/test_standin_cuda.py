@@ -31,7 +31,7 @@ from tests.helpers.standin_cuda import (
     StandinCuda,
     StandinTensor,
 )
-from tests.helpers.standin_cuda_api import GuardUnavailable, load_guard
+from tests.helpers.standin_cuda_api import require_standin
 from tests.helpers.standin_engine import SCENARIOS
 
 THIS = str(Path(__file__).resolve())
@@ -40,12 +40,7 @@ THIS = str(Path(__file__).resolve())
 @pytest.fixture
 def mode():
     """The mode, judging this file's reads as it judges the project's."""
-    if torch.cuda.is_available():
-        pytest.skip("a real GPU is here")
-    try:
-        load_guard()
-    except GuardUnavailable as exc:
-        pytest.skip(str(exc))
+    require_standin()
     with StandinCuda(scope=(THIS,)) as m:
         yield m
 

@@ -304,3 +304,16 @@ class CudaApi:
                 return result
             return run
         return getitem
+
+
+def require_standin() -> None:
+    """Skip the calling test where the stand-in device cannot stand in: a real GPU is here
+    (test on it instead), or the no-op guard cannot be built (the reason is the skip's)."""
+    import pytest
+
+    if torch.cuda.is_available():
+        pytest.skip("a real GPU is here")
+    try:
+        load_guard()
+    except GuardUnavailable as exc:
+        pytest.skip(str(exc))
